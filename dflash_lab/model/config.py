@@ -67,7 +67,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
         return [num_target_layers // 2]
     span = num_target_layers - 4
     # Round half up (not Python's banker's rounding) to match the reference rule.
-    return [math.floor(1 + i * span / (num_draft_inputs - 1) + 0.5) for i in range(num_draft_inputs)]
+    step = span / (num_draft_inputs - 1)
+    return [math.floor(1 + i * step + 0.5) for i in range(num_draft_inputs)]
 
 
 def _suggest(key: str, known: set[str] | frozenset[str]) -> str:

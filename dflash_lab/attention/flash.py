@@ -1,0 +1,61 @@
+"""flash-attn backend for the inference layout (one block right after each cached context).
+
+With keys = [context ; block] and the B queries being the last B keys, flash-attn's bottom-right
+aligned causal flag and (left, right) window express the DFlash predicate exactly
+(:func:`dflash_lab.attention.mask.flash_window_args`). The packed training layout (many blocks
+sharing one context) is not expressible as a flash window: use ``flex`` there.
+flash-attn is imported lazily (the ``gpu`` extra); sinks use its returned log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from torch import Tensor
+
+from dflash_lab.attention.base import apply_sink
+from dflash_lab.attention.mask import BlockLayout, flash_window_args, is_inference_layout
+from dflash_lab.model.config import LayerSpec
+
+#: The kernel, ``flash_attn.flash_attn_func``; loaded on first use (tests may replace it).
+_flash_attn_func: Any = None
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _kernel() -> Any:
+    global _flash_attn_func
+    if _flash_attn_func is None:
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError as err:
+            raise RuntimeError(
+                "attention backend 'flash' needs flash-attn, which is not installed: on a CUDA "
+                "machine run `pip install -e \".[gpu]\"`, or choose backend 'flex' or 'sdpa'"
+            ) from err
+        _flash_attn_func = flash_attn_func
+    return _flash_attn_func
+
+
+class FlashBackend:
+    name = "flash"
+
+    def prepare(self, layout: BlockLayout, spec: LayerSpec) -> tuple[tuple[int, int], bool]:
+        if not is_inference_layout(layout):
+            raise ValueError(
+                "attention backend 'flash' supports the inference layout only (one block per "
+                "sequence anchored right after its context); use 'flex' for packed training")
+        return flash_window_args(spec)
+
+    def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
+               prepared: tuple[tuple[int, int], bool], *, scale: float,
+               sink_h: Tensor | None = None) -> Tensor:
+        window, causal = prepared
+        # flash-attn takes [Bt, L, H, D]; GQA is native (fewer k/v heads).
+        out_bqhd, lse_bhq, _ = _kernel()(
+            q_bhqd.transpose(1, 2), k_bhkd.transpose(1, 2), v_bhkd.transpose(1, 2),
+            softmax_scale=scale, causal=causal, window_size=window, return_attn_probs=True)
+        return apply_sink(out_bqhd.transpose(1, 2), lse_bhq, sink_h)

@@ -1,0 +1,129 @@
+"""The ONE DFlash attention mask predicate (dflash.md section 3) and what each backend needs.
+
+Layout of one attention call (training and inference share it):
+
+- queries: ``N`` blocks of ``B`` slots; query ``q`` is slot ``t = q % B`` of block ``j = q // B``
+  whose anchor sits at absolute position ``a_j``; the query's position is ``a_j + t``.
+- keys: ``S`` context slots (key ``kv < S`` is the fused target feature of position ``kv``),
+  followed by the ``N * B`` block slots (block ``k``, slot ``u``, position ``a_k + u``).
+
+Key visibility for a layer with window ``W`` (or None) and causality ``causal``:
+
+- context key p:   ``p < a_j`` (strictly before the anchor) and, if windowed, ``(a_j+t) - p <= W-1``
+- block key (k,u): ``k == j`` and, if causal, ``u <= t``; if windowed ``|t - u| <= W-1``
+  (engines use a symmetric window (W-1, W-1) for bidirectional sliding layers).
+
+Padding needs no extra rule: the context of a row is bounded by its anchor, so context slots past a
+sequence's true length are never visible as long as anchors point inside the sequence. Padded
+(invalid) anchors still see their own block, so no softmax row is empty; they carry no loss.
+
+Inference is the special case ``N = 1`` with ``a = S`` (the anchor is the token right after the
+cached context).
+
+Shape legend: Bt batch, N blocks, B block size, S context slots, Q = N*B queries, K = S + Q keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash_lab.model.config import LayerSpec
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLayout:
+    """Where the blocks of one attention call sit.
+
+    anchors_bn: [Bt, N] long, absolute anchor positions (sorted ascending per row for speed).
+    num_context: S, the number of context key slots (padded length of the context).
+    block_size: B.
+    """
+
+    anchors_bn: Tensor
+    num_context: int
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors_bn.shape[1]
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_context + self.num_queries
+
+    def positions_bq(self) -> Tensor:
+        """Absolute positions of the block slots, [Bt, N*B]."""
+        offs = torch.arange(self.block_size, device=self.anchors_bn.device)
+        return (self.anchors_bn[:, :, None] + offs).flatten(1)
+
+
+def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int,
+            block_size: int, spec: LayerSpec) -> Tensor:
+    """The predicate. Broadcasting index tensors in, bool out.
+
+    ``anchors_b_n`` is the anchor row of the batch element(s) the indices belong to: [N] or any
+    shape that ``anchors_b_n[..., j]`` style indexing supports via ``torch.gather``-free
+    advanced indexing (we index it with ``q_idx // block_size``).
+    """
+    j = q_idx // block_size
+    t = q_idx % block_size
+    anchor = anchors_b_n[j]
+    is_ctx = kv_idx < num_context
+    blk = (kv_idx - num_context).clamp(min=0)
+    k, u = blk // block_size, blk % block_size
+    ctx_ok = kv_idx < anchor
+    blk_ok = k == j
+    if spec.causal:
+        blk_ok = blk_ok & (u <= t)
+    if spec.window is not None:
+        reach = spec.window - 1
+        ctx_ok = ctx_ok & ((anchor + t - kv_idx) <= reach)
+        blk_ok = blk_ok & ((t - u).abs() <= reach)
+    return torch.where(is_ctx, ctx_ok, blk_ok)
+
+
+def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
+    """Boolean mask [Bt, 1, Q, K] (True = attend) for SDPA-style backends."""
+    dev = layout.anchors_bn.device
+    q_idx = torch.arange(layout.num_queries, device=dev)[:, None]
+    kv_idx = torch.arange(layout.num_keys, device=dev)[None, :]
+    rows = [
+        visible(q_idx, kv_idx, anchors, layout.num_context, layout.block_size, spec)
+        for anchors in layout.anchors_bn
+    ]
+    return torch.stack(rows)[:, None]
+
+
+def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):
+    """A flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` over the same predicate."""
+    anchors_bn, num_context, block_size = layout.anchors_bn, layout.num_context, layout.block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec)
+
+    return mask_mod
+
+
+def flash_window_args(spec: LayerSpec) -> tuple[tuple[int, int], bool]:
+    """flash-attn ``(window_size=(left, right), causal)`` for the inference layout.
+
+    Valid when the block's B queries are the LAST B keys (keys = [context ; block], anchor right
+    after the context), because flash-attn aligns causal masks and windows bottom-right:
+    causal window W -> (W-1, 0), bidirectional window W -> (W-1, W-1), no window -> (-1, -1).
+    """
+    if spec.window is None:
+        return (-1, -1), spec.causal
+    reach = spec.window - 1
+    return (reach, 0 if spec.causal else reach), spec.causal
+
+
+def is_inference_layout(layout: BlockLayout) -> bool:
+    """True when every row has one block anchored right after its full context (a == S)."""
+    return layout.num_blocks == 1 and bool((layout.anchors_bn == layout.num_context).all())

@@ -1,0 +1,172 @@
+"""DFlashDrafter: fused target features -> draft layers -> norm, over the target's frozen embedding.
+
+Two call paths share every weight and the same attention code:
+
+- training (:meth:`DFlashDrafter.forward`): a packed sequence of ``S`` context positions and ``N``
+  anchored blocks; context K/V computed once per layer, all blocks attend in one call.
+- inference (:meth:`extend_context`, :meth:`crop_context`, :meth:`draft`): per-layer context K/V
+  cached (appendable, croppable) and one block per sequence anchored right after the context.
+
+The target's embedding and LM head are passed in and never become part of ``state_dict()``, whose
+keys are already the serving layout (dflash.md section 4). Output is the final-normed hidden state
+of every block slot; logits are ``lm_head(hidden)`` (the loss chunks that projection).
+
+Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
+concatenated target features, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dflash_lab.attention.base import AttentionBackend, get_backend
+from dflash_lab.attention.mask import BlockLayout
+from dflash_lab.model.config import DrafterConfig
+from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class ContextCache:
+    """Per-layer context K/V [Bt, Hkv, C, D] of the committed positions 0..C-1."""
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (after a rejected draft)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a context cache of length {self.length} to {length}")
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter module. ``backend``: attention backend name (sdpa | flex | flash | auto)."""
+
+    def __init__(self, config: DrafterConfig, backend: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.backend_name = backend
+        num_features = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(num_features, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        if config.learned_mask_embedding:
+            self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        else:
+            self.mask_embedding = None
+        self._specs = config.layer_specs()
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def init_mask_embedding(self, embed_tokens: nn.Embedding) -> None:
+        """Start the learned mask embedding from the target's row of ``mask_token_id``."""
+        if self.mask_embedding is not None:
+            with torch.no_grad():
+                self.mask_embedding.copy_(embed_tokens.weight[self.config.mask_token_id])
+
+    # ------------------------------------------------------------------ shared pieces
+    def backend(self, device: torch.device) -> AttentionBackend:
+        return get_backend(self.backend_name, device, training=torch.is_grad_enabled())
+
+    def fuse(self, target_hidden_bsf: Tensor) -> Tensor:
+        """Concatenated target features [Bt, S, F] -> fused context [Bt, S, H]."""
+        if target_hidden_bsf.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"target features have width {target_hidden_bsf.shape[-1]}, the drafter expects "
+                f"{self.fc.in_features} = {len(self.config.target_layer_ids)} layers x "
+                f"{self.config.hidden_size}; check target_layer_ids and the target model")
+        return self.hidden_norm(self.fc(target_hidden_bsf.to(self.fc.weight.dtype)))
+
+    def block_inputs(self, anchor_ids_bn: Tensor, embed_tokens: nn.Module) -> Tensor:
+        """Block embeddings [Bt, N*B, H]: slot 0 = anchor token, slots 1.. = MASK."""
+        bt, n = anchor_ids_bn.shape
+        b = self.config.block_size
+        ids = anchor_ids_bn.new_full((bt, n, b), self.config.mask_token_id)
+        ids[:, :, 0] = anchor_ids_bn
+        x = embed_tokens(ids).to(self.fc.weight.dtype)
+        if self.mask_embedding is not None:
+            slot_is_mask = torch.arange(b, device=ids.device) > 0
+            x = torch.where(slot_is_mask[:, None], self.mask_embedding.to(x.dtype), x)
+        return x.flatten(1, 2)
+
+    def _run_layers(self, x_bqh: Tensor, layout: BlockLayout, ctx_kv: list[tuple[Tensor, Tensor]],
+                    cos_sin: tuple[Tensor, Tensor]) -> Tensor:
+        backend = self.backend(x_bqh.device)
+        prepared: dict[Any, Any] = {}
+        for spec in self._specs:  # one mask per distinct layer spec, shared by layers
+            if spec not in prepared:
+                prepared[spec] = backend.prepare(layout, spec)
+        for layer, spec, (k, v) in zip(self.layers, self._specs, ctx_kv, strict=True):
+            x_bqh = layer(x_bqh, k, v, cos_sin, backend, prepared[spec])
+        return self.norm(x_bqh)
+
+    # ------------------------------------------------------------------ training path
+    def forward(self, target_hidden_bsf: Tensor, input_ids_bs: Tensor, anchors_bn: Tensor,
+                embed_tokens: nn.Module) -> Tensor:
+        """Packed training forward.
+
+        target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S], anchors_bn [Bt, N] (sorted anchor
+        positions; padded entries may repeat a valid anchor and must be excluded from the loss).
+        Returns hidden [Bt, N, B, H]; slot t of block j predicts the token at anchors[j] + t.
+        """
+        bt, s, _ = target_hidden_bsf.shape
+        layout = BlockLayout(anchors_bn, s, self.config.block_size)
+        ctx = self.fuse(target_hidden_bsf)
+        ctx_cs = self.rotary(torch.arange(s, device=ctx.device), ctx.dtype)
+        ctx_kv = [layer.self_attn.kv(ctx, ctx_cs) for layer in self.layers]
+        x = self.block_inputs(input_ids_bs.gather(1, anchors_bn), embed_tokens)
+        blk_cs = self.rotary(layout.positions_bq(), x.dtype)
+        out = self._run_layers(x, layout, ctx_kv, blk_cs)
+        return out.view(bt, layout.num_blocks, self.config.block_size, -1)
+
+    # ------------------------------------------------------------------ inference path
+    def new_cache(self) -> ContextCache:
+        return ContextCache()
+
+    @torch.no_grad()
+    def extend_context(self, cache: ContextCache, target_hidden_bnf: Tensor) -> None:
+        """Append the features of the next n committed positions [Bt, n, F] to the cache."""
+        start = cache.length
+        ctx = self.fuse(target_hidden_bnf)
+        positions = torch.arange(start, start + ctx.shape[1], device=ctx.device)
+        cs = self.rotary(positions, ctx.dtype)
+        new = [layer.self_attn.kv(ctx, cs) for layer in self.layers]
+        if not cache.keys:
+            cache.keys = [k for k, _ in new]
+            cache.values = [v for _, v in new]
+            return
+        cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
+        cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
+
+    def crop_context(self, cache: ContextCache, length: int) -> None:
+        cache.crop(length)
+
+    @torch.no_grad()
+    def draft(self, cache: ContextCache, anchor_ids_b: Tensor, embed_tokens: nn.Module) -> Tensor:
+        """One block per sequence, anchored at position C = cache.length -> hidden [Bt, B, H]."""
+        if cache.length == 0:
+            raise ValueError("draft() needs at least one cached context position; "
+                             "call extend_context() with the prompt's target features first")
+        bt = anchor_ids_b.shape[0]
+        anchors = torch.full((bt, 1), cache.length, dtype=torch.long, device=anchor_ids_b.device)
+        layout = BlockLayout(anchors, cache.length, self.config.block_size)
+        x = self.block_inputs(anchor_ids_b[:, None], embed_tokens)
+        cs = self.rotary(layout.positions_bq(), x.dtype)
+        return self._run_layers(x, layout, list(zip(cache.keys, cache.values)), cs)

@@ -1,0 +1,125 @@
+"""Qwen3-style pieces of a draft layer: RMSNorm, RoPE, attention over [context ; block], SwiGLU.
+
+Shape legend: Bt batch, S context slots, Q block queries (N*B), H hidden, Hq/Hkv query and
+key/value heads, D head dim. Context K/V are computed once per layer per step (training) or
+once per committed token (inference cache) and passed in; the block computes its own q/k/v.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_lab.model.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as Qwen3), weight initialised to ones."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for arbitrary absolute positions (HF Qwen3 half-rotation convention)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [..., L] long -> (cos, sin) each [..., L, D] in ``dtype``."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_bhld: Tensor, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate x [Bt, heads, L, D] with cos/sin [L, D] or [Bt, L, D]."""
+    cos, sin = (t.unsqueeze(-3) for t in cos_sin)
+    half = x_bhld.shape[-1] // 2
+    rotated = torch.cat([-x_bhld[..., half:], x_bhld[..., :half]], dim=-1)
+    return x_bhld * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values from [fused context ; block], per-layer projections."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, d)
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        if config.attention_sink_bias:
+            self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads))
+        else:
+            self.attention_sink_bias = None
+
+    def _heads(self, x_blh: Tensor, heads: int) -> Tensor:
+        return x_blh.view(*x_blh.shape[:2], heads, self.head_dim).transpose(1, 2)
+
+    def kv(self, x_blh: Tensor, cos_sin: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Keys (k_norm + RoPE) and values [Bt, Hkv, L, D] of context or block inputs."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x_blh), self.num_kv_heads)), cos_sin)
+        return k, self._heads(self.v_proj(x_blh), self.num_kv_heads)
+
+    def forward(self, x_bqh: Tensor, ctx_k: Tensor, ctx_v: Tensor,
+                cos_sin: tuple[Tensor, Tensor], backend: Any, prepared: Any) -> Tensor:
+        """x [Bt, Q, H] (already input-normed); ctx_k/ctx_v [Bt, Hkv, S, D] -> [Bt, Q, H]."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x_bqh), self.num_heads)), cos_sin)
+        blk_k, blk_v = self.kv(x_bqh, cos_sin)
+        k = torch.cat([ctx_k.to(blk_k.dtype), blk_k], dim=2)
+        v = torch.cat([ctx_v.to(blk_v.dtype), blk_v], dim=2)
+        out = backend.attend(q, k, v, prepared, scale=self.scale, sink_h=self.attention_sink_bias)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer. The context gets no input norm, no query and no MLP."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x_bqh: Tensor, ctx_k: Tensor, ctx_v: Tensor,
+                cos_sin: tuple[Tensor, Tensor], backend: Any, prepared: Any) -> Tensor:
+        x_bqh = x_bqh + self.self_attn(
+            self.input_layernorm(x_bqh), ctx_k, ctx_v, cos_sin, backend, prepared)
+        return x_bqh + self.mlp(self.post_attention_layernorm(x_bqh))
