@@ -1,0 +1,25 @@
+"""DFlash drafter exporter: checkpoint -> serving directory for vLLM and SGLang.
+
+Importable without Lightning or Hydra (torch, safetensors and ``dflash_lab.model.config`` only;
+transformers optionally, for the self-check), so it also runs inside a serving environment.
+"""
+
+from export.api import (
+    ExportRefused,
+    ExportResult,
+    InspectResult,
+    SelfCheckFailed,
+    export_drafter,
+    inspect_dir,
+    plan_export,
+    serving_config,
+)
+from export.engines import RULE_SETS, Artifacts, EngineReading, LayerReading, read_all
+from export.sources import ImportedDrafter, Source, import_drafter, load_serving_dir, load_source
+
+__all__ = [
+    "Artifacts", "EngineReading", "ExportRefused", "ExportResult", "ImportedDrafter",
+    "InspectResult", "LayerReading", "RULE_SETS", "SelfCheckFailed", "Source", "export_drafter",
+    "import_drafter", "inspect_dir", "load_serving_dir", "load_source", "plan_export",
+    "read_all", "serving_config",
+]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_lab.attention.base import AttentionBackend, get_backend
 from dflash_lab.attention.mask import BlockLayout
@@ -66,6 +67,7 @@ class DFlashDrafter(nn.Module):
         else:
             self.mask_embedding = None
         self._specs = config.layer_specs()
+        self.activation_checkpointing = False  # recompute each layer in backward (saves memory)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -114,7 +116,11 @@ class DFlashDrafter(nn.Module):
             if spec not in prepared:
                 prepared[spec] = backend.prepare(layout, spec)
         for layer, spec, (k, v) in zip(self.layers, self._specs, ctx_kv, strict=True):
-            x_bqh = layer(x_bqh, k, v, cos_sin, backend, prepared[spec])
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x_bqh = checkpoint(layer, x_bqh, k, v, cos_sin, backend, prepared[spec],
+                                   use_reentrant=False)
+            else:
+                x_bqh = layer(x_bqh, k, v, cos_sin, backend, prepared[spec])
         return self.norm(x_bqh)
 
     # ------------------------------------------------------------------ training path

@@ -1,0 +1,211 @@
+"""Lightning data modules: batches of target features for DFlash training.
+
+Every batch carries (rows right-padded to the longest row, Bt x S):
+  input_ids [Bt, S] long, loss_mask [Bt, S] bool (False on padding), hidden [Bt, S, F] target
+  features at target_layer_ids, target_argmax [Bt, S] long (target's greedy next token).
+Anchors are sampled by the training module per step (see dflash_lab/data/anchors.py), so padding
+never needs a mask of its own: no anchor points into it and no context past an anchor is seen.
+
+- :class:`OnlineDataModule` tokenises conversations and computes features with the frozen target
+  in-process (``on_after_batch_transfer``: on the training device, no grad).
+- :class:`OfflineDataModule` reads captured shards (``dflash-capture``).
+Both hold out a deterministic validation split and shuffle with a per-epoch seeded sampler, so a
+run resumed from an end-of-epoch (or validation) checkpoint sees the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0}
+
+
+def pad_collate(samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Right-pad the per-sample tensors ([S] or [S, F]) of PAD_VALUES' keys to the longest
+    sample; other keys (e.g. ``sample_id``) are dropped."""
+    longest = max(s["input_ids"].shape[0] for s in samples)
+    batch: dict[str, Tensor] = {}
+    for key in PAD_VALUES:
+        if key not in samples[0]:
+            continue
+        rows = []
+        for s in samples:
+            t = s[key]
+            pad = longest - t.shape[0]
+            if pad:
+                fill = t.new_full((pad, *t.shape[1:]), PAD_VALUES.get(key, 0))
+                t = torch.cat([t, fill])
+            rows.append(t)
+        batch[key] = torch.stack(rows)
+    batch["loss_mask"] = batch["loss_mask"].bool()
+    return batch
+
+
+def split_indices(num: int, val_fraction: float, seed: int,
+                  max_val: int | None = None) -> tuple[list[int], list[int]]:
+    """Deterministic (train, val) index split; val gets at least one sample when num > 1."""
+    if num < 2:
+        raise ValueError(f"need at least 2 samples to hold out a validation split, got {num}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
+    order = torch.randperm(num, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = max(1, int(round(num * val_fraction)))
+    if max_val is not None:
+        n_val = max(1, min(n_val, max_val))
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation that depends only on (seed, epoch): Lightning calls ``set_epoch``."""
+
+    def __init__(self, num: int, seed: int):
+        self.num, self.seed, self.epoch = num, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.num, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.num
+
+
+class BlockDataModule(L.LightningDataModule):
+    """Split, collate and loaders shared by the online and offline modules."""
+
+    def __init__(self, batch_size: int = 8, val_fraction: float = 0.05,
+                 max_val_samples: int | None = 256, seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size={batch_size}: must be >= 1")
+        self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
+        self.seed, self.num_workers = seed, num_workers
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def load_samples(self) -> Dataset:
+        """All samples (dicts of per-sample tensors); subclasses implement it."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        samples = self.load_samples()
+        train_idx, val_idx = split_indices(len(samples), self.val_fraction, self.seed,
+                                           self.max_val)
+        self.train_set, self.val_set = Subset(samples, train_idx), Subset(samples, val_idx)
+
+    def _loader(self, dataset: Dataset, sampler: Sampler | None) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
+                          collate_fn=pad_collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, EpochShuffleSampler(len(self.train_set), self.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, None)
+
+
+class _TokenizedConversations(Dataset):
+    def __init__(self, items: list[dict[str, Tensor]]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return self.items[i]
+
+
+class OnlineDataModule(BlockDataModule):
+    """Conversations -> chat template + loss mask -> features from the in-process target.
+
+    ``conversations``: a file or hub id, or ``demo`` for the built-in demo conversations
+    (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
+    :class:`dflash_lab.target.loader.Target`; ``target_layer_ids``: the drafter's. Features are
+    computed on the training device after the batch transfer, under no_grad, by the same
+    function capture uses.
+    """
+
+    def __init__(self, conversations: str, target: Any, target_layer_ids: Sequence[int], *,
+                 max_length: int = 2048, num_samples: int | None = None,
+                 last_turn_only: bool = False, enable_thinking: bool | None = None,
+                 demo_rows: int = 512, demo_seed: int = 1,
+                 demo_file: str = "outputs/demo/train_conversations.jsonl", **kw: Any):
+        super().__init__(**kw)
+        if conversations == "demo":  # the built-in demo conversations, written to a file
+            from dflash_lab.data.demo_corpus import write_demo_jsonl
+
+            conversations = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
+        self.conversations, self.target = conversations, target
+        self.target_layer_ids = list(target_layer_ids)
+        self.max_length, self.num_samples = max_length, num_samples
+        self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
+
+    def load_samples(self) -> Dataset:
+        from dflash_lab.data.conversations import load_conversations
+        from dflash_lab.target.chat import normalize_conversation, tokenize_conversation
+
+        rows = load_conversations(self.conversations, limit=self.num_samples,
+                                  shuffle_seed=self.seed)
+        items = []
+        for k, row in enumerate(rows):
+            messages = normalize_conversation(row, where=f"{self.conversations} row {k}")
+            tok = tokenize_conversation(self.target.tokenizer, messages,
+                                        max_length=self.max_length,
+                                        last_turn_only=self.last_turn_only,
+                                        enable_thinking=self.enable_thinking)
+            if tok.loss_mask.sum() >= 2:  # needs at least one anchor
+                items.append({"input_ids": tok.input_ids, "loss_mask": tok.loss_mask})
+        if len(items) < 2:
+            raise ValueError(f"{self.conversations}: fewer than 2 usable conversations "
+                             "(each needs >= 2 assistant tokens within max_length)")
+        return _TokenizedConversations(items)
+
+    def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict:
+        from dflash_lab.target.features import extract_features
+
+        if "hidden" in batch:
+            return batch
+        model = self.target.model
+        if model.device != batch["input_ids"].device and getattr(model, "hf_device_map",
+                                                                 None) is None:
+            model.to(batch["input_ids"].device)
+        # Right padding needs no attention mask: a causal target's features at real positions
+        # do not depend on the pads after them.
+        feats = extract_features(model, batch["input_ids"], self.target_layer_ids)
+        batch["hidden"], batch["target_argmax"] = feats.hidden_bsd, feats.argmax_bs
+        return batch
+
+
+class OfflineDataModule(BlockDataModule):
+    """Captured shards (``dflash-capture`` output), validated against the drafter at start-up.
+
+    ``path``: the capture directory; ``target_layer_ids`` / ``hidden_size`` / ``vocab_size``: what
+    the drafter expects (a mismatch is refused naming both values); ``target``: optional loaded
+    target whose config and tokenizer hashes must match the capture.
+    """
+
+    def __init__(self, path: str, *, target_layer_ids: Sequence[int] | None = None,
+                 hidden_size: int | None = None, vocab_size: int | None = None,
+                 target: Any = None, verify_checksums: bool = False, **kw: Any):
+        super().__init__(**kw)
+        self.path = path
+        self.expect = {"target_layer_ids": list(target_layer_ids) if target_layer_ids else None,
+                       "hidden_size": hidden_size, "vocab_size": vocab_size,
+                       "target": target.identity() if target is not None else None}
+        self.verify_checksums = verify_checksums
+
+    def load_samples(self) -> Dataset:
+        from dflash_lab.data.shards import ShardDataset
+
+        return ShardDataset(self.path, verify_checksums=self.verify_checksums, **self.expect)

@@ -1,0 +1,29 @@
+"""Where the Hydra configs live, found the same way from a checkout or an installed package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+
+
+def _find_conf_dir() -> Path:
+    """``$DFLASH_LAB_CONF`` if set, else the repository's ``conf/`` beside the package."""
+    env = os.environ.get("DFLASH_LAB_CONF")
+    if env:
+        return Path(env).resolve()
+    return REPO_ROOT / "conf"
+
+
+#: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...).
+CONF_DIR = _find_conf_dir()
+
+
+def require_conf_dir() -> str:
+    """CONF_DIR as a string for ``hydra.main``; ValueError with the fix when it is missing."""
+    if not CONF_DIR.is_dir():
+        raise ValueError(f"Hydra config dir {CONF_DIR} not found; install dflash-lab from a "
+                         "checkout (pip install -e .) or set DFLASH_LAB_CONF to its conf/ dir")
+    return str(CONF_DIR)

@@ -1,0 +1,133 @@
+"""DFlash training loss and the exact greedy-acceptance metrics (dflash.md section 2).
+
+Label alignment (the classic bug is an off-by-one here): slot t of the block anchored at a
+predicts the token AT position a + t. ``token_targets[p]`` is that token for every position p:
+with target-argmax labels it is ``target_argmax[p - 1]`` (the target's choice for position p,
+made after reading positions <= p-1); with dataset labels it is ``input_ids[p]``.
+
+Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, V vocab, M selected slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+LABEL_SOURCES = ("target_argmax", "dataset")
+
+
+def token_targets(input_ids_bs: Tensor, target_argmax_bs: Tensor | None,
+                  label_source: str) -> Tensor:
+    """The token each position should hold [Bt, S] (position 0 of argmax labels is unused: -1)."""
+    if label_source == "dataset":
+        return input_ids_bs
+    if label_source != "target_argmax":
+        raise ValueError(f"label_source='{label_source}': use one of {list(LABEL_SOURCES)}")
+    if target_argmax_bs is None:
+        raise ValueError("label_source='target_argmax' needs the captured target_argmax")
+    out = torch.full_like(target_argmax_bs, -1)
+    out[:, 1:] = target_argmax_bs[:, :-1]
+    return out
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
+    """[B]: 0 for slot 0 (the anchor), ``exp(-(t-1)/gamma)`` for t >= 1."""
+    if gamma <= 0:
+        raise ValueError(f"loss gamma={gamma}: must be > 0 (recipes: 7 for B=16, 5 for B=10)")
+    t = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(t >= 1, torch.exp(-(t - 1) / gamma), torch.zeros_like(t))
+
+
+@dataclass
+class BlockTargets:
+    """Per-slot labels and validity of a batch of blocks, each [Bt, N, B]."""
+
+    labels: Tensor
+    valid: Tensor
+
+
+def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
+                  anchor_valid_bn: Tensor, block_size: int) -> BlockTargets:
+    """Gather labels only at anchored positions; a slot counts when t >= 1, a + t < S, the
+    position is in the loss mask, and its block is a real (not padding) anchor."""
+    seq = targets_bs.shape[1]
+    pos = anchors_bn[..., None] + torch.arange(block_size, device=anchors_bn.device)
+    inside = pos < seq
+    flat = pos.clamp(max=seq - 1).flatten(1)
+    labels = targets_bs.gather(1, flat).view_as(pos)
+    in_mask = loss_mask_bs.bool().gather(1, flat).view_as(pos)
+    slot = torch.arange(block_size, device=pos.device) >= 1
+    valid = inside & in_mask & slot & anchor_valid_bn[..., None] & (labels >= 0)
+    return BlockTargets(labels, valid)
+
+
+def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module) -> tuple[Tensor, Tensor]:
+    logits = lm_head(hidden_mh).float()
+    return F.cross_entropy(logits, labels_m, reduction="none"), logits.argmax(-1) == labels_m
+
+
+def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
+                          chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
+    """Per-row CE [M] and correctness [M] without holding [M, V] fp32 logits at once.
+
+    Each chunk runs under activation checkpointing, so backward recomputes its logits instead of
+    keeping every chunk's logits alive: peak memory is one chunk of logits.
+    """
+    losses, correct = [], []
+    for start in range(0, hidden_mh.shape[0], chunk_size):
+        h, y = hidden_mh[start:start + chunk_size], labels_m[start:start + chunk_size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            ce, ok = checkpoint(_chunk_ce, h, y, lm_head, use_reentrant=False)
+        else:
+            ce, ok = _chunk_ce(h, y, lm_head)
+        losses.append(ce)
+        correct.append(ok)
+    if not losses:
+        empty = hidden_mh.new_zeros(0, dtype=torch.float32)
+        return empty, empty.bool()
+    return torch.cat(losses), torch.cat(correct)
+
+
+@dataclass
+class LossOutput:
+    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid)."""
+
+    weighted_sum: Tensor  # sum_slots w_t * CE (local)
+    weight_sum: Tensor  # sum_slots w_t (local)
+    correct: Tensor
+    valid: Tensor
+    block_valid: Tensor | None = None  # [Bt, N] real (not padding) blocks
+
+
+def dflash_loss(hidden_bnbh: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
+                chunk_size: int = 4096, block_valid_bn: Tensor | None = None) -> LossOutput:
+    """Weighted CE over valid slots; only the M valid slots go through the vocab projection."""
+    b = hidden_bnbh.shape[2]
+    weights = position_weights(b, gamma, hidden_bnbh.device).expand_as(targets.valid)
+    sel = targets.valid
+    ce, ok = chunked_cross_entropy(hidden_bnbh[sel], targets.labels[sel], lm_head, chunk_size)
+    w = weights[sel]
+    correct = torch.zeros_like(sel)
+    correct[sel] = ok
+    return LossOutput((w * ce).sum(), w.sum(), correct, sel, block_valid_bn)
+
+
+def acceptance_lengths(correct_bnb: Tensor, block_valid_bn: Tensor) -> Tensor:
+    """Exact greedy acceptance per real block [K]: 1 + number of leading correct slots t >= 1.
+
+    An invalid slot (past the sequence or outside the loss mask) ends the run like a miss.
+    """
+    run = correct_bnb[..., 1:].long().cumprod(dim=-1).sum(-1)
+    return (1 + run)[block_valid_bn].float()
+
+
+def per_position_accuracy(out: LossOutput) -> list[float]:
+    """Accuracy of slot t over valid slots, t = 1..B-1 (NaN where a slot never occurs)."""
+    num = out.correct.sum(dim=(0, 1)).float()
+    den = out.valid.sum(dim=(0, 1)).float()
+    return [(num[t] / den[t]).item() if den[t] > 0 else math.nan for t in range(1, num.shape[0])]

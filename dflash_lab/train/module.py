@@ -1,0 +1,138 @@
+"""DFlashModule: the LightningModule that trains a drafter against frozen target pieces.
+
+One training step: sample sorted anchors (seeded by seed/step/rank) -> drafter forward over the
+packed blocks -> gather labels at anchored slots only -> chunked weighted CE normalised by the
+GLOBAL weight sum across devices -> metrics (loss, per-slot accuracy, exact acceptance tau).
+
+Batch contract (from the data module), Bt rows padded to S:
+  hidden [Bt, S, F] target features, input_ids [Bt, S], loss_mask [Bt, S] (0 on padding),
+  target_argmax [Bt, S] (the target's greedy next token at each position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from dflash_lab.data.anchors import sample_anchors, step_generator
+from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.train.loss import (
+    LABEL_SOURCES,
+    LossOutput,
+    acceptance_lengths,
+    block_targets,
+    dflash_loss,
+    per_position_accuracy,
+    position_weights,
+    token_targets,
+)
+
+#: Prefix of the frozen target pieces: never written to checkpoints.
+TARGET_PREFIX = "target_head."
+
+
+class DFlashModule(L.LightningModule):
+    """Owns loss, metrics and optimisation of one drafter.
+
+    drafter: the DFlashDrafter to train. target_head: frozen module with ``embed_tokens`` and
+    ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
+    (``params -> Optimizer``, ``optimizer -> LRScheduler``; the scheduler steps every step).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
+                 optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, *, gamma: float = 7.0,
+                 num_anchors: int = 512, label_source: str = "target_argmax",
+                 ce_chunk_size: int = 4096, seed: int = 0, val_seed: int = 1234,
+                 compile: bool = False, activation_checkpointing: bool = False):
+        super().__init__()
+        if label_source not in LABEL_SOURCES:
+            raise ValueError(f"module.label_source='{label_source}': use one of "
+                             f"{list(LABEL_SOURCES)}")
+        position_weights(drafter.config.block_size, gamma)  # validates gamma early
+        self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler"])
+        self.drafter = drafter
+        self.target_head = target_head.requires_grad_(False)
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.strict_loading = False  # target_head is not in checkpoints
+        drafter.init_mask_embedding(self.target_head.embed_tokens)
+        drafter.activation_checkpointing = activation_checkpointing
+        self._val_taus: list[Tensor] = []
+        self._val_loss: list[Tensor] = []
+        if compile:  # in place: checkpoint keys stay the serving names
+            for layer in self.drafter.layers:
+                layer.compile()
+
+    # ------------------------------------------------------------------ the step
+    def _blocks(self, batch: dict[str, Tensor], generator: torch.Generator) -> LossOutput:
+        hp = self.hparams
+        anchors, anchor_valid = sample_anchors(batch["loss_mask"], hp.num_anchors, generator)
+        hidden = self.drafter(batch["hidden"], batch["input_ids"], anchors,
+                              self.target_head.embed_tokens)
+        targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
+        tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid,
+                            self.drafter.config.block_size)
+        return dflash_loss(hidden, tgt, self.target_head.lm_head, hp.gamma, hp.ce_chunk_size,
+                           anchor_valid)
+
+    def _global_loss(self, out: LossOutput) -> Tensor:
+        """sum(w*CE) / GLOBAL sum(w). DDP averages gradients over ranks, so the local loss is
+        scaled by world size; the result equals one big batch's weighted mean."""
+        total_w = out.weight_sum.detach().clone()
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1:
+            total_w = self.all_gather(total_w).sum()
+        return out.weighted_sum * world / total_w.clamp(min=1e-8)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        g = step_generator(self.hparams.seed, self.global_step, self.global_rank)
+        out = self._blocks(batch, g)
+        loss = self._global_loss(out)
+        taus = acceptance_lengths(out.correct, out.block_valid)
+        bs = batch["input_ids"].shape[0]
+        local_mean = out.weighted_sum.detach() / out.weight_sum.clamp(min=1e-8)
+        self.log("train/loss", local_mean, prog_bar=True, batch_size=bs)
+        self.log("train/tau", taus.mean() if taus.numel() else 1.0, prog_bar=True,
+                 batch_size=bs)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        g = step_generator(self.hparams.val_seed, batch_idx, self.global_rank)
+        out = self._blocks(batch, g)
+        self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
+        self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
+        for t, acc in enumerate(per_position_accuracy(out), start=1):
+            if acc == acc:  # skip NaN (slot never valid in this batch)
+                self.log(f"val/acc_pos{t}", acc, batch_size=batch["input_ids"].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        taus = torch.cat(self._val_taus) if self._val_taus else torch.ones(1)
+        sums = torch.stack(self._val_loss).sum(0) if self._val_loss else torch.tensor([0.0, 1.0])
+        self._val_taus.clear()
+        self._val_loss.clear()
+        self.log("val/tau", taus.mean(), prog_bar=True, sync_dist=True)
+        self.log("val/loss", sums[0] / sums[1].clamp(min=1e-8), sync_dist=True)
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer else 1
+        scheduler = self.scheduler_factory(optimizer, total_steps=max(1, total))
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Drop the frozen target pieces; record the drafter's serving config for the exporter."""
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith(TARGET_PREFIX)]:
+            del state[key]
+        checkpoint.setdefault("hyper_parameters", {})
+        checkpoint["hyper_parameters"]["drafter_config"] = self.drafter.config.to_dict()

@@ -1,0 +1,80 @@
+"""Wire a composed training config into objects and run it (the body of ``dflash-train``).
+
+Order matters for fail-fast start-up: load the target, build the drafter for it, then the data
+module (which validates captures against the drafter) and the module, all before any long work.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from dflash_lab.runinfo import write_run_info
+
+log = logging.getLogger("dflash_lab.train")
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
+    """``auto`` resumes from ``<output_dir>/checkpoints/last.ckpt`` when it exists."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "auto":
+        last = Path(output_dir) / "checkpoints" / "last.ckpt"
+        return str(last) if last.is_file() else None
+    if not Path(ckpt_path).is_file():
+        raise ValueError(f"ckpt_path={ckpt_path!r} does not exist; give a .ckpt file, 'auto' "
+                         "(resume from the run's last.ckpt) or null (start fresh)")
+    return ckpt_path
+
+
+def build_components(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate target, drafter, data module, module, trainer (no training yet)."""
+    target = instantiate(cfg.target)
+    drafter = instantiate(cfg.drafter, target_path=target.name_or_path)
+    dc = drafter.config
+    if cfg.data._target_.endswith("OnlineDataModule"):
+        data = instantiate(cfg.data, target=target, target_layer_ids=dc.target_layer_ids)
+    else:
+        data = instantiate(cfg.data, target=target, target_layer_ids=dc.target_layer_ids,
+                           hidden_size=dc.hidden_size, vocab_size=dc.vocab_size)
+    module = instantiate(cfg.module, drafter=drafter, target_head=target.pieces())
+    logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
+    callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
+    return {"target": target, "drafter": drafter, "data": data, "module": module,
+            "trainer": trainer, "logger": logger}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train and return {"val_tau_before", "val_tau_after", "best_checkpoint", "output_dir"}."""
+    L.seed_everything(cfg.seed, workers=True)
+    out_dir = Path(cfg.paths.output_dir)
+    write_run_info(out_dir, cfg)
+    parts = build_components(cfg)
+    trainer, module, data = parts["trainer"], parts["module"], parts["data"]
+    if parts["logger"]:
+        parts["logger"].log_hyperparams(dict(cfg))
+    ckpt = resolve_ckpt_path(cfg.ckpt_path, out_dir)
+    before = None
+    if cfg.validate_before_fit and ckpt is None:
+        before = trainer.validate(module, datamodule=data, verbose=False)[0]["val/tau"]
+        log.info("val/tau of the untrained drafter: %.3f", before)
+    if ckpt is not None:
+        log.info("resuming from %s", ckpt)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    after = trainer.validate(module, datamodule=data, ckpt_path=best or None,
+                             verbose=False)[0]["val/tau"]
+    result = {"val_tau_before": before, "val_tau_after": after, "best_checkpoint": best,
+              "output_dir": str(out_dir.absolute())}
+    if trainer.is_global_zero:
+        before_txt = f"{before:.3f}" if before is not None else "n/a (resumed)"
+        print(f"\nval tau: untrained {before_txt} -> trained {after:.3f} (block size "
+              f"{parts['drafter'].config.block_size})\nbest checkpoint: {best}\n"
+              f"run directory: {result['output_dir']}")
+    return result

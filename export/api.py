@@ -1,0 +1,250 @@
+"""Library API: export a drafter, inspect a serving directory (import lives in export.sources).
+
+Nothing is written unless every check passes: the directory is built in a temporary sibling,
+self-checked, then renamed into place, so a refusal or a crash never leaves a partial OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig, LayerSpec
+from export.checks import (
+    Finding,
+    apply_allow_lossy,
+    check_engine,
+    check_layout,
+    check_target,
+    mismatches,
+    refusals,
+)
+from export.engines import ENGINES, RULE_SETS, Artifacts, EngineReading, read_all, rule_sets_for
+from export.engines.common import layouts_agree
+from export.report import engine_notes, export_report, layer_table
+from export.selfcheck import SelfCheckResult, run_self_check
+from export.sources import Source, artifacts_of, load_source, read_config_json
+from export.weights import (
+    CONFIG_FILE,
+    DTYPES,
+    MASK_FILE,
+    WEIGHTS_FILE,
+    cast,
+    save_weights,
+    split_mask_embedding,
+    validate_state_dict,
+)
+
+REPORT_FILE = "EXPORT_REPORT.md"
+
+
+class ExportRefused(Exception):
+    """The engine rules say at least one targeted engine would not run the trained drafter."""
+
+    def __init__(self, findings: list[Finding]):
+        self.findings = findings
+        lines = [f.message for f in refusals(findings)]
+        super().__init__("export refused:\n  - " + "\n  - ".join(lines))
+
+
+class SelfCheckFailed(Exception):
+    """Reloading the export the way an engine does gave different draft logits."""
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    findings: list[Finding]
+    self_check: list[SelfCheckResult] = field(default_factory=list)
+
+
+def parse_engines(engine: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``both`` | ``vllm`` | ``sglang`` (or a list of engine names)."""
+    if isinstance(engine, str):
+        return ENGINES if engine == "both" else (engine,)
+    return tuple(engine)
+
+
+def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
+    """config.json: DrafterConfig.to_dict() plus the HF dtype bookkeeping key."""
+    out = config.to_dict()
+    out["torch_dtype"] = dtype
+    return out
+
+
+def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict | None = None,
+                allow_lossy: bool = False) -> tuple[dict[str, EngineReading], list[Finding]]:
+    """Readings of every rule set (for the report) and the findings for the targeted engines."""
+    raw = config.to_dict()
+    artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias)
+    readings = read_all(raw, artifacts)
+    findings = check_layout(config)
+    for engine in engines:
+        findings += check_engine(config, readings, engine)
+    findings += check_target(config, target)
+    return readings, apply_allow_lossy(findings, allow_lossy)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
+    """Move the finished temp dir into place; an old OUT_DIR is swapped out, then deleted."""
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        tmp.rename(out_dir)
+        return
+    if not force:
+        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+    backup = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+    out_dir.rename(backup)
+    tmp.rename(out_dir)
+    _remove(backup)
+
+
+def _header(src: Source, out_dir: Path, engines: tuple[str, ...], dtype: str,
+            allow_lossy: bool, command: str | None) -> dict[str, str]:
+    return {
+        "source": src.description, "output": str(out_dir), "engines targeted": ", ".join(engines),
+        "dtype": dtype, "allow lossy": str(allow_lossy), "command": command or "(library call)",
+        "versions": f"torch {torch.__version__}, python {platform.python_version()}",
+        **({"source notes": "; ".join(src.notes)} if src.notes else {}),
+    }
+
+
+def _write_dir(tmp: Path, config: DrafterConfig, state: dict, mask: torch.Tensor | None,
+               dtype: str) -> dict[str, Any]:
+    raw = serving_config(config, dtype)
+    (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
+    torch_dtype = DTYPES[dtype]
+    save_weights(tmp, cast(state, torch_dtype),
+                 mask.detach().to(torch_dtype).contiguous() if mask is not None else None,
+                 config.mask_token_id)
+    return raw
+
+
+def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
+                   engine: str | list[str] = "both", dtype: str = "bfloat16",
+                   force: bool = False, allow_lossy: bool = False,
+                   target: dict[str, Any] | None = None, self_check: bool = True,
+                   command: str | None = None) -> ExportResult:
+    """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``.
+
+    Raises ValueError (bad input), FileExistsError (no --force), ExportRefused (engine rules) or
+    SelfCheckFailed; in every case ``out_dir`` is left as it was.
+    """
+    out_dir, engines = Path(out_dir), parse_engines(engine)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype '{dtype}' is not one of {list(DTYPES)}")
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+    src = source if isinstance(source, Source) else load_source(source)
+    config = src.config
+    state, mask = split_mask_embedding(src.state_dict, config, src.description)
+    validate_state_dict(state, config, src.description)
+    readings, findings = plan_export(config, engines, target=target, allow_lossy=allow_lossy)
+    if refusals(findings):
+        raise ExportRefused(findings)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        raw = _write_dir(tmp, config, state, mask, dtype)
+        checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check)
+        files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
+        report = export_report(
+            header=_header(src, out_dir, engines, dtype, allow_lossy, command),
+            specs=config.layer_specs(), readings=readings, block_size=config.block_size,
+            findings=findings, self_check=check_lines, files=files + [REPORT_FILE])
+        (tmp / REPORT_FILE).write_text(report)
+        _commit(tmp, out_dir, force)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return ExportResult(out_dir, findings, checks)
+
+
+def _self_check(tmp: Path, raw: dict[str, Any], src: Source, engines: tuple[str, ...],
+                dtype: str, enabled: bool) -> tuple[list[SelfCheckResult], list[str]]:
+    if not enabled:
+        return [], ["- SKIPPED (--no-self-check): the export was not reloaded and compared"]
+    current = [r for r in rule_sets_for(engines) if r.current]
+    artifacts = Artifacts(src.config.learned_mask_embedding, src.config.attention_sink_bias)
+    results, how = run_self_check(tmp, raw, src.config, src.state_dict, current, artifacts,
+                                  DTYPES[dtype])
+    lines = [f"- {how}"] + [r.line() for r in results]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise SelfCheckFailed("self-check failed (export not written):\n" + "\n".join(
+            r.line() for r in failed))
+    return results, lines
+
+
+# ---------------------------------------------------------------------------- inspect
+@dataclass
+class InspectResult:
+    """How every rule set reads one serving directory, and whether they all agree."""
+
+    path: Path
+    trained: list[LayerSpec] | None  #: from our recorded training spec, None if third-party
+    readings: dict[str, EngineReading]
+    problems: list[str]
+    text: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _block_size(d: dict[str, Any]) -> int:
+    return int((d.get("dflash_config") or {}).get("block_size") or d.get("block_size") or 16)
+
+
+def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[str]:
+    loading = {k: r for k, r in readings.items() if r.loads}
+    if not loading:
+        return ["no rule set loads this directory"]
+    ref_name, ref = next(iter(loading.items()))
+    out = []
+    for name, reading in loading.items():
+        if name != ref_name and not layouts_agree(ref.layers, reading.layers, block):
+            diff = [i for i, (a, b) in enumerate(zip(ref.layers, reading.layers, strict=True))
+                    if not layouts_agree([a], [b], block)]
+            out += [f"layer {i}: {ref_name} runs '{ref.layers[i].label()}' but {name} runs "
+                    f"'{reading.layers[i].label()}'" for i in diff]
+    out += [f"{r.rule_set} silently drops {item}" for r in loading.values() for item in r.dropped]
+    return out
+
+
+def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectResult:
+    """Per layer, how each rule set resolves a serving directory; problems if any disagree."""
+    path = Path(path)
+    d = read_config_json(path)
+    readings = read_all(d, artifacts_of(path), parse_engines(engine))
+    block = _block_size(d)
+    trained = None
+    if TRAINING_SPEC_KEY in d:
+        trained = DrafterConfig.from_dict(d, strict=False, source=str(path)).layer_specs()
+    problems = _disagreement_lines(readings, block)
+    if trained is not None:
+        for reading in readings.values():
+            problems += [f.message for f in mismatches(trained, reading, block, "warn")]
+    lines = [f"# {path}", "", f"block_size={block}; rule sets: "
+             + ", ".join(f"{r.name} ({'current' if r.current else 'older'})"
+                         for r in RULE_SETS if r.name in readings), ""]
+    lines += layer_table(trained, readings, block)
+    lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
+    lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
+    verdict = "OK: every rule set runs the same drafter" if not problems else \
+        f"NOT OK: {len(problems)} problem(s)"
+    return InspectResult(path, trained, readings, problems, "\n".join(lines + ["", verdict]))

@@ -1,0 +1,166 @@
+"""Decide whether an export is safe: compare what each engine will run with what was trained.
+
+A finding is a refusal (the export stops, unless ``--allow-lossy`` and the finding is lossy) or a
+warning (written to EXPORT_REPORT.md and stderr). Every message names the layer, the rule set,
+what the engine would do and what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_lab.model.config import DrafterConfig, LayerSpec
+from export.engines import RULE_SETS, EngineReading, LayerReading
+from export.engines.common import SYMMETRIC, same_attention
+
+REFUSE = "refuse"
+WARN = "warn"
+
+_LEGACY_UPGRADE = {"vllm": "vLLM > 0.26", "sglang": "SGLang >= #34524"}
+
+
+@dataclass
+class Finding:
+    """One problem found by the checks."""
+
+    severity: str  #: REFUSE or WARN
+    message: str
+    rule_set: str | None = None
+    layer: int | None = None
+    lossy: bool = True  #: --allow-lossy may downgrade a lossy refusal to a warning
+
+
+def spec_label(spec: LayerSpec) -> str:
+    kind = "causal" if spec.causal else "bidir"
+    return f"full {kind}" if spec.window is None else f"W={spec.window} {kind}"
+
+
+def layer_matches(spec: LayerSpec, reading: LayerReading, block_size: int) -> bool:
+    """True when the engine's attention for this layer equals the trained one.
+
+    Training uses a symmetric in-block window for bidirectional sliding layers; a left-only
+    window only agrees with it when W >= B (the whole block is then visible either way).
+    """
+    return same_attention(LayerReading(spec.window, spec.causal, SYMMETRIC), reading, block_size)
+
+
+def _advice(spec: LayerSpec, reading: LayerReading, block_size: int) -> str:
+    if spec.window is not None and spec.window == reading.window and spec.causal == reading.causal:
+        return (f"train with sliding_window >= block_size ({block_size}) or make the sliding "
+                "layers causal, or export with --engine vllm (symmetric window, as trained)")
+    if spec.window != reading.window:
+        return ("check layer_types / sliding_window / dflash_config.swa_window_size in "
+                "config.json; re-export with this tool so all three are written")
+    return ("declare causality explicitly (top-level is_causal and dflash_config.causal, which "
+            "this exporter writes for uniform layouts), or retrain with a layout the engine can "
+            "express: uniform causality, or sliding causal + full bidirectional")
+
+
+def mismatches(specs: list[LayerSpec], reading: EngineReading, block_size: int,
+               severity: str) -> list[Finding]:
+    """One finding per layer the rule set would run differently from its trained spec."""
+    if reading.layers is None:
+        return []
+    if len(reading.layers) != len(specs):
+        return [Finding(severity, f"{reading.rule_set} builds {len(reading.layers)} layers, "
+                        f"the drafter has {len(specs)}", reading.rule_set)]
+    out = []
+    for i, (spec, got) in enumerate(zip(specs, reading.layers, strict=True)):
+        if not layer_matches(spec, got, block_size):
+            out.append(Finding(
+                severity,
+                f"layer {i}: {reading.rule_set} would run it as '{got.label()}' but it was "
+                f"trained as '{spec_label(spec)}'; fix: {_advice(spec, got, block_size)}",
+                reading.rule_set, i))
+    return out
+
+
+def _dropped_findings(reading: EngineReading, severity: str) -> list[Finding]:
+    return [Finding(severity, f"{reading.rule_set} silently drops {item}; fix: export with "
+                    "--engine vllm, or retrain without learned_mask_embedding / "
+                    "attention_sink_bias", reading.rule_set) for item in reading.dropped]
+
+
+def check_layout(config: DrafterConfig) -> list[Finding]:
+    """Mixed causality: only 'sliding causal + full bidirectional' is expressible (by defaults)."""
+    if config.uniform_causal is not None:
+        return []
+    specs = config.layer_specs()
+    if all(s.causal == (s.window is not None) for s in specs):
+        return [Finding(WARN, "mixed causality (sliding causal + full bidirectional) cannot be "
+                        "declared with one is_causal flag; it relies on engine defaults and "
+                        "needs vLLM's V2 runner (VLLM_USE_V2_MODEL_RUNNER=1) and SGLang >= "
+                        "#34524; older SGLang (#34262..#34524) runs the sliding layers "
+                        "bidirectionally")]
+    layout = ", ".join(f"{i}:{spec_label(s)}" for i, s in enumerate(specs))
+    return [Finding(REFUSE, f"mixed causality pattern [{layout}] cannot be declared to any engine "
+                    "(one is_causal flag per drafter; defaults give sliding->causal, "
+                    "full->bidirectional); fix: retrain with uniform causality or with exactly "
+                    "'sliding causal + full bidirectional'")]
+
+
+def check_engine(config: DrafterConfig, readings: dict[str, EngineReading],
+                 engine: str) -> list[Finding]:
+    """Refuse on any current-version mismatch or dropped feature; warn for older versions."""
+    specs, block = config.layer_specs(), config.block_size
+    rule_sets = [r for r in RULE_SETS if r.engine == engine and r.name in readings]
+    current = [readings[r.name] for r in rule_sets if r.current]
+    if current and not any(r.loads for r in current):
+        why = "; ".join(f"{r.rule_set} {r.refusal}" for r in current)
+        return [Finding(REFUSE, f"no current {engine} version loads this drafter: {why}", engine)]
+    out: list[Finding] = []
+    for rule_set in rule_sets:
+        reading = readings[rule_set.name]
+        severity = REFUSE if rule_set.current else WARN
+        if not reading.loads:
+            out.append(Finding(WARN, f"{reading.rule_set} refuses to load it: {reading.refusal}",
+                               reading.rule_set))
+            continue
+        found = mismatches(specs, reading, block, severity) + _dropped_findings(reading, severity)
+        if not rule_set.current:
+            for f in found:
+                f.message += f" (older release; upgrade to {_LEGACY_UPGRADE[engine]})"
+        out += found
+    return out
+
+
+def _target_text_config(target: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal targets (gemma-4, Qwen3.5) keep the decoder shape under text_config."""
+    return target.get("text_config") or target
+
+
+def check_target(config: DrafterConfig, target: dict[str, Any] | None,
+                 source: str = "target config") -> list[Finding]:
+    """Hidden size, vocab size and target layer ids must fit the target (not lossy-allowable)."""
+    if target is None:
+        return [Finding(WARN, "no --target given: hidden_size, vocab_size and target_layer_ids "
+                        "were not checked against the target model", lossy=False)]
+    text = _target_text_config(target)
+    out = []
+    for key in ("hidden_size", "vocab_size"):
+        want = text.get(key, target.get(key))
+        if want is not None and int(want) != getattr(config, key):
+            out.append(Finding(REFUSE, f"drafter {key}={getattr(config, key)} but {source} has "
+                               f"{key}={want}: the drafter shares the target's embedding and LM "
+                               "head; retrain for this target", lossy=False))
+    layers = text.get("num_hidden_layers")
+    if layers is not None and max(config.target_layer_ids) >= int(layers):
+        out.append(Finding(REFUSE, f"target_layer_ids {config.target_layer_ids} reach past the "
+                           f"{layers} layers of {source}; retrain for this target", lossy=False))
+    return out
+
+
+def apply_allow_lossy(findings: list[Finding], allow_lossy: bool) -> list[Finding]:
+    """Downgrade lossy refusals to loud warnings when the user accepted the loss."""
+    if not allow_lossy:
+        return findings
+    for f in findings:
+        if f.severity == REFUSE and f.lossy:
+            f.severity = WARN
+            f.message = "ALLOWED LOSSY (--allow-lossy): " + f.message
+    return findings
+
+
+def refusals(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == REFUSE]

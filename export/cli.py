@@ -1,0 +1,94 @@
+"""``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory.
+
+Exit codes: 0 done (or --inspect found every rule set in agreement); 2 bad input or usage
+(including OUT_DIR exists without --force); 3 refused by the engine rules (or --inspect found
+disagreements); 4 the self-check failed. Nothing is written unless the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from export.api import ExportRefused, SelfCheckFailed, export_drafter, inspect_dir
+from export.checks import WARN
+from export.weights import CONFIG_FILE, DTYPES
+
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK = 0, 2, 3, 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-export",
+        description="Export a DFlash drafter for vLLM and SGLang, refusing layouts an engine "
+                    "would run differently from training; or --inspect a serving directory.")
+    p.add_argument("source", nargs="?", help="Lightning .ckpt, training run dir, or serving dir")
+    p.add_argument("out_dir", nargs="?", help="serving directory to create")
+    p.add_argument("--inspect", metavar="DIR", help="print how each engine reads DIR and exit")
+    p.add_argument("--engine", choices=["both", "vllm", "sglang"], default="both")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="turn engine-rule refusals into loud warnings recorded in the report")
+    p.add_argument("--target", metavar="PATH",
+                   help="target model dir or config.json: check hidden/vocab size and layer ids")
+    p.add_argument("--no-self-check", action="store_true",
+                   help="skip reloading the export and comparing logits (recorded in the report)")
+    return p
+
+
+def _read_target(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    file = Path(path)
+    file = file / CONFIG_FILE if file.is_dir() else file
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--target {path}: cannot read {file} ({err})") from err
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    result = inspect_dir(args.inspect, args.engine)
+    print(result.text)
+    return EXIT_OK if result.ok else EXIT_REFUSED
+
+
+def _export(args: argparse.Namespace, argv: list[str]) -> int:
+    result = export_drafter(
+        args.source, args.out_dir, engine=args.engine, dtype=args.dtype, force=args.force,
+        allow_lossy=args.allow_lossy, target=_read_target(args.target),
+        self_check=not args.no_self_check,
+        command=shlex.join(["dflash-export", *argv]))
+    for finding in result.findings:
+        if finding.severity == WARN:
+            print(f"dflash-export: warning: {finding.message}", file=sys.stderr)
+    print(f"wrote {result.out_dir} (see {result.out_dir / 'EXPORT_REPORT.md'})")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.inspect is None and (args.source is None or args.out_dir is None):
+        parser.error("give SOURCE and OUT_DIR, or --inspect DIR")
+    try:
+        return _inspect(args) if args.inspect else _export(args, argv)
+    except ExportRefused as err:
+        print(f"dflash-export: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    except SelfCheckFailed as err:
+        print(f"dflash-export: {err}", file=sys.stderr)
+        return EXIT_SELF_CHECK
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        print(f"dflash-export: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

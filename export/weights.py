@@ -1,0 +1,126 @@
+"""The serving weight layout (dflash.md section 4): names, shapes, dtype casts, file I/O.
+
+Keys carry no ``model.`` prefix (vLLM adds its own), q/k/v and gate/up stay separate tensors,
+there is no embed_tokens / lm_head. The learned mask embedding is not a safetensors key: vLLM
+reads it from ``mask_embedding.pt`` as ``{"embedding": T[H], "mask_token_id": id}``, a form its
+loader checks against ``dflash_config.mask_token_id`` (``_read_mask_embedding`` in vllm
+``model_executor/models/qwen3_dflash.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dflash_lab.model.config import DrafterConfig
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MASK_FILE = "mask_embedding.pt"
+MASK_KEY = "mask_embedding"  #: the drafter's state_dict key for the learned mask embedding
+SINK_SUFFIX = "self_attn.attention_sink_bias"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every serving tensor name -> shape, for ``config`` (mask embedding excluded)."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, \
+        config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(config.target_layer_ids) * h),
+        "hidden_norm.weight": (h,), "norm.weight": (h,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        proj = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+        for name, shape in proj.items():
+            shapes[f"{p}self_attn.{name}.weight"] = shape
+            if config.attention_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (shape[0],)
+        shapes[f"{p}self_attn.q_norm.weight"] = (d,)
+        shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+        if config.attention_sink_bias:
+            shapes[f"{p}{SINK_SUFFIX}"] = (config.num_attention_heads,)
+        shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
+        shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
+        shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
+        shapes[f"{p}input_layernorm.weight"] = (h,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    return shapes
+
+
+def split_mask_embedding(state: dict[str, torch.Tensor], config: DrafterConfig,
+                         source: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Separate the learned mask embedding (its own file) from the safetensors weights."""
+    state = dict(state)
+    mask = state.pop(MASK_KEY, None)
+    if config.learned_mask_embedding and mask is None:
+        raise ValueError(f"{source}: config says learned_mask_embedding but the weights have no "
+                         f"'{MASK_KEY}' tensor; was the checkpoint saved from this drafter?")
+    if mask is not None and not config.learned_mask_embedding:
+        raise ValueError(f"{source}: weights carry '{MASK_KEY}' but the config does not set "
+                         "learned_mask_embedding; fix the drafter_config hyper-parameter")
+    if mask is not None and mask.numel() != config.hidden_size:
+        raise ValueError(f"{source}: '{MASK_KEY}' has shape {tuple(mask.shape)}, expected "
+                         f"[{config.hidden_size}]")
+    return state, (mask.reshape(-1) if mask is not None else None)
+
+
+def validate_state_dict(state: dict[str, torch.Tensor], config: DrafterConfig,
+                        source: str) -> None:
+    """Exact key set and shapes, so a drafter/contract drift fails here, not in an engine."""
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{source}: weights do not match the drafter config: missing "
+                         f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
+                         f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    bad = [f"{k}: {tuple(state[k].shape)} != {want[k]}" for k in want
+           if tuple(state[k].shape) != want[k]]
+    if bad:
+        raise ValueError(f"{source}: wrong tensor shapes: {bad[:8]}")
+
+
+def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies in ``dtype`` (safetensors refuses views sharing storage)."""
+    return {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()}
+
+
+def save_weights(out_dir: Path, state: dict[str, torch.Tensor], mask: torch.Tensor | None,
+                 mask_token_id: int) -> None:
+    save_file(state, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    if mask is not None:
+        torch.save({"embedding": mask, "mask_token_id": mask_token_id}, out_dir / MASK_FILE)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / WEIGHTS_FILE), device="cpu")
+
+
+def weight_names(path: Path) -> list[str]:
+    """Tensor names without loading the tensors (cheap, for --inspect)."""
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+        return list(f.keys())
+
+
+def load_mask_file(path: Path, mask_token_id: int | None) -> torch.Tensor | None:
+    """Read ``mask_embedding.pt`` in either form vLLM accepts; never unpickles objects."""
+    file = path / MASK_FILE
+    if not file.exists():
+        return None
+    try:
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{file}: not a plain tensor file ({err}); re-export it") from err
+    if isinstance(data, dict):
+        stored = data.get("mask_token_id", mask_token_id)
+        if mask_token_id is not None and stored != mask_token_id:
+            raise ValueError(f"{file}: mask_token_id {stored} differs from "
+                             f"dflash_config.mask_token_id {mask_token_id} (vLLM refuses this)")
+        data = data["embedding"]
+    return data.reshape(-1)

@@ -1,0 +1,93 @@
+"""Shared builders for the exporter tests (no tests here): tiny DrafterConfigs per recipe-like
+layout, random serving-layout weights, Lightning-style checkpoints, z-lab style directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dflash_lab.model.config import DrafterConfig
+from export.weights import MASK_KEY, expected_shapes
+
+S, F = "sliding_attention", "full_attention"
+BASE = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=300, mask_token_id=7, num_target_layers=6,
+            target_layer_ids=[1, 2, 3], block_size=4)
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # z-lab default: every layer full, bidirectional inside the block
+    "zlab_default": dict(is_causal=False),
+    # every layer sliding and causal
+    "all_sliding_causal": dict(layer_types=[S, S, S], sliding_window=8, is_causal=True),
+    # gemma-4 / Qwen3.6: sliding causal + full bidirectional, implicit (legacy rule)
+    "gemma_mixed": dict(layer_types=[S, S, F], sliding_window=8),
+    # MiMo: all sliding bidirectional, learned mask embedding, sink logits
+    "mimo": dict(layer_types=[S, S, S], sliding_window=8, is_causal=False,
+                 learned_mask_embedding=True, attention_sink_bias=True),
+    # no engine can express: full layers with different causality
+    "illegal_mixed": dict(is_causal=[True, False, True]),
+}
+
+
+def make_config(layout: str, **overrides: Any) -> DrafterConfig:
+    return DrafterConfig(**{**BASE, **LAYOUTS[layout], **overrides})
+
+
+def random_state(config: DrafterConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Serving-layout tensors (plus ``mask_embedding`` when learned) with the right shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(shape, generator=gen) * 0.1 for k, shape in
+             expected_shapes(config).items()}
+    for k in state:
+        if k.endswith("norm.weight"):
+            state[k] = 1.0 + state[k]
+    if config.learned_mask_embedding:
+        state[MASK_KEY] = torch.randn(config.hidden_size, generator=gen)
+    return state
+
+
+def write_checkpoint(path: Path, config: DrafterConfig, state: dict[str, torch.Tensor],
+                     extra_hparams: dict | None = None) -> Path:
+    """A Lightning-style .ckpt: ``drafter.``-prefixed weights, config in hyper_parameters."""
+    sd = {f"drafter.{k}": v for k, v in state.items()}
+    sd["embed_tokens.weight"] = torch.zeros(4, 4)  # other prefixes must be ignored
+    ckpt = {"state_dict": sd, "epoch": 1, "global_step": 10,
+            "hyper_parameters": {"drafter_config": config.to_dict(), **(extra_hparams or {})}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, path)
+    return path
+
+
+def write_zlab_dir(path: Path, config: dict[str, Any], state: dict[str, torch.Tensor],
+                   mask: torch.Tensor | None = None) -> Path:
+    """A third-party serving directory from a hand-written config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    if mask is not None:
+        torch.save(mask, path / "mask_embedding.pt")
+    return path
+
+
+def zlab_config(style: str) -> dict[str, Any]:
+    """Hand-written z-lab style config.json files (no is_causal, no training spec)."""
+    common = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 32,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8, "intermediate_size": 64, "vocab_size": 300, "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000, "max_position_embeddings": 4096, "hidden_act": "silu",
+              "tie_word_embeddings": False, "block_size": 4, "num_target_layers": 6,
+              "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2, 3]}}
+    if style == "qwen3_8b":  # all full, no layer_types, nothing about causality
+        return common
+    if style == "gemma4":  # mixed layer types, is_causal NOT declared
+        return {**common, "layer_types": [S, S, F], "use_sliding_window": True,
+                "sliding_window": 8, "max_window_layers": 3}
+    if style == "mimo":  # use_swa, no layer_types, sinks, learned mask file
+        dfc = {**common["dflash_config"], "use_swa": True, "swa_window_size": 8,
+               "attention_sink_bias": True}
+        return {**common, "dflash_config": dfc}
+    raise ValueError(style)

@@ -1,0 +1,123 @@
+"""Loss: label alignment, anchors strictly before, weights, normalisation, chunking, tau."""
+
+import math
+
+import pytest
+import torch
+
+from dflash_lab.data.anchors import anchor_candidates, sample_anchors, step_generator
+from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.testing import tiny_drafter_config
+from dflash_lab.train.loss import (
+    acceptance_lengths,
+    block_targets,
+    chunked_cross_entropy,
+    dflash_loss,
+    position_weights,
+    token_targets,
+)
+
+
+def test_argmax_labels_are_aligned_so_slot_t_predicts_position_anchor_plus_t():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    argmax = torch.tensor([[21, 22, 23, 24, 25, 26]])  # argmax[p] = target's token for p + 1
+    tgt = token_targets(input_ids, argmax, "target_argmax")
+    assert tgt.tolist() == [[-1, 21, 22, 23, 24, 25]]
+    bt = block_targets(tgt, torch.ones(1, 6), torch.tensor([[2]]), torch.tensor([[True]]), 3)
+    # block at anchor 2: slot 1 is position 3, whose target token is argmax[2] = 23
+    assert bt.labels.tolist() == [[[22, 23, 24]]]
+    assert bt.valid.tolist() == [[[False, True, True]]]
+    data = token_targets(input_ids, None, "dataset")
+    assert block_targets(data, torch.ones(1, 6), torch.tensor([[2]]), torch.tensor([[True]]),
+                         3).labels.tolist() == [[[12, 13, 14]]]
+
+
+def test_slots_past_the_end_outside_the_mask_or_in_padding_blocks_carry_no_loss():
+    tgt = torch.arange(8)[None]
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1]])
+    bt = block_targets(tgt, loss_mask, torch.tensor([[2, 6, 6]]),
+                       torch.tensor([[True, True, False]]), 4)
+    assert bt.valid.tolist() == [[[False, True, False, True],
+                                  [False, True, False, False],
+                                  [False, False, False, False]]]
+
+
+def test_position_weights_and_bad_gamma():
+    w = position_weights(5, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    assert math.isclose(w[4].item(), math.exp(-3 / 7), rel_tol=1e-6)
+    with pytest.raises(ValueError, match="gamma=0"):
+        position_weights(4, 0)
+
+
+def test_chunked_cross_entropy_equals_the_full_logits_computation_with_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    h = torch.randn(37, 8, requires_grad=True)
+    y = torch.randint(0, 50, (37,))
+    ce, ok = chunked_cross_entropy(h, y, head, chunk_size=5)
+    ref = torch.nn.functional.cross_entropy(head(h), y, reduction="none")
+    torch.testing.assert_close(ce, ref)
+    assert torch.equal(ok, head(h).argmax(-1) == y)
+    g1 = torch.autograd.grad(ce.sum(), h)[0]
+    g2 = torch.autograd.grad(ref.sum(), h)[0]
+    torch.testing.assert_close(g1, g2)
+
+
+def test_weighted_loss_is_normalised_by_the_weight_sum():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 7, bias=False)
+    hidden = torch.randn(1, 2, 3, 4)
+    tgt = block_targets(torch.arange(9)[None] % 7, torch.ones(1, 9), torch.tensor([[1, 4]]),
+                        torch.tensor([[True, True]]), 3)
+    out = dflash_loss(hidden, tgt, head, gamma=2.0)
+    ce = torch.nn.functional.cross_entropy(head(hidden[0]).transpose(1, 2),
+                                           tgt.labels[0], reduction="none")  # [2, 3]
+    w = torch.tensor([0.0, 1.0, math.exp(-0.5)])
+    torch.testing.assert_close(out.weighted_sum, (ce * w).sum())
+    torch.testing.assert_close(out.weight_sum, 2 * w.sum())
+
+
+def test_tau_counts_leading_correct_slots_plus_one():
+    correct = torch.tensor([[[False, True, True, False, True],
+                             [True, False, True, True, True],
+                             [False, True, True, True, True],
+                             [False, True, True, True, True]]])
+    taus = acceptance_lengths(correct, torch.tensor([[True, True, True, False]]))
+    assert taus.tolist() == [3.0, 1.0, 5.0]
+
+
+def test_anchor_sampling_valid_sorted_unique_bounded_seeded_and_fresh_each_step():
+    torch.manual_seed(0)
+    loss_mask = torch.rand(4, 64) > 0.3
+    cand = anchor_candidates(loss_mask)
+    a1, v1 = sample_anchors(loss_mask, 10, step_generator(3, 5))
+    a2, v2 = sample_anchors(loss_mask, 10, step_generator(3, 5))
+    a3, _ = sample_anchors(loss_mask, 10, step_generator(3, 6))
+    assert torch.equal(a1, a2) and torch.equal(v1, v2)
+    assert not torch.equal(a1, a3)
+    assert a1.shape[1] <= 10
+    for row in range(4):
+        picked = a1[row][v1[row]]
+        assert cand[row, picked].all()
+        assert torch.equal(picked, picked.sort().values) and picked.unique().numel() == len(picked)
+        assert len(picked) == min(10, int(cand[row].sum()))
+        assert torch.equal(a1[row], a1[row].sort().values)  # padding keeps rows sorted
+    assert not torch.equal(sample_anchors(loss_mask, 10, step_generator(3, 5, rank=1))[0], a1)
+
+
+def test_block_outputs_ignore_context_at_and_after_the_anchor():
+    torch.manual_seed(0)
+    cfg = tiny_drafter_config("mixed_swa")
+    drafter = DFlashDrafter(cfg)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    hidden = torch.randn(1, 20, 3 * cfg.hidden_size)
+    ids = torch.randint(0, 90, (1, 20))
+    anchors = torch.tensor([[6, 9, 14]])
+    base = drafter(hidden, ids, anchors, embed)
+    poked = hidden.clone()
+    poked[:, 9:] += 5.0
+    out = drafter(poked, ids, anchors, embed)
+    torch.testing.assert_close(out[:, 0], base[:, 0])  # anchor 6 never sees positions >= 9
+    torch.testing.assert_close(out[:, 1], base[:, 1])  # anchor 9 never sees its own state
+    assert not torch.allclose(out[:, 2], base[:, 2])  # anchor 14 does see 9..13
