@@ -27,3 +27,6 @@ def require_conf_dir() -> str:
         raise ValueError(f"Hydra config dir {CONF_DIR} not found; install dflash-lab from a "
                          "checkout (pip install -e .) or set DFLASH_LAB_CONF to its conf/ dir")
     return str(CONF_DIR)
+
+#: Ready experiments selected with ``recipe=NAME`` (conf/recipe links here).
+RECIPES_DIR = REPO_ROOT / "recipes"

@@ -72,3 +72,19 @@ def emulated_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_s
     lse = torch.logsumexp(scores, dim=-1)
     out = (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2).to(q.dtype)
     return (out, lse, None) if return_attn_probs else out
+
+
+def kill_at_step_callback(step: int):
+    """A Lightning callback that SIGKILLs its own process when training reaches ``step``:
+    the closest thing to pulling the plug, used to test resume."""
+    import os
+    import signal
+
+    import lightning as L
+
+    class KillAtStep(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step >= step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return KillAtStep()

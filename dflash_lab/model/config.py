@@ -233,6 +233,13 @@ class DrafterConfig:
                     f"{source}: unknown drafter key '{key}'{_suggest(key, known)}; "
                     f"valid keys: {sorted(known)}"
                 )
+        no_default = dataclasses.MISSING
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is no_default and f.default_factory is no_default}
+        missing = sorted(required - set(kwargs))
+        if missing:
+            raise ValueError(f"{source}: missing drafter keys {missing}; set them in the drafter "
+                             "config (shape keys default to the target's)")
         ids = kwargs.get("target_layer_ids")
         if isinstance(ids, int):
             kwargs["target_layer_ids"] = build_target_layer_ids(kwargs["num_target_layers"], ids)

@@ -117,6 +117,21 @@ def dflash_loss(hidden_bnbh: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     return LossOutput((w * ce).sum(), w.sum(), correct, sel, block_valid_bn)
 
 
+def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,
+                         all_reduce_sum=None) -> Tensor:
+    """``sum(w * CE) / GLOBAL sum(w)``, scaled for DDP's gradient averaging.
+
+    Each rank holds its local sums. DDP averages gradients over ranks (divides by world size),
+    so the local loss is ``world_size * local_sum / global_weight``: the averaged gradient then
+    equals the gradient of one big batch's weighted mean, whatever each rank's share of slots.
+    ``all_reduce_sum``: a function summing a tensor over ranks (None on one process).
+    """
+    total = weight_sum.detach().clone()
+    if world_size > 1:
+        total = all_reduce_sum(total)
+    return weighted_sum * world_size / total.clamp(min=1e-8)
+
+
 def acceptance_lengths(correct_bnb: Tensor, block_valid_bn: Tensor) -> Tensor:
     """Exact greedy acceptance per real block [K]: 1 + number of leading correct slots t >= 1.
 

@@ -26,6 +26,7 @@ from dflash_lab.train.loss import (
     acceptance_lengths,
     block_targets,
     dflash_loss,
+    global_weighted_loss,
     per_position_accuracy,
     position_weights,
     token_targets,
@@ -68,9 +69,14 @@ class DFlashModule(L.LightningModule):
                 layer.compile()
 
     # ------------------------------------------------------------------ the step
-    def _blocks(self, batch: dict[str, Tensor], generator: torch.Generator) -> LossOutput:
+    def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator):
+        """Sorted anchors [Bt, N] and their validity for this batch."""
+        return sample_anchors(batch["loss_mask"], self.hparams.num_anchors, generator)
+
+    def blocks_loss(self, batch: dict[str, Tensor], anchors: Tensor,
+                    anchor_valid: Tensor) -> LossOutput:
+        """Drafter forward on the anchored blocks and the (local) weighted loss pieces."""
         hp = self.hparams
-        anchors, anchor_valid = sample_anchors(batch["loss_mask"], hp.num_anchors, generator)
         hidden = self.drafter(batch["hidden"], batch["input_ids"], anchors,
                               self.target_head.embed_tokens)
         targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
@@ -79,19 +85,12 @@ class DFlashModule(L.LightningModule):
         return dflash_loss(hidden, tgt, self.target_head.lm_head, hp.gamma, hp.ce_chunk_size,
                            anchor_valid)
 
-    def _global_loss(self, out: LossOutput) -> Tensor:
-        """sum(w*CE) / GLOBAL sum(w). DDP averages gradients over ranks, so the local loss is
-        scaled by world size; the result equals one big batch's weighted mean."""
-        total_w = out.weight_sum.detach().clone()
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if world > 1:
-            total_w = self.all_gather(total_w).sum()
-        return out.weighted_sum * world / total_w.clamp(min=1e-8)
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         g = step_generator(self.hparams.seed, self.global_step, self.global_rank)
-        out = self._blocks(batch, g)
-        loss = self._global_loss(out)
+        out = self.blocks_loss(batch, *self.sample_anchors(batch, g))
+        world = self.trainer.world_size
+        loss = global_weighted_loss(out.weighted_sum, out.weight_sum, world,
+                                    lambda t: self.all_gather(t).sum())
         taus = acceptance_lengths(out.correct, out.block_valid)
         bs = batch["input_ids"].shape[0]
         local_mean = out.weighted_sum.detach() / out.weight_sum.clamp(min=1e-8)
@@ -102,7 +101,7 @@ class DFlashModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         g = step_generator(self.hparams.val_seed, batch_idx, self.global_rank)
-        out = self._blocks(batch, g)
+        out = self.blocks_loss(batch, *self.sample_anchors(batch, g))
         self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
         for t, acc in enumerate(per_position_accuracy(out), start=1):

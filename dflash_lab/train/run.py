@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.runinfo import write_run_info
 
@@ -32,16 +32,36 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | No
     return ckpt_path
 
 
+def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
+    """Export the run's best checkpoint; log it as a wandb artifact when wandb is the logger."""
+    from export import export_drafter
+
+    result = export_drafter(run_dir, cfg.export.out_dir, engine=cfg.export.engine,
+                            dtype=cfg.export.dtype, force=True)
+    log.info("exported the best checkpoint to %s", result.out_dir)
+    if type(logger).__name__ == "WandbLogger":
+        import wandb
+
+        artifact = wandb.Artifact(f"drafter-{cfg.run_name}", type="model")
+        artifact.add_dir(str(result.out_dir))
+        logger.experiment.log_artifact(artifact)
+    return str(result.out_dir)
+
+
 def build_components(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate target, drafter, data module, module, trainer (no training yet)."""
     target = instantiate(cfg.target)
     drafter = instantiate(cfg.drafter, target_path=target.name_or_path)
     dc = drafter.config
+    # Objects go in through a partial: Hydra would turn the Target dataclass into a config node.
+    make_data = instantiate(cfg.data, _partial_=True)
     if cfg.data._target_.endswith("OnlineDataModule"):
-        data = instantiate(cfg.data, target=target, target_layer_ids=dc.target_layer_ids)
+        data = make_data(target=target, target_layer_ids=dc.target_layer_ids)
     else:
-        data = instantiate(cfg.data, target=target, target_layer_ids=dc.target_layer_ids,
-                           hidden_size=dc.hidden_size, vocab_size=dc.vocab_size)
+        data = make_data(target=target, target_layer_ids=dc.target_layer_ids,
+                         hidden_size=dc.hidden_size, vocab_size=dc.vocab_size)
+    data.prepare_data()
+    data.setup("fit")  # reads and validates the data now, before any long work
     module = instantiate(cfg.module, drafter=drafter, target_head=target.pieces())
     logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
@@ -58,7 +78,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     parts = build_components(cfg)
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]
     if parts["logger"]:
-        parts["logger"].log_hyperparams(dict(cfg))
+        parts["logger"].log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     ckpt = resolve_ckpt_path(cfg.ckpt_path, out_dir)
     before = None
     if cfg.validate_before_fit and ckpt is None:
@@ -72,6 +92,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                              verbose=False)[0]["val/tau"]
     result = {"val_tau_before": before, "val_tau_after": after, "best_checkpoint": best,
               "output_dir": str(out_dir.absolute())}
+    if cfg.export.enabled and trainer.is_global_zero:
+        result["export_dir"] = export_run(cfg, out_dir, parts["logger"])
     if trainer.is_global_zero:
         before_txt = f"{before:.3f}" if before is not None else "n/a (resumed)"
         print(f"\nval tau: untrained {before_txt} -> trained {after:.3f} (block size "

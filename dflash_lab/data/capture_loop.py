@@ -1,0 +1,164 @@
+"""The capture loop: conversations -> target features -> shards, split over ranks, resumable.
+
+Input rows are cut into shards of ``shard_size`` consecutive rows; shard s belongs to rank
+``s % world_size``. Shard names do not depend on the world size, so a capture can be resumed
+with a different number of processes. The last rank to finish merges ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lab.data import shards
+from dflash_lab.target.chat import normalize_conversation, tokenize_conversation
+from dflash_lab.target.features import check_target_layer_ids, extract_features
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureSettings:
+    """What to capture and how (all recorded in the capture plan except the runtime knobs)."""
+
+    out_dir: str
+    target_layer_ids: list[int]
+    max_length: int = 2048  #: tokens per sample; longer conversations are truncated
+    hidden_dtype: str = "bfloat16"  #: storage dtype of ``hidden``
+    shard_size: int = 256  #: input rows per shard
+    last_turn_only: bool = False  #: loss only on the last assistant turn
+    enable_thinking: bool | None = None  #: passed to the chat template when not None
+    batch_size: int = 8  #: runtime: sequences per forward pass
+    verify_existing: bool = True  #: runtime: re-hash finished shards before skipping them
+
+
+def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
+    """Deterministic, disjoint split: shard s goes to rank s % world_size."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    return list(range(rank, num_shards, world_size))
+
+
+def build_plan(target, settings: CaptureSettings, num_rows: int,
+               source: dict[str, Any]) -> dict[str, Any]:
+    """The settings every rank and every resume must share (becomes part of the manifest)."""
+    if settings.hidden_dtype not in shards.HIDDEN_DTYPES:
+        raise ValueError(f"hidden_dtype={settings.hidden_dtype!r}: use one of "
+                         f"{sorted(shards.HIDDEN_DTYPES)}")
+    check_target_layer_ids(settings.target_layer_ids, target.num_hidden_layers)
+    ids = [int(i) for i in settings.target_layer_ids]
+    identity = target.identity()
+    feature_dim = len(ids) * target.hidden_size
+    return {
+        "target": identity,
+        "target_layer_ids": ids,  # z-lab / SGLang convention: output of decoder layer i
+        "hf_hidden_state_indices": [i + 1 for i in ids],  # = vLLM / speculators aux ids
+        "hidden_size": target.hidden_size,
+        "feature_dim": feature_dim,
+        "hidden_dtype": settings.hidden_dtype,
+        "bytes_per_token": shards.bytes_per_token(feature_dim, settings.hidden_dtype),
+        "chat_template_hash": identity["chat_template_hash"],
+        "max_length": settings.max_length,
+        "last_turn_only": settings.last_turn_only,
+        "enable_thinking": settings.enable_thinking,
+        "shard_size": settings.shard_size,
+        "num_input_rows": num_rows,
+        "num_shards": math.ceil(num_rows / settings.shard_size),
+        "source": source,
+    }
+
+
+def _tokenize_rows(target, rows, first_row: int, settings: CaptureSettings, where: str):
+    """(row id, TokenizedConversation) for rows with at least one loss token after truncation."""
+    out = []
+    for k, row in enumerate(rows):
+        row_id = first_row + k
+        msgs = normalize_conversation(row, f"{where} row {row_id}")
+        try:
+            tc = tokenize_conversation(target.tokenizer, msgs, max_length=settings.max_length,
+                                       last_turn_only=settings.last_turn_only,
+                                       enable_thinking=settings.enable_thinking)
+        except ValueError as err:
+            raise ValueError(f"{where} row {row_id}: {err}") from err
+        if tc.loss_mask.any():
+            out.append((row_id, tc))
+    return out
+
+
+def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.CapturedSample]:
+    """One right-padded forward pass over ``batch`` [(row id, TokenizedConversation)]."""
+    lengths = [len(tc.input_ids) for _, tc in batch]
+    pad_id = target.tokenizer.pad_token_id or 0
+    ids_bs = torch.full((len(batch), max(lengths)), pad_id, dtype=torch.long)
+    attn_bs = torch.zeros_like(ids_bs)
+    for b, (_, tc) in enumerate(batch):
+        ids_bs[b, :lengths[b]] = tc.input_ids
+        attn_bs[b, :lengths[b]] = 1
+    feats = extract_features(target.model, ids_bs, settings.target_layer_ids, attn_bs,
+                             out_device="cpu")
+    dtype = shards.HIDDEN_DTYPES[settings.hidden_dtype]
+    return [
+        shards.CapturedSample(row_id, tc.input_ids, tc.loss_mask,
+                              feats.hidden_bsd[b, :lengths[b]].to(dtype),
+                              feats.argmax_bs[b, :lengths[b]])
+        for b, (row_id, tc) in enumerate(batch)
+    ]
+
+
+def capture_shard(target, rows, index: int, settings: CaptureSettings,
+                  where: str = "data") -> list[shards.CapturedSample]:
+    """Features of the rows of shard ``index`` (batched longest-first, returned in row order)."""
+    first = index * settings.shard_size
+    todo = _tokenize_rows(target, rows, first, settings, where)
+    todo.sort(key=lambda item: -len(item[1].input_ids))  # less padding per batch
+    samples = []
+    for start in range(0, len(todo), settings.batch_size):
+        samples.extend(_capture_batch(target, todo[start:start + settings.batch_size], settings))
+    return sorted(samples, key=lambda s: s.sample_id)
+
+
+def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, Any], *,
+                rank: int = 0, world_size: int = 1, progress: bool = True) -> dict | None:
+    """Capture this rank's shards of ``dataset`` (rows with messages/conversations), skipping
+    shards already finished; then merge the manifest if every shard is done (returned, else
+    None). An interrupted run loses at most the shard in flight."""
+    from tqdm.auto import tqdm
+
+    out_dir = Path(settings.out_dir)
+    plan = build_plan(target, settings, len(dataset), source)
+    shards.write_plan(out_dir, plan)
+    mine = shards_for_rank(plan["num_shards"], rank, world_size)
+    todo = [i for i in mine if shards.finished_shard(out_dir, i, settings.verify_existing) is None]
+    log.info("rank %d/%d: %d of %d shards to capture in %s", rank, world_size, len(todo),
+             len(mine), out_dir)
+    bar = tqdm(total=sum(_rows_in(i, plan) for i in todo), unit="sample", disable=not progress,
+               desc=f"capture rank {rank}")
+    start, num_tokens = time.time(), 0
+    for index in todo:
+        lo = index * settings.shard_size
+        rows = _slice(dataset, lo, lo + _rows_in(index, plan))
+        samples = capture_shard(target, rows, index, settings, str(source.get("path", "data")))
+        shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"])
+        num_tokens += sum(len(s.input_ids) for s in samples)
+        bar.update(len(rows))
+        bar.set_postfix(tok_s=f"{num_tokens / max(time.time() - start, 1e-9):.0f}")
+    bar.close()
+    manifest = shards.merge_manifest(out_dir)
+    if manifest is None:
+        log.info("rank %d done; manifest.json is written by the last rank to finish", rank)
+    return manifest
+
+
+def _rows_in(index: int, plan: dict) -> int:
+    return min(plan["shard_size"], plan["num_input_rows"] - index * plan["shard_size"])
+
+
+def _slice(dataset, lo: int, hi: int):
+    """Rows lo..hi of a ``datasets.Dataset`` or a plain list of row dicts."""
+    return dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]

@@ -1,0 +1,290 @@
+"""THE capture shard format: writer, manifest and reader in one module.
+
+A capture directory holds ``shard-00000.safetensors``, ... plus one ``.json`` record per finished
+shard, ``capture_plan.json`` (the settings every rank must agree on) and, once every shard is
+there, ``manifest.json``. Each shard stores its samples concatenated along the token axis
+(T = total tokens in the shard, n = samples, D = nL*H):
+
+    input_ids      [T]     int32
+    loss_mask      [T]     uint8   (1 = assistant token, gets a loss)
+    target_argmax  [T]     int32   (target's greedy next token after each position)
+    hidden         [T, D]  bfloat16 by default (target layers concatenated, z-lab id order)
+    offsets        [n + 1] int64   (sample k = rows offsets[k]:offsets[k+1])
+    sample_ids     [n]     int64   (row index in the shuffled / limited input)
+
+Bytes per token: D * itemsize(hidden) + 4 + 4 + 1 (e.g. Qwen3-8B, 5 layers, bf16: 40969).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+FORMAT_NAME = "dflash-lab-capture"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+PLAN_FILE = "capture_plan.json"
+HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class CapturedSample:
+    """One captured sequence: ``input_ids``/``loss_mask``/``target_argmax`` [S], ``hidden``
+    [S, D]."""
+
+    sample_id: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: torch.Tensor
+    target_argmax: torch.Tensor
+
+
+def shard_file(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def shard_record_file(index: int) -> str:
+    return f"shard-{index:05d}.json"
+
+
+def bytes_per_token(feature_dim: int, hidden_dtype: str) -> int:
+    """Disk bytes per captured token: hidden + input id + argmax id + loss-mask byte."""
+    return feature_dim * HIDDEN_DTYPES[hidden_dtype].itemsize + 4 + 4 + 1
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path.tmp`` then rename, so readers never see a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------- writer
+def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
+                hidden_dtype: str = "bfloat16", feature_dim: int | None = None) -> dict[str, Any]:
+    """Write one shard (temporary name, then rename) and its record; returns the record.
+
+    The record (``shard-XXXXX.json``) is written last and marks the shard as finished.
+    ``feature_dim`` is needed only when ``samples`` is empty.
+    """
+    out_dir = Path(out_dir)
+    dim = samples[0].hidden.shape[-1] if samples else feature_dim
+    if dim is None:
+        raise ValueError("write_shard: feature_dim is required for an empty shard")
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+
+    def cat(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        parts = [getattr(s, name).to("cpu", dtype) for s in samples]
+        return torch.cat(parts).contiguous() if parts else torch.zeros(shape, dtype=dtype)
+
+    tensors = {
+        "input_ids": cat("input_ids", torch.int32, (0,)),
+        "loss_mask": cat("loss_mask", torch.uint8, (0,)),
+        "target_argmax": cat("target_argmax", torch.int32, (0,)),
+        "hidden": cat("hidden", HIDDEN_DTYPES[hidden_dtype], (0, dim)),
+        "offsets": offsets,
+        "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
+    }
+    path = out_dir / shard_file(index)
+    tmp = path.with_name(path.name + ".tmp")
+    # One metadata key only: safetensors writes metadata keys in random order, and shard
+    # checksums must be reproducible (resume and rank-split tests compare them).
+    save_file(tensors, str(tmp), metadata={"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"})
+    os.chmod(tmp, 0o644)  # shared capture dirs: readable by the training job's user
+    os.replace(tmp, path)
+    record = {
+        "index": index, "file": path.name, "num_samples": len(samples),
+        "num_tokens": int(offsets[-1]), "num_loss_tokens": int(tensors["loss_mask"].sum()),
+        "bytes": path.stat().st_size, "sha256": sha256_file(path),
+    }
+    write_json_atomic(out_dir / shard_record_file(index), record)
+    return record
+
+
+def finished_shard(out_dir: str | Path, index: int, verify: bool = True) -> dict | None:
+    """The record of a finished, intact shard, or None if it must be (re)written."""
+    out_dir = Path(out_dir)
+    rec_path, path = out_dir / shard_record_file(index), out_dir / shard_file(index)
+    if not rec_path.is_file() or not path.is_file():
+        return None
+    try:
+        record = json.loads(rec_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if path.stat().st_size != record.get("bytes"):
+        return None
+    if verify and sha256_file(path) != record.get("sha256"):
+        return None
+    return record
+
+
+# ---------------------------------------------------------------------------------- manifest
+def write_plan(out_dir: str | Path, plan: dict[str, Any]) -> None:
+    """Record the capture settings; refuse to mix runs with different settings in one dir."""
+    out_dir = Path(out_dir)
+    path = out_dir / PLAN_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+        if diff:
+            details = "; ".join(f"{k}: existing={old.get(k)!r} new={plan.get(k)!r}" for k in diff)
+            raise ValueError(f"{path}: this directory was captured with different settings "
+                             f"({details}); use a new out_dir or delete the old capture")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, plan)
+
+
+def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
+    """Build ``manifest.json`` from the plan and all shard records (every rank's).
+
+    Returns the manifest, or None when some shard is not finished yet (other ranks running).
+    """
+    out_dir = Path(out_dir)
+    plan = json.loads((out_dir / PLAN_FILE).read_text())
+    records = [finished_shard(out_dir, i, verify) for i in range(plan["num_shards"])]
+    if any(r is None for r in records):
+        return None
+    manifest = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, **plan,
+        "num_samples": sum(r["num_samples"] for r in records),
+        "num_tokens": sum(r["num_tokens"] for r in records),
+        "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),
+        "num_dropped": plan["num_input_rows"] - sum(r["num_samples"] for r in records),
+        "shards": records,
+    }
+    write_json_atomic(out_dir / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def read_manifest(capture_dir: str | Path) -> dict[str, Any]:
+    """Load and check the format/version of ``manifest.json`` (ValueError naming the file)."""
+    path = Path(capture_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: no manifest; the capture is missing or unfinished (rerun "
+                         "dflash-capture with the same settings to finish and merge it)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); rerun dflash-capture") from err
+    if manifest.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path}: format={manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version={manifest.get('format_version')!r}, this "
+                         f"dflash-lab reads {FORMAT_VERSION}; recapture or use a matching version")
+    return manifest
+
+
+def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
+                   target_layer_ids: list[int] | None = None, hidden_size: int | None = None,
+                   vocab_size: int | None = None, target: dict[str, Any] | None = None) -> None:
+    """Refuse a capture that does not match what the caller (e.g. a drafter) expects.
+
+    ``target`` is a target identity (``Target.identity()``); its config and tokenizer hashes
+    must match. Each ValueError names both values and the fix.
+    """
+    expected = {"target_layer_ids": target_layer_ids, "hidden_size": hidden_size,
+                "vocab_size": vocab_size}
+    actual = {"target_layer_ids": manifest["target_layer_ids"],
+              "hidden_size": manifest["hidden_size"],
+              "vocab_size": manifest["target"]["vocab_size"]}
+    for key in ("config_hash", "tokenizer_hash"):
+        if target is not None:
+            expected[f"target.{key}"] = target[key]
+            actual[f"target.{key}"] = manifest["target"][key]
+    for key, want in expected.items():
+        if want is not None and list_or_value(want) != list_or_value(actual[key]):
+            raise ValueError(
+                f"{source}: capture has {key}={actual[key]!r} but {want!r} was expected; "
+                "recapture with the matching target / target_layer_ids, or configure the "
+                "drafter to match the capture"
+            )
+
+
+def list_or_value(v: Any) -> Any:
+    return [int(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+# ---------------------------------------------------------------------------------- reader
+class ShardDataset(Dataset):
+    """Memory-mapped samples of a capture directory, validated at construction.
+
+    Item k: dict with ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D]
+    (stored dtype), ``target_argmax`` [S] int64, ``sample_id`` int. Keyword arguments are the
+    expectations of :func:`check_manifest`; ``verify_checksums`` re-hashes every shard.
+    """
+
+    def __init__(self, capture_dir: str | Path, *, verify_checksums: bool = False,
+                 **expect: Any):
+        self.root = Path(capture_dir)
+        self.manifest = read_manifest(self.root)
+        check_manifest(self.manifest, str(self.root / MANIFEST_FILE), **expect)
+        self._files: list[Path] = []
+        self._index: list[tuple[int, int, int, int]] = []  # (shard, local k, start, end)
+        for shard_no, rec in enumerate(self.manifest["shards"]):
+            path = self.root / rec["file"]
+            self._check_shard(path, rec, verify_checksums)
+            offsets = self._open(path).get_tensor("offsets").tolist()
+            self._files.append(path)
+            self._index.extend((shard_no, j, a, b)
+                               for j, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])))
+        self._handles: dict[int, Any] = {}
+
+    @staticmethod
+    def _check_shard(path: Path, rec: dict, verify: bool) -> None:
+        if not path.is_file():
+            raise ValueError(f"{path}: shard listed in the manifest is missing; rerun "
+                             "dflash-capture on this directory to rewrite it")
+        if path.stat().st_size != rec["bytes"]:
+            raise ValueError(f"{path}: truncated or corrupt ({path.stat().st_size} bytes, "
+                             f"manifest says {rec['bytes']}); delete it and rerun dflash-capture")
+        if verify and sha256_file(path) != rec["sha256"]:
+            raise ValueError(f"{path}: checksum mismatch (corrupt shard); delete it and rerun "
+                             "dflash-capture")
+
+    @staticmethod
+    def _open(path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{path}: unreadable shard ({err}); delete it and rerun "
+                             "dflash-capture") from err
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        shard_no, local, a, b = self._index[k]
+        if shard_no not in self._handles:
+            self._handles[shard_no] = self._open(self._files[shard_no])
+        f = self._handles[shard_no]
+        return {
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
+            "hidden": f.get_slice("hidden")[a:b],
+            "target_argmax": f.get_slice("target_argmax")[a:b].long(),
+            "sample_id": int(f.get_slice("sample_ids")[local:local + 1][0]),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open handles are per process (DataLoader workers reopen them lazily).
+        return {**self.__dict__, "_handles": {}}

@@ -1,0 +1,78 @@
+"""Target feature extraction: THE function used by offline capture, online training and eval.
+
+Legend: B batch, S sequence length, H target hidden size, nL = len(target_layer_ids), V vocab.
+Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class TargetFeatures(NamedTuple):
+    """``hidden_bsd`` [B, S, nL*H] (target dtype, concatenated in ``target_layer_ids`` order) and
+    ``argmax_bs`` [B, S] int64: the target's greedy next token after each position."""
+
+    hidden_bsd: torch.Tensor
+    argmax_bs: torch.Tensor
+
+
+def hf_hidden_state_indices(target_layer_ids: list[int]) -> list[int]:
+    """z-lab layer ids -> indices into HF ``output_hidden_states`` (= vLLM aux-layer ids)."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def check_target_layer_ids(target_layer_ids: list[int], num_hidden_layers: int) -> None:
+    """ValueError unless the ids are distinct and inside [0, num_hidden_layers)."""
+    ids = list(target_layer_ids)
+    bad = [i for i in ids if not 0 <= int(i) < num_hidden_layers]
+    if not ids or bad or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"target_layer_ids={ids} invalid for a target with {num_hidden_layers} layers: need "
+            f"distinct ids in [0, {num_hidden_layers}) (id i = output of decoder layer i); "
+            "use build_target_layer_ids(num_layers, n)"
+        )
+
+
+@torch.no_grad()
+def chunked_argmax(lm_head: torch.nn.Module, normed_bsh: torch.Tensor,
+                   chunk_tokens: int = 2048) -> torch.Tensor:
+    """argmax over the vocab of ``lm_head(normed_bsh)`` [B, S, H] -> [B, S] int64, computed in
+    chunks of positions so the [tokens, V] logits never exist for the whole batch at once."""
+    flat = normed_bsh.reshape(-1, normed_bsh.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        out[start:start + chunk_tokens] = lm_head(flat[start:start + chunk_tokens]).argmax(-1)
+    return out.view(normed_bsh.shape[:-1])
+
+
+@torch.no_grad()
+def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[int],
+                     attention_mask_bs: torch.Tensor | None = None,
+                     out_device: torch.device | str | None = None) -> TargetFeatures:
+    """Run the frozen target once and return its features at every position.
+
+    ``model``: an HF causal LM; ``input_ids_bs`` [B, S]; ``attention_mask_bs`` [B, S] (1 = real
+    token; use right padding: positions before the padding are then unaffected by it).
+    The argmax is computed from the base model's final (normed) hidden state with the LM head,
+    which equals ``logits.argmax(-1)`` without materialising [B, S, V] logits.
+    ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
+    return hidden states on several devices; they are gathered there).
+    """
+    check_target_layer_ids(target_layer_ids, int(model.config.num_hidden_layers))
+    embed_device = model.get_input_embeddings().weight.device
+    out_device = torch.device(out_device) if out_device is not None else input_ids_bs.device
+    if attention_mask_bs is not None:
+        attention_mask_bs = attention_mask_bs.to(embed_device)
+    base_out = model.base_model(input_ids=input_ids_bs.to(embed_device),
+                                attention_mask=attention_mask_bs, output_hidden_states=True,
+                                use_cache=False)
+    states = base_out.hidden_states
+    hidden_bsd = torch.cat(
+        [states[i].to(out_device) for i in hf_hidden_state_indices(target_layer_ids)], dim=-1)
+    lm_head = model.get_output_embeddings()
+    last_bsh = base_out.last_hidden_state.to(lm_head.weight.device)
+    argmax_bs = chunked_argmax(lm_head, last_bsh).to(out_device)
+    return TargetFeatures(hidden_bsd, argmax_bs)

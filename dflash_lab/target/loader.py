@@ -1,0 +1,199 @@
+"""Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it.
+
+A target comes from a local directory, a hub id (only when online) or a GGUF file
+(``gguf_file=``, needs the ``gguf`` package). It is always frozen (eval mode, no grad).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: Config keys that change with the saving tool or the load dtype, not with the model itself.
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype",
+     "_commit_hash", "_attn_implementation_autoset", "use_cache", "quantization_config"}
+)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/... or a torch dtype -> torch dtype (ValueError if unknown)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | None) -> str:
+    """``"auto"`` -> ``cuda:$LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    if device in (None, "auto"):
+        if torch.cuda.is_available():
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        return "cpu"
+    return device
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_hash(config) -> str:
+    """sha256 of the model config without volatile keys (tool version, dtype, path)."""
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return _sha256_json(d)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's vocabulary, merges and special tokens (not the chat template)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        payload: Any = json.loads(backend.to_str())
+    else:
+        payload = sorted(tokenizer.get_vocab().items())
+    return _sha256_json(payload)
+
+
+def chat_template_hash(tokenizer) -> str | None:
+    """sha256 of the chat template text, or None when the tokenizer has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
+
+
+class TargetPieces(nn.Module):
+    """The target's frozen token embedding, final norm and LM head, shared with the drafter.
+
+    The modules are the target's own (not copies); every parameter has ``requires_grad=False``.
+    ``embed_tokens``: ids [...] -> [..., H]; ``norm``: [..., H] -> [..., H];
+    ``lm_head``: [..., H] -> [..., V].
+    """
+
+    def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.norm = norm
+        self.lm_head = lm_head
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> TargetPieces:
+        """Pick the pieces out of an HF causal LM (``base_model.norm`` must exist)."""
+        base = model.base_model
+        norm = getattr(base, "norm", None)
+        if norm is None:
+            raise ValueError(
+                f"{type(model).__name__}: no final norm at base_model.norm; this architecture "
+                "is not supported as a DFlash target yet"
+            )
+        return cls(model.get_input_embeddings(), norm, model.get_output_embeddings())
+
+    def train(self, mode: bool = True) -> TargetPieces:
+        # Frozen forever: stay in eval mode whatever the parent module does.
+        return super().train(False)
+
+
+@dataclass
+class Target:
+    """A loaded, frozen target: HF model, tokenizer and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    name_or_path: str
+    gguf_file: str | None = None
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def pieces(self) -> TargetPieces:
+        """Frozen embedding, final norm and LM head (shared modules)."""
+        return TargetPieces.from_model(self.model)
+
+    def token_id(self, token: str) -> int:
+        """Id of a token that must exist in the vocabulary (e.g. the MASK token)."""
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == self.tokenizer.unk_token_id:
+            raise ValueError(f"{self.name_or_path}: token {token!r} is not in the vocabulary")
+        return int(tid)
+
+    def identity(self) -> dict[str, Any]:
+        """What a capture manifest records to recognise this target later."""
+        return {
+            "name_or_path": self.name_or_path,
+            "gguf_file": self.gguf_file,
+            "architecture": (self.model.config.architectures or [type(self.model).__name__])[0],
+            "config_hash": config_hash(self.model.config),
+            "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "chat_template_hash": chat_template_hash(self.tokenizer),
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+        }
+
+
+def _check_source(name_or_path: str, gguf_file: str | None) -> None:
+    path = Path(name_or_path)
+    looks_local = path.is_absolute() or name_or_path.startswith(".") or path.exists()
+    if looks_local and not path.is_dir():
+        raise ValueError(
+            f"target path {name_or_path!r} does not exist; materialise the tiny target with "
+            "dflash_lab.target.tiny.materialize_tiny_target() or pass a model directory / hub id"
+        )
+    if gguf_file and looks_local and not (path / gguf_file).is_file():
+        raise ValueError(f"gguf_file {gguf_file!r} not found in {name_or_path!r}")
+
+
+def load_target(name_or_path: str, *, gguf_file: str | None = None,
+                dtype: str | torch.dtype = "bfloat16", device: str | None = "auto",
+                device_map: str | dict | None = None, attn_implementation: str | None = "sdpa",
+                local_files_only: bool | None = None) -> Target:
+    """Load a frozen causal LM and its tokenizer.
+
+    ``device_map`` (e.g. ``"auto"``) spreads a target bigger than one GPU over the visible GPUs
+    and overrides ``device``. ``local_files_only`` defaults to True for existing local paths and
+    to ``HF_HUB_OFFLINE`` otherwise.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_source(name_or_path, gguf_file)
+    if local_files_only is None:
+        local_files_only = Path(name_or_path).is_dir() or bool(os.environ.get("HF_HUB_OFFLINE"))
+    common: dict[str, Any] = {"local_files_only": local_files_only}
+    if gguf_file:
+        common["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **common)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=resolve_dtype(dtype), device_map=device_map,
+        attn_implementation=attn_implementation, **common)
+    if device_map is None:
+        model.to(resolve_device(device))
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name_or_path=name_or_path, gguf_file=gguf_file)

@@ -1,0 +1,157 @@
+"""Capture on the tiny target: round trip, resume after a crash, rank split + merge, entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_lab.data import shards
+from dflash_lab.data.capture_loop import CaptureSettings, run_capture
+from dflash_lab.data.demo_corpus import demo_conversations
+from dflash_lab.target.chat import tokenize_conversation
+from dflash_lab.target.features import extract_features
+
+LAYERS = [1, 3, 5]
+ROWS = [{"messages": c} for c in demo_conversations(20, seed=7)]
+SOURCE = {"path": "demo-seed7"}
+
+
+def _settings(out_dir, **kw) -> CaptureSettings:
+    base = dict(out_dir=str(out_dir), target_layer_ids=LAYERS, shard_size=6, batch_size=4,
+                max_length=64)
+    return CaptureSettings(**{**base, **kw})
+
+
+def _checksums(manifest) -> list[str]:
+    return [s["sha256"] for s in manifest["shards"]]
+
+
+@pytest.fixture(scope="module")
+def clean_capture(tiny_target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    return out, run_capture(tiny_target, ROWS, _settings(out), SOURCE, progress=False)
+
+
+def test_features_read_back_equal_a_fresh_forward(tiny_target, clean_capture):
+    out, manifest = clean_capture
+    assert manifest["num_samples"] == len(ROWS) and len(manifest["shards"]) == 4
+    assert manifest["target_layer_ids"] == LAYERS
+    assert manifest["hf_hidden_state_indices"] == [2, 4, 6]
+    assert manifest["target"] == tiny_target.identity()
+    ds = shards.ShardDataset(out, target_layer_ids=LAYERS, hidden_size=tiny_target.hidden_size,
+                             vocab_size=tiny_target.vocab_size, target=tiny_target.identity(),
+                             verify_checksums=True)
+    for k in (0, 7, 19):
+        item = ds[k]
+        tc = tokenize_conversation(tiny_target.tokenizer, ROWS[k]["messages"], max_length=64)
+        fresh = extract_features(tiny_target.model, tc.input_ids[None], LAYERS)
+        assert item["sample_id"] == k
+        assert torch.equal(item["input_ids"], tc.input_ids)
+        assert torch.equal(item["loss_mask"], tc.loss_mask)
+        assert torch.equal(item["target_argmax"], fresh.argmax_bs[0])
+        ref = fresh.hidden_bsd[0].to(torch.bfloat16).float()
+        assert torch.allclose(item["hidden"].float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_resume_after_a_crash_gives_identical_shards(tiny_target, clean_capture, tmp_path,
+                                                     monkeypatch):
+    real_write, calls = shards.write_shard, []
+
+    def crashing_write(out_dir, index, samples, *args, **kwargs):
+        calls.append(index)
+        if len(calls) == 3:  # die mid-write: a half-written temporary file is left behind
+            (tmp_path / (shards.shard_file(index) + ".tmp")).write_bytes(b"partial")
+            raise KeyboardInterrupt("simulated kill")
+        return real_write(out_dir, index, samples, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_shard", crashing_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    assert not (tmp_path / shards.MANIFEST_FILE).exists()
+    done_before = (tmp_path / shards.shard_file(0)).stat().st_mtime_ns
+    monkeypatch.setattr(shards, "write_shard", real_write)
+    calls.clear()
+    manifest = run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    assert _checksums(manifest) == _checksums(clean_capture[1])
+    assert (tmp_path / shards.shard_file(0)).stat().st_mtime_ns == done_before  # skipped
+
+
+def test_a_corrupt_shard_is_rewritten_on_rerun(tiny_target, clean_capture, tmp_path):
+    run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    path = tmp_path / shards.shard_file(1)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="shard-00001.safetensors"):
+        shards.ShardDataset(tmp_path)
+    manifest = run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    assert _checksums(manifest) == _checksums(clean_capture[1])
+
+
+def test_two_ranks_write_disjoint_shards_and_merge(tiny_target, clean_capture, tmp_path):
+    first = run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, rank=0, world_size=2,
+                        progress=False)
+    assert first is None  # rank 1's shards are missing
+    written = sorted(p.name for p in tmp_path.glob("shard-*.safetensors"))
+    assert written == [shards.shard_file(0), shards.shard_file(2)]
+    merged = run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, rank=1, world_size=2,
+                         progress=False)
+    assert _checksums(merged) == _checksums(clean_capture[1])
+    assert merged["num_samples"] == len(ROWS)
+
+
+def test_changed_settings_in_the_same_dir_are_refused(tiny_target, clean_capture):
+    out, _ = clean_capture
+    with pytest.raises(ValueError, match="max_length: existing=64 new=32"):
+        run_capture(tiny_target, ROWS, _settings(out, max_length=32), SOURCE, progress=False)
+
+
+def test_bad_inputs_are_refused(tiny_target, tmp_path):
+    rows = ROWS[:2] + [{"messages": [{"role": "user", "content": "no answer"}]}]
+    with pytest.raises(ValueError, match="row 2: .*no assistant turn"):
+        run_capture(tiny_target, rows, _settings(tmp_path), SOURCE, progress=False)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        run_capture(tiny_target, ROWS, _settings(tmp_path / "b", target_layer_ids=[0, 9]),
+                    SOURCE, progress=False)
+
+
+def test_samples_without_loss_tokens_after_truncation_are_dropped(tiny_target, tmp_path):
+    manifest = run_capture(tiny_target, ROWS[:6], _settings(tmp_path, max_length=8), SOURCE,
+                           progress=False)
+    assert manifest["num_samples"] == 0 and manifest["num_dropped"] == 6
+    assert len(shards.ShardDataset(tmp_path)) == 0
+
+
+def test_entry_point_config_composes_and_runs(tiny_target_dir, tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from dflash_lab.capture import capture
+    from dflash_lab.paths import CONF_DIR
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "cap"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="capture", return_hydra_config=False, overrides=[
+            f"target.path={tiny_target_dir}", f"capture.out_dir={out}", "data.limit=5",
+            "data.demo_rows=16", f"data.demo_file={tmp_path / 'demo.jsonl'}",
+            "capture.shard_size=4", "capture.progress=false",
+        ])
+    manifest = capture(cfg)
+    assert manifest["num_samples"] == 5
+    assert manifest["target_layer_ids"] == [1, 2, 3, 4, 5]  # build_target_layer_ids(8, 5)
+    info = json.loads((out / "run_info.json").read_text())
+    assert {"git_sha", "argv", "versions"} <= set(info) and "torch" in info["versions"]
+    assert "target:" in (out / "config.yaml").read_text()
+
+
+def test_rank_env_is_validated(monkeypatch):
+    from dflash_lab.capture import rank_and_world
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK=2"):
+        rank_and_world()
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert rank_and_world() == (0, 1)

@@ -1,0 +1,107 @@
+"""Chat template rendering and the assistant loss mask, in both conversation formats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_lab.target.chat import (
+    assistant_char_spans,
+    normalize_conversation,
+    tokenize_conversation,
+)
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "4 + 4 = 8."},
+]
+SHAREGPT = {"conversations": [
+    {"from": "system", "value": "Be brief."}, {"from": "human", "value": "What is 2 + 3?"},
+    {"from": "gpt", "value": "2 + 3 = 5."}, {"from": "human", "value": "And 4 + 4?"},
+    {"from": "gpt", "value": "4 + 4 = 8."},
+]}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_target):
+    return tiny_target.tokenizer
+
+
+def _masked_runs(tok, tc) -> list[str]:
+    """Decoded text of each contiguous run of loss-masked tokens."""
+    runs, cur = [], []
+    for tid, m in zip(tc.input_ids.tolist(), tc.loss_mask.tolist()):
+        if m:
+            cur.append(tid)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    return runs
+
+
+def test_multi_turn_mask_is_exactly_the_assistant_turns_with_end_of_turn(tok):
+    tc = tokenize_conversation(tok, MESSAGES)
+    assert _masked_runs(tok, tc) == ["2 + 3 = 5.<|im_end|>", "4 + 4 = 8.<|im_end|>"]
+    assert tok.decode(tc.input_ids) == tok.apply_chat_template(MESSAGES, tokenize=False)
+    assert tc.input_ids.dtype == torch.long and tc.loss_mask.dtype == torch.bool
+
+
+def test_sharegpt_and_openai_formats_give_identical_samples(tok):
+    msgs = normalize_conversation(SHAREGPT)
+    assert msgs == MESSAGES
+    a = tokenize_conversation(tok, normalize_conversation({"messages": MESSAGES}))
+    b = tokenize_conversation(tok, msgs)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+
+
+def test_last_turn_only(tok):
+    tc = tokenize_conversation(tok, MESSAGES, last_turn_only=True)
+    assert _masked_runs(tok, tc) == ["4 + 4 = 8.<|im_end|>"]
+
+
+def test_thinking_switch_adds_an_unmasked_empty_think_block(tok):
+    on = tokenize_conversation(tok, MESSAGES, enable_thinking=True)
+    off = tokenize_conversation(tok, MESSAGES, enable_thinking=False)
+    assert "<think>" not in tok.decode(on.input_ids)
+    assert tok.decode(off.input_ids).count("<think>\n\n</think>\n\n") == 2
+    assert _masked_runs(tok, off) == _masked_runs(tok, on)  # glue stays outside the loss
+
+
+def test_reasoning_content_is_part_of_the_assistant_turn(tok):
+    msgs = [{"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "5.", "reasoning_content": "add them"}]
+    tc = tokenize_conversation(tok, msgs)
+    assert _masked_runs(tok, tc) == ["<think>\nadd them\n</think>\n\n5.<|im_end|>"]
+
+
+def test_truncation_keeps_mask_aligned(tok):
+    full = tokenize_conversation(tok, MESSAGES)
+    cut = tokenize_conversation(tok, MESSAGES, max_length=20)
+    assert len(cut.input_ids) == 20
+    assert torch.equal(cut.input_ids, full.input_ids[:20])
+    assert torch.equal(cut.loss_mask, full.loss_mask[:20])
+
+
+def test_spans_are_char_exact(tok):
+    text, spans = assistant_char_spans(tok, MESSAGES)
+    assert [text[a:b] for a, b in spans] == ["2 + 3 = 5.<|im_end|>", "4 + 4 = 8.<|im_end|>"]
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"text": "hi"}, "expected 'messages'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "from"),
+])
+def test_bad_rows_are_refused(row, match):
+    with pytest.raises(ValueError, match=match):
+        normalize_conversation(row)
+
+
+def test_conversation_without_assistant_turn_is_refused(tok):
+    with pytest.raises(ValueError, match="no assistant turn"):
+        tokenize_conversation(tok, [{"role": "user", "content": "hello"}])
