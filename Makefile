@@ -24,7 +24,7 @@ venv: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
 demo: venv
-	$(VENV)/bin/dflash-demo
+	$(VENV)/bin/dflash-train recipe=tiny_cpu
 
 test: dev
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,9 @@
 """Lightning data modules: batches of target features for DFlash training.
 
 Every batch carries (rows right-padded to the longest row, Bt x S):
-  input_ids [Bt, S] long, loss_mask [Bt, S] bool (False on padding), hidden [Bt, S, F] target
-  features at target_layer_ids, target_argmax [Bt, S] long (target's greedy next token).
+  input_ids [Bt, S] long, loss_mask [Bt, S] bool (False on padding), attention_mask [Bt, S]
+  bool (real tokens), hidden [Bt, S, F] target features at target_layer_ids, target_argmax
+  [Bt, S] long (target's greedy next token; meaningless on padding).
 Anchors are sampled by the training module per step (see dflash_lab/data/anchors.py), so padding
 never needs a mask of its own: no anchor points into it and no context past an anchor is seen.
 
@@ -28,7 +29,8 @@ PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax"
 
 def pad_collate(samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Right-pad the per-sample tensors ([S] or [S, F]) of PAD_VALUES' keys to the longest
-    sample; other keys (e.g. ``sample_id``) are dropped."""
+    sample and add ``attention_mask`` [Bt, S] (True on real tokens); other keys (e.g.
+    ``sample_id``) are dropped."""
     longest = max(s["input_ids"].shape[0] for s in samples)
     batch: dict[str, Tensor] = {}
     for key in PAD_VALUES:
@@ -44,6 +46,8 @@ def pad_collate(samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
             rows.append(t)
         batch[key] = torch.stack(rows)
     batch["loss_mask"] = batch["loss_mask"].bool()
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples])
+    batch["attention_mask"] = torch.arange(longest)[None] < lengths[:, None]
     return batch
 
 
@@ -140,7 +144,8 @@ class OnlineDataModule(BlockDataModule):
                  max_length: int = 2048, num_samples: int | None = None,
                  last_turn_only: bool = False, enable_thinking: bool | None = None,
                  demo_rows: int = 512, demo_seed: int = 1,
-                 demo_file: str = "outputs/demo/train_conversations.jsonl", **kw: Any):
+                 demo_file: str = "outputs/demo/train_conversations.jsonl",
+                 shuffle_seed: int | None = 0, **kw: Any):
         super().__init__(**kw)
         if conversations == "demo":  # the built-in demo conversations, written to a file
             from dflash_lab.data.demo_corpus import write_demo_jsonl
@@ -150,13 +155,14 @@ class OnlineDataModule(BlockDataModule):
         self.target_layer_ids = list(target_layer_ids)
         self.max_length, self.num_samples = max_length, num_samples
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
+        self.shuffle_seed = shuffle_seed
 
     def load_samples(self) -> Dataset:
         from dflash_lab.data.conversations import load_conversations
         from dflash_lab.target.chat import normalize_conversation, tokenize_conversation
 
         rows = load_conversations(self.conversations, limit=self.num_samples,
-                                  shuffle_seed=self.seed)
+                                  shuffle_seed=self.shuffle_seed)
         items = []
         for k, row in enumerate(rows):
             messages = normalize_conversation(row, where=f"{self.conversations} row {k}")

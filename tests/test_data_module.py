@@ -1,0 +1,73 @@
+"""Data modules: online features equal captured ones; split, collate and epoch shuffling."""
+
+import json
+
+import torch
+
+from dflash_lab.data.capture_loop import CaptureSettings, run_capture
+from dflash_lab.data.demo_corpus import demo_conversations
+from dflash_lab.data.module import (
+    EpochShuffleSampler,
+    OfflineDataModule,
+    OnlineDataModule,
+    pad_collate,
+    split_indices,
+)
+
+LAYERS = [1, 3, 5]
+
+
+def test_online_batches_equal_offline_batches_from_a_capture(tiny_target, tmp_path):
+    rows = [{"messages": c} for c in demo_conversations(12, seed=11)]
+    jsonl = tmp_path / "conv.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = CaptureSettings(out_dir=str(tmp_path / "cap"), target_layer_ids=LAYERS,
+                               max_length=64, hidden_dtype="float32", shard_size=5,
+                               batch_size=3)
+    run_capture(tiny_target, rows, settings, {"path": str(jsonl)}, progress=False)
+    common = dict(target=tiny_target, target_layer_ids=LAYERS, batch_size=4, val_fraction=0.25,
+                  seed=3)
+    offline = OfflineDataModule(str(tmp_path / "cap"), hidden_size=64, vocab_size=768,
+                                verify_checksums=True, **common)
+    online = OnlineDataModule(str(jsonl), max_length=64, shuffle_seed=None, **common)
+    for dm in (offline, online):
+        dm.setup("fit")
+    pairs = list(zip(offline.train_dataloader(), online.train_dataloader()))
+    pairs += list(zip(offline.val_dataloader(), online.val_dataloader()))
+    assert len(pairs) == 3 + 1
+    for off, on in pairs:
+        on = online.on_after_batch_transfer(on, 0)
+        real = off["attention_mask"]
+        assert torch.equal(real, on["attention_mask"])
+        for key in ("input_ids", "loss_mask", "target_argmax"):
+            assert torch.equal(off[key][real], on[key][real]), key
+        torch.testing.assert_close(off["hidden"][real], on["hidden"][real], rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_pad_collate_right_pads_and_drops_unknown_keys():
+    a = {"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([0, 1, 1]),
+         "hidden": torch.ones(3, 2), "target_argmax": torch.tensor([4, 5, 6]), "sample_id": 0}
+    b = {"input_ids": torch.tensor([7]), "loss_mask": torch.tensor([1]),
+         "hidden": torch.ones(1, 2), "target_argmax": torch.tensor([8]), "sample_id": 1}
+    batch = pad_collate([a, b])
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [7, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
+    assert batch["hidden"][1, 1:].abs().sum() == 0 and "sample_id" not in batch
+    assert batch["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+
+
+def test_split_is_deterministic_disjoint_and_bounded():
+    train, val = split_indices(100, 0.1, seed=5)
+    assert split_indices(100, 0.1, seed=5) == (train, val)
+    assert not set(train) & set(val) and len(train) + len(val) == 100 and len(val) == 10
+    assert len(split_indices(100, 0.5, seed=5, max_val=7)[1]) == 7
+
+
+def test_epoch_sampler_depends_only_on_seed_and_epoch():
+    s = EpochShuffleSampler(50, seed=2)
+    first = list(s)
+    s.set_epoch(1)
+    second = list(s)
+    s.set_epoch(0)
+    assert list(s) == first and second != first and sorted(second) == list(range(50))
