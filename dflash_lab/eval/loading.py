@@ -1,0 +1,102 @@
+"""Load what the eval needs: the target, the drafter (through the exporter's import API) and the
+check that they belong together.
+
+A drafter path is a training checkpoint (``.ckpt``), a training run directory (its best, else last
+checkpoint) or a serving directory (ours, or a z-lab style one whose implicit causality the
+exporter resolves with a named engine rule set). The exporter owns those formats; this module only
+turns its ``(config, state_dict)`` into a :class:`DFlashDrafter`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash_lab.model.drafter import DFlashDrafter
+
+#: ``target.path`` value that selects the built-in tiny target.
+TINY_TARGET = "tiny"
+
+
+@dataclass
+class LoadedDrafter:
+    """A drafter ready for inference plus where it came from (recorded in the report)."""
+
+    drafter: DFlashDrafter
+    description: str
+    trained_block_size: int
+    notes: list[str] = field(default_factory=list)
+
+
+def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, block_size: int | None = None,
+                 assume: str | None = None) -> LoadedDrafter:
+    """Load a drafter from a checkpoint, run directory or serving directory.
+
+    ``block_size`` (<= the trained one) sets the inference block; ``assume`` names the engine
+    rule set used to read a third-party serving directory (default: the exporter's).
+    """
+    from export.sources import ImportedDrafter, import_drafter, is_serving_dir, load_source
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"drafter.path={str(path)!r} does not exist; pass a training checkpoint "
+                         "(.ckpt), a run directory or a serving directory (config.json + "
+                         "model.safetensors)")
+    if assume is not None and is_serving_dir(path):
+        imported: ImportedDrafter = import_drafter(path, assume)
+        config, state = imported.config, imported.state_dict
+        description = f"serving directory {path}"
+        notes = [f"causality resolved by {imported.assumed_rules}", *imported.disagreements]
+    else:
+        source = load_source(path)
+        config, state = source.config, source.state_dict
+        description, notes = source.description, list(source.notes)
+    trained = config.block_size
+    if block_size is not None and block_size != trained:
+        _check_block_size(block_size, config.block_size)
+        notes.append(f"block_size {block_size} (trained with {config.block_size})")
+        config = dataclasses.replace(config, block_size=int(block_size))
+    drafter = DFlashDrafter(config, backend=backend)
+    drafter.load_state_dict(state, strict=True)
+    drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return LoadedDrafter(drafter, description, trained, notes)
+
+
+def _check_block_size(block_size: int, trained: int) -> None:
+    if not 2 <= int(block_size) <= trained:
+        raise ValueError(f"block_size={block_size}: must be in [2, {trained}] (the drafter was "
+                         f"trained with block_size={trained}); omit it to use the trained size")
+
+
+def check_pair(drafter: DFlashDrafter, target) -> None:
+    """ValueError when the drafter was not built for this target: hidden size, vocab, and layer
+    ids inside the target's depth (``num_target_layers`` itself is not compared: third-party
+    configs sometimes omit it)."""
+    cfg = drafter.config
+    problems = [f"{key}={want} but the target has {have}" for key, want, have in (
+        ("hidden_size", cfg.hidden_size, target.hidden_size),
+        ("vocab_size", cfg.vocab_size, target.vocab_size)) if want != have]
+    if max(cfg.target_layer_ids) >= target.num_hidden_layers:
+        problems.append(f"target_layer_ids={cfg.target_layer_ids} but the target has only "
+                        f"{target.num_hidden_layers} layers")
+    if problems:
+        raise ValueError(f"drafter ({cfg._source}) does not fit target {target.name_or_path!r}: "
+                         + "; ".join(problems) + "; pass the target the drafter was trained for "
+                         "(target.path=...)")
+
+
+def load_eval_target(path: str, *, gguf_file: str | None = None, dtype: str = "float32",
+                     device: str = "auto", device_map: str | None = None):
+    """Load the target; ``path=tiny`` materialises (or reuses) the built-in tiny target."""
+    from dflash_lab.target.loader import load_target
+
+    if path == TINY_TARGET:
+        from dflash_lab.target.tiny import materialize_tiny_target
+
+        path = str(materialize_tiny_target())
+    return load_target(path, gguf_file=gguf_file, dtype=dtype, device=device,
+                       device_map=device_map)

@@ -1,0 +1,138 @@
+"""Speculative decoding with a DFlash drafter, and the plain target decoding it must reproduce.
+
+One round (dflash.md section 1), with the anchor a (the last committed token) at position C:
+
+1. draft: the proposer turns its cached context (features of positions 0..C-1) and a into
+   drafts d_1..d_{B-1} for positions C+1..C+B-1;
+2. verify: ONE target forward over [a, d_1..d_{B-1}] at positions C..C+B-1 gives the target's
+   choice for positions C+1..C+B and the features at C..C+B-1;
+3. accept the leading drafts that match (see :mod:`dflash_lab.eval.sampling`), commit them plus
+   the bonus token; crop the target cache to C + accepted + 1 (a and the accepted drafts stay,
+   their cached keys/values are exactly those of the committed tokens); append the features of
+   those accepted + 1 positions to the drafter context. The bonus becomes the next anchor.
+
+Per round we record the acceptance length ``accepted + 1`` (counted up to the token budget or a
+stop token, as the reference implementation does), so ``len(output) == 1 + sum(lengths)``.
+
+Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at a time).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dflash_lab.eval.proposer import Proposer
+from dflash_lab.eval.sampling import propose, verify
+from dflash_lab.eval.target_runner import TargetRunner
+
+
+@dataclass
+class DecodeSettings:
+    """Decoding settings shared by the speculative run and its baseline."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    sampling: str = "exact_match"  #: T > 0 only: exact_match | rejection
+    stop_token_ids: tuple[int, ...] = ()  #: generation ends after emitting one of these
+
+
+@dataclass
+class Generation:
+    """One prompt's result. Times in seconds; ``acceptance_lengths`` one entry per round."""
+
+    output_ids: list[int]
+    seconds: float
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+
+
+class Clock:
+    """perf_counter that first waits for queued GPU work, so timings cover the work itself."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _keep(new_ids: list[int], budget: int, stop_ids: tuple[int, ...]) -> tuple[list[int], bool]:
+    """Cut ``new_ids`` to the remaining token budget and just after the first stop token;
+    returns (kept, finished)."""
+    kept = new_ids[:budget]
+    for i, tok in enumerate(kept):
+        if tok in stop_ids:
+            return kept[:i + 1], True
+    return kept, len(kept) >= budget
+
+
+def _first_token(logits_1v: Tensor, settings: DecodeSettings, generator) -> int:
+    if settings.temperature == 0:
+        return int(logits_1v[-1].argmax())
+    probs = torch.softmax(logits_1v[-1:].float() / settings.temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator)[0, 0])
+
+
+@torch.no_grad()
+def speculative_generate(target: TargetRunner, proposer: Proposer, prompt_ids: list[int],
+                         settings: DecodeSettings, generator: torch.Generator | None = None,
+                         ) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens for one prompt with draft-and-verify rounds."""
+    clock = Clock(target.device)
+    start = clock()
+    target.reset()
+    prefill = target.forward(torch.tensor(prompt_ids), last_only=True)
+    proposer.start(prefill.features_nf)
+    out, done = _keep([_first_token(prefill.logits_nv, settings, generator)],
+                      settings.max_new_tokens, settings.stop_token_ids)
+    result = Generation(out, 0.0)
+    while not done:
+        anchor_pos = target.length  # = len(prompt) + len(out) - 1 = proposer.context_length
+        assert anchor_pos == proposer.context_length, "target and drafter contexts diverged"
+        t0 = clock()
+        drafts, q = propose(proposer.propose(out[-1]), settings.temperature, settings.sampling,
+                            generator)
+        t1 = clock()
+        block = torch.cat([torch.tensor([out[-1]], device=drafts.device), drafts])
+        step = target.forward(block)
+        verdict = verify(drafts, q, step.logits_nv, settings.temperature, settings.sampling,
+                         generator)
+        target.crop(anchor_pos + verdict.accepted + 1)
+        t2 = clock()
+        new = drafts[:verdict.accepted].tolist() + [verdict.bonus]
+        kept, done = _keep(new, settings.max_new_tokens - len(out), settings.stop_token_ids)
+        out.extend(kept)
+        if not done:  # features of the anchor and the accepted drafts
+            proposer.extend(step.features_nf[:, :verdict.accepted + 1])
+        t3 = clock()
+        result.acceptance_lengths.append(len(kept))
+        result.draft_seconds.append((t1 - t0) + (t3 - t2))
+        result.verify_seconds.append(t2 - t1)
+    result.seconds = clock() - start
+    return result
+
+
+@torch.no_grad()
+def baseline_generate(target: TargetRunner, prompt_ids: list[int], settings: DecodeSettings,
+                      generator: torch.Generator | None = None) -> Generation:
+    """Plain decoding with the target alone: one forward per token, same stopping rules."""
+    clock = Clock(target.device)
+    start = clock()
+    target.reset()
+    logits = target.forward(torch.tensor(prompt_ids), last_only=True).logits_nv
+    out: list[int] = []
+    done = False
+    while not done:
+        kept, done = _keep([_first_token(logits, settings, generator)],
+                           settings.max_new_tokens - len(out), settings.stop_token_ids)
+        out.extend(kept)
+        if not done:
+            logits = target.forward(torch.tensor(out[-1:]), last_only=True).logits_nv
+    return Generation(out, clock() - start)

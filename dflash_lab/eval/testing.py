@@ -1,0 +1,196 @@
+"""Test doubles and fixtures for the speculative loop (no downloads, deterministic).
+
+- :class:`OracleProposer`: drafts the target's own greedy continuation (optionally wrong at
+  chosen slots), the upper bound tau == B and a way to force any acceptance pattern.
+- :class:`RecordingProposer`: wraps a real proposer, records every round's context length,
+  anchor and logits, and can return another proposer's logits instead (real cache, chosen
+  acceptance).
+- :class:`MarkovTarget` / :class:`MarkovProposer`: a toy target and drafter over a tiny vocab with
+  known distributions, for statistical tests of the sampling rules through the real loop.
+- :func:`tiny_drafter_for`, :func:`write_serving_dir`, :func:`write_checkpoint`: drafters for the
+  built-in tiny target in every format the eval accepts.
+
+Shape legend: n positions, F features, B block size, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
+from dflash_lab.model.drafter import DFlashDrafter
+
+_BIG = 30.0  # logit margin of the oracle's chosen token
+
+
+class OracleProposer:
+    """Proposes ``sequence[C + t]`` at slot t (``sequence`` = prompt + the target's greedy
+    continuation, long enough to cover every block). ``wrong(C, t)`` True makes that slot miss."""
+
+    def __init__(self, sequence: list[int], block_size: int, vocab_size: int,
+                 wrong: Callable[[int, int], bool] | None = None):
+        self.sequence = list(sequence)
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.wrong = wrong
+        self._length = 0
+
+    @property
+    def context_length(self) -> int:
+        return self._length
+
+    def start(self, features_nf: Tensor) -> None:
+        self._length = features_nf.shape[1]
+
+    def extend(self, features_nf: Tensor) -> None:
+        self._length += features_nf.shape[1]
+
+    def propose(self, anchor_id: int) -> Tensor:
+        c = self._length
+        logits = torch.zeros(self.block_size - 1, self.vocab_size)
+        for t in range(1, self.block_size):
+            tok = self.sequence[c + t] if c + t < len(self.sequence) else 0
+            if self.wrong is not None and self.wrong(c, t):
+                tok = (tok + 1) % self.vocab_size
+            logits[t - 1, tok] = _BIG
+        return logits
+
+
+class RecordingProposer:
+    """Delegates to ``inner``; records (context length, anchor, inner logits) per round and
+    returns ``steer``'s logits instead when given (``steer`` sees the same start/extend calls)."""
+
+    def __init__(self, inner, steer=None):
+        self.inner = inner
+        self.steer = steer
+        self.block_size = inner.block_size
+        self.rounds: list[tuple[int, int, Tensor]] = []
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    def start(self, features_nf: Tensor) -> None:
+        self.inner.start(features_nf)
+        if self.steer is not None:
+            self.steer.start(features_nf)
+
+    def extend(self, features_nf: Tensor) -> None:
+        self.inner.extend(features_nf)
+        if self.steer is not None:
+            self.steer.extend(features_nf)
+
+    def propose(self, anchor_id: int) -> Tensor:
+        logits = self.inner.propose(anchor_id)
+        self.rounds.append((self.inner.context_length, anchor_id, logits))
+        return logits if self.steer is None else self.steer.propose(anchor_id)
+
+
+class MarkovTarget:
+    """A toy target: next-token logits depend only on the current token (``log_probs_vv``
+    [V, V], row = current token). Implements the TargetRunner interface; features are zeros."""
+
+    def __init__(self, log_probs_vv: Tensor):
+        self.table = log_probs_vv
+        self.device = torch.device("cpu")
+        self.ids: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def reset(self) -> None:
+        self.ids = []
+
+    def forward(self, ids_n: Tensor, last_only: bool = False):
+        from dflash_lab.eval.target_runner import StepOutput
+
+        new = ids_n.view(-1).tolist()
+        self.ids.extend(new)
+        logits = self.table[torch.tensor(new[-1:] if last_only else new)]
+        return StepOutput(logits, torch.zeros(1, len(new), 1))
+
+    def crop(self, length: int) -> None:
+        self.ids = self.ids[:length]
+
+
+class MarkovProposer:
+    """A toy drafter: slot t's logits are ``tables[t-1][anchor]`` ([B-1, V, V] log-probs)."""
+
+    def __init__(self, tables_kvv: Tensor):
+        self.tables = tables_kvv
+        self.block_size = tables_kvv.shape[0] + 1
+        self._length = 0
+
+    @property
+    def context_length(self) -> int:
+        return self._length
+
+    def start(self, features_nf: Tensor) -> None:
+        self._length = features_nf.shape[1]
+
+    def extend(self, features_nf: Tensor) -> None:
+        self._length += features_nf.shape[1]
+
+    def propose(self, anchor_id: int) -> Tensor:
+        return self.tables[:, anchor_id]
+
+
+def tiny_drafter_for(target, *, block_size: int = 8, num_layers: int = 2, num_inputs: int = 3,
+                     seed: int = 0, **overrides) -> DFlashDrafter:
+    """An untrained drafter shaped for ``target`` (a loaded Target), MASK = the tiny target's."""
+    from dflash_lab.target.tiny import MASK_TOKEN
+
+    cfg = target.model.config
+    kwargs = dict(
+        hidden_size=cfg.hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=2 * cfg.hidden_size, vocab_size=cfg.vocab_size,
+        mask_token_id=target.token_id(MASK_TOKEN), num_target_layers=cfg.num_hidden_layers,
+        target_layer_ids=build_target_layer_ids(cfg.num_hidden_layers, num_inputs),
+        block_size=block_size,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return DFlashDrafter(DrafterConfig.create(source="tiny_drafter_for", **kwargs)).eval()
+
+
+def write_serving_dir(drafter: DFlashDrafter, path: str | Path, *, zlab_style: bool = False,
+                      ) -> Path:
+    """config.json + model.safetensors (+ mask_embedding.pt). ``zlab_style`` writes the
+    third-party form: no training spec, no ``layer_types``/``is_causal``, implicit causality."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = drafter.config.to_dict()
+    if zlab_style:
+        from dflash_lab.model.config import TRAINING_SPEC_KEY
+
+        for key in (TRAINING_SPEC_KEY, "layer_types", "is_causal", "use_sliding_window",
+                    "sliding_window", "max_window_layers"):
+            config.pop(key, None)
+        config["dflash_config"].pop("causal", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    mask = state.pop("mask_embedding", None)
+    save_file(state, str(path / "model.safetensors"))
+    if mask is not None:
+        torch.save({"embedding": mask, "mask_token_id": drafter.config.mask_token_id},
+                   path / "mask_embedding.pt")
+    return path
+
+
+def write_checkpoint(drafter: DFlashDrafter, path: str | Path) -> Path:
+    """A Lightning-style ``.ckpt`` as the training module saves it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"drafter.{k}": v.detach().clone() for k, v in drafter.state_dict().items()}
+    torch.save({"state_dict": state,
+                "hyper_parameters": {"drafter_config": drafter.config.to_dict()}}, path)
+    return path
