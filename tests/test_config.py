@@ -140,3 +140,15 @@ def test_json_file_round_trip_and_bad_json(tmp_path):
 def test_missing_required_keys_are_reported():
     with pytest.raises(ValueError, match="missing required keys"):
         DrafterConfig.from_dict({"hidden_size": 8})
+
+
+def test_hydra_containers_become_plain_python():
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"is_causal": [True, False], "layer_types": ["full_attention"] * 2,
+                             "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    cfg = tiny_drafter_config(is_causal=node.is_causal, layer_types=node.layer_types,
+                              rope_scaling=node.rope_scaling)
+    assert type(cfg.is_causal) is list and type(cfg.layer_types) is list
+    assert type(cfg.rope_scaling) is dict
+    json.dumps(cfg.to_dict())

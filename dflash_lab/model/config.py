@@ -118,8 +118,11 @@ class DrafterConfig:
             self.layer_types = [FULL] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if isinstance(self.is_causal, (list, tuple)):
+        # Plain Python containers, whatever came in (e.g. OmegaConf ListConfig from Hydra).
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
             self.is_causal = [bool(c) for c in self.is_causal]
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
         self._validate()
 
     def _fail(self, key: str, value: Any, fix: str) -> None:
