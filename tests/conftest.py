@@ -22,3 +22,14 @@ def tiny_target(tiny_target_dir):
     from dflash_lab.target.loader import load_target
 
     return load_target(str(tiny_target_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny tensors run much faster single-threaded (and stay stable on a loaded 2-core box)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

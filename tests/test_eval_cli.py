@@ -28,12 +28,6 @@ ISSUE_FIELDS = ("tau_mean", "tau_per_prompt", "acceptance_lengths", "per_positio
                 "draft_ms_per_round", "verify_ms_per_round", "prompt_ids", "outputs", "settings")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,6 @@ from dflash_lab.eval.testing import MarkovProposer, MarkovTarget
 V = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: single-threaded torch is several times faster (and stable under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def chi_square_pvalue(counts: list[int], probs: list[float]) -> float:

@@ -41,12 +41,6 @@ B = 6
 TAU_MEAN_TOLERANCE = 0.5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def quick_train(target, steps: int = 200, seed: int = 0):
