@@ -167,3 +167,13 @@ def test_slot_zero_is_the_anchor_token_and_masks_use_the_mask_row():
         moved = drafter(hidden, ids2, anchors, embed)
     torch.testing.assert_close(base, same)  # tokens after the anchor are never inputs
     assert not torch.allclose(base[0, 2], moved[0, 2])  # the anchor token is
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    cfg, drafter, embed, hidden, ids, anchors = _setup("mixed_swa", attention_sink_bias=True)
+    params = list(drafter.parameters())
+    want = torch.autograd.grad(drafter(hidden, ids, anchors, embed).square().sum(), params)
+    drafter.activation_checkpointing = True
+    got = torch.autograd.grad(drafter(hidden, ids, anchors, embed).square().sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -4,6 +4,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,8 @@ def test_short_fit_learns_well_above_the_untrained_drafter(tiny_target_dir, tmp_
     from dflash_lab.train.run import train
 
     cfg = _compose(_tiny_overrides(tmp_path, tiny_target_dir, rows=160, **{
-        "trainer.max_epochs": 6, "module.optimizer.lr": 3e-3, "export.enabled": True}))
+        "trainer.max_epochs": 6, "module.optimizer.lr": 3e-3, "export.enabled": True,
+        "logger": "wandb"}))  # wandb offline: files only, no network
     result = train(cfg)
     assert result["val_tau_before"] < 1.5
     assert result["val_tau_after"] > result["val_tau_before"] + 1.0
@@ -95,6 +97,13 @@ def test_short_fit_learns_well_above_the_untrained_drafter(tiny_target_dir, tmp_
     assert (Path(result["export_dir"]) / "model.safetensors").is_file()
     run_dir = Path(result["output_dir"])
     assert (run_dir / "config.yaml").is_file() and (run_dir / "run_info.json").is_file()
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
+    assert offline_runs, "wandb (offline) recorded nothing"
+    for _ in range(50):  # wandb's service process may still be flushing the artifact record
+        if b"EXPORT_REPORT" in offline_runs[0].read_bytes():
+            break
+        time.sleep(0.2)
+    assert b"EXPORT_REPORT" in offline_runs[0].read_bytes()  # the exported drafter artifact
     ckpt = torch.load(best, map_location="cpu", weights_only=True)
     assert not any(k.startswith("target_head.") for k in ckpt["state_dict"])
     assert ckpt["hyper_parameters"]["drafter_config"]["block_size"] == 8

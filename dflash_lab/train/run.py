@@ -94,6 +94,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
               "output_dir": str(out_dir.absolute())}
     if cfg.export.enabled and trainer.is_global_zero:
         result["export_dir"] = export_run(cfg, out_dir, parts["logger"])
+    if type(parts["logger"]).__name__ == "WandbLogger" and trainer.is_global_zero:
+        parts["logger"].experiment.finish()  # flush metrics and artifacts (offline: to disk)
     if trainer.is_global_zero:
         before_txt = f"{before:.3f}" if before is not None else "n/a (resumed)"
         print(f"\nval tau: untrained {before_txt} -> trained {after:.3f} (block size "
