@@ -68,9 +68,9 @@ def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int
             block_size: int, spec: LayerSpec) -> Tensor:
     """The predicate. Broadcasting index tensors in, bool out.
 
-    ``anchors_b_n`` is the anchor row of the batch element(s) the indices belong to: [N] or any
-    shape that ``anchors_b_n[..., j]`` style indexing supports via ``torch.gather``-free
-    advanced indexing (we index it with ``q_idx // block_size``).
+    ``anchors_b_n`` is the anchor row [N] of the batch element the indices belong to (indexed
+    with the block index ``q_idx // block_size``); :func:`dense_mask` maps it over the rows with
+    ``torch.vmap``, flex calls it per element.
     """
     j = q_idx // block_size
     t = q_idx % block_size
@@ -84,21 +84,25 @@ def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int
         blk_ok = blk_ok & (u <= t)
     if spec.window is not None:
         reach = spec.window - 1
-        ctx_ok = ctx_ok & ((anchor + t - kv_idx) <= reach)
+        ctx_ok = ctx_ok & (kv_idx >= anchor + t - reach)  # (a_j + t) - p <= W - 1
         blk_ok = blk_ok & ((t - u).abs() <= reach)
     return torch.where(is_ctx, ctx_ok, blk_ok)
 
 
 def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
-    """Boolean mask [Bt, 1, Q, K] (True = attend) for SDPA-style backends."""
+    """Boolean mask [Bt, 1, Q, K] (True = attend) for SDPA-style backends.
+
+    One vectorised evaluation over all rows (``torch.vmap`` over the anchor rows, no Python loop
+    over rows or blocks); the batch-sized temporaries are booleans.
+    """
     dev = layout.anchors_bn.device
     q_idx = torch.arange(layout.num_queries, device=dev)[:, None]
     kv_idx = torch.arange(layout.num_keys, device=dev)[None, :]
-    rows = [
-        visible(q_idx, kv_idx, anchors, layout.num_context, layout.block_size, spec)
-        for anchors in layout.anchors_bn
-    ]
-    return torch.stack(rows)[:, None]
+
+    def one_row(anchors_n: Tensor) -> Tensor:
+        return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec)
+
+    return torch.vmap(one_row)(layout.anchors_bn)[:, None]
 
 
 def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):

@@ -75,9 +75,20 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
                           chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
     """Per-row CE [M] and correctness [M] without holding [M, V] fp32 logits at once.
 
-    Each chunk runs under activation checkpointing, so backward recomputes its logits instead of
-    keeping every chunk's logits alive: peak memory is one chunk of logits.
+    Frozen bias-free LM head (the DFlash case) with gradients wanted: the fused path
+    (:class:`_FusedHeadCE`) projects each chunk once and computes the gradient to the hidden
+    states right there, so the vocab projection costs two matmuls (forward and input gradient)
+    and peak memory is one chunk of logits. Otherwise (trainable head or bias, no grad) each
+    chunk runs under activation checkpointing: backward recomputes its logits (three matmuls).
     """
+    if hidden_mh.shape[0] == 0:
+        empty = hidden_mh.new_zeros(0, dtype=torch.float32)
+        return empty, empty.bool()
+    weight = getattr(lm_head, "weight", None)
+    fused_ok = (isinstance(lm_head, nn.Linear) and lm_head.bias is None
+                and not weight.requires_grad)
+    if torch.is_grad_enabled() and hidden_mh.requires_grad and fused_ok:
+        return _FusedHeadCE.apply(hidden_mh, labels_m, weight, chunk_size)
     losses, correct = [], []
     for start in range(0, hidden_mh.shape[0], chunk_size):
         h, y = hidden_mh[start:start + chunk_size], labels_m[start:start + chunk_size]
@@ -87,10 +98,40 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
             ce, ok = _chunk_ce(h, y, lm_head)
         losses.append(ce)
         correct.append(ok)
-    if not losses:
-        empty = hidden_mh.new_zeros(0, dtype=torch.float32)
-        return empty, empty.bool()
     return torch.cat(losses), torch.cat(correct)
+
+
+class _FusedHeadCE(torch.autograd.Function):
+    """CE of ``hidden @ weight.T`` per row, chunked, with d(CE)/d(hidden) computed in forward.
+
+    Per chunk: logits (fp32) -> CE = logsumexp - logit[label]; dCE/dlogits = softmax - onehot;
+    dCE/dhidden = that @ weight (in the weight's dtype, as autograd's linear backward does).
+    Only the [M, H] gradient is kept for backward, which scales it by the incoming per-row
+    gradient. The weight gets no gradient (frozen target LM head).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, chunk_size: int):
+        losses, correct, grads = [], [], []
+        for start in range(0, hidden_mh.shape[0], chunk_size):
+            h, y = hidden_mh[start:start + chunk_size], labels_m[start:start + chunk_size]
+            logits = (h @ weight_vh.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, y[:, None])[:, 0]
+            losses.append(lse - picked)
+            correct.append(logits.argmax(-1) == y)
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the logits
+            probs.scatter_add_(1, y[:, None], probs.new_full((len(y), 1), -1.0))
+            grads.append(probs.to(weight_vh.dtype) @ weight_vh)
+        ok = torch.cat(correct)
+        ctx.mark_non_differentiable(ok)
+        ctx.save_for_backward(torch.cat(grads))
+        return torch.cat(losses), ok
+
+    @staticmethod
+    def backward(ctx, grad_ce_m: Tensor, _grad_ok: Tensor):
+        (grad_mh,) = ctx.saved_tensors
+        return (grad_mh * grad_ce_m[:, None].to(grad_mh.dtype)), None, None, None
 
 
 @dataclass
