@@ -33,3 +33,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def wandb_offline():
+    """Tests never reach the network. (wandb also keeps process-global state: after a
+    ``mode=disabled`` run, a later offline run in the same process asks for a login unless the
+    mode is set in the environment.)"""
+    import os
+
+    old = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "offline"
+    yield
+    if old is None:
+        os.environ.pop("WANDB_MODE", None)
+    else:
+        os.environ["WANDB_MODE"] = old
