@@ -28,7 +28,23 @@ from dflash_lab.model.drafter import DFlashDrafter
 _BIG = 30.0  # logit margin of the oracle's chosen token
 
 
-class OracleProposer:
+class _ContextCounter:
+    """Proposer bookkeeping of test doubles: they only need the context length."""
+
+    _length = 0
+
+    @property
+    def context_length(self) -> int:
+        return self._length
+
+    def start(self, features_nf: Tensor) -> None:
+        self._length = features_nf.shape[1]
+
+    def extend(self, features_nf: Tensor) -> None:
+        self._length += features_nf.shape[1]
+
+
+class OracleProposer(_ContextCounter):
     """Proposes ``sequence[C + t]`` at slot t (``sequence`` = prompt + the target's greedy
     continuation, long enough to cover every block). ``wrong(C, t)`` True makes that slot miss."""
 
@@ -40,15 +56,6 @@ class OracleProposer:
         self.wrong = wrong
         self._length = 0
 
-    @property
-    def context_length(self) -> int:
-        return self._length
-
-    def start(self, features_nf: Tensor) -> None:
-        self._length = features_nf.shape[1]
-
-    def extend(self, features_nf: Tensor) -> None:
-        self._length += features_nf.shape[1]
 
     def propose(self, anchor_id: int) -> Tensor:
         c = self._length
@@ -119,7 +126,7 @@ class MarkovTarget:
         self.ids = self.ids[:length]
 
 
-class MarkovProposer:
+class MarkovProposer(_ContextCounter):
     """A toy drafter: slot t's logits are ``tables[t-1][anchor]`` ([B-1, V, V] log-probs)."""
 
     def __init__(self, tables_kvv: Tensor):
@@ -127,15 +134,6 @@ class MarkovProposer:
         self.block_size = tables_kvv.shape[0] + 1
         self._length = 0
 
-    @property
-    def context_length(self) -> int:
-        return self._length
-
-    def start(self, features_nf: Tensor) -> None:
-        self._length = features_nf.shape[1]
-
-    def extend(self, features_nf: Tensor) -> None:
-        self._length += features_nf.shape[1]
 
     def propose(self, anchor_id: int) -> Tensor:
         return self.tables[:, anchor_id]
