@@ -169,6 +169,16 @@ def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_
 
 
 # ----------------------------------------------------------------------------- DDP
+@pytest.mark.slow
+def test_lightning_ddp_with_two_cpu_processes_trains_end_to_end(tiny_target_dir, tmp_path):
+    overrides = _tiny_overrides(tmp_path, tiny_target_dir, **{
+        "trainer": "ddp_cpu", "trainer.max_epochs": 1, "+trainer.limit_train_batches": 3,
+        "validate_before_fit": False})
+    proc = _run_cli(overrides)
+    assert "val tau:" in proc.stdout and "-> trained" in proc.stdout
+    assert (tmp_path / "run/checkpoints/last.ckpt").is_file()
+
+
 def _ddp_worker(rank: int, world: int, port: int, result_file: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                          rank=rank, world_size=world)

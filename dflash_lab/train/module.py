@@ -106,7 +106,8 @@ class DFlashModule(L.LightningModule):
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
         for t, acc in enumerate(per_position_accuracy(out), start=1):
             if acc == acc:  # skip NaN (slot never valid in this batch)
-                self.log(f"val/acc_pos{t}", acc, batch_size=batch["input_ids"].shape[0])
+                self.log(f"val/acc_pos{t}", acc, batch_size=batch["input_ids"].shape[0],
+                         sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         taus = torch.cat(self._val_taus) if self._val_taus else torch.ones(1)

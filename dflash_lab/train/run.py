@@ -97,7 +97,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if type(parts["logger"]).__name__ == "WandbLogger" and trainer.is_global_zero:
         parts["logger"].experiment.finish()  # flush metrics and artifacts (offline: to disk)
     if trainer.is_global_zero:
-        before_txt = f"{before:.3f}" if before is not None else "n/a (resumed)"
+        skipped = "n/a (resumed)" if ckpt is not None else "n/a (not measured)"
+        before_txt = f"{before:.3f}" if before is not None else skipped
         print(f"\nval tau: untrained {before_txt} -> trained {after:.3f} (block size "
               f"{parts['drafter'].config.block_size})\nbest checkpoint: {best}\n"
               f"run directory: {result['output_dir']}")
