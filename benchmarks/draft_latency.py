@@ -104,9 +104,9 @@ def loop_overhead(device: torch.device, drafter_path: str | None, tiny_dir: str,
     from dflash_lab.eval.prompts import encode_prompt
     from dflash_lab.eval.proposer import DFlashProposer
     from dflash_lab.eval.target_runner import TargetRunner
-    from dflash_lab.model.factory import build_drafter
     from dflash_lab.target.loader import load_target
     from dflash_lab.target.tiny import materialize_tiny_target
+    from dflash_lab.train.factory import build_drafter
 
     root = materialize_tiny_target(tiny_dir)
     target = load_target(str(root), dtype="float32", device=str(device))

@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from dflash_lab.model.factory import drafter_config_for_target
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
+from dflash_lab.train.factory import drafter_config_for_target
 from export import plan_export, serving_config
 
 GOLDEN = Path(__file__).parent / "golden" / "export_config"

@@ -1,5 +1,7 @@
 """Build a drafter for a given target: shape defaults come from the target's config.json.
 
+It lives in train/ (which may read target directories) so that model/ imports only torch.
+
 This is the Hydra ``_target_`` of the ``drafter`` config group. Any DrafterConfig field may be
 given; fields left out (or null) that the target defines (hidden size, vocab, heads, head_dim,
 intermediate size, norm eps, RoPE, max positions) are copied from the target, because the drafter
@@ -15,6 +17,7 @@ from typing import Any
 
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.target.tiny import MARKER_FILE  # the tiny target records its MASK id there
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +47,6 @@ def read_target_config(target_path: str | Path) -> dict[str, Any]:
 
 def default_mask_token_id(target_path: str | Path) -> int | None:
     """A MASK id the target directory declares: our tiny target's marker or a tokenizer mask."""
-    from dflash_lab.target.tiny import MARKER_FILE  # the tiny target records its MASK id
-
     root = Path(target_path)
     marker = root / MARKER_FILE
     if marker.is_file():
