@@ -5,9 +5,14 @@ and prints ratios; absolute numbers depend on the machine and on whatever else r
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` after a reset; on CPU the kernel's
 resident-set high-water mark (``VmHWM``), reset by writing ``5`` to ``/proc/self/clear_refs``
-(Linux >= 4.0). Torch's CPU allocator serves big tensors with mmap, so freed tensors leave the
-resident set and the high-water mark measures the step's own peak. Where the reset is not allowed
-a sampling thread polls the RSS instead (coarser; the output says which method was used).
+(Linux >= 4.0), with glibc's mmap threshold pinned at 128 KiB (``--allocator pinned``) so freed
+tensors leave the resident set and the high-water mark measures the step's own peak. Where the
+reset is not allowed a sampling thread polls the RSS instead (coarser; the output says which).
+
+The pinned allocator makes every large CPU allocation a fresh, page-faulting mapping: ~20% of a
+training step at the ``cpu`` size. Benchmarks whose point is step time (train_step,
+peer_speculators) therefore time under glibc's default allocator, as a training run has it, and
+take CPU peaks in a separate pinned process (:func:`pinned_child`).
 """
 
 from __future__ import annotations
@@ -38,26 +43,34 @@ warnings.filterwarnings("ignore", message="return_lse is deprecated")
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
+_ALLOCATOR = {"mode": "default"}
+
+
 def pin_malloc_thresholds() -> None:
     """Make glibc serve every block >= 128 KiB with mmap and give freed heap tops back, so the
     resident set follows live tensors (glibc otherwise raises its mmap threshold after the first
-    big free and keeps freed memory resident, hiding later peaks)."""
+    big free and keeps freed memory resident, hiding later peaks). The price: every large
+    allocation is a fresh mapping that page-faults in, ~20% of a CPU training step here."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD (a fixed value stops the adjustment)
         libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+        _ALLOCATOR["mode"] = "pinned"
 
 
-pin_malloc_thresholds()
-
-
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The flags every benchmark shares."""
+def base_parser(description: str, allocator: str = "pinned") -> argparse.ArgumentParser:
+    """The flags every benchmark shares. ``allocator``: this benchmark's default for
+    ``--allocator`` (pinned where peak memory is the point, default where step time is)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     p.add_argument("--size", default=None,
                    help="toy (smoke test) | cpu | paper; default: paper on CUDA, cpu otherwise")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default per size)")
+    p.add_argument("--allocator", default=allocator, choices=["pinned", "default"],
+                   help="CPU only. pinned: glibc mmap threshold fixed at 128 KiB, so the "
+                        "resident-set peak measures live tensors (slower: page faults); default: "
+                        f"glibc as a training run has it (CPU peaks not measured). Default: "
+                        f"{allocator}")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p
 
@@ -72,6 +85,8 @@ def resolve(args: argparse.Namespace) -> tuple[torch.device, str]:
     size = args.size or ("paper" if name == "cuda" else "cpu")
     if size not in ("toy", "cpu", "paper"):
         raise SystemExit(f"--size {size!r}: use toy | cpu | paper")
+    if getattr(args, "allocator", "default") == "pinned":
+        pin_malloc_thresholds()
     return torch.device(name), size
 
 
@@ -113,6 +128,9 @@ def _reset_hwm() -> bool:
         return False
 
 
+UNMEASURED = "not measured (CPU peaks need --allocator pinned)"
+
+
 @dataclass
 class Peak:
     """Filled by :func:`peak_memory`: bytes above the level at entry, and the method used."""
@@ -123,7 +141,7 @@ class Peak:
 
     @property
     def mib(self) -> float:
-        return self.bytes / MiB
+        return self.bytes / MiB if self.method != UNMEASURED else float("nan")
 
 
 @contextlib.contextmanager
@@ -138,6 +156,10 @@ def peak_memory(device: torch.device) -> Iterator[Peak]:
         sync(device)
         peak.bytes = torch.cuda.max_memory_allocated(device) - start
         peak.method = "cuda max_memory_allocated"
+        return
+    if _ALLOCATOR["mode"] != "pinned":  # freed memory stays resident and gets reused unseen
+        yield peak
+        peak.method = UNMEASURED
         return
     start = _rss_kib()
     if _reset_hwm():
@@ -162,6 +184,20 @@ def peak_memory(device: torch.device) -> Iterator[Peak]:
         thread.join()
     peak.bytes = max(0, max(highest[0], _rss_kib()) - start) * 1024
     peak.method = "cpu RSS sampled every 1 ms"
+
+
+def pinned_child(module: str, argv: list[str]) -> dict[str, Any]:
+    """Run ``python -m module *argv --allocator pinned`` and return the JSON object it prints
+    last: how a time-focused benchmark gets CPU peak memory without slowing its own steps."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", module, *argv, "--allocator", "pinned"],
+                          cwd=root, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------- machine
@@ -252,6 +288,23 @@ SHAPES: dict[str, dict[str, Any]] = {
                     rope_theta=1000000.0),
         seq_len=3072, num_anchors=512, batch=1, dtype=torch.bfloat16),
 }
+
+
+def product_optimizer(params) -> torch.optim.Optimizer:
+    """The optimizer ``conf/module/default.yaml`` configures, built without Hydra (the GPU
+    machine has none), so benchmarks time what a training run steps (fused AdamW)."""
+    import yaml
+
+    from dflash_lab.paths import CONF_DIR
+
+    path = CONF_DIR / "module" / "default.yaml"
+    spec = dict(yaml.safe_load(path.read_text())["optimizer"])
+    target = spec.pop("_target_")
+    spec.pop("_partial_", None)
+    if target != "torch.optim.AdamW":
+        raise ValueError(f"{path}: optimizer {target!r}; benchmarks/common.py builds only "
+                         "torch.optim.AdamW: extend product_optimizer() for the new optimizer")
+    return torch.optim.AdamW(params, **spec)
 
 
 def drafter_config(size: str, **overrides: Any):

@@ -7,7 +7,11 @@ on the target's argmax), gamma, AdamW. speculators runs from its own venv
 flex attention has no CPU backward and its fused loss needs Triton). Each side runs in a fresh
 process (both alive at once, only one working at a time) and, after warm-up, the two sides
 alternate single optimizer steps, so a load change on the machine hits both; the speed-up is the
-median over step pairs. Each side measures its own peak memory above its pre-step level.
+median over step pairs. Steps are timed under glibc's default allocator, as training runs them;
+a second pair of workers with the pinned allocator (benchmarks/common.py) measures each side's
+peak memory above its pre-step level and times a few more pairs. Optimizers: ours is the one
+conf/module/default.yaml configures (fused AdamW); theirs is what speculators' trainer builds
+(``torch.optim.AdamW`` with its defaults).
 
 Ratios: our step time / theirs (goal <= 1/1.5 = 0.67) and our peak / theirs (goal <= 1). Their
 step also projects the verifier's last hidden state through norm + LM head at every anchored
@@ -84,12 +88,36 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
+def alternate(size: str, warmup: int, steps: int, allocator: str, with_peaks: bool = False):
+    """Start both workers with one allocator setting and alternate single steps (who goes
+    first swaps every pair). Returns ([(ours_s, theirs_s)], [infos], peaks by who or None,
+    the median seconds of their target projection)."""
+    ours = Worker([sys.executable, "-m", "benchmarks.peer_speculators", "--worker", "--size",
+                   size, "--device", "cpu", "--allocator", allocator])
+    theirs = Worker([str(SPEC_PYTHON), "benchmarks/speculators_worker.py", "--shape",
+                     shape_json(size), "--warmup", str(warmup), "--allocator", allocator])
+    peaks = None
+    try:
+        pairs = []
+        for i in range(steps):
+            first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+            a, b = first.ask("time step")["seconds"], second.ask("time step")["seconds"]
+            pairs.append((a, b) if first is ours else (b, a))
+        if with_peaks:
+            peaks = {w.info["who"]: w.ask("peak step")["peak_bytes"] for w in (ours, theirs)}
+        proj = statistics.median(theirs.ask("time projection")["seconds"] for _ in range(3))
+        return pairs, [ours.info, theirs.info], peaks, proj
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], allocator="default")
     p.add_argument("--worker", action="store_true", help=argparse_hidden())
     args = p.parse_args(argv)
     device, size = resolve(args)
-    steps = args.repeats or (3 if size == "toy" else 12)
+    steps = args.repeats or (3 if size == "toy" else 20)
     warmup = 1 if size == "toy" else 2
     if args.worker:
         our_worker(size, warmup, device)
@@ -99,22 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
                          ".venv-speculators on the CPU machine (none on the GPU machine)")
     if not SPEC_PYTHON.exists():
         raise SystemExit(f"{SPEC_PYTHON} not found: run `make speculators-venv` first")
-    ours = Worker([sys.executable, "-m", "benchmarks.peer_speculators", "--worker", "--size",
-                   size, "--device", "cpu"])
-    theirs = Worker([str(SPEC_PYTHON), "benchmarks/speculators_worker.py", "--shape",
-                     shape_json(size), "--warmup", str(warmup)])
-    try:
-        pairs = []
-        for i in range(steps):  # alternate single steps; swap who goes first each time
-            first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
-            a, b = first.ask("time step")["seconds"], second.ask("time step")["seconds"]
-            pairs.append((a, b) if first is ours else (b, a))
-        peaks = {w.info["who"]: w.ask("peak step")["peak_bytes"] for w in (ours, theirs)}
-        proj = statistics.median(theirs.ask("time projection")["seconds"] for _ in range(3))
-        infos = [ours.info, theirs.info]
-    finally:
-        ours.close()
-        theirs.close()
+    # Steps are timed under glibc's default allocator (as a training run has it); peaks are
+    # taken by a second pair of workers with the pinned allocator (benchmarks/common.py), which
+    # also time a few pairs so the two settings can be compared.
+    pairs, infos, _, proj = alternate(size, warmup, steps, "default")
+    pinned_pairs, _, peaks, _ = alternate(size, warmup, max(2, steps // 4), "pinned",
+                                             with_peaks=True)
     ours_s = [x for x, _ in pairs]
     theirs_s = [y for _, y in pairs]
     paired = statistics.median(y / x for x, y in pairs)
@@ -128,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"shape {size}: S={shape['seq_len']} N={shape['num_anchors']} "
           f"B={shape['config']['block_size']} H={shape['config']['hidden_size']} "
           f"layers={shape['config']['num_hidden_layers']} V={shape['config']['vocab_size']} fp32 "
-          f"cpu; {steps} alternating step pairs")
+          f"cpu; {steps} alternating step pairs (glibc default allocator), peaks and "
+          f"{len(pinned_pairs)} more pairs with the pinned allocator")
     table(rows, ["who", "step_ms", "min_step_ms", "peak_MiB", "trainable_params",
                  "target_projection_ms", "torch"])
     ratios = {
@@ -138,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows[1]["min_step_ms"] / rows[0]["min_step_ms"],
         "speedup without their target projection (paired)":
             statistics.median((y - proj) / x for x, y in pairs),
+        "speedup with the pinned allocator (paired)":
+            statistics.median(y / x for x, y in pinned_pairs),
         "our peak / speculators peak": rows[0]["peak_MiB"] / max(rows[1]["peak_MiB"], 1e-9),
     }
     for key, val in ratios.items():
@@ -145,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     goal = paired >= 1.5 and ratios["our peak / speculators peak"] <= 1.0
     print(f"goal (>= 1.5x faster, peak <= theirs): {'met' if goal else 'NOT met'}")
     return report("peer_speculators", args, {"size": size, "rows": rows, "ratios": ratios,
-                                             "goal_met": goal, "pairs_s": pairs})
+                                             "goal_met": goal, "pairs_s": pairs,
+                                             "pinned_pairs_s": pinned_pairs})
 
 
 def argparse_hidden() -> str:

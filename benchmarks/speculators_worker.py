@@ -32,15 +32,16 @@ def _sync(device: torch.device) -> None:
 
 
 def main() -> None:
-    # Same allocator settings as benchmarks/common.py (peak RSS must follow live tensors).
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)
-    libc.mallopt(-1, 128 * 1024)
     p = argparse.ArgumentParser()
     p.add_argument("--shape", required=True, help="JSON: drafter and run dimensions")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--allocator", default="default", choices=["pinned", "default"])
     a = p.parse_args()
+    if a.allocator == "pinned":  # as benchmarks/common.py: peak RSS must follow live tensors
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)
+        libc.mallopt(-1, 128 * 1024)
     shape = json.loads(a.shape)
     device = torch.device(a.device)
     from speculators.losses import resolve_loss_config

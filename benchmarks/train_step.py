@@ -12,7 +12,8 @@ measured in the same run. ``--compile`` adds the same step with the layer stack 
 
 from __future__ import annotations
 
-import functools
+import argparse
+import json
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -23,6 +24,8 @@ from benchmarks.common import (
     drafter_config,
     matmul_peak_flops,
     peak_memory,
+    pinned_child,
+    product_optimizer,
     report,
     resolve,
     table,
@@ -44,12 +47,12 @@ def build(size: str, device: torch.device, backend: str, compile_layers: bool = 
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, backend=backend).to(device)
     head = target_head(cfg, device, shape["dtype"])
-    module = DFlashModule(drafter, head, functools.partial(torch.optim.AdamW, lr=1e-4),
+    module = DFlashModule(drafter, head, product_optimizer,
                           gamma=4.0, num_anchors=shape["num_anchors"], compile=compile_layers)
     module = module.to(device)
     if shape["dtype"] != torch.float32:
         drafter.to(shape["dtype"])
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    opt = product_optimizer([p for p in drafter.parameters() if p.requires_grad])
     data = training_batch(cfg, size, device, shape["dtype"], batch=batch)
     return module, opt, data
 
@@ -77,20 +80,35 @@ def count_flops(step) -> int:
     return counter.get_total_flops()
 
 
+def step_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool) -> float:
+    """Peak memory of one step after a warm-up step, above the level before it."""
+    module, opt, batch = build(size, device, backend, compile_layers)
+    step = make_step(module, opt, batch)
+    step()
+    with peak_memory(device) as pk:
+        step()
+    return pk.mib
+
+
 def run_variant(name: str, size: str, device: torch.device, backend: str, repeats: int,
-                peak_flops: float, compile_layers: bool = False) -> dict:
+                peak_flops: float, compile_layers: bool = False, allocator: str = "default",
+                ) -> dict:
     module, opt, batch = build(size, device, backend, compile_layers)
     step = make_step(module, opt, batch)
     step()  # warm-up: allocator, optimizer state, compilation
     flops = count_flops(step) if not compile_layers else None
-    with peak_memory(device) as pk:
-        step()
-    sec = time_it(step, device, repeats, warmup=0)
+    sec = time_it(step, device, repeats, warmup=1)
+    if device.type == "cpu" and allocator != "pinned":  # steps timed as training runs them
+        argv = ["--peak-of", backend, "--size", size, "--device", "cpu"]
+        peak_mib = pinned_child("benchmarks.train_step",
+                                argv + (["--compile"] if compile_layers else []))["peak_MiB"]
+    else:
+        peak_mib = step_peak_mib(size, device, backend, compile_layers)
     bt, s = batch["input_ids"].shape
     n, b = SHAPES[size]["num_anchors"], module.drafter.config.block_size
     row = {"variant": name, "backend": backend, "step_ms": sec * 1e3,
            "tokens/s": bt * s / sec, "anchors/s": bt * n / sec, "slots/s": bt * n * b / sec,
-           "peak_MiB": pk.mib}
+           "peak_MiB": peak_mib}
     if flops is not None:
         row["GFLOP/step"] = flops / 1e9
         row["MFU"] = flops / sec / peak_flops
@@ -98,20 +116,25 @@ def run_variant(name: str, size: str, device: torch.device, backend: str, repeat
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], allocator="default")
     p.add_argument("--compile", action="store_true", help="also time the compiled layer stack")
+    p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # BACKEND: child mode
     args = p.parse_args(argv)
     device, size = resolve(args)
+    if args.peak_of:  # a pinned child of run_variant: one step's peak, as JSON
+        print(json.dumps({"peak_MiB": step_peak_mib(size, device, args.peak_of, args.compile)}))
+        return {}
     repeats = args.repeats or (2 if size == "toy" else 5)
     dtype = SHAPES[size]["dtype"]
     peak_flops, what = matmul_peak_flops(device, dtype if device.type == "cuda" else None,
                                          n=256 if size == "toy" else None)
     print(f"measured matmul peak: {peak_flops / 1e9:.1f} GFLOP/s ({what})")
     backends = ["sdpa"] + (["flex"] if device.type == "cuda" else [])
-    rows = [run_variant(f"eager/{b}", size, device, b, repeats, peak_flops) for b in backends]
+    rows = [run_variant(f"eager/{b}", size, device, b, repeats, peak_flops,
+                        allocator=args.allocator) for b in backends]
     if args.compile:
-        rows += [run_variant(f"compiled/{b}", size, device, b, repeats, peak_flops, True)
-                 for b in backends]
+        rows += [run_variant(f"compiled/{b}", size, device, b, repeats, peak_flops, True,
+                             args.allocator) for b in backends]
     # The matmul peak again after the steps: how much the machine's speed moved during the run.
     peak_after, _ = matmul_peak_flops(device, dtype if device.type == "cuda" else None,
                                       n=256 if size == "toy" else None)
@@ -120,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"B={shape['config']['block_size']} Bt={shape['batch']} "
           f"H={shape['config']['hidden_size']} layers={shape['config']['num_hidden_layers']} "
           f"V={shape['config']['vocab_size']} {str(dtype).removeprefix('torch.')} on {device}; "
-          f"median of {repeats}")
+          f"median of {repeats}; steps timed with the {args.allocator} allocator")
     table(rows, ["variant", "step_ms", "tokens/s", "anchors/s", "slots/s", "GFLOP/step", "MFU",
                  "peak_MiB"])
     ratios = {"matmul peak after / before (machine drift)": peak_after / peak_flops}
@@ -134,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     for key, val in ratios.items():
         print(f"ratio {key}: {val:.3g}")
     return report("train_step", args, {"device": str(device), "size": size,
+                                       "allocator": args.allocator,
                                        "matmul_peak_flops": peak_flops, "matmul": what,
                                        "rows": rows, "ratios": ratios})
 

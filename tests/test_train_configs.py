@@ -58,6 +58,7 @@ def _instantiate_rest(cfg, drafter, tmp_path):
     assert trainer is not None
     opt = module.optimizer_factory(list(drafter.parameters()))
     module.scheduler_factory(opt, total_steps=10)
+    return opt
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -72,7 +73,9 @@ def test_every_recipe_composes_and_instantiates(recipe, big_target_dir, tiny_tar
     assert drafter.config.num_hidden_layers == cfg.drafter.num_hidden_layers
     if cfg.drafter.layer_types is not None:
         assert drafter.config.layer_types == list(cfg.drafter.layer_types)
-    _instantiate_rest(cfg, drafter, tmp_path)
+    opt = _instantiate_rest(cfg, drafter, tmp_path)
+    # Every recipe keeps the fused AdamW of conf/module/default.yaml (one kernel per step).
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
 
 
 def test_paper_recipe_values():

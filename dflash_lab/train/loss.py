@@ -108,6 +108,14 @@ class _FusedHeadCE(torch.autograd.Function):
     dCE/dhidden = that @ weight (in the weight's dtype, as autograd's linear backward does).
     Only the [M, H] gradient is kept for backward, which scales it by the incoming per-row
     gradient. The weight gets no gradient (frozen target LM head).
+
+    Each chunk's logits are held vocab-major, [V, m] = weight @ h.T, and walked as few times as
+    possible, in place: max, subtract, exp, sum, scale. On CPU (MKL) that product runs ~20%
+    faster than [m, V] = h @ weight.T, and the vocab reductions become reductions over the
+    outer dimension, vectorised across the m rows (benchmarks/peer_speculators measures the
+    step). A slot is correct when its label's logit attains the maximum (an exact tie would
+    count as correct where ``argmax`` picks the first index; float logits do not tie in
+    practice, and ``argmax`` would cost another pass over [V, m]).
     """
 
     @staticmethod
@@ -115,14 +123,16 @@ class _FusedHeadCE(torch.autograd.Function):
         losses, correct, grads = [], [], []
         for start in range(0, hidden_mh.shape[0], chunk_size):
             h, y = hidden_mh[start:start + chunk_size], labels_m[start:start + chunk_size]
-            logits = (h @ weight_vh.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, y[:, None])[:, 0]
-            losses.append(lse - picked)
-            correct.append(logits.argmax(-1) == y)
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the logits
-            probs.scatter_add_(1, y[:, None], probs.new_full((len(y), 1), -1.0))
-            grads.append(probs.to(weight_vh.dtype) @ weight_vh)
+            logits_vm = (weight_vh @ h.t()).float()
+            top = logits_vm.amax(dim=0)
+            picked = logits_vm.gather(0, y[None])[0]
+            probs_vm = logits_vm.sub_(top).exp_()  # softmax, in place over the logits
+            total = probs_vm.sum(dim=0)
+            probs_vm.mul_(total.reciprocal())
+            losses.append(top + total.log() - picked)
+            correct.append(picked >= top)
+            probs_vm.scatter_add_(0, y[None], probs_vm.new_full((1, len(y)), -1.0))
+            grads.append(probs_vm.t().to(weight_vh.dtype) @ weight_vh)
         ok = torch.cat(correct)
         ctx.mark_non_differentiable(ok)
         ctx.save_for_backward(torch.cat(grads))
