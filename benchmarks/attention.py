@@ -1,9 +1,10 @@
 """Benchmark 1: attention for the training layout, every backend side by side.
 
 Layout: Bt rows of S context keys and N sorted anchors with blocks of B slots (Q = N*B queries,
-K = S + Q keys). For each layer spec: mask construction (dense bool mask for sdpa, BlockMask for
-flex, built with H=None; compiled builder on CUDA) time and peak memory, the dense mask's bytes
-vs the BlockMask's, and attention forward(+backward) time and peak memory per backend.
+K = S + Q keys). For each layer spec: mask construction (dense bool mask for sdpa, its key tiles,
+BlockMask for flex, built with H=None; compiled builder on CUDA) time and peak memory, the dense
+mask's bytes vs the BlockMask's, and attention forward(+backward) time and peak memory per
+backend: sdpa as one dense call and with key tiles (what training uses), flex.
 On CPU flex runs forward only (torch 2.13 has no CPU flex backward); flash-attn has no training
 layout (one window per query row cannot express many blocks sharing a context), so it is listed
 with the reason instead of a number.
@@ -19,6 +20,7 @@ from benchmarks.common import MiB, base_parser, peak_memory, report, resolve, ta
 from dflash_lab.attention.base import get_backend
 from dflash_lab.attention.flash import flash_attn_available
 from dflash_lab.attention.mask import BlockLayout, dense_mask
+from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
 from dflash_lab.data.anchors import sample_anchors, step_generator
 from dflash_lab.model.config import LayerSpec
 
@@ -78,6 +80,12 @@ def bench_spec(name: str, spec: LayerSpec, layout: BlockLayout, heads: tuple[int
     dense_bytes = dense.numel() * dense.element_size()
     if bt > 1:
         mask_row("mask: dense_mask per row (old)", lambda: per_row_dense_mask(layout, spec))
+    tiled = SdpaBackend(key_tiles=KEY_TILES)
+    tiles = mask_row(f"mask: sdpa key tiles ({KEY_TILES}, dense mask included)",
+                     lambda: tiled.prepare(layout, spec))
+    if isinstance(tiles, list):
+        rows[-1]["tiles_computed"] = sum((t.q1 - t.q0) * len(t.key_idx) for t in tiles) / (
+            q_len * k_len)
     flex = get_backend("flex", device)
     bm = mask_row("mask: BlockMask H=None" + (" compiled" if device.type == "cuda" else ""),
                   lambda: flex.prepare(layout, spec))
@@ -90,10 +98,9 @@ def bench_spec(name: str, spec: LayerSpec, layout: BlockLayout, heads: tuple[int
     q = torch.randn(bt, hq, q_len, d, generator=g).to(device, dtype)
     k = torch.randn(bt, hkv, k_len, d, generator=g).to(device, dtype)
     v = torch.randn(bt, hkv, k_len, d, generator=g).to(device, dtype)
-    prepared = {"sdpa": dense, "flex": bm}
-    for backend_name in ("sdpa", "flex"):
-        backend = get_backend(backend_name, device, training=True)
-        mask = prepared[backend_name]
+    backends = {"sdpa": (SdpaBackend(key_tiles=1), dense), "sdpa-tiles": (tiled, tiles),
+                "flex": (get_backend("flex", device, training=True), bm)}
+    for backend_name, (backend, mask) in backends.items():
 
         def fwd(backend=backend, mask=mask):
             with torch.no_grad():
@@ -105,7 +112,7 @@ def bench_spec(name: str, spec: LayerSpec, layout: BlockLayout, heads: tuple[int
             torch.autograd.grad(out.float().square().mean(), (qq, kk, vv))
 
         modes = [("fwd", fwd)]
-        if backend_name == "sdpa" or device.type == "cuda":
+        if backend_name != "flex" or device.type == "cuda":
             modes.append(("fwd+bwd", fwd_bwd))
         for mode, fn in modes:
             fn()  # warm-up (and compilation on CUDA) outside the measurement
@@ -138,6 +145,8 @@ def ratios(rows: list[dict]) -> dict[str, float | None]:
     out["flex fwd time / sdpa fwd time"] = by["attn fwd: flex"]["ms"] / by["attn fwd: sdpa"]["ms"]
     out["flex fwd peak / sdpa fwd peak"] = _div(
         by["attn fwd: flex"]["peak_MiB"], by["attn fwd: sdpa"]["peak_MiB"], 0.5)
+    out["sdpa key tiles fwd+bwd time / one dense sdpa call"] = (
+        by["attn fwd+bwd: sdpa-tiles"]["ms"] / by["attn fwd+bwd: sdpa"]["ms"])
     if "attn fwd+bwd: flex" in by:
         out["flex fwd+bwd time / sdpa fwd+bwd time"] = (
             by["attn fwd+bwd: flex"]["ms"] / by["attn fwd+bwd: sdpa"]["ms"])

@@ -48,7 +48,7 @@ def run_variant(target, rows: list[dict], hidden_dtype: str, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], allocator="default")  # times only
     p.add_argument("--tiny-target", default="outputs/tiny_target")
     args = p.parse_args(argv)
     device, size = resolve(args)

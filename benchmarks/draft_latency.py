@@ -147,7 +147,7 @@ def loop_overhead(device: torch.device, drafter_path: str | None, tiny_dir: str,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], allocator="default")  # times only
     p.add_argument("--drafter", default=None, help="trained drafter for the tiny target")
     p.add_argument("--tiny-target", default="outputs/tiny_target")
     p.add_argument("--prompts", type=int, default=None)

@@ -6,6 +6,7 @@ import torch
 from dflash_lab.attention import flash as flash_module
 from dflash_lab.attention.base import get_backend
 from dflash_lab.attention.mask import BlockLayout, dense_mask
+from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
 from dflash_lab.model.config import LayerSpec
 from dflash_lab.testing import emulated_flash_attn_func
 
@@ -44,13 +45,15 @@ def _inputs(layout, hq=4, hkv=2, d=8, seed=0, requires_grad=True):
 TRAIN_LAYOUT = BlockLayout(torch.tensor([[2, 5, 6, 11], [0, 3, 9, 9]]), 14, 4)
 
 
+@pytest.mark.parametrize("key_tiles", [1, 3, 4], ids=lambda n: f"tiles{n}")
 @pytest.mark.parametrize("use_sink", [False, True])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA2", "MQA"])
-def test_sdpa_matches_eager_outputs_and_gradients(spec, use_sink, heads):
+def test_sdpa_matches_eager_outputs_and_gradients(spec, use_sink, heads, key_tiles):
+    """One dense call (tiles1), uneven key tiles (3 tiles over 4 blocks) and one per block."""
     q, k, v, sink = _inputs(TRAIN_LAYOUT, hq=heads[0], hkv=heads[1])
     sink_h = sink if use_sink else None
-    backend = get_backend("sdpa")
+    backend = SdpaBackend(key_tiles=key_tiles, min_pairs=0)
     out = backend.attend(q, k, v, backend.prepare(TRAIN_LAYOUT, spec), scale=0.3, sink_h=sink_h)
     ref = eager_attention(q, k, v, dense_mask(TRAIN_LAYOUT, spec), 0.3, sink_h)
     torch.testing.assert_close(out, ref)
@@ -60,6 +63,41 @@ def test_sdpa_matches_eager_outputs_and_gradients(spec, use_sink, heads):
     want = torch.autograd.grad(ref, leaves, grad_out)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_sdpa_key_tiles_partition_the_queries_and_drop_only_invisible_keys(spec):
+    """Sorted anchors (training layout): each tile keeps every key its queries can see and the
+    tiles together score well under the dense call's Q x K pairs."""
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.stack([torch.randperm(120, generator=g)[:16].sort().values for _ in range(2)])
+    layout = BlockLayout(anchors, 128, 4)
+    mask = dense_mask(layout, spec)
+    tiles = SdpaBackend(key_tiles=KEY_TILES, min_pairs=0).prepare(layout, spec)
+    assert len(tiles) == KEY_TILES
+    assert [t.q0 for t in tiles][1:] == [t.q1 for t in tiles][:-1]
+    assert tiles[0].q0 == 0 and tiles[-1].q1 == layout.num_queries
+    scored = 0
+    for t in tiles:
+        rows = mask[:, :, t.q0:t.q1]
+        dropped = torch.ones(layout.num_keys, dtype=torch.bool)
+        dropped[t.key_idx] = False
+        assert not rows[..., dropped].any()  # nothing visible was cut
+        assert torch.equal(t.mask, rows[..., t.key_idx])
+        scored += (t.q1 - t.q0) * len(t.key_idx)
+    assert scored < 0.6 * layout.num_queries * layout.num_keys
+    one_dense_call = [BlockLayout(anchors[:, :1], 128, 4),  # one block (inference)
+                      BlockLayout(anchors[:, :3], 8, 4)]  # too small to repay the tiles' cost
+    for small in one_dense_call:
+        assert isinstance(SdpaBackend().prepare(small, spec), torch.Tensor)
+
+
+def test_compiled_callers_get_one_dense_sdpa_call():
+    layout = BlockLayout(torch.arange(0, 512, 16)[None], 512, 8)  # Q*K = 256 * 768
+    spec = LayerSpec(None, False)
+    assert isinstance(get_backend("sdpa").prepare(layout, spec), list)  # tiles by default
+    prepared = get_backend("sdpa", static_shapes=True).prepare(layout, spec)
+    assert isinstance(prepared, torch.Tensor) and prepared.shape == (1, 1, 256, 768)
 
 
 @pytest.mark.parametrize("use_sink", [False, True])

@@ -36,6 +36,37 @@ def test_vectorised_dense_mask_equals_the_predicate_row_by_row(spec):
     assert torch.equal(dense_mask(layout, spec)[:, 0], per_row)
 
 
+@pytest.mark.parametrize("layout", ["mixed_swa", "mixed_per_layer", "full_bidirectional"])
+def test_key_tiled_sdpa_drafter_equals_one_dense_call_outputs_and_gradients(layout):
+    """A training call big enough for key tiles (Q*K >= MIN_TILED_PAIRS) against the same
+    drafter making one dense SDPA call per layer (static_shapes), with sinks and a learned mask."""
+    from dflash_lab.attention.sdpa import MIN_TILED_PAIRS, KeyTile
+
+    cfg = tiny_drafter_config(layout, attention_sink_bias=True, learned_mask_embedding=True)
+    torch.manual_seed(0)
+    tiled, dense = DFlashDrafter(cfg), DFlashDrafter(cfg)
+    dense.load_state_dict(tiled.state_dict())
+    dense.static_shapes = True
+    with torch.no_grad():
+        for d in (tiled, dense):
+            d.layers[0].self_attn.attention_sink_bias.fill_(0.5)
+    hidden, ids, anchors, _ = _batch(cfg, s=192, n=48)
+    layout_ = BlockLayout(anchors, 192, cfg.block_size)
+    assert layout_.num_queries * layout_.num_keys >= MIN_TILED_PAIRS
+    spec = cfg.layer_specs()[0]
+    assert isinstance(tiled.backend(hidden.device).prepare(layout_, spec)[0], KeyTile)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).double()
+    tiled, dense, hidden = tiled.double(), dense.double(), hidden.double()  # exact comparison
+    a = tiled(hidden, ids, anchors, embed)
+    b = dense(hidden, ids, anchors, embed)
+    torch.testing.assert_close(a, b)
+    probe = torch.randn_like(a)
+    ga = torch.autograd.grad((a * probe).sum(), list(tiled.parameters()))
+    gb = torch.autograd.grad((b * probe).sum(), list(dense.parameters()))
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y)
+
+
 class CountingBackend:
     """Wraps a backend and counts prepare() calls per layer spec."""
 
@@ -116,8 +147,7 @@ def test_compiled_layer_stack_matches_eager_and_does_not_recompile_per_step():
     eager = DFlashDrafter(cfg)
     compiled = DFlashDrafter(cfg)
     compiled.load_state_dict(eager.state_dict())
-    for layer in compiled.layers:
-        layer.compile(backend="eager", dynamic=False)  # dynamo tracing only: no C++ toolchain
+    compiled.compile_layers(backend="eager", dynamic=False)  # dynamo tracing only: no C++
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     torch._dynamo.utils.counters.clear()
     for step in range(3):  # fresh anchors every step, same shapes

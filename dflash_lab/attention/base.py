@@ -43,19 +43,21 @@ def apply_sink(out_bhqd: Tensor, lse_bhq: Tensor, sink_h: Tensor | None) -> Tens
 
 
 def get_backend(name: str, device: torch.device | str = "cpu", *,
-                training: bool = False) -> AttentionBackend:
+                training: bool = False, static_shapes: bool = False) -> AttentionBackend:
     """Backend by name: ``sdpa`` | ``flex`` | ``flash`` | ``auto``.
 
     Only ``auto`` may pick a backend for you, and it logs what it picked: flex for training on
     CUDA, flash for inference on CUDA when flash-attn is installed (else flex), sdpa on CPU.
+    ``static_shapes``: the caller is compiled and needs the same shapes every step (sdpa then
+    makes one dense call instead of anchor-dependent key tiles).
     """
     device = torch.device(device)
     if name == "auto":
         name = _auto_choice(device, training)
         log.info("attention backend 'auto' resolved to '%s' on %s", name, device)
     if name == "sdpa":
-        from dflash_lab.attention.sdpa import SdpaBackend
-        return SdpaBackend()
+        from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
+        return SdpaBackend(key_tiles=1 if static_shapes else KEY_TILES)
     if name == "flex":
         from dflash_lab.attention.flex import FlexBackend
         return FlexBackend(compile_mask=device.type == "cuda")

@@ -68,6 +68,7 @@ class DFlashDrafter(nn.Module):
             self.mask_embedding = None
         self._specs = config.layer_specs()
         self.activation_checkpointing = False  # recompute each layer in backward (saves memory)
+        self.static_shapes = False  # same attention shapes every step (set by compile_layers)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -83,9 +84,20 @@ class DFlashDrafter(nn.Module):
             with torch.no_grad():
                 self.mask_embedding.copy_(embed_tokens.weight[self.config.mask_token_id])
 
+    def compile_layers(self, **compile_kwargs: Any) -> None:
+        """``torch.compile`` each draft layer in place (state_dict keys keep the serving names).
+
+        Compiled layers get the same attention shapes every step: the sdpa backend's key tiles,
+        whose sizes follow the sampled anchors, are turned off (they would recompile each step).
+        """
+        self.static_shapes = True
+        for layer in self.layers:
+            layer.compile(**compile_kwargs)
+
     # ------------------------------------------------------------------ shared pieces
     def backend(self, device: torch.device) -> AttentionBackend:
-        return get_backend(self.backend_name, device, training=torch.is_grad_enabled())
+        return get_backend(self.backend_name, device, training=torch.is_grad_enabled(),
+                           static_shapes=self.static_shapes)
 
     def fuse(self, target_hidden_bsf: Tensor) -> Tensor:
         """Concatenated target features [Bt, S, F] -> fused context [Bt, S, H]."""

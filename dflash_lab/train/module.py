@@ -64,9 +64,8 @@ class DFlashModule(L.LightningModule):
         drafter.activation_checkpointing = activation_checkpointing
         self._val_taus: list[Tensor] = []
         self._val_loss: list[Tensor] = []
-        if compile:  # in place: checkpoint keys stay the serving names
-            for layer in self.drafter.layers:
-                layer.compile()
+        if compile:
+            self.drafter.compile_layers()
 
     # ------------------------------------------------------------------ the step
     def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator):
