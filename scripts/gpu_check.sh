@@ -45,7 +45,7 @@ print("python", platform.python_version(), "| torch", torch.__version__,
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0))
 for mod in ("triton", "lightning", "transformers", "safetensors", "pytest", "flash_attn",
-            "hydra", "wandb", "datasets", "matplotlib"):
+            "yaml", "hydra", "wandb", "datasets", "matplotlib"):
     spec = importlib.util.find_spec(mod)
     version = ""
     if spec is not None:
