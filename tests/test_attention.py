@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash_lab.attention import flash as flash_module
+from dflash_lab.attention import flex as flex_module
 from dflash_lab.attention.base import get_backend
 from dflash_lab.attention.mask import BlockLayout, dense_mask
 from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
@@ -90,6 +91,25 @@ def test_sdpa_key_tiles_partition_the_queries_and_drop_only_invisible_keys(spec)
                       BlockLayout(anchors[:, :3], 8, 4)]  # too small to repay the tiles' cost
     for small in one_dense_call:
         assert isinstance(SdpaBackend().prepare(small, spec), torch.Tensor)
+
+
+def test_compiled_flex_warns_once_past_the_recompile_limit(monkeypatch, caplog):
+    """More distinct (batch, queries, keys) shapes than torch recompiles for: one warning that
+    names the fix (data.pad_to_multiple_of). The compiled builder is replaced by the eager one
+    (compiling flex needs the GPU); the shape bookkeeping is what is tested."""
+    import logging
+
+    assert flex_module._recompile_limit() >= 1  # torch's real setting is readable
+    monkeypatch.setattr(flex_module, "_compiled", lambda fn: fn)
+    monkeypatch.setattr(flex_module, "SEEN_SHAPES", set())
+    monkeypatch.setattr(flex_module, "_recompile_limit", lambda: 3)
+    backend = flex_module.FlexBackend(compile_mask=True)
+    spec = LayerSpec(None, False)
+    with caplog.at_level(logging.WARNING, logger=flex_module.__name__):
+        for s in (8, 8, 9, 10, 11, 12, 12, 13):  # 6 distinct context lengths
+            backend.prepare(BlockLayout(torch.tensor([[1, 3]]), s, 2), spec)
+    warnings = [r for r in caplog.records if "pad_to_multiple_of" in r.getMessage()]
+    assert len(warnings) == 1 and "4 distinct" in warnings[0].getMessage()
 
 
 def test_compiled_callers_get_one_dense_sdpa_call():

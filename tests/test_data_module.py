@@ -57,6 +57,35 @@ def test_pad_collate_right_pads_and_drops_unknown_keys():
     assert batch["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
 
 
+def test_pad_to_multiple_of_rounds_batch_lengths_and_pads_stay_invisible():
+    """Lengths 5 and 3 -> 8 with multiple 4 (8 stays 8); the drafter's blocks are unchanged by
+    the extra context pads (no anchor, no loss, no block sees them)."""
+    import pytest
+
+    from dflash_lab.data.module import BlockDataModule
+    from dflash_lab.model.drafter import DFlashDrafter
+    from dflash_lab.testing import tiny_drafter_config
+
+    cfg = tiny_drafter_config("mixed_per_layer")
+    f = len(cfg.target_layer_ids) * cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 90, (n,), generator=g),
+                "loss_mask": torch.ones(n, dtype=torch.long),
+                "hidden": torch.randn(n, f, generator=g)} for n in (5, 3)]
+    plain, rounded = pad_collate(samples), pad_collate(samples, pad_to_multiple_of=4)
+    assert plain["input_ids"].shape == (2, 5) and rounded["input_ids"].shape == (2, 8)
+    assert pad_collate(samples[:1] * 2, pad_to_multiple_of=5)["input_ids"].shape == (2, 5)
+    assert rounded["attention_mask"].sum().item() == 8 and not rounded["loss_mask"][:, 5:].any()
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    anchors = torch.tensor([[0, 2, 3], [0, 1, 1]])
+    out = [drafter(b["hidden"], b["input_ids"], anchors, embed) for b in (plain, rounded)]
+    torch.testing.assert_close(out[0], out[1])
+    with pytest.raises(ValueError, match="data.pad_to_multiple_of=0"):
+        BlockDataModule(pad_to_multiple_of=0)
+
+
 def test_split_is_deterministic_disjoint_and_bounded():
     train, val = split_indices(100, 0.1, seed=5)
     assert split_indices(100, 0.1, seed=5) == (train, val)

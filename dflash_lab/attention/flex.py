@@ -9,6 +9,7 @@ Sinks use the returned log-sum-exp (natural log).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import Tensor
@@ -18,10 +19,43 @@ from dflash_lab.attention.base import apply_sink
 from dflash_lab.attention.mask import BlockLayout, flex_mask_mod
 from dflash_lab.model.config import LayerSpec
 
+log = logging.getLogger(__name__)
+
+#: (Bt, Q, K) of every compiled flex call so far in this process (module-level: backends are
+#: built per forward).
+SEEN_SHAPES: set[tuple[int, int, int]] = set()
+
 
 @functools.cache
 def _compiled(fn):
     return torch.compile(fn, dynamic=False)
+
+
+def _recompile_limit() -> int:
+    """torch's per-function recompile limit (``recompile_limit``, ``cache_size_limit`` before)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
+
+
+def _note_compiled_shape(shape: tuple[int, int, int]) -> None:
+    """Warn once when the compiled kernels have seen more shapes than torch recompiles for.
+
+    ``dynamic=False`` compiles one graph per (Bt, Q, K); past torch's recompile limit new shapes
+    run the unfused eager flex path (slow, and it materialises the scores). Variable-length
+    batches hit this unless their length is rounded (``data.pad_to_multiple_of``).
+    """
+    if shape in SEEN_SHAPES:
+        return
+    SEEN_SHAPES.add(shape)
+    limit = _recompile_limit()
+    if len(SEEN_SHAPES) == limit + 1:
+        log.warning(
+            "compiled flex attention has now seen %d distinct (batch, queries, keys) shapes, "
+            "more than torch._dynamo.config recompile limit %d: new shapes run the slow eager "
+            "flex path. Round batch lengths with data.pad_to_multiple_of=512 (the GPU recipes "
+            "do) or keep batch size and length fixed.", len(SEEN_SHAPES), limit)
 
 
 class FlexBackend:
@@ -31,6 +65,9 @@ class FlexBackend:
         self.compile_mask = compile_mask
 
     def prepare(self, layout: BlockLayout, spec: LayerSpec) -> BlockMask:
+        if self.compile_mask:
+            _note_compiled_shape((layout.anchors_bn.shape[0], layout.num_queries,
+                                  layout.num_keys))
         build = _compiled(create_block_mask) if self.compile_mask else create_block_mask
         return build(flex_mask_mod(layout, spec), B=layout.anchors_bn.shape[0], H=None,
                      Q_LEN=layout.num_queries, KV_LEN=layout.num_keys,

@@ -16,6 +16,7 @@ run resumed from an end-of-epoch (or validation) checkpoint sees the same batche
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,11 +28,18 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0}
 
 
-def pad_collate(samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+def pad_collate(samples: Sequence[dict[str, Tensor]],
+                pad_to_multiple_of: int = 1) -> dict[str, Tensor]:
     """Right-pad the per-sample tensors ([S] or [S, F]) of PAD_VALUES' keys to the longest
-    sample and add ``attention_mask`` [Bt, S] (True on real tokens); other keys (e.g.
-    ``sample_id``) are dropped."""
-    longest = max(s["input_ids"].shape[0] for s in samples)
+    sample, rounded up to ``pad_to_multiple_of``, and add ``attention_mask`` [Bt, S] (True on
+    real tokens); other keys (e.g. ``sample_id``) are dropped.
+
+    Rounding bounds the number of distinct batch shapes: compiled kernels (flex attention and
+    its mask builder on CUDA) recompile for every new shape and fall back to slow eager code
+    past torch's recompile limit. Pads carry no loss and no anchor, and no block sees them.
+    """
+    real = max(s["input_ids"].shape[0] for s in samples)
+    longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}
     for key in PAD_VALUES:
         if key not in samples[0]:
@@ -86,12 +94,17 @@ class BlockDataModule(L.LightningDataModule):
     """Split, collate and loaders shared by the online and offline modules."""
 
     def __init__(self, batch_size: int = 8, val_fraction: float = 0.05,
-                 max_val_samples: int | None = 256, seed: int = 0, num_workers: int = 0):
+                 max_val_samples: int | None = 256, seed: int = 0, num_workers: int = 0,
+                 pad_to_multiple_of: int = 1):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size={batch_size}: must be >= 1")
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"data.pad_to_multiple_of={pad_to_multiple_of}: must be >= 1 "
+                             "(1 = pad to the longest sample of each batch)")
         self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
         self.seed, self.num_workers = seed, num_workers
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -109,7 +122,9 @@ class BlockDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, sampler: Sampler | None) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
-                          collate_fn=pad_collate, num_workers=self.num_workers,
+                          collate_fn=functools.partial(
+                              pad_collate, pad_to_multiple_of=self.pad_to_multiple_of),
+                          num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
