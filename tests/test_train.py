@@ -150,9 +150,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("last_every", [None, 3], ids=["epoch-end-ckpt", "mid-epoch-ckpt"])
+def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_path,
+                                                           last_every):
+    """Killed at step 7 (epoch 1, 5 steps an epoch): resumed from the epoch-end last.ckpt of
+    step 5, or from the mid-epoch one of step 6 (the data continues inside the epoch)."""
     common = {"trainer.max_epochs": 2, "trainer.log_every_n_steps": 1,
-              "validate_before_fit": False}
+              "validate_before_fit": False,
+              "callbacks.checkpoint.last_every_n_steps": "null" if last_every is None
+              else last_every}
     ref = _tiny_overrides(tmp_path / "ref", tiny_target_dir, **common)
     _run_cli(ref)
     killed = _tiny_overrides(tmp_path / "kill", tiny_target_dir, **common)
@@ -160,7 +166,8 @@ def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_
             "+callbacks.kill.step=7"]
     proc = _run_cli(killed + kill, check=False)
     assert proc.returncode != 0, "the run was supposed to be killed"
-    assert (tmp_path / "kill/run/checkpoints/last.ckpt").is_file()
+    last = tmp_path / "kill/run/checkpoints/last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == (6 if last_every else 5)
     _run_cli(killed)  # ckpt_path=auto resumes from last.ckpt
     want, got = _losses(tmp_path / "ref/run"), _losses(tmp_path / "kill/run")
     assert max(want) == max(got) and max(want) > 7

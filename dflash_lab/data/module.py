@@ -74,20 +74,48 @@ def split_indices(num: int, val_fraction: float, seed: int,
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """A permutation that depends only on (seed, epoch): Lightning calls ``set_epoch``."""
+    """This rank's share of a permutation that depends only on (seed, epoch).
 
-    def __init__(self, num: int, seed: int):
+    Lightning calls ``set_epoch``. Ranks: ``world``/``rank``, or torch.distributed's when it is
+    initialised (else one process). The permutation is padded by repeating its head to a
+    multiple of the world size and rank r takes every world-th index from r, as torch's
+    DistributedSampler does; the trainer configs therefore set ``use_distributed_sampler:
+    false`` (Lightning must not split it again).
+
+    :meth:`resume_at` makes the next iteration serve one epoch's order after the first
+    ``samples_done`` indices that all ranks together consumed (``__len__`` is unchanged: the
+    loop stops the epoch after the batches it has left).
+    """
+
+    def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):
         self.num, self.seed, self.epoch = num, seed, 0
+        self.world, self.rank = world, rank
+        self._resume: tuple[int, int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def resume_at(self, epoch: int, samples_done: int) -> None:
+        self._resume = (epoch, samples_done)
+
+    def _ranks(self) -> tuple[int, int]:
+        if self.world is not None:
+            return self.world, self.rank or 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
+
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.num, generator=g).tolist())
+        world, rank = self._ranks()
+        epoch, done = self._resume or (self.epoch, 0)
+        self._resume = None
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        order = torch.randperm(self.num, generator=g).tolist()
+        order += order[:len(self) * world - self.num]
+        return iter(order[rank::world][done // world:])
 
     def __len__(self) -> int:
-        return self.num
+        return -(-self.num // self._ranks()[0])
 
 
 class BlockDataModule(L.LightningDataModule):
@@ -105,6 +133,7 @@ class BlockDataModule(L.LightningDataModule):
         self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
         self.seed, self.num_workers = seed, num_workers
         self.pad_to_multiple_of = pad_to_multiple_of
+        self._resume: dict[str, int] | None = None
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -128,7 +157,39 @@ class BlockDataModule(L.LightningDataModule):
                           persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, EpochShuffleSampler(len(self.train_set), self.seed))
+        trainer = self.trainer
+        if (trainer is not None and trainer.world_size > 1
+                and trainer._accelerator_connector.use_distributed_sampler):
+            raise ValueError(
+                f"{trainer.world_size} processes with Lightning's distributed sampler: the data "
+                "module's sampler already gives each rank its share (and resumes inside an "
+                "epoch); set trainer.use_distributed_sampler=false (trainer=ddp, ddp_cpu and "
+                "fsdp do)")
+        sampler = EpochShuffleSampler(len(self.train_set), self.seed)
+        if self._resume:
+            sampler.resume_at(self._resume["epoch"], self._resume["samples_done"])
+            self._resume = None
+        return self._loader(self.train_set, sampler)
+
+    # Mid-epoch resume. Lightning restores the loop counters from a checkpoint but restarts the
+    # loader at the top of its epoch, which would serve the epoch's first batches again (and,
+    # with loader workers, index the sampler before set_epoch). The checkpoint therefore keeps
+    # where the training data stands, read when it is written (in on_train_batch_end or at
+    # validation, when the counters are consistent), and the next loader continues from there.
+    def state_dict(self) -> dict[str, int]:
+        """{"epoch", "samples_done"} of the training data: samples of that epoch's order that all
+        ranks together have consumed; empty outside a fit."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return {}
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        epoch = trainer.current_epoch
+        if batches >= trainer.num_training_batches:  # the epoch is over: the next one starts
+            epoch, batches = epoch + 1, 0
+        return {"epoch": epoch, "samples_done": batches * self.batch_size * trainer.world_size}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._resume = dict(state_dict) if state_dict else None
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -16,7 +17,25 @@ class DFlashCheckpoint(ModelCheckpoint):
 
     ``best.json`` = {"path": best checkpoint relative to the run directory, "val/tau": score};
     the exporter and the eval pick a run directory's best checkpoint from it.
+    ``last_every_n_steps``: also write last.ckpt every N optimizer steps, inside epochs, so a
+    killed run loses at most N steps (the data module's state makes the resumed epoch continue
+    where it stopped); None: only at validation.
     """
+
+    def __init__(self, *args: Any, last_every_n_steps: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if last_every_n_steps is not None and last_every_n_steps < 1:
+            raise ValueError(f"callbacks.checkpoint.last_every_n_steps={last_every_n_steps}: "
+                             "must be >= 1, or null to write last.ckpt only at validation")
+        self.last_every_n_steps = last_every_n_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        n, step = self.last_every_n_steps, trainer.global_step
+        # The first batch that sees step % n == 0 is the one whose optimizer step made it (with
+        # gradient accumulation the next ones share the step and are skipped as already saved).
+        if n and step > 0 and step % n == 0 and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_validation_end(self, trainer, pl_module) -> None:
         super().on_validation_end(trainer, pl_module)

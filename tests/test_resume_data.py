@@ -1,0 +1,110 @@
+"""Mid-epoch resume of the training data: a run killed inside an epoch and resumed from its
+last.ckpt serves exactly the batches the uninterrupted run serves from that point on, with and
+without loader workers, from mid-epoch and from epoch-end checkpoints (real Lightning loops)."""
+
+import lightning as L
+import pytest
+import torch
+
+from dflash_lab.data.module import BlockDataModule, EpochShuffleSampler
+from dflash_lab.train.callbacks import DFlashCheckpoint
+
+
+class _Numbers(BlockDataModule):
+    """25 one-token samples whose token is the sample number (20 train, 5 val)."""
+
+    def load_samples(self):
+        return [{"input_ids": torch.tensor([i]), "loss_mask": torch.tensor([1])}
+                for i in range(25)]
+
+
+class _Recorder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.current_epoch, batch["input_ids"][:, 0].tolist()))
+        return (self.w * batch["input_ids"].float()).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/tau", 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _Killed(Exception):
+    pass
+
+
+class _Kill(L.Callback):
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step >= 7:
+            raise _Killed  # the run dies here: nothing is saved on the way out
+
+
+def _fit(ckpt_dir, workers, every, kill=False, resume=None):
+    data = _Numbers(batch_size=4, val_fraction=0.2, max_val_samples=5, seed=1,
+                    num_workers=workers)
+    callbacks = [DFlashCheckpoint(dirpath=ckpt_dir, monitor=None, save_top_k=0, save_last=True,
+                                  last_every_n_steps=every)]
+    if kill:
+        callbacks.append(_Kill())
+    trainer = L.Trainer(max_epochs=3, callbacks=callbacks, logger=False, accelerator="cpu",
+                        enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
+    module = _Recorder()
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=resume)
+    except _Killed:
+        assert kill
+    return module.seen
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "2-workers"])
+@pytest.mark.parametrize(("every", "resumed_step"), [(3, 6), (5, 5)],
+                         ids=["mid-epoch", "epoch-end"])
+def test_resumed_run_serves_the_same_batches_as_the_uninterrupted_one(tmp_path, workers, every,
+                                                                      resumed_step):
+    want = _fit(tmp_path / "ref", workers, every)
+    assert len(want) == 15  # 3 epochs x 5 batches
+    killed = _fit(tmp_path / "kill", workers, every, kill=True)
+    assert len(killed) == 7
+    state = torch.load(tmp_path / "kill/last.ckpt", weights_only=False)
+    assert state["global_step"] == resumed_step
+    got = _fit(tmp_path / "kill", workers, every, resume=str(tmp_path / "kill/last.ckpt"))
+    assert got == want[resumed_step:]
+
+
+def test_sampler_resume_continues_once_and_keeps_its_length():
+    """The loader's length (Lightning's batch count for the epoch) stays that of a full epoch:
+    the loop stops after the batches it has left, and the last one keeps its true size."""
+    s = EpochShuffleSampler(10, seed=3)
+    s.set_epoch(2)
+    full = list(s)
+    s.resume_at(2, 4)
+    assert list(s) == full[4:] and len(s) == 10
+    assert list(s) == full  # the resume point is used once
+
+
+def test_ranks_share_the_padded_epoch_order_and_resume_their_own_streams():
+    """3 ranks over 10 samples: torch's DistributedSampler layout (pad by repeating the head,
+    rank r takes every 3rd from r); after 2 batches of 2 on every rank (12 samples consumed in
+    all) each rank continues its own stream."""
+    one = EpochShuffleSampler(10, seed=5, world=1)
+    one.set_epoch(1)
+    order = list(one)
+    padded = order + order[:2]
+    ranks = [EpochShuffleSampler(10, seed=5, world=3, rank=r) for r in range(3)]
+    for r, s in enumerate(ranks):
+        s.set_epoch(1)
+        assert len(s) == 4 and list(s) == padded[r::3]
+        s.resume_at(1, samples_done=2 * 2 * 3)
+        assert list(s) == padded[r::3][4:]
+
+
+def test_checkpoint_every_n_steps_must_be_positive():
+    with pytest.raises(ValueError, match="last_every_n_steps=0"):
+        DFlashCheckpoint(last_every_n_steps=0)
