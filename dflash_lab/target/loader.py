@@ -115,6 +115,7 @@ class Target:
     tokenizer: Any
     name_or_path: str
     gguf_file: str | None = None
+    head_only: bool = False  # only embedding, final norm and LM head are loaded (head_only.py)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -174,16 +175,24 @@ def _check_source(name_or_path: str, gguf_file: str | None) -> None:
 def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 dtype: str | torch.dtype = "bfloat16", device: str | None = "auto",
                 device_map: str | dict | None = None, attn_implementation: str | None = "sdpa",
-                local_files_only: bool | None = None) -> Target:
+                local_files_only: bool | None = None, head_only: bool = False) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
     ``device_map`` (e.g. ``"auto"``) spreads a target bigger than one GPU over the visible GPUs
     and overrides ``device``. ``local_files_only`` defaults to True for existing local paths and
-    to ``HF_HUB_OFFLINE`` otherwise.
+    to ``HF_HUB_OFFLINE`` otherwise. ``head_only``: load only the embedding, final norm and LM
+    head (offline training; :mod:`dflash_lab.target.head_only`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_source(name_or_path, gguf_file)
+    if head_only:
+        if gguf_file:
+            raise ValueError(f"target.head_only=true reads safetensors weights; {gguf_file!r} "
+                             "is a GGUF file: set target.head_only=false")
+        from dflash_lab.target.head_only import load_target_head
+
+        return load_target_head(name_or_path, dtype=dtype, device=device)
     if local_files_only is None:
         local_files_only = Path(name_or_path).is_dir() or bool(os.environ.get("HF_HUB_OFFLINE"))
     common: dict[str, Any] = {"local_files_only": local_files_only}

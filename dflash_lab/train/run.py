@@ -55,7 +55,12 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
     dc = drafter.config
     # Objects go in through a partial: Hydra would turn the Target dataclass into a config node.
     make_data = instantiate(cfg.data, _partial_=True)
-    if cfg.data._target_.endswith("OnlineDataModule"):
+    online = cfg.data._target_.endswith("OnlineDataModule")
+    if online and target.head_only:
+        raise ValueError("target.head_only=true loads only the embedding, norm and LM head, but "
+                         "online data runs the whole target: use data=offline (a capture) or "
+                         "target.head_only=false")
+    if online:
         data = make_data(target=target, target_layer_ids=dc.target_layer_ids)
     else:
         data = make_data(target=target, target_layer_ids=dc.target_layer_ids,

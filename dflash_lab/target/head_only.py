@@ -1,0 +1,107 @@
+"""Load only the target's token embedding, final norm and LM head (``target.head_only=true``).
+
+Offline training never runs the target: the captured shards hold its features, and the drafter
+needs just the frozen embedding (block inputs) and LM head (loss). Loading a 27B target on every
+rank for three tensors costs tens of GB per GPU, so this builds the model on the meta device and
+reads only those tensors from its safetensors files. The result is a :class:`Target` whose
+config, tokenizer and :meth:`Target.identity` match a full load (captures validate against it)
+and whose decoder layers stay on the meta device: running it fails loudly, by design.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_lab.target.loader import Target, resolve_device, resolve_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def resolve_local_dir(name_or_path: str) -> Path:
+    """A local model directory, or the snapshot of a hub id already in the local HF cache."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except Exception as err:
+        raise ValueError(
+            f"target.head_only=true reads the weight files directly: {name_or_path!r} is neither "
+            f"a directory nor a hub id in the local Hugging Face cache ({type(err).__name__}). "
+            f"Download it first (`hf download {name_or_path} --local-dir DIR`, then "
+            "target.name_or_path=DIR) or set target.head_only=false") from err
+
+
+def weight_locations(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (sharded index or one file)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open: no __iter__)
+    raise ValueError(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}; target.head_only=true "
+                     "needs safetensors weights (GGUF and .bin targets: head_only=false)")
+
+
+def _param_name(model: nn.Module, module: nn.Module) -> str:
+    """Full name of ``module.weight`` inside ``model`` (its checkpoint key)."""
+    for name, sub in model.named_modules():
+        if sub is module:
+            return f"{name}.weight" if name else "weight"
+    raise ValueError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")
+
+
+def _read(locations: dict[str, Path], key: str, like: torch.Tensor, dtype: torch.dtype,
+          device: str, where: Path) -> nn.Parameter:
+    from safetensors import safe_open
+
+    if key not in locations:
+        raise ValueError(f"{where}: tensor {key!r} is not in the weight files; this checkpoint "
+                         "names its embedding/norm/LM head differently: use head_only=false")
+    with safe_open(str(locations[key]), framework="pt", device="cpu") as f:
+        tensor = f.get_tensor(key)
+    if tuple(tensor.shape) != tuple(like.shape):
+        raise ValueError(f"{where}: {key} has shape {tuple(tensor.shape)}, the config implies "
+                         f"{tuple(like.shape)}")
+    return nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+
+
+def load_target_head(name_or_path: str, *, dtype: str | torch.dtype = "bfloat16",
+                     device: str | None = "auto") -> Target:
+    """Config + tokenizer + embedding, final norm and LM head; decoder layers on meta."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_local_dir(name_or_path)
+    torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    locations = weight_locations(model_dir)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__}: no final norm at base_model.norm; this "
+                         "architecture is not supported as a DFlash target yet")
+    for module in (embed, norm):
+        key = _param_name(model, module)
+        module.weight = _read(locations, key, module.weight, torch_dtype, dev, model_dir)
+    head_key = _param_name(model, head)
+    if getattr(config, "tie_word_embeddings", False) and head_key not in locations:
+        head.weight = embed.weight  # tied: the checkpoint stores the embedding once
+    else:
+        head.weight = _read(locations, head_key, head.weight, torch_dtype, dev, model_dir)
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name_or_path=name_or_path, head_only=True)
