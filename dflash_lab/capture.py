@@ -34,7 +34,7 @@ def rank_and_world() -> tuple[int, int]:
     return rank, world
 
 
-def _data_path(data: DictConfig) -> str:
+def data_path(data: DictConfig) -> str:
     """The conversations file; ``demo`` writes the built-in demo conversations first."""
     if data.path == "demo":
         return str(write_demo_jsonl(data.demo_file, num=data.demo_rows, seed=data.demo_seed))
@@ -58,7 +58,7 @@ def capture(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's part of the capture; returns the manifest once all shards exist."""
     rank, world = rank_and_world()
     target = instantiate(cfg.target)
-    path = _data_path(cfg.data)
+    path = data_path(cfg.data)
     dataset = load_conversations(path, split=cfg.data.split, limit=cfg.data.limit,
                                  shuffle_seed=cfg.data.shuffle_seed)
     settings = _settings(cfg, target)

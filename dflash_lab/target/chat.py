@@ -58,6 +58,13 @@ def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bo
                                          **template_kwargs)
 
 
+def render_prompt(tokenizer, messages: list[dict[str, Any]],
+                  enable_thinking: bool | None = None) -> str:
+    """The chat-template text that asks the model for the next assistant turn."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return _render(tokenizer, messages, True, kwargs)
+
+
 def _turn_end(text: str, start: int, content_end: int, special_tokens: list[str]) -> int:
     """End of an assistant turn: just past the first special token that follows its content
     (after optional whitespace), else the content end."""

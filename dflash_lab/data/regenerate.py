@@ -1,0 +1,237 @@
+"""On-policy data: replace every assistant turn of a conversation set with the target's reply.
+
+DFlash trains on conversations whose assistant turns the target itself wrote (dflash.md section
+2): the drafter then learns the distribution it will be asked to predict when serving. Turns are
+regenerated in order, each conditioned on the REGENERATED history, with the target's chat
+template and ``generate`` (greedy by default; seeded sampling optional), batched with left
+padding.
+
+Output (``out_dir``): ``part-XXXXX.jsonl`` files of ``part_size`` input rows, each written to a
+temporary name and renamed (a part that exists is complete: the unit of resume and of the
+RANK/WORLD_SIZE split), ``settings.json`` (what the parts were made with; a resume with other
+settings is refused), and, once every part exists, ``conversations.jsonl`` (all parts in row
+order: the file capture and training read) and ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lab.target.chat import normalize_conversation, render_prompt
+
+MERGED_FILE = "conversations.jsonl"
+SETTINGS_FILE = "settings.json"
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    out_dir: str
+    max_new_tokens: int = 1024    # per assistant turn
+    max_length: int = 4096        # prompt + reply tokens; a turn that would not fit ends the row
+    temperature: float = 0.0      # 0: greedy; > 0: sampling (seeded per part)
+    top_p: float = 1.0
+    batch_size: int = 8           # conversations generated together
+    part_size: int = 256          # input rows per part file
+    enable_thinking: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {"max_new_tokens": self.max_new_tokens >= 1, "batch_size": self.batch_size >= 1,
+                  "part_size": self.part_size >= 1, "temperature": self.temperature >= 0,
+                  "top_p": 0 < self.top_p <= 1,
+                  "max_length": self.max_length > self.max_new_tokens}
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"regenerate.{key}={getattr(self, key)!r} is out of range "
+                                 "(max_new_tokens, batch_size, part_size >= 1; temperature >= 0; "
+                                 "0 < top_p <= 1; max_length > max_new_tokens)")
+
+
+def part_path(out_dir: str | Path, index: int) -> Path:
+    return Path(out_dir) / f"part-{index:05d}.jsonl"
+
+
+def _generation_config(s: RegenerateSettings, stops: list[int], pad: int):
+    """Exactly the settings asked for: the model's own generation defaults (a top_k, a
+    repetition penalty, do_sample) are not inherited."""
+    from transformers import GenerationConfig
+
+    sampling = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0}
+    return GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=stops,
+                            pad_token_id=pad, **(sampling if s.temperature > 0 else
+                                                 {"do_sample": False}))
+
+
+def generate_replies(target, histories: list[list[dict[str, Any]]],
+                     s: RegenerateSettings) -> list[tuple[str, int] | None]:
+    """The target's next assistant turn for each history: (text, new tokens), or None when the
+    prompt plus ``max_new_tokens`` would exceed ``max_length``."""
+    tok = target.tokenizer
+    prompts = [render_prompt(tok, h, s.enable_thinking) for h in histories]
+    lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    fits = [k for k, n in enumerate(lengths) if n + s.max_new_tokens <= s.max_length]
+    out: list[tuple[str, int] | None] = [None] * len(histories)
+    if not fits:
+        return out
+    if tok.pad_token_id is None:  # left padding needs one; the pads are masked out
+        tok.pad_token = tok.eos_token
+    enc = tok([prompts[k] for k in fits], add_special_tokens=False, padding=True,
+              padding_side="left", return_tensors="pt").to(target.device)
+    stops = target.model.generation_config.eos_token_id
+    stops = [stops] if isinstance(stops, int) else list(stops or [tok.eos_token_id])
+    with torch.no_grad():
+        gen = target.model.generate(**enc, generation_config=_generation_config(s, stops,
+                                                                                tok.pad_token_id))
+    for row, k in enumerate(fits):
+        ids = gen[row, enc["input_ids"].shape[1]:].tolist()
+        end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+        # The reply's text stops before its end-of-turn token; its count includes that token.
+        out[k] = (tok.decode(ids[:end], skip_special_tokens=True), min(end + 1, len(ids)))
+    return out
+
+
+def regenerate_batch(target, conversations: list[list[dict[str, Any]]],
+                     s: RegenerateSettings) -> tuple[list[list[dict[str, Any]] | None], int]:
+    """Regenerate every assistant turn, turn by turn across the batch.
+
+    Returns (new conversations, generated tokens). A conversation stops before a turn that does
+    not fit ``max_length``; one left without an assistant turn, or whose first assistant turn
+    has no history to answer, becomes None (dropped).
+    """
+    done: list[list[dict[str, Any]]] = [[] for _ in conversations]
+    open_ = [True] * len(conversations)
+    tokens = 0
+    for turn in range(max(len(c) for c in conversations)):
+        asking = []
+        for k, conv in enumerate(conversations):
+            if not open_[k] or turn >= len(conv):
+                continue
+            if conv[turn]["role"] != "assistant":
+                done[k].append(dict(conv[turn]))
+            elif done[k]:
+                asking.append(k)
+        if not asking:
+            continue
+        for k, reply in zip(asking, generate_replies(target, [done[k] for k in asking], s)):
+            if reply is None:
+                open_[k] = False
+                continue
+            done[k].append({"role": "assistant", "content": reply[0]})
+            tokens += reply[1]
+    kept = [c if any(m["role"] == "assistant" for m in c) else None for c in done]
+    return kept, tokens
+
+
+def _write_part(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress=None) -> int:
+    """Regenerate input rows [index * part_size, ...) into part ``index``; returns tokens."""
+    lo = index * s.part_size
+    hi = min(lo + s.part_size, len(dataset))
+    torch.manual_seed(s.seed * 1_000_003 + index)  # sampling is reproducible per part
+    rows, tokens = [], 0
+    for start in range(lo, hi, s.batch_size):
+        stop = min(start + s.batch_size, hi)
+        convs = [normalize_conversation(dataset[i], where=f"row {i}") for i in range(start, stop)]
+        new, n = regenerate_batch(target, convs, s)
+        tokens += n
+        rows += [{"messages": m, "source_row": i} for i, m in zip(range(start, stop), new)
+                 if m is not None]
+        if progress is not None:
+            progress.update(stop - start, n)
+    _write_part(part_path(s.out_dir, index), rows)
+    return tokens
+
+
+def check_settings(out_dir: Path, record: dict[str, Any]) -> None:
+    """Write settings.json, or refuse to resume parts made with other settings."""
+    path = out_dir / SETTINGS_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
+        if diff:
+            changes = [(k, old.get(k), record.get(k)) for k in diff]
+            raise ValueError(f"{out_dir} holds parts made with other settings (differing: "
+                             f"{changes}); use a new regenerate.out_dir, or the same settings "
+                             "to resume")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+class _Progress:
+    """tqdm over input rows, with the generated-tokens rate."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, unit="conv", disable=not enabled, desc="regenerate")
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.update(rows)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix(generated_tok_per_s=f"{rate:.0f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any], *,
+                   rank: int = 0, world_size: int = 1, progress: bool = True
+                   ) -> dict[str, Any] | None:
+    """This process's parts (index % world_size == rank), then the merge once all exist.
+
+    Returns the manifest when the output is complete, else None (other ranks still working).
+    """
+    if getattr(target, "head_only", False):
+        raise ValueError("regeneration runs the target: load it whole (target.head_only=false)")
+    out = Path(s.out_dir)
+    record = {"settings": {k: v for k, v in asdict(s).items() if k != "out_dir"},
+              "source": source, "num_rows": len(dataset), "target": target.identity()}
+    check_settings(out, record)
+    num_parts = -(-len(dataset) // s.part_size)
+    mine = [i for i in range(num_parts) if i % world_size == rank]
+    todo = [i for i in mine if not part_path(out, i).is_file()]
+    rows = sum(min(s.part_size, len(dataset) - i * s.part_size) for i in todo)
+    bar = _Progress(rows, progress)
+    try:
+        for i in todo:
+            regenerate_part(target, dataset, i, s, bar)
+    finally:
+        bar.close()
+    if not all(part_path(out, i).is_file() for i in range(num_parts)):
+        return None
+    return merge_parts(out, num_parts, record)
+
+
+def merge_parts(out: Path, num_parts: int, record: dict[str, Any]) -> dict[str, Any]:
+    """conversations.jsonl (parts in order) and manifest.json, both written atomically."""
+    merged, kept = out / MERGED_FILE, 0
+    tmp = merged.with_suffix(".jsonl.tmp")
+    with tmp.open("w") as f:
+        for i in range(num_parts):
+            text = part_path(out, i).read_text()
+            kept += text.count("\n")
+            f.write(text)
+    tmp.replace(merged)
+    manifest = {**record, "num_parts": num_parts, "num_conversations": kept,
+                "dropped": record["num_rows"] - kept, "file": MERGED_FILE}
+    tmp = (out / MANIFEST_FILE).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / MANIFEST_FILE)
+    return manifest

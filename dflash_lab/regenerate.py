@@ -1,0 +1,62 @@
+"""dflash-regenerate: rewrite a conversation set's assistant turns with the target (on-policy).
+
+Thin entry point: Hydra config (conf/regenerate.yaml) -> target -> dataset -> run_regenerate.
+One process or several (``torchrun``; RANK / WORLD_SIZE split the part files), resumable; the
+result, ``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-train read.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_lab.capture import data_path, rank_and_world
+from dflash_lab.data.conversations import load_conversations
+from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
+from dflash_lab.paths import CONF_DIR
+from dflash_lab.runinfo import write_run_info
+
+log = logging.getLogger("dflash_lab.regenerate")
+
+
+def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
+    """Run this process's parts; returns the manifest once every part exists."""
+    rank, world = rank_and_world()
+    settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
+    target = instantiate(cfg.target)
+    path = data_path(cfg.data)
+    dataset = load_conversations(path, split=cfg.data.split, limit=cfg.data.limit,
+                                 shuffle_seed=cfg.data.shuffle_seed)
+    source = {"path": path, "split": cfg.data.split, "limit": cfg.data.limit,
+              "shuffle_seed": cfg.data.shuffle_seed}
+    if rank == 0:
+        write_run_info(settings.out_dir, cfg, world_size=world)
+    manifest = run_regenerate(target, dataset, settings, source, rank=rank, world_size=world,
+                              progress=cfg.regenerate.progress)
+    out = Path(settings.out_dir).absolute()
+    if manifest is None:
+        log.info("rank %d finished its parts in %s; waiting for the other ranks", rank, out)
+    else:
+        log.info("regenerated %d conversations (%d dropped: no turn fitted max_length) -> %s",
+                 manifest["num_conversations"], manifest["dropped"], out / MERGED_FILE)
+    return manifest
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
+    regenerate(cfg)
+
+
+def main() -> None:
+    """Console entry point (``dflash-regenerate``)."""
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
