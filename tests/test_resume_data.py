@@ -19,8 +19,9 @@ class _Numbers(BlockDataModule):
 
 
 class _Recorder(L.LightningModule):
-    def __init__(self):
+    def __init__(self, early_loader: bool = False):
         super().__init__()
+        self.early_loader = early_loader
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.seen: list[tuple[int, list[int]]] = []
 
@@ -32,6 +33,8 @@ class _Recorder(L.LightningModule):
         self.log("val/tau", 1.0)
 
     def configure_optimizers(self):
+        if self.early_loader:  # as DFlashModule's scheduler: builds the train loader before
+            assert self.trainer.estimated_stepping_batches > 0  # the loops are restored
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
@@ -45,7 +48,7 @@ class _Kill(L.Callback):
             raise _Killed  # the run dies here: nothing is saved on the way out
 
 
-def _fit(ckpt_dir, workers, every, kill=False, resume=None):
+def _fit(ckpt_dir, workers, every, kill=False, resume=None, early_loader=False):
     data = _Numbers(batch_size=4, val_fraction=0.2, max_val_samples=5, seed=1,
                     num_workers=workers)
     callbacks = [DFlashCheckpoint(dirpath=ckpt_dir, monitor=None, save_top_k=0, save_last=True,
@@ -55,7 +58,7 @@ def _fit(ckpt_dir, workers, every, kill=False, resume=None):
     trainer = L.Trainer(max_epochs=3, callbacks=callbacks, logger=False, accelerator="cpu",
                         enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
-    module = _Recorder()
+    module = _Recorder(early_loader)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=resume)
     except _Killed:
@@ -63,18 +66,23 @@ def _fit(ckpt_dir, workers, every, kill=False, resume=None):
     return module.seen
 
 
+@pytest.mark.parametrize("early_loader", [False, True], ids=["", "loader-before-restore"])
 @pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "2-workers"])
 @pytest.mark.parametrize(("every", "resumed_step"), [(3, 6), (5, 5)],
                          ids=["mid-epoch", "epoch-end"])
 def test_resumed_run_serves_the_same_batches_as_the_uninterrupted_one(tmp_path, workers, every,
-                                                                      resumed_step):
+                                                                      resumed_step,
+                                                                      early_loader):
+    """``loader-before-restore``: configure_optimizers asks for estimated_stepping_batches (as
+    DFlashModule does), so Lightning builds the train loader before it restores the loops."""
     want = _fit(tmp_path / "ref", workers, every)
     assert len(want) == 15  # 3 epochs x 5 batches
-    killed = _fit(tmp_path / "kill", workers, every, kill=True)
+    killed = _fit(tmp_path / "kill", workers, every, kill=True, early_loader=early_loader)
     assert len(killed) == 7
     state = torch.load(tmp_path / "kill/last.ckpt", weights_only=False)
     assert state["global_step"] == resumed_step
-    got = _fit(tmp_path / "kill", workers, every, resume=str(tmp_path / "kill/last.ckpt"))
+    got = _fit(tmp_path / "kill", workers, every, resume=str(tmp_path / "kill/last.ckpt"),
+               early_loader=early_loader)
     assert got == want[resumed_step:]
 
 

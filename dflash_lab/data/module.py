@@ -17,6 +17,7 @@ run resumed from an end-of-epoch (or validation) checkpoint sees the same batche
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -71,6 +72,13 @@ def split_indices(num: int, val_fraction: float, seed: int,
     if max_val is not None:
         n_val = max(1, min(n_val, max_val))
     return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+# Lightning warns that a mid-epoch resume with a loader lacking state_dict/load_state_dict is
+# unreliable; the data module's state (BlockDataModule.state_dict) makes it exact here
+# (tests/test_resume_data.py), so that warning would only mislead.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before "
+                        "the epoch ended")
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -176,6 +184,8 @@ class BlockDataModule(L.LightningDataModule):
     # with loader workers, index the sampler before set_epoch). The checkpoint therefore keeps
     # where the training data stands, read when it is written (in on_train_batch_end or at
     # validation, when the counters are consistent), and the next loader continues from there.
+    # The data module's state, not the loader's: Lightning restores it before configure_optimizers
+    # (whose estimated_stepping_batches builds the train loader), loader states only after.
     def state_dict(self) -> dict[str, int]:
         """{"epoch", "samples_done"} of the training data: samples of that epoch's order that all
         ranks together have consumed; empty outside a fit."""
