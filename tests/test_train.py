@@ -150,12 +150,16 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("last_every", [None, 3], ids=["epoch-end-ckpt", "mid-epoch-ckpt"])
-def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_path,
-                                                           last_every):
-    """Killed at step 7 (epoch 1, 5 steps an epoch): resumed from the epoch-end last.ckpt of
-    step 5, or from the mid-epoch one of step 6 (the data continues inside the epoch)."""
-    common = {"trainer.max_epochs": 2, "trainer.log_every_n_steps": 1,
+@pytest.mark.parametrize(("trainer", "epochs", "last_every", "kill_at", "resumed_at"), [
+    ("cpu", 2, None, 7, 5), ("cpu", 2, 3, 7, 6), ("ddp_cpu", 4, 4, 8, 8)],
+    ids=["epoch-end-ckpt", "mid-epoch-ckpt", "ddp-2-processes-mid-epoch-ckpt"])
+def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_path, trainer,
+                                                           epochs, last_every, kill_at,
+                                                           resumed_at):
+    """SIGKILLed at step ``kill_at`` and resumed from last.ckpt: one process (5 steps an
+    epoch) from the epoch-end checkpoint of step 5 or the mid-epoch one of step 6; two gloo
+    processes (3 steps an epoch, each rank its own share) from the mid-epoch one of step 8."""
+    common = {"trainer": trainer, "trainer.max_epochs": epochs, "trainer.log_every_n_steps": 1,
               "validate_before_fit": False,
               "callbacks.checkpoint.last_every_n_steps": "null" if last_every is None
               else last_every}
@@ -163,15 +167,15 @@ def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_
     _run_cli(ref)
     killed = _tiny_overrides(tmp_path / "kill", tiny_target_dir, **common)
     kill = ["+callbacks.kill._target_=dflash_lab.testing.kill_at_step_callback",
-            "+callbacks.kill.step=7"]
+            f"+callbacks.kill.step={kill_at}"]
     proc = _run_cli(killed + kill, check=False)
     assert proc.returncode != 0, "the run was supposed to be killed"
     last = tmp_path / "kill/run/checkpoints/last.ckpt"
-    assert torch.load(last, weights_only=False)["global_step"] == (6 if last_every else 5)
+    assert torch.load(last, weights_only=False)["global_step"] == resumed_at
     _run_cli(killed)  # ckpt_path=auto resumes from last.ckpt
     want, got = _losses(tmp_path / "ref/run"), _losses(tmp_path / "kill/run")
-    assert max(want) == max(got) and max(want) > 7
-    for step in range(5, max(want) + 1):  # steps after the resume point included
+    assert max(want) == max(got) and max(want) > kill_at
+    for step in range(resumed_at - 1, max(want) + 1):  # steps after the resume point included
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
 
 
