@@ -80,14 +80,19 @@ def count_flops(step) -> int:
     return counter.get_total_flops()
 
 
-def step_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool) -> float:
-    """Peak memory of one step after a warm-up step, above the level before it."""
-    module, opt, batch = build(size, device, backend, compile_layers)
-    step = make_step(module, opt, batch)
-    step()
+def step_peak_mib(step, device: torch.device) -> float:
+    """Peak memory of one (already warmed-up) step, above the level before it."""
     with peak_memory(device) as pk:
         step()
     return pk.mib
+
+
+def child_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool) -> float:
+    """The pinned child's measurement: its own module, one warm-up step, one measured step."""
+    module, opt, batch = build(size, device, backend, compile_layers)
+    step = make_step(module, opt, batch)
+    step()
+    return step_peak_mib(step, device)
 
 
 def run_variant(name: str, size: str, device: torch.device, backend: str, repeats: int,
@@ -102,8 +107,8 @@ def run_variant(name: str, size: str, device: torch.device, backend: str, repeat
         argv = ["--peak-of", backend, "--size", size, "--device", "cpu"]
         peak_mib = pinned_child("benchmarks.train_step",
                                 argv + (["--compile"] if compile_layers else []))["peak_MiB"]
-    else:
-        peak_mib = step_peak_mib(size, device, backend, compile_layers)
+    else:  # the same module: a second one would double GPU memory and compile again
+        peak_mib = step_peak_mib(step, device)
     bt, s = batch["input_ids"].shape
     n, b = SHAPES[size]["num_anchors"], module.drafter.config.block_size
     row = {"variant": name, "backend": backend, "step_ms": sec * 1e3,
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     device, size = resolve(args)
     if args.peak_of:  # a pinned child of run_variant: one step's peak, as JSON
-        print(json.dumps({"peak_MiB": step_peak_mib(size, device, args.peak_of, args.compile)}))
+        print(json.dumps({"peak_MiB": child_peak_mib(size, device, args.peak_of, args.compile)}))
         return {}
     repeats = args.repeats or (2 if size == "toy" else 5)
     dtype = SHAPES[size]["dtype"]
