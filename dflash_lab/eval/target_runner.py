@@ -10,6 +10,7 @@ Shape legend: n fed positions, F = nL*H concatenated features, V vocab. Batch si
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dflash_lab.target.features import check_target_layer_ids, hf_hidden_state_indices
+from dflash_lab.target.loader import text_config
 
 
 class StepOutput(NamedTuple):
@@ -27,23 +29,51 @@ class StepOutput(NamedTuple):
     features_nf: Tensor | None
 
 
+class _Snapshot(NamedTuple):
+    """What a recurrent cache held before a multi-token forward: its length, copies of the
+    layers that cannot be cropped, and the ids fed since (to replay the kept ones)."""
+
+    length: int
+    layers: dict[int, object]
+    fed: Tensor
+
+
+def _is_recurrent(layer) -> bool:
+    """A cache layer holding a running state (linear attention / SSM) rather than per-position
+    keys and values: it cannot be cropped back to an earlier position."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:  # older transformers: no hybrid cache layers at all
+        return False
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
 class TargetRunner:
     """An HF causal LM with a cache that grows by forwards and shrinks by :meth:`crop`.
 
     ``target_layer_ids`` (z-lab convention) selects the features; None disables them (baseline).
+    Logits come from the model's own forward, so whatever it does after its LM head (Gemma's
+    final logit soft-capping) is in them. Hybrid targets (Qwen3.5/3.6's linear-attention layers)
+    keep a running state that cannot be cropped: before a multi-token forward the runner copies
+    those layers, and :meth:`crop` restores the copy and replays the kept tokens (one extra
+    forward of accepted + 1 tokens per round, counted in the verify time).
     """
 
     def __init__(self, model, target_layer_ids: list[int] | None = None):
         if target_layer_ids is not None:
-            check_target_layer_ids(target_layer_ids, int(model.config.num_hidden_layers))
+            check_target_layer_ids(target_layer_ids,
+                                   int(text_config(model.config).num_hidden_layers))
         self.model = model
         self.hidden_indices = (None if target_layer_ids is None
                                else hf_hidden_state_indices(target_layer_ids))
         self.device = model.get_input_embeddings().weight.device
         # transformers 5.x renamed the forward argument ``past_key_values`` to ``cache``.
-        params = inspect.signature(model.base_model.forward).parameters
+        params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params
         self.cache = None
+        self._recurrent: list[int] = []
+        self._snapshot: _Snapshot | None = None
 
     @property
     def length(self) -> int:
@@ -56,6 +86,9 @@ class TargetRunner:
         self.cache = DynamicCache(config=self.model.config)
         if hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()  # sliding-window layers must stay croppable
+        self._recurrent = [i for i, layer in enumerate(getattr(self.cache, "layers", []))
+                           if _is_recurrent(layer)]
+        self._snapshot = None
 
     @torch.no_grad()
     def forward(self, ids_n: Tensor, last_only: bool = False) -> StepOutput:
@@ -65,27 +98,49 @@ class TargetRunner:
         """
         if self.cache is None:
             self.reset()
+        if self._recurrent and ids_n.numel() > 1 and self.length > 0:
+            self._take_snapshot(ids_n)
         want_features = self.hidden_indices is not None
-        out = self.model.base_model(input_ids=ids_n.view(1, -1).to(self.device), use_cache=True,
-                                    output_hidden_states=want_features,
-                                    **{self._cache_kwarg: self.cache})
-        last = out.last_hidden_state[0]
-        if last_only:
-            last = last[-1:]
+        extra = {"logits_to_keep": 1 if last_only else 0} if self._keeps_logits else {}
+        out = self.model(input_ids=ids_n.view(1, -1).to(self.device), use_cache=True,
+                         output_hidden_states=want_features,
+                         **{self._cache_kwarg: self.cache}, **extra)
         # Everything is returned on the embedding's device: a target spread over GPUs with
         # device_map ends its forward (LM head, deep layers) on another one.
-        head = self.model.get_output_embeddings()
-        logits = head(last.to(head.weight.device)).float().to(self.device)
+        logits = out.logits[0].float().to(self.device)
+        if last_only:
+            logits = logits[-1:]
         features = None
         if want_features:
             features = torch.cat([out.hidden_states[i].to(self.device)
                                   for i in self.hidden_indices], dim=-1)
         return StepOutput(logits, features)
 
+    def _take_snapshot(self, ids_n: Tensor) -> None:
+        layers = {i: copy.deepcopy(self.cache.layers[i]) for i in self._recurrent}
+        self._snapshot = _Snapshot(self.length, layers, ids_n.detach().cpu().view(-1))
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions (drop rejected drafts)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a target cache of length {self.length} to {length}")
         remove = self.length - length
-        if remove:  # crop(-n) drops the last n positions (old and new transformers alike)
+        if not remove:
+            return
+        if not self._recurrent:  # crop(-n) drops the last n positions (old and new transformers)
             self.cache.crop(-remove)
+            return
+        snap = self._snapshot
+        if snap is None or not snap.length <= length <= snap.length + snap.fed.numel():
+            raise ValueError(f"cannot crop this hybrid target's cache to {length}: its linear-"
+                             "attention state is only kept from before the last multi-token "
+                             "forward")
+        self.cache.crop(snap.length - self.length)  # the attention layers
+        for i, layer in snap.layers.items():        # the recurrent ones, as they were
+            self.cache.layers[i] = layer
+        self._snapshot = None
+        replay = snap.fed[:length - snap.length]
+        if replay.numel():
+            self.model(input_ids=replay.view(1, -1).to(self.device), use_cache=True,
+                       **{self._cache_kwarg: self.cache},
+                       **({"logits_to_keep": 1} if self._keeps_logits else {}))

@@ -142,9 +142,10 @@ class MarkovProposer(_ContextCounter):
 def tiny_drafter_for(target, *, block_size: int = 8, num_layers: int = 2, num_inputs: int = 3,
                      seed: int = 0, **overrides) -> DFlashDrafter:
     """An untrained drafter shaped for ``target`` (a loaded Target), MASK = the tiny target's."""
+    from dflash_lab.target.loader import text_config
     from dflash_lab.target.tiny import MASK_TOKEN
 
-    cfg = target.model.config
+    cfg = text_config(target.model.config)
     kwargs = dict(
         hidden_size=cfg.hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from dflash_lab.target.loader import text_config
+
 
 class TargetFeatures(NamedTuple):
     """``hidden_bsd`` [B, S, nL*H] (target dtype, concatenated in ``target_layer_ids`` order) and
@@ -61,7 +63,7 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
     ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
     return hidden states on several devices; they are gathered there).
     """
-    check_target_layer_ids(target_layer_ids, int(model.config.num_hidden_layers))
+    check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     embed_device = model.get_input_embeddings().weight.device
     out_device = torch.device(out_device) if out_device is not None else input_ids_bs.device
     if attention_mask_bs is not None:

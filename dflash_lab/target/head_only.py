@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_lab.target.loader import Target, resolve_device, resolve_dtype
+from dflash_lab.target.loader import Target, final_norm, resolve_device, resolve_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -63,19 +63,61 @@ def _param_name(model: nn.Module, module: nn.Module) -> str:
     raise ValueError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")
 
 
-def _read(locations: dict[str, Path], key: str, like: torch.Tensor, dtype: torch.dtype,
+def _language_path(key: str) -> str:
+    """``key`` without its ``model.`` / ``language_model.`` path parts: a multimodal checkpoint
+    stores ``model.language_model.embed_tokens.weight`` where the causal LM class that
+    transformers builds for it names the parameter ``model.embed_tokens.weight`` (Qwen3.5/3.6)."""
+    return ".".join(part for part in key.split(".") if part not in ("model", "language_model"))
+
+
+def checkpoint_key(locations: dict[str, Path], name: str, where: Path) -> str:
+    """The checkpoint key of parameter ``name``: itself, else the one key that differs from it
+    only by ``model.`` / ``language_model.`` parts (ValueError when none or several do)."""
+    if name in locations:
+        return name
+    short = _language_path(name)
+    found = sorted(k for k in locations if _language_path(k) == short)
+    if len(found) == 1:
+        return found[0]
+    what = f"several candidates {found}" if found else "no such tensor"
+    raise ValueError(f"{where}: tensor {name!r} is not in the weight files ({what}); this "
+                     "checkpoint names its embedding/norm/LM head differently: use head_only=false")
+
+
+def _read(locations: dict[str, Path], name: str, like: torch.Tensor, dtype: torch.dtype,
           device: str, where: Path) -> nn.Parameter:
     from safetensors import safe_open
 
-    if key not in locations:
-        raise ValueError(f"{where}: tensor {key!r} is not in the weight files; this checkpoint "
-                         "names its embedding/norm/LM head differently: use head_only=false")
+    key = checkpoint_key(locations, name, where)
     with safe_open(str(locations[key]), framework="pt", device="cpu") as f:
         tensor = f.get_tensor(key)
     if tuple(tensor.shape) != tuple(like.shape):
         raise ValueError(f"{where}: {key} has shape {tuple(tensor.shape)}, the config implies "
                          f"{tuple(like.shape)}")
     return nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+
+
+def _tied(config) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "tie_word_embeddings", False)
+                or getattr(text, "tie_word_embeddings", False))
+
+
+def _has(locations: dict[str, Path], name: str) -> bool:
+    short = _language_path(name)
+    return name in locations or any(_language_path(k) == short for k in locations)
+
+
+def _check_materialised(model: nn.Module, modules: tuple[nn.Module, ...]) -> None:
+    """The norm and LM head must hold no meta tensor (a non-persistent buffer that the
+    checkpoint cannot provide): they would fail deep inside training otherwise. The embedding
+    is read as its bare weight (``RawEmbedding``), so its buffers (Gemma's scale) do not count."""
+    for module in modules:
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.is_meta:
+                raise ValueError(f"{type(model).__name__}: {type(module).__name__}.{name} cannot "
+                                 "be read from the weight files (computed at load time); "
+                                 "set target.head_only=false")
 
 
 def load_target_head(name_or_path: str, *, dtype: str | torch.dtype = "bfloat16",
@@ -91,17 +133,15 @@ def load_target_head(name_or_path: str, *, dtype: str | torch.dtype = "bfloat16"
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     locations = weight_locations(model_dir)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    norm = getattr(model.base_model, "norm", None)
-    if norm is None:
-        raise ValueError(f"{type(model).__name__}: no final norm at base_model.norm; this "
-                         "architecture is not supported as a DFlash target yet")
+    norm = final_norm(model)
     for module in (embed, norm):
-        key = _param_name(model, module)
-        module.weight = _read(locations, key, module.weight, torch_dtype, dev, model_dir)
-    head_key = _param_name(model, head)
-    if getattr(config, "tie_word_embeddings", False) and head_key not in locations:
+        name = _param_name(model, module)
+        module.weight = _read(locations, name, module.weight, torch_dtype, dev, model_dir)
+    head_name = _param_name(model, head)
+    if _tied(config) and not _has(locations, head_name):
         head.weight = embed.weight  # tied: the checkpoint stores the embedding once
     else:
-        head.weight = _read(locations, head_key, head.weight, torch_dtype, dev, model_dir)
+        head.weight = _read(locations, head_name, head.weight, torch_dtype, dev, model_dir)
+    _check_materialised(model, (norm, head))
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name_or_path=name_or_path, head_only=True)

@@ -46,6 +46,50 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def text_config(config):
+    """The language model's config: ``text_config`` of multimodal configs (Gemma-4, Qwen3.5/3.6
+    VLM checkpoints), the config itself otherwise. Layer count, hidden size and vocab live there."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if getter is not None else config
+
+
+class RawEmbedding(nn.Module):
+    """The plain table lookup ``weight[ids]`` of a target embedding whose own module does more.
+
+    Gemma's HF embedding multiplies every row by sqrt(H). Serving engines give the drafter the
+    target's bare vocabulary table (vLLM shares the target's ``embed_tokens``; Gemma's scale
+    lives in the target model's forward, not in that module), so training and the offline eval
+    must read the same unscaled rows. ``weight`` is the target's own parameter (not a copy).
+    ids [...] -> [..., H].
+    """
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
+
+
+def raw_embedding(module: nn.Module) -> nn.Module:
+    """``module`` itself when its forward is ``nn.Embedding``'s, else a :class:`RawEmbedding`."""
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
+        return module
+    return RawEmbedding(module.weight)
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The target's final norm: on the decoder (``get_decoder().norm``: causal LMs and the
+    language model of multimodal ones) or ``base_model.norm``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    for owner in (decoder, model.base_model):
+        norm = getattr(owner, "norm", None) if owner is not None else None
+        if isinstance(norm, nn.Module):
+            return norm
+    raise ValueError(f"{type(model).__name__}: no final norm on its decoder or base model; this "
+                     "architecture is not supported as a DFlash target yet")
+
+
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -78,7 +122,8 @@ class TargetPieces(nn.Module):
     """The target's frozen token embedding, final norm and LM head, shared with the drafter.
 
     The modules are the target's own (not copies); every parameter has ``requires_grad=False``.
-    ``embed_tokens``: ids [...] -> [..., H]; ``norm``: [..., H] -> [..., H];
+    ``embed_tokens``: ids [...] -> [..., H], the bare table rows the engines feed the drafter
+    (:class:`RawEmbedding`); ``norm``: [..., H] -> [..., H];
     ``lm_head``: [..., H] -> [..., V].
     """
 
@@ -92,15 +137,9 @@ class TargetPieces(nn.Module):
 
     @classmethod
     def from_model(cls, model: nn.Module) -> TargetPieces:
-        """Pick the pieces out of an HF causal LM (``base_model.norm`` must exist)."""
-        base = model.base_model
-        norm = getattr(base, "norm", None)
-        if norm is None:
-            raise ValueError(
-                f"{type(model).__name__}: no final norm at base_model.norm; this architecture "
-                "is not supported as a DFlash target yet"
-            )
-        return cls(model.get_input_embeddings(), norm, model.get_output_embeddings())
+        """Pick the pieces out of an HF causal LM or multimodal model with a language model."""
+        return cls(raw_embedding(model.get_input_embeddings()), final_norm(model),
+                   model.get_output_embeddings())
 
     def train(self, mode: bool = True) -> TargetPieces:
         # Frozen forever: stay in eval mode whatever the parent module does.
@@ -119,15 +158,15 @@ class Target:
 
     @property
     def num_hidden_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        return int(text_config(self.model.config).num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
+        return int(text_config(self.model.config).hidden_size)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(text_config(self.model.config).vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -174,14 +213,16 @@ def _check_source(name_or_path: str, gguf_file: str | None) -> None:
 
 def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 dtype: str | torch.dtype = "bfloat16", device: str | None = "auto",
-                device_map: str | dict | None = None, attn_implementation: str | None = "sdpa",
+                device_map: str | dict | None = None, attn_implementation: str | None = None,
                 local_files_only: bool | None = None, head_only: bool = False) -> Target:
     """Load a frozen causal LM and its tokenizer.
 
     ``device_map`` (e.g. ``"auto"``) spreads a target bigger than one GPU over the visible GPUs
-    and overrides ``device``. ``local_files_only`` defaults to True for existing local paths and
-    to ``HF_HUB_OFFLINE`` otherwise. ``head_only``: load only the embedding, final norm and LM
-    head (offline training; :mod:`dflash_lab.target.head_only`).
+    and overrides ``device``. ``attn_implementation`` None lets transformers choose (sdpa where
+    the architecture supports it, else eager: MiMo-V2-Flash has no sdpa). ``local_files_only``
+    defaults to True for existing local paths and to ``HF_HUB_OFFLINE`` otherwise.
+    ``head_only``: load only the embedding, final norm and LM head (offline training;
+    :mod:`dflash_lab.target.head_only`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
