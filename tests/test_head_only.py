@@ -108,3 +108,23 @@ def test_offline_training_runs_on_a_head_only_target(tiny_target, tiny_target_di
     with pytest.raises(ValueError, match="online data runs the whole target"):
         build_components(_compose(common + ["data=online", "data.conversations=demo",
                                             f"data.demo_file={tmp_path / 'demo.jsonl'}"]))
+
+
+def test_checkpoint_keys_match_across_language_model_prefixes(tmp_path):
+    """A multimodal checkpoint's ``model.language_model.x`` is the causal LM's ``model.x``;
+    a vision tower's tensor of the same short name does not count, two candidates refuse."""
+    from dflash_lab.target.head_only import checkpoint_key
+
+    files = {k: tmp_path / "w.safetensors" for k in (
+        "model.language_model.embed_tokens.weight", "model.language_model.norm.weight",
+        "model.visual.merger.norm.weight", "lm_head.weight", "mtp.norm.weight")}
+    assert checkpoint_key(files, "lm_head.weight", tmp_path) == "lm_head.weight"
+    assert (checkpoint_key(files, "model.embed_tokens.weight", tmp_path)
+            == "model.language_model.embed_tokens.weight")
+    assert (checkpoint_key(files, "model.norm.weight", tmp_path)
+            == "model.language_model.norm.weight")
+    with pytest.raises(ValueError, match="no such tensor.*head_only=false"):
+        checkpoint_key(files, "model.final_layernorm.weight", tmp_path)
+    files["language_model.model.norm.weight"] = tmp_path / "w.safetensors"
+    with pytest.raises(ValueError, match="several candidates"):
+        checkpoint_key(files, "model.norm.weight", tmp_path)
