@@ -94,6 +94,11 @@ def test_runner_crops_and_continues_exactly(arch):
         logits.append(step.logits_nv[:keep])
         feats.append(step.features_nf[0, :keep])
         assert runner.length == kept.numel()
+    for i in runner._recurrent:  # restored, not recorded: the conv state keeps its kernel size
+        layer = runner.cache.layers[i]
+        assert [c.shape[-1] for c in layer.conv_states.values()] == list(
+            layer.conv_kernel_size.values())
+    assert bool(runner._recurrent) == arch.model.config.model_type.startswith("qwen3_5")
     tail = runner.forward(torch.tensor([5, 6, 7]))  # the cache after the last crop is exact
     ref_logits, ref_feats = _one_forward(arch, torch.cat([kept, torch.tensor([5, 6, 7])]))
     torch.testing.assert_close(torch.cat(logits + [tail.logits_nv]), ref_logits,

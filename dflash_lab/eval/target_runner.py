@@ -84,11 +84,14 @@ class TargetRunner:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
-        if hasattr(self.cache, "activate_past_recording"):
-            self.cache.activate_past_recording()  # sliding-window layers must stay croppable
-        self._recurrent = [i for i, layer in enumerate(getattr(self.cache, "layers", []))
-                           if _is_recurrent(layer)]
+        layers = getattr(self.cache, "layers", [])
+        self._recurrent = [i for i, layer in enumerate(layers) if _is_recurrent(layer)]
         self._snapshot = None
+        # Sliding-window layers must keep their past to stay croppable. Recurrent layers are
+        # restored from a copy instead: recording would grow their conv state with every token.
+        for i, layer in enumerate(layers):
+            if i not in self._recurrent and hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
     @torch.no_grad()
     def forward(self, ids_n: Tensor, last_only: bool = False) -> StepOutput:
@@ -135,9 +138,12 @@ class TargetRunner:
             raise ValueError(f"cannot crop this hybrid target's cache to {length}: its linear-"
                              "attention state is only kept from before the last multi-token "
                              "forward")
-        self.cache.crop(snap.length - self.length)  # the attention layers
-        for i, layer in snap.layers.items():        # the recurrent ones, as they were
-            self.cache.layers[i] = layer
+        drop = self.length - snap.length
+        for i, layer in enumerate(self.cache.layers):
+            if i in snap.layers:  # recurrent: back to the copy taken before the forward
+                self.cache.layers[i] = snap.layers[i]
+            else:
+                layer.crop(-drop)
         self._snapshot = None
         replay = snap.fed[:length - snap.length]
         if replay.numel():
