@@ -57,10 +57,10 @@ class RawEmbedding(nn.Module):
     """The plain table lookup ``weight[ids]`` of a target embedding whose own module does more.
 
     Gemma's HF embedding multiplies every row by sqrt(H). Serving engines give the drafter the
-    target's bare vocabulary table (vLLM shares the target's ``embed_tokens``; Gemma's scale
-    lives in the target model's forward, not in that module), so training and the offline eval
-    must read the same unscaled rows. ``weight`` is the target's own parameter (not a copy).
-    ids [...] -> [..., H].
+    target's bare vocabulary table (vLLM shares the target's ``embed_tokens`` module, SGLang its
+    weight via ``get_embed_and_head``; Gemma's scale lives in the target model's forward, not in
+    that module), so training and the offline eval must read the same unscaled rows.
+    ``weight`` is the target's own parameter (not a copy). ids [...] -> [..., H].
     """
 
     def __init__(self, weight: nn.Parameter):
