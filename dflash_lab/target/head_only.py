@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_lab.target.loader import Target, final_norm, resolve_device, resolve_dtype
+from dflash_lab.target.loader import (
+    Target,
+    final_norm,
+    resolve_device,
+    resolve_dtype,
+    text_config,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -70,13 +76,18 @@ def _language_path(key: str) -> str:
     return ".".join(part for part in key.split(".") if part not in ("model", "language_model"))
 
 
+def _candidates(locations: dict[str, Path], name: str) -> list[str]:
+    """Keys that may hold parameter ``name``: itself, else those equal up to path parts."""
+    if name in locations:
+        return [name]
+    short = _language_path(name)
+    return sorted(k for k in locations if _language_path(k) == short)
+
+
 def checkpoint_key(locations: dict[str, Path], name: str, where: Path) -> str:
     """The checkpoint key of parameter ``name``: itself, else the one key that differs from it
     only by ``model.`` / ``language_model.`` parts (ValueError when none or several do)."""
-    if name in locations:
-        return name
-    short = _language_path(name)
-    found = sorted(k for k in locations if _language_path(k) == short)
+    found = _candidates(locations, name)
     if len(found) == 1:
         return found[0]
     what = f"several candidates {found}" if found else "no such tensor"
@@ -98,14 +109,8 @@ def _read(locations: dict[str, Path], name: str, like: torch.Tensor, dtype: torc
 
 
 def _tied(config) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return bool(getattr(config, "tie_word_embeddings", False)
-                or getattr(text, "tie_word_embeddings", False))
-
-
-def _has(locations: dict[str, Path], name: str) -> bool:
-    short = _language_path(name)
-    return name in locations or any(_language_path(k) == short for k in locations)
+                or getattr(text_config(config), "tie_word_embeddings", False))
 
 
 def _check_materialised(model: nn.Module, modules: tuple[nn.Module, ...]) -> None:
@@ -138,7 +143,7 @@ def load_target_head(name_or_path: str, *, dtype: str | torch.dtype = "bfloat16"
         name = _param_name(model, module)
         module.weight = _read(locations, name, module.weight, torch_dtype, dev, model_dir)
     head_name = _param_name(model, head)
-    if _tied(config) and not _has(locations, head_name):
+    if _tied(config) and not _candidates(locations, head_name):
         head.weight = embed.weight  # tied: the checkpoint stores the embedding once
     else:
         head.weight = _read(locations, head_name, head.weight, torch_dtype, dev, model_dir)
