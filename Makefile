@@ -77,9 +77,10 @@ e2e-smollm2: prepare-smollm2
 	scripts/e2e_smollm2.sh
 
 # Benchmarks (docs/benchmarks.md): each prints ratios measured side by side in one run. The peer
-# comparison needs speculators 0.9.0 in its own venv (it pins its own transformers).
+# comparison needs speculators 0.9.0 in its own venv (it pins its own transformers); the
+# regeneration benchmark starts vLLM's server from .venv-vllm.
 SPEC_VENV ?= .venv-speculators
-BENCHMARKS ?= attention train_step peer_speculators draft_latency capture loss_memory
+BENCHMARKS ?= attention train_step peer_speculators draft_latency capture loss_memory regenerate
 
 $(SPEC_VENV)/.installed: constraints.txt
 	$(PY) -m venv $(SPEC_VENV)
@@ -91,7 +92,7 @@ $(SPEC_VENV)/.installed: constraints.txt
 
 speculators-venv: $(SPEC_VENV)/.installed
 
-bench: venv speculators-venv
+bench: venv speculators-venv vllm-venv
 	mkdir -p outputs/bench
 	for b in $(BENCHMARKS); do \
 		$(VPY) -m benchmarks.$$b --json outputs/bench/$$b.json | tee outputs/bench/$$b.txt || exit 1; \

@@ -1,6 +1,7 @@
 """dflash-regenerate: rewrite a conversation set's assistant turns with the target (on-policy).
 
-Thin entry point: Hydra config (conf/regenerate.yaml) -> target -> dataset -> run_regenerate.
+Thin entry point: Hydra config (conf/regenerate.yaml) -> target -> dataset -> run_regenerate,
+generating here (``regenerate.backend=hf``) or through a running vLLM/SGLang server (``server``).
 One process or several (``torchrun``; RANK / WORLD_SIZE split the part files), resumable; the
 result, ``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-train read.
 """
@@ -16,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import data_path, rank_and_world
+from dflash_lab.data.completion_server import CompletionServer, ServerSettings
 from dflash_lab.data.conversations import load_conversations
 from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
 from dflash_lab.paths import CONF_DIR
@@ -28,6 +30,10 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's parts; returns the manifest once every part exists."""
     rank, world = rank_and_world()
     settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
+    server = make_server(cfg)
+    if server is not None and "head_only" in cfg.target:
+        # Only the tokenizer, chat template and stop tokens are needed here: skip the weights.
+        cfg.target.head_only = True
     target = instantiate(cfg.target)
     path = data_path(cfg.data)
     dataset = load_conversations(path, split=cfg.data.split, limit=cfg.data.limit,
@@ -37,7 +43,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     if rank == 0:
         write_run_info(settings.out_dir, cfg, world_size=world)
     manifest = run_regenerate(target, dataset, settings, source, rank=rank, world_size=world,
-                              progress=cfg.regenerate.progress)
+                              progress=cfg.regenerate.progress, server=server)
     out = Path(settings.out_dir).absolute()
     if manifest is None:
         log.info("rank %d finished its parts in %s; waiting for the other ranks", rank, out)
@@ -45,6 +51,17 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
         log.info("regenerated %d conversations (%d dropped: no turn fitted max_length) -> %s",
                  manifest["num_conversations"], manifest["dropped"], out / MERGED_FILE)
     return manifest
+
+
+def make_server(cfg: DictConfig) -> CompletionServer | None:
+    """The server client for ``regenerate.backend=server``, None for ``hf``."""
+    backend = cfg.regenerate.backend
+    if backend not in ("hf", "server"):
+        raise ValueError(f"regenerate.backend={backend!r}: use hf (generate here) or server "
+                         "(a running vLLM/SGLang server, see regenerate.server)")
+    if backend == "hf":
+        return None
+    return CompletionServer(ServerSettings(**OmegaConf.to_container(cfg.regenerate.server)))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")

@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-from benchmarks import attention, capture, draft_latency, loss_memory, peer_speculators, train_step
+from benchmarks import (
+    attention,
+    capture,
+    draft_latency,
+    loss_memory,
+    peer_speculators,
+    regenerate,
+    train_step,
+    vllm_server,
+)
 
 
 def _run(module, tmp_path, *extra):
@@ -50,3 +59,16 @@ def test_draft_latency_and_capture_benchmarks(tmp_path, tiny_target_dir):
 def test_peer_benchmark(tmp_path):
     rec = _run(peer_speculators, tmp_path)
     assert rec["rows"][0]["trainable_params"] == rec["rows"][1]["trainable_params"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_server.VLLM_PYTHON.exists(),
+                    reason="needs the vLLM venv (make vllm-venv; make check-serving covers the "
+                           "server backend in CI)")
+def test_regenerate_benchmark(tmp_path):
+    out = tmp_path / "regenerate.json"
+    rec = regenerate.main(["--size", "toy", "--rows", "4", "--max-new-tokens", "16",
+                           "--kv-cache-gib", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "regenerate"
+    assert rec["identical"] == rec["conversations"] == 4
+    assert all(r["tokens"] > 0 for r in rec["results"])

@@ -3,8 +3,9 @@
 DFlash trains on conversations whose assistant turns the target itself wrote (dflash.md section
 2): the drafter then learns the distribution it will be asked to predict when serving. Turns are
 regenerated in order, each conditioned on the REGENERATED history, with the target's chat
-template and ``generate`` (greedy by default; seeded sampling optional), batched with left
-padding.
+template, greedy by default (seeded sampling optional), by one of two backends: ``generate``
+here on a left-padded batch, or a running vLLM/SGLang server (:mod:`.completion_server`), which
+gets the same token ids and stop tokens.
 
 Output (``out_dir``): ``part-XXXXX.jsonl`` files of ``part_size`` input rows, each written to a
 temporary name and renamed (a part that exists is complete: the unit of resume and of the
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.data.completion_server import CompletionServer
 from dflash_lab.target.chat import normalize_conversation, render_prompt
 
 MERGED_FILE = "conversations.jsonl"
@@ -69,36 +71,72 @@ def _generation_config(s: RegenerateSettings, stops: list[int], pad: int):
                                                  {"do_sample": False}))
 
 
-def generate_replies(target, histories: list[list[dict[str, Any]]],
-                     s: RegenerateSettings) -> list[tuple[str, int] | None]:
-    """The target's next assistant turn for each history: (text, new tokens), or None when the
-    prompt plus ``max_new_tokens`` would exceed ``max_length``."""
-    tok = target.tokenizer
-    prompts = [render_prompt(tok, h, s.enable_thinking) for h in histories]
-    lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    fits = [k for k, n in enumerate(lengths) if n + s.max_new_tokens <= s.max_length]
-    out: list[tuple[str, int] | None] = [None] * len(histories)
-    if not fits:
-        return out
-    if tok.pad_token_id is None:  # left padding needs one; the pads are masked out
-        tok.pad_token = tok.eos_token
-    enc = tok([prompts[k] for k in fits], add_special_tokens=False, padding=True,
-              padding_side="left", return_tensors="pt").to(target.device)
+def stop_token_ids(target) -> list[int]:
+    """The target's end-of-turn ids: its generation config's EOS list, else the tokenizer's."""
     stops = target.model.generation_config.eos_token_id
-    stops = [stops] if isinstance(stops, int) else list(stops or [tok.eos_token_id])
-    with torch.no_grad():
-        gen = target.model.generate(**enc, generation_config=_generation_config(s, stops,
-                                                                                tok.pad_token_id))
-    for row, k in enumerate(fits):
-        ids = gen[row, enc["input_ids"].shape[1]:].tolist()
-        end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-        # The reply's text stops before its end-of-turn token; its count includes that token.
-        out[k] = (tok.decode(ids[:end], skip_special_tokens=True), min(end + 1, len(ids)))
+    return [stops] if isinstance(stops, int) else list(stops or [target.tokenizer.eos_token_id])
+
+
+def generate_replies(target, histories: list[list[dict[str, Any]]], s: RegenerateSettings,
+                     server: CompletionServer | None = None) -> list[tuple[str, int] | None]:
+    """The target's next assistant turn for each history: (text, new tokens), or None when the
+    prompt plus ``max_new_tokens`` would exceed ``max_length``.
+
+    Prompts are rendered and tokenized here with the target's chat template in both backends;
+    ``server`` None runs ``transformers.generate`` on ``target``, else the served model.
+    """
+    tok = target.tokenizer
+    prompts = [tok(render_prompt(tok, h, s.enable_thinking), add_special_tokens=False)[
+        "input_ids"] for h in histories]
+    fits = [k for k, p in enumerate(prompts) if len(p) + s.max_new_tokens <= s.max_length]
+    out: list[tuple[str, int] | None] = [None] * len(histories)
+    if fits:
+        ask = [prompts[k] for k in fits]
+        replies = (_hf_replies(target, ask, s) if server is None
+                   else _server_replies(server, ask, s, stop_token_ids(target)))
+        for k, reply in zip(fits, replies):
+            out[k] = reply
     return out
 
 
-def regenerate_batch(target, conversations: list[list[dict[str, Any]]],
-                     s: RegenerateSettings) -> tuple[list[list[dict[str, Any]] | None], int]:
+def _hf_replies(target, prompts: list[list[int]], s: RegenerateSettings) -> list[tuple[str, int]]:
+    """``generate`` on the left-padded batch; each reply cut at its first end-of-turn token."""
+    tok, stops = target.tokenizer, stop_token_ids(target)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]  # pads are masked out
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.no_grad():
+        gen = target.model.generate(input_ids=ids.to(target.device),
+                                    attention_mask=mask.to(target.device),
+                                    generation_config=_generation_config(s, stops, pad))
+    out = []
+    for row in range(len(prompts)):
+        new = gen[row, width:].tolist()
+        end = next((i for i, t in enumerate(new) if t in stops), len(new))
+        # The reply's text stops before its end-of-turn token; its count includes that token.
+        out.append((tok.decode(new[:end], skip_special_tokens=True), min(end + 1, len(new))))
+    return out
+
+
+def _server_replies(server: CompletionServer, prompts: list[list[int]], s: RegenerateSettings,
+                    stops: list[int]) -> list[tuple[str, int]]:
+    """The served model's replies; when sampling, each request gets a seed drawn from torch's
+    generator (seeded per part), so a part is reproducible where the engine honours seeds."""
+    seeds = (torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if s.temperature > 0
+             else [None] * len(prompts))
+    replies = server.complete_many(prompts, seeds, max_tokens=s.max_new_tokens,
+                                   temperature=s.temperature, top_p=s.top_p,
+                                   stop_token_ids=stops)
+    return [(r.text, r.num_tokens) for r in replies]
+
+
+def regenerate_batch(target, conversations: list[list[dict[str, Any]]], s: RegenerateSettings,
+                     server: CompletionServer | None = None
+                     ) -> tuple[list[list[dict[str, Any]] | None], int]:
     """Regenerate every assistant turn, turn by turn across the batch.
 
     Returns (new conversations, generated tokens). A conversation stops before a turn that does
@@ -119,7 +157,8 @@ def regenerate_batch(target, conversations: list[list[dict[str, Any]]],
                 asking.append(k)
         if not asking:
             continue
-        for k, reply in zip(asking, generate_replies(target, [done[k] for k in asking], s)):
+        for k, reply in zip(asking, generate_replies(target, [done[k] for k in asking], s,
+                                                     server)):
             if reply is None:
                 open_[k] = False
                 continue
@@ -135,7 +174,8 @@ def _write_part(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress=None) -> int:
+def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress=None,
+                    server: CompletionServer | None = None) -> int:
     """Regenerate input rows [index * part_size, ...) into part ``index``; returns tokens."""
     lo = index * s.part_size
     hi = min(lo + s.part_size, len(dataset))
@@ -144,7 +184,7 @@ def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress
     for start in range(lo, hi, s.batch_size):
         stop = min(start + s.batch_size, hi)
         convs = [normalize_conversation(dataset[i], where=f"row {i}") for i in range(start, stop)]
-        new, n = regenerate_batch(target, convs, s)
+        new, n = regenerate_batch(target, convs, s, server)
         tokens += n
         rows += [{"messages": m, "source_row": i} for i, m in zip(range(start, stop), new)
                  if m is not None]
@@ -192,17 +232,22 @@ class _Progress:
 
 
 def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any], *,
-                   rank: int = 0, world_size: int = 1, progress: bool = True
-                   ) -> dict[str, Any] | None:
+                   rank: int = 0, world_size: int = 1, progress: bool = True,
+                   server: CompletionServer | None = None) -> dict[str, Any] | None:
     """This process's parts (index % world_size == rank), then the merge once all exist.
 
-    Returns the manifest when the output is complete, else None (other ranks still working).
+    ``server``: generate through a running vLLM/SGLang server (the target then only supplies
+    the tokenizer, chat template and stop tokens). Returns the manifest when the output is
+    complete, else None (other ranks still working).
     """
-    if getattr(target, "head_only", False):
-        raise ValueError("regeneration runs the target: load it whole (target.head_only=false)")
+    if server is None and getattr(target, "head_only", False):
+        raise ValueError("regeneration runs the target: load it whole (target.head_only=false) "
+                         "or generate through a server (regenerate.backend=server)")
     out = Path(s.out_dir)
     record = {"settings": {k: v for k, v in asdict(s).items() if k != "out_dir"},
               "source": source, "num_rows": len(dataset), "target": target.identity()}
+    if server is not None:  # a resume must use the same backend (and served model)
+        record["server"] = server.connect(s.max_length)
     check_settings(out, record)
     num_parts = -(-len(dataset) // s.part_size)
     mine = [i for i in range(num_parts) if i % world_size == rank]
@@ -211,7 +256,7 @@ def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any
     bar = _Progress(rows, progress)
     try:
         for i in todo:
-            regenerate_part(target, dataset, i, s, bar)
+            regenerate_part(target, dataset, i, s, bar, server)
     finally:
         bar.close()
     if not all(part_path(out, i).is_file() for i in range(num_parts)):

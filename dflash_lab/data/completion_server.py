@@ -1,0 +1,175 @@
+"""A running vLLM or SGLang server as the generator of on-policy replies (dflash-regenerate).
+
+On a GPU cluster the target is usually already served: regenerating through the engine's
+continuous batching is much faster than ``transformers.generate`` and matches what the target
+will do when serving. We speak the OpenAI-compatible ``/v1/completions`` API both engines
+provide, with three choices that keep the data exact:
+
+* the prompt is sent as TOKEN IDS rendered here with the target's own chat template and
+  tokenizer (the same ids capture uses), so the server applies no template of its own and adds
+  no BOS a second time;
+* every sampling field is sent explicitly (temperature, top_p, ``top_k=-1``, ``min_p=0``,
+  ``repetition_penalty=1``): vLLM otherwise fills unset fields from the model's
+  ``generation_config.json``, which the HF path does not use either;
+* the stop tokens are the target's end-of-turn ids (``stop_token_ids``, a vLLM and SGLang
+  extension), as in the HF path.
+
+Requests are independent (one per conversation turn); a batch of conversations
+(``regenerate.settings.batch_size``) has its turn's requests in flight at once and the server
+batches them. Transient failures (connection reset, timeouts, HTTP 429 and
+5xx) are retried with backoff; a request the server rejects (HTTP 4xx) raises with the server's
+message. Stdlib ``urllib`` only: no client package to install.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("dflash_lab.regenerate")
+
+#: HTTP statuses worth retrying: rate limiting and server-side failures.
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where the server is and how to talk to it (conf/regenerate.yaml ``regenerate.server``)."""
+
+    url: str = "http://localhost:8000/v1"  # base of the OpenAI-compatible API (ends in /v1)
+    model: str | None = None  # served model id; None: the server's only model
+    timeout_s: float = 600.0  # per request
+    retries: int = 3          # extra attempts after a transient failure (backoff 1, 2, 4 s ...)
+    api_key_env: str | None = None  # name of an environment variable holding a bearer token
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"regenerate.server.url={self.url!r} is not an http(s) URL; pass "
+                             "the API base, e.g. http://localhost:8000/v1")
+        if self.timeout_s <= 0 or self.retries < 0:
+            raise ValueError(f"regenerate.server: timeout_s={self.timeout_s} (> 0), "
+                             f"retries={self.retries} (>= 0)")
+        if self.api_key_env and self.api_key_env not in os.environ:
+            raise ValueError(f"regenerate.server.api_key_env={self.api_key_env!r}: that "
+                             "environment variable is not set")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One completion: its text (without the stop token), generated tokens, why it ended."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str
+
+
+class ServerError(RuntimeError):
+    """The server could not be reached or refused a request (message says what to do)."""
+
+
+class CompletionServer:
+    """Client of one served model; thread-safe (each request opens its own connection)."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.base = settings.url.rstrip("/")
+        self.model = settings.model
+        self.max_model_len: int | None = None
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    def _request(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """GET (no body) or POST JSON with retries on transient failures; the decoded answer."""
+        s = self.settings
+        headers = {"Content-Type": "application/json"}
+        if s.api_key_env:
+            headers["Authorization"] = f"Bearer {os.environ[s.api_key_env]}"
+        data = None if body is None else json.dumps(body).encode()
+        last: Exception | None = None
+        for attempt in range(s.retries + 1):
+            if attempt:
+                time.sleep(2 ** (attempt - 1))
+            req = urllib.request.Request(self.base + path, data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=s.timeout_s) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:2000]
+                if e.code not in _RETRY_STATUS:
+                    raise ServerError(f"{self.base}{path} refused the request (HTTP {e.code}): "
+                                      f"{detail}") from None
+                last = ServerError(f"HTTP {e.code}: {detail}")
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                last = e
+            log.warning("%s%s: attempt %d/%d failed (%s)", self.base, path, attempt + 1,
+                        s.retries + 1, last)
+        raise ServerError(
+            f"{self.base}{path} failed {s.retries + 1} times (last: {last}). Is the server up? "
+            "e.g. `vllm serve TARGET_DIR --port 8000` or `python -m sglang.launch_server "
+            "--model-path TARGET_DIR --port 8000`, then regenerate.server.url="
+            "http://HOST:PORT/v1. Finished parts are kept: rerun the same command to resume.")
+
+    # -- API -----------------------------------------------------------------------------------
+    def connect(self, max_length: int) -> dict[str, Any]:
+        """Pick the served model and check it can hold ``max_length`` tokens.
+
+        Returns what the run records about the server (model id and, where the server says,
+        its root path and max_model_len); the URL is not recorded, so a resume may use another.
+        """
+        models = self._request("/models").get("data") or []
+        ids = [m.get("id") for m in models]
+        if self.model is None:
+            if len(ids) != 1:
+                raise ServerError(f"{self.base} serves {ids}: set regenerate.server.model to one")
+            self.model = ids[0]
+        if self.model not in ids:
+            raise ServerError(f"{self.base} does not serve regenerate.server.model="
+                              f"{self.model!r}; it serves {ids}")
+        card = models[ids.index(self.model)]
+        self.max_model_len = card.get("max_model_len")
+        if self.max_model_len is not None and max_length > self.max_model_len:
+            raise ValueError(f"regenerate.settings.max_length={max_length} exceeds the server's "
+                             f"max_model_len={self.max_model_len}: lower max_length or restart "
+                             "the server with a larger --max-model-len / --context-length")
+        return {"model": self.model, "root": card.get("root"),
+                "max_model_len": self.max_model_len}
+
+    def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
+                 top_p: float, stop_token_ids: list[int], seed: int | None) -> Reply:
+        """One completion of a token-id prompt with exactly these sampling settings."""
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p if temperature > 0 else 1.0,
+                "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "stop_token_ids": stop_token_ids, "skip_special_tokens": True, "n": 1,
+                "stream": False}
+        if seed is not None:
+            body["seed"] = seed
+        answer = self._request("/completions", body)
+        try:
+            choice = answer["choices"][0]
+            return Reply(choice["text"], int(answer["usage"]["completion_tokens"]),
+                         str(choice.get("finish_reason")))
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"{self.base}/completions answered without choices[0].text and "
+                              f"usage.completion_tokens: {str(answer)[:500]}") from None
+
+    def complete_many(self, prompts: list[list[int]], seeds: list[int | None],
+                      **sampling: Any) -> list[Reply]:
+        """``complete`` for every prompt at once (all in flight; the server batches them);
+        results in input order. The first failure cancels the requests not yet sent."""
+        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="regen") as pool:
+            futures = [pool.submit(self.complete, p, seed=seed, **sampling)
+                       for p, seed in zip(prompts, seeds)]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise

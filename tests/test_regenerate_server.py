@@ -1,0 +1,263 @@
+"""dflash-regenerate through a server (regenerate.backend=server): a local stand-in for vLLM's
+OpenAI-compatible /v1/completions runs the tiny target one request at a time; the server
+backend must give exactly the conversations the in-process backend gives, send token ids with
+explicit sampling fields and the target's stops, retry transient failures and explain the rest.
+The real engine is checked by `make check-serving` (scripts/check_serving.py)."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import dflash_lab.data.completion_server as cs
+from dflash_lab.data.completion_server import CompletionServer, ServerError, ServerSettings
+from dflash_lab.data.demo_corpus import demo_conversations
+from dflash_lab.data.regenerate import (
+    MERGED_FILE,
+    RegenerateSettings,
+    run_regenerate,
+    stop_token_ids,
+)
+from dflash_lab.paths import CONF_DIR
+from dflash_lab.target.chat import render_prompt
+
+MODEL_ID = "tiny-target"
+
+
+class FakeEngine:
+    """What the handler serves: the target, the requests seen, failures to inject."""
+
+    def __init__(self, target, max_model_len=4096, models=(MODEL_ID,)):
+        self.target, self.max_model_len, self.models = target, max_model_len, list(models)
+        self.requests: list[dict] = []
+        self.fail_next: list[tuple[int, str]] = []  # (HTTP status, message), served in order
+        self.lock = threading.Lock()
+
+    def complete(self, body: dict) -> dict:
+        """vLLM's semantics: stop at a stop id or the model's EOS; the text leaves the stop token
+        out, the token count includes it."""
+        tok, model = self.target.tokenizer, self.target.model
+        stops = list(body["stop_token_ids"]) + [tok.eos_token_id]
+        ids = torch.tensor([body["prompt"]])
+        sample = body["temperature"] > 0
+        with self.lock, torch.no_grad():
+            if sample:
+                torch.manual_seed(body["seed"])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=body["max_tokens"], eos_token_id=stops,
+                                 pad_token_id=stops[0], do_sample=sample,
+                                 temperature=body["temperature"] if sample else None,
+                                 top_p=None, top_k=None)[0, ids.shape[1]:].tolist()
+        end = next((i for i, t in enumerate(out) if t in stops), None)
+        text = tok.decode(out[:end] if end is not None else out, skip_special_tokens=True)
+        return {"choices": [{"text": text, "index": 0,
+                             "finish_reason": "stop" if end is not None else "length"}],
+                "usage": {"prompt_tokens": ids.shape[1],
+                          "completion_tokens": end + 1 if end is not None else len(out)}}
+
+
+def _handler(engine: FakeEngine):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep pytest's output clean
+            pass
+
+        def _send(self, status: int, obj) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path != "/v1/models":
+                return self._send(404, {"error": "not found"})
+            self._send(200, {"data": [{"id": m, "root": "/models/tiny",
+                                       "max_model_len": engine.max_model_len}
+                                      for m in engine.models]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with engine.lock:
+                engine.requests.append(body)
+                failure = engine.fail_next.pop(0) if engine.fail_next else None
+            if failure:
+                return self._send(failure[0], {"error": {"message": failure[1]}})
+            self._send(200, engine.complete(body))
+
+    return Handler
+
+
+@pytest.fixture
+def served(tiny_target):
+    """(engine, url) of a stand-in server on a free local port."""
+    engine = FakeEngine(tiny_target)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(engine))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield engine, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _data(n, seed=5):
+    return [{"messages": c} for c in demo_conversations(n, seed=seed)]
+
+
+def _server(url, **kw):
+    return CompletionServer(ServerSettings(url=url, **kw))
+
+
+def test_server_backend_gives_exactly_the_in_process_conversations(tiny_target, served,
+                                                                   tmp_path):
+    engine, url = served
+    data, kw = _data(9), dict(max_new_tokens=24, part_size=4, batch_size=3)
+    here = run_regenerate(tiny_target, data, RegenerateSettings(str(tmp_path / "hf"), **kw),
+                          {"path": "demo"}, progress=False)
+    there = run_regenerate(tiny_target, data, RegenerateSettings(str(tmp_path / "srv"), **kw),
+                           {"path": "demo"}, progress=False, server=_server(url))
+    assert _rows(tmp_path / "srv" / MERGED_FILE) == _rows(tmp_path / "hf" / MERGED_FILE)
+    assert there["num_conversations"] == here["num_conversations"] == 9
+    assert there["server"] == {"model": MODEL_ID, "root": "/models/tiny", "max_model_len": 4096}
+    assert "server" not in here  # in-process outputs keep the settings record they always had
+    assert len(engine.requests) > 9  # one request per assistant turn
+
+
+def test_requests_carry_token_ids_explicit_sampling_fields_and_the_targets_stops(
+        tiny_target, served, tmp_path):
+    engine, url = served
+    conv = demo_conversations(1, seed=2)[0]
+    s = RegenerateSettings(str(tmp_path / "g"), max_new_tokens=16)
+    run_regenerate(tiny_target, [{"messages": conv}], s, {"path": "demo"}, progress=False,
+                   server=_server(url))
+    first = engine.requests[0]
+    tok = tiny_target.tokenizer
+    first_reply = next(i for i, m in enumerate(conv) if m["role"] == "assistant")
+    want_ids = tok(render_prompt(tok, conv[:first_reply]), add_special_tokens=False)["input_ids"]
+    assert first["prompt"] == want_ids  # token ids: no server-side template, no second BOS
+    assert first["model"] == MODEL_ID and first["max_tokens"] == 16
+    assert first["stop_token_ids"] == stop_token_ids(tiny_target)
+    # Nothing left for the engine to fill from the model's generation_config.json.
+    assert (first["temperature"], first["top_p"], first["top_k"], first["min_p"],
+            first["repetition_penalty"]) == (0.0, 1.0, -1, 0.0, 1.0)
+    assert "seed" not in first
+
+
+def test_sampling_through_the_server_is_seeded_per_part(tiny_target, served, tmp_path):
+    engine, url = served
+    data, kw = _data(4, seed=6), dict(max_new_tokens=24, part_size=2, temperature=1.0, seed=3)
+    outs = []
+    for name in ("a", "b"):
+        run_regenerate(tiny_target, data, RegenerateSettings(str(tmp_path / name), **kw),
+                       {"path": "demo"}, progress=False, server=_server(url))
+        outs.append(_rows(tmp_path / name / MERGED_FILE))
+    assert outs[0] == outs[1]
+    seeds = [r["seed"] for r in engine.requests]
+    assert len(set(seeds)) == len(seeds) // 2  # fresh per request, repeated by the rerun
+    greedy = tmp_path / "g"
+    run_regenerate(tiny_target, data, RegenerateSettings(str(greedy), max_new_tokens=24,
+                                                         part_size=2), {"path": "demo"},
+                   progress=False, server=_server(url))
+    assert _rows(greedy / MERGED_FILE) != outs[0]  # sampling really sampled
+
+
+def test_transient_failures_are_retried(tiny_target, served, tmp_path, monkeypatch):
+    engine, url = served
+    monkeypatch.setattr(cs.time, "sleep", lambda s: None)
+    engine.fail_next = [(503, "warming up"), (502, "bad gateway")]
+    data = _data(2)
+    s = RegenerateSettings(str(tmp_path / "r"), max_new_tokens=16, batch_size=1)
+    out = run_regenerate(tiny_target, data, s, {"path": "demo"}, progress=False,
+                         server=_server(url, retries=2))
+    assert out["num_conversations"] == 2
+    with pytest.raises(ServerError, match=r"failed 3 times .*HTTP 503.*rerun the same command"):
+        engine.fail_next = [(503, "down")] * 3
+        _server(url, retries=2, model=MODEL_ID).complete(
+            [1, 2], max_tokens=4, temperature=0.0, top_p=1.0, stop_token_ids=[0], seed=None)
+
+
+def test_a_rejected_request_raises_with_the_servers_message(served):
+    engine, url = served
+    engine.fail_next = [(400, "This model's maximum context length is 512 tokens")]
+    with pytest.raises(ServerError, match="HTTP 400.*maximum context length is 512"):
+        _server(url, model=MODEL_ID).complete([1, 2], max_tokens=4, temperature=0.0,
+                                              top_p=1.0, stop_token_ids=[0], seed=None)
+    assert len(engine.requests) == 1  # a 4xx is not retried
+
+
+def test_an_unreachable_server_says_how_to_start_one(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(cs.time, "sleep", lambda s: None)
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ServerError, match=r"vllm serve TARGET_DIR.*regenerate.server.url"):
+        _server(f"http://127.0.0.1:{port}/v1", retries=1).connect(max_length=64)
+
+
+def test_model_choice_and_context_length_are_checked_before_any_generation(tiny_target,
+                                                                           served, tmp_path):
+    engine, url = served
+    engine.max_model_len = 512
+    s = RegenerateSettings(str(tmp_path / "x"), max_new_tokens=16, max_length=1024)
+    with pytest.raises(ValueError, match="max_length=1024 exceeds the server's max_model_len=512"):
+        run_regenerate(tiny_target, _data(1), s, {"path": "demo"}, progress=False,
+                       server=_server(url))
+    engine.models = [MODEL_ID, "other"]
+    with pytest.raises(ServerError, match="serves .*'other'.*set regenerate.server.model"):
+        _server(url).connect(max_length=64)
+    with pytest.raises(ServerError, match="does not serve regenerate.server.model='nope'"):
+        _server(url, model="nope").connect(max_length=64)
+    assert _server(url, model="other").connect(max_length=64)["model"] == "other"
+    assert engine.requests == [] and not (tmp_path / "x").exists()
+
+
+def test_a_resume_must_keep_the_backend(tiny_target, served, tmp_path):
+    _, url = served
+    s = RegenerateSettings(str(tmp_path / "o"), max_new_tokens=8, part_size=1)
+    run_regenerate(tiny_target, _data(1), s, {"path": "demo"}, progress=False)
+    with pytest.raises(ValueError, match="other settings.*'server'"):
+        run_regenerate(tiny_target, _data(1), s, {"path": "demo"}, progress=False,
+                       server=_server(url))
+
+
+def test_bad_server_settings_name_the_key(monkeypatch):
+    with pytest.raises(ValueError, match="regenerate.server.url='localhost:8000'"):
+        ServerSettings(url="localhost:8000")
+    with pytest.raises(ValueError, match="retries=-1"):
+        ServerSettings(retries=-1)
+    monkeypatch.delenv("DFLASH_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="'DFLASH_TEST_KEY'.*not set"):
+        ServerSettings(api_key_env="DFLASH_TEST_KEY")
+
+
+def _compose(tmp_path, *overrides):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="regenerate", overrides=[
+            "data.demo_rows=3", f"data.demo_file={tmp_path / 'demo.jsonl'}",
+            "regenerate.progress=false", f"regenerate.settings.out_dir={tmp_path / 'out'}",
+            "regenerate.settings.max_new_tokens=16", *overrides])
+
+
+def test_cli_backend_server_loads_the_target_head_only(tiny_target_dir, served, tmp_path):
+    from dflash_lab.regenerate import regenerate
+
+    _, url = served
+    cfg = _compose(tmp_path, "target=hf", f"target.name_or_path={tiny_target_dir}",
+                   "target.dtype=float32", "target.device=cpu", "regenerate.backend=server",
+                   f"regenerate.server.url={url}")
+    manifest = regenerate(cfg)
+    assert cfg.target.head_only is True  # weights of the decoder layers were never read
+    assert manifest["num_conversations"] == 3 and manifest["server"]["model"] == MODEL_ID
+    with pytest.raises(ValueError, match="regenerate.backend='vllm'.*use hf .* or server"):
+        regenerate(_compose(tmp_path, "regenerate.backend=vllm"))
