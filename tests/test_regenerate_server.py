@@ -19,6 +19,7 @@ from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.regenerate import (
     MERGED_FILE,
     RegenerateSettings,
+    decode_reply,
     run_regenerate,
     stop_token_ids,
 )
@@ -35,6 +36,7 @@ class FakeEngine:
         self.target, self.max_model_len, self.models = target, max_model_len, list(models)
         self.requests: list[dict] = []
         self.fail_next: list[tuple[int, str]] = []  # (HTTP status, message), served in order
+        self.returns_token_ids = True  # False: an engine that ignores return_token_ids
         self.lock = threading.Lock()
 
     def complete(self, body: dict) -> dict:
@@ -54,8 +56,11 @@ class FakeEngine:
                                  top_p=None, top_k=None)[0, ids.shape[1]:].tolist()
         end = next((i for i, t in enumerate(out) if t in stops), None)
         text = tok.decode(out[:end] if end is not None else out, skip_special_tokens=True)
-        return {"choices": [{"text": text, "index": 0,
-                             "finish_reason": "stop" if end is not None else "length"}],
+        choice = {"text": text, "index": 0,
+                  "finish_reason": "stop" if end is not None else "length"}
+        if body.get("return_token_ids") and self.returns_token_ids:
+            choice["token_ids"] = out[:end + 1] if end is not None else out
+        return {"choices": [choice],
                 "usage": {"prompt_tokens": ids.shape[1],
                           "completion_tokens": end + 1 if end is not None else len(out)}}
 
@@ -148,7 +153,28 @@ def test_requests_carry_token_ids_explicit_sampling_fields_and_the_targets_stops
     # Nothing left for the engine to fill from the model's generation_config.json.
     assert (first["temperature"], first["top_p"], first["top_k"], first["min_p"],
             first["repetition_penalty"]) == (0.0, 1.0, -1, 0.0, 1.0)
-    assert "seed" not in first
+    assert "seed" not in first and first["return_token_ids"] is True
+
+
+def test_a_server_without_token_ids_falls_back_to_its_text(tiny_target, served, tmp_path):
+    engine, url = served
+    engine.returns_token_ids = False
+    data, kw = _data(5, seed=8), dict(max_new_tokens=24, part_size=5, batch_size=5)
+    run_regenerate(tiny_target, data, RegenerateSettings(str(tmp_path / "hf"), **kw),
+                   {"path": "demo"}, progress=False)
+    run_regenerate(tiny_target, data, RegenerateSettings(str(tmp_path / "srv"), **kw),
+                   {"path": "demo"}, progress=False, server=_server(url))
+    assert _rows(tmp_path / "srv" / MERGED_FILE) == _rows(tmp_path / "hf" / MERGED_FILE)
+
+
+def test_a_reply_cut_inside_a_character_drops_the_partial_character(tiny_target):
+    tok, stops = tiny_target.tokenizer, stop_token_ids(tiny_target)
+    ids = tok("héllo 日本", add_special_tokens=False)["input_ids"]  # byte-level: 日 is 3 tokens
+    cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    assert decode_reply(tok, ids[:cut], stops) == (tok.decode(ids[:cut]).rstrip("\ufffd"), cut)
+    assert "\ufffd" not in decode_reply(tok, ids[:cut], stops)[0]
+    assert decode_reply(tok, ids, stops) == ("héllo 日本", len(ids))
+    assert decode_reply(tok, [*ids, stops[0], 5, 6], stops) == ("héllo 日本", len(ids) + 1)
 
 
 def test_sampling_through_the_server_is_seeded_per_part(tiny_target, served, tmp_path):

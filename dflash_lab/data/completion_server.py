@@ -12,7 +12,11 @@ provide, with three choices that keep the data exact:
   ``repetition_penalty=1``): vLLM otherwise fills unset fields from the model's
   ``generation_config.json``, which the HF path does not use either;
 * the stop tokens are the target's end-of-turn ids (``stop_token_ids``, a vLLM and SGLang
-  extension), as in the HF path.
+  extension), as in the HF path;
+* the reply's token ids come back (``return_token_ids``, both engines) and are decoded here by
+  the same function as the HF path's, so equal tokens give equal text (a server's own text
+  differs where a reply is cut inside a multi-byte character). Servers that return no ids fall
+  back to their text.
 
 Requests are independent (one per conversation turn); a batch of conversations
 (``regenerate.settings.batch_size``) has its turn's requests in flight at once and the server
@@ -63,11 +67,13 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class Reply:
-    """One completion: its text (without the stop token), generated tokens, why it ended."""
+    """One completion: its text (without the stop token), generated tokens, why it ended, and
+    the generated ids when the server returns them (``return_token_ids``)."""
 
     text: str
     num_tokens: int
     finish_reason: str
+    token_ids: list[int] | None = None
 
 
 class ServerError(RuntimeError):
@@ -148,14 +154,16 @@ class CompletionServer:
                 "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0,
                 "stop_token_ids": stop_token_ids, "skip_special_tokens": True, "n": 1,
-                "stream": False}
+                "stream": False, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
         answer = self._request("/completions", body)
         try:
             choice = answer["choices"][0]
+            ids = choice.get("token_ids")
             return Reply(choice["text"], int(answer["usage"]["completion_tokens"]),
-                         str(choice.get("finish_reason")))
+                         str(choice.get("finish_reason")),
+                         [int(i) for i in ids] if ids is not None else None)
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"{self.base}/completions answered without choices[0].text and "
                               f"usage.completion_tokens: {str(answer)[:500]}") from None

@@ -93,7 +93,7 @@ def generate_replies(target, histories: list[list[dict[str, Any]]], s: Regenerat
     if fits:
         ask = [prompts[k] for k in fits]
         replies = (_hf_replies(target, ask, s) if server is None
-                   else _server_replies(server, ask, s, stop_token_ids(target)))
+                   else _server_replies(server, ask, s, tok, stop_token_ids(target)))
         for k, reply in zip(fits, replies):
             out[k] = reply
     return out
@@ -113,25 +113,37 @@ def _hf_replies(target, prompts: list[list[int]], s: RegenerateSettings) -> list
         gen = target.model.generate(input_ids=ids.to(target.device),
                                     attention_mask=mask.to(target.device),
                                     generation_config=_generation_config(s, stops, pad))
-    out = []
-    for row in range(len(prompts)):
-        new = gen[row, width:].tolist()
-        end = next((i for i, t in enumerate(new) if t in stops), len(new))
-        # The reply's text stops before its end-of-turn token; its count includes that token.
-        out.append((tok.decode(new[:end], skip_special_tokens=True), min(end + 1, len(new))))
-    return out
+    return [decode_reply(tok, gen[row, width:].tolist(), stops) for row in range(len(prompts))]
+
+
+def decode_reply(tok, ids: list[int], stops: list[int]) -> tuple[str, int]:
+    """(text, token count) of a reply from its generated ids, the same for both backends.
+
+    The text stops before the first end-of-turn token (the count includes it) and skips special
+    tokens. A reply cut by ``max_new_tokens`` inside a multi-byte character drops that partial
+    character: ``decode`` would render it as U+FFFD, a token the target never wrote, and
+    servers' incremental detokenizers withhold it.
+    """
+    end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    text = tok.decode(ids[:end], skip_special_tokens=True)
+    if end == len(ids):
+        text = text.rstrip("\ufffd")
+    return text, min(end + 1, len(ids))
 
 
 def _server_replies(server: CompletionServer, prompts: list[list[int]], s: RegenerateSettings,
-                    stops: list[int]) -> list[tuple[str, int]]:
-    """The served model's replies; when sampling, each request gets a seed drawn from torch's
-    generator (seeded per part), so a part is reproducible where the engine honours seeds."""
+                    tok, stops: list[int]) -> list[tuple[str, int]]:
+    """The served model's replies, decoded here from the token ids the server returns (vLLM and
+    SGLang do when asked), else the server's own text. When sampling, each request gets a seed
+    drawn from torch's generator (seeded per part), so a part is reproducible where the engine
+    honours seeds."""
     seeds = (torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if s.temperature > 0
              else [None] * len(prompts))
     replies = server.complete_many(prompts, seeds, max_tokens=s.max_new_tokens,
                                    temperature=s.temperature, top_p=s.top_p,
                                    stop_token_ids=stops)
-    return [(r.text, r.num_tokens) for r in replies]
+    return [decode_reply(tok, r.token_ids, stops) if r.token_ids is not None
+            else (r.text, r.num_tokens) for r in replies]
 
 
 def regenerate_batch(target, conversations: list[list[dict[str, Any]]], s: RegenerateSettings,
