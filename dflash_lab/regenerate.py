@@ -31,8 +31,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     rank, world = rank_and_world()
     settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
     server = make_server(cfg)
-    if server is not None and "head_only" in cfg.target:
-        # Only the tokenizer, chat template and stop tokens are needed here: skip the weights.
+    if server is not None and "head_only" in cfg.target and not cfg.target.get("gguf_file"):
+        # Only the tokenizer, chat template and stop tokens are needed here: skip the decoder
+        # weights (head-only reads safetensors; a GGUF target is loaded whole).
         cfg.target.head_only = True
     target = instantiate(cfg.target)
     path = data_path(cfg.data)

@@ -171,13 +171,12 @@ class CompletionServer:
     def complete_many(self, prompts: list[list[int]], seeds: list[int | None],
                       **sampling: Any) -> list[Reply]:
         """``complete`` for every prompt at once (all in flight; the server batches them);
-        results in input order. The first failure cancels the requests not yet sent."""
-        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="regen") as pool:
+        results in input order. A failure or Ctrl-C cancels the requests not yet sent and
+        returns at once, without waiting for those in flight (their answers are discarded)."""
+        pool = ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="regen")
+        try:
             futures = [pool.submit(self.complete, p, seed=seed, **sampling)
                        for p, seed in zip(prompts, seeds)]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
