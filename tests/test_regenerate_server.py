@@ -6,6 +6,7 @@ The real engine is checked by `make check-serving` (scripts/check_serving.py).""
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -37,6 +38,8 @@ class FakeEngine:
         self.requests: list[dict] = []
         self.fail_next: list[tuple[int, str]] = []  # (HTTP status, message), served in order
         self.returns_token_ids = True  # False: an engine that ignores return_token_ids
+        self.delay_s = 0.0  # answer successful requests this late
+        self.reject: dict[tuple, tuple[int, str]] = {}  # prompt ids -> (HTTP status, message)
         self.lock = threading.Lock()
 
     def complete(self, body: dict) -> dict:
@@ -90,8 +93,10 @@ def _handler(engine: FakeEngine):
             with engine.lock:
                 engine.requests.append(body)
                 failure = engine.fail_next.pop(0) if engine.fail_next else None
+                failure = failure or engine.reject.get(tuple(body.get("prompt", ())))
             if failure:
                 return self._send(failure[0], {"error": {"message": failure[1]}})
+            time.sleep(engine.delay_s)
             self._send(200, engine.complete(body))
 
     return Handler
@@ -217,6 +222,18 @@ def test_a_rejected_request_raises_with_the_servers_message(served):
         _server(url, model=MODEL_ID).complete([1, 2], max_tokens=4, temperature=0.0,
                                               top_p=1.0, stop_token_ids=[0], seed=None)
     assert len(engine.requests) == 1  # a 4xx is not retried
+
+
+def test_a_failure_surfaces_without_waiting_for_slow_requests(served):
+    engine, url = served
+    engine.delay_s = 5.0
+    engine.reject = {(9, 9): (400, "bad request")}  # the LAST prompt fails at once
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="bad request"):
+        _server(url, model=MODEL_ID, retries=0).complete_many(
+            [[1, 2]] * 3 + [[9, 9]], [None] * 4, max_tokens=4, temperature=0.0, top_p=1.0,
+            stop_token_ids=[0])
+    assert time.monotonic() - t0 < 4.0  # not after the 5 s answers of the first three
 
 
 def test_an_unreachable_server_says_how_to_start_one(monkeypatch):

@@ -33,7 +33,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +177,10 @@ class CompletionServer:
         try:
             futures = [pool.submit(self.complete, p, seed=seed, **sampling)
                        for p, seed in zip(prompts, seeds)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in futures if f in done and f.exception() is not None]
+            if failed:  # at once, not after the requests still in flight
+                raise failed[0].exception()
             return [f.result() for f in futures]
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
