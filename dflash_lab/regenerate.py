@@ -9,6 +9,7 @@ result, ``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-tra
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import data_path, rank_and_world
-from dflash_lab.data.completion_server import CompletionServer, ServerSettings
+from dflash_lab.data.completion_server import ServerSettings, open_server
 from dflash_lab.data.conversations import load_conversations
 from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
 from dflash_lab.paths import CONF_DIR
@@ -30,8 +31,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's parts; returns the manifest once every part exists."""
     rank, world = rank_and_world()
     settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
-    server = make_server(cfg)
-    if server is not None and "head_only" in cfg.target and not cfg.target.get("gguf_file"):
+    server_settings = make_server_settings(cfg)
+    if server_settings is not None and "head_only" in cfg.target \
+            and not cfg.target.get("gguf_file"):
         # Only the tokenizer, chat template and stop tokens are needed here: skip the decoder
         # weights (head-only reads safetensors; a GGUF target is loaded whole).
         cfg.target.head_only = True
@@ -43,8 +45,12 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
               "shuffle_seed": cfg.data.shuffle_seed}
     if rank == 0:
         write_run_info(settings.out_dir, cfg, world_size=world)
-    manifest = run_regenerate(target, dataset, settings, source, rank=rank, world_size=world,
-                              progress=cfg.regenerate.progress, server=server)
+    serving = (nullcontext() if server_settings is None else
+               open_server(server_settings, Path(settings.out_dir) / "server.log", world))
+    with serving as server:
+        manifest = run_regenerate(target, dataset, settings, source, rank=rank,
+                                  world_size=world, progress=cfg.regenerate.progress,
+                                  server=server)
     out = Path(settings.out_dir).absolute()
     if manifest is None:
         log.info("rank %d finished its parts in %s; waiting for the other ranks", rank, out)
@@ -54,15 +60,15 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     return manifest
 
 
-def make_server(cfg: DictConfig) -> CompletionServer | None:
-    """The server client for ``regenerate.backend=server``, None for ``hf``."""
+def make_server_settings(cfg: DictConfig) -> ServerSettings | None:
+    """The server settings for ``regenerate.backend=server``, None for ``hf``."""
     backend = cfg.regenerate.backend
     if backend not in ("hf", "server"):
         raise ValueError(f"regenerate.backend={backend!r}: use hf (generate here) or server "
                          "(a running vLLM/SGLang server, see regenerate.server)")
     if backend == "hf":
         return None
-    return CompletionServer(ServerSettings(**OmegaConf.to_container(cfg.regenerate.server)))
+    return ServerSettings(**OmegaConf.to_container(cfg.regenerate.server))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")

@@ -7,10 +7,10 @@ The real engine is checked by `make check-serving` (scripts/check_serving.py).""
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
-import torch
+from fake_openai_server import MODEL_ID, FakeEngine, handler
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -27,86 +27,12 @@ from dflash_lab.data.regenerate import (
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.target.chat import render_prompt
 
-MODEL_ID = "tiny-target"
-
-
-class FakeEngine:
-    """What the handler serves: the target, the requests seen, failures to inject."""
-
-    def __init__(self, target, max_model_len=4096, models=(MODEL_ID,)):
-        self.target, self.max_model_len, self.models = target, max_model_len, list(models)
-        self.requests: list[dict] = []
-        self.fail_next: list[tuple[int, str]] = []  # (HTTP status, message), served in order
-        self.returns_token_ids = True  # False: an engine that ignores return_token_ids
-        self.delay_s = 0.0  # answer successful requests this late
-        self.reject: dict[tuple, tuple[int, str]] = {}  # prompt ids -> (HTTP status, message)
-        self.lock = threading.Lock()
-
-    def complete(self, body: dict) -> dict:
-        """vLLM's semantics: stop at a stop id or the model's EOS; the text leaves the stop token
-        out, the token count includes it."""
-        tok, model = self.target.tokenizer, self.target.model
-        stops = list(body["stop_token_ids"]) + [tok.eos_token_id]
-        ids = torch.tensor([body["prompt"]])
-        sample = body["temperature"] > 0
-        with self.lock, torch.no_grad():
-            if sample:
-                torch.manual_seed(body["seed"])
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=body["max_tokens"], eos_token_id=stops,
-                                 pad_token_id=stops[0], do_sample=sample,
-                                 temperature=body["temperature"] if sample else None,
-                                 top_p=None, top_k=None)[0, ids.shape[1]:].tolist()
-        end = next((i for i, t in enumerate(out) if t in stops), None)
-        text = tok.decode(out[:end] if end is not None else out, skip_special_tokens=True)
-        choice = {"text": text, "index": 0,
-                  "finish_reason": "stop" if end is not None else "length"}
-        if body.get("return_token_ids") and self.returns_token_ids:
-            choice["token_ids"] = out[:end + 1] if end is not None else out
-        return {"choices": [choice],
-                "usage": {"prompt_tokens": ids.shape[1],
-                          "completion_tokens": end + 1 if end is not None else len(out)}}
-
-
-def _handler(engine: FakeEngine):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # keep pytest's output clean
-            pass
-
-        def _send(self, status: int, obj) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path != "/v1/models":
-                return self._send(404, {"error": "not found"})
-            self._send(200, {"data": [{"id": m, "root": "/models/tiny",
-                                       "max_model_len": engine.max_model_len}
-                                      for m in engine.models]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with engine.lock:
-                engine.requests.append(body)
-                failure = engine.fail_next.pop(0) if engine.fail_next else None
-                failure = failure or engine.reject.get(tuple(body.get("prompt", ())))
-            if failure:
-                return self._send(failure[0], {"error": {"message": failure[1]}})
-            time.sleep(engine.delay_s)
-            self._send(200, engine.complete(body))
-
-    return Handler
-
 
 @pytest.fixture
 def served(tiny_target):
     """(engine, url) of a stand-in server on a free local port."""
     engine = FakeEngine(tiny_target)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(engine))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler(engine))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield engine, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
@@ -304,3 +230,40 @@ def test_cli_backend_server_loads_the_target_head_only(tiny_target_dir, served, 
     assert manifest["num_conversations"] == 3 and manifest["server"]["model"] == MODEL_ID
     with pytest.raises(ValueError, match="regenerate.backend='vllm'.*use hf .* or server"):
         regenerate(_compose(tmp_path, "regenerate.backend=vllm"))
+
+
+def test_cli_launches_the_server_for_the_run_and_stops_it(tiny_target_dir, tmp_path):
+    import socket
+    import sys
+    from pathlib import Path
+
+    from dflash_lab.regenerate import regenerate
+
+    script = Path(__file__).with_name("fake_openai_server.py")
+    cfg = _compose(tmp_path, "target=hf", f"target.name_or_path={tiny_target_dir}",
+                   "target.dtype=float32", "target.device=cpu", "regenerate.backend=server",
+                   f"regenerate.server.launch=[{sys.executable},{script},--target,"
+                   f"{tiny_target_dir},--port,'{{port}}']", "regenerate.server.start_timeout_s=120")
+    manifest = regenerate(cfg)
+    assert manifest["num_conversations"] == 3 and manifest["server"]["model"] == MODEL_ID
+    log = (tmp_path / "out" / "server.log").read_text()
+    port = int(log.split("on port ")[1].split()[0])
+    with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+        sock.connect(("127.0.0.1", port))  # stopped when the run ended
+
+
+def test_a_launched_server_that_dies_shows_its_log(tmp_path):
+    import sys
+
+    from dflash_lab.data.completion_server import open_server
+
+    settings = ServerSettings(launch=[sys.executable, "-c",
+                                      "import sys; print('no model at port {port}'); sys.exit(3)"])
+    with (pytest.raises(RuntimeError, match=r"exited \(3\)(.|\n)*no model at port"),
+          open_server(settings, tmp_path / "server.log")):
+        pass
+    with (pytest.raises(ValueError, match="WORLD_SIZE=2 start the server yourself"),
+          open_server(settings, tmp_path / "server.log", world_size=2)):
+        pass
+    with pytest.raises(ValueError, match=r"must contain \{port\}"):
+        ServerSettings(launch=["vllm", "serve", "/models/x"])

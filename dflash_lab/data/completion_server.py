@@ -33,9 +33,14 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
+
+from dflash_lab.data.server_launch import PORT, launched_server
 
 log = logging.getLogger("dflash_lab.regenerate")
 
@@ -52,6 +57,8 @@ class ServerSettings:
     timeout_s: float = 600.0  # per request
     retries: int = 3          # extra attempts after a transient failure (backoff 1, 2, 4 s ...)
     api_key_env: str | None = None  # name of an environment variable holding a bearer token
+    launch: list[str] | None = None  # start this server command ({port} filled) for the run
+    start_timeout_s: float = 1800.0  # launch: how long the server may take to be ready
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -60,6 +67,13 @@ class ServerSettings:
         if self.timeout_s <= 0 or self.retries < 0:
             raise ValueError(f"regenerate.server: timeout_s={self.timeout_s} (> 0), "
                              f"retries={self.retries} (>= 0)")
+        if self.launch is not None and not any(PORT in str(a) for a in self.launch):
+            raise ValueError(f"regenerate.server.launch={list(self.launch)!r} must contain "
+                             f"{PORT} where the server takes its port, e.g. [vllm, serve, "
+                             "/models/X, --port, '{port}']")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"regenerate.server.start_timeout_s={self.start_timeout_s} must "
+                             "be > 0")
         if self.api_key_env and self.api_key_env not in os.environ:
             raise ValueError(f"regenerate.server.api_key_env={self.api_key_env!r}: that "
                              "environment variable is not set")
@@ -184,3 +198,21 @@ class CompletionServer:
             return [f.result() for f in futures]
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextmanager
+def open_server(settings: ServerSettings, log_path: Path, world_size: int = 1
+                ) -> Iterator[CompletionServer]:
+    """A client of the server at ``settings.url``, or, with ``settings.launch``, of a server
+    started for the block (its output in ``log_path``) and stopped after it."""
+    if settings.launch is None:
+        yield CompletionServer(settings)
+        return
+    if world_size > 1:
+        raise ValueError("regenerate.server.launch starts one server per process; with "
+                         f"WORLD_SIZE={world_size} start the server yourself and pass "
+                         "regenerate.server.url")
+    with launched_server(list(settings.launch), log_path,
+                         start_timeout_s=settings.start_timeout_s) as url:
+        log.info("server ready at %s (its output: %s)", url, log_path)
+        yield CompletionServer(replace(settings, url=url))

@@ -1,0 +1,97 @@
+"""Start an OpenAI-compatible server for the length of a ``with`` block, then stop it.
+
+``dflash-regenerate regenerate.backend=server regenerate.server.launch=[...]`` runs the given
+command (any engine: ``vllm serve DIR --port {port}``, ``python -m sglang.launch_server
+--model-path DIR --port {port}``, a Python from another venv) on a free local port that
+replaces ``{port}``, waits until ``/v1/models`` answers, regenerates, and stops the server
+(SIGTERM to its process group, SIGKILL after 30 s) however the run ends. The server's output
+goes to a log file; if it exits before it is ready, the error shows the log's tail.
+The benchmarks and ``make check-serving`` start vLLM the same way (benchmarks/vllm_server.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+PORT = "{port}"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/models", timeout=5) as resp:
+            return bool(json.loads(resp.read()).get("data"))
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return False
+
+
+def _log_tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float = 1800.0,
+                    env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``command`` (``{port}`` replaced by a free port) until the block ends; yields the
+    API base ``http://127.0.0.1:PORT/v1`` once ``/v1/models`` lists a model.
+
+    Raises ValueError for a command without ``{port}`` and RuntimeError (with the log's tail)
+    when the server exits or is not ready within ``start_timeout_s``.
+    """
+    if not command or not any(PORT in str(part) for part in command):
+        raise ValueError(f"regenerate.server.launch={list(command)!r} must contain {PORT} where "
+                         "the server takes its port, e.g. [vllm, serve, /models/X, --port, "
+                         "'{port}']")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    argv = [str(part).replace(PORT, str(port)) for part in command]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        try:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+        except OSError as e:
+            raise RuntimeError(f"could not start the server {argv}: {e}") from None
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not _ready(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready: "
+                                   f"{argv}\n{log}:\n{_log_tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready after {start_timeout_s:.0f} s: "
+                                   f"{argv}\n{log}:\n{_log_tail(log)}")
+            time.sleep(1)
+        yield url
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL it after 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
