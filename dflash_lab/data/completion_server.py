@@ -139,8 +139,8 @@ class CompletionServer:
     def connect(self, max_length: int) -> dict[str, Any]:
         """Pick the served model and check it can hold ``max_length`` tokens.
 
-        Returns what the run records about the server (model id and, where the server says,
-        its root path and max_model_len); the URL is not recorded, so a resume may use another.
+        Returns the model id and, where the server says (vLLM and SGLang do), its root path
+        and max_model_len (None otherwise).
         """
         models = self._request("/models").get("data") or []
         ids = [m.get("id") for m in models]

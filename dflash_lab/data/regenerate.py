@@ -17,6 +17,7 @@ order: the file capture and training read) and ``manifest.json``.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ import torch
 
 from dflash_lab.data.completion_server import CompletionServer
 from dflash_lab.target.chat import normalize_conversation, render_prompt
+
+log = logging.getLogger("dflash_lab.regenerate")
 
 MERGED_FILE = "conversations.jsonl"
 SETTINGS_FILE = "settings.json"
@@ -258,8 +261,13 @@ def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any
     out = Path(s.out_dir)
     record = {"settings": {k: v for k, v in asdict(s).items() if k != "out_dir"},
               "source": source, "num_rows": len(dataset), "target": target.identity()}
-    if server is not None:  # a resume must use the same backend (and served model)
-        record["server"] = server.connect(s.max_length)
+    if server is not None:
+        # A resume must use the same backend and served model; the server's address, root path
+        # and context length may change (they do not change the text).
+        info = server.connect(s.max_length)
+        log.info("generating through %s: model %r (root %s, max_model_len %s)", server.base,
+                 info["model"], info["root"], info["max_model_len"])
+        record["server"] = {"model": info["model"]}
     check_settings(out, record)
     num_parts = -(-len(dataset) // s.part_size)
     mine = [i for i in range(num_parts) if i % world_size == rank]
