@@ -3,7 +3,7 @@
 On a GPU cluster the target is usually already served: regenerating through the engine's
 continuous batching is much faster than ``transformers.generate`` and matches what the target
 will do when serving. We speak the OpenAI-compatible ``/v1/completions`` API both engines
-provide, with three choices that keep the data exact:
+provide, with four choices that keep the data exact:
 
 * the prompt is sent as TOKEN IDS rendered here with the target's own chat template and
   tokenizer (the same ids capture uses), so the server applies no template of its own and adds
@@ -81,12 +81,11 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class Reply:
-    """One completion: its text (without the stop token), generated tokens, why it ended, and
-    the generated ids when the server returns them (``return_token_ids``)."""
+    """One completion: its text (without the stop token), generated tokens, and the generated
+    ids when the server returns them (``return_token_ids``)."""
 
     text: str
     num_tokens: int
-    finish_reason: str
     token_ids: list[int] | None = None
 
 
@@ -101,7 +100,6 @@ class CompletionServer:
         self.settings = settings
         self.base = settings.url.rstrip("/")
         self.model = settings.model
-        self.max_model_len: int | None = None
 
     # -- HTTP ----------------------------------------------------------------------------------
     def _request(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -152,13 +150,12 @@ class CompletionServer:
             raise ServerError(f"{self.base} does not serve regenerate.server.model="
                               f"{self.model!r}; it serves {ids}")
         card = models[ids.index(self.model)]
-        self.max_model_len = card.get("max_model_len")
-        if self.max_model_len is not None and max_length > self.max_model_len:
+        max_model_len = card.get("max_model_len")
+        if max_model_len is not None and max_length > max_model_len:
             raise ValueError(f"regenerate.settings.max_length={max_length} exceeds the server's "
-                             f"max_model_len={self.max_model_len}: lower max_length or restart "
-                             "the server with a larger --max-model-len / --context-length")
-        return {"model": self.model, "root": card.get("root"),
-                "max_model_len": self.max_model_len}
+                             f"max_model_len={max_model_len}: lower max_length or restart the "
+                             "server with a larger --max-model-len / --context-length")
+        return {"model": self.model, "root": card.get("root"), "max_model_len": max_model_len}
 
     def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
                  top_p: float, stop_token_ids: list[int], seed: int | None) -> Reply:
@@ -176,7 +173,6 @@ class CompletionServer:
             choice = answer["choices"][0]
             ids = choice.get("token_ids")
             return Reply(choice["text"], int(answer["usage"]["completion_tokens"]),
-                         str(choice.get("finish_reason")),
                          [int(i) for i in ids] if ids is not None else None)
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"{self.base}/completions answered without choices[0].text and "
