@@ -12,7 +12,7 @@ separately and not counted.
 
 Rows whose outputs differ are printed with where they first differ.
 Defaults: the SmolLM2-135M target and ShareGPT rows of ``make prepare-smollm2`` when present,
-else the built-in tiny target (head_dim 32 variant) on demo conversations (``--size toy``).
+else the tiny target vLLM's CPU kernels support on demo conversations (``--size toy``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import report, table
-from benchmarks.vllm_server import ROOT, VLLM_PYTHON, vllm_server
+from benchmarks.vllm_server import ROOT, VLLM_PYTHON, tiny_target_for_vllm, vllm_server
 
 SMOLLM2 = ROOT / "outputs" / "smollm2_target"
 SHAREGPT = ROOT / "outputs" / "data" / "sharegpt" / "train.jsonl"
@@ -81,17 +81,14 @@ def load_inputs(args) -> tuple[object, list[dict], str]:
     from dflash_lab.data.conversations import load_conversations
     from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.target.loader import load_target
-    from dflash_lab.target.tiny import TinyTargetRecipe, materialize_tiny_target
 
     rows_wanted = args.rows or (16 if args.size == "toy" else 48)
     if args.target:
         target_dir = Path(args.target)
     elif args.size != "toy" and SMOLLM2.is_dir() and SHAREGPT.is_file():
         target_dir, args.data = SMOLLM2, args.data or str(SHAREGPT)
-    else:  # vLLM's CPU attention has no head_dim-16 kernel: the 2-head tiny variant
-        target_dir = materialize_tiny_target(
-            ROOT / "outputs" / "bench" / "tiny_target_hd32",
-            TinyTargetRecipe(num_attention_heads=2, num_key_value_heads=1))
+    else:
+        target_dir = tiny_target_for_vllm(ROOT / "outputs" / "bench" / "tiny_target_hd32")
     if args.data:
         ds = load_conversations(args.data, limit=rows_wanted, shuffle_seed=None)
         rows = [ds[i] for i in range(len(ds))]

@@ -41,11 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks.vllm_server (the server launcher)
+from benchmarks.vllm_server import VLLM_PYTHON, tiny_target_for_vllm, vllm_server  # noqa: E402
+
 OUT = ROOT / "outputs" / "check_serving"
 VENV_BIN = Path(sys.executable).parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-#: vLLM 0.32 CPU attention (``CPUAttentionBackend.get_supported_head_sizes``).
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 #: Absolute tolerances on tau (aligned vLLM vs dflash-eval). Same tokens in, greedy fp32 on both
 #: sides, so rounds agree exactly unless kernel rounding (~1e-5 on the drafter logits) flips an
@@ -101,23 +100,6 @@ def run(cmd: list[str], log: Path) -> float:
 def cached(stamp: Path, key: dict) -> bool:
     """True when ``stamp`` records exactly ``key`` (the stage's inputs)."""
     return stamp.exists() and json.loads(stamp.read_text()) == key
-
-
-def prepare_target() -> Path:
-    """A tiny target vLLM's CPU backend can run (see the module docstring)."""
-    from dflash_lab.target.tiny import (
-        DEFAULT_TINY_TARGET_DIR,
-        TinyTargetRecipe,
-        materialize_tiny_target,
-    )
-
-    default = TinyTargetRecipe()
-    if default.hidden_size // default.num_attention_heads in VLLM_CPU_HEAD_SIZES:
-        return materialize_tiny_target(ROOT / DEFAULT_TINY_TARGET_DIR, default)
-    print(f"tiny target head_dim {default.hidden_size // default.num_attention_heads} has no "
-          "vLLM CPU kernel: using the 2-head (head_dim 32) variant", flush=True)
-    recipe = TinyTargetRecipe(num_attention_heads=2, num_key_value_heads=1)
-    return materialize_tiny_target(OUT / "tiny_target_hd32", recipe)
 
 
 def train(d: Drafter, target: Path) -> Path:
@@ -267,7 +249,6 @@ def print_table(rows: list[dict], mixed: dict, regen: dict) -> None:
 def regenerate_both(target: Path) -> dict:
     """Stage 6: the same conversations regenerated in process and by vLLM's server, greedy
     fp32; the two conversations.jsonl files must be byte-identical."""
-    from benchmarks.vllm_server import vllm_server
     from dflash_lab.data.demo_corpus import write_demo_jsonl
 
     data = write_demo_jsonl(OUT / "regenerate" / "demo.jsonl", num=REGEN_ROWS, seed=PROMPT_SEED)
@@ -299,7 +280,7 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    target = prepare_target()
+    target = tiny_target_for_vllm(OUT / "tiny_target_hd32")
     times["target"] = time.perf_counter() - t0
 
     from dflash_lab.data.demo_corpus import write_demo_jsonl

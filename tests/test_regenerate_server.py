@@ -163,12 +163,10 @@ def test_a_failure_surfaces_without_waiting_for_slow_requests(served):
 
 
 def test_an_unreachable_server_says_how_to_start_one(monkeypatch):
-    import socket
+    from dflash_lab.data.server_launch import free_port
 
     monkeypatch.setattr(cs.time, "sleep", lambda s: None)
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(ServerError, match=r"vllm serve TARGET_DIR.*regenerate.server.url"):
         _server(f"http://127.0.0.1:{port}/v1", retries=1).connect(max_length=64)
 

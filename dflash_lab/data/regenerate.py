@@ -94,17 +94,18 @@ def generate_replies(target, histories: list[list[dict[str, Any]]], s: Regenerat
     fits = [k for k, p in enumerate(prompts) if len(p) + s.max_new_tokens <= s.max_length]
     out: list[tuple[str, int] | None] = [None] * len(histories)
     if fits:
-        ask = [prompts[k] for k in fits]
-        replies = (_hf_replies(target, ask, s) if server is None
-                   else _server_replies(server, ask, s, tok, stop_token_ids(target)))
+        ask, stops = [prompts[k] for k in fits], stop_token_ids(target)
+        replies = (_hf_replies(target, ask, s, stops) if server is None
+                   else _server_replies(server, ask, s, tok, stops))
         for k, reply in zip(fits, replies):
             out[k] = reply
     return out
 
 
-def _hf_replies(target, prompts: list[list[int]], s: RegenerateSettings) -> list[tuple[str, int]]:
+def _hf_replies(target, prompts: list[list[int]], s: RegenerateSettings,
+                stops: list[int]) -> list[tuple[str, int]]:
     """``generate`` on the left-padded batch; each reply cut at its first end-of-turn token."""
-    tok, stops = target.tokenizer, stop_token_ids(target)
+    tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]  # pads are masked out
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
