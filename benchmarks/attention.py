@@ -22,7 +22,7 @@ from dflash_lab.attention.flash import flash_attn_available
 from dflash_lab.attention.mask import BlockLayout, dense_mask
 from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
 from dflash_lab.data.anchors import sample_anchors, step_generator
-from dflash_lab.model.config import LayerSpec
+from dflash_lab.attention.mask import LayerSpec
 
 #: (S, N, B, Bt, Hq, Hkv, D, dtype) per size.
 LAYOUTS = {

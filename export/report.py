@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_lab.model.config import LayerSpec
+from dflash_lab.attention.mask import LayerSpec
 from export.checks import REFUSE, Finding, layer_matches, spec_label
 from export.engines import EngineReading
 

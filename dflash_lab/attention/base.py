@@ -13,8 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from dflash_lab.attention.mask import BlockLayout
-from dflash_lab.model.config import LayerSpec
+from dflash_lab.attention.mask import BlockLayout, LayerSpec
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from dflash_lab.attention.base import apply_sink
-from dflash_lab.attention.mask import BlockLayout, flex_mask_mod
-from dflash_lab.model.config import LayerSpec
+from dflash_lab.attention.mask import BlockLayout, LayerSpec, flex_mask_mod
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,18 @@ Shape legend: Bt batch, N blocks, B block size, S context slots, Q = N*B queries
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from dflash_lab.model.config import LayerSpec
+
+class LayerSpec(NamedTuple):
+    """How one draft layer attends: ``window`` (W keys counting the query itself, or None for
+    full attention) and ``causal`` (inside the block: slot t sees slots u <= t)."""
+
+    window: int | None
+    causal: bool
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_lab.attention.mask import BlockLayout, dense_mask
-from dflash_lab.model.config import LayerSpec
+from dflash_lab.attention.mask import BlockLayout, LayerSpec, dense_mask
 
 KEY_TILES = 4  # runs of consecutive blocks per call; 1 turns tiling off
 MIN_TILED_PAIRS = 1 << 16  # below this many query-key pairs, per-call overhead wins: one call

@@ -17,7 +17,9 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+from dflash_lab.attention.mask import LayerSpec
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,6 @@ HF_BOOKKEEPING_KEYS = frozenset(
         "use_sliding_window", "quantization_config", "layer_idx", "name_or_path",
     }
 )
-
-
-class LayerSpec(NamedTuple):
-    """How one draft layer attends: ``window`` (W keys counting the query itself, or None for
-    full attention) and ``causal`` (inside the block: slot t sees slots u <= t)."""
-
-    window: int | None
-    causal: bool
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
