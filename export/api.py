@@ -29,6 +29,7 @@ from export.checks import (
 )
 from export.engines import ENGINES, RULE_SETS, Artifacts, EngineReading, read_all, rule_sets_for
 from export.engines.common import layouts_agree
+from export.outdir import REPORT_FILE, SOURCE_PATH_KEY, check_output_dir, refuse_overlap
 from export.report import engine_notes, export_report, layer_table
 from export.selfcheck import SelfCheckResult, run_self_check
 from export.sources import Source, artifacts_of, load_source, read_config_json
@@ -42,8 +43,6 @@ from export.weights import (
     split_mask_embedding,
     validate_state_dict,
 )
-
-REPORT_FILE = "EXPORT_REPORT.md"
 
 
 class ExportRefused(Exception):
@@ -113,10 +112,13 @@ def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
     _remove(backup)
 
 
-def _header(src: Source, out_dir: Path, engines: tuple[str, ...], dtype: str,
-            allow_lossy: bool, command: str | None) -> dict[str, str]:
+def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[str, ...],
+            dtype: str, allow_lossy: bool, command: str | None) -> dict[str, str]:
+    """Report header; the resolved source path is read back to recognise a run's own export."""
     return {
-        "source": src.description, "output": str(out_dir), "engines targeted": ", ".join(engines),
+        "source": src.description,
+        **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
+        "output": str(out_dir), "engines targeted": ", ".join(engines),
         "dtype": dtype, "allow lossy": str(allow_lossy), "command": command or "(library call)",
         "versions": f"torch {torch.__version__}, python {platform.python_version()}",
         **({"source notes": "; ".join(src.notes)} if src.notes else {}),
@@ -138,18 +140,24 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                    engine: str | list[str] = "both", dtype: str = "bfloat16",
                    force: bool = False, allow_lossy: bool = False,
                    target: dict[str, Any] | None = None, self_check: bool = True,
-                   command: str | None = None) -> ExportResult:
+                   command: str | None = None, owner: str | Path | None = None) -> ExportResult:
     """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``.
 
-    Raises ValueError (bad input), FileExistsError (no --force), ExportRefused (engine rules) or
-    SelfCheckFailed; in every case ``out_dir`` is left as it was.
+    ``force`` replaces only an empty directory or a previous export (``export.outdir``); with
+    ``owner`` (the training run) only a previous export of a source inside it. Raises ValueError
+    (bad input, or ``out_dir`` is or contains what the export reads), FileExistsError (exists:
+    no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in
+    every case ``out_dir`` is left as it was.
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
         raise ValueError(f"dtype '{dtype}' is not one of {list(DTYPES)}")
+    named = [] if isinstance(source, Source) else [source]
+    refuse_overlap(out_dir, named)
     if out_dir.exists() and not force:
         raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
     src = source if isinstance(source, Source) else load_source(source)
+    check_output_dir(out_dir, named + src.reads, force=force, owner=owner)  # + its checkpoint
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
@@ -163,7 +171,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check)
         files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
         report = export_report(
-            header=_header(src, out_dir, engines, dtype, allow_lossy, command),
+            header=_header(src, named, out_dir, engines, dtype, allow_lossy, command),
             specs=config.layer_specs(), readings=readings, block_size=config.block_size,
             findings=findings, self_check=check_lines, files=files + [REPORT_FILE])
         (tmp / REPORT_FILE).write_text(report)

@@ -1,7 +1,8 @@
 """``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory.
 
 Exit codes: 0 done (or --inspect found every rule set in agreement); 2 bad input or usage
-(including OUT_DIR exists without --force); 3 refused by the engine rules (or --inspect found
+(including OUT_DIR exists without --force, OUT_DIR is not a previous export, or OUT_DIR is or
+contains SOURCE); 3 refused by the engine rules (or --inspect found
 disagreements); 4 the self-check failed. Nothing is written unless the exit code is 0.
 """
 
@@ -31,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inspect", metavar="DIR", help="print how each engine reads DIR and exit")
     p.add_argument("--engine", choices=["both", "vllm", "sglang"], default="both")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing OUT_DIR if it is empty or a previous export "
+                        "(never a directory holding other files, SOURCE or its checkpoint)")
     p.add_argument("--allow-lossy", action="store_true",
                    help="turn engine-rule refusals into loud warnings recorded in the report")
     p.add_argument("--target", metavar="PATH",

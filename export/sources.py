@@ -47,6 +47,7 @@ class Source:
     kind: str  #: "checkpoint" | "serving"
     description: str
     notes: list[str] = field(default_factory=list)
+    reads: list[Path] = field(default_factory=list)  #: files/dirs read (never an OUT_DIR)
 
 
 class ImportedDrafter(NamedTuple):
@@ -93,7 +94,7 @@ def load_checkpoint(path: Path) -> Source:
              if k.startswith(DRAFTER_PREFIX)}
     if not state:
         raise ValueError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict")
-    return Source(config, state, "checkpoint", f"checkpoint {path}")
+    return Source(config, state, "checkpoint", f"checkpoint {path}", reads=[path])
 
 
 def resolve_run_dir(run: Path) -> tuple[Path, str]:
@@ -221,11 +222,12 @@ def load_source(path: str | Path) -> Source:
         imported = import_drafter(path)
         notes = [f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
         return Source(imported.config, imported.state_dict, "serving",
-                      f"serving directory {path}", notes)
+                      f"serving directory {path}", notes, reads=[path])
     if (path / "checkpoints").is_dir():
         ckpt, why = resolve_run_dir(path)
         source = load_checkpoint(ckpt)
         source.description = f"{why} {ckpt} of run {path}"
+        source.reads.append(path)
         return source
     raise ValueError(f"{path}: not a .ckpt file, a serving directory (config.json + "
                      f"{WEIGHTS_FILE}) or a training run directory (checkpoints/)")

@@ -176,9 +176,12 @@ def test_existing_output_needs_force(tmp_path):
     with pytest.raises(FileExistsError, match="--force"):
         export_drafter(source("zlab_default"), out)
     assert (out / "keep.txt").exists()
+    with pytest.raises(FileExistsError, match="not replaced"):  # not a previous export
+        export_drafter(source("zlab_default"), out, force=True, dtype="float32")
+    (out / "keep.txt").unlink()
     export_drafter(source("zlab_default"), out, force=True, dtype="float32")
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
-    assert not leftovers(tmp_path)
+    export_drafter(source("zlab_default"), out, force=True, dtype="float32")
+    assert (out / "config.json").exists() and not leftovers(tmp_path)
 
 
 def test_refusal_with_force_keeps_the_old_output(tmp_path):

@@ -33,11 +33,14 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | No
 
 
 def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
-    """Export the run's best checkpoint; log it as a wandb artifact when wandb is the logger."""
+    """Export the run's best checkpoint; log it as a wandb artifact when wandb is the logger.
+
+    Replaces only an earlier export of this run (``owner``), never other files: train() checks
+    ``export.out_dir`` the same way at start-up, so a bad one is refused before training."""
     from export import export_drafter
 
     result = export_drafter(run_dir, cfg.export.out_dir, engine=cfg.export.engine,
-                            dtype=cfg.export.dtype, force=True)
+                            dtype=cfg.export.dtype, force=True, owner=run_dir)
     log.info("exported the best checkpoint to %s", result.out_dir)
     if type(logger).__name__ == "WandbLogger":
         import wandb
@@ -79,6 +82,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Train and return {"val_tau_before", "val_tau_after", "best_checkpoint", "output_dir"}."""
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
+    if cfg.export.enabled:  # refuse an export.out_dir that the end-of-run export may not replace
+        from export.outdir import check_output_dir
+
+        check_output_dir(cfg.export.out_dir, [out_dir], force=True, owner=out_dir,
+                         name="export.out_dir")
     write_run_info(out_dir, cfg)
     parts = build_components(cfg)
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]

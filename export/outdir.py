@@ -1,0 +1,100 @@
+"""Which OUT_DIR an export may replace: only what an export wrote, never what it reads.
+
+An export replaces OUT_DIR by renaming it aside and deleting it. So OUT_DIR must not be, or
+contain, anything the export reads (the source, its run directory, its checkpoint), compared
+through symlinks and relative paths; and ``force`` only replaces an empty directory or a previous
+export, recognised by its files (``EXPORT_FILES`` and nothing else). The training-end export also
+names its run (``owner``): it replaces only an export whose recorded source lies inside that run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from export.weights import CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
+
+REPORT_FILE = "EXPORT_REPORT.md"
+#: every file an export writes; a previous export holds the first three and nothing but these
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE, MASK_FILE)
+#: EXPORT_REPORT.md header key of the resolved source path (read back for ``owner``)
+SOURCE_PATH_KEY = "source path"
+
+
+def _spellings(path: Path) -> set[Path]:
+    """The absolute path as written and with every symlink followed."""
+    return {Path(os.path.abspath(path)), path.resolve()}
+
+
+def _overlaps(out: Path, read: Path) -> bool:
+    """True when ``out`` is ``read`` or one of its parents, in any spelling of either."""
+    return any(o == r or o in r.parents for o in _spellings(out) for r in _spellings(read))
+
+
+def recorded_source(out: Path) -> Path | None:
+    """The source path a previous export recorded in its report (None if it recorded none)."""
+    try:
+        lines = (out / REPORT_FILE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    prefix = f"- {SOURCE_PATH_KEY}: "  # export.report writes header lines as "- key: value"
+    paths = [line[len(prefix):] for line in lines if line.startswith(prefix)]
+    return Path(paths[0]) if paths else None
+
+
+def _not_replaceable(out: Path, owner: Path | None) -> str | None:
+    """Why ``out`` (which exists) must not be replaced, or None when it may be."""
+    if not out.exists():
+        return "it is a broken symlink"
+    if not out.is_dir():
+        return "it is a file, not a directory"
+    entries = sorted(out.iterdir())
+    if not entries:
+        return None
+    foreign = [e.name for e in entries if e.name not in EXPORT_FILES or not e.is_file()]
+    if foreign:
+        return f"it holds what an export does not write: {foreign[:5]}"
+    if not all((out / name).is_file() for name in EXPORT_FILES[:3]):
+        return f"it is not a complete export (needs {list(EXPORT_FILES[:3])})"
+    if owner is None:
+        return None
+    source = recorded_source(out)
+    if source is None or not _overlaps(owner, source):
+        return f"it is an export of {source or 'an unrecorded source'}, not of the run {owner}"
+    return None
+
+
+def refuse_overlap(out_dir: str | Path, reads: Iterable[str | Path], name: str = "OUT_DIR"
+                   ) -> None:
+    """ValueError when ``out_dir`` is one of ``reads`` or contains one (any spelling)."""
+    out = Path(out_dir)
+    for read in reads:
+        if _overlaps(out, Path(read)):
+            raise ValueError(
+                f"{name} {out} would replace the export's own source {read} (it is that path or "
+                f"contains it; resolved: {out.resolve()} and {Path(read).resolve()}); choose an "
+                f"{name} outside the source")
+
+
+def check_output_dir(out_dir: str | Path, reads: Iterable[str | Path], *, force: bool,
+                     owner: str | Path | None = None, name: str = "OUT_DIR") -> None:
+    """Refuse an ``out_dir`` whose replacement could delete anything the export did not write.
+
+    ``reads``: the paths the export reads (SOURCE, the run directory, the checkpoint). Raises
+    ValueError when ``out_dir`` is one of them or contains one; FileExistsError when it exists
+    and ``force`` is off, or when it is not an empty directory or a previous export (of a source
+    inside ``owner``, when given). ``name`` is how the message calls the setting.
+    """
+    out = Path(out_dir)
+    refuse_overlap(out, reads, name)
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    why = _not_replaceable(out, None if owner is None else Path(owner))
+    if why:
+        raise FileExistsError(
+            f"{name} {out} exists and is not replaced: {why}. Replacing deletes it, so only an "
+            "empty directory or a previous export (of this run, for the training-end export) is "
+            f"replaced; choose another {name} or move {out} away yourself")
