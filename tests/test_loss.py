@@ -4,13 +4,16 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_lab.data.anchors import anchor_candidates, sample_anchors, step_generator
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.testing import tiny_drafter_config
 from dflash_lab.train.loss import (
+    CE_CHUNK_BYTES,
     acceptance_lengths,
     block_targets,
+    ce_chunk_rows,
     chunked_cross_entropy,
     dflash_loss,
     position_weights,
@@ -62,6 +65,79 @@ def test_chunked_cross_entropy_equals_the_full_logits_computation_with_gradients
     g1 = torch.autograd.grad(ce.sum(), h)[0]
     g2 = torch.autograd.grad(ref.sum(), h)[0]
     torch.testing.assert_close(g1, g2)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any op produces (bytes): a CPU-robust peak-chunk probe."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.max_bytes = max(self.max_bytes, t.numel() * t.element_size())
+        return out
+
+
+def test_ce_chunk_rows_follow_the_vocab_with_a_byte_budget():
+    assert ce_chunk_rows(262_144) == 512  # Gemma 3: 512 MiB / (262144 * 4 bytes)
+    assert ce_chunk_rows(151_936) == 883  # Qwen3
+    assert ce_chunk_rows(49_152) == 2730
+    assert ce_chunk_rows(32_000) == ce_chunk_rows(2_000) == 4096  # small vocabs: as before
+    assert ce_chunk_rows(262_144, chunk_bytes=1) == 1
+    assert ce_chunk_rows(262_144, chunk_size=4096) == 4096  # an explicit row count wins
+    with pytest.raises(ValueError, match="module.ce_chunk_bytes=0"):
+        ce_chunk_rows(1000, chunk_bytes=0)
+    with pytest.raises(ValueError, match="module.ce_chunk_size=0"):
+        ce_chunk_rows(1000, chunk_size=0)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["fused-train", "no-grad-eval"])
+def test_a_262k_vocab_holds_one_budgeted_chunk_of_logits_at_a_time(grad):
+    """H=8 keeps it cheap: 40 rows x 262144 x fp32 would be 40 MiB of logits at once; a 16 MiB
+    budget gives 16-row chunks, and no op may produce a tensor over 16 MiB."""
+    torch.manual_seed(0)
+    vocab, budget = 262_144, 16 * 2**20
+    head = torch.nn.Linear(8, vocab, bias=False).requires_grad_(False)
+    h = torch.randn(40, 8, requires_grad=grad)
+    y = torch.randint(0, vocab, (40,))
+    probe = _LargestOutput()
+    with torch.set_grad_enabled(grad), probe:
+        ce, ok = chunked_cross_entropy(h, y, head, chunk_bytes=budget)
+        grad_h = torch.autograd.grad(ce.sum(), h)[0] if grad else None
+    assert ce_chunk_rows(vocab, chunk_bytes=budget) == 16
+    assert 16 * vocab * 4 <= probe.max_bytes <= budget  # one full chunk, never more
+    ref_ce, ref_ok = chunked_cross_entropy(h, y, head, chunk_size=40)  # one chunk: all logits
+    torch.testing.assert_close(ce, ref_ce)
+    assert torch.equal(ok, ref_ok)
+    if grad:
+        torch.testing.assert_close(grad_h, torch.autograd.grad(ref_ce.sum(), h)[0])
+
+
+def test_module_passes_the_budget_to_the_loss_and_rejects_a_bad_one_at_start_up(monkeypatch):
+    import dflash_lab.train.loss as loss_mod
+    from dflash_lab.train.module import DFlashModule
+
+    cfg = tiny_drafter_config("mixed_swa")
+    head = torch.nn.Module()
+    head.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    head.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    with pytest.raises(ValueError, match="module.ce_chunk_bytes=0"):
+        DFlashModule(DFlashDrafter(cfg), head, optimizer=torch.optim.SGD, ce_chunk_bytes=0)
+    seen = []
+    real = loss_mod.chunked_cross_entropy
+    monkeypatch.setattr(loss_mod, "chunked_cross_entropy",
+                        lambda *a: seen.append(a[3:]) or real(*a))
+    module = DFlashModule(DFlashDrafter(cfg), head, optimizer=torch.optim.SGD,
+                          label_source="dataset", ce_chunk_bytes=12345)
+    batch = {"hidden": torch.randn(1, 12, 3 * cfg.hidden_size),
+             "input_ids": torch.randint(0, 90, (1, 12)), "loss_mask": torch.ones(1, 12)}
+    module.blocks_loss(batch, torch.tensor([[1, 5]]), torch.tensor([[True, True]]))
+    assert seen == [(None, 12345)]
+    assert CE_CHUNK_BYTES == 512 * 2**20
 
 
 def test_weighted_loss_is_normalised_by_the_weight_sum():

@@ -19,6 +19,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 LABEL_SOURCES = ("target_argmax", "dataset")
+#: Default budget of one CE chunk's fp32 logits [rows, V]: 512 MiB (a 262k vocab gets 512 rows).
+CE_CHUNK_BYTES = 512 * 2**20
+#: Row cap of a budgeted chunk: today's fixed 4096, so any vocab <= 32768 chunks as it always did.
+CE_MAX_ROWS = 4096
+LOGIT_BYTES = 4  # the CE always runs on float32 logits, whatever the head's dtype
 
 
 def token_targets(input_ids_bs: Tensor, target_argmax_bs: Tensor | None,
@@ -66,14 +71,49 @@ def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
     return BlockTargets(labels, valid)
 
 
+def ce_chunk_rows(vocab_size: int, chunk_size: int | None = None,
+                  chunk_bytes: int = CE_CHUNK_BYTES) -> int:
+    """Rows per chunk of the vocab projection.
+
+    An explicit ``chunk_size`` wins. Otherwise the chunk follows the vocab, so one chunk's fp32
+    logits [rows, V] stay within ``chunk_bytes``: ``chunk_bytes // (V * 4)`` rows, at least 1, at
+    most ``CE_MAX_ROWS``. Temporaries in the head's dtype (bf16 logits before the cast, the
+    per-chunk input gradient [rows, H]) come on top.
+    """
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"module.ce_chunk_size={chunk_size}: give a row count >= 1, or null "
+                             "to size chunks by module.ce_chunk_bytes")
+        return int(chunk_size)
+    if chunk_bytes < 1:
+        raise ValueError(f"module.ce_chunk_bytes={chunk_bytes}: give a byte budget >= 1 for one "
+                         f"chunk's fp32 logits (default {CE_CHUNK_BYTES} = 512 MiB)")
+    return max(1, min(CE_MAX_ROWS, chunk_bytes // (vocab_size * LOGIT_BYTES)))
+
+
+def _vocab_size(lm_head: nn.Module) -> int:
+    """V of an LM head: ``out_features`` or the first dimension of ``weight`` [V, H]."""
+    vocab = getattr(lm_head, "out_features", None)
+    if vocab is None and isinstance(getattr(lm_head, "weight", None), Tensor):
+        vocab = lm_head.weight.shape[0]
+    if vocab is None:
+        raise ValueError(f"cannot tell the vocab size of the LM head {type(lm_head).__name__}: "
+                         "set module.ce_chunk_size (rows per CE chunk) explicitly")
+    return int(vocab)
+
+
 def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module) -> tuple[Tensor, Tensor]:
     logits = lm_head(hidden_mh).float()
     return F.cross_entropy(logits, labels_m, reduction="none"), logits.argmax(-1) == labels_m
 
 
 def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
-                          chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
+                          chunk_size: int | None = None,
+                          chunk_bytes: int = CE_CHUNK_BYTES) -> tuple[Tensor, Tensor]:
     """Per-row CE [M] and correctness [M] without holding [M, V] fp32 logits at once.
+
+    Chunks of :func:`ce_chunk_rows` rows: ``chunk_size`` if given, else as many as fit
+    ``chunk_bytes`` of fp32 logits for this head's vocab.
 
     Frozen bias-free LM head (the DFlash case) with gradients wanted: the fused path
     (:class:`_FusedHeadCE`) projects each chunk once and computes the gradient to the hidden
@@ -84,6 +124,7 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
     if hidden_mh.shape[0] == 0:
         empty = hidden_mh.new_zeros(0, dtype=torch.float32)
         return empty, empty.bool()
+    chunk_size = ce_chunk_rows(_vocab_size(lm_head), chunk_size, chunk_bytes)
     weight = getattr(lm_head, "weight", None)
     fused_ok = (isinstance(lm_head, nn.Linear) and lm_head.bias is None
                 and not weight.requires_grad)
@@ -156,12 +197,15 @@ class LossOutput:
 
 
 def dflash_loss(hidden_bnbh: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
-                chunk_size: int = 4096, block_valid_bn: Tensor | None = None) -> LossOutput:
-    """Weighted CE over valid slots; only the M valid slots go through the vocab projection."""
+                chunk_size: int | None = None, block_valid_bn: Tensor | None = None,
+                chunk_bytes: int = CE_CHUNK_BYTES) -> LossOutput:
+    """Weighted CE over valid slots; only the M valid slots go through the vocab projection
+    (chunked as :func:`chunked_cross_entropy` says)."""
     b = hidden_bnbh.shape[2]
     weights = position_weights(b, gamma, hidden_bnbh.device).expand_as(targets.valid)
     sel = targets.valid
-    ce, ok = chunked_cross_entropy(hidden_bnbh[sel], targets.labels[sel], lm_head, chunk_size)
+    ce, ok = chunked_cross_entropy(hidden_bnbh[sel], targets.labels[sel], lm_head, chunk_size,
+                                   chunk_bytes)
     w = weights[sel]
     correct = torch.zeros_like(sel)
     correct[sel] = ok

@@ -21,10 +21,12 @@ from torch import Tensor, nn
 from dflash_lab.data.anchors import sample_anchors, step_generator
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.loss import (
+    CE_CHUNK_BYTES,
     LABEL_SOURCES,
     LossOutput,
     acceptance_lengths,
     block_targets,
+    ce_chunk_rows,
     dflash_loss,
     global_weighted_loss,
     per_position_accuracy,
@@ -42,19 +44,23 @@ class DFlashModule(L.LightningModule):
     drafter: the DFlashDrafter to train. target_head: frozen module with ``embed_tokens`` and
     ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
     (``params -> Optimizer``, ``optimizer -> LRScheduler``; the scheduler steps every step).
+    ce_chunk_size / ce_chunk_bytes: rows per chunk of the vocab projection if set, else as many
+    rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``).
     """
 
     def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
                  optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, *, gamma: float = 7.0,
                  num_anchors: int = 512, label_source: str = "target_argmax",
-                 ce_chunk_size: int = 4096, seed: int = 0, val_seed: int = 1234,
+                 ce_chunk_size: int | None = None, ce_chunk_bytes: int = CE_CHUNK_BYTES,
+                 seed: int = 0, val_seed: int = 1234,
                  compile: bool = False, activation_checkpointing: bool = False):
         super().__init__()
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
                              f"{list(LABEL_SOURCES)}")
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
+        ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler"])
         self.drafter = drafter
         self.target_head = target_head.requires_grad_(False)
@@ -82,7 +88,7 @@ class DFlashModule(L.LightningModule):
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid,
                             self.drafter.config.block_size)
         return dflash_loss(hidden, tgt, self.target_head.lm_head, hp.gamma, hp.ce_chunk_size,
-                           anchor_valid)
+                           anchor_valid, hp.ce_chunk_bytes)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         g = step_generator(self.hparams.seed, self.global_step, self.global_rank)
