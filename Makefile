@@ -93,6 +93,23 @@ $(SPEC_VENV)/.installed: constraints.txt
 
 speculators-venv: $(SPEC_VENV)/.installed
 
+# z-lab's released DFlash / DFlash 2 code (dflash 0.1.0, MIT) in its own venv (it pins transformers
+# 5.15.0): the reference the DFlash 2 parity test (tests/test_dflash2_model.py, via
+# scripts/zlab_parity.py) checks our forward pass against. Never a dependency of the package.
+DFLASH_VENV ?= .venv-dflash
+DFLASH_VERSION ?= 0.1.0
+
+$(DFLASH_VENV)/.installed: constraints.txt
+	$(PY) -m venv $(DFLASH_VENV)
+	$(DFLASH_VENV)/bin/pip install $(CONSTRAINT) "torch==2.13.0"
+	$(DFLASH_VENV)/bin/pip install $(CONSTRAINT) "dflash[local]==$(DFLASH_VERSION)"
+	$(DFLASH_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: dflash-venv
+
+dflash-venv: $(DFLASH_VENV)/.installed
+
 bench: venv speculators-venv vllm-venv
 	mkdir -p outputs/bench
 	for b in $(BENCHMARKS); do \

@@ -1,7 +1,6 @@
 """DrafterConfig: resolution, serving round trip, third-party configs, validation errors."""
 
 import json
-import logging
 
 import pytest
 
@@ -17,8 +16,7 @@ ZLAB_QWEN3_8B = {
     "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
     "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16,
     "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33],
-                      "future_knob": 3},
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
     "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
     "intermediate_size": 12288, "layer_types": ["full_attention"] * 5,
     "max_position_embeddings": 40960, "max_window_layers": 5, "model_type": "qwen3",
@@ -71,15 +69,36 @@ def test_serving_keys_follow_the_contract():
     assert "is_causal" not in mixed and "causal" not in mixed["dflash_config"]
 
 
-def test_zlab_config_loads_and_reports_unknown_dflash_keys(caplog):
-    with caplog.at_level(logging.WARNING):
-        cfg = DrafterConfig.from_dict(ZLAB_QWEN3_8B, source="z-lab/config.json")
+def test_zlab_config_loads_with_its_bookkeeping_keys():
+    cfg = DrafterConfig.from_dict(ZLAB_QWEN3_8B, source="z-lab/config.json")
     assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.block_size == 16
     assert cfg.layer_specs() == [LayerSpec(None, False)] * 5
-    assert "dflash_config.future_knob" in caplog.text
-    assert "auto_map" not in caplog.text and "transformers_version" not in caplog.text
-    with pytest.raises(ValueError, match="future_knob"):
-        DrafterConfig.from_dict(ZLAB_QWEN3_8B, strict=True)
+    assert cfg.variant == "dflash1" and cfg.output_multiplier == 1.0
+
+
+@pytest.mark.parametrize("strict", [None, False, True])
+@pytest.mark.parametrize(("where", "key", "hint"), [
+    ("dflash_config", "future_knob", ""),
+    ("dflash_config", "selector_topk", "did you mean one of 'selector_top_k'"),
+    ("top", "attention_value_scale", ""),
+    ("top", "output_multipler", "did you mean 'output_multiplier'"),
+])
+def test_unknown_keys_are_errors_whatever_strict_says(where, key, hint, strict):
+    d = json.loads(json.dumps(ZLAB_QWEN3_8B))
+    (d["dflash_config"] if where == "dflash_config" else d)[key] = 3
+    with pytest.raises(ValueError, match=f"unknown key '.*{key}'") as err:
+        DrafterConfig.from_dict(d, source="z-lab/config.json", strict=strict)
+    assert hint in str(err.value) and "z-lab/config.json" in str(err.value)
+
+
+def test_transformers5_rope_parameters_are_read():
+    d = {k: v for k, v in ZLAB_QWEN3_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}
+    assert DrafterConfig.from_dict(d).rope_theta == 5e5
+    d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}
+    assert DrafterConfig.from_dict(d).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="disagrees with rope_parameters.rope_theta"):
+        DrafterConfig.from_dict(dict(d, rope_theta=1e6))
 
 
 def test_use_swa_without_sliding_layer_types_slides_every_layer_bidirectionally():
@@ -118,8 +137,10 @@ def test_validation_errors_name_key_and_fix(override, key, hint):
 
 
 def test_unknown_key_in_our_config_is_an_error_with_a_suggestion():
-    with pytest.raises(ValueError, match="did you mean 'block_size'"):
+    with pytest.raises(ValueError, match="did you mean one of 'block_size'"):
         tiny_drafter_config(blocksize=8)
+    with pytest.raises(ValueError, match="unknown drafter key 'selector_topk'.*'selector_top_k'"):
+        tiny_drafter_config(variant="dflash2", selector_topk=8)
 
 
 def test_integer_target_layer_ids_use_the_reference_rule():

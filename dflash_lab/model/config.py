@@ -28,6 +28,20 @@ SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 
+DFLASH1 = "dflash1"
+DFLASH2 = "dflash2"
+VARIANTS = (DFLASH1, DFLASH2)
+#: The class name each variant is served under (config.json ``architectures``); z-lab's loader
+#: picks the drafter class from it.
+ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+#: DFlash 2 fields and their defaults when ``variant="dflash2"`` leaves them unset: the released
+#: Qwen3.8-27B-DFlash2 setting (dflash.md section 7).
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                    "selector_top_k": 16}
+#: Logit and embedding scales both variants honour; defaults mean "off" and are not written.
+SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+                  "final_logit_softcapping": None}
+
 #: Key under which our exporter records the exact per-layer spec the drafter was trained with,
 #: so ``dflash-export --inspect`` can compare it with what each engine will do.
 TRAINING_SPEC_KEY = "dflash_lab_training_spec"
@@ -40,6 +54,8 @@ HF_BOOKKEEPING_KEYS = frozenset(
         "output_attentions", "output_hidden_states", "return_dict", "attention_dropout",
         "tie_word_embeddings", "architectures", "model_type", "hidden_act", "max_window_layers",
         "use_sliding_window", "quantization_config", "layer_idx", "name_or_path",
+        # PretrainedConfig.to_dict() (not to_diff_dict) writes these generic keys as well
+        "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
     }
 )
 
@@ -66,8 +82,15 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
 
 
 def _suggest(key: str, known: set[str] | frozenset[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1)
+    close = difflib.get_close_matches(key, sorted(known), n=3)
+    if len(close) > 1:
+        return " (did you mean one of " + ", ".join(f"'{c}'" for c in close) + "?)"
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _positive_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 @dataclass(kw_only=True)
@@ -102,6 +125,18 @@ class DrafterConfig:
     is_causal: bool | list[bool] | None = None
     learned_mask_embedding: bool = False  #: one trainable H-vector used in every MASK slot
     attention_sink_bias: bool = False  #: one learnable sink logit per head and layer
+    #: "dflash1" | "dflash2" (DFlash 1 + a grouped dynamic causal conv around every sublayer and
+    #: a candidate selector over the unary top-K); served as DFlashDraftModel / DFlash2DraftModel
+    variant: str = DFLASH1
+    #: DFlash 2 only (None under dflash1; unset under dflash2 = DFLASH2_DEFAULTS):
+    conv_kernel_size: int | None = None  #: K taps of the conv (offsets 0..K-1, within a block)
+    conv_group_size: int | None = None  #: channels sharing one dynamic tap (divides hidden_size)
+    selector_rank: int | None = None  #: rank of the predecessor/successor codebooks
+    selector_top_k: int | None = None  #: candidates per slot re-ranked by the selector
+    #: Both variants: block input embeddings (raw target table rows) are multiplied by this
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0  #: unary logits = lm_head(h) * output_multiplier ...
+    final_logit_softcapping: float | None = None  #: ... then c * tanh(logits / c); None = off
     _source: str = field(default="<DrafterConfig>", repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
@@ -117,6 +152,10 @@ class DrafterConfig:
             self.is_causal = [bool(c) for c in self.is_causal]
         if self.rope_scaling is not None:
             self.rope_scaling = dict(self.rope_scaling)
+        if self.variant == DFLASH2:
+            for key, default in DFLASH2_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, default)
         self._validate()
 
     def _fail(self, key: str, value: Any, fix: str) -> None:
@@ -142,6 +181,8 @@ class DrafterConfig:
         self._validate_target_layers()
         self._validate_layers()
         self._validate_rope()
+        self._validate_variant()
+        self._validate_scales()
 
     def _validate_target_layers(self) -> None:
         ids = self.target_layer_ids
@@ -185,6 +226,38 @@ class DrafterConfig:
         if rope_type == "linear" and float(self.rope_scaling.get("factor", 0)) <= 0:
             self._fail("rope_scaling", self.rope_scaling, "linear scaling needs factor > 0")
 
+    def _validate_variant(self) -> None:
+        if self.variant not in VARIANTS:
+            self._fail("variant", self.variant, f"must be one of {list(VARIANTS)}")
+        if self.variant == DFLASH1:
+            for key in DFLASH2_DEFAULTS:
+                if getattr(self, key) is not None:
+                    self._fail(key, getattr(self, key),
+                               "is a DFlash 2 field; set variant='dflash2' or remove it")
+            return
+        for key in DFLASH2_DEFAULTS:
+            if int(getattr(self, key)) < 1:
+                self._fail(key, getattr(self, key), "must be a positive integer")
+        if self.hidden_size % self.conv_group_size:
+            self._fail("conv_group_size", self.conv_group_size,
+                       f"must divide hidden_size={self.hidden_size} (channels per dynamic tap)")
+        if self.conv_kernel_size > self.block_size:
+            self._fail("conv_kernel_size", self.conv_kernel_size,
+                       f"must be <= block_size={self.block_size}: taps never cross a block start, "
+                       "so longer kernels have taps that never see a token")
+        if self.selector_top_k > self.vocab_size:
+            self._fail("selector_top_k", self.selector_top_k,
+                       f"must be <= vocab_size={self.vocab_size} (candidates come from the full "
+                       "target vocabulary)")
+
+    def _validate_scales(self) -> None:
+        for key in ("input_embedding_scale", "output_multiplier"):
+            if not _positive_number(getattr(self, key)):
+                self._fail(key, getattr(self, key), "must be a finite number > 0 (1.0 = off)")
+        cap = self.final_logit_softcapping
+        if cap is not None and not _positive_number(cap):
+            self._fail("final_logit_softcapping", cap, "must be a finite number > 0, or null (off)")
+
     # ------------------------------------------------------------------ resolved layout
     @property
     def causal_flags(self) -> list[bool]:
@@ -201,6 +274,11 @@ class DrafterConfig:
             LayerSpec(self.sliding_window if t == SLIDING else None, c)
             for t, c in zip(self.layer_types, self.causal_flags, strict=True)
         ]
+
+    @property
+    def is_dflash2(self) -> bool:
+        """DFlash 2: convs around every sublayer and the candidate selector."""
+        return self.variant == DFLASH2
 
     @property
     def any_sliding(self) -> bool:
@@ -252,8 +330,12 @@ class DrafterConfig:
             "block_size": self.block_size,
             "attention_sink_bias": self.attention_sink_bias,
         }
+        if self.is_dflash2:
+            dflash.update({k: getattr(self, k) for k in DFLASH2_DEFAULTS})
+        dflash.update({k: getattr(self, k) for k, off in SCALE_DEFAULTS.items()
+                       if getattr(self, k) != off})
         out: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURES[self.variant]],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -292,25 +374,32 @@ class DrafterConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, strict: bool = False,
-                  source: str = "<config dict>") -> DrafterConfig:
+    def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>",
+                  strict: bool | None = None) -> DrafterConfig:
         """Read a serving config.json dict (ours or a third-party z-lab one).
 
-        HF bookkeeping keys are ignored. Unknown keys raise in ``strict`` mode (our own files)
-        and are logged as warnings otherwise. Causality precedence: our recorded training spec,
-        top-level ``is_causal``, ``dflash_config.causal``, else the legacy per-layer rule.
-        Layers that only ``dflash_config.use_swa`` makes sliding stay bidirectional (vLLM rule).
+        HF bookkeeping keys are ignored; any other unknown key (top level or ``dflash_config``)
+        is a ValueError naming it and its close matches: a key we do not implement could change
+        what the drafter computes, so it is never dropped. Causality precedence: our recorded
+        training spec, top-level ``is_causal``, ``dflash_config.causal``, else the legacy
+        per-layer rule. Layers that only ``dflash_config.use_swa`` makes sliding stay
+        bidirectional (vLLM rule). The variant comes from ``architectures`` (or, absent, from
+        the presence of the DFlash 2 keys); DFlash 2 and scale keys are read from
+        ``dflash_config`` first, then the top level (z-lab's lookup order).
+        ``strict`` is accepted for existing callers and changes nothing: every read is strict.
         """
-        return _parse_serving_dict(cls, d, strict=strict, source=source)
+        del strict
+        return _parse_serving_dict(cls, d, source=source)
 
     @classmethod
-    def from_json(cls, path: str | Path, *, strict: bool = False) -> DrafterConfig:
+    def from_json(cls, path: str | Path, *, strict: bool | None = None) -> DrafterConfig:
+        """Read a config.json file (always strict; ``strict`` as in :meth:`from_dict`)."""
         path = Path(path)
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON ({err}); re-export the drafter") from err
-        return cls.from_dict(data, strict=strict, source=str(path))
+        return cls.from_dict(data, source=str(path))
 
     def save_json(self, path: str | Path) -> None:
         path = Path(path)
@@ -324,29 +413,86 @@ _SHAPE_KEYS = (
     "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
     "max_position_embeddings", "attention_bias", "num_target_layers", "block_size",
 )
-_TOP_KEYS = frozenset(_SHAPE_KEYS) | {
+#: Keys read from ``dflash_config`` first, then the top level (z-lab's ``_draft_value``).
+_VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(SCALE_DEFAULTS)
+_TOP_KEYS = frozenset(_SHAPE_KEYS) | frozenset(_VARIANT_KEYS) | {
     "layer_types", "sliding_window", "is_causal", "dflash_config", TRAINING_SPEC_KEY,
+    "rope_parameters",
 }
 _DFLASH_KEYS = frozenset(
     {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size", "use_swa",
-     "attention_sink_bias", "learned_mask_embedding"}
+     "attention_sink_bias", "learned_mask_embedding", *_VARIANT_KEYS}
 )
 
 
-def _report_unknown(keys: set[str], known: frozenset[str], where: str, strict: bool,
-                    source: str) -> None:
-    for key in sorted(keys - known):
-        msg = f"{source}: unknown key '{where}{key}'{_suggest(key, known)}"
-        if strict:
-            raise ValueError(msg + "; remove it or fix its spelling")
-        log.warning("%s (ignored)", msg)
+def _reject_unknown(keys: set[str], known: frozenset[str], where: str, source: str) -> None:
+    unknown = sorted(keys - known)
+    if unknown:
+        key = unknown[0]
+        raise ValueError(
+            f"{source}: unknown key '{where}{key}'{_suggest(key, known)}"
+            + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
+            + "; dflash-lab does not implement it, so the drafter would not compute what the "
+            "config says: remove it or fix its spelling")
 
 
-def _parse_serving_dict(cls: type[DrafterConfig], d: dict[str, Any], *, strict: bool,
+def _variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
+    """dflash1 | dflash2 from ``architectures``, else from the presence of DFlash 2 keys."""
+    arch = d.get("architectures")
+    has_v2_keys = sorted(k for k in DFLASH2_DEFAULTS if k in dfc or k in d)
+    if not arch:
+        return DFLASH2 if has_v2_keys else DFLASH1
+    by_name = {name: variant for variant, name in ARCHITECTURES.items()}
+    found = [by_name[a] for a in arch if a in by_name]
+    if len(found) != 1 or len(arch) != 1:
+        raise ValueError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
+                         f"one of {[[a] for a in ARCHITECTURES.values()]}")
+    if found[0] == DFLASH1 and has_v2_keys:
+        raise ValueError(f"{source}: has the DFlash 2 keys {has_v2_keys} but architectures="
+                         f"{arch}; set architectures to ['DFlash2DraftModel'] or remove them")
+    return found[0]
+
+
+def _variant_kwargs(d: dict[str, Any], dfc: dict[str, Any], source: str) -> dict[str, Any]:
+    """variant, DFlash 2 fields (required under DFlash2DraftModel, as z-lab's loader needs
+    them) and the scales (``final_logit_softcapping`` <= 0 is z-lab's "off": read as None)."""
+    variant = _variant_of(d, dfc, source)
+    out: dict[str, Any] = {"variant": variant}
+    for key in _VARIANT_KEYS:
+        value = dfc.get(key, d.get(key))
+        if value is not None:
+            out[key] = value
+    if variant == DFLASH2:
+        missing = [f"dflash_config.{k}" for k in DFLASH2_DEFAULTS if k not in out]
+        if missing:
+            raise ValueError(f"{source}: a DFlash2DraftModel config needs {missing}")
+    cap = out.get("final_logit_softcapping")
+    if isinstance(cap, int | float) and not isinstance(cap, bool) and cap <= 0:
+        out["final_logit_softcapping"] = None
+    return out
+
+
+def _rope_kwargs(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """rope_theta / rope_scaling from the legacy keys or transformers 5's ``rope_parameters``."""
+    params = d.get("rope_parameters")
+    if not params:
+        return {}
+    params = dict(params)
+    theta = params.pop("rope_theta", None)
+    if theta is not None and d.get("rope_theta") not in (None, theta):
+        raise ValueError(f"{source}: rope_theta={d['rope_theta']} disagrees with "
+                         f"rope_parameters.rope_theta={theta}; keep one")
+    out: dict[str, Any] = {} if theta is None else {"rope_theta": theta}
+    if params.get("rope_type", "default") != "default" and d.get("rope_scaling") is None:
+        out["rope_scaling"] = params
+    return out
+
+
+def _parse_serving_dict(cls: type[DrafterConfig], d: dict[str, Any], *,
                         source: str) -> DrafterConfig:
-    _report_unknown(set(d), _TOP_KEYS | HF_BOOKKEEPING_KEYS, "", strict, source)
+    _reject_unknown(set(d), _TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
     dfc = dict(d.get("dflash_config") or {})
-    _report_unknown(set(dfc), _DFLASH_KEYS, "dflash_config.", strict, source)
+    _reject_unknown(set(dfc), _DFLASH_KEYS, "dflash_config.", source)
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in d]
     if "mask_token_id" not in dfc:
@@ -354,6 +500,8 @@ def _parse_serving_dict(cls: type[DrafterConfig], d: dict[str, Any], *, strict: 
     if missing:
         raise ValueError(f"{source}: missing required keys {missing}; is this a DFlash drafter?")
     kwargs: dict[str, Any] = {k: d[k] for k in _SHAPE_KEYS if d.get(k) is not None}
+    kwargs.update(_rope_kwargs(d, source))
+    kwargs.update(_variant_kwargs(d, dfc, source))
     kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
     kwargs["mask_token_id"] = dfc["mask_token_id"]
     if "block_size" in dfc:

@@ -9,10 +9,14 @@ Two call paths share every weight and the same attention code:
 
 The target's embedding and LM head are passed in and never become part of ``state_dict()``, whose
 keys are already the serving layout (dflash.md section 4). Output is the final-normed hidden state
-of every block slot; logits are ``lm_head(hidden)`` (the loss chunks that projection).
+of every block slot; the unary logits are :meth:`DFlashDrafter.unary_logits` (``lm_head(hidden)``
+times ``output_multiplier``, softcapped; the loss chunks that projection). A DFlash 2 drafter
+(``config.variant == "dflash2"``) adds the convs inside every layer and a candidate selector that
+turns unary top-K candidates into the draft (:meth:`propose`; training: :meth:`selector_scores`).
 
 Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
-concatenated target features, Hkv key/value heads, D head dim.
+concatenated target features, Hkv key/value heads, D head dim, V vocab, C selector candidates,
+T = B-1 drafted slots.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_lab.attention.base import AttentionBackend, get_backend
 from dflash_lab.attention.mask import BlockLayout
 from dflash_lab.model.config import DrafterConfig
+from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv, scale_logits
 from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding
 
 
@@ -66,6 +71,9 @@ class DFlashDrafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         else:
             self.mask_embedding = None
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k,
+        ) if config.is_dflash2 else None
         self._specs = config.layer_specs()
         self.activation_checkpointing = False  # recompute each layer in backward (saves memory)
         self.static_shapes = False  # same attention shapes every step (set by compile_layers)
@@ -77,6 +85,9 @@ class DFlashDrafter(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        # apply() visits children first: these re-initialise their own Linear afterwards
+        if isinstance(module, GroupedDynamicCausalConv | CandidateSelector):
+            module.reset_parameters()
 
     def init_mask_embedding(self, embed_tokens: nn.Embedding) -> None:
         """Start the learned mask embedding from the target's row of ``mask_token_id``."""
@@ -118,6 +129,9 @@ class DFlashDrafter(nn.Module):
         if self.mask_embedding is not None:
             slot_is_mask = torch.arange(b, device=ids.device) > 0
             x = torch.where(slot_is_mask[:, None], self.mask_embedding.to(x.dtype), x)
+        if self.config.input_embedding_scale != 1.0:
+            # every slot, the learned mask row too: engines merge it into the table first
+            x = x * self.config.input_embedding_scale
         return x.flatten(1, 2)
 
     def _run_layers(self, x_bqh: Tensor, layout: BlockLayout, ctx_kv: list[tuple[Tensor, Tensor]],
@@ -175,6 +189,38 @@ class DFlashDrafter(nn.Module):
 
     def crop_context(self, cache: ContextCache, length: int) -> None:
         cache.crop(length)
+
+    # ------------------------------------------------------------------ tokens from hidden states
+    def unary_logits(self, hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:
+        """``lm_head(hidden) * output_multiplier``, tanh-softcapped if configured: [x, V]."""
+        return scale_logits(lm_head(hidden_xh), self.config.output_multiplier,
+                            self.config.final_logit_softcapping)
+
+    def _selector(self) -> CandidateSelector:
+        if self.candidate_selector is None:
+            raise ValueError("this is a DFlash 1 drafter (variant='dflash1'): it has no "
+                             "candidate selector; use unary_logits().argmax(-1)")
+        return self.candidate_selector
+
+    def selector_scores(self, hidden_xth: Tensor, prev_ids_xt: Tensor, lm_head: nn.Module
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+        """Teacher-forced selector scores for training: hidden of slots 1..B-1 [x, T, H] and the
+        TRUE tokens before each slot [x, T] (anchor, then the labels of slots 1..B-2) ->
+        (scores [x, T, C], candidate ids [x, T, C], their unary logits [x, T, C])."""
+        selector = self._selector()
+        cand_unary, cand_ids = selector.candidates(self.unary_logits(hidden_xth, lm_head))
+        return selector.score(hidden_xth, prev_ids_xt, cand_ids, cand_unary), cand_ids, cand_unary
+
+    @torch.no_grad()
+    def propose(self, hidden_bbh: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module) -> Tensor:
+        """Greedy draft tokens [Bt, B-1] from :meth:`draft`'s hidden [Bt, B, H]: the unary argmax
+        (DFlash 1) or the selector's left-to-right argmax walk from the anchor (DFlash 2)."""
+        unary = self.unary_logits(hidden_bbh[:, 1:], lm_head)
+        if self.candidate_selector is None:
+            return unary.argmax(dim=-1)
+        cand_unary, cand_ids = self.candidate_selector.candidates(unary)
+        return self.candidate_selector.walk(hidden_bbh[:, 1:], cand_ids, cand_unary,
+                                            anchor_ids_b)[0]
 
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchor_ids_b: Tensor, embed_tokens: nn.Module) -> Tensor:

@@ -1,5 +1,8 @@
 """Qwen3-style pieces of a draft layer: RMSNorm, RoPE, attention over [context ; block], SwiGLU.
 
+A DFlash 2 layer wraps both sublayers in a grouped dynamic causal conv (``model/dflash2.py``);
+the context K/V never pass through a conv (they are not block slots).
+
 Shape legend: Bt batch, S context slots, Q block queries (N*B), H hidden, Hq/Hkv query and
 key/value heads, D head dim. Context K/V are computed once per layer per step (training) or
 once per committed token (inference cache) and passed in; the block computes its own q/k/v.
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_lab.model.config import DrafterConfig
+from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 
 
 class RMSNorm(nn.Module):
@@ -108,8 +112,19 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _conv(config: DrafterConfig) -> GroupedDynamicCausalConv | None:
+    if not config.is_dflash2:
+        return None
+    return GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size,
+                                    config.conv_group_size, config.block_size)
+
+
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer. The context gets no input norm, no query and no MLP."""
+    """Pre-norm decoder layer. The context gets no input norm, no query and no MLP.
+
+    DFlash 2: ``attention_conv`` / ``mlp_conv`` (None under DFlash 1) convolve each sublayer's
+    normed input (``prepare``) and its output (``finish``) along the block slots.
+    """
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -117,9 +132,21 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_conv = _conv(config)
+        self.mlp_conv = _conv(config)
+
+    @staticmethod
+    def _sublayer(fn: Any, conv: GroupedDynamicCausalConv | None, normed_bqh: Tensor) -> Tensor:
+        if conv is None:
+            return fn(normed_bqh)
+        conv_in, dyn = conv.prepare(normed_bqh)
+        return conv.finish(fn(conv_in), dyn)
 
     def forward(self, x_bqh: Tensor, ctx_k: Tensor, ctx_v: Tensor,
                 cos_sin: tuple[Tensor, Tensor], backend: Any, prepared: Any) -> Tensor:
-        x_bqh = x_bqh + self.self_attn(
-            self.input_layernorm(x_bqh), ctx_k, ctx_v, cos_sin, backend, prepared)
-        return x_bqh + self.mlp(self.post_attention_layernorm(x_bqh))
+        def attend(h_bqh: Tensor) -> Tensor:
+            return self.self_attn(h_bqh, ctx_k, ctx_v, cos_sin, backend, prepared)
+
+        x_bqh = x_bqh + self._sublayer(attend, self.attention_conv, self.input_layernorm(x_bqh))
+        return x_bqh + self._sublayer(self.mlp, self.mlp_conv,
+                                      self.post_attention_layernorm(x_bqh))

@@ -1,0 +1,166 @@
+"""DFlash 2 modules: the grouped dynamic causal conv and the candidate selector (dflash.md s. 7).
+
+- :class:`GroupedDynamicCausalConv` wraps a sublayer (attention or MLP) of a draft layer:
+  ``prepare`` convolves the normed sublayer input along the block slots and returns the dynamic
+  taps of the output side, ``finish`` convolves the sublayer output with them. For slot t,
+  channel c: ``out[t, c] = sum_{o<K} (base[side, o, c] + delta[t, o, group(c)]) * x[t - o, c]``,
+  ``delta`` = ``kernel_projection`` of the normed input at slot t (both sides from one projection),
+  and ``x[t - o]`` is zero before the block's first slot: taps never cross a block start, in the
+  training layout (N packed blocks of B slots per row) as in the inference layout (one block).
+- :class:`CandidateSelector` re-ranks the top-K of the unary logits along the block:
+  ``score[c] = unary[c] + <A[prev] * (W h_t), S[c]>`` with the predecessor codebook A, the
+  successor codebook S (both [V, R]) and the hidden projection W [R, H]. Serving walks left to
+  right from the anchor (:meth:`CandidateSelector.walk`); training scores the candidates against
+  the true previous tokens (:meth:`CandidateSelector.score`).
+
+Initialisation makes a fresh DFlash 2 drafter compute exactly what DFlash 1 computes: the conv is
+the identity (``base[:, 0] = 1``, other taps 0, projection 0) and the successor codebook is zero
+(scores = unary logits, so the walk picks the unary argmax).
+
+Shape legend: Bt batch, Q = N*B block slots of a row (N blocks of B slots), H hidden, K conv taps,
+G conv groups (H / conv_group_size), V vocab, C candidates (selector_top_k), R selector rank,
+T scored slots, ``x`` any leading dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def scale_logits(logits_xv: Tensor, output_multiplier: float,
+                 softcap: float | None) -> Tensor:
+    """Unary logits: ``logits * output_multiplier``, then ``c * tanh(logits / c)`` if capped.
+
+    Both are monotone, so the argmax is unchanged; they matter for sampling and the losses.
+    """
+    if output_multiplier != 1.0:
+        logits_xv = logits_xv * output_multiplier
+    if softcap is not None:
+        logits_xv = torch.tanh(logits_xv / softcap) * softcap
+    return logits_xv
+
+
+def grouped_dynamic_conv(x_bqh: Tensor, dyn_bqkg: Tensor, base_kh: Tensor,
+                         block_size: int) -> Tensor:
+    """``out[t, c] = sum_o (base[o, c] + dyn[t, o, c // group_size]) * x[t - o, c]`` per block.
+
+    x [Bt, Q, H] with Q a multiple of ``block_size`` (blocks contiguous); dyn [Bt, Q, K, G];
+    base [K, H]. Shifting inside the [N, B] view with zero fill keeps every tap in its block.
+    """
+    bt, q, h = x_bqh.shape
+    k, g = base_kh.shape[0], dyn_bqkg.shape[-1]
+    if q % block_size:
+        raise ValueError(f"{q} block slots are not a whole number of blocks of {block_size}")
+    x_bnbgc = x_bqh.reshape(bt, q // block_size, block_size, g, h // g)
+    dyn_bnbkg1 = dyn_bqkg.reshape(bt, q // block_size, block_size, k, g, 1)
+    base_kgc = base_kh.to(x_bqh.dtype).view(k, g, h // g)
+    out = None
+    for o in range(k):
+        # slot t sees x[t - o]; the first o slots of each block see zeros
+        shifted = x_bnbgc if o == 0 else F.pad(x_bnbgc[:, :, :-o], (0, 0, 0, 0, o, 0))
+        term = (base_kgc[o] + dyn_bnbkg1[:, :, :, o]) * shifted
+        out = term if out is None else out + term
+    return out.reshape(bt, q, h)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """The conv around one sublayer. base_kernel [2, K, H] (side 0 = input, 1 = output);
+    kernel_projection H -> 2*K*G, laid out [side, tap, group] (z-lab's layout)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups,
+                                           bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Identity: tap 0 weight 1, other taps 0, no dynamic correction."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, normed_bqh: Tensor) -> tuple[Tensor, Tensor]:
+        """Normed sublayer input [Bt, Q, H] -> (convolved input [Bt, Q, H], output-side taps
+        [Bt, Q, K, G]); both sides' taps come from this normed input."""
+        dyn = self.kernel_projection(normed_bqh).view(
+            *normed_bqh.shape[:2], 2, self.kernel_size, self.num_groups)
+        conv = grouped_dynamic_conv(normed_bqh, dyn[:, :, 0], self.base_kernel[0], self.block_size)
+        return conv, dyn[:, :, 1]
+
+    def finish(self, out_bqh: Tensor, dyn_bqkg: Tensor) -> Tensor:
+        """Sublayer output [Bt, Q, H] -> convolved with the taps ``prepare`` returned."""
+        return grouped_dynamic_conv(out_bqh, dyn_bqkg, self.base_kernel[1], self.block_size)
+
+
+def _argmax(scores_bc: Tensor) -> Tensor:
+    return scores_bc.argmax(dim=-1)
+
+
+class CandidateSelector(nn.Module):
+    """Re-ranks the unary top-C with a low-rank (predecessor, successor) interaction.
+
+    Codebooks are bare parameters so the state_dict keys are the serving names
+    ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``).
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Successor codebook 0 (scores = unary: DFlash 1's draft); the others N(0, 0.02) so
+        the successor codebook gets a gradient from the first step."""
+        with torch.no_grad():
+            nn.init.normal_(self.predecessor_codebook, std=0.02)
+            nn.init.normal_(self.hidden_projection.weight, std=0.02)
+            self.successor_codebook.zero_()
+
+    def candidates(self, unary_xv: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-C of the unary logits [x, V] -> (values [x, C], token ids [x, C]), best first."""
+        return torch.topk(unary_xv, self.top_k, dim=-1)
+
+    def _pair(self, hidden_xh: Tensor, prev_x: Tensor) -> Tensor:
+        """``A[prev] * (W h)`` [x, R]: the query side of the interaction."""
+        return F.embedding(prev_x, self.predecessor_codebook) * self.hidden_projection(hidden_xh)
+
+    def score(self, hidden_xh: Tensor, prev_x: Tensor, cand_ids_xc: Tensor,
+              cand_unary_xc: Tensor) -> Tensor:
+        """Candidate scores [x, C] given each slot's predecessor token ``prev_x``.
+
+        Training (teacher forcing): hidden [Bt, N, T, H] of slots 1..B-1, prev = the true tokens
+        at slots 0..B-2 (slot 0 = the anchor), candidates from :meth:`candidates` (the caller
+        may swap the gold token in before scoring).
+        """
+        succ_xcr = F.embedding(cand_ids_xc, self.successor_codebook)
+        inter = torch.einsum("...r,...cr->...c", self._pair(hidden_xh, prev_x), succ_xcr)
+        return cand_unary_xc + inter.to(cand_unary_xc.dtype)
+
+    def walk(self, hidden_bth: Tensor, cand_ids_btc: Tensor, cand_unary_btc: Tensor,
+             anchor_b: Tensor, pick: Callable[[Tensor], Tensor] = _argmax
+             ) -> tuple[Tensor, Tensor]:
+        """Serving: left to right, each slot's predecessor is the token chosen for the slot
+        before (the anchor for the first). ``pick``: scores [Bt, C] -> candidate index [Bt]
+        (argmax at T=0; a sampler for T>0). Returns (tokens [Bt, T], scores [Bt, T, C])."""
+        proj_btr = self.hidden_projection(hidden_bth)
+        succ_btcr = F.embedding(cand_ids_btc, self.successor_codebook)
+        prev, tokens, scores = anchor_b, [], []
+        for t in range(hidden_bth.shape[1]):
+            pair_br = F.embedding(prev, self.predecessor_codebook) * proj_btr[:, t]
+            inter = torch.einsum("br,bcr->bc", pair_br, succ_btcr[:, t])
+            s_bc = cand_unary_btc[:, t] + inter.to(cand_unary_btc.dtype)
+            prev = cand_ids_btc[:, t].gather(-1, pick(s_bc)[:, None])[:, 0]
+            tokens.append(prev)
+            scores.append(s_bc)
+        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
