@@ -114,7 +114,7 @@ def loop_overhead(device: torch.device, drafter_path: str | None, tiny_dir: str,
         drafter = load_drafter(drafter_path, device=device).drafter
     else:
         torch.manual_seed(0)
-        drafter = build_drafter(root, backend="sdpa", num_hidden_layers=2, block_size=8,
+        drafter = build_drafter(target, backend="sdpa", num_hidden_layers=2, block_size=8,
                                 target_layer_ids=3).to(device).eval()
     pieces = target.pieces()
     runner = TargetRunner(target.model, drafter.config.target_layer_ids)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from stand_ins import config_target
 
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
 from dflash_lab.train.factory import drafter_config_for_target
@@ -38,7 +39,7 @@ def _recipe_config(recipe, tmp_path, tiny_target_dir):
     fields = {k: v for k, v in cfg.drafter.items() if k not in ("_target_", "backend")}
     if fields["mask_token_id"] is None and target != tiny_target_dir:
         fields["mask_token_id"] = 7
-    return drafter_config_for_target(target, **fields), cfg
+    return drafter_config_for_target(config_target(target), **fields), cfg
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from stand_ins import config_target
 
 from dflash_lab.attention import mask as mask_module
 from dflash_lab.model.drafter import DFlashDrafter
@@ -243,6 +244,7 @@ def test_ddp_gradients_equal_one_big_batch_with_global_weight_normalisation(tmp_
 
 def test_build_drafter_refuses_bad_values(tiny_target_dir):
     with pytest.raises(ValueError, match="block_size"):
-        build_drafter(tiny_target_dir, num_hidden_layers=1, block_size=1, target_layer_ids=2)
+        build_drafter(config_target(tiny_target_dir), num_hidden_layers=1, block_size=1,
+                      target_layer_ids=2)
     with pytest.raises(ValueError, match="missing drafter keys.*target_layer_ids"):
-        build_drafter(tiny_target_dir, num_hidden_layers=1)
+        build_drafter(config_target(tiny_target_dir), num_hidden_layers=1)

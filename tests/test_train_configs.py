@@ -7,6 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
+from stand_ins import config_target
 
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
 from dflash_lab.target.loader import TargetPieces
@@ -69,7 +70,7 @@ def test_every_recipe_composes_and_instantiates(recipe, big_target_dir, tiny_tar
     tiny = cfg.target._target_.endswith("load_tiny_target")
     target_path = str(tiny_target_dir if tiny else big_target_dir)
     extra = {"mask_token_id": 7} if cfg.drafter.mask_token_id is None and not tiny else {}
-    drafter = instantiate(cfg.drafter, target_path=target_path, **extra)
+    drafter = instantiate(cfg.drafter, _partial_=True)(target=config_target(target_path), **extra)
     assert drafter.config.num_hidden_layers == cfg.drafter.num_hidden_layers
     if cfg.drafter.layer_types is not None:
         assert drafter.config.layer_types == list(cfg.drafter.layer_types)
@@ -99,7 +100,8 @@ def test_every_group_option_composes_and_instantiates(group, option, tiny_target
         target = instantiate(cfg.target)
         assert target.num_hidden_layers == 8
         return
-    drafter = instantiate(cfg.drafter, target_path=str(tiny_target_dir), num_hidden_layers=1,
+    drafter = instantiate(cfg.drafter, _partial_=True)(target=config_target(tiny_target_dir),
+                                                      num_hidden_layers=1,
                           target_layer_ids=[1, 3])
     if group == "data":
         kw = {"target": None, "target_layer_ids": [1, 3]}

@@ -1,7 +1,9 @@
 """Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it.
 
-A target comes from a local directory, a hub id (only when online) or a GGUF file
-(``gguf_file=``, needs the ``gguf`` package). It is always frozen (eval mode, no grad).
+A target comes from a local directory, a hub id (through the HF cache; offline with
+``HF_HUB_OFFLINE=1``) or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs the
+``gguf`` package), with an optional replacement chat template. It is always frozen (eval mode,
+no grad). :func:`load_target` is the one loader every entry point uses.
 """
 
 from __future__ import annotations
@@ -199,50 +201,167 @@ class Target:
         }
 
 
+#: Chat templates shipped for targets whose files carry none (GGUF conversions often do not):
+#: ``target.chat_template=NAME``. Each is the family's turn format (contents are not trimmed).
+BUILTIN_CHAT_TEMPLATES = {
+    "chatml": (  # Qwen, SmolLM2 and other ChatML models
+        "{%- for m in messages -%}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"),
+    "gemma": (  # Gemma 2/3: system text folded into the first user turn, role "model"
+        "{{ bos_token }}"
+        "{%- set ns = namespace(system='') -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'system' -%}{%- set ns.system = m['content'] + '\\n\\n' -%}"
+        "{%- else -%}"
+        "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
+        "{{ '<start_of_turn>' + role + '\\n' }}"
+        "{%- if role == 'user' -%}{{ ns.system }}{%- set ns.system = '' -%}{%- endif -%}"
+        "{{ m['content'] }}{{ '<end_of_turn>\\n' }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"),
+    "llama3": (  # Llama 3.x instruct
+        "{{ bos_token }}"
+        "{%- for m in messages -%}"
+        "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+        "{{ m['content'] + '<|eot_id|>' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"),
+}
+
+
+def read_chat_template(spec: str) -> str:
+    """``target.chat_template``: a built-in name (:data:`BUILTIN_CHAT_TEMPLATES`) or a file
+    holding the Jinja text (``.jinja``/``.txt``) or a tokenizer_config.json-style JSON with a
+    ``chat_template`` key."""
+    if spec in BUILTIN_CHAT_TEMPLATES:
+        return BUILTIN_CHAT_TEMPLATES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"target.chat_template={spec!r} is neither a file nor a built-in "
+                         f"template name ({sorted(BUILTIN_CHAT_TEMPLATES)})")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        template = json.loads(text).get("chat_template")
+        if not isinstance(template, str):
+            raise ValueError(f"{path}: no string 'chat_template' key in this JSON file")
+        return template
+    return text
+
+
+def split_gguf_path(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """``DIR/model.gguf`` given as the name -> (``DIR``, ``model.gguf``); else unchanged."""
+    if gguf_file is None and name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
+        path = Path(name_or_path)
+        return str(path.parent), path.name
+    return name_or_path, gguf_file
+
+
+def is_local(name_or_path: str) -> bool:
+    """A local path (absolute, relative with ``.``, or existing) rather than a hub id."""
+    path = Path(name_or_path)
+    return path.is_absolute() or name_or_path.startswith(".") or path.exists()
+
+
 def _check_source(name_or_path: str, gguf_file: str | None) -> None:
     path = Path(name_or_path)
-    looks_local = path.is_absolute() or name_or_path.startswith(".") or path.exists()
-    if looks_local and not path.is_dir():
+    if is_local(name_or_path) and not path.is_dir():
         raise ValueError(
-            f"target path {name_or_path!r} does not exist; materialise the tiny target with "
-            "dflash_lab.target.tiny.materialize_tiny_target() or pass a model directory / hub id"
-        )
-    if gguf_file and looks_local and not (path / gguf_file).is_file():
+            f"target path {name_or_path!r} does not exist; pass a model directory, a hub id "
+            "(Org/Name, read from the HF cache when HF_HUB_OFFLINE=1) or a .gguf file")
+    if gguf_file and is_local(name_or_path) and not (path / gguf_file).is_file():
         raise ValueError(f"gguf_file {gguf_file!r} not found in {name_or_path!r}")
+
+
+def _hub_kwargs(name_or_path: str, local_files_only: bool | None) -> dict[str, Any]:
+    """``local_files_only``: True for local paths and under ``HF_HUB_OFFLINE``; hub ids are
+    otherwise fetched (or read from the cache) by transformers."""
+    if local_files_only is None:
+        local_files_only = Path(name_or_path).is_dir() or bool(os.environ.get("HF_HUB_OFFLINE"))
+    return {"local_files_only": local_files_only}
+
+
+def _explain_hub_error(name_or_path: str, err: Exception) -> ValueError:
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    how = ("it is not in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline
+           else "it could not be fetched")
+    return ValueError(f"target {name_or_path!r}: {how} ({type(err).__name__}: {err}). Download "
+                      f"it (`hf download {name_or_path}`) or pass a local directory")
+
+
+def load_target_config(name_or_path: str, *, gguf_file: str | None = None,
+                       local_files_only: bool | None = None):
+    """The transformers config of a target (directory, hub id, GGUF), without its weights."""
+    from transformers import AutoConfig
+
+    name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
+    _check_source(name_or_path, gguf_file)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(name_or_path, **_hub_kwargs(name_or_path,
+                                                                     local_files_only), **extra)
+    except OSError as err:
+        raise _explain_hub_error(name_or_path, err) from err
 
 
 def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 dtype: str | torch.dtype = "bfloat16", device: str | None = "auto",
                 device_map: str | dict | None = None, attn_implementation: str | None = None,
-                local_files_only: bool | None = None, head_only: bool = False) -> Target:
-    """Load a frozen causal LM and its tokenizer.
+                local_files_only: bool | None = None, head_only: bool = False,
+                chat_template: str | None = None) -> Target:
+    """Load a frozen causal LM and its tokenizer: the ONE target loader of every entry point.
 
-    ``device_map`` (e.g. ``"auto"``) spreads a target bigger than one GPU over the visible GPUs
-    and overrides ``device``. ``attn_implementation`` None lets transformers choose (sdpa where
-    the architecture supports it, else eager: MiMo-V2-Flash has no sdpa). ``local_files_only``
-    defaults to True for existing local paths and to ``HF_HUB_OFFLINE`` otherwise.
-    ``head_only``: load only the embedding, final norm and LM head (offline training;
-    :mod:`dflash_lab.target.head_only`).
+    ``name_or_path``: a local directory, a hub id (through the HF cache; offline with
+    ``HF_HUB_OFFLINE=1``) or a ``.gguf`` file (also ``gguf_file=`` inside a directory; needs
+    the ``gguf`` package). ``device_map`` (e.g. ``"auto"``) spreads a target bigger than one
+    GPU over the visible GPUs and overrides ``device``. ``attn_implementation`` None lets
+    transformers choose (sdpa where the architecture supports it, else eager: MiMo-V2-Flash has
+    no sdpa). ``head_only``: load only the embedding, final norm and LM head (offline
+    training; :mod:`dflash_lab.target.head_only`). ``chat_template``: replace the tokenizer's
+    template (a file or a built-in name, :func:`read_chat_template`): GGUF files often carry
+    none.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
+    template = read_chat_template(chat_template) if chat_template else None
     if head_only:
         if gguf_file:
             raise ValueError(f"target.head_only=true reads safetensors weights; {gguf_file!r} "
                              "is a GGUF file: set target.head_only=false")
         from dflash_lab.target.head_only import load_target_head
 
-        return load_target_head(name_or_path, dtype=dtype, device=device)
-    if local_files_only is None:
-        local_files_only = Path(name_or_path).is_dir() or bool(os.environ.get("HF_HUB_OFFLINE"))
-    common: dict[str, Any] = {"local_files_only": local_files_only}
+        target = load_target_head(name_or_path, dtype=dtype, device=device)
+    else:
+        target = _load_full(name_or_path, gguf_file, dtype, device, device_map,
+                            attn_implementation, local_files_only)
+    if template is not None:
+        target.tokenizer.chat_template = template
+    if not getattr(target.tokenizer, "chat_template", None):
+        log.warning("target %s has no chat template: capture, regeneration and chat evaluation "
+                    "need one; set target.chat_template=FILE or one of %s", name_or_path,
+                    sorted(BUILTIN_CHAT_TEMPLATES))
+    return target
+
+
+def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_map,
+               attn_implementation, local_files_only) -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common: dict[str, Any] = _hub_kwargs(name_or_path, local_files_only)
     if gguf_file:
         common["gguf_file"] = gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **common)
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, dtype=resolve_dtype(dtype), device_map=device_map,
-        attn_implementation=attn_implementation, **common)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **common)
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=resolve_dtype(dtype), device_map=device_map,
+            attn_implementation=attn_implementation, **common)
+    except OSError as err:
+        if is_local(name_or_path):
+            raise
+        raise _explain_hub_error(name_or_path, err) from err
     if device_map is None:
         model.to(resolve_device(device))
     model.eval().requires_grad_(False)

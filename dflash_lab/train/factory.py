@@ -1,85 +1,97 @@
-"""Build a drafter for a given target: shape defaults come from the target's config.json.
+"""Build a drafter for a LOADED target: shape, RoPE and MASK id come from the target itself.
 
-It lives in train/ (which may read target directories) so that model/ imports only torch.
+It lives in train/ so that model/ imports only torch.
 
-This is the Hydra ``_target_`` of the ``drafter`` config group. Any DrafterConfig field may be
-given; fields left out (or null) that the target defines (hidden size, vocab, heads, head_dim,
-intermediate size, norm eps, RoPE, max positions) are copied from the target, because the drafter
-shares the target's embedding and LM head and z-lab drafters mirror the target's layer shape.
+This is the Hydra ``_target_`` of the ``drafter`` config group (instantiated as a partial and
+called with ``target=``). Any DrafterConfig field may be given; fields left out (or null) that
+the target defines (hidden size, vocab, heads, head_dim, intermediate size, norm eps, RoPE, max
+positions) are copied from the target's (text) config, because the drafter shares the target's
+embedding and LM head and z-lab drafters mirror the target's layer shape. The target may come
+from a local directory, a hub id in the HF cache, a GGUF file or a head-only load: all of them
+give a transformers config and a tokenizer, and nothing here reads files by path.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
-from dflash_lab.target.tiny import MARKER_FILE  # the tiny target records its MASK id there
+from dflash_lab.target.loader import text_config
+from dflash_lab.target.mask_token import resolve_mask_token_id
 
 log = logging.getLogger(__name__)
 
-#: DrafterConfig field <- target config.json key.
+#: DrafterConfig field <- target (text) config attribute.
 _FROM_TARGET = {
     "hidden_size": "hidden_size", "vocab_size": "vocab_size",
     "num_target_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
     "num_key_value_heads": "num_key_value_heads", "head_dim": "head_dim",
     "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings",
+    "max_position_embeddings": "max_position_embeddings",
 }
 
 
-def read_target_config(target_path: str | Path) -> dict[str, Any]:
-    """The target's config.json as a dict (text_config of multimodal configs is unwrapped)."""
-    path = Path(target_path) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"target config not found: {path}; set target.path to an HF model "
-                         "directory (or materialise the tiny target)")
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
-    rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
-    if cfg.get("rope_theta") is None and "rope_theta" in rope:
-        cfg = dict(cfg, rope_theta=rope["rope_theta"])
-    return cfg
+def target_rope(config) -> dict[str, Any]:
+    """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` (and a linear
+    ``rope_scaling``), or {} when the target declares none.
+
+    transformers >= 5 keeps RoPE in ``rope_parameters``: flat (``{"rope_type", "rope_theta"}``)
+    or, for targets with per-layer-type RoPE (Gemma 3: 1e4 on sliding, 1e6 on full layers),
+    nested by layer type. The drafter has one RoPE for all its layers (it attends over the
+    whole context), so a nested config gives the ``full_attention`` entry. Scaling types other
+    than linear (llama3, yarn) describe the target's long-context extension; the drafter then
+    uses plain RoPE at the same theta (logged), which is what the engines build from our export.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+        chosen = "full_attention" if "full_attention" in params else sorted(params)[0]
+        log.info("target RoPE is per layer type %s; the drafter uses the %s entry %s",
+                 sorted(params), chosen, params[chosen])
+        params = params[chosen]
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        return {}
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(params["factor"])}
+    elif rope_type != "default":
+        log.info("target RoPE type %r is not applied to the drafter: it uses plain RoPE with "
+                 "theta %s", rope_type, theta)
+    return out
 
 
-def default_mask_token_id(target_path: str | Path) -> int | None:
-    """A MASK id the target directory declares: our tiny target's marker or a tokenizer mask."""
-    root = Path(target_path)
-    marker = root / MARKER_FILE
-    if marker.is_file():
-        return int(json.loads(marker.read_text())["mask_token_id"])
-    tok_cfg = root / "tokenizer_config.json"
-    if tok_cfg.is_file():
-        tok = json.loads(tok_cfg.read_text())
-        mask, added = tok.get("mask_token"), tok.get("added_tokens_decoder", {})
-        for tid, entry in added.items():
-            if mask is not None and entry.get("content") == mask:
-                return int(tid)
-    return None
+def target_shape(config) -> dict[str, Any]:
+    """DrafterConfig shape fields read from a target config (text config of multimodal ones)."""
+    cfg = text_config(config)
+    shape = {ours: getattr(cfg, theirs) for ours, theirs in _FROM_TARGET.items()
+             if getattr(cfg, theirs, None) is not None}
+    if "head_dim" not in shape and {"hidden_size", "num_attention_heads"} <= shape.keys():
+        shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    return {**shape, **target_rope(cfg)}
 
 
-def drafter_config_for_target(target_path: str | Path, **fields: Any) -> DrafterConfig:
-    """DrafterConfig with unset shape fields copied from the target at ``target_path``."""
-    target = read_target_config(target_path)
+def drafter_config_for_target(target, **fields: Any) -> DrafterConfig:
+    """DrafterConfig with unset shape fields copied from a loaded target.
+
+    ``target``: a :class:`~dflash_lab.target.loader.Target` (anything with ``model.config``,
+    ``tokenizer`` and ``name_or_path``). ``mask_token_id`` null = the tokenizer's mask token;
+    an explicit one is checked against the tokenizer (:func:`resolve_mask_token_id`).
+    """
     fields = {k: v for k, v in fields.items() if v is not None}
-    for ours, theirs in _FROM_TARGET.items():
-        if ours not in fields and target.get(theirs) is not None:
-            fields[ours] = target[theirs]
-    if "mask_token_id" not in fields:
-        mask_id = default_mask_token_id(target_path)
-        if mask_id is None:
-            raise ValueError(
-                f"drafter.mask_token_id is not set and {target_path} declares no mask token; "
-                "set it (Qwen3: 151669, Qwen3.5/3.6: 248070) in the recipe or on the command line")
-        fields["mask_token_id"] = mask_id
-    return DrafterConfig.create(source=f"drafter config for target {target_path}", **fields)
+    for key, value in target_shape(target.model.config).items():
+        fields.setdefault(key, value)
+    fields["mask_token_id"] = resolve_mask_token_id(
+        target.tokenizer, fields.get("mask_token_id"), vocab_size=int(fields["vocab_size"]),
+        where=str(target.name_or_path))
+    return DrafterConfig.create(source=f"drafter config for target {target.name_or_path}",
+                                **fields)
 
 
-def build_drafter(target_path: str | Path, backend: str = "auto", **fields: Any) -> DFlashDrafter:
-    """A freshly initialised drafter for the target (Hydra entry of conf/drafter/*.yaml)."""
-    config = drafter_config_for_target(target_path, **fields)
+def build_drafter(target, backend: str = "auto", **fields: Any) -> DFlashDrafter:
+    """A freshly initialised drafter for a loaded target (Hydra entry of conf/drafter/*.yaml)."""
+    config = drafter_config_for_target(target, **fields)
     log.info("drafter layers: %s", config.layer_specs())
     return DFlashDrafter(config, backend=backend)

@@ -52,11 +52,13 @@ def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
 
 
 def build_components(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate target, drafter, data module, module, trainer (no training yet)."""
+    """Instantiate target, drafter, data module, module, trainer (no training yet).
+
+    Objects go in through partials: Hydra would turn the Target dataclass into a config node.
+    """
     target = instantiate(cfg.target)
-    drafter = instantiate(cfg.drafter, target_path=target.name_or_path)
+    drafter = instantiate(cfg.drafter, _partial_=True)(target=target)
     dc = drafter.config
-    # Objects go in through a partial: Hydra would turn the Target dataclass into a config node.
     make_data = instantiate(cfg.data, _partial_=True)
     online = cfg.data._target_.endswith("OnlineDataModule")
     if online and target.head_only:
