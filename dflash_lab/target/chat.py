@@ -4,14 +4,30 @@ The loss mask covers every assistant turn's content INCLUDING its end-of-turn to
 generates it, so the drafter must learn it), and nothing else (system/user text, role headers,
 generation-prompt glue such as an empty think block). Accepted inputs: OpenAI ``messages``
 (role/content) and ShareGPT ``conversations`` (from/value).
+
+The end of an assistant turn is read from the chat template itself, not from a list of token
+strings (:func:`find_turn_end`): a probe conversation with sentinel contents is rendered, and the
+text the template writes after every assistant content (before the next turn or the end of the
+conversation) is searched for the first added/special token or stop id. Gemma's
+``<end_of_turn>``, Qwen/ChatML's ``<|im_end|>`` and Llama 3's ``<|eot_id|>`` are found that way,
+whether or not the tokenizer lists them in ``all_special_tokens`` (under transformers 5 Gemma's
+is only an added token).
+
+Rows that cannot be trained on (roles not alternating, empty turns, no assistant turn, a chat
+template error) raise :class:`BadConversation`, a ValueError the data loops count and skip or
+turn into a run-stopping error (``bad_rows`` settings).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _SHAREGPT_ROLES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -19,6 +35,14 @@ _SHAREGPT_ROLES = {
     "model": "assistant", "tool": "tool",
 }
 _ROLES = ("system", "user", "assistant", "tool")
+#: Probe contents: plain ASCII words no template trims, splits or escapes.
+_PROBE = ("dflashprobeuserone", "dflashprobeassistantone", "dflashprobeusertwo",
+          "dflashprobeassistanttwo")
+
+
+class BadConversation(ValueError):
+    """A conversation that cannot be trained on; the message says why (no row id: the data
+    loop that read the row adds it)."""
 
 
 @dataclass
@@ -29,33 +53,75 @@ class TokenizedConversation:
     loss_mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class TurnEnd:
+    """What the chat template writes right after an assistant content, up to and including
+    the end-of-turn token: ``text`` (e.g. ``"<end_of_turn>"``; empty when the template writes
+    no such token), its ``token_id`` and whether that id is one of the target's stop ids."""
+
+    text: str
+    token_id: int | None
+    is_stop: bool
+
+
 def normalize_conversation(row: dict[str, Any], where: str = "<row>") -> list[dict[str, Any]]:
     """A dataset row in OpenAI or ShareGPT format -> list of {"role", "content"} messages."""
     if "messages" in row and row["messages"] is not None:
         msgs = [dict(m) for m in row["messages"]]
         for m in msgs:
             if m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: message {m!r} needs role in {list(_ROLES)} and a "
-                                 "string content (OpenAI 'messages' format)")
+                raise BadConversation(f"{where}: message {m!r} needs role in {list(_ROLES)} and "
+                                      "a string content (OpenAI 'messages' format)")
         return msgs
     if "conversations" in row and row["conversations"] is not None:
         msgs = []
         for turn in row["conversations"]:
             role = _SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
             if role is None or not isinstance(turn.get("value"), str):
-                raise ValueError(f"{where}: ShareGPT turn {turn!r} needs 'from' in "
-                                 f"{sorted(_SHAREGPT_ROLES)} and a string 'value'")
+                raise BadConversation(f"{where}: ShareGPT turn {turn!r} needs 'from' in "
+                                      f"{sorted(_SHAREGPT_ROLES)} and a string 'value'")
             msgs.append({"role": role, "content": turn["value"]})
         return msgs
-    raise ValueError(f"{where}: row has keys {sorted(row)}; expected 'messages' (OpenAI "
-                     "role/content) or 'conversations' (ShareGPT from/value)")
+    raise BadConversation(f"{where}: row has keys {sorted(row)}; expected 'messages' (OpenAI "
+                          "role/content) or 'conversations' (ShareGPT from/value)")
+
+
+def check_roles(messages: list[dict[str, Any]], answers: bool = True) -> None:
+    """Refuse what no chat template renders into a usable sample: no assistant turn, an empty
+    user/assistant/tool turn, or two user (or two assistant) turns in a row. ``answers=False``
+    (regeneration rewrites the answers) accepts missing or empty assistant turns."""
+    if answers and not any(m["role"] == "assistant" for m in messages):
+        raise BadConversation("conversation has no assistant turn, so no token would get a "
+                              "loss; drop such rows or add the target's answers")
+    for k, m in enumerate(messages):
+        blank_ok = m["role"] == "system" or (m["role"] == "assistant" and not answers)
+        if not blank_ok and not m["content"].strip():
+            raise BadConversation(f"message {k} ({m['role']}) is empty")
+        if k and m["role"] in ("user", "assistant") and messages[k - 1]["role"] == m["role"]:
+            raise BadConversation(f"roles do not alternate: messages {k - 1} and {k} are both "
+                                  f"{m['role']!r} turns")
+
+
+def check_conversation(tokenizer, messages: list[dict[str, Any]],
+                       enable_thinking: bool | None = None, answers: bool = True) -> None:
+    """BadConversation unless :func:`check_roles` accepts ``messages`` and the chat template
+    renders them (templates such as Gemma's raise on roles they do not accept)."""
+    check_roles(messages, answers)
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    _render(tokenizer, messages, False, kwargs)
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
             template_kwargs: dict[str, Any]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
+    """The template's text; a template error (e.g. Gemma's alternation check) is a bad row."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except TemplateError as err:
+        raise BadConversation(f"chat template error: {type(err).__name__}: {err}") from err
 
 
 def render_prompt(tokenizer, messages: list[dict[str, Any]],
@@ -65,60 +131,123 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]],
     return _render(tokenizer, messages, True, kwargs)
 
 
-def _turn_end(text: str, start: int, content_end: int, special_tokens: list[str]) -> int:
-    """End of an assistant turn: just past the first special token that follows its content
-    (after optional whitespace), else the content end."""
-    rest = text[content_end:]
-    stripped = len(rest) - len(rest.lstrip())
-    for tok in special_tokens:
-        if rest[stripped:].startswith(tok):
-            return content_end + stripped + len(tok)
-    return content_end
+def target_stop_ids(target) -> list[int]:
+    """Ids that end a generation: the tokenizer's EOS and the generation config's EOS list."""
+    ids = [target.tokenizer.eos_token_id]
+    gen = getattr(getattr(target, "model", None), "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids += [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def _closing_text(tokenizer, template_kwargs: dict[str, Any]) -> str:
+    """What the template writes after an assistant content both mid-conversation and at the
+    end (their common prefix): the turn's closing, without the next turn's header."""
+    user1, bot1, user2, bot2 = _PROBE
+    probe = [{"role": "user", "content": user1}, {"role": "assistant", "content": bot1},
+             {"role": "user", "content": user2}, {"role": "assistant", "content": bot2}]
+    try:
+        text = _render(tokenizer, probe, False, template_kwargs)
+    except BadConversation as err:  # a template property, not a row's: never skipped
+        raise ValueError(f"the chat template cannot render a plain user/assistant "
+                         f"conversation ({err}); it is not supported for loss masking") from err
+    if bot1 not in text or bot2 not in text:
+        raise ValueError("the chat template does not render assistant contents verbatim (a "
+                         f"probe content went missing in {text!r}); it is not supported for "
+                         "loss masking")
+    mid = text[text.index(bot1) + len(bot1):]
+    end = text[text.rindex(bot2) + len(bot2):]
+    return os.path.commonprefix([mid, end])
+
+
+def find_turn_end(tokenizer, stop_ids: list[int] | tuple[int, ...] = (),
+                  enable_thinking: bool | None = None) -> TurnEnd:
+    """The end of an assistant turn as this chat template writes it.
+
+    In the closing text (:func:`_closing_text`) the turn ends just past the first token that is
+    a stop id (``stop_ids``, e.g. :func:`target_stop_ids`, plus the tokenizer's EOS), else the
+    first added/special token. Warns when the template writes no such token (the drafter then
+    never learns to end a turn) or when the token is not a stop id (the target would not stop
+    generating there: check ``generation_config.eos_token_id``).
+    """
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    closing = _closing_text(tokenizer, kwargs)
+    stops = {int(i) for i in stop_ids} | ({tokenizer.eos_token_id} - {None})
+    added = (set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)) - {
+        tokenizer.unk_token_id}
+    enc = tokenizer(closing, add_special_tokens=False, return_offsets_mapping=True)
+    found = [(tid, end) for tid, (_, end) in zip(enc["input_ids"], enc["offset_mapping"])
+             if tid in stops or tid in added]
+    if not found:
+        log.warning("the chat template writes no end-of-turn token after an assistant turn "
+                    "(it writes %r): the loss mask ends at the content, so the drafter never "
+                    "learns to end a turn", closing)
+        return TurnEnd("", None, False)
+    tid, end = next(((t, e) for t, e in found if t in stops), found[0])
+    if tid not in stops:
+        log.warning("end-of-turn token %r (id %d) written by the chat template is not among the "
+                    "target's stop ids %s: it is in the loss mask, but generation would not stop "
+                    "there (check generation_config.eos_token_id)", closing[:end], tid,
+                    sorted(stops))
+    return TurnEnd(closing[:end], int(tid), tid in stops)
+
+
+def _content_span(text: str, content: str, start: int, k: int) -> tuple[int, int]:
+    """(start, end) of an assistant content at or after ``start``; templates that trim
+    contents (Gemma, Llama 3) render it without its outer whitespace."""
+    for needle in (content, content.strip()):
+        at = text.find(needle, start)
+        if at >= 0:
+            return at, at + len(needle)
+    raise BadConversation(f"assistant turn {k}: content not found in the rendered text")
 
 
 def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], *,
-                         last_turn_only: bool = False,
-                         enable_thinking: bool | None = None) -> tuple[str, list[tuple[int, int]]]:
+                         last_turn_only: bool = False, enable_thinking: bool | None = None,
+                         turn_end: TurnEnd | None = None) -> tuple[str, list[tuple[int, int]]]:
     """Render the conversation and return (text, [(start, end) char spans of assistant turns]).
 
     A turn starts where the template's generation prompt for it ends (so header glue such as an
-    empty think block is excluded) and ends just after the end-of-turn token that follows the
-    message content. Raises ValueError when the template does not render the conversation
-    prefix-consistently or the conversation has no assistant turn.
+    empty think block is excluded) and ends just after ``turn_end`` (default: derived from the
+    template, :func:`find_turn_end`), which must follow the content. Raises BadConversation for
+    a conversation :func:`check_roles` refuses, a template error, or a template that does not
+    render the conversation prefix-consistently.
     """
+    check_roles(messages)
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if turn_end is None:
+        turn_end = find_turn_end(tokenizer, enable_thinking=enable_thinking)
     text = _render(tokenizer, messages, False, kwargs)
-    specials = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
     spans = []
     for k, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         prompt = _render(tokenizer, messages[:k], True, kwargs)
         if not text.startswith(prompt):
-            raise ValueError("chat template renders turn prefixes inconsistently (the generation "
-                             f"prompt before assistant turn {k} is not a prefix of the full "
-                             "text); this template is not supported for loss masking")
-        content_at = text.find(msg["content"], len(prompt))
-        if content_at < 0:
-            raise ValueError(f"assistant turn {k}: content not found in the rendered text")
-        content_end = content_at + len(msg["content"])
-        spans.append((len(prompt), _turn_end(text, len(prompt), content_end, specials)))
-    if not spans:
-        raise ValueError("conversation has no assistant turn, so no token would get a loss; "
-                         "drop such rows or add the target's answers")
+            raise BadConversation("chat template renders turn prefixes inconsistently (the "
+                                  f"generation prompt before assistant turn {k} is not a prefix "
+                                  "of the full text); this template is not supported for loss "
+                                  "masking")
+        _, content_end = _content_span(text, msg["content"], len(prompt), k)
+        if not text.startswith(turn_end.text, content_end):
+            raise BadConversation(f"assistant turn {k}: the template's end of turn "
+                                  f"{turn_end.text!r} does not follow the content")
+        spans.append((len(prompt), content_end + len(turn_end.text)))
     return text, spans[-1:] if last_turn_only else spans
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], *,
                           max_length: int | None = None, last_turn_only: bool = False,
-                          enable_thinking: bool | None = None) -> TokenizedConversation:
+                          enable_thinking: bool | None = None,
+                          turn_end: TurnEnd | None = None) -> TokenizedConversation:
     """Token ids and loss mask of one conversation (truncated to ``max_length`` tokens).
 
     A token is in the loss mask when its first character lies inside an assistant span.
-    Needs a fast tokenizer (offset mapping).
+    Needs a fast tokenizer (offset mapping). Pass ``turn_end`` (:func:`find_turn_end`, once per
+    dataset) to skip re-deriving it per conversation.
     """
     text, spans = assistant_char_spans(tokenizer, messages, last_turn_only=last_turn_only,
-                                       enable_thinking=enable_thinking)
+                                       enable_thinking=enable_thinking, turn_end=turn_end)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     starts = torch.tensor([s for s, _ in enc["offset_mapping"]], dtype=torch.long)
     mask = torch.zeros(len(starts), dtype=torch.bool)
