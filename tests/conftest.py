@@ -49,3 +49,18 @@ def wandb_offline():
         os.environ.pop("WANDB_MODE", None)
     else:
         os.environ["WANDB_MODE"] = old
+
+
+@pytest.fixture
+def offline_hf_cache(tmp_path, monkeypatch):
+    """An empty HF hub cache used offline, in this process and in subprocesses (the env vars):
+    publish models into it with ``stand_ins.publish_to_hf_cache(src, repo_id, cache)``."""
+    import huggingface_hub.constants as hf_constants
+
+    cache = tmp_path / "hf_hub_cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    return cache

@@ -27,3 +27,21 @@ def config_target(config: dict | str | Path, tokenizer=None, name: str = "stand-
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return SimpleNamespace(model=SimpleNamespace(config=cfg), tokenizer=tokenizer,
                            name_or_path=name)
+
+
+def publish_to_hf_cache(src: str | Path, repo_id: str, hub_cache: str | Path) -> Path:
+    """Lay the files of model directory ``src`` out as hub repo ``repo_id`` in the HF cache
+    layout (``models--Org--Name/{refs/main, snapshots/<sha>/...}``) under ``hub_cache``, so
+    ``from_pretrained(repo_id)`` with ``HF_HUB_OFFLINE=1`` finds it as a downloaded model.
+    Returns the snapshot directory."""
+    import hashlib
+    import shutil
+
+    src, hub_cache = Path(src), Path(hub_cache)
+    repo = hub_cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(src, snapshot, dirs_exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
