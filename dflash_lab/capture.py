@@ -1,6 +1,7 @@
 """dflash-capture: run a frozen target over conversations and write feature shards.
 
-Thin entry point: Hydra config (conf/capture.yaml) -> target -> dataset -> run_capture.
+Thin entry point: Hydra config (conf/capture.yaml: groups target, conversations at ``data``,
+logger) -> target -> conversations -> run_capture -> the logger gets the manifest's counts.
 Runs as one process or under ``torchrun`` (RANK / WORLD_SIZE split the shards; see
 docs/capture.md).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.conversations import load_conversations
 from dflash_lab.data.demo_corpus import write_demo_jsonl
+from dflash_lab.entry import check_tiny_build_dir, log_final, make_logger
 from dflash_lab.model.config import build_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
 log = logging.getLogger("dflash_lab.capture")
+#: Manifest counts sent to the logger when the capture completes.
+_LOGGED = ("num_samples", "num_tokens", "num_loss_tokens")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -34,11 +39,26 @@ def rank_and_world() -> tuple[int, int]:
     return rank, world
 
 
-def data_path(data: DictConfig) -> str:
-    """The conversations file; ``demo`` writes the built-in demo conversations first."""
-    if data.path == "demo":
-        return str(write_demo_jsonl(data.demo_file, num=data.demo_rows, seed=data.demo_seed))
-    return str(data.path)
+@dataclass
+class Conversations:
+    """The conversation rows of a run and where they came from (recorded in the manifest)."""
+
+    dataset: Any   # datasets.Dataset of rows with messages / conversations
+    source: dict[str, Any]
+
+
+def open_conversations(path: str, split: str = "train", limit: int | None = None,
+                       shuffle_seed: int | None = 0, demo_rows: int = 512, demo_seed: int = 1,
+                       demo_file: str = "outputs/demo/conversations.jsonl") -> Conversations:
+    """The ``_target_`` of conf/conversations/: load the rows (shuffled, then limited).
+
+    ``path=demo`` first writes ``demo_rows`` built-in demo conversations to ``demo_file``.
+    """
+    if path == "demo":
+        path = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
+    dataset = load_conversations(str(path), split=split, limit=limit, shuffle_seed=shuffle_seed)
+    source = {"path": str(path), "split": split, "limit": limit, "shuffle_seed": shuffle_seed}
+    return Conversations(dataset, source)
 
 
 def _settings(cfg: DictConfig, target) -> CaptureSettings:
@@ -57,22 +77,22 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
 def capture(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's part of the capture; returns the manifest once all shards exist."""
     rank, world = rank_and_world()
+    check_tiny_build_dir(cfg.target)
+    logger = make_logger(cfg.logger)
     target = instantiate(cfg.target)
-    path = data_path(cfg.data)
-    dataset = load_conversations(path, split=cfg.data.split, limit=cfg.data.limit,
-                                 shuffle_seed=cfg.data.shuffle_seed)
+    data = instantiate(cfg.data)
     settings = _settings(cfg, target)
-    source = {"path": path, "split": cfg.data.split, "limit": cfg.data.limit,
-              "shuffle_seed": cfg.data.shuffle_seed}
     if rank == 0:
         write_run_info(settings.out_dir, cfg, world_size=world)
-    manifest = run_capture(target, dataset, settings, source, rank=rank, world_size=world,
-                           progress=cfg.capture.progress)
+    manifest = run_capture(target, data.dataset, settings, data.source, rank=rank,
+                           world_size=world, progress=cfg.capture.progress)
     out = Path(settings.out_dir).absolute()
     if manifest is not None:
         log.info("capture complete: %d samples, %d tokens (%d with loss), %d shards -> %s",
                  manifest["num_samples"], manifest["num_tokens"], manifest["num_loss_tokens"],
                  len(manifest["shards"]), out)
+        log_final(logger, cfg, {f"capture/{k}": manifest[k] for k in _LOGGED}
+                  | {"capture/num_shards": len(manifest["shards"])})
     else:
         log.info("rank %d finished its shards in %s; waiting for the other ranks", rank, out)
     return manifest

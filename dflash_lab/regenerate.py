@@ -1,6 +1,7 @@
 """dflash-regenerate: rewrite a conversation set's assistant turns with the target (on-policy).
 
-Thin entry point: Hydra config (conf/regenerate.yaml) -> target -> dataset -> run_regenerate,
+Thin entry point: Hydra config (conf/regenerate.yaml: groups target, conversations at ``data``,
+logger) -> target -> conversations -> run_regenerate,
 generating here (``regenerate.backend=hf``) or through a running vLLM/SGLang server (``server``).
 One process or several (``torchrun``; RANK / WORLD_SIZE split the part files), resumable; the
 result, ``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-train read.
@@ -17,10 +18,10 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab.capture import data_path, rank_and_world
+from dflash_lab.capture import rank_and_world
 from dflash_lab.data.completion_server import ServerSettings, open_server
-from dflash_lab.data.conversations import load_conversations
 from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
+from dflash_lab.entry import check_tiny_build_dir, log_final, make_logger
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
@@ -37,18 +38,16 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
         # Only the tokenizer, chat template and stop tokens are needed here: skip the decoder
         # weights (head-only reads safetensors; a GGUF target is loaded whole).
         cfg.target.head_only = True
+    check_tiny_build_dir(cfg.target)
+    logger = make_logger(cfg.logger)
     target = instantiate(cfg.target)
-    path = data_path(cfg.data)
-    dataset = load_conversations(path, split=cfg.data.split, limit=cfg.data.limit,
-                                 shuffle_seed=cfg.data.shuffle_seed)
-    source = {"path": path, "split": cfg.data.split, "limit": cfg.data.limit,
-              "shuffle_seed": cfg.data.shuffle_seed}
+    data = instantiate(cfg.data)
     if rank == 0:
         write_run_info(settings.out_dir, cfg, world_size=world)
     serving = (nullcontext() if server_settings is None else
                open_server(server_settings, Path(settings.out_dir) / "server.log", world))
     with serving as server:
-        manifest = run_regenerate(target, dataset, settings, source, rank=rank,
+        manifest = run_regenerate(target, data.dataset, settings, data.source, rank=rank,
                                   world_size=world, progress=cfg.regenerate.progress,
                                   server=server)
     out = Path(settings.out_dir).absolute()
@@ -57,6 +56,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     else:
         log.info("regenerated %d conversations (%d dropped: no turn fitted max_length) -> %s",
                  manifest["num_conversations"], manifest["dropped"], out / MERGED_FILE)
+        log_final(logger, cfg, {"regenerate/num_conversations": manifest["num_conversations"],
+                                "regenerate/dropped": manifest["dropped"]})
     return manifest
 
 

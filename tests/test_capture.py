@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 
 import pytest
 import torch
@@ -108,18 +110,147 @@ def test_changed_settings_in_the_same_dir_are_refused(tiny_target, clean_capture
 
 def test_bad_inputs_are_refused(tiny_target, tmp_path):
     rows = ROWS[:2] + [{"messages": [{"role": "user", "content": "no answer"}]}]
-    with pytest.raises(ValueError, match="row 2: .*no assistant turn"):
-        run_capture(tiny_target, rows, _settings(tmp_path), SOURCE, progress=False)
+    with pytest.raises(ValueError, match="demo-seed7 row 2: conversation has no assistant turn"
+                                         ".*set capture.bad_rows=skip"):
+        run_capture(tiny_target, rows, _settings(tmp_path, bad_rows="error"), SOURCE,
+                    progress=False)
     with pytest.raises(ValueError, match="target_layer_ids"):
         run_capture(tiny_target, ROWS, _settings(tmp_path / "b", target_layer_ids=[0, 9]),
                     SOURCE, progress=False)
+    with pytest.raises(ValueError, match="capture.bad_rows='drop'"):
+        run_capture(tiny_target, ROWS, _settings(tmp_path / "c", bad_rows="drop"), SOURCE,
+                    progress=False)
 
 
-def test_samples_without_loss_tokens_after_truncation_are_dropped(tiny_target, tmp_path):
-    manifest = run_capture(tiny_target, ROWS[:6], _settings(tmp_path, max_length=8), SOURCE,
-                           progress=False)
+def test_samples_without_loss_tokens_after_truncation_are_dropped(tiny_target, tmp_path,
+                                                                 caplog):
+    with caplog.at_level(logging.WARNING):
+        manifest = run_capture(tiny_target, ROWS[:6], _settings(tmp_path, max_length=8), SOURCE,
+                               progress=False)
     assert manifest["num_samples"] == 0 and manifest["num_dropped"] == 6
+    assert manifest["num_zero_loss_rows"] == 6 and manifest["zero_loss_rows"] == list(range(6))
+    assert "6 rows have no loss token after truncation" in caplog.text
     assert len(shards.ShardDataset(tmp_path)) == 0
+
+
+def test_manifest_reports_loss_tokens_per_sample(tiny_target, clean_capture):
+    out, manifest = clean_capture
+    ds = shards.ShardDataset(out)
+    loss = [int(ds[k]["loss_mask"].sum()) for k in range(len(ds))]
+    assert manifest["loss_tokens_per_sample"] == {
+        "min": min(loss), "mean": sum(loss) / len(loss), "max": max(loss)}
+    assert manifest["num_bad_rows"] == 0 and manifest["bad_rows"] == []
+    assert manifest["num_zero_loss_rows"] == 0
+
+
+# ------------------------------------------------------------------ bad rows and their reruns
+BAD = {  # input-file row -> a row no chat template can train on
+    3: {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                     {"role": "assistant", "content": "c"}]},
+    7: {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": " "}]},
+    10: {"messages": [{"role": "user", "content": "no answer"}]},
+}
+REASONS = {3: "roles do not alternate", 7: "is empty", 10: "no assistant turn"}
+
+
+def _file_with_bad_rows(path, num: int = 14):
+    """A JSONL file of ``num`` rows, the rows of BAD at their positions, demo rows elsewhere."""
+    rows = [BAD.get(i, ROWS[i]) for i in range(num)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bad_rows_are_skipped_by_their_input_file_row(tiny_target, tmp_path):
+    from dflash_lab.data.conversations import load_conversations
+
+    data = load_conversations(str(_file_with_bad_rows(tmp_path / "d.jsonl")), shuffle_seed=3)
+    assert data["input_row"] != list(range(len(data)))  # shuffled: positions are not rows
+    manifest = run_capture(tiny_target, data, _settings(tmp_path / "cap"), SOURCE,
+                           progress=False)
+    assert sorted(b["row"] for b in manifest["bad_rows"]) == sorted(BAD)
+    for bad in manifest["bad_rows"]:
+        assert REASONS[bad["row"]] in bad["reason"]
+    assert manifest["num_bad_rows"] == 3 and manifest["num_samples"] == 11
+    assert manifest["num_dropped"] == 3
+    first_bad = next(r for r in data["input_row"] if r in BAD)
+    with pytest.raises(ValueError, match=f"d.jsonl row {first_bad}: .*{REASONS[first_bad]}"):
+        run_capture(tiny_target, data, _settings(tmp_path / "err", bad_rows="error"),
+                    {"path": str(tmp_path / "d.jsonl")}, progress=False)
+
+
+def test_template_errors_are_bad_rows(tiny_target, tmp_path):
+    import copy
+    import dataclasses
+
+    tok = copy.deepcopy(tiny_target.tokenizer)
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must "
+                         "alternate user/assistant') }}{% endif %}" + tok.chat_template)
+    strict = dataclasses.replace(tiny_target, tokenizer=tok)
+    rows = ROWS[:5] + [{"messages": [{"role": "assistant", "content": "hi"},
+                                     {"role": "user", "content": "a"},
+                                     {"role": "assistant", "content": "b"}]}]
+    manifest = run_capture(strict, rows, _settings(tmp_path), SOURCE, progress=False)
+    assert [b["row"] for b in manifest["bad_rows"]] == [5]
+    assert "chat template error: TemplateError: roles must alternate" in (
+        manifest["bad_rows"][0]["reason"])
+    with pytest.raises(ValueError, match="row 5: chat template error"):
+        run_capture(strict, rows, _settings(tmp_path / "e", bad_rows="error"), SOURCE,
+                    progress=False)
+
+
+def test_a_shard_of_only_bad_rows_stops_the_capture(tiny_target, tmp_path):
+    rows = [BAD[10]] * 6
+    with pytest.raises(ValueError, match="all 6 rows from row 0 on are bad .*chat template"):
+        run_capture(tiny_target, rows, _settings(tmp_path), SOURCE, progress=False)
+
+
+def test_a_run_failed_before_any_shard_does_not_block_its_rerun(tiny_target, tmp_path):
+    rows = ROWS[:4] + [BAD[3]] + ROWS[4:12]
+    with pytest.raises(ValueError, match="row 4: roles do not alternate"):
+        run_capture(tiny_target, rows, _settings(tmp_path, bad_rows="error"), SOURCE,
+                    progress=False)
+    assert (tmp_path / shards.PLAN_FILE).is_file()
+    fixed = ROWS[:12]  # the user drops the bad row: another row count, so another plan
+    manifest = run_capture(tiny_target, fixed, _settings(tmp_path, bad_rows="error"), SOURCE,
+                           progress=False)
+    assert manifest["num_samples"] == 12 and manifest["num_input_rows"] == 12
+
+
+def test_a_run_failed_on_a_bad_row_resumes_with_skip(tiny_target, tmp_path):
+    rows = ROWS[:14] + [BAD[3]] + ROWS[14:17]  # the bad row is in shard 2 (rows 12-17)
+    with pytest.raises(ValueError, match="row 14: roles do not alternate"):
+        run_capture(tiny_target, rows, _settings(tmp_path, bad_rows="error"), SOURCE,
+                    progress=False)
+    done = {i: (tmp_path / shards.shard_file(i)).stat().st_mtime_ns for i in (0, 1)}
+    manifest = run_capture(tiny_target, rows, _settings(tmp_path, bad_rows="skip"), SOURCE,
+                           progress=False)
+    assert [b["row"] for b in manifest["bad_rows"]] == [14]
+    assert manifest["num_samples"] == 17
+    assert {i: (tmp_path / shards.shard_file(i)).stat().st_mtime_ns for i in (0, 1)} == done
+
+
+def test_settings_changed_after_finished_shards_are_still_refused(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="row 14"):
+        run_capture(tiny_target, ROWS[:14] + [BAD[3]], _settings(tmp_path, bad_rows="error"),
+                    SOURCE, progress=False)
+    with pytest.raises(ValueError, match="num_input_rows: existing=15 new=14"):
+        run_capture(tiny_target, ROWS[:14], _settings(tmp_path), SOURCE, progress=False)
+
+
+def test_a_plan_replaced_by_another_process_stops_the_rank(tiny_target, tmp_path, monkeypatch):
+    from dflash_lab.data import capture_loop
+
+    real = capture_loop.capture_shard
+
+    def other_process_meddles(*args, **kwargs):
+        plan = json.loads((tmp_path / shards.PLAN_FILE).read_text())
+        shards.write_json_atomic(tmp_path / shards.PLAN_FILE, {**plan, "max_length": 32})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(capture_loop, "capture_shard", other_process_meddles)
+    with pytest.raises(ValueError, match="changed while this rank was capturing"):
+        run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    assert not (tmp_path / shards.shard_record_file(0)).exists()
 
 
 def test_entry_point_config_composes_and_runs(tiny_target_dir, tmp_path, monkeypatch):
@@ -135,10 +266,13 @@ def test_entry_point_config_composes_and_runs(tiny_target_dir, tmp_path, monkeyp
         cfg = compose(config_name="capture", return_hydra_config=False, overrides=[
             f"target.path={tiny_target_dir}", f"capture.out_dir={out}", "data.limit=5",
             "data.demo_rows=16", f"data.demo_file={tmp_path / 'demo.jsonl'}",
-            "capture.shard_size=4", "capture.progress=false",
+            "capture.shard_size=4", "capture.progress=false", "logger=csv",
         ])
     manifest = capture(cfg)
     assert manifest["num_samples"] == 5
+    with (out / "csv" / "version_0" / "metrics.csv").open() as f:  # logger=csv got the counts
+        rows = list(csv.DictReader(f))
+    assert [float(r["capture/num_samples"]) for r in rows] == [5]
     assert manifest["target_layer_ids"] == [1, 2, 3, 4, 5]  # build_target_layer_ids(8, 5)
     info = json.loads((out / "run_info.json").read_text())
     assert {"git_sha", "argv", "versions"} <= set(info) and "torch" in info["versions"]

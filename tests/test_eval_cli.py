@@ -3,6 +3,7 @@ files, features mode on a real capture, config validation."""
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import sys
@@ -131,7 +132,8 @@ def test_cli_generate_with_zlab_serving_dir(tiny_target_dir, drafter, prompts_fi
     field and file is there, the run is recorded."""
     serving = write_serving_dir(drafter, tmp_path / "zlab", zlab_style=True)
     out = tmp_path / "out"
-    argv = ["dflash-eval", f"target.path={tiny_target_dir}", f"drafter.path={serving}",
+    argv = ["dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
+            f"drafter.path={serving}",
             f"data.path={prompts_file}", f"output_dir={out}", "num_prompts=3",
             "max_new_tokens=20", "block_size=4", "target.device=cpu", "progress=false"]
     monkeypatch.setattr(sys, "argv", argv)
@@ -150,30 +152,97 @@ def test_cli_generate_with_zlab_serving_dir(tiny_target_dir, drafter, prompts_fi
     assert json.loads((out / "run_info.json").read_text())["argv"] == argv
 
 
-def test_sampling_run_and_wandb_disabled(tiny_target_dir, drafter, prompts_file, tmp_path):
+def test_sampling_run_logs_to_the_csv_logger(tiny_target_dir, drafter, prompts_file, tmp_path):
+    """target=tiny as in dflash-train; logger=csv gets the per-prompt tau and the report."""
     serving = write_serving_dir(drafter, tmp_path / "ours")
-    cfg = compose_eval(f"target.path={tiny_target_dir}", f"drafter.path={serving}",
-                       f"data.path={prompts_file}", f"output_dir={tmp_path / 'out'}",
+    out = tmp_path / "out"
+    cfg = compose_eval("target=tiny", f"target.path={tiny_target_dir}", f"drafter.path={serving}",
+                       f"data.path={prompts_file}", f"output_dir={out}",
                        "num_prompts=2", "max_new_tokens=10", "temperature=0.7",
                        "sampling=rejection", "baseline=false", "warmup=false",
-                       "target.device=cpu", "progress=false", "logger.name=wandb",
-                       "logger.mode=disabled")
+                       "progress=false", "logger=csv")
     report = cli.evaluate(cfg)
     assert report["lossless"] is None and report["speedup"] is None
     assert report["settings"]["sampling"] == "rejection"
+    assert report["settings"]["target"] == str(tiny_target_dir)
     assert all(len(o) <= 10 for o in report["outputs"])
+    rows = list(csv.DictReader((out / "csv" / "version_0" / "metrics.csv").open()))
+    assert len([r for r in rows if r["eval/prompt_tau"]]) == 2
+    logged = [r for r in rows if r["eval/tau_mean"]]
+    assert len(logged) == 1 and float(logged[0]["eval/tau_mean"]) == report["tau_mean"]
+    assert float(logged[0]["eval/acc_pos1"]) == report["per_position_acceptance"][0]
+    assert "tau_mean" not in (out / "csv" / "version_0" / "hparams.yaml").read_text()
+    assert "target:" in (out / "csv" / "version_0" / "hparams.yaml").read_text()
+
+
+def test_wandb_logger_gets_the_plots(tiny_target_dir, drafter, prompts_file, tmp_path,
+                                     monkeypatch):
+    """logger=wandb: scalars and the plots as images, through Lightning's WandbLogger."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    calls = []
+    monkeypatch.setattr(WandbLogger, "log_image",
+                        lambda self, key, images, **kw: calls.append((key, images)))
+    monkeypatch.setattr(WandbLogger, "log_metrics",
+                        lambda self, metrics, step=None: calls.append(("metrics", metrics)))
+    monkeypatch.setattr(WandbLogger, "log_hyperparams", lambda self, params: None)
+    monkeypatch.setattr(WandbLogger, "experiment", property(lambda self: _FakeRun()))
+    serving = write_serving_dir(drafter, tmp_path / "ours")
+    cli.evaluate(compose_eval("target=hf", f"target.name_or_path={tiny_target_dir}",
+                              f"drafter.path={serving}", f"data.path={prompts_file}",
+                              f"output_dir={tmp_path / 'out'}", "num_prompts=1",
+                              "max_new_tokens=6", "warmup=false", "progress=false",
+                              "logger=wandb", "target.device=cpu"))
+    images = {key for key, _ in calls if key.startswith("eval/")}
+    assert images == {"eval/acceptance_histogram", "eval/per_position_acceptance"}
+    final = [m for key, m in calls if key == "metrics" and "eval/tau_mean" in m]
+    assert len(final) == 1 and final[0]["eval/lossless"] == 1
+
+
+class _FakeRun:
+    def finish(self):
+        pass
 
 
 def test_config_validation(tmp_path):
     base = [f"output_dir={tmp_path}", "drafter.path=x", "data.path=y"]
     with pytest.raises(ValueError, match="mode="):
         cli.evaluate(compose_eval(*base, "mode=speculate"))
-    with pytest.raises(ValueError, match="logger.name="):
-        cli.evaluate(compose_eval(*base, "logger.name=tensorboard"))
-    with pytest.raises(ValueError, match="target.path is required"):
+    with pytest.raises(ValueError, match="target.name_or_path is required .* target=tiny"):
         cli.evaluate(compose_eval(*base))
     with pytest.raises(ValueError, match="sampling="):
-        cli.evaluate(compose_eval(*base, "temperature=1.0", "sampling=nucleus"))
+        cli.evaluate(compose_eval(*base, "target=tiny", "temperature=1.0", "sampling=nucleus"))
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    (["target.path=/m/Qwen3-8B"], "use target=hf target.name_or_path=/m/Qwen3-8B"),
+    (["target.path=tiny"], "use target=tiny"),
+    (["logger.name=wandb"], "use logger=wandb"),
+    (["logger.mode=online"], "logger.offline=false"),
+    (["logger.run_name=r1"], "logger.name=NAME"),
+])
+def test_old_spellings_name_the_new_one(old, new, monkeypatch):
+    """The former hand-read keys fail in one line that gives the new spelling."""
+    monkeypatch.setattr(sys, "argv", ["dflash-eval", "output_dir=o", *old])
+    with pytest.raises(ValueError, match=f"old dflash-eval spelling: .*{new}"):
+        cli.main()
+
+
+def test_new_spellings_pass_the_old_spelling_check():
+    cli.check_old_spellings(["target=tiny", "target.path=outputs/tiny_target", "logger=wandb",
+                             "logger.name=run1", "target.name_or_path=/m/x"])
+
+
+def test_tiny_target_never_builds_over_a_model_directory(tmp_path):
+    """target=tiny target.path=DIR replaces a stale tiny build; a model directory is refused."""
+    model = tmp_path / "Qwen3-8B"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = compose_eval("target=tiny", f"target.path={model}", f"output_dir={tmp_path / 'o'}",
+                       "drafter.path=x", "data.path=y")
+    with pytest.raises(ValueError, match=f"target=hf target.name_or_path={model}"):
+        cli.evaluate(cfg)
+    assert (model / "config.json").is_file()
 
 
 def test_features_mode_on_a_capture(tiny_target, tiny_target_dir, drafter, tmp_path):
@@ -188,7 +257,7 @@ def test_features_mode_on_a_capture(tiny_target, tiny_target_dir, drafter, tmp_p
     cfg = compose_eval(f"drafter.path={serving}", f"data.path={capture}", "mode=features",
                        f"output_dir={tmp_path / 'out'}", "num_prompts=null",
                        "target.device=cpu", "progress=false")
-    report = cli.evaluate(cfg)  # target.path defaults to the capture's target
+    report = cli.evaluate(cfg)  # target.name_or_path defaults to the capture's target
     assert report["num_samples"] == 6 and report["num_blocks"] > 50
     assert 1.0 <= report["tau_mean"] <= 5 and 1.0 <= report["tau_chained"] <= 5
     assert len(report["per_position_accuracy"]) == len(report["per_position_acceptance"]) == 4

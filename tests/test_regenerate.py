@@ -1,6 +1,7 @@
 """dflash-regenerate: the target's own replies, turn by turn on the regenerated history;
 batching, max_length, resume, the rank split, seeded sampling, and capture of the result."""
 
+import csv
 import json
 
 import pytest
@@ -128,9 +129,13 @@ def test_cli_config_regenerates_and_capture_reads_the_result(tiny_target_dir, tm
             f"target.path={tiny_target_dir}", "data.demo_rows=6",
             f"data.demo_file={tmp_path / 'demo.jsonl'}", "regenerate.progress=false",
             f"regenerate.settings.out_dir={tmp_path / 'out'}",
-            "regenerate.settings.max_new_tokens=24", "regenerate.settings.part_size=4"])
+            "regenerate.settings.max_new_tokens=24", "regenerate.settings.part_size=4",
+            "logger=csv"])
     manifest = regenerate(cfg)
     assert manifest["num_conversations"] == 6 and manifest["target"]["config_hash"]
+    with (tmp_path / "out" / "csv" / "version_0" / "metrics.csv").open() as f:  # logger=csv
+        rows = list(csv.DictReader(f))
+    assert [float(r["regenerate/num_conversations"]) for r in rows] == [6]
     merged = tmp_path / "out" / MERGED_FILE
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
     rows = load_conversations(str(merged))

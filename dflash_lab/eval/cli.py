@@ -1,82 +1,88 @@
 """dflash-eval: offline speculative evaluation of a DFlash drafter (conf/eval.yaml, docs/eval.md).
 
-Thin entry point: config -> run info -> run_generate / run_features -> report files -> optional
-wandb logging.
+Thin entry point: config (groups target and logger, as dflash-train) -> run info ->
+run_generate / run_features -> report files -> the logger (none | csv | wandb).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from dflash_lab.entry import check_tiny_build_dir, log_final, make_logger
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
+from dflash_lab.eval.loading import resolve_eval_target
 from dflash_lab.eval.report import write_report
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
 log = logging.getLogger("dflash_lab.eval")
-LOGGERS = ("none", "wandb")
+#: The eval's former hand-read keys (a ``logger.*`` key without a ``logger=`` choice) -> now.
+_OLD_LOGGER_KEYS = {"logger.name": "logger=wandb|csv|none", "logger.mode": "logger=wandb "
+                    "(offline) or logger=wandb logger.offline=false (online)",
+                    "logger.run_name": "logger=wandb logger.name=NAME"}
+
+
+def check_old_spellings(overrides: list[str]) -> None:
+    """One-line ValueError for the command-line keys of the former eval config, with the new
+    spelling (run before Hydra, whose own message would not name it)."""
+    given = dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o
+                 and not o.startswith("-"))
+    if "target.path" in given and given.get("target") != "tiny":
+        value = given["target.path"]
+        new = "target=tiny" if value == "tiny" else f"target=hf target.name_or_path={value}"
+        raise ValueError(f"target.path={value} is the old dflash-eval spelling: use {new}")
+    if "logger" not in given:
+        for key, new in _OLD_LOGGER_KEYS.items():
+            if key in given:
+                raise ValueError(f"{key}={given[key]} is the old dflash-eval spelling: use {new}")
 
 
 def check_config(cfg: DictConfig) -> None:
     """Start-up validation of the choices that are not checked where they are used."""
     if cfg.mode not in MODES:
         raise ValueError(f"mode={cfg.mode!r}: use one of {list(MODES)}")
-    if cfg.logger.name not in LOGGERS:
-        raise ValueError(f"logger.name={cfg.logger.name!r}: use one of {list(LOGGERS)}")
     if cfg.num_prompts is not None and cfg.num_prompts < 1:
         raise ValueError(f"num_prompts={cfg.num_prompts}: must be >= 1 (or null for all)")
 
 
-def start_wandb(cfg: DictConfig):
-    """A wandb run when ``logger.name=wandb`` (offline unless ``logger.mode=online``)."""
-    if cfg.logger.name != "wandb":
-        return None
-    import wandb
-
-    return wandb.init(project=cfg.logger.project, mode=cfg.logger.mode, name=cfg.logger.run_name,
-                      dir=str(cfg.output_dir), job_type=f"eval-{cfg.mode}",
-                      config=OmegaConf.to_container(cfg, resolve=True))
-
-
-def log_to_wandb(run, report: dict[str, Any], out_dir: Path) -> None:
-    """Scalar metrics under ``eval/``, the per-position curve and the plots."""
-    import wandb
-
-    scalars = {f"eval/{k}": v for k, v in report.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if report.get("lossless") is not None:
-        scalars["eval/lossless"] = int(report["lossless"])
+def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -> None:
+    """Scalars under ``eval/``, the per-position curve ``eval/acc_posT`` and (loggers that take
+    images: wandb) the plots; then the logger is closed."""
+    metrics = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     for t, v in enumerate(report["per_position_acceptance"], start=1):
         if v is not None:
-            scalars[f"eval/acc_pos{t}"] = v
-    scalars.update({f"eval/{p.removesuffix('.png')}": wandb.Image(str(out_dir / p))
-                    for p in report.get("plots", [])})
-    run.log(scalars)
-    run.finish()
+            metrics[f"eval/acc_pos{t}"] = v
+    if hasattr(logger, "log_image"):
+        for plot in report.get("plots", []):
+            logger.log_image(key=f"eval/{Path(plot).stem}", images=[str(out_dir / plot)])
+    log_final(logger, cfg, metrics)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation from a composed config; writes everything into ``cfg.output_dir``."""
     check_config(cfg)
+    resolve_eval_target(cfg)
+    check_tiny_build_dir(cfg.target)
+    logger = make_logger(cfg.logger)
     out_dir = Path(cfg.output_dir)
     write_run_info(out_dir, cfg, mode=cfg.mode)
-    run = start_wandb(cfg)
     on_prompt = None
-    if run is not None:
+    if logger is not None:
         def on_prompt(i, gen):
             lengths = gen.acceptance_lengths
-            run.log({"eval/prompt_tau": sum(lengths) / max(len(lengths), 1), "prompt": i})
+            logger.log_metrics({"eval/prompt_tau": sum(lengths) / max(len(lengths), 1)}, step=i)
     report = (run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg))
     path = write_report(report, out_dir)
     log.info("tau_mean=%s speedup=%s lossless=%s -> %s", report.get("tau_mean"),
              report.get("speedup"), report.get("lossless"), path)
-    if run is not None:
-        log_to_wandb(run, report, out_dir)
+    if logger is not None:
+        log_report(logger, cfg, report, out_dir)
     return report
 
 
@@ -87,6 +93,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point (``dflash-eval``)."""
+    check_old_spellings(sys.argv[1:])
     _hydra_main()
 
 

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from tqdm import tqdm
 
 from dflash_lab.eval.features import feature_eval
-from dflash_lab.eval.loading import check_pair, load_drafter, load_eval_target
+from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.loop import (
     DecodeSettings,
     Generation,
@@ -89,23 +90,23 @@ def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
     return spec, base
 
 
-def _settings_record(cfg, block_size: int, trained: int, description: str, notes: list[str],
-                     stop_ids: tuple[int, ...], backend: str, device) -> dict[str, Any]:
+def _settings_record(cfg, target, block_size: int, trained: int, description: str,
+                     notes: list[str], stop_ids: tuple[int, ...], backend: str) -> dict[str, Any]:
     return {
-        "target": cfg.target.path, "drafter": cfg.drafter.path, "drafter_source": description,
+        "target": target.name_or_path, "drafter": cfg.drafter.path, "drafter_source": description,
         "drafter_notes": notes, "data": cfg.data.path, "block_size": block_size,
         "trained_block_size": trained, "max_new_tokens": cfg.max_new_tokens,
         "num_prompts": cfg.num_prompts, "temperature": cfg.temperature,
         "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
         "enable_thinking": cfg.data.enable_thinking, "chat_template": cfg.data.chat_template,
-        "stop_token_ids": list(stop_ids), "backend": backend, "device": str(device),
+        "stop_token_ids": list(stop_ids), "backend": backend, "device": str(target.device),
         "dtype": cfg.target.dtype, "baseline": cfg.baseline,
     }
 
 
-def _load_pair(cfg, target_path: str, packed: bool = False):
-    target = load_eval_target(target_path, gguf_file=cfg.target.gguf_file, dtype=cfg.target.dtype,
-                              device=cfg.target.device, device_map=cfg.target.device_map)
+def _load_pair(cfg, packed: bool = False):
+    """Target (the ``target`` group, completed by resolve_eval_target), drafter, backend."""
+    target = instantiate(cfg.target)
     backend = resolve_backend(cfg.drafter.backend, target.device, packed)
     log.info("drafter attention backend: %s on %s", backend, target.device)
     loaded = load_drafter(cfg.drafter.path, backend=backend, device=target.device,
@@ -121,10 +122,7 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     check_sampling(cfg.temperature, cfg.sampling)
     if cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
-    if cfg.target.path is None:
-        raise ValueError("target.path is required for mode=generate (an HF directory, a hub id "
-                         "or 'tiny')")
-    target, loaded, backend = _load_pair(cfg, cfg.target.path)
+    target, loaded, backend = _load_pair(cfg)
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
     d = cfg.data
@@ -138,9 +136,8 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     spec, base = evaluate_prompts(target.model, proposer, loaded.drafter.config.target_layer_ids,
                                   ids, settings, baseline=cfg.baseline, seed=cfg.seed,
                                   warmup=cfg.warmup, progress=cfg.progress, on_prompt=on_prompt)
-    record = _settings_record(cfg, proposer.block_size, loaded.trained_block_size,
-                              loaded.description,
-                              loaded.notes, stops, backend, target.device)
+    record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
+                              loaded.description, loaded.notes, stops, backend)
     return generation_report(spec, base, ids, proposer.block_size, record)
 
 
@@ -148,9 +145,8 @@ def run_features(cfg) -> dict[str, Any]:
     """The feature-level tau simulator over a capture directory -> report dict."""
     from dflash_lab.data.shards import ShardDataset, read_manifest
 
-    manifest = read_manifest(cfg.data.path)
-    target_path = cfg.target.path or manifest["target"]["name_or_path"]
-    target, loaded, backend = _load_pair(cfg, target_path, packed=True)
+    read_manifest(cfg.data.path)  # a ValueError naming the directory before any loading
+    target, loaded, backend = _load_pair(cfg, packed=True)
     drafter = loaded.drafter
     dataset = ShardDataset(cfg.data.path, target_layer_ids=drafter.config.target_layer_ids,
                            hidden_size=drafter.config.hidden_size,
@@ -160,8 +156,8 @@ def run_features(cfg) -> dict[str, Any]:
                           num_anchors=f.num_anchors, seed=f.seed,
                           anchors_per_forward=f.anchors_per_forward, progress=cfg.progress)
     report["settings"] = {
-        "target": target_path, "drafter": cfg.drafter.path, "drafter_source": loaded.description,
-        "drafter_notes": loaded.notes, "data": cfg.data.path,
+        "target": target.name_or_path, "drafter": cfg.drafter.path,
+        "drafter_source": loaded.description, "drafter_notes": loaded.notes, "data": cfg.data.path,
         "block_size": drafter.config.block_size, "trained_block_size": loaded.trained_block_size,
         "num_samples": cfg.num_prompts, "num_anchors": f.num_anchors, "seed": f.seed,
         "backend": backend, "device": str(target.device), "dtype": cfg.target.dtype,

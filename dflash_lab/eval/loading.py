@@ -1,5 +1,5 @@
-"""Load what the eval needs: the target, the drafter (through the exporter's import API) and the
-check that they belong together.
+"""Load what the eval needs: the target's config, the drafter (through the exporter's import API)
+and the check that they belong together.
 
 A drafter path is a training checkpoint (``.ckpt``), a training run directory (its best, else last
 checkpoint) or a serving directory (ours, or a z-lab style one whose implicit causality the
@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.model.drafter import DFlashDrafter
-
-#: ``target.path`` value that selects the built-in tiny target.
-TINY_TARGET = "tiny"
 
 
 @dataclass
@@ -86,17 +84,25 @@ def check_pair(drafter: DFlashDrafter, target) -> None:
     if problems:
         raise ValueError(f"drafter ({cfg._source}) does not fit target {target.name_or_path!r}: "
                          + "; ".join(problems) + "; pass the target the drafter was trained for "
-                         "(target.path=...)")
+                         "(target=hf target.name_or_path=...)")
 
 
-def load_eval_target(path: str, *, gguf_file: str | None = None, dtype: str = "float32",
-                     device: str = "auto", device_map: str | None = None):
-    """Load the target; ``path=tiny`` materialises (or reuses) the built-in tiny target."""
-    from dflash_lab.target.loader import load_target
+def resolve_eval_target(cfg: DictConfig) -> None:
+    """Complete ``cfg.target`` in place before anything is loaded (and recorded).
 
-    if path == TINY_TARGET:
-        from dflash_lab.target.tiny import materialize_tiny_target
+    The target comes from the ``target`` group (conf/target/*.yaml), instantiated as dflash-train
+    does. ``target=hf`` without ``target.name_or_path``: mode=features takes the target (and its
+    GGUF file) recorded in the capture manifest; mode=generate raises ValueError with the fix.
+    """
+    if not OmegaConf.is_missing(cfg.target, "name_or_path"):  # given, or target=tiny
+        return
+    if cfg.mode != "features":
+        raise ValueError(f"target.name_or_path is required for mode={cfg.mode}: pass "
+                         "target=hf target.name_or_path=DIR (a model directory, hub id or GGUF "
+                         "file), or target=tiny for the built-in tiny target")
+    from dflash_lab.data.shards import read_manifest
 
-        path = str(materialize_tiny_target())
-    return load_target(path, gguf_file=gguf_file, dtype=dtype, device=device,
-                       device_map=device_map)
+    recorded = read_manifest(cfg.data.path)["target"]
+    cfg.target.name_or_path = recorded["name_or_path"]
+    if cfg.target.get("gguf_file") is None and recorded.get("gguf_file"):
+        cfg.target.gguf_file = recorded["gguf_file"]
