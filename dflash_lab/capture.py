@@ -70,7 +70,7 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
         out_dir=str(c.out_dir), target_layer_ids=[int(i) for i in ids],
         max_length=c.max_length, hidden_dtype=c.hidden_dtype, shard_size=c.shard_size,
         last_turn_only=c.last_turn_only, enable_thinking=c.enable_thinking,
-        batch_size=c.batch_size, verify_existing=c.verify_existing,
+        batch_size=c.batch_size, verify_existing=c.verify_existing, bad_rows=c.bad_rows,
     )
 
 

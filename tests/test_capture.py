@@ -277,6 +277,9 @@ def test_entry_point_config_composes_and_runs(tiny_target_dir, tmp_path, monkeyp
     info = json.loads((out / "run_info.json").read_text())
     assert {"git_sha", "argv", "versions"} <= set(info) and "torch" in info["versions"]
     assert "target:" in (out / "config.yaml").read_text()
+    cfg.capture.bad_rows = "drop"  # the setting reaches the capture loop
+    with pytest.raises(ValueError, match="capture.bad_rows='drop'"):
+        capture(cfg)
 
 
 def test_rank_env_is_validated(monkeypatch):

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from dflash_lab.target.chat import (
+    BadConversation,
     assistant_char_spans,
+    check_roles,
+    find_turn_end,
     normalize_conversation,
+    target_stop_ids,
     tokenize_conversation,
 )
 
@@ -49,6 +53,14 @@ def test_multi_turn_mask_is_exactly_the_assistant_turns_with_end_of_turn(tok):
     assert _masked_runs(tok, tc) == ["2 + 3 = 5.<|im_end|>", "4 + 4 = 8.<|im_end|>"]
     assert tok.decode(tc.input_ids) == tok.apply_chat_template(MESSAGES, tokenize=False)
     assert tc.input_ids.dtype == torch.long and tc.loss_mask.dtype == torch.bool
+
+
+def test_tiny_target_turn_end_is_its_eos_and_in_the_mask(tiny_target, tok):
+    turn_end = find_turn_end(tok, target_stop_ids(tiny_target))
+    assert (turn_end.text, turn_end.token_id, turn_end.is_stop) == (
+        "<|im_end|>", tok.eos_token_id, True)
+    tc = tokenize_conversation(tok, MESSAGES, turn_end=turn_end)
+    assert tc.input_ids[tc.loss_mask].tolist().count(tok.eos_token_id) == 2
 
 
 def test_sharegpt_and_openai_formats_give_identical_samples(tok):
@@ -105,3 +117,29 @@ def test_bad_rows_are_refused(row, match):
 def test_conversation_without_assistant_turn_is_refused(tok):
     with pytest.raises(ValueError, match="no assistant turn"):
         tokenize_conversation(tok, [{"role": "user", "content": "hello"}])
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+      {"role": "assistant", "content": "c"}], "messages 0 and 1 are both 'user' turns"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "assistant", "content": "c"}], "messages 1 and 2 are both 'assistant'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "  \n"}],
+     "message 1 \\(assistant\\) is empty"),
+    ([{"role": "user", "content": ""}, {"role": "assistant", "content": "b"}],
+     "message 0 \\(user\\) is empty"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"}], "no assistant turn"),
+])
+def test_conversations_that_cannot_be_trained_on_are_bad(tok, messages, match):
+    with pytest.raises(BadConversation, match=match):
+        check_roles(messages)
+    with pytest.raises(BadConversation, match=match):
+        tokenize_conversation(tok, messages)
+
+
+def test_an_empty_system_prompt_and_tool_turns_are_accepted():
+    check_roles([{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+                 {"role": "assistant", "content": "b"}, {"role": "tool", "content": "r"},
+                 {"role": "tool", "content": "s"}, {"role": "assistant", "content": "c"}])
+    check_roles([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}],
+                answers=False)  # regeneration rewrites the answers

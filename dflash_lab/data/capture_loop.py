@@ -7,6 +7,7 @@ with a different number of processes. The last rank to finish merges ``manifest.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -17,10 +18,14 @@ from typing import Any
 import torch
 
 from dflash_lab.data import shards
-from dflash_lab.target.chat import normalize_conversation, tokenize_conversation
+from dflash_lab.data.conversations import TokenizedRows, check_bad_rows_mode, tokenize_rows
+from dflash_lab.target.chat import TurnEnd, find_turn_end, target_stop_ids
 from dflash_lab.target.features import check_target_layer_ids, extract_features
 
 log = logging.getLogger(__name__)
+
+#: A shard with at least this many rows, all bad, stops the capture even with bad_rows=skip.
+_ALL_BAD_MIN_ROWS = 4
 
 
 @dataclass
@@ -36,6 +41,10 @@ class CaptureSettings:
     enable_thinking: bool | None = None  #: passed to the chat template when not None
     batch_size: int = 8  #: runtime: sequences per forward pass
     verify_existing: bool = True  #: runtime: re-hash finished shards before skipping them
+    #: runtime: a bad row (roles not alternating, empty turn, no assistant turn, template
+    #: error) is logged with its input row and skipped ("skip", counted in the manifest), or
+    #: stops the run ("error"). Runtime so that a run stopped by a bad row resumes with "skip".
+    bad_rows: str = "skip"
 
 
 def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
@@ -52,6 +61,7 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
         raise ValueError(f"hidden_dtype={settings.hidden_dtype!r}: use one of "
                          f"{sorted(shards.HIDDEN_DTYPES)}")
     check_target_layer_ids(settings.target_layer_ids, target.num_hidden_layers)
+    check_bad_rows_mode(settings.bad_rows, "capture.bad_rows")
     ids = [int(i) for i in settings.target_layer_ids]
     identity = target.identity()
     feature_dim = len(ids) * target.hidden_size
@@ -74,20 +84,22 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
     }
 
 
-def _tokenize_rows(target, rows, first_row: int, settings: CaptureSettings, where: str):
-    """(row id, TokenizedConversation) for rows with at least one loss token after truncation."""
-    out = []
-    for k, row in enumerate(rows):
-        row_id = first_row + k
-        msgs = normalize_conversation(row, f"{where} row {row_id}")
-        try:
-            tc = tokenize_conversation(target.tokenizer, msgs, max_length=settings.max_length,
-                                       last_turn_only=settings.last_turn_only,
-                                       enable_thinking=settings.enable_thinking)
-        except ValueError as err:
-            raise ValueError(f"{where} row {row_id}: {err}") from err
-        if tc.loss_mask.any():
-            out.append((row_id, tc))
+def _tokenize_rows(target, rows, first_row: int, settings: CaptureSettings, where: str,
+                   turn_end: TurnEnd) -> TokenizedRows:
+    """Samples of ``rows`` (positions from ``first_row``) plus their bad / zero-loss rows.
+
+    Raises when every row of a shard of several is bad: that is a template or data-format
+    problem to fix, not a few rows to skip.
+    """
+    out = tokenize_rows(target.tokenizer, rows, first_row, source=where,
+                        bad_rows=settings.bad_rows, setting="capture.bad_rows",
+                        max_length=settings.max_length, last_turn_only=settings.last_turn_only,
+                        enable_thinking=settings.enable_thinking, turn_end=turn_end)
+    if len(rows) >= _ALL_BAD_MIN_ROWS and len(out.bad_rows) == len(rows):
+        first = out.bad_rows[0]
+        raise ValueError(f"{where}: all {len(rows)} rows from row {first['row']} on are bad "
+                         f"(first: {first['reason']}); check the chat template and the data "
+                         "format (capture.bad_rows=skip only skips a few bad rows)")
     return out
 
 
@@ -111,16 +123,25 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
     ]
 
 
-def capture_shard(target, rows, index: int, settings: CaptureSettings,
-                  where: str = "data") -> list[shards.CapturedSample]:
-    """Features of the rows of shard ``index`` (batched longest-first, returned in row order)."""
-    first = index * settings.shard_size
-    todo = _tokenize_rows(target, rows, first, settings, where)
-    todo.sort(key=lambda item: -len(item[1].input_ids))  # less padding per batch
+def capture_shard(target, rows, index: int, settings: CaptureSettings, where: str = "data",
+                  turn_end: TurnEnd | None = None
+                  ) -> tuple[list[shards.CapturedSample], dict[str, Any]]:
+    """Features of the rows of shard ``index`` (batched longest-first, returned in row order),
+    and the shard record's report: ``bad_rows`` ({"row", "reason"}), ``zero_loss_rows`` and
+    per-sample loss-token ``min_loss_tokens`` / ``max_loss_tokens``."""
+    if turn_end is None:
+        turn_end = find_turn_end(target.tokenizer, target_stop_ids(target),
+                                 settings.enable_thinking)
+    tokenized = _tokenize_rows(target, rows, index * settings.shard_size, settings, where,
+                               turn_end)
+    todo = sorted(tokenized.samples, key=lambda item: -len(item[1].input_ids))  # less padding
     samples = []
     for start in range(0, len(todo), settings.batch_size):
         samples.extend(_capture_batch(target, todo[start:start + settings.batch_size], settings))
-    return sorted(samples, key=lambda s: s.sample_id)
+    loss = [int(tc.loss_mask.sum()) for _, tc in tokenized.samples]
+    report = {"bad_rows": tokenized.bad_rows, "zero_loss_rows": tokenized.zero_loss_rows,
+              "min_loss_tokens": min(loss, default=0), "max_loss_tokens": max(loss, default=0)}
+    return sorted(samples, key=lambda s: s.sample_id), report
 
 
 def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, Any], *,
@@ -132,7 +153,9 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
 
     out_dir = Path(settings.out_dir)
     plan = build_plan(target, settings, len(dataset), source)
-    shards.write_plan(out_dir, plan)
+    turn_end = find_turn_end(target.tokenizer, target_stop_ids(target), settings.enable_thinking)
+    log.info("assistant turns end with %r (token id %s)", turn_end.text, turn_end.token_id)
+    claim_dir(out_dir, plan)
     mine = shards_for_rank(plan["num_shards"], rank, world_size)
     todo = [i for i in mine if shards.finished_shard(out_dir, i, settings.verify_existing) is None]
     log.info("rank %d/%d: %d of %d shards to capture in %s", rank, world_size, len(todo),
@@ -143,8 +166,11 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     for index in todo:
         lo = index * settings.shard_size
         rows = _slice(dataset, lo, lo + _rows_in(index, plan))
-        samples = capture_shard(target, rows, index, settings, str(source.get("path", "data")))
-        shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"])
+        samples, report = capture_shard(target, rows, index, settings,
+                                        str(source.get("path", "data")), turn_end)
+        _check_plan_unchanged(out_dir, plan)
+        shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"],
+                           report=report)
         num_tokens += sum(len(s.input_ids) for s in samples)
         bar.update(len(rows))
         bar.set_postfix(tok_s=f"{num_tokens / max(time.time() - start, 1e-9):.0f}")
@@ -152,7 +178,49 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     manifest = shards.merge_manifest(out_dir)
     if manifest is None:
         log.info("rank %d done; manifest.json is written by the last rank to finish", rank)
+    else:
+        _log_summary(manifest)
     return manifest
+
+
+def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
+    """Write (or match) the capture plan. A plan that no finished shard depends on (a run that
+    failed or was killed before finishing one) is replaced, so a failed run never blocks its
+    rerun with corrected settings or data; otherwise different settings are refused."""
+    path = out_dir / shards.PLAN_FILE
+    if path.is_file() and not any(out_dir.glob("shard-*.json")):
+        old = json.loads(path.read_text())
+        if old != plan:
+            changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+            log.warning("%s: replacing the plan of a run that finished no shard (changed: %s)",
+                        path, ", ".join(changed))
+            shards.write_json_atomic(path, plan)
+            return
+    shards.write_plan(out_dir, plan)
+
+
+def _check_plan_unchanged(out_dir: Path, plan: dict[str, Any]) -> None:
+    """Before a shard is written: another process must not have replaced the plan meanwhile
+    (ranks started with different settings would otherwise mix in one directory)."""
+    on_disk = json.loads((out_dir / shards.PLAN_FILE).read_text())
+    if on_disk != plan:
+        raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "
+                         "another process runs with different settings; give every rank the "
+                         "same settings and data, then rerun")
+
+
+def _log_summary(manifest: dict[str, Any]) -> None:
+    """Loss tokens per sample, and warnings for bad rows and rows without loss tokens."""
+    per = manifest["loss_tokens_per_sample"]
+    log.info("loss tokens per sample: min %d, mean %.1f, max %d (%d samples)", per["min"],
+             per["mean"], per["max"], manifest["num_samples"])
+    if manifest["num_bad_rows"]:
+        log.warning("%d bad rows skipped (listed with their reasons in manifest.json "
+                    "bad_rows)", manifest["num_bad_rows"])
+    if manifest["num_zero_loss_rows"]:
+        log.warning("%d rows had no loss token after truncation and were dropped (manifest.json "
+                    "zero_loss_rows); raise capture.max_length to keep them",
+                    manifest["num_zero_loss_rows"])
 
 
 def _rows_in(index: int, plan: dict) -> int:

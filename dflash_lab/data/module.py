@@ -17,6 +17,7 @@ run resumed from an end-of-epoch (or validation) checkpoint sees the same batche
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+log = logging.getLogger(__name__)
 
 PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0}
 
@@ -223,7 +226,9 @@ class OnlineDataModule(BlockDataModule):
     (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
     :class:`dflash_lab.target.loader.Target`; ``target_layer_ids``: the drafter's. Features are
     computed on the training device after the batch transfer, under no_grad, by the same
-    function capture uses.
+    function capture uses. ``bad_rows``: ``skip`` logs each bad row (roles not alternating,
+    empty turn, no assistant turn, template error) with its input row and drops it; ``error``
+    stops at the first (as ``capture.bad_rows``).
     """
 
     def __init__(self, conversations: str, target: Any, target_layer_ids: Sequence[int], *,
@@ -231,8 +236,11 @@ class OnlineDataModule(BlockDataModule):
                  last_turn_only: bool = False, enable_thinking: bool | None = None,
                  demo_rows: int = 512, demo_seed: int = 1,
                  demo_file: str = "outputs/demo/train_conversations.jsonl",
-                 shuffle_seed: int | None = 0, **kw: Any):
+                 shuffle_seed: int | None = 0, bad_rows: str = "skip", **kw: Any):
+        from dflash_lab.data.conversations import check_bad_rows_mode
+
         super().__init__(**kw)
+        self.bad_rows = check_bad_rows_mode(bad_rows, "data.bad_rows")
         if conversations == "demo":  # the built-in demo conversations, written to a file
             from dflash_lab.data.demo_corpus import write_demo_jsonl
 
@@ -244,23 +252,27 @@ class OnlineDataModule(BlockDataModule):
         self.shuffle_seed = shuffle_seed
 
     def load_samples(self) -> Dataset:
-        from dflash_lab.data.conversations import load_conversations
-        from dflash_lab.target.chat import normalize_conversation, tokenize_conversation
+        from dflash_lab.data.conversations import load_conversations, tokenize_rows
+        from dflash_lab.target.chat import find_turn_end, target_stop_ids
 
         rows = load_conversations(self.conversations, limit=self.num_samples,
                                   shuffle_seed=self.shuffle_seed)
-        items = []
-        for k, row in enumerate(rows):
-            messages = normalize_conversation(row, where=f"{self.conversations} row {k}")
-            tok = tokenize_conversation(self.target.tokenizer, messages,
-                                        max_length=self.max_length,
-                                        last_turn_only=self.last_turn_only,
-                                        enable_thinking=self.enable_thinking)
-            if tok.loss_mask.sum() >= 2:  # needs at least one anchor
-                items.append({"input_ids": tok.input_ids, "loss_mask": tok.loss_mask})
+        turn_end = find_turn_end(self.target.tokenizer, target_stop_ids(self.target),
+                                 self.enable_thinking)
+        done = tokenize_rows(self.target.tokenizer, rows, 0, source=self.conversations,
+                             bad_rows=self.bad_rows, setting="data.bad_rows",
+                             max_length=self.max_length, last_turn_only=self.last_turn_only,
+                             enable_thinking=self.enable_thinking, turn_end=turn_end)
+        items = [{"input_ids": tc.input_ids, "loss_mask": tc.loss_mask}
+                 for _, tc in done.samples if tc.loss_mask.sum() >= 2]  # >= 1 anchor
+        self.report = _online_report(done, items, len(rows))
+        log.info("online data %s: %d of %d rows kept; loss tokens per sample min %d, mean "
+                 "%.1f, max %d; %d bad rows skipped", self.conversations, len(items), len(rows),
+                 *self.report["loss_tokens_per_sample"].values(), len(done.bad_rows))
         if len(items) < 2:
             raise ValueError(f"{self.conversations}: fewer than 2 usable conversations "
-                             "(each needs >= 2 assistant tokens within max_length)")
+                             "(each needs >= 2 assistant tokens within max_length; "
+                             f"{len(done.bad_rows)} bad rows were skipped)")
         return _TokenizedConversations(items)
 
     def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict:
@@ -277,6 +289,17 @@ class OnlineDataModule(BlockDataModule):
         feats = extract_features(model, batch["input_ids"], self.target_layer_ids)
         batch["hidden"], batch["target_argmax"] = feats.hidden_bsd, feats.argmax_bs
         return batch
+
+
+def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[str, Any]:
+    """What the online module made of its rows (logged, and kept as ``module.report``)."""
+    loss = [int(it["loss_mask"].sum()) for it in items]
+    return {"num_rows": num_rows, "num_samples": len(items),
+            "loss_tokens_per_sample": {"min": min(loss, default=0),
+                                       "mean": sum(loss) / max(len(loss), 1),
+                                       "max": max(loss, default=0)},
+            "bad_rows": done.bad_rows, "zero_loss_rows": done.zero_loss_rows,
+            "num_dropped": num_rows - len(items)}
 
 
 class OfflineDataModule(BlockDataModule):

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from dflash_lab.data.completion_server import CompletionServer
-from dflash_lab.target.chat import normalize_conversation, render_prompt
+from dflash_lab.data.conversations import check_bad_rows_mode, input_row
+from dflash_lab.target.chat import (
+    BadConversation,
+    check_conversation,
+    normalize_conversation,
+    render_prompt,
+)
 
 log = logging.getLogger("dflash_lab.regenerate")
 
@@ -46,8 +52,12 @@ class RegenerateSettings:
     part_size: int = 256          # input rows per part file
     enable_thinking: bool | None = None
     seed: int = 0
+    bad_rows: str = "skip"        # skip|error (runtime, not part of the resume check): a bad row
+                                  # (roles not alternating, empty turn, template error) is logged
+                                  # with its input row and dropped, or stops the run
 
     def __post_init__(self) -> None:
+        check_bad_rows_mode(self.bad_rows, "regenerate.settings.bad_rows")
         checks = {"max_new_tokens": self.max_new_tokens >= 1, "batch_size": self.batch_size >= 1,
                   "part_size": self.part_size >= 1, "temperature": self.temperature >= 0,
                   "top_p": 0 < self.top_p <= 1,
@@ -199,15 +209,34 @@ def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress
     rows, tokens = [], 0
     for start in range(lo, hi, s.batch_size):
         stop = min(start + s.batch_size, hi)
-        convs = [normalize_conversation(dataset[i], where=f"row {i}") for i in range(start, stop)]
-        new, n = regenerate_batch(target, convs, s, server)
+        good = [(i, c) for i in range(start, stop)
+                if (c := _checked(target.tokenizer, dataset[i], i, s)) is not None]
+        new, n = regenerate_batch(target, [c for _, c in good], s, server) if good else ([], 0)
         tokens += n
-        rows += [{"messages": m, "source_row": i} for i, m in zip(range(start, stop), new)
+        rows += [{"messages": m, "source_row": i} for (i, _), m in zip(good, new)
                  if m is not None]
         if progress is not None:
             progress.update(stop - start, n)
     _write_part(part_path(s.out_dir, index), rows)
     return tokens
+
+
+def _checked(tokenizer, row: dict[str, Any], position: int,
+             s: RegenerateSettings) -> list[dict[str, Any]] | None:
+    """The row's messages, or None for a bad row skipped under ``bad_rows=skip`` (logged with
+    its input row); ``error`` raises naming the row."""
+    row_id = input_row(row, position)
+    try:
+        messages = normalize_conversation(row, "row")
+        # Assistant turns are rewritten: they may be empty or missing (prompt-only rows).
+        check_conversation(tokenizer, messages, s.enable_thinking, answers=False)
+    except BadConversation as err:
+        if s.bad_rows == "error":
+            raise ValueError(f"input row {row_id}: {err}; fix or drop the row, or set "
+                             "regenerate.settings.bad_rows=skip to skip bad rows") from err
+        log.warning("input row %d skipped: %s", row_id, err)
+        return None
+    return messages
 
 
 def check_settings(out_dir: Path, record: dict[str, Any]) -> None:
@@ -260,7 +289,8 @@ def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any
         raise ValueError("regeneration runs the target: load it whole (target.head_only=false) "
                          "or generate through a server (regenerate.backend=server)")
     out = Path(s.out_dir)
-    record = {"settings": {k: v for k, v in asdict(s).items() if k != "out_dir"},
+    record = {"settings": {k: v for k, v in asdict(s).items() if k not in ("out_dir",
+                                                                          "bad_rows")},
               "source": source, "num_rows": len(dataset), "target": target.identity()}
     if server is not None:
         # A resume must use the same backend and served model; the server's address, root path

@@ -78,11 +78,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 # ---------------------------------------------------------------------------------- writer
 def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
-                hidden_dtype: str = "bfloat16", feature_dim: int | None = None) -> dict[str, Any]:
+                hidden_dtype: str = "bfloat16", feature_dim: int | None = None,
+                report: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write one shard (temporary name, then rename) and its record; returns the record.
 
     The record (``shard-XXXXX.json``) is written last and marks the shard as finished.
-    ``feature_dim`` is needed only when ``samples`` is empty.
+    ``feature_dim`` is needed only when ``samples`` is empty. ``report``: what the capture
+    loop saw in the shard's rows (``bad_rows`` [{"row", "reason"}], ``zero_loss_rows``
+    [input rows], ``min_loss_tokens`` / ``max_loss_tokens`` per sample), kept in the record.
     """
     out_dir = Path(out_dir)
     dim = samples[0].hidden.shape[-1] if samples else feature_dim
@@ -114,7 +117,7 @@ def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
     record = {
         "index": index, "file": path.name, "num_samples": len(samples),
         "num_tokens": int(offsets[-1]), "num_loss_tokens": int(tensors["loss_mask"].sum()),
-        "bytes": path.stat().st_size, "sha256": sha256_file(path),
+        "bytes": path.stat().st_size, "sha256": sha256_file(path), **(report or {}),
     }
     write_json_atomic(out_dir / shard_record_file(index), record)
     return record
@@ -164,12 +167,27 @@ def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
     records = [finished_shard(out_dir, i, verify) for i in range(plan["num_shards"])]
     if any(r is None for r in records):
         return None
+    num_samples = sum(r["num_samples"] for r in records)
+    num_loss = sum(r["num_loss_tokens"] for r in records)
+    bad = [b for r in records for b in r.get("bad_rows", [])]
+    zero = [z for r in records for z in r.get("zero_loss_rows", [])]
+    kept = [r for r in records if r["num_samples"]]
     manifest = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, **plan,
-        "num_samples": sum(r["num_samples"] for r in records),
+        "num_samples": num_samples,
         "num_tokens": sum(r["num_tokens"] for r in records),
-        "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),
-        "num_dropped": plan["num_input_rows"] - sum(r["num_samples"] for r in records),
+        "num_loss_tokens": num_loss,
+        # Loss tokens per sample (every kept sample has at least one).
+        "loss_tokens_per_sample": {
+            "min": min((r.get("min_loss_tokens", 0) for r in kept), default=0),
+            "mean": num_loss / num_samples if num_samples else 0.0,
+            "max": max((r.get("max_loss_tokens", 0) for r in kept), default=0),
+        },
+        # Input rows not captured: bad rows (skipped with capture.bad_rows=skip, with reasons),
+        # rows with no loss token after truncation; num_dropped counts both.
+        "num_bad_rows": len(bad), "bad_rows": bad,
+        "num_zero_loss_rows": len(zero), "zero_loss_rows": zero,
+        "num_dropped": plan["num_input_rows"] - num_samples,
         "shards": records,
     }
     write_json_atomic(out_dir / MANIFEST_FILE, manifest)
