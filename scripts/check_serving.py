@@ -128,10 +128,10 @@ def export(d: Drafter, run_dir: Path, target: Path) -> Path:
 
 def evaluate(d: Drafter, export_dir: Path, target: Path, prompts: Path) -> dict:
     out = OUT / "eval" / d.name
-    run([str(VENV_BIN / "dflash-eval"), f"target.path={target}", f"drafter.path={export_dir}",
-         f"data.path={prompts}", f"output_dir={out}", f"num_prompts={NUM_PROMPTS}",
-         f"max_new_tokens={MAX_NEW_TOKENS}", "temperature=0.0", "target.dtype=float32",
-         "progress=false"], OUT / "logs" / f"eval_{d.name}.log")
+    run([str(VENV_BIN / "dflash-eval"), "target=hf", f"target.name_or_path={target}",
+         f"drafter.path={export_dir}", f"data.path={prompts}", f"output_dir={out}",
+         f"num_prompts={NUM_PROMPTS}", f"max_new_tokens={MAX_NEW_TOKENS}", "temperature=0.0",
+         "target.dtype=float32", "progress=false"], OUT / "logs" / f"eval_{d.name}.log")
     return json.loads((out / "report.json").read_text())
 
 

@@ -126,8 +126,9 @@ export_drafter() {
 }
 
 evaluate() {  # evaluate OUT_SUBDIR DATA_PATH
-  OMP_NUM_THREADS=$EVAL_THREADS "$BIN/dflash-eval" target.path="$TARGET" drafter.path="$EXPORT" \
-    data.path="$2" output_dir="$OUT/$1" num_prompts="$NUM_PROMPTS" max_new_tokens="$MAX_NEW_TOKENS"
+  OMP_NUM_THREADS=$EVAL_THREADS "$BIN/dflash-eval" target=hf target.name_or_path="$TARGET" \
+    drafter.path="$EXPORT" data.path="$2" output_dir="$OUT/$1" num_prompts="$NUM_PROMPTS" \
+    max_new_tokens="$MAX_NEW_TOKENS"
 }
 
 plots() {
