@@ -13,6 +13,10 @@ FEATURES = {
     "sinks": {"attention_sink_bias": True},
     "learned_mask": {"learned_mask_embedding": True},
     "both": {"attention_sink_bias": True, "learned_mask_embedding": True},
+    # DFlash 2 convs around every sublayer (made non-identity in _setup) + scaled block inputs
+    "dflash2": {"variant": "dflash2", "conv_kernel_size": 3, "conv_group_size": 12,
+                "selector_rank": 8, "selector_top_k": 5, "input_embedding_scale": 1.5,
+                "attention_sink_bias": True},
 }
 
 
@@ -40,9 +44,11 @@ def _setup(layout="full_bidirectional", seed=0, dtype=torch.float64, **features)
     drafter = DFlashDrafter(cfg).to(dtype)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(dtype).requires_grad_(False)
     drafter.init_mask_embedding(embed)
-    for name, p in drafter.named_parameters():  # make sinks and norms non-trivial
-        if "sink" in name or "norm" in name:
+    for name, p in drafter.named_parameters():  # make sinks, norms and convs non-trivial
+        if "sink" in name or "norm" in name or "base_kernel" in name:
             p.data.add_(torch.randn_like(p) * 0.3)
+        elif "kernel_projection" in name:
+            p.data.normal_(std=0.3)
     s = 23
     hidden = torch.randn(2, s, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=dtype)
     ids = torch.randint(0, cfg.vocab_size - 1, (2, s))
@@ -92,17 +98,23 @@ def test_train_and_inference_paths_give_the_same_block(layout, features):
                                     "sliding_bidirectional_narrow"])
 def test_sdpa_drafter_matches_eager_reference_outputs_and_grads(monkeypatch, layout, features):
     cfg, drafter, embed, hidden, ids, anchors = _setup(layout, **FEATURES[features])
+    # the DFlash 2 selector acts on the hidden states, after this forward
+    names, params = zip(*[(n, p) for n, p in drafter.named_parameters()
+                          if not n.startswith("candidate_selector.")])
     out = drafter(hidden, ids, anchors, embed)
-    grads = torch.autograd.grad(out.square().sum(), list(drafter.parameters()))
+    grads = torch.autograd.grad(out.square().sum(), params)
     monkeypatch.setattr(drafter, "backend", lambda device: EagerBackend())
     ref = drafter(hidden, ids, anchors, embed)
-    ref_grads = torch.autograd.grad(ref.square().sum(), list(drafter.parameters()))
+    ref_grads = torch.autograd.grad(ref.square().sum(), params)
     torch.testing.assert_close(out, ref)
-    for (name, _), a, b in zip(drafter.named_parameters(), grads, ref_grads):
+    for name, a, b in zip(names, grads, ref_grads):
         torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
-    if features in ("sinks", "both"):
-        assert grads[[n for n, _ in drafter.named_parameters()].index(
-            "layers.0.self_attn.attention_sink_bias")].abs().sum() > 0
+    if features in ("sinks", "both", "dflash2"):
+        assert grads[names.index("layers.0.self_attn.attention_sink_bias")].abs().sum() > 0
+    if features == "dflash2":
+        for conv in ("attention_conv", "mlp_conv"):
+            for part in ("base_kernel", "kernel_projection.weight"):
+                assert grads[names.index(f"layers.0.{conv}.{part}")].abs().sum() > 0
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -169,9 +181,10 @@ def test_slot_zero_is_the_anchor_token_and_masks_use_the_mask_row():
     assert not torch.allclose(base[0, 2], moved[0, 2])  # the anchor token is
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
-    cfg, drafter, embed, hidden, ids, anchors = _setup("mixed_swa", attention_sink_bias=True)
-    params = list(drafter.parameters())
+@pytest.mark.parametrize("features", ["sinks", "dflash2"])
+def test_activation_checkpointing_gives_the_same_gradients(features):
+    cfg, drafter, embed, hidden, ids, anchors = _setup("mixed_swa", **FEATURES[features])
+    params = [p for n, p in drafter.named_parameters() if not n.startswith("candidate_selector.")]
     want = torch.autograd.grad(drafter(hidden, ids, anchors, embed).square().sum(), params)
     drafter.activation_checkpointing = True
     got = torch.autograd.grad(drafter(hidden, ids, anchors, embed).square().sum(), params)
