@@ -91,6 +91,13 @@ def test_unknown_keys_are_errors_whatever_strict_says(where, key, hint, strict):
     assert hint in str(err.value) and "z-lab/config.json" in str(err.value)
 
 
+def test_unknown_key_in_our_training_spec_is_an_error():
+    d = tiny_drafter_config().to_dict()
+    d[TRAINING_SPEC_KEY]["is_casual"] = True
+    with pytest.raises(ValueError, match="unknown key 'dflash_lab_training_spec.is_casual'"):
+        DrafterConfig.from_dict(d)
+
+
 def test_transformers5_rope_parameters_are_read():
     d = {k: v for k, v in ZLAB_QWEN3_8B.items() if k not in ("rope_theta", "rope_scaling")}
     d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}

@@ -424,6 +424,8 @@ _DFLASH_KEYS = frozenset(
      "attention_sink_bias", "learned_mask_embedding", *_VARIANT_KEYS}
 )
 
+_SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding"})
+
 
 def _reject_unknown(keys: set[str], known: frozenset[str], where: str, source: str) -> None:
     unknown = sorted(keys - known)
@@ -529,6 +531,7 @@ def _parse_serving_dict(cls: type[DrafterConfig], d: dict[str, Any], *,
         kwargs["layer_types"] = layer_types
     spec = d.get(TRAINING_SPEC_KEY)
     if spec is not None:
+        _reject_unknown(set(spec), _SPEC_KEYS, f"{TRAINING_SPEC_KEY}.", source)
         kwargs["is_causal"] = spec.get("is_causal")
         kwargs["learned_mask_embedding"] = bool(spec.get("learned_mask_embedding", False))
     elif d.get("is_causal") is not None:
