@@ -121,11 +121,16 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
     and peak memory is one chunk of logits. Otherwise (trainable head or bias, no grad) each
     chunk runs under activation checkpointing: backward recomputes its logits (three matmuls).
     """
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, Tensor) and hidden_mh.dtype != weight.dtype:
+        # Dtype policy (docs/training.md): the frozen target head computes in the target's
+        # dtype, as it does when serving; the drafter's hidden states are cast into it here
+        # (autograd casts the gradient back) and the logits leave as fp32.
+        hidden_mh = hidden_mh.to(weight.dtype)
     if hidden_mh.shape[0] == 0:
         empty = hidden_mh.new_zeros(0, dtype=torch.float32)
         return empty, empty.bool()
     chunk_size = ce_chunk_rows(_vocab_size(lm_head), chunk_size, chunk_bytes)
-    weight = getattr(lm_head, "weight", None)
     fused_ok = (isinstance(lm_head, nn.Linear) and lm_head.bias is None
                 and not weight.requires_grad)
     if torch.is_grad_enabled() and hidden_mh.requires_grad and fused_ok:

@@ -16,6 +16,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 
 from dflash_lab.data.anchors import sample_anchors, step_generator
@@ -132,6 +134,23 @@ class DFlashModule(L.LightningModule):
         scheduler = self.scheduler_factory(optimizer, total_steps=max(1, total))
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip as configured, also with the fused AdamW under ``bf16-mixed``.
+
+        Lightning refuses to clip for any optimizer that unscales gradients in its own step
+        (fused AdamW) under mixed precision, because a GradScaler (fp16) would leave the
+        gradients scaled at clipping time. bf16-mixed has no scaler: the gradients are already
+        true, so clipping before the step is exact. fp16 keeps Lightning's refusal.
+        """
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and getattr(plugin, "scaler", "absent") is None:
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
