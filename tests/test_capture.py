@@ -200,7 +200,8 @@ def test_template_errors_are_bad_rows(tiny_target, tmp_path):
 
 def test_a_shard_of_only_bad_rows_stops_the_capture(tiny_target, tmp_path):
     rows = [BAD[10]] * 6
-    with pytest.raises(ValueError, match="all 6 rows from row 0 on are bad .*chat template"):
+    with pytest.raises(ValueError, match=r"all 6 rows of a shard are bad \(first: row 0: .*"
+                                         "chat template"):
         run_capture(tiny_target, rows, _settings(tmp_path), SOURCE, progress=False)
 
 

@@ -97,9 +97,9 @@ def _tokenize_rows(target, rows, first_row: int, settings: CaptureSettings, wher
                         enable_thinking=settings.enable_thinking, turn_end=turn_end)
     if len(rows) >= _ALL_BAD_MIN_ROWS and len(out.bad_rows) == len(rows):
         first = out.bad_rows[0]
-        raise ValueError(f"{where}: all {len(rows)} rows from row {first['row']} on are bad "
-                         f"(first: {first['reason']}); check the chat template and the data "
-                         "format (capture.bad_rows=skip only skips a few bad rows)")
+        raise ValueError(f"{where}: all {len(rows)} rows of a shard are bad (first: row "
+                         f"{first['row']}: {first['reason']}); check the chat template and the "
+                         "data format (capture.bad_rows=skip only skips a few bad rows)")
     return out
 
 
