@@ -6,9 +6,8 @@ import torch
 from dflash_lab.attention import flash as flash_module
 from dflash_lab.attention import flex as flex_module
 from dflash_lab.attention.base import get_backend
-from dflash_lab.attention.mask import BlockLayout, dense_mask
+from dflash_lab.attention.mask import BlockLayout, LayerSpec, dense_mask
 from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
-from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.testing import emulated_flash_attn_func
 
 requires_cuda = pytest.mark.skipif(

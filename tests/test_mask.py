@@ -5,11 +5,11 @@ import torch
 
 from dflash_lab.attention.mask import (
     BlockLayout,
+    LayerSpec,
     dense_mask,
     flash_window_args,
     is_inference_layout,
 )
-from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.testing import flash_window_mask
 
 # S = 6 context slots, B = 3, anchors at 2 and 4 (blocks overlap in position 4).
