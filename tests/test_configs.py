@@ -111,6 +111,22 @@ def test_entry_points_share_the_train_groups():
         assert entry_groups(entry)["conversations"] == "data"
 
 
+def test_settings_dataclasses_are_all_configurable():
+    """Every field of the settings the entry points build from a config block has a key there
+    (Hydra refuses an override of a key the YAML lacks, so a missing one is unreachable)."""
+    from dataclasses import fields
+
+    from dflash_lab.data.capture_loop import CaptureSettings
+    from dflash_lab.data.completion_server import ServerSettings
+    from dflash_lab.data.regenerate import RegenerateSettings
+
+    block = yaml.safe_load((CONF_DIR / "regenerate.yaml").read_text())["regenerate"]
+    for cls, keys in ((RegenerateSettings, block["settings"]), (ServerSettings, block["server"])):
+        assert {f.name for f in fields(cls)} == set(keys), cls.__name__
+    capture = yaml.safe_load((CONF_DIR / "capture.yaml").read_text())["capture"]
+    assert {f.name for f in fields(CaptureSettings)} <= set(capture)  # + num_layers, progress
+
+
 def test_paper_recipe_values():
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
