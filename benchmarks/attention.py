@@ -98,7 +98,7 @@ def bench_spec(name: str, spec: LayerSpec, layout: BlockLayout, heads: tuple[int
     k = torch.randn(bt, hkv, k_len, d, generator=g).to(device, dtype)
     v = torch.randn(bt, hkv, k_len, d, generator=g).to(device, dtype)
     backends = {"sdpa": (SdpaBackend(key_tiles=1), dense), "sdpa-tiles": (tiled, tiles),
-                "flex": (get_backend("flex", device, training=True), bm)}
+                "flex": (get_backend("flex", device), bm)}
     for backend_name, (backend, mask) in backends.items():
 
         def fwd(backend=backend, mask=mask):

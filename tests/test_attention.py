@@ -151,7 +151,7 @@ def test_flash_wiring_matches_sdpa_with_emulated_kernel(monkeypatch, spec, use_s
     sink_h = sink if use_sink else None
     outs = {}
     for name in ("sdpa", "flash"):
-        backend = get_backend(name)
+        backend = get_backend(name, packed=False)
         outs[name] = backend.attend(q, k, v, backend.prepare(layout, spec), scale=0.3,
                                     sink_h=sink_h)
     torch.testing.assert_close(outs["flash"], outs["sdpa"], atol=1e-5, rtol=1e-5)
@@ -159,7 +159,9 @@ def test_flash_wiring_matches_sdpa_with_emulated_kernel(monkeypatch, spec, use_s
 
 def test_flash_refuses_the_packed_training_layout():
     with pytest.raises(ValueError, match="inference layout only"):
-        get_backend("flash").prepare(TRAIN_LAYOUT, LayerSpec(None, False))
+        get_backend("flash")  # asked for packed blocks (the default layout kind)
+    with pytest.raises(ValueError, match="inference layout only"):
+        get_backend("flash", packed=False).prepare(TRAIN_LAYOUT, LayerSpec(None, False))
 
 
 def test_missing_flash_attn_names_the_gpu_extra(monkeypatch):
@@ -168,7 +170,7 @@ def test_missing_flash_attn_names_the_gpu_extra(monkeypatch):
     monkeypatch.setattr(flash_module, "_flash_attn_func", None)
     layout = BlockLayout(torch.tensor([[3]]), 3, 2)
     q, k, v, _ = (t.float() for t in _inputs(layout, requires_grad=False))
-    backend = get_backend("flash")
+    backend = get_backend("flash", packed=False)
     with pytest.raises(RuntimeError, match=r"\.\[gpu\]"):
         backend.attend(q, k, v, backend.prepare(layout, LayerSpec(None, False)), scale=1.0)
 
@@ -209,7 +211,7 @@ def test_real_flash_attn_matches_sdpa(spec):
     q, k, v, sink = (t.to("cuda", torch.bfloat16) for t in _inputs(layout, requires_grad=False))
     outs = {}
     for name in ("sdpa", "flash"):
-        backend = get_backend(name, "cuda")
+        backend = get_backend(name, "cuda", packed=False)
         outs[name] = backend.attend(q, k, v, backend.prepare(layout, spec), scale=0.3,
                                     sink_h=sink.float())
     torch.testing.assert_close(outs["flash"].float(), outs["sdpa"].float(), atol=2e-2, rtol=2e-2)

@@ -103,7 +103,7 @@ def test_sdpa_drafter_matches_eager_reference_outputs_and_grads(monkeypatch, lay
                           if not n.startswith("candidate_selector.")])
     out = drafter(hidden, ids, anchors, embed)
     grads = torch.autograd.grad(out.square().sum(), params)
-    monkeypatch.setattr(drafter, "backend", lambda device: EagerBackend())
+    monkeypatch.setattr(drafter, "backend", lambda device, packed: EagerBackend())
     ref = drafter(hidden, ids, anchors, embed)
     ref_grads = torch.autograd.grad(ref.square().sum(), params)
     torch.testing.assert_close(out, ref)

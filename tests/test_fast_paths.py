@@ -54,7 +54,7 @@ def test_key_tiled_sdpa_drafter_equals_one_dense_call_outputs_and_gradients(layo
     layout_ = BlockLayout(anchors, 192, cfg.block_size)
     assert layout_.num_queries * layout_.num_keys >= MIN_TILED_PAIRS
     spec = cfg.layer_specs()[0]
-    assert isinstance(tiled.backend(hidden.device).prepare(layout_, spec)[0], KeyTile)
+    assert isinstance(tiled.backend(hidden.device, packed=True).prepare(layout_, spec)[0], KeyTile)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).double()
     tiled, dense, hidden = tiled.double(), dense.double(), hidden.double()  # exact comparison
     a = tiled(hidden, ids, anchors, embed)
@@ -86,7 +86,7 @@ def test_one_mask_per_distinct_layer_spec_per_forward(monkeypatch):
                               layer_types=[SLIDING, FULL, SLIDING, FULL])
     drafter = DFlashDrafter(cfg)
     counting = CountingBackend(get_backend("sdpa"))
-    monkeypatch.setattr(drafter, "backend", lambda device: counting)
+    monkeypatch.setattr(drafter, "backend", lambda device, packed: counting)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     hidden, ids, anchors, _ = _batch(cfg)
     drafter(hidden, ids, anchors, embed)
@@ -177,7 +177,7 @@ requires_cuda = pytest.mark.skipif(
 def test_compiled_blockmask_builder_is_reused_across_steps_on_gpu():
     """H=None BlockMask from the compiled builder: fresh anchors each step, no recompilation."""
     torch._dynamo.reset()
-    backend = get_backend("flex", "cuda", training=True)
+    backend = get_backend("flex", "cuda")
     spec = LayerSpec(None, False)
     torch._dynamo.utils.counters.clear()
     for step in range(4):

@@ -41,38 +41,68 @@ def apply_sink(out_bhqd: Tensor, lse_bhq: Tensor, sink_h: Tensor | None) -> Tens
     return (out_bhqd.float() * gate[..., None]).to(out_bhqd.dtype)
 
 
-def get_backend(name: str, device: torch.device | str = "cpu", *,
-                training: bool = False, static_shapes: bool = False) -> AttentionBackend:
-    """Backend by name: ``sdpa`` | ``flex`` | ``flash`` | ``auto``.
+def _is_cuda(device: torch.device | str) -> bool:
+    """Whether ``device`` is a CUDA device (one place, so tests can tell the selection it is)."""
+    return torch.device(device).type == "cuda"
 
-    Only ``auto`` may pick a backend for you, and it logs what it picked: flex for training on
-    CUDA, flash for inference on CUDA when flash-attn is installed (else flex), sdpa on CPU.
-    ``static_shapes``: the caller is compiled and needs the same shapes every step (sdpa then
-    makes one dense call instead of anchor-dependent key tiles).
+
+def resolve_backend_name(name: str, device: torch.device | str, *, packed: bool) -> str:
+    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or what ``auto`` means.
+
+    ``packed``: the call attends many blocks per row (training and validation, the eval's
+    features mode); otherwise it is the one-block inference layout (a block right after its
+    cached context). ``auto`` is sdpa on CPU; on CUDA flex for packed layouts and flash for the
+    inference layout when flash-attn is installed (else flex). flash cannot express packed
+    blocks, so asking for it there is an error rather than a fallback.
     """
-    device = torch.device(device)
-    if name == "auto":
-        name = _auto_choice(device, training)
-        log.info("attention backend 'auto' resolved to '%s' on %s", name, device)
-    if name == "sdpa":
-        from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
-        return SdpaBackend(key_tiles=1 if static_shapes else KEY_TILES)
-    if name == "flex":
-        from dflash_lab.attention.flex import FlexBackend
-        return FlexBackend(compile_mask=device.type == "cuda")
-    if name == "flash":
-        from dflash_lab.attention.flash import FlashBackend
-        return FlashBackend()
-    raise ValueError(f"unknown attention backend '{name}': use one of {list(BACKENDS)} or 'auto'")
-
-
-def _auto_choice(device: torch.device, training: bool) -> str:
-    if device.type != "cuda":
+    if name not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown attention backend '{name}': use one of {list(BACKENDS)} or "
+                         "'auto'")
+    if name == "flash" and packed:
+        raise ValueError("attention backend 'flash' serves the one-block inference layout only; "
+                         "training, validation and features-mode eval attend packed blocks: use "
+                         "backend 'auto' (flex on GPU, flash for decoding) or 'flex' / 'sdpa'")
+    if name != "auto":
+        return name
+    if not _is_cuda(device):
         return "sdpa"
-    if training:
+    if packed:
         return "flex"
     from dflash_lab.attention.flash import flash_attn_available
+
     if flash_attn_available():
         return "flash"
-    log.warning("flash-attn is not installed (pip install -e '.[gpu]'); auto uses flex")
+    _log_once(("no-flash", str(device)), logging.WARNING,
+              "flash-attn is not installed (pip install -e '.[gpu]'); auto uses flex for decoding")
     return "flex"
+
+
+_LOGGED: set = set()
+
+
+def _log_once(key: Any, level: int, msg: str, *args: Any) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.log(level, msg, *args)
+
+
+def get_backend(name: str, device: torch.device | str = "cpu", *, packed: bool = True,
+                static_shapes: bool = False) -> AttentionBackend:
+    """The backend for one layout kind (:func:`resolve_backend_name`); ``auto``'s choice is
+    logged once per device and layout kind. ``static_shapes``: the caller is compiled and needs
+    the same shapes every step (sdpa then makes one dense call instead of anchor-dependent key
+    tiles)."""
+    chosen = resolve_backend_name(name, device, packed=packed)
+    if name == "auto":
+        kind = "packed blocks" if packed else "inference"
+        _log_once((chosen, str(device), packed), logging.INFO,
+                  "attention backend 'auto' resolved to '%s' on %s (%s layout)", chosen, device,
+                  kind)
+    if chosen == "sdpa":
+        from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
+        return SdpaBackend(key_tiles=1 if static_shapes else KEY_TILES)
+    if chosen == "flex":
+        from dflash_lab.attention.flex import FlexBackend
+        return FlexBackend(compile_mask=torch.device(device).type == "cuda")
+    from dflash_lab.attention.flash import FlashBackend
+    return FlashBackend()

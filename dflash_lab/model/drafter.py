@@ -106,8 +106,11 @@ class DFlashDrafter(nn.Module):
             layer.compile(**compile_kwargs)
 
     # ------------------------------------------------------------------ shared pieces
-    def backend(self, device: torch.device) -> AttentionBackend:
-        return get_backend(self.backend_name, device, training=torch.is_grad_enabled(),
+    def backend(self, device: torch.device, packed: bool) -> AttentionBackend:
+        """The attention backend for this call's layout kind: ``packed`` (many blocks per row:
+        training, validation, features-mode eval) or the one-block inference layout. ``auto``
+        resolves by layout (attention/base.py), so validation never reaches flash."""
+        return get_backend(self.backend_name, device, packed=packed,
                            static_shapes=self.static_shapes)
 
     def fuse(self, target_hidden_bsf: Tensor) -> Tensor:
@@ -135,8 +138,8 @@ class DFlashDrafter(nn.Module):
         return x.flatten(1, 2)
 
     def _run_layers(self, x_bqh: Tensor, layout: BlockLayout, ctx_kv: list[tuple[Tensor, Tensor]],
-                    cos_sin: tuple[Tensor, Tensor]) -> Tensor:
-        backend = self.backend(x_bqh.device)
+                    cos_sin: tuple[Tensor, Tensor], packed: bool) -> Tensor:
+        backend = self.backend(x_bqh.device, packed)
         prepared: dict[Any, Any] = {}
         for spec in self._specs:  # one mask per distinct layer spec, shared by layers
             if spec not in prepared:
@@ -165,7 +168,7 @@ class DFlashDrafter(nn.Module):
         ctx_kv = [layer.self_attn.kv(ctx, ctx_cs) for layer in self.layers]
         x = self.block_inputs(input_ids_bs.gather(1, anchors_bn), embed_tokens)
         blk_cs = self.rotary(layout.positions_bq(), x.dtype)
-        out = self._run_layers(x, layout, ctx_kv, blk_cs)
+        out = self._run_layers(x, layout, ctx_kv, blk_cs, packed=True)
         return out.view(bt, layout.num_blocks, self.config.block_size, -1)
 
     # ------------------------------------------------------------------ inference path
@@ -233,4 +236,4 @@ class DFlashDrafter(nn.Module):
         layout = BlockLayout(anchors, cache.length, self.config.block_size)
         x = self.block_inputs(anchor_ids_b[:, None], embed_tokens)
         cs = self.rotary(layout.positions_bq(), x.dtype)
-        return self._run_layers(x, layout, list(zip(cache.keys, cache.values)), cs)
+        return self._run_layers(x, layout, list(zip(cache.keys, cache.values)), cs, packed=False)
