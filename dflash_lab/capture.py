@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.conversations import load_conversations
 from dflash_lab.data.demo_corpus import write_demo_jsonl
-from dflash_lab.entry import check_tiny_build_dir, log_final, make_logger
+from dflash_lab.entry import log_final, make_logger
 from dflash_lab.model.config import build_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
@@ -77,7 +77,6 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
 def capture(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's part of the capture; returns the manifest once all shards exist."""
     rank, world = rank_and_world()
-    check_tiny_build_dir(cfg.target)
     logger = make_logger(cfg.logger)
     target = instantiate(cfg.target)
     data = instantiate(cfg.data)

@@ -3,19 +3,14 @@
 - The experiment logger outside Lightning: dflash-capture, dflash-regenerate and dflash-eval
   instantiate the same ``logger`` group as dflash-train (a Lightning logger, or none) and log
   through the generic Lightning logger calls, so wandb and csv both work.
-- A guard for the tiny target's build directory: ``target=tiny target.path=DIR`` rebuilds DIR
-  when its marker is stale, so a DIR that holds something else (a user's model) is refused.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-
-from dflash_lab.target.tiny import MARKER_FILE
 
 
 def make_logger(logger_cfg: DictConfig):
@@ -46,21 +41,3 @@ def close_logger(logger) -> None:
     logger.finalize("success")
     if type(logger).__name__ == "WandbLogger":
         logger.experiment.finish()
-
-
-def check_tiny_build_dir(target_cfg: DictConfig) -> None:
-    """ValueError when ``target=tiny`` would build over a directory that is not a tiny target.
-
-    The tiny target replaces a build directory whose marker does not match its recipe; a
-    non-empty directory without any marker is not one of ours (most likely an HF model meant
-    for ``target=hf``), so it is never touched.
-    """
-    if not str(target_cfg.get("_target_", "")).endswith("load_tiny_target"):
-        return
-    path = target_cfg.get("path")
-    root = Path(path) if path else None
-    if root is not None and root.is_dir() and any(root.iterdir()) \
-            and not (root / MARKER_FILE).is_file():
-        raise ValueError(f"target.path={path} is not a tiny target build directory (no "
-                         f"{MARKER_FILE}); for the model in it use target=hf "
-                         f"target.name_or_path={path}")

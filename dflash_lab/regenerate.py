@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_lab.capture import rank_and_world
 from dflash_lab.data.completion_server import ServerSettings, open_server
 from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
-from dflash_lab.entry import check_tiny_build_dir, log_final, make_logger
+from dflash_lab.entry import log_final, make_logger
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
@@ -38,7 +38,6 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
         # Only the tokenizer, chat template and stop tokens are needed here: skip the decoder
         # weights (head-only reads safetensors; a GGUF target is loaded whole).
         cfg.target.head_only = True
-    check_tiny_build_dir(cfg.target)
     logger = make_logger(cfg.logger)
     target = instantiate(cfg.target)
     data = instantiate(cfg.data)

@@ -132,3 +132,14 @@ def test_chat_template_override_changes_the_identity(tiny_target_dir):
                         chat_template="chatml")
     assert other.tokenizer.chat_template == read_chat_template("chatml")
     assert other.identity()["chat_template_hash"] != plain.identity()["chat_template_hash"]
+
+
+def test_tiny_target_path_never_replaces_a_real_model_directory(tmp_path):
+    from dflash_lab.target.tiny import materialize_tiny_target
+
+    model = tmp_path / "Qwen3-8B"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a tiny target built by dflash-lab"):
+        materialize_tiny_target(model)
+    assert (model / "config.json").read_text() == "{}"

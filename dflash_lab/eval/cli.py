@@ -14,7 +14,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from dflash_lab.entry import check_tiny_build_dir, log_final, make_logger
+from dflash_lab.entry import log_final, make_logger
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
 from dflash_lab.eval.report import write_report
@@ -68,7 +68,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation from a composed config; writes everything into ``cfg.output_dir``."""
     check_config(cfg)
     resolve_eval_target(cfg)
-    check_tiny_build_dir(cfg.target)
     logger = make_logger(cfg.logger)
     out_dir = Path(cfg.output_dir)
     write_run_info(out_dir, cfg, mode=cfg.mode)

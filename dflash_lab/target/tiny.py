@@ -169,6 +169,17 @@ def _marker_ok(path: Path, recipe: TinyTargetRecipe) -> bool:
         return False
 
 
+def _check_replaceable(path: Path) -> None:
+    """Only an empty directory or an earlier tiny target (it has the marker) may be replaced:
+    ``target.path`` pointing at a real model directory must never delete it."""
+    if path.is_dir() and (not any(path.iterdir()) or (path / MARKER_FILE).is_file()):
+        return
+    raise ValueError(f"target.path={str(path)!r} exists and is not a tiny target built by "
+                     f"dflash-lab (no {MARKER_FILE}); refusing to replace it. For the model in "
+                     f"it use target=hf target.name_or_path={path}; for the tiny target pick an "
+                     "empty or new target.path")
+
+
 def materialize_tiny_target(path: str | Path | None = None,
                             recipe: TinyTargetRecipe | None = None) -> Path:
     """Build the tiny target into ``path`` (default ``outputs/tiny_target``) unless a directory
@@ -181,6 +192,8 @@ def materialize_tiny_target(path: str | Path | None = None,
     path = Path(path or DEFAULT_TINY_TARGET_DIR).absolute()
     if _marker_ok(path, recipe):
         return path
+    if path.exists():
+        _check_replaceable(path)  # before the build: never after a minute of work
     start = time.time()
     tokenizer, model, loss = build_tiny_target(recipe)
     path.parent.mkdir(parents=True, exist_ok=True)
