@@ -16,6 +16,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
+from dflash_lab.attention.base import resolve_backend_name
 from dflash_lab.eval.features import feature_eval
 from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.loop import (
@@ -32,20 +33,6 @@ from dflash_lab.eval.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
 MODES = ("generate", "features")
-
-
-def resolve_backend(name: str, device: torch.device, packed: bool = False) -> str:
-    """``auto`` -> sdpa on CPU; on CUDA flash when flash-attn is installed (else flex) for the
-    one-block inference path, flex for the packed many-block path (``packed``, features mode)."""
-    if name != "auto":
-        return name
-    if torch.device(device).type != "cuda":
-        return "sdpa"
-    if packed:
-        return "flex"
-    from dflash_lab.attention.flash import flash_attn_available
-
-    return "flash" if flash_attn_available() else "flex"
 
 
 def stop_token_ids(tokenizer, model) -> tuple[int, ...]:
@@ -107,7 +94,7 @@ def _settings_record(cfg, target, block_size: int, trained: int, description: st
 def _load_pair(cfg, packed: bool = False):
     """Target (the ``target`` group, completed by resolve_eval_target), drafter, backend."""
     target = instantiate(cfg.target)
-    backend = resolve_backend(cfg.drafter.backend, target.device, packed)
+    backend = resolve_backend_name(cfg.drafter.backend, target.device, packed=packed)
     log.info("drafter attention backend: %s on %s", backend, target.device)
     loaded = load_drafter(cfg.drafter.path, backend=backend, device=target.device,
                           dtype=target.model.dtype, block_size=cfg.block_size,
