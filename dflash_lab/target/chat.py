@@ -111,11 +111,25 @@ def check_conversation(tokenizer, messages: list[dict[str, Any]],
     _render(tokenizer, messages, False, kwargs)
 
 
+def require_chat_template(tokenizer, where: str) -> None:
+    """One-line ValueError when ``tokenizer`` has no chat template (GGUF files often carry
+    none), naming ``where`` and the fix, instead of transformers' multi-line error."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    from dflash_lab.target.loader import BUILTIN_CHAT_TEMPLATES
+
+    name = getattr(tokenizer, "name_or_path", "") or "the target"
+    raise ValueError(f"{where}: the tokenizer of {name} has no chat template; set "
+                     "target.chat_template=FILE (.jinja, or a JSON file with a chat_template "
+                     f"key) or one of {' | '.join(sorted(BUILTIN_CHAT_TEMPLATES))}")
+
+
 def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
             template_kwargs: dict[str, Any]) -> str:
     """The template's text; a template error (e.g. Gemma's alternation check) is a bad row."""
     from jinja2.exceptions import TemplateError
 
+    require_chat_template(tokenizer, "rendering conversations")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

@@ -9,6 +9,7 @@ no grad). :func:`load_target` is the one loader every entry point uses.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -300,9 +301,11 @@ def load_target_config(name_or_path: str, *, gguf_file: str | None = None,
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs = {**_hub_kwargs(name_or_path, local_files_only), **extra}
     try:
-        return AutoConfig.from_pretrained(name_or_path, **_hub_kwargs(name_or_path,
-                                                                     local_files_only), **extra)
+        if gguf_file:
+            return _gguf_config(name_or_path, gguf_file, kwargs)
+        return AutoConfig.from_pretrained(name_or_path, **kwargs)
     except OSError as err:
         raise _explain_hub_error(name_or_path, err) from err
 
@@ -346,6 +349,52 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
     return target
 
 
+def _gguf_arch_and_head_dim(path: str) -> tuple[str, int | None]:
+    """``general.architecture`` and ``{arch}.attention.key_length`` (None when absent) of the
+    GGUF file at ``path``."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    arch_field = fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    field = fields.get(f"{arch}.attention.key_length")
+    return arch, None if field is None else int(field.parts[field.data[0]][0])
+
+
+def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
+    """The transformers config of a GGUF target, ``head_dim`` taken from the file.
+
+    transformers' GGUF mapping of some architectures (qwen3) drops
+    ``{arch}.attention.key_length``, so ``head_dim`` falls back to the config class default
+    (Qwen3: 128) and any other head width fails at load with a size mismatch.
+    """
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.utils import cached_file
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"target {gguf_file!r} is a GGUF file: transformers reads it with "
+                         f"{missing}; pip install -c constraints.txt gguf accelerate")
+    config = AutoConfig.from_pretrained(name_or_path, **common)
+    path = cached_file(name_or_path, gguf_file, local_files_only=common["local_files_only"])
+    arch, head_dim = _gguf_arch_and_head_dim(path)
+    mapped = "attention.key_length" in GGUF_CONFIG_MAPPING.get(arch, {})
+    if head_dim is not None and not mapped and hasattr(config, "head_dim"):
+        config.head_dim = head_dim
+    return config
+
+
+def _check_loaded(name_or_path: str, gguf_file: str | None, info: dict) -> None:
+    """A GGUF whose tensors transformers does not map loads as random weights with a warning:
+    refuse it instead."""
+    bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
+    if gguf_file and bad:
+        raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "
+                         f"weights unloaded ({sorted(map(str, bad))[:4]} ...); this GGUF's "
+                         "architecture or tensor names are not supported by this transformers")
+
+
 def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_map,
                attn_implementation, local_files_only) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -354,14 +403,17 @@ def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_m
     if gguf_file:
         common["gguf_file"] = gguf_file
     try:
+        config = {"config": _gguf_config(name_or_path, gguf_file, common)} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **common)
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=resolve_dtype(dtype), device_map=device_map,
-            attn_implementation=attn_implementation, **common)
+            attn_implementation=attn_implementation, output_loading_info=True, **config,
+            **common)
     except OSError as err:
         if is_local(name_or_path):
             raise
         raise _explain_hub_error(name_or_path, err) from err
+    _check_loaded(name_or_path, gguf_file, info)
     if device_map is None:
         model.to(resolve_device(device))
     model.eval().requires_grad_(False)
