@@ -29,6 +29,10 @@ ZLAB_QWEN3_8B = {
 
 @pytest.mark.parametrize(("n_layers", "n", "expected"), [
     (36, 5, [1, 9, 17, 25, 33]), (36, 1, [18]), (28, 5, [1, 7, 13, 19, 25]), (30, 3, [1, 14, 27]),
+    # ties round half to even, as z-lab's build_target_layer_ids and SGLang do:
+    (30, 5, [1, 8, 14, 20, 27]),  # 7.5 -> 8, 20.5 -> 20
+    (10, 5, [1, 2, 4, 6, 7]),  # 2.5 -> 2, 5.5 -> 6
+    (64, 5, [1, 16, 31, 46, 61]),
 ])
 def test_build_target_layer_ids_reference_rule(n_layers, n, expected):
     assert build_target_layer_ids(n_layers, n) == expected

@@ -63,8 +63,10 @@ HF_BOOKKEEPING_KEYS = frozenset(
 def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
     """Evenly spread target layer ids (z-lab convention) from layer 1 to layer L-3.
 
-    ``round(1 + i * (L - 4) / (n - 1))`` for i in 0..n-1, and ``[L // 2]`` for n == 1.
-    Qwen3-8B (L=36, n=5) gives [1, 9, 17, 25, 33].
+    ``round(1 + i * (L - 4) / (n - 1))`` for i in 0..n-1, and ``[L // 2]`` for n == 1, with
+    Python's ``round`` (half to even) as z-lab's ``build_target_layer_ids`` and SGLang compute
+    it: Qwen3-8B (L=36, n=5) gives [1, 9, 17, 25, 33]; SmolLM2 (L=30, n=5) [1, 8, 14, 20, 27]
+    (20.5 rounds to 20).
     """
     if num_draft_inputs < 1:
         raise ValueError(f"num_draft_inputs={num_draft_inputs}: need at least one target layer")
@@ -76,9 +78,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
     if num_draft_inputs == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    # Round half up (not Python's banker's rounding) to match the reference rule.
-    step = span / (num_draft_inputs - 1)
-    return [math.floor(1 + i * step + 0.5) for i in range(num_draft_inputs)]
+    return [round(1 + i * span / (num_draft_inputs - 1)) for i in range(num_draft_inputs)]
 
 
 def _suggest(key: str, known: set[str] | frozenset[str]) -> str:
