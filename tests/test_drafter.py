@@ -190,3 +190,15 @@ def test_activation_checkpointing_gives_the_same_gradients(features):
     got = torch.autograd.grad(drafter(hidden, ids, anchors, embed).square().sum(), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_learned_mask_embedding_replaces_every_mask_id_slot_0_included():
+    """vLLM's rule (qwen3_dflash.py): ``input_ids == mask_token_id`` anywhere in the block."""
+    cfg, drafter, embed, *_ = _setup(learned_mask_embedding=True)
+    with torch.no_grad():
+        drafter.mask_embedding.add_(1.0)  # differ from the table row
+        anchors = torch.tensor([[cfg.mask_token_id, 3]])
+        x = drafter.block_inputs(anchors, embed).view(1, 2, cfg.block_size, -1)
+    torch.testing.assert_close(x[0, 0], drafter.mask_embedding.expand_as(x[0, 0]))
+    torch.testing.assert_close(x[0, 1, 0], embed.weight[3].to(x.dtype))
+    torch.testing.assert_close(x[0, 1, 1:], drafter.mask_embedding.expand_as(x[0, 1, 1:]))

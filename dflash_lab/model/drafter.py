@@ -130,8 +130,10 @@ class DFlashDrafter(nn.Module):
         ids[:, :, 0] = anchor_ids_bn
         x = embed_tokens(ids).to(self.fc.weight.dtype)
         if self.mask_embedding is not None:
-            slot_is_mask = torch.arange(b, device=ids.device) > 0
-            x = torch.where(slot_is_mask[:, None], self.mask_embedding.to(x.dtype), x)
+            # Every id equal to MASK, slot 0 included, as vLLM substitutes it (a MASK anchor is
+            # never produced by a target, but the rule is the engine's, not the slot's).
+            is_mask = (ids == self.config.mask_token_id)[..., None]
+            x = torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
         if self.config.input_embedding_scale != 1.0:
             # every slot, the learned mask row too: engines merge it into the table first
             x = x * self.config.input_embedding_scale
