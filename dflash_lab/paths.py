@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -30,3 +31,11 @@ def require_conf_dir() -> str:
 
 #: Ready experiments selected with ``recipe=NAME`` (conf/recipe links here).
 RECIPES_DIR = REPO_ROOT / "recipes"
+
+
+def temp_beside(path: Path) -> Path:
+    """A temporary name beside ``path`` for write-then-rename, unique to this process. Ranks of
+    a job, on one node or several, write some files at the same moment (a capture plan, the demo
+    data, a manifest that two ranks finishing together both merge); with one shared temporary
+    name a rank renames the other's half-written file and then fails its own rename."""
+    return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")

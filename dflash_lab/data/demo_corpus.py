@@ -14,6 +14,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash_lab.paths import temp_beside
+
 Conversation = list[dict[str, str]]
 
 _WORDS = (
@@ -123,7 +125,7 @@ def write_demo_jsonl(path: str | Path, num: int = 512, seed: int = 0) -> Path:
     """Write ``num`` demo conversations as JSONL rows ``{"messages": [...]}``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_beside(path)  # every rank of a launch writes it at start
     with tmp.open("w") as f:
         for conv in demo_conversations(num, seed):
             f.write(json.dumps({"messages": conv}) + "\n")

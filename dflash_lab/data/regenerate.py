@@ -27,6 +27,7 @@ import torch
 
 from dflash_lab.data.completion_server import CompletionServer
 from dflash_lab.data.conversations import check_bad_rows_mode, input_row
+from dflash_lab.paths import temp_beside
 from dflash_lab.target.chat import (
     BadConversation,
     check_conversation,
@@ -252,7 +253,7 @@ def check_settings(out_dir: Path, record: dict[str, Any]) -> None:
                              "to resume")
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
+    tmp = temp_beside(path)  # every rank writes it at start
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
 
@@ -318,7 +319,7 @@ def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any
 def merge_parts(out: Path, num_parts: int, record: dict[str, Any]) -> dict[str, Any]:
     """conversations.jsonl (parts in order) and manifest.json, both written atomically."""
     merged, kept = out / MERGED_FILE, 0
-    tmp = merged.with_suffix(".jsonl.tmp")
+    tmp = temp_beside(merged)  # two ranks finishing together both merge
     with tmp.open("w") as f:
         for i in range(num_parts):
             text = part_path(out, i).read_text()
@@ -327,7 +328,7 @@ def merge_parts(out: Path, num_parts: int, record: dict[str, Any]) -> dict[str, 
     tmp.replace(merged)
     manifest = {**record, "num_parts": num_parts, "num_conversations": kept,
                 "dropped": record["num_rows"] - kept, "file": MERGED_FILE}
-    tmp = (out / MANIFEST_FILE).with_suffix(".json.tmp")
+    tmp = temp_beside(out / MANIFEST_FILE)
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     tmp.replace(out / MANIFEST_FILE)
     return manifest

@@ -29,6 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
+from dflash_lab.paths import temp_beside
+
 FORMAT_NAME = "dflash-lab-capture"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -70,8 +72,9 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path.tmp`` then rename, so readers never see a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write JSON to a temporary file then rename, so readers never see a half-written file
+    (and ranks writing the same record at once do not collide: ``temp_beside``)."""
+    tmp = temp_beside(path)
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
