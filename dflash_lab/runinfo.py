@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.paths import REPO_ROOT
+from dflash_lab.paths import REPO_ROOT, temp_beside
 
 RUN_INFO_FILE = "run_info.json"
 CONFIG_FILE = "config.yaml"
@@ -41,23 +41,49 @@ def package_versions(names: tuple[str, ...] = _PACKAGES) -> dict[str, str]:
     return out
 
 
+def _launch_info() -> dict[str, Any]:
+    """How the processes were started (torchrun / slurm / one process or Lightning's own)."""
+    from dflash_lab.launch import detect_launch
+
+    launch = detect_launch()
+    if launch is None:
+        return {"launcher": "none"}
+    return {"launcher": launch.launcher, "world_size": launch.world_size,
+            "num_nodes": launch.num_nodes, "processes_per_node": launch.local_world_size}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = temp_beside(path)
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
     """Write ``config.yaml`` (resolved, when ``cfg`` is an OmegaConf config or dict) and
-    ``run_info.json`` (git SHA, argv, versions, time, ``extra``) into ``out_dir``."""
+    ``run_info.json`` (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``.
+
+    Only the job's global rank 0 writes (every process of a multi-node job shares the run
+    directory on one filesystem); the others return the path without touching it.
+    """
+    from dflash_lab.launch import is_global_zero
+
     out_dir = Path(out_dir)
+    path = out_dir / RUN_INFO_FILE
+    if not is_global_zero():
+        return path
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg is not None:
         from omegaconf import OmegaConf
 
         conf = cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)
-        (out_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(conf, resolve=True))
+        _write_atomic(out_dir / CONFIG_FILE, OmegaConf.to_yaml(conf, resolve=True))
     info = {
         "git_sha": git_sha(),
         "argv": list(sys.argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": package_versions(),
+        "launch": _launch_info(),
         **extra,
     }
-    path = out_dir / RUN_INFO_FILE
-    path.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    _write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
     return path

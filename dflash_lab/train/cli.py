@@ -1,15 +1,55 @@
-"""``dflash-train``: Hydra entry point (conf/train.yaml; recipes via ``recipe=NAME``)."""
+"""``dflash-train``: Hydra entry point (conf/train.yaml; recipes via ``recipe=NAME``).
+
+Under torchrun or srun the launch is checked against the trainer config before anything loads
+(README, "Past one machine").
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
+
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.paths import CONF_DIR
+
+RUN_NAME_ENV = "DFLASH_RUN_NAME"  #: the run name Lightning's launcher hands its child processes
+
+
+def check_launch(cfg: DictConfig, trainer_source: str = "the trainer config") -> None:
+    """Start-up checks of a multi-process launch: ``trainer.num_nodes`` / ``devices`` against
+    torchrun or srun, and one run directory for every process."""
+    from dflash_lab.launch import check_shared_run_dir, check_trainer_launch, detect_launch
+
+    launch = detect_launch()
+    check_trainer_launch(cfg.trainer, launch, trainer_source)
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    check_shared_run_dir(raw.get("run_name"), raw["paths"].get("output_dir"), launch)
+    if launch is None:
+        share_run_name(cfg, os.environ)
+
+
+def share_run_name(cfg: DictConfig, env: MutableMapping[str, str]) -> None:
+    """Lightning's own launcher (``trainer=ddp_cpu``, ``ddp`` without torchrun) re-runs this
+    command for local ranks >= 1, each of which would read its own start time for the default
+    ``run_name``: the first process puts its run name in the environment they inherit."""
+    if int(env.get("LOCAL_RANK", 0) or 0) > 0 and RUN_NAME_ENV in env:
+        cfg.run_name = env[RUN_NAME_ENV]
+    else:
+        env[RUN_NAME_ENV] = str(cfg.run_name)
+
+
+def _trainer_source() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = HydraConfig.get().runtime.choices.get("trainer")
+    return f"conf/trainer/{choice}.yaml and the command line" if choice else "the command line"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    check_launch(cfg, _trainer_source())
     from dflash_lab.train.run import train
 
     train(cfg)
