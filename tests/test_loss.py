@@ -11,10 +11,13 @@ from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.testing import tiny_drafter_config
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
+    LogitScale,
     acceptance_lengths,
     block_targets,
+    candidate_logits,
     ce_chunk_rows,
     chunked_cross_entropy,
+    chunked_head_pass,
     dflash_loss,
     position_weights,
     token_targets,
@@ -67,6 +70,47 @@ def test_chunked_cross_entropy_equals_the_full_logits_computation_with_gradients
     torch.testing.assert_close(g1, g2)
 
 
+SCALES = [LogitScale(0.6), LogitScale(1.0, 3.0), LogitScale(1.7, 2.5)]
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["fused", "checkpointed"])
+@pytest.mark.parametrize("scale", SCALES, ids=["multiplier", "softcap", "both"])
+def test_head_pass_applies_multiplier_then_softcap_and_keeps_a_running_top_k(scale, frozen):
+    """CE, correctness, gradients and the top-K equal the full-logits computation of
+    ``scale(lm_head(h))`` (the drafter's unary logits), chunk by chunk."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(not frozen)
+    h = torch.randn(37, 8, requires_grad=True)
+    y = torch.randint(0, 50, (37,))
+    out = chunked_head_pass(h, y, head, chunk_size=5, scale=scale, top_k=4)
+    logits = scale(head(h))
+    ref = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    torch.testing.assert_close(out.ce, ref)
+    assert torch.equal(out.correct, logits.argmax(-1) == y)
+    values, ids = logits.topk(4)
+    assert torch.equal(out.top_ids, ids)
+    torch.testing.assert_close(out.top_values, values.detach())
+    torch.testing.assert_close(torch.autograd.grad(out.ce.sum(), h)[0],
+                               torch.autograd.grad(ref.sum(), h)[0])
+    plain = chunked_cross_entropy(h, y, head, chunk_size=5)[0]
+    assert not torch.allclose(plain, out.ce)  # the scale really changes the CE
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_candidate_logits_are_the_scaled_head_logits_of_the_given_ids(bias):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=bias).requires_grad_(False)
+    h = torch.randn(11, 8, requires_grad=True)
+    ids = torch.randint(0, 50, (11, 3))
+    scale = LogitScale(1.3, 4.0)
+    got = candidate_logits(h, ids, head, chunk_bytes=3 * 8 * 4 * 4, scale=scale)  # 4-row chunks
+    want = scale(head(h)).gather(-1, ids)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, h, g)[0],
+                               torch.autograd.grad(want, h, g)[0])
+
+
 class _LargestOutput(TorchDispatchMode):
     """Records the largest tensor any op produces (bytes): a CPU-robust peak-chunk probe."""
 
@@ -117,6 +161,22 @@ def test_a_262k_vocab_holds_one_budgeted_chunk_of_logits_at_a_time(grad):
         torch.testing.assert_close(grad_h, torch.autograd.grad(ref_ce.sum(), h)[0])
 
 
+def test_a_softcapped_pass_halves_its_chunks_to_keep_the_cap_derivative_in_budget():
+    """The fused pass keeps d(softcap)/d(logits) beside the logits: two [rows, V] buffers, so
+    a 16 MiB budget gives 8-row chunks (each buffer 8 MiB) and the top-K stays [M, K]."""
+    torch.manual_seed(0)
+    vocab, budget = 262_144, 16 * 2**20
+    head = torch.nn.Linear(8, vocab, bias=False).requires_grad_(False)
+    h = torch.randn(24, 8, requires_grad=True)
+    y = torch.randint(0, vocab, (24,))
+    probe = _LargestOutput()
+    with probe:
+        out = chunked_head_pass(h, y, head, chunk_bytes=budget, scale=LogitScale(1.0, 5.0),
+                                top_k=16)
+    assert probe.max_bytes == 8 * vocab * 4
+    assert out.top_ids.shape == (24, 16)
+
+
 def test_module_passes_the_budget_to_the_loss_and_rejects_a_bad_one_at_start_up(monkeypatch):
     import dflash_lab.train.loss as loss_mod
     from dflash_lab.train.module import DFlashModule
@@ -128,9 +188,9 @@ def test_module_passes_the_budget_to_the_loss_and_rejects_a_bad_one_at_start_up(
     with pytest.raises(ValueError, match="module.ce_chunk_bytes=0"):
         DFlashModule(DFlashDrafter(cfg), head, optimizer=torch.optim.SGD, ce_chunk_bytes=0)
     seen = []
-    real = loss_mod.chunked_cross_entropy
-    monkeypatch.setattr(loss_mod, "chunked_cross_entropy",
-                        lambda *a: seen.append(a[3:]) or real(*a))
+    real = loss_mod.chunked_head_pass
+    monkeypatch.setattr(loss_mod, "chunked_head_pass",
+                        lambda *a, **k: seen.append(a[3:]) or real(*a, **k))
     module = DFlashModule(DFlashDrafter(cfg), head, optimizer=torch.optim.SGD,
                           label_source="dataset", ce_chunk_bytes=12345)
     batch = {"hidden": torch.randn(1, 12, 3 * cfg.hidden_size),

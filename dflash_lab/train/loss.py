@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from dflash_lab.model.dflash2 import scale_logits
 
 LABEL_SOURCES = ("target_argmax", "dataset")
 #: Default budget of one CE chunk's fp32 logits [rows, V]: 512 MiB (a 262k vocab gets 512 rows).
@@ -102,18 +105,89 @@ def _vocab_size(lm_head: nn.Module) -> int:
     return int(vocab)
 
 
-def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class LogitScale:
+    """How unary logits leave the head: ``z * multiplier``, then ``c * tanh(. / c)`` if capped.
+
+    The drafter's ``output_multiplier`` / ``final_logit_softcapping`` (both variants; defaults
+    mean off). Both maps are monotone: the argmax and the top-K set do not change, the CE does.
+    """
+
+    multiplier: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitScale:
+        """The scale of a :class:`~dflash_lab.model.config.DrafterConfig`."""
+        return cls(float(config.output_multiplier), config.final_logit_softcapping)
+
+    @property
+    def identity(self) -> bool:
+        return self.multiplier == 1.0 and self.softcap is None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """Out of place (autograd-friendly), any shape: the drafter's own ``scale_logits``."""
+        return scale_logits(logits, self.multiplier, self.softcap)
+
+    def apply_(self, logits: Tensor) -> Tensor | float:
+        """In place on fp32 logits; returns d(scaled)/d(raw): a float, or a tensor like
+        ``logits`` when softcapped (``m * (1 - tanh^2)``, one extra logits-sized buffer)."""
+        if self.softcap is None:
+            logits.mul_(self.multiplier)
+            return self.multiplier
+        t = logits.mul_(self.multiplier / self.softcap).tanh_()
+        deriv = t.square().neg_().add_(1.0).mul_(self.multiplier)
+        t.mul_(self.softcap)
+        return deriv
+
+
+NO_SCALE = LogitScale()
+
+
+@dataclass
+class HeadPass:
+    """One chunked pass over the vocab for M rows: CE [M], correct [M] (label attains the max)
+    and, when asked, the top-K of the (scaled) logits: values [M, K] fp32, ids [M, K], best first
+    (detached: the selector loss recomputes the K logits it needs with gradients)."""
+
+    ce: Tensor
+    correct: Tensor
+    top_values: Tensor | None = None
+    top_ids: Tensor | None = None
+
+
+def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, scale: LogitScale,
+              top_k: int) -> tuple[Tensor, ...]:
     logits = lm_head(hidden_mh).float()
-    return F.cross_entropy(logits, labels_m, reduction="none"), logits.argmax(-1) == labels_m
+    if not scale.identity:
+        logits = scale(logits)
+    ce = F.cross_entropy(logits, labels_m, reduction="none")
+    ok = logits.argmax(-1) == labels_m
+    if not top_k:
+        return ce, ok
+    values, ids = logits.detach().topk(top_k, dim=-1)
+    return ce, ok, values, ids
 
 
 def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
                           chunk_size: int | None = None,
-                          chunk_bytes: int = CE_CHUNK_BYTES) -> tuple[Tensor, Tensor]:
-    """Per-row CE [M] and correctness [M] without holding [M, V] fp32 logits at once.
+                          chunk_bytes: int = CE_CHUNK_BYTES, *,
+                          scale: LogitScale = NO_SCALE) -> tuple[Tensor, Tensor]:
+    """Per-row CE [M] and correctness [M] without holding [M, V] fp32 logits at once
+    (:func:`chunked_head_pass` without the top-K)."""
+    out = chunked_head_pass(hidden_mh, labels_m, lm_head, chunk_size, chunk_bytes, scale=scale)
+    return out.ce, out.correct
+
+
+def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
+                      chunk_size: int | None = None, chunk_bytes: int = CE_CHUNK_BYTES, *,
+                      scale: LogitScale = NO_SCALE, top_k: int = 0) -> HeadPass:
+    """CE of the (scaled) unary logits per row, and their running top-K, one chunk at a time.
 
     Chunks of :func:`ce_chunk_rows` rows: ``chunk_size`` if given, else as many as fit
-    ``chunk_bytes`` of fp32 logits for this head's vocab.
+    ``chunk_bytes`` of fp32 logits for this head's vocab (half as many when softcapped: the
+    fused pass then keeps the cap's derivative beside the logits). The top-K of a chunk is taken
+    before its logits are freed, so nothing [M, V] is ever held: only [M, K].
 
     Frozen bias-free LM head (the DFlash case) with gradients wanted: the fused path
     (:class:`_FusedHeadCE`) projects each chunk once and computes the gradient to the hidden
@@ -129,31 +203,36 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
         hidden_mh = hidden_mh.to(weight.dtype)
     if hidden_mh.shape[0] == 0:
         empty = hidden_mh.new_zeros(0, dtype=torch.float32)
-        return empty, empty.bool()
+        top = (empty.new_zeros(0, top_k), labels_m.new_zeros(0, top_k)) if top_k else (None, None)
+        return HeadPass(empty, empty.bool(), *top)
+    if scale.softcap is not None and chunk_size is None:
+        chunk_bytes = max(1, chunk_bytes // 2)
     chunk_size = ce_chunk_rows(_vocab_size(lm_head), chunk_size, chunk_bytes)
     fused_ok = (isinstance(lm_head, nn.Linear) and lm_head.bias is None
                 and not weight.requires_grad)
     if torch.is_grad_enabled() and hidden_mh.requires_grad and fused_ok:
-        return _FusedHeadCE.apply(hidden_mh, labels_m, weight, chunk_size)
-    losses, correct = [], []
+        return HeadPass(*_FusedHeadCE.apply(hidden_mh, labels_m, weight, chunk_size, scale,
+                                            top_k))
+    parts = []
     for start in range(0, hidden_mh.shape[0], chunk_size):
         h, y = hidden_mh[start:start + chunk_size], labels_m[start:start + chunk_size]
         if torch.is_grad_enabled() and h.requires_grad:
-            ce, ok = checkpoint(_chunk_ce, h, y, lm_head, use_reentrant=False)
+            parts.append(checkpoint(_chunk_ce, h, y, lm_head, scale, top_k, use_reentrant=False))
         else:
-            ce, ok = _chunk_ce(h, y, lm_head)
-        losses.append(ce)
-        correct.append(ok)
-    return torch.cat(losses), torch.cat(correct)
+            parts.append(_chunk_ce(h, y, lm_head, scale, top_k))
+    return HeadPass(*(torch.cat(p) for p in zip(*parts, strict=True)))
 
 
 class _FusedHeadCE(torch.autograd.Function):
-    """CE of ``hidden @ weight.T`` per row, chunked, with d(CE)/d(hidden) computed in forward.
+    """CE of ``scale(hidden @ weight.T)`` per row, chunked, with d(CE)/d(hidden) computed in
+    forward; optionally the top-K of each row's scaled logits (non-differentiable outputs).
 
-    Per chunk: logits (fp32) -> CE = logsumexp - logit[label]; dCE/dlogits = softmax - onehot;
-    dCE/dhidden = that @ weight (in the weight's dtype, as autograd's linear backward does).
-    Only the [M, H] gradient is kept for backward, which scales it by the incoming per-row
-    gradient. The weight gets no gradient (frozen target LM head).
+    Per chunk: logits (fp32) -> scaled (in place; skipped when the scale is the identity, so
+    the DFlash 1 default path is the plain one) -> top-K -> CE = logsumexp - logit[label];
+    dCE/dlogits = (softmax - onehot) * d(scaled)/d(raw); dCE/dhidden = that @ weight (in the
+    weight's dtype, as autograd's linear backward does). Only the [M, H] gradient is kept for
+    backward, which scales it by the incoming per-row gradient. The weight gets no gradient
+    (frozen target LM head).
 
     Each chunk's logits are held vocab-major, [V, m] = weight @ h.T, and walked as few times as
     possible, in place: max, subtract, exp, sum, scale. On CPU (MKL) that product runs ~20%
@@ -165,11 +244,17 @@ class _FusedHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, chunk_size: int):
-        losses, correct, grads = [], [], []
+    def forward(ctx, hidden_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, chunk_size: int,
+                scale: LogitScale = NO_SCALE, top_k: int = 0):
+        losses, correct, grads, top_values, top_ids = [], [], [], [], []
         for start in range(0, hidden_mh.shape[0], chunk_size):
             h, y = hidden_mh[start:start + chunk_size], labels_m[start:start + chunk_size]
             logits_vm = (weight_vh @ h.t()).float()
+            deriv = None if scale.identity else scale.apply_(logits_vm)
+            if top_k:
+                values_km, ids_km = logits_vm.topk(top_k, dim=0)
+                top_values.append(values_km.t())
+                top_ids.append(ids_km.t())
             top = logits_vm.amax(dim=0)
             picked = logits_vm.gather(0, y[None])[0]
             probs_vm = logits_vm.sub_(top).exp_()  # softmax, in place over the logits
@@ -178,43 +263,100 @@ class _FusedHeadCE(torch.autograd.Function):
             losses.append(top + total.log() - picked)
             correct.append(picked >= top)
             probs_vm.scatter_add_(0, y[None], probs_vm.new_full((1, len(y)), -1.0))
+            if deriv is not None:  # chain rule through the multiplier / softcap
+                probs_vm.mul_(deriv)
             grads.append(probs_vm.t().to(weight_vh.dtype) @ weight_vh)
-        ok = torch.cat(correct)
-        ctx.mark_non_differentiable(ok)
+        outs = [torch.cat(correct)]
+        if top_k:
+            outs += [torch.cat(top_values), torch.cat(top_ids)]
+        ctx.mark_non_differentiable(*outs)
         ctx.save_for_backward(torch.cat(grads))
-        return torch.cat(losses), ok
+        return torch.cat(losses), *outs
 
     @staticmethod
-    def backward(ctx, grad_ce_m: Tensor, _grad_ok: Tensor):
+    def backward(ctx, grad_ce_m: Tensor, *_grad_rest: Tensor):
         (grad_mh,) = ctx.saved_tensors
-        return (grad_mh * grad_ce_m[:, None].to(grad_mh.dtype)), None, None, None
+        return (grad_mh * grad_ce_m[:, None].to(grad_mh.dtype)), None, None, None, None, None
+
+
+def _gathered_logits(hidden_mh: Tensor, ids_mk: Tensor, weight_vh: Tensor,
+                     bias_v: Tensor | None) -> Tensor:
+    rows_mkh = F.embedding(ids_mk, weight_vh)
+    out = torch.einsum("mh,mkh->mk", hidden_mh, rows_mkh).float()
+    return out if bias_v is None else out + bias_v[ids_mk].float()
+
+
+def _picked_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module) -> Tensor:
+    return lm_head(hidden_mh).float().gather(-1, ids_mk)
+
+
+def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
+                     chunk_bytes: int = CE_CHUNK_BYTES,
+                     scale: LogitScale = NO_SCALE) -> Tensor:
+    """Scaled unary logits of K given tokens per row [M, K] fp32, differentiable in hidden.
+
+    A Linear head gathers only the K weight rows per row ([m, K, H] per chunk, chunks sized by
+    ``chunk_bytes`` and recomputed in backward); any other head projects whole rows in chunks.
+    Hidden states are cast to the head's dtype first (the dtype policy of the unary pass).
+    """
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, Tensor) and hidden_mh.dtype != weight.dtype:
+        hidden_mh = hidden_mh.to(weight.dtype)
+    linear = isinstance(lm_head, nn.Linear)
+    if linear:
+        per_row = ids_mk.shape[1] * hidden_mh.shape[1] * hidden_mh.element_size()
+    else:
+        per_row = _vocab_size(lm_head) * LOGIT_BYTES
+    rows = max(1, chunk_bytes // max(1, per_row))
+    parts = []
+    for start in range(0, hidden_mh.shape[0], rows):
+        h, ids = hidden_mh[start:start + rows], ids_mk[start:start + rows]
+        args = (h, ids, weight, lm_head.bias) if linear else (h, ids, lm_head)
+        fn = _gathered_logits if linear else _picked_logits
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(fn, *args, use_reentrant=False))
+        else:
+            parts.append(fn(*args))
+    raw = torch.cat(parts) if parts else hidden_mh.new_zeros(ids_mk.shape, dtype=torch.float32)
+    return raw if scale.identity else scale(raw)
 
 
 @dataclass
 class LossOutput:
-    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid)."""
+    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid).
+
+    ``top_values`` / ``top_ids`` [M, K]: the unary top-K of the M valid slots (``valid`` in
+    row-major order), when the loss was asked for them (DFlash 2); ``selector``: the selector's
+    loss and metrics (:class:`dflash_lab.train.selector.SelectorOutput`), DFlash 2 only.
+    """
 
     weighted_sum: Tensor  # sum_slots w_t * CE (local)
     weight_sum: Tensor  # sum_slots w_t (local)
     correct: Tensor
     valid: Tensor
     block_valid: Tensor | None = None  # [Bt, N] real (not padding) blocks
+    top_values: Tensor | None = None
+    top_ids: Tensor | None = None
+    selector: Any = None
 
 
 def dflash_loss(hidden_bnbh: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
                 chunk_size: int | None = None, block_valid_bn: Tensor | None = None,
-                chunk_bytes: int = CE_CHUNK_BYTES) -> LossOutput:
+                chunk_bytes: int = CE_CHUNK_BYTES, *, scale: LogitScale = NO_SCALE,
+                top_k: int = 0) -> LossOutput:
     """Weighted CE over valid slots; only the M valid slots go through the vocab projection
-    (chunked as :func:`chunked_cross_entropy` says)."""
+    (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale;
+    ``top_k`` > 0 also returns the unary top-K of every valid slot."""
     b = hidden_bnbh.shape[2]
     weights = position_weights(b, gamma, hidden_bnbh.device).expand_as(targets.valid)
     sel = targets.valid
-    ce, ok = chunked_cross_entropy(hidden_bnbh[sel], targets.labels[sel], lm_head, chunk_size,
-                                   chunk_bytes)
+    head = chunked_head_pass(hidden_bnbh[sel], targets.labels[sel], lm_head, chunk_size,
+                             chunk_bytes, scale=scale, top_k=top_k)
     w = weights[sel]
     correct = torch.zeros_like(sel)
-    correct[sel] = ok
-    return LossOutput((w * ce).sum(), w.sum(), correct, sel, block_valid_bn)
+    correct[sel] = head.correct
+    return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,
+                      head.top_values, head.top_ids)
 
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,

@@ -3,6 +3,9 @@
 One training step: sample sorted anchors (seeded by seed/step/rank) -> drafter forward over the
 packed blocks -> gather labels at anchored slots only -> chunked weighted CE normalised by the
 GLOBAL weight sum across devices -> metrics (loss, per-slot accuracy, exact acceptance tau).
+A DFlash 2 drafter adds ``alpha(step)`` x the selector CE over the unary top-K
+(dflash_lab/train/selector.py); its ``val/tau`` is the selector path's (what serving gets),
+beside ``val/unary_tau`` and ``val/oracle_tau``.
 
 Batch contract (from the data module), Bt rows padded to S:
   hidden [Bt, S, F] target features, input_ids [Bt, S], loss_mask [Bt, S] (0 on padding),
@@ -11,7 +14,7 @@ Batch contract (from the data module), Bt rows padded to S:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
@@ -25,6 +28,7 @@ from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     LABEL_SOURCES,
+    LogitScale,
     LossOutput,
     acceptance_lengths,
     block_targets,
@@ -35,6 +39,7 @@ from dflash_lab.train.loss import (
     position_weights,
     token_targets,
 )
+from dflash_lab.train.selector import SelectorMetrics, SelectorSettings, selector_loss
 
 #: Prefix of the frozen target pieces: never written to checkpoints.
 TARGET_PREFIX = "target_head."
@@ -47,7 +52,9 @@ class DFlashModule(L.LightningModule):
     ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
     (``params -> Optimizer``, ``optimizer -> LRScheduler``; the scheduler steps every step).
     ce_chunk_size / ce_chunk_bytes: rows per chunk of the vocab projection if set, else as many
-    rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``).
+    rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``). selector: the
+    ``module.selector`` settings (:class:`~dflash_lab.train.selector.SelectorSettings`): used by
+    DFlash 2 drafters; a DFlash 1 drafter accepts only the defaults (refused otherwise).
     """
 
     def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
@@ -56,11 +63,14 @@ class DFlashModule(L.LightningModule):
                  num_anchors: int = 512, label_source: str = "target_argmax",
                  ce_chunk_size: int | None = None, ce_chunk_bytes: int = CE_CHUNK_BYTES,
                  seed: int = 0, val_seed: int = 1234,
-                 compile: bool = False, activation_checkpointing: bool = False):
+                 compile: bool = False, activation_checkpointing: bool = False,
+                 selector: Mapping[str, Any] | None = None):
         super().__init__()
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
                              f"{list(LABEL_SOURCES)}")
+        self.selector_settings = SelectorSettings.create(selector, drafter.config.variant)
+        selector = dict(selector or {})  # plain types in the checkpoint's hyper_parameters
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler"])
@@ -72,6 +82,8 @@ class DFlashModule(L.LightningModule):
         drafter.activation_checkpointing = activation_checkpointing
         self._val_taus: list[Tensor] = []
         self._val_loss: list[Tensor] = []
+        self._val_selector = SelectorMetrics()
+        self.logit_scale = LogitScale.of(drafter.config)
         if compile:
             self.drafter.compile_layers()
 
@@ -89,28 +101,64 @@ class DFlashModule(L.LightningModule):
         targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid,
                             self.drafter.config.block_size)
-        return dflash_loss(hidden, tgt, self.target_head.lm_head, hp.gamma, hp.ce_chunk_size,
-                           anchor_valid, hp.ce_chunk_bytes)
+        cfg, lm_head = self.drafter.config, self.target_head.lm_head
+        out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
+                          hp.ce_chunk_bytes, scale=self.logit_scale,
+                          top_k=cfg.selector_top_k if cfg.is_dflash2 else 0)
+        if cfg.is_dflash2:
+            out.selector = selector_loss(
+                self.drafter.candidate_selector, hidden, out, tgt,
+                batch["input_ids"].gather(1, anchors), lm_head, hp.gamma,
+                self.selector_settings.missing_gold, self.logit_scale, hp.ce_chunk_bytes)
+        return out
+
+    def objective(self, out: LossOutput, step: int, world_size: int = 1,
+                  all_reduce_sum=None) -> Tensor:
+        """The loss to backpropagate: the unary term, plus ``alpha(step)`` x the selector term
+        for DFlash 2; each is normalised by its GLOBAL weight sum (``global_weighted_loss``).
+        The selector term is added even at alpha 0, so every parameter is in the graph (DDP)."""
+        loss = global_weighted_loss(out.weighted_sum, out.weight_sum, world_size, all_reduce_sum)
+        if out.selector is None:
+            return loss
+        sel = global_weighted_loss(out.selector.weighted_sum, out.selector.weight_sum,
+                                   world_size, all_reduce_sum)
+        return loss + self.selector_settings.alpha_at(step) * sel
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         g = step_generator(self.hparams.seed, self.global_step, self.global_rank)
         out = self.blocks_loss(batch, *self.sample_anchors(batch, g))
-        world = self.trainer.world_size
-        loss = global_weighted_loss(out.weighted_sum, out.weight_sum, world,
-                                    lambda t: self.all_gather(t).sum())
-        taus = acceptance_lengths(out.correct, out.block_valid)
+        loss = self.objective(out, self.global_step, self.trainer.world_size,
+                              lambda t: self.all_gather(t).sum())
         bs = batch["input_ids"].shape[0]
         local_mean = out.weighted_sum.detach() / out.weight_sum.clamp(min=1e-8)
+        taus = acceptance_lengths(out.correct, out.block_valid)
+        if out.selector is not None:
+            local_mean = self._log_selector_train(out, local_mean, taus, bs)
+            taus = acceptance_lengths(out.selector.walk_correct, out.block_valid)
         self.log("train/loss", local_mean, prog_bar=True, batch_size=bs)
         self.log("train/tau", taus.mean() if taus.numel() else 1.0, prog_bar=True,
                  batch_size=bs)
         return loss
+
+    def _log_selector_train(self, out: LossOutput, unary_mean: Tensor, unary_taus: Tensor,
+                            bs: int) -> Tensor:
+        """Log the DFlash 2 pieces; returns the local objective (unary + alpha x selector)."""
+        alpha = self.selector_settings.alpha_at(self.global_step)
+        sel = out.selector
+        sel_mean = sel.weighted_sum.detach() / sel.weight_sum.clamp(min=1e-8)
+        self.log_dict({"train/unary_loss": unary_mean, "train/selector_loss": sel_mean,
+                       "train/alpha": float(alpha),
+                       "train/unary_tau": unary_taus.mean() if unary_taus.numel() else 1.0},
+                      batch_size=bs)
+        return unary_mean + alpha * sel_mean
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         g = step_generator(self.hparams.val_seed, batch_idx, self.global_rank)
         out = self.blocks_loss(batch, *self.sample_anchors(batch, g))
         self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
+        if out.selector is not None:
+            self._val_selector.update(out)
         for t, acc in enumerate(per_position_accuracy(out), start=1):
             if acc == acc:  # skip NaN (slot never valid in this batch)
                 self.log(f"val/acc_pos{t}", acc, batch_size=batch["input_ids"].shape[0],
@@ -121,8 +169,15 @@ class DFlashModule(L.LightningModule):
         sums = torch.stack(self._val_loss).sum(0) if self._val_loss else torch.tensor([0.0, 1.0])
         self._val_taus.clear()
         self._val_loss.clear()
-        self.log("val/tau", taus.mean(), prog_bar=True, sync_dist=True)
         self.log("val/loss", sums[0] / sums[1].clamp(min=1e-8), sync_dist=True)
+        if not self.drafter.config.is_dflash2:
+            self.log("val/tau", taus.mean(), prog_bar=True, sync_dist=True)
+            return
+        # DFlash 2: val/tau is the selector path's (the checkpoint monitor picks by it)
+        metrics = self._val_selector.compute()
+        self._val_selector.reset()
+        self.log("val/tau", metrics.pop("val/tau"), prog_bar=True, sync_dist=True)
+        self.log_dict(metrics, sync_dist=True)
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
