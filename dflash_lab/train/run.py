@@ -101,9 +101,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.info("val/tau of the untrained drafter: %.3f", before)
     if ckpt is not None:
         log.info("resuming from %s", ckpt)
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    # weights_only: a resumed checkpoint never runs pickled code, whatever
+    # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says (our checkpoints hold tensors and plain data only).
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    after = trainer.validate(module, datamodule=data, ckpt_path=best or None,
+    after = trainer.validate(module, datamodule=data, ckpt_path=best or None, weights_only=True,
                              verbose=False)[0]["val/tau"]
     result = {"val_tau_before": before, "val_tau_after": after, "best_checkpoint": best,
               "output_dir": str(out_dir.absolute())}
