@@ -12,8 +12,9 @@ special tokens, a chat template) into the file a llama.cpp conversion of it woul
   embedding's row count with ``[PAD{i}]`` (type UNUSED, as llama.cpp pads), token types
   (special added tokens CONTROL, other added tokens USER_DEFINED), merges, eos/padding/bos ids,
   and optionally ``tokenizer.chat_template``;
-- tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q``, ..., ``output``), F32, in
-  the HF layout: llama.cpp permutes q/k rows only for the llama architecture, not for qwen3.
+- tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q``, ..., ``output``), F32 (or
+  matrices quantised, e.g. Q8_0), in the HF layout: llama.cpp permutes q/k rows only for the
+  llama architecture, not for qwen3.
 
 The write is atomic (a temporary sibling renamed into place).
 """
@@ -63,7 +64,6 @@ def _add_shape(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 1e6))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict, num_rows: int,
@@ -88,8 +88,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict, num_r
         writer.add_chat_template(template_file.read_text(encoding="utf-8"))
 
 
+def quantized(array: np.ndarray, quant: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """``array`` as written: matrices in ``quant`` (``F32``, ``Q8_0``, ``Q4_0``, ...), vectors
+    (norms) in F32 as llama.cpp keeps them. Returns (data, its GGML type)."""
+    qtype = gguf.GGMLQuantizationType[quant]
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if array.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32:
+        return array, gguf.GGMLQuantizationType.F32
+    return gguf.quantize(array, qtype), qtype
+
+
 def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, num_layers: int,
-                 skip: tuple[str, ...]) -> None:
+                 skip: tuple[str, ...], quant: str) -> None:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, num_layers)
     for hf_name, array in sorted(load_file(str(model_dir / "model.safetensors")).items()):
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -97,16 +107,19 @@ def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, num_layers: int,
             raise ValueError(f"{model_dir}: no GGUF name for tensor {hf_name!r}")
         if gguf_name in skip:
             continue
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
+        data, qtype = quantized(array, quant)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
 
 
 def write_qwen3_gguf(model_dir: str | Path, out_path: str | Path, *,
-                     chat_template: bool = True, skip_tensors: tuple[str, ...] = ()) -> Path:
+                     chat_template: bool = True, skip_tensors: tuple[str, ...] = (),
+                     quant: str = "F32") -> Path:
     """Write ``out_path`` (a ``.gguf``) from the Qwen3 HF directory ``model_dir``.
 
     ``chat_template=False`` leaves ``tokenizer.chat_template`` out, as many GGUF conversions
     do; ``skip_tensors`` (GGUF names, e.g. ``blk.0.ffn_up.weight``) leaves tensors out, the
-    shape of a file whose tensors the loader cannot map. Returns ``out_path``.
+    shape of a file whose tensors the loader cannot map; ``quant`` (e.g. ``Q8_0``) quantises
+    the matrices with the gguf package (:func:`quantized`). Returns ``out_path``.
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -118,7 +131,7 @@ def write_qwen3_gguf(model_dir: str | Path, out_path: str | Path, *,
     writer.add_name(model_dir.name)
     _add_shape(writer, config)
     _add_tokenizer(writer, model_dir, config, config["vocab_size"], chat_template)
-    _add_tensors(writer, model_dir, config["num_hidden_layers"], skip_tensors)
+    _add_tensors(writer, model_dir, config["num_hidden_layers"], skip_tensors, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -106,6 +106,22 @@ def test_the_written_gguf_is_the_tiny_target(ggufs, tiny_target_dir):
     assert plain.identity()["chat_template_hash"] is None
 
 
+def test_a_quantised_gguf_dequantises_to_the_requested_dtype(tiny_target_dir, tmp_path):
+    """Q8_0 matrices come back as the gguf package dequantises them, cast to target.dtype."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    path = write_qwen3_gguf(tiny_target_dir, tmp_path / "tiny.Q8_0.gguf", quant="Q8_0")
+    got = load_target(str(path), dtype="bfloat16", device="cpu")
+    weight = load_file(str(tiny_target_dir / "model.safetensors"))[
+        "model.layers.0.self_attn.q_proj.weight"]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    want = torch.from_numpy(gguf.dequantize(gguf.quantize(weight, q8), q8)).to(torch.bfloat16)
+    have = got.model.model.layers[0].self_attn.q_proj.weight
+    assert have.dtype == torch.bfloat16 and torch.equal(have, want)
+    assert not torch.equal(want, torch.from_numpy(weight).to(torch.bfloat16))  # really lossy
+
+
 def test_a_gguf_with_tensors_transformers_cannot_map_is_refused(tiny_target_dir, tmp_path):
     """transformers would initialise the missing weight at random with a warning."""
     path = write_qwen3_gguf(tiny_target_dir, tmp_path / "broken.gguf",
@@ -211,9 +227,18 @@ def test_capture_train_export_eval_from_the_gguf_path_alone(variant, ggufs, conv
 
 
 def test_online_training_from_a_gguf(ggufs, conversations, tmp_path, monkeypatch):
+    """Without a template it stops at start-up naming target.chat_template; with one it
+    trains."""
     from dflash_lab.train.cli import main as train_main
+    from dflash_lab.train.run import train
 
     run_dir = tmp_path / "run"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=train_args(
+            ggufs["plain"], run_dir, "data=online", f"data.conversations={conversations}"))
+    with pytest.raises(ValueError, match=r"no chat template; set target\.chat_template="):
+        train(cfg)
     run(train_main, "dflash-train",
         train_args(ggufs["plain"], run_dir, "target.chat_template=chatml", "data=online",
                    f"data.conversations={conversations}", "data.max_length=128"), monkeypatch)
