@@ -111,7 +111,7 @@ def test_a_quantised_gguf_dequantises_to_the_requested_dtype(tiny_target_dir, tm
     import gguf
     from safetensors.numpy import load_file
 
-    path = write_qwen3_gguf(tiny_target_dir, tmp_path / "tiny.Q8_0.gguf", quant="Q8_0")
+    path = write_qwen3_gguf(tiny_target_dir, tmp_path / "tiny-F32.gguf", quant="Q8_0")
     got = load_target(str(path), dtype="bfloat16", device="cpu")
     weight = load_file(str(tiny_target_dir / "model.safetensors"))[
         "model.layers.0.self_attn.q_proj.weight"]
@@ -120,6 +120,21 @@ def test_a_quantised_gguf_dequantises_to_the_requested_dtype(tiny_target_dir, tm
     have = got.model.model.layers[0].self_attn.q_proj.weight
     assert have.dtype == torch.bfloat16 and torch.equal(have, want)
     assert not torch.equal(want, torch.from_numpy(weight).to(torch.bfloat16))  # really lossy
+
+
+def test_a_gguf_in_a_hub_repo_loads_from_the_offline_cache(ggufs, offline_hf_cache, tmp_path):
+    """target.name_or_path=Org/Repo target.gguf_file=NAME, as GGUF repos on the hub are laid
+    out, read from the HF cache with HF_HUB_OFFLINE=1."""
+    from stand_ins import publish_to_hf_cache
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(ggufs["plain"], repo / "tiny-F32.gguf")
+    publish_to_hf_cache(repo, "example-org/tiny-GGUF", offline_hf_cache)
+    got = load_target("example-org/tiny-GGUF", gguf_file="tiny-F32.gguf", dtype="float32",
+                      device="cpu", chat_template="chatml")
+    assert got.model.config.head_dim == 16
+    assert got.identity()["gguf_file"] == "tiny-F32.gguf"
 
 
 def test_a_gguf_with_tensors_transformers_cannot_map_is_refused(tiny_target_dir, tmp_path):
