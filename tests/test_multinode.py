@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from dflash_lab.launch import (
 )
 from dflash_lab.paths import REPO_ROOT
 from dflash_lab.runinfo import RUN_INFO_FILE, write_run_info
+from dflash_lab.train.callbacks import check_same_start_step
 from dflash_lab.train.cli import RUN_NAME_ENV, check_launch, share_run_name
 
 _LAUNCH_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -147,6 +149,17 @@ def test_run_info_is_written_by_global_rank_zero_only(launched, tmp_path):
     assert info["launch"] == {"launcher": "torchrun", "world_size": 2, "num_nodes": 2,
                               "processes_per_node": 1}
     assert (tmp_path / "a/config.yaml").read_text() == "x: 1\n"
+
+
+def test_ranks_that_would_start_from_different_steps_stop_together():
+    """One node found last.ckpt (step 7), the other did not (step 0)."""
+    def trainer(steps):
+        gather = SimpleNamespace(all_gather=lambda t: torch.tensor(steps))
+        return SimpleNamespace(strategy=gather, global_step=steps[0])
+
+    with pytest.raises(RuntimeError, match=r"step per rank: \[7, 0\].*shared filesystem"):
+        check_same_start_step(trainer([7, 0]), torch.device("cpu"))
+    check_same_start_step(trainer([7, 7]), torch.device("cpu"))
 
 
 def _write_record_repeatedly(path: str, times: int, errors) -> None:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 BEST_FILE = "best.json"
@@ -28,6 +29,11 @@ class DFlashCheckpoint(ModelCheckpoint):
             raise ValueError(f"callbacks.checkpoint.last_every_n_steps={last_every_n_steps}: "
                              "must be >= 1, or null to write last.ckpt only at validation")
         self.last_every_n_steps = last_every_n_steps
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.world_size > 1:
+            check_same_start_step(trainer, pl_module.device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -51,3 +57,17 @@ class DFlashCheckpoint(ModelCheckpoint):
         tmp = target.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         tmp.replace(target)
+
+
+def check_same_start_step(trainer, device: torch.device) -> None:
+    """Every rank must start training from the same step. ``ckpt_path=auto`` looks for
+    last.ckpt in each process; nodes that see different files (run directory not on a shared
+    filesystem, a stale NFS cache) would resume some ranks and start others afresh, and then
+    diverge or hang. All ranks raise together (they all see the gathered steps)."""
+    steps = trainer.strategy.all_gather(torch.tensor(trainer.global_step, device=device))
+    steps = steps.flatten().tolist()
+    if min(steps) != max(steps):
+        raise RuntimeError(
+            f"the ranks start training from different steps (step per rank: {steps}): some "
+            "found checkpoints/last.ckpt and resumed, others did not. Every node must see the "
+            "run directory on one shared filesystem; or pass ckpt_path=PATH explicitly")
