@@ -111,7 +111,7 @@ def test_a_quantised_gguf_dequantises_to_the_requested_dtype(tiny_target_dir, tm
     import gguf
     from safetensors.numpy import load_file
 
-    path = write_qwen3_gguf(tiny_target_dir, tmp_path / "tiny-F32.gguf", quant="Q8_0")
+    path = write_qwen3_gguf(tiny_target_dir, tmp_path / "tiny.Q8_0.gguf", quant="Q8_0")
     got = load_target(str(path), dtype="bfloat16", device="cpu")
     weight = load_file(str(tiny_target_dir / "model.safetensors"))[
         "model.layers.0.self_attn.q_proj.weight"]
