@@ -30,18 +30,22 @@ from export.checks import (
 from export.engines import ENGINES, RULE_SETS, Artifacts, EngineReading, read_all, rule_sets_for
 from export.engines.common import layouts_agree
 from export.outdir import REPORT_FILE, SOURCE_PATH_KEY, check_output_dir, refuse_overlap
-from export.report import engine_notes, export_report, layer_table
+from export.report import as_trained_lines, drafter_lines, engine_notes, export_report, layer_table
 from export.selfcheck import SelfCheckResult, run_self_check
 from export.sources import Source, artifacts_of, load_source, read_config_json
 from export.weights import (
     CONFIG_FILE,
     DTYPES,
     MASK_FILE,
+    SUFFIXED_CODEBOOKS,
     WEIGHTS_FILE,
     cast,
+    dflash2_shapes,
+    expected_shapes,
     save_weights,
     split_mask_embedding,
     validate_state_dict,
+    weight_shapes,
 )
 
 
@@ -172,8 +176,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
         report = export_report(
             header=_header(src, named, out_dir, engines, dtype, allow_lossy, command),
-            specs=config.layer_specs(), readings=readings, block_size=config.block_size,
-            findings=findings, self_check=check_lines, files=files + [REPORT_FILE])
+            config=config, readings=readings, findings=findings, self_check=check_lines,
+            files=files + [REPORT_FILE])
         (tmp / REPORT_FILE).write_text(report)
         _commit(tmp, out_dir, force)
     except BaseException:
@@ -234,23 +238,58 @@ def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[
     return out
 
 
+def _parse(d: dict[str, Any], path: Path) -> tuple[DrafterConfig | None, list[str]]:
+    try:
+        return DrafterConfig.from_dict(d, source=str(path / CONFIG_FILE)), []
+    except ValueError as err:
+        return None, [f"config.json cannot be read as a drafter: {err}"]
+
+
+def tensor_problems(config: DrafterConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Missing, unexpected or misshapen tensors for the config (DFlash 2: conv + selector).
+    z-lab's ``...codebook.weight`` names count as the codebooks (engine rules report them)."""
+    want = expected_shapes(config)
+    have = {SUFFIXED_CODEBOOKS.get(k, k): v for k, v in shapes.items()}
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    out = []
+    if missing:
+        what = " (a DFlash 2 drafter needs its conv and selector tensors)" \
+            if set(missing) & set(dflash2_shapes(config)) else ""
+        out.append(f"{WEIGHTS_FILE} lacks {len(missing)} tensor(s){what}: {missing[:6]}"
+                   + ("..." if len(missing) > 6 else ""))
+    if unexpected:
+        out.append(f"{WEIGHTS_FILE} has tensors the config does not declare: {unexpected[:6]}")
+    out += [f"{WEIGHTS_FILE}: {k} has shape {have[k]}, the config needs {want[k]}"
+            for k in sorted(set(want) & set(have)) if have[k] != want[k]]
+    return out
+
+
 def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectResult:
-    """Per layer, how each rule set resolves a serving directory; problems if any disagree."""
+    """Per layer, how each rule set resolves a serving directory; the drafter's variant, conv,
+    selector and scales, whether each rule set runs it as trained; problems if any disagree,
+    drop a feature, or the weights do not match the config."""
     path = Path(path)
     d = read_config_json(path)
     readings = read_all(d, artifacts_of(path), parse_engines(engine))
     block = _block_size(d)
-    trained = None
-    if TRAINING_SPEC_KEY in d:
-        trained = DrafterConfig.from_dict(d, strict=False, source=str(path)).layer_specs()
-    problems = _disagreement_lines(readings, block)
+    parsed, problems = _parse(d, path)
+    trained = parsed.layer_specs() if parsed is not None and TRAINING_SPEC_KEY in d else None
+    problems += _disagreement_lines(readings, block)
     if trained is not None:
         for reading in readings.values():
             problems += [f.message for f in mismatches(trained, reading, block, "warn")]
+    if parsed is not None:
+        problems += tensor_problems(parsed, weight_shapes(path))
     lines = [f"# {path}", "", f"block_size={block}; rule sets: "
              + ", ".join(f"{r.name} ({'current' if r.current else 'older'})"
                          for r in RULE_SETS if r.name in readings), ""]
     lines += layer_table(trained, readings, block)
+    if parsed is not None:
+        lines += ["", "Drafter:"] + drafter_lines(parsed)
+        lines += ["", "Runs the drafter as " + ("trained" if trained is not None else
+                                                "config.json declares it (dflash-lab's reading)")
+                  + "?"] + as_trained_lines(parsed.layer_specs(), readings, block)
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
     verdict = "OK: every rule set runs the same drafter" if not problems else \

@@ -77,9 +77,12 @@ def mismatches(specs: list[LayerSpec], reading: EngineReading, block_size: int,
 
 
 def _dropped_findings(reading: EngineReading, severity: str) -> list[Finding]:
-    return [Finding(severity, f"{reading.rule_set} silently drops {item}; fix: export with "
-                    "--engine vllm, or retrain without learned_mask_embedding / "
-                    "attention_sink_bias", reading.rule_set) for item in reading.dropped]
+    """Items that name their own fix keep it; the mask/sink items get the generic one."""
+    generic = ("; fix: export with --engine vllm, or retrain without learned_mask_embedding / "
+               "attention_sink_bias")
+    return [Finding(severity, f"{reading.rule_set} silently drops {item}"
+                    + ("" if "; fix:" in item else generic), reading.rule_set)
+            for item in reading.dropped]
 
 
 def check_layout(config: DrafterConfig) -> list[Finding]:
@@ -143,12 +146,21 @@ def check_target(config: DrafterConfig, target: dict[str, Any] | None,
         if want is not None and int(want) != getattr(config, key):
             out.append(Finding(REFUSE, f"drafter {key}={getattr(config, key)} but {source} has "
                                f"{key}={want}: the drafter shares the target's embedding and LM "
-                               "head; retrain for this target", lossy=False))
+                               "head; retrain for this target" + _full_vocab(config, key),
+                               lossy=False))
     layers = text.get("num_hidden_layers")
     if layers is not None and max(config.target_layer_ids) >= int(layers):
         out.append(Finding(REFUSE, f"target_layer_ids {config.target_layer_ids} reach past the "
                            f"{layers} layers of {source}; retrain for this target", lossy=False))
     return out
+
+
+def _full_vocab(config: DrafterConfig, key: str) -> str:
+    if key != "vocab_size" or not config.is_dflash2:
+        return ""
+    return (" (DFlash 2 needs the FULL target vocabulary: the selector's codebooks are "
+            "[vocab, rank] and both engines take candidates from the target's whole LM head; "
+            "no reduced draft vocabulary)")
 
 
 def apply_allow_lossy(findings: list[Finding], allow_lossy: bool) -> list[Finding]:

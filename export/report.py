@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_lab.attention.mask import LayerSpec
+from dflash_lab.model.config import SCALE_DEFAULTS, DrafterConfig
 from export.checks import REFUSE, Finding, layer_matches, spec_label
 from export.engines import EngineReading
 
@@ -42,6 +43,41 @@ def engine_notes(readings: dict[str, EngineReading]) -> list[str]:
     return lines or ["- none"]
 
 
+def drafter_lines(config: DrafterConfig) -> list[str]:
+    """The variant, its DFlash 2 modules and the scales, as one bullet each."""
+    if config.is_dflash2:
+        groups = config.hidden_size // config.conv_group_size
+        lines = ["- variant: dflash2 (DFlash2DraftModel)",
+                 f"- conv: conv_kernel_size={config.conv_kernel_size}, conv_group_size="
+                 f"{config.conv_group_size} ({groups} groups) around every attention and MLP",
+                 f"- selector: selector_rank={config.selector_rank}, selector_top_k="
+                 f"{config.selector_top_k} (full vocabulary {config.vocab_size})"]
+    else:
+        lines = ["- variant: dflash1 (DFlashDraftModel)"]
+    scales = {k: getattr(config, k) for k, off in SCALE_DEFAULTS.items()
+              if getattr(config, k) != off}
+    return lines + ["- scales: " + (", ".join(f"{k}={v}" for k, v in scales.items())
+                                    if scales else "all off")]
+
+
+def as_trained_lines(specs: list[LayerSpec], readings: dict[str, EngineReading],
+                     block_size: int) -> list[str]:
+    """Per rule set: does it run this drafter exactly as ``specs`` say, and if not, why."""
+    lines = []
+    for name, reading in readings.items():
+        if reading.refusal:
+            why = f"refuses to load: {reading.refusal}"
+        elif reading.dropped:
+            why = "drops " + "; drops ".join(d.split("; fix:")[0] for d in reading.dropped)
+        else:
+            bad = [i for i, (s, got) in enumerate(zip(specs, reading.layers, strict=False))
+                   if not layer_matches(s, got, block_size)]
+            why = f"runs layers {bad} differently" if bad else ""
+        lines.append(f"- {name}: " + (f"NO, {why}" if why else "yes"))
+        lines += [f"  - {note}" for note in reading.notes]
+    return lines
+
+
 def findings_section(findings: list[Finding]) -> list[str]:
     if not findings:
         return ["- none"]
@@ -49,12 +85,16 @@ def findings_section(findings: list[Finding]) -> list[str]:
             for f in findings]
 
 
-def export_report(*, header: dict[str, str], specs: list[LayerSpec],
-                  readings: dict[str, EngineReading], block_size: int,
-                  findings: list[Finding], self_check: list[str], files: list[str]) -> str:
+def export_report(*, header: dict[str, str], config: DrafterConfig,
+                  readings: dict[str, EngineReading], findings: list[Finding],
+                  self_check: list[str], files: list[str]) -> str:
     """The EXPORT_REPORT.md text."""
+    specs, block_size = config.layer_specs(), config.block_size
     lines = ["# DFlash drafter export report", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
+    lines += ["", "## Drafter", ""] + drafter_lines(config)
+    lines += ["", "## Runs the drafter as trained? (every rule set)", ""]
+    lines += as_trained_lines(specs, readings, block_size)
     lines += ["", "## Per-layer attention: trained vs each engine rule set", "",
               "`W=n` sliding window of n keys (counting the query), `full` no window; "
               "`bidir` bidirectional inside the block; `left-only` = SGLang's window_left "

@@ -4,7 +4,9 @@ The reload path: ``config.json`` through transformers' ``Qwen3Config`` (when tra
 installed; else the emulated rewrites of :func:`export.engines.common.hf_view`), then each
 current engine rule set's per-layer reading, then the weights by name from ``model.safetensors``
 (and ``mask_embedding.pt`` for vLLM). That drafter and the source drafter run the inference path
-(``extend_context`` + ``draft``) on one random probe block; logits use a random probe LM head.
+(``extend_context`` + ``draft``) on one random probe block; logits use a random probe LM head
+and the drafter's scales (output_multiplier, softcap); a DFlash 2 drafter also walks its
+selector over the probe's top-K candidates, and its scores are compared too.
 
 Two numbers per engine view, both relative to max |reference logit|:
 - ``config`` diff: source config vs engine-read config, both with the EXPORTED weights in fp32.
@@ -15,6 +17,7 @@ Two numbers per engine view, both relative to max |reference logit|:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +37,9 @@ DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 _SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "mask_token_id", "target_layer_ids",
                 "block_size", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
-                "learned_mask_embedding", "attention_sink_bias")
+                "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
+                "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+                "output_multiplier", "final_logit_softcapping")
 
 
 @dataclass
@@ -123,23 +128,35 @@ def _probe(config: DrafterConfig, seed: int = 0) -> dict[str, Any]:
         "feats": torch.randn(1, num_ctx, len(config.target_layer_ids) * h, generator=gen),
         "anchor": anchor,
         "embed": _ProbeEmbedding([int(anchor), config.mask_token_id], h, gen),
-        "head": torch.randn(min(config.vocab_size, 256), h, generator=gen) / math.sqrt(h),
+        "head": torch.randn(max(min(config.vocab_size, 256), config.selector_top_k or 0), h,
+                            generator=gen) / math.sqrt(h),
     }
 
 
-def _logits(config: DrafterConfig, state: dict[str, Tensor], probe: dict[str, Any]) -> Tensor:
+@torch.no_grad()
+def _logits(config: DrafterConfig, state: dict[str, Tensor],
+            probe: dict[str, Any]) -> list[Tensor]:
+    """[unary logits [1, B, V']] (+ DFlash 2: the selector walk's scores [1, B-1, C])."""
     from dflash_lab.model.drafter import DFlashDrafter
 
     drafter = DFlashDrafter(config, backend="sdpa").float().eval()
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     cache = drafter.new_cache()
     drafter.extend_context(cache, probe["feats"])
-    hidden = drafter.draft(cache, probe["anchor"], probe["embed"])
-    return hidden.float() @ probe["head"].T
+    hidden = drafter.draft(cache, probe["anchor"], probe["embed"]).float()
+    unary = drafter.unary_logits(hidden, lambda h: h @ probe["head"].T)
+    if drafter.candidate_selector is None:
+        return [unary]
+    selector = drafter.candidate_selector
+    cand_unary, cand_ids = selector.candidates(unary[:, 1:])
+    _, scores = selector.walk(hidden[:, 1:], cand_ids, cand_unary, probe["anchor"])
+    return [unary, scores]
 
 
-def _rel(a: Tensor, b: Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+def _rel(a: list[Tensor], b: list[Tensor]) -> float:
+    """Worst relative max difference over the compared outputs."""
+    return max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-12))
+               for x, y in zip(a, b, strict=True))
 
 
 def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
@@ -149,10 +166,11 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
     if not reading.loads:
         return None
     plain = {k: v for k, v in view.items() if k != TRAINING_SPEC_KEY}
-    base = DrafterConfig.from_dict(plain, strict=False, source=f"{out_dir} as {rule_set.name}")
+    base = DrafterConfig.from_dict(plain, source=f"{out_dir} as {rule_set.name}")
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(base, reading, artifacts.mask_embedding_file and is_vllm,
                                  base.attention_sink_bias and is_vllm)
+    config = dataclasses.replace(config, **reading.overrides)
     state = load_weights(out_dir)
     if not config.attention_sink_bias:
         state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}

@@ -25,9 +25,11 @@ from export.weights import (
     MASK_FILE,
     MASK_KEY,
     SINK_SUFFIX,
+    SUFFIXED_CODEBOOKS,
     WEIGHTS_FILE,
     load_mask_file,
     load_weights,
+    serving_names,
     validate_state_dict,
     weight_names,
 )
@@ -88,8 +90,7 @@ def load_checkpoint(path: Path) -> Source:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: hyper_parameters['drafter_config'] is missing or not a dict; "
                          "the training module must save DrafterConfig.to_dict() there")
-    config = DrafterConfig.from_dict(cfg, strict=True,
-                                     source=f"{path}:hyper_parameters.drafter_config")
+    config = DrafterConfig.from_dict(cfg, source=f"{path}:hyper_parameters.drafter_config")
     state = {_plain_key(k[len(DRAFTER_PREFIX):]): v for k, v in ckpt["state_dict"].items()
              if k.startswith(DRAFTER_PREFIX)}
     if not state:
@@ -121,7 +122,8 @@ def resolve_run_dir(run: Path) -> tuple[Path, str]:
 def artifacts_of(path: Path) -> Artifacts:
     names = weight_names(path)
     return Artifacts(mask_embedding_file=(path / MASK_FILE).exists(),
-                     sink_weights=any(n.endswith(SINK_SUFFIX) for n in names))
+                     sink_weights=any(n.endswith(SINK_SUFFIX) for n in names),
+                     suffixed_codebooks=any(n in SUFFIXED_CODEBOOKS for n in names))
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -160,12 +162,13 @@ def _disagreements(readings: dict[str, EngineReading], chosen: str,
 def _resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
                          assume: str) -> tuple[DrafterConfig, list[str]]:
     rule_set = get_rule_set(assume)
-    readings = read_all(d, artifacts)
+    # the import renames z-lab's '.weight' codebooks, so no rule set should refuse over them
+    readings = read_all(d, dataclasses.replace(artifacts, suffixed_codebooks=False))
     reading = readings[rule_set.name]
     if not reading.loads:
         raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
                          "rule set (assume=...)")
-    base = DrafterConfig.from_dict(d, strict=False, source=str(path / CONFIG_FILE))
+    base = DrafterConfig.from_dict(d, source=str(path / CONFIG_FILE))
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(base, reading,
                                  keeps_mask=artifacts.mask_embedding_file and is_vllm,
@@ -180,17 +183,23 @@ def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDraft
     directories leave causality implicit: it is resolved by ``assume`` (default
     ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in ``config._source``, and
     rule sets that would read the directory differently are listed in ``disagreements``.
+    Everything else (variant, conv, selector, the three scales) is read as z-lab's loader reads
+    it; DFlash 2 codebooks saved as ``...codebook.weight`` (z-lab ``save_pretrained``) are
+    renamed to the serving names (listed in ``disagreements``: engines would not load them).
     """
     path = Path(path)
     d = read_config_json(path)
     artifacts = artifacts_of(path)
     if TRAINING_SPEC_KEY in d and assume is None:
-        config = DrafterConfig.from_dict(d, strict=True, source=str(path / CONFIG_FILE))
+        config = DrafterConfig.from_dict(d, source=str(path / CONFIG_FILE))
         assumed, disagree = OUR_SPEC, []
     else:
         assumed = assume or DEFAULT_ASSUMED_RULES
         config, disagree = _resolve_third_party(d, path, artifacts, assumed)
-    state = load_weights(path)
+    state, renamed = serving_names(load_weights(path))
+    if renamed:
+        disagree = disagree + [f"tensors {renamed} renamed without '.weight' (vLLM refuses "
+                               "those names, SGLang skips them)"]
     if not config.attention_sink_bias:
         state = {k: v for k, v in state.items() if not k.endswith(SINK_SUFFIX)}
     mask = load_mask_file(path, config.mask_token_id) if config.learned_mask_embedding else None
@@ -198,7 +207,7 @@ def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDraft
         state[MASK_KEY] = mask
     validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
     if disagree:
-        _warn(f"{path}: causality resolved with {assumed}; " + "; ".join(disagree))
+        _warn(f"{path}: read with {assumed}; " + "; ".join(disagree))
     return ImportedDrafter(config, state, mask, assumed, disagree)
 
 

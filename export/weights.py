@@ -5,6 +5,13 @@ there is no embed_tokens / lm_head. The learned mask embedding is not a safetens
 reads it from ``mask_embedding.pt`` as ``{"embedding": T[H], "mask_token_id": id}``, a form its
 loader checks against ``dflash_config.mask_token_id`` (``_read_mask_embedding`` in vllm
 ``model_executor/models/qwen3_dflash.py``).
+
+DFlash 2 adds ``layers.{i}.{attention,mlp}_conv.{base_kernel,kernel_projection.weight}`` and
+``candidate_selector.{predecessor_codebook,successor_codebook,hidden_projection.weight}``. The
+codebooks carry NO ``.weight``: vLLM's ``qwen3_dflash2.CandidateSelector`` and SGLang's
+``models/dflash.py`` hold them as bare parameters, and z-lab's ``DFlash2DraftModel.from_pretrained``
+maps the bare names onto its ``nn.Embedding``. z-lab's ``save_pretrained`` writes them WITH
+``.weight`` (its modules are embeddings); such directories are read back under the bare names.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ CONFIG_FILE = "config.json"
 MASK_FILE = "mask_embedding.pt"
 MASK_KEY = "mask_embedding"  #: the drafter's state_dict key for the learned mask embedding
 SINK_SUFFIX = "self_attn.attention_sink_bias"
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+#: z-lab ``save_pretrained`` name -> serving name (vLLM refuses the former, SGLang skips it)
+SUFFIXED_CODEBOOKS = {f"{name}.weight": name for name in CODEBOOKS}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -50,7 +60,32 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
         shapes[f"{p}input_layernorm.weight"] = (h,)
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    if config.is_dflash2:
+        shapes.update(dflash2_shapes(config))
     return shapes
+
+
+def dflash2_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The DFlash 2 tensors: per layer two convs (base [2, K, H], projection [2*K*G, H], G =
+    H / conv_group_size groups), and the selector (codebooks [V, R], projection [R, H])."""
+    h, k, r = config.hidden_size, config.conv_kernel_size, config.selector_rank
+    groups = h // config.conv_group_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
+    for name in CODEBOOKS:
+        shapes[name] = (config.vocab_size, r)
+    shapes["candidate_selector.hidden_projection.weight"] = (r, h)
+    return shapes
+
+
+def serving_names(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Rename z-lab ``save_pretrained`` codebook names (``...codebook.weight``) to the serving
+    names; returns the renamed dict and the names that were renamed."""
+    renamed = [k for k in state if k in SUFFIXED_CODEBOOKS]
+    return {SUFFIXED_CODEBOOKS.get(k, k): v for k, v in state.items()}, renamed
 
 
 def split_mask_embedding(state: dict[str, torch.Tensor], config: DrafterConfig,
@@ -84,6 +119,10 @@ def validate_state_dict(state: dict[str, torch.Tensor], config: DrafterConfig,
            if tuple(state[k].shape) != want[k]]
     if bad:
         raise ValueError(f"{source}: wrong tensor shapes: {bad[:8]}")
+    broken = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if broken:
+        raise ValueError(f"{source}: tensors with NaN/inf values: {broken[:8]}; the checkpoint "
+                         "holds uninitialised or diverged weights")
 
 
 def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -106,6 +145,12 @@ def weight_names(path: Path) -> list[str]:
     """Tensor names without loading the tensors (cheap, for --inspect)."""
     with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         return list(f.keys())
+
+
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the safetensors header (no tensor is loaded)."""
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
 
 
 def load_mask_file(path: Path, mask_token_id: int | None) -> torch.Tensor | None:

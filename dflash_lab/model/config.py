@@ -374,8 +374,7 @@ class DrafterConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>",
-                  strict: bool | None = None) -> DrafterConfig:
+    def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
         """Read a serving config.json dict (ours or a third-party z-lab one).
 
         HF bookkeeping keys are ignored; any other unknown key (top level or ``dflash_config``)
@@ -386,14 +385,12 @@ class DrafterConfig:
         bidirectional (vLLM rule). The variant comes from ``architectures`` (or, absent, from
         the presence of the DFlash 2 keys); DFlash 2 and scale keys are read from
         ``dflash_config`` first, then the top level (z-lab's lookup order).
-        ``strict`` is accepted for existing callers and changes nothing: every read is strict.
         """
-        del strict
         return _parse_serving_dict(cls, d, source=source)
 
     @classmethod
-    def from_json(cls, path: str | Path, *, strict: bool | None = None) -> DrafterConfig:
-        """Read a config.json file (always strict; ``strict`` as in :meth:`from_dict`)."""
+    def from_json(cls, path: str | Path) -> DrafterConfig:
+        """Read a config.json file (unknown keys are errors, as in :meth:`from_dict`)."""
         path = Path(path)
         try:
             data = json.loads(path.read_text())

@@ -34,6 +34,8 @@ class Artifacts:
 
     mask_embedding_file: bool = False  #: ``mask_embedding.pt`` present
     sink_weights: bool = False  #: ``layers.*.self_attn.attention_sink_bias`` tensors present
+    #: DFlash 2 codebooks named ``candidate_selector.*_codebook.weight`` (z-lab save_pretrained)
+    suffixed_codebooks: bool = False
 
 
 NO_ARTIFACTS = Artifacts()
@@ -63,7 +65,10 @@ class EngineReading:
     layers: list[LayerReading] | None  #: None when the engine refuses to load the drafter
     refusal: str | None = None  #: the engine's own load-time error, in words
     dropped: list[str] = field(default_factory=list)  #: features silently ignored
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  #: how to serve it (not problems)
+    #: drafter config fields the engine runs with another value than config.json declares
+    #: (a dropped scale runs as "off"); the self-check builds the engine's drafter with them
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def loads(self) -> bool:

@@ -15,6 +15,7 @@ Sources: ``python/sglang/srt/models/dflash.py`` (``_get_dflash_layer_attention_p
 SGLang reads neither ``dflash_config.causal`` nor ``use_swa`` / ``swa_window_size`` (the latter
 only for the Nemotron 3.5 layout), never opens ``mask_embedding.pt``, and skips weights it has no
 parameter for, which includes ``attention_sink_bias`` outside the Nemotron 3.5 layout.
+DFlash 2 (served since PR #35371, in 0.5.23) and the three scales: :mod:`export.engines.variant`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from export.engines.common import (
     LayerReading,
     hf_view,
 )
+from export.engines.variant import sglang_variant
 
 
 def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
@@ -60,6 +62,9 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str,
     """Per-layer (window, causal) as SGLang builds its RadixAttention layers, or its refusal."""
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
+    sglang_variant(config, artifacts, reading, current=era == "after-34524")
+    if reading.refusal:
+        return reading
     if view.layer_types is None:
         reading.layers = [LayerReading(None, False, LEFT_ONLY)] * view.num_layers
         return reading

@@ -17,6 +17,7 @@ Sources (read from the released wheels, file ``vllm/model_executor/models/qwen3_
 - ``mask_embedding.pt`` (a tensor, or ``{"embedding": T, "mask_token_id": id}``) is read by
   ``DFlashQwen3ForCausalLM._read_mask_embedding``; sink weights are created only when
   ``dflash_config.attention_sink_bias`` is true.
+- DFlash 2 (``qwen3_dflash2.py``) and the three scales: :mod:`export.engines.variant`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from export.engines.common import (
     LayerReading,
     hf_view,
 )
+from export.engines.variant import vllm_variant
 
 
 def _layer_causal(view: HFView, i: int, *, honors_is_causal: bool) -> bool:
@@ -78,6 +80,9 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     """Per-layer (window, causal) as vLLM would build the drafter, or its load-time refusal."""
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
+    vllm_variant(config, artifacts, reading, legacy=not honors_is_causal, runner=runner)
+    if reading.refusal:
+        return reading
     types = view.layer_types
     num_sliding = sum(t == SLIDING for t in types) if types is not None else 0
     if types is not None and 0 < num_sliding < len(types) and runner == "v1":

