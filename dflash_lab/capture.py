@@ -32,7 +32,13 @@ _LOGGED = ("num_samples", "num_tokens", "num_loss_tokens")
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) from the environment torchrun sets; (0, 1) otherwise."""
+    """(global rank, world size) of this process: from torchrun or SLURM's srun
+    (:func:`dflash_lab.launch.detect_launch`), else RANK / WORLD_SIZE set by hand, else (0, 1)."""
+    from dflash_lab.launch import detect_launch
+
+    launch = detect_launch()
+    if launch is not None:
+        return launch.rank, launch.world_size
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} / WORLD_SIZE={world}: need 0 <= RANK < WORLD_SIZE")

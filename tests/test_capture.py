@@ -293,3 +293,17 @@ def test_rank_env_is_validated(monkeypatch):
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert rank_and_world() == (0, 1)
+
+
+def test_plain_srun_tasks_split_the_capture(monkeypatch):
+    """``srun dflash-capture`` (no torchrun): SLURM's task ids are the ranks."""
+    from dflash_lab.capture import rank_and_world
+
+    for key in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "capture")
+    assert rank_and_world() == (3, 4)

@@ -41,10 +41,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | None) -> str:
-    """``"auto"`` -> ``cuda:$LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    """``"auto"`` -> ``cuda:<local rank>`` when CUDA is available, else ``cpu``. The local rank
+    is torchrun's LOCAL_RANK, else SLURM's SLURM_LOCALID (a plain ``srun`` launch)."""
     if device in (None, "auto"):
         if torch.cuda.is_available():
-            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))
+            return f"cuda:{int(local)}"
         return "cpu"
     return device
 
