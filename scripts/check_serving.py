@@ -4,8 +4,7 @@ Runs in the project venv (``.venv``); the vLLM side runs in ``.venv-vllm`` throu
 ``scripts/vllm_serving_check.py`` (JSON in, JSON out). Stages, each cached under
 ``outputs/check_serving/`` so a rerun only repeats what changed (``--fresh`` redoes everything):
 
-1. target: the built-in tiny target when vLLM's CPU attention supports its head_dim, else the
-   same recipe with 2 heads (head_dim 32) built beside it (vLLM CPU has no head_dim-16 kernel);
+1. target: the built-in tiny target (``outputs/tiny_target``, the demo's), served as it is;
 2. train each drafter in ``DRAFTERS`` with the tiny recipe (dflash-train);
 3. export it for vLLM in float32 (dflash-export --engine vllm);
 4. dflash-eval the exported directory on held-out demo prompts (greedy, fp32);
@@ -13,7 +12,10 @@ Runs in the project venv (``.venv``); the vLLM side runs in ``.venv-vllm`` throu
    plus a mixed sliding/full copy of a drafter that vLLM's V1 runner must refuse;
 6. regeneration: ``dflash-regenerate`` on demo conversations in process (``backend=hf``) and
    through vLLM's OpenAI-compatible server (``backend=server``): the files must be identical;
-7. compare, print a PASS/FAIL table, write ``outputs/check_serving/summary.json``.
+7. DFlash 2 pieces: vLLM cannot serve DFlash 2 on CPU, so ``scripts/vllm_dflash2_pieces.py``
+   checks a tiny random DFlash 2 export against vLLM's own ``qwen3_dflash2`` code (every tensor
+   loaded, CPU grouped conv, candidates and selector lattice; about 20 s of CPU);
+8. compare, print a PASS/FAIL table, write ``outputs/check_serving/summary.json``.
 
 Acceptance comparison. Both sides decode greedily in fp32 from the same token ids, so they must
 produce the same tokens and, round by round, the same acceptance lengths. vLLM's own metric
@@ -41,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks.vllm_server (the server launcher)
-from benchmarks.vllm_server import VLLM_PYTHON, tiny_target_for_vllm, vllm_server  # noqa: E402
+from benchmarks.vllm_server import VLLM_PYTHON, tiny_target, vllm_server  # noqa: E402
 
 OUT = ROOT / "outputs" / "check_serving"
 VENV_BIN = Path(sys.executable).parent
@@ -269,6 +271,17 @@ def regenerate_both(target: Path) -> dict:
             "passed": rows["hf"] == rows["server"] and len(rows["hf"]) == REGEN_ROWS}
 
 
+def dflash2_pieces() -> dict:
+    """Stage 7: vLLM's qwen3_dflash2 pieces on a DFlash 2 export of ours (see the script)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import vllm_dflash2_pieces as pieces
+
+    case = pieces.prepare_case(OUT / "dflash2_pieces")
+    run([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_dflash2_pieces.py"), str(case)],
+        OUT / "logs" / "dflash2_pieces.log")
+    return pieces.compare_case(case)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fresh", action="store_true", help="delete outputs/check_serving first")
@@ -280,7 +293,7 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    target = tiny_target_for_vllm(OUT / "tiny_target_hd32")
+    target = tiny_target()
     times["target"] = time.perf_counter() - t0
 
     from dflash_lab.data.demo_corpus import write_demo_jsonl
@@ -305,15 +318,23 @@ def main() -> int:
     t = time.perf_counter()
     regen = regenerate_both(target)
     times["regenerate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pieces = dflash2_pieces()
+    times["dflash2_pieces"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t0
     summary = {"passed": all(r["passed"] for r in rows) and mixed["passed"]
-               and vres["baseline"]["engine_ok"] and regen["passed"], "regenerate": regen,
+               and vres["baseline"]["engine_ok"] and regen["passed"] and pieces["passed"],
+               "regenerate": regen, "dflash2_pieces": pieces,
                "vllm_version": vres["vllm_version"], "target": str(target),
                "num_prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
                "tolerances": {v: tol for v, (_, tol) in VARIANTS.items()}, "drafters": rows,
                "mixed_layout": mixed, "seconds": {k: round(v, 1) for k, v in times.items()}}
     (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
     print_table(rows, mixed, regen)
+    print(f"{'dflash2: vLLM qwen3_dflash2 pieces':<30}{'':>37}  "
+          + ("PASS" if pieces["passed"] else "FAIL: " + ", ".join(
+              k for k, ok in pieces["checks"].items() if not ok))
+          + f" (max rel diff {max(pieces['diffs'].values()):.1e})")
     print(f"\ncheck-serving: {'PASS' if summary['passed'] else 'FAIL'} "
           f"({times['total']:.0f} s; {OUT.relative_to(ROOT)}/summary.json)")
     return 0 if summary["passed"] else 1
