@@ -19,7 +19,7 @@ from test_export_support import make_config, random_state, write_zlab_dir
 from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
 from export import ExportRefused, export_drafter, import_drafter, inspect_dir, plan_export
 from export.api import serving_config
-from export.cli import EXIT_REFUSED, main
+from export.cli import EXIT_OK, EXIT_REFUSED, main
 from export.engines import get_rule_set, read_all
 from export.engines.common import Artifacts
 from export.selfcheck import run_self_check
@@ -176,6 +176,18 @@ def test_target_with_another_vocab_is_refused_with_the_full_vocabulary_reason():
     _, findings = plan_export(config, ("vllm",), target=target)
     assert any("FULL target vocabulary" in f.message and f.severity == "refuse"
                for f in findings)
+
+
+def test_cli_exports_inspects_and_refuses_with_exit_codes(tmp_path, capsys):
+    config = make_config("zlab_default", **V2, input_embedding_scale=1.5)
+    d = write_zlab_dir(tmp_path / "zlab", zlab_v2_config(), random_state(config))
+    assert main([str(d), str(tmp_path / "sgl"), "--engine", "sglang"]) == EXIT_REFUSED
+    assert "input_embedding_scale" in capsys.readouterr().err
+    argv = [str(d), str(tmp_path / "v"), "--engine", "vllm", "--dtype", "float32"]
+    assert main(argv) == EXIT_OK
+    assert main(["--inspect", str(tmp_path / "v"), "--engine", "vllm"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "- variant: dflash2 (DFlash2DraftModel)" in out and "- vllm-main-v2: yes" in out
 
 
 # ---------------------------------------------------------------------------- inspect problems
