@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import report, table
-from benchmarks.vllm_server import ROOT, VLLM_PYTHON, tiny_target_for_vllm, vllm_server
+from benchmarks.vllm_server import ROOT, VLLM_PYTHON, tiny_target, vllm_server
 
 SMOLLM2 = ROOT / "outputs" / "smollm2_target"
 SHAREGPT = ROOT / "outputs" / "data" / "sharegpt" / "train.jsonl"
@@ -88,7 +88,7 @@ def load_inputs(args) -> tuple[object, list[dict], str]:
     elif args.size != "toy" and SMOLLM2.is_dir() and SHAREGPT.is_file():
         target_dir, args.data = SMOLLM2, args.data or str(SHAREGPT)
     else:
-        target_dir = tiny_target_for_vllm(ROOT / "outputs" / "bench" / "tiny_target_hd32")
+        target_dir = tiny_target()
     if args.data:
         ds = load_conversations(args.data, limit=rows_wanted, shuffle_seed=None)
         rows = [ds[i] for i in range(len(ds))]

@@ -22,23 +22,12 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def tiny_target_for_vllm(fallback_dir: Path) -> Path:
-    """The built-in tiny target when vLLM's CPU attention has a kernel for its head_dim, else
-    the same recipe with 2 heads / 1 KV head (head_dim 32) materialised in ``fallback_dir``."""
-    from dflash_lab.target.tiny import (
-        DEFAULT_TINY_TARGET_DIR,
-        TinyTargetRecipe,
-        materialize_tiny_target,
-    )
+def tiny_target() -> Path:
+    """The built-in tiny target (``outputs/tiny_target``, built once), served by vLLM as is: its
+    head_dim is one vLLM's CPU attention has a kernel for (tests/test_target.py keeps it so)."""
+    from dflash_lab.target.tiny import DEFAULT_TINY_TARGET_DIR, materialize_tiny_target
 
-    default = TinyTargetRecipe()
-    head_dim = default.hidden_size // default.num_attention_heads
-    if head_dim in VLLM_CPU_HEAD_SIZES:
-        return materialize_tiny_target(ROOT / DEFAULT_TINY_TARGET_DIR, default)
-    print(f"tiny target head_dim {head_dim} has no vLLM CPU kernel: using the 2-head "
-          "(head_dim 32) variant", flush=True)
-    recipe = TinyTargetRecipe(num_attention_heads=2, num_key_value_heads=1)
-    return materialize_tiny_target(fallback_dir, recipe)
+    return materialize_tiny_target(ROOT / DEFAULT_TINY_TARGET_DIR)
 
 
 def vllm_command(model: str | Path, *, python: str | Path = VLLM_PYTHON,

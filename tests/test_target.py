@@ -41,6 +41,15 @@ def test_tiny_target_is_a_plain_hf_directory(tiny_target_dir):
     assert tok.chat_template
 
 
+def test_tiny_target_head_dim_has_a_vllm_cpu_kernel(tiny_target_dir):
+    """check-serving and the regeneration benchmark serve the demo's target as it is."""
+    from benchmarks.vllm_server import VLLM_CPU_HEAD_SIZES
+
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    assert config["head_dim"] in VLLM_CPU_HEAD_SIZES, config["head_dim"]
+    assert config["head_dim"] * config["num_attention_heads"] == config["hidden_size"]
+
+
 def test_tiny_target_greedy_outputs_are_varied(tiny_target):
     tok, outs = tiny_target.tokenizer, []
     for prompt in PROMPTS:

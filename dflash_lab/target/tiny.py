@@ -24,8 +24,8 @@ from dflash_lab.data.demo_corpus import demo_conversations
 
 log = logging.getLogger(__name__)
 
-#: Bump when the recipe changes so cached directories are rebuilt.
-TINY_TARGET_VERSION = 1
+#: Bump when the recipe changes so cached directories are rebuilt (2: head_dim 16 -> 32).
+TINY_TARGET_VERSION = 2
 DEFAULT_TINY_TARGET_DIR = Path("outputs/tiny_target")
 MARKER_FILE = "dflash_tiny_target.json"
 MASK_TOKEN = "<|mask|>"
@@ -60,8 +60,9 @@ class TinyTargetRecipe:
     vocab_size: int = 768  #: model vocab_size and BPE budget (the BPE stops earlier, ~620)
     hidden_size: int = 64
     num_hidden_layers: int = 8  #: 8 layers so 5 evenly spread target layers are distinct
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    #: 2 heads of 32 (1 KV head): head_dim 32 is the smallest that vLLM's CPU attention serves
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
     intermediate_size: int = 192
     max_position_embeddings: int = 2048
     corpus_size: int = 4000  #: demo conversations used for tokenizer + pre-training
