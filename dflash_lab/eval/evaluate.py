@@ -78,10 +78,11 @@ def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
 
 
 def _settings_record(cfg, target, block_size: int, trained: int, description: str,
-                     notes: list[str], stop_ids: tuple[int, ...], backend: str) -> dict[str, Any]:
+                     notes: list[str], stop_ids: tuple[int, ...], backend: str,
+                     variant: str) -> dict[str, Any]:
     return {
         "target": target.name_or_path, "drafter": cfg.drafter.path, "drafter_source": description,
-        "drafter_notes": notes, "data": cfg.data.path, "block_size": block_size,
+        "drafter_notes": notes, "variant": variant, "data": cfg.data.path, "block_size": block_size,
         "trained_block_size": trained, "max_new_tokens": cfg.max_new_tokens,
         "num_prompts": cfg.num_prompts, "temperature": cfg.temperature,
         "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
@@ -124,7 +125,8 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
                                   ids, settings, baseline=cfg.baseline, seed=cfg.seed,
                                   warmup=cfg.warmup, progress=cfg.progress, on_prompt=on_prompt)
     record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
-                              loaded.description, loaded.notes, stops, backend)
+                              loaded.description, loaded.notes, stops, backend,
+                              loaded.drafter.config.variant)
     return generation_report(spec, base, ids, proposer.block_size, record)
 
 
@@ -144,7 +146,8 @@ def run_features(cfg) -> dict[str, Any]:
                           anchors_per_forward=f.anchors_per_forward, progress=cfg.progress)
     report["settings"] = {
         "target": target.name_or_path, "drafter": cfg.drafter.path,
-        "drafter_source": loaded.description, "drafter_notes": loaded.notes, "data": cfg.data.path,
+        "drafter_source": loaded.description, "drafter_notes": loaded.notes,
+        "variant": drafter.config.variant, "data": cfg.data.path,
         "block_size": drafter.config.block_size, "trained_block_size": loaded.trained_block_size,
         "num_samples": cfg.num_prompts, "num_anchors": f.num_anchors, "seed": f.seed,
         "backend": backend, "device": str(target.device), "dtype": cfg.target.dtype,

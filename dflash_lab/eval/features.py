@@ -20,7 +20,14 @@ Two averages are reported:
   one long accepted round covers many easy positions, while every position of a hard stretch
   anchors a round (the inspection paradox). See docs/eval.md for measured numbers.
 
-Shape legend: S sequence, F features, N anchors per forward, B block size.
+DFlash 2 drafters: a slot is correct when the selector's serving walk (its own previous picks
+from the anchor on, :meth:`~dflash_lab.model.dflash2.CandidateSelector.walk`) picks the label, so
+``tau_mean``, ``tau_chained`` and the per-position numbers are the selector path's (what serving
+gets). Beside them: the unary argmax's tau, the oracle tau (a slot counts when its label is among
+the K candidates: the best any selector could do) and recall@K.
+
+Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
+K selector candidates, V vocab.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from dflash_lab.train.loss import (
 
 #: gamma only weights the loss, which this evaluation does not report; correctness ignores it.
 _GAMMA = 7.0
+#: blocks per selector pass: bounds the [blocks, T, V] fp32 unary logits held at once
+_SELECTOR_CHUNK = 32
 
 
 def sample_anchor_sets(loss_mask_s: Tensor, num_anchors: int | None, seed: int, index: int,
@@ -62,9 +71,8 @@ def sample_anchor_sets(loss_mask_s: Tensor, num_anchors: int | None, seed: int, 
 
 
 @torch.no_grad()
-def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
-                 anchors_n: Tensor) -> LossOutput:
-    """Correctness of every slot of the blocks anchored at ``anchors_n`` in one sample."""
+def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor):
+    """(hidden [1, N, B, H], anchor token ids [1, N], block targets, unary LossOutput)."""
     device = drafter.fc.weight.device
     ids = sample["input_ids"][None].to(device)
     mask = sample["loss_mask"][None].to(device)
@@ -73,8 +81,42 @@ def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
     hidden = drafter(sample["hidden"][None].to(device), ids, anchors, pieces.embed_tokens)
     targets = token_targets(ids, sample["target_argmax"][None].to(device), "target_argmax")
     tgt = block_targets(targets, mask, anchors, valid, drafter.config.block_size)
-    return dflash_loss(hidden.to(pieces.lm_head.weight.dtype), tgt, pieces.lm_head, _GAMMA,
-                       block_valid_bn=valid)
+    out = dflash_loss(hidden.to(pieces.lm_head.weight.dtype), tgt, pieces.lm_head, _GAMMA,
+                      block_valid_bn=valid)
+    return hidden, ids.gather(1, anchors), tgt, out
+
+
+def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
+                 anchors_n: Tensor) -> LossOutput:
+    """Unary correctness of every slot of the blocks anchored at ``anchors_n`` in one sample."""
+    return _forward(drafter, pieces, sample, anchors_n)[3]
+
+
+@torch.no_grad()
+def selector_flags(drafter: DFlashDrafter, lm_head, hidden_bnbh: Tensor, anchor_ids_bn: Tensor,
+                   labels_bnb: Tensor, valid_bnb: Tensor) -> tuple[Tensor, Tensor]:
+    """DFlash 2 per-slot flags [Bt, N, B] (False at slot 0 and invalid slots): the serving walk's
+    pick equals the label; the label is among the slot's K candidates (recall, oracle path).
+
+    Candidates are the top-K of the unary logits (output_multiplier, softcap), as in serving.
+    Slots past a block's first invalid one are walked on placeholder labels but never counted.
+    """
+    selector = drafter.candidate_selector
+    bt, n, b, h = hidden_bnbh.shape
+    hidden_xth = hidden_bnbh[:, :, 1:].reshape(bt * n, b - 1, h)
+    anchors_x = anchor_ids_bn.reshape(bt * n)
+    picks, cands = [], []
+    for s in range(0, bt * n, _SELECTOR_CHUNK):
+        h_xth, a_x = hidden_xth[s:s + _SELECTOR_CHUNK], anchors_x[s:s + _SELECTOR_CHUNK]
+        unary = drafter.unary_logits(h_xth.to(lm_head.weight.dtype), lm_head).float()
+        cand_unary, cand_ids = selector.candidates(unary)
+        picks.append(selector.walk(h_xth, cand_ids, cand_unary, a_x)[0])
+        cands.append(cand_ids)
+    labels = labels_bnb[:, :, 1:].reshape(bt * n, b - 1)
+    walk, found = torch.zeros_like(valid_bnb), torch.zeros_like(valid_bnb)
+    walk[:, :, 1:] = (torch.cat(picks) == labels).view(bt, n, b - 1)
+    found[:, :, 1:] = (torch.cat(cands) == labels[..., None]).any(-1).view(bt, n, b - 1)
+    return walk & valid_bnb, found & valid_bnb
 
 
 def chained_rounds(loss_mask_s: Tensor, anchors_n: Tensor, taus_n: Tensor) -> list[int]:
@@ -91,41 +133,95 @@ def chained_rounds(loss_mask_s: Tensor, anchors_n: Tensor, taus_n: Tensor) -> li
     return rounds
 
 
+class _Pool:
+    """Per-block acceptance lengths and per-slot flags of one drafting path."""
+
+    def __init__(self) -> None:
+        self.taus: list[Tensor] = []
+        self.correct: list[Tensor] = []
+
+    def add(self, correct_bnb: Tensor, block_valid_bn: Tensor) -> Tensor:
+        taus = acceptance_lengths(correct_bnb, block_valid_bn).cpu()
+        self.taus.append(taus)
+        self.correct.append(correct_bnb[0].cpu())
+        return taus
+
+    def lengths(self) -> list[int]:
+        return [int(t) for t in torch.cat(self.taus).tolist()] if self.taus else []
+
+
+def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int) -> list[float | None]:
+    empty = torch.zeros(1, 0, b, dtype=torch.bool)
+    pooled = LossOutput(torch.zeros(()), torch.zeros(()),
+                        torch.cat(correct)[None] if correct else empty,
+                        torch.cat(valid)[None] if valid else empty)
+    return [None if math.isnan(a) else a for a in per_position_accuracy(pooled)]
+
+
+def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], valid: list):
+    """Score one anchor chunk on every path; returns the taus of the path serving gets."""
+    hidden, anchor_ids, tgt, out = _forward(drafter, pieces, sample, anchors)
+    valid.append(out.valid[0].cpu())
+    unary = paths["unary"].add(out.correct, out.block_valid)
+    if "selector" not in paths:
+        return unary
+    walk, found = selector_flags(drafter, pieces.lm_head, hidden, anchor_ids, tgt.labels,
+                                 out.valid)
+    paths["oracle"].add(found, out.block_valid)
+    return paths["selector"].add(walk, out.block_valid)
+
+
+def _dflash2_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
+    unary = acceptance_summary([paths["unary"].lengths()], b)
+    recall = _accuracy(paths["oracle"].correct, valid, b)
+    found = sum(int(c[:, 1:].sum()) for c in paths["oracle"].correct)
+    total = sum(int(v[:, 1:].sum()) for v in valid)
+    return {
+        "unary_tau_mean": unary["tau_mean"],
+        "unary_per_position_acceptance": unary["per_position_acceptance"],
+        "unary_per_position_accuracy": _accuracy(paths["unary"].correct, valid, b),
+        "oracle_tau_mean": acceptance_summary([paths["oracle"].lengths()], b)["tau_mean"],
+        "recall_at_k": found / total if total else None,
+        "recall_per_position": recall,
+    }
+
+
 def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | None = None,
                  num_anchors: int | None = None, seed: int = 1234, anchors_per_forward: int = 256,
                  progress: bool = True) -> dict[str, Any]:
-    """tau, per-position acceptance and accuracy of ``drafter`` over captured samples."""
+    """tau, per-position acceptance and accuracy of ``drafter`` over captured samples (DFlash 2:
+    of the selector path, with the unary and oracle taus and recall@K beside)."""
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
-    taus, correct, valid, chained = [], [], [], []
+    dflash2 = drafter.config.is_dflash2
+    paths = {name: _Pool() for name in (("selector", "unary", "oracle") if dflash2
+                                         else ("unary",))}
+    valid: list[Tensor] = []
+    chained: list[int] = []
     for k in tqdm(range(count), desc="features", unit="sample", disable=not progress):
         sample = dataset[k]
         anchor_chunks, sample_taus = [], []
         for anchors in sample_anchor_sets(sample["loss_mask"], num_anchors, seed, k,
                                           anchors_per_forward):
-            out = score_blocks(drafter, pieces, sample, anchors)
+            sample_taus.append(_sample_paths(drafter, pieces, sample, anchors, paths, valid))
             anchor_chunks.append(anchors)
-            sample_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
-            correct.append(out.correct[0].cpu())
-            valid.append(out.valid[0].cpu())
-        taus += sample_taus
         if num_anchors is None and sample_taus:
             chained += chained_rounds(sample["loss_mask"], torch.cat(anchor_chunks).cpu(),
                                       torch.cat(sample_taus))
     b = drafter.config.block_size
-    lengths = [int(t) for t in torch.cat(taus).tolist()] if taus else []
+    served = paths["selector" if dflash2 else "unary"]
+    lengths = served.lengths()
     summary = acceptance_summary([lengths], b)
-    pooled = LossOutput(torch.zeros(()), torch.zeros(()),
-                        torch.cat(correct)[None] if correct else torch.zeros(1, 0, b, dtype=bool),
-                        torch.cat(valid)[None] if valid else torch.zeros(1, 0, b, dtype=bool))
-    accuracy = [None if math.isnan(a) else a for a in per_position_accuracy(pooled)]
-    return {
+    report = {
         "mode": "features",
         "tau_mean": summary["tau_mean"],
         "tau_chained": sum(chained) / len(chained) if chained else None,
         "num_chained_rounds": len(chained),
         "per_position_acceptance": summary["per_position_acceptance"],
-        "per_position_accuracy": accuracy,
+        "per_position_accuracy": _accuracy(served.correct, valid, b),
         "acceptance_histogram": summary["acceptance_histogram"],
         "num_samples": count,
         "num_blocks": len(lengths),
     }
+    if dflash2:
+        report.update(_dflash2_fields(paths, valid, b))
+    return report

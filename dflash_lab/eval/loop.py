@@ -14,6 +14,17 @@ One round (dflash.md section 1), with the anchor a (the last committed token) at
 Per round we record the acceptance length ``accepted + 1`` (counted up to the token budget or a
 stop token, as the reference implementation does), so ``len(output) == 1 + sum(lengths)``.
 
+As in z-lab's ``dflash_generate`` (the reference loop, checked round for round by
+tests/test_eval_dflash2.py): the first output token is the target's choice after the prefill;
+a round with r tokens left in the budget drafts min(B-1, r) tokens with a block of that many
+slots + 1 and verifies only those; a stop token ends the output just after it.
+
+DFlash 2 drafters at T = 0 also get a unary acceptance length per round
+(``Generation.unary_acceptance_lengths``): what the unary argmax draft of the same hidden states
+would have accepted at the same anchor, scored against the committed output (at T = 0 the
+target's own greedy continuation), cut at the budget and stop token like the committed rounds.
+It is measured beside the selector path and never changes the output.
+
 Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at a time).
 """
 
@@ -25,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dflash_lab.eval.proposer import Proposer
-from dflash_lab.eval.sampling import propose, verify
+from dflash_lab.eval.proposer import Proposer, draft_block
+from dflash_lab.eval.sampling import leading_matches, verify
 from dflash_lab.eval.target_runner import TargetRunner
 
 
@@ -49,6 +60,8 @@ class Generation:
     acceptance_lengths: list[int] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
+    #: DFlash 2 at T = 0: per round, the unary argmax draft's acceptance length (else None)
+    unary_acceptance_lengths: list[int] | None = None
 
 
 class Clock:
@@ -80,6 +93,18 @@ def _first_token(logits_1v: Tensor, settings: DecodeSettings, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator)[0, 0])
 
 
+def unary_lengths(output_ids: list[int], rounds: list[tuple[int, list[int]]]) -> list[int]:
+    """Acceptance lengths of drafts scored against the committed output: ``rounds`` holds
+    (index of the round's anchor in ``output_ids``, its drafts); a round's length is
+    1 + leading drafts equal to the next outputs, at most the outputs left after the anchor."""
+    lengths = []
+    for i, drafts in rounds:
+        following = output_ids[i + 1:i + 1 + len(drafts)]
+        accepted = leading_matches(torch.tensor(drafts[:len(following)]), torch.tensor(following))
+        lengths.append(min(accepted + 1, len(output_ids) - 1 - i))
+    return lengths
+
+
 @torch.no_grad()
 def speculative_generate(target: TargetRunner, proposer: Proposer, prompt_ids: list[int],
                          settings: DecodeSettings, generator: torch.Generator | None = None,
@@ -93,19 +118,24 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt_ids: l
     out, done = _keep([_first_token(prefill.logits_nv, settings, generator)],
                       settings.max_new_tokens, settings.stop_token_ids)
     result = Generation(out, 0.0)
+    unary_rounds: list[tuple[int, list[int]]] = []
     while not done:
         anchor_pos = target.length  # = len(prompt) + len(out) - 1 = proposer.context_length
         assert anchor_pos == proposer.context_length, "target and drafter contexts diverged"
         t0 = clock()
-        drafts, q = propose(proposer.propose(out[-1]), settings.temperature, settings.sampling,
-                            generator)
+        num_drafts = min(proposer.block_size - 1, settings.max_new_tokens - len(out))
+        draft = draft_block(proposer, out[-1], num_drafts, settings.temperature,
+                            settings.sampling, generator)
+        drafts = draft.tokens
         t1 = clock()
         block = torch.cat([torch.tensor([out[-1]], device=drafts.device), drafts])
         step = target.forward(block)
-        verdict = verify(drafts, q, step.logits_nv, settings.temperature, settings.sampling,
-                         generator)
+        verdict = verify(drafts, draft.probs, step.logits_nv, settings.temperature,
+                         settings.sampling, generator)
         target.crop(anchor_pos + verdict.accepted + 1)
         t2 = clock()
+        if draft.unary_tokens is not None:
+            unary_rounds.append((len(out) - 1, draft.unary_tokens.tolist()))
         new = drafts[:verdict.accepted].tolist() + [verdict.bonus]
         kept, done = _keep(new, settings.max_new_tokens - len(out), settings.stop_token_ids)
         out.extend(kept)
@@ -116,6 +146,8 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt_ids: l
         result.draft_seconds.append((t1 - t0) + (t3 - t2))
         result.verify_seconds.append(t2 - t1)
     result.seconds = clock() - start
+    if unary_rounds and settings.temperature == 0:
+        result.unary_acceptance_lengths = unary_lengths(out, unary_rounds)
     return result
 
 

@@ -5,18 +5,35 @@ the target's continuation) and benchmarks could plug in other drafters. Position
 the proposer's context holds the features of committed positions 0..C-1; the anchor (the last
 committed token, the target's bonus) sits at position C and its features are not known yet.
 
-Shape legend: n new positions, F = nL*H target features, B block size, V vocab.
+A proposer returns draft logits (:meth:`Proposer.propose`; the loop samples from them) or, when
+it has a ``draft`` method like :class:`DFlashProposer`, the drafts themselves (:class:`Draft`):
+a DFlash 2 drafter's selector walk picks each slot given the previous pick, so its drafts and q
+cannot come from one logits tensor.
+
+Shape legend: n new positions, F = nL*H target features, B block size, k drafts, V vocab.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Protocol
+import copy
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from dflash_lab.eval.sampling import propose, selector_draft
+from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
+
+
+class Draft(NamedTuple):
+    """One round's drafts: ``tokens`` [k]; ``probs`` q [k, V] (rejection sampling) or None;
+    ``unary_tokens`` [k]: a DFlash 2 drafter's unary argmax of the same hidden states (for the
+    unary tau; None otherwise)."""
+
+    tokens: Tensor
+    probs: Tensor | None = None
+    unary_tokens: Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -39,12 +56,28 @@ class Proposer(Protocol):
         """Draft logits [B-1, V] for positions C+1..C+B-1 given the anchor at position C."""
 
 
+def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature: float,
+                mode: str, generator: torch.Generator | None) -> Draft:
+    """``num_drafts`` (<= B-1) drafts from any proposer: its own ``draft`` when it has one,
+    else sampled (:func:`~dflash_lab.eval.sampling.propose`) from the first ``num_drafts`` rows
+    of its logits."""
+    own = getattr(proposer, "draft", None)
+    if own is not None:
+        return own(anchor_id, num_drafts, temperature, mode, generator)
+    tokens, q = propose(proposer.propose(anchor_id)[:num_drafts], temperature, mode, generator)
+    return Draft(tokens, q)
+
+
 class DFlashProposer:
     """A :class:`DFlashDrafter` over the target's frozen embedding and LM head.
 
     ``block_size`` may be smaller than the trained one: the drafter then runs blocks of that
     size (anchor + block_size-1 MASK slots), as serving engines do with
-    ``num_speculative_tokens = block_size - 1``.
+    ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near the token
+    budget) runs a block of just that many slots, as z-lab's ``dflash_generate`` does: with
+    bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
+    one. DFlash 2 drafts with the candidate selector
+    (:func:`~dflash_lab.eval.sampling.selector_draft`).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module,
@@ -55,9 +88,14 @@ class DFlashProposer:
             raise ValueError(f"block_size={block_size}: must be in [2, {trained}] (the drafter "
                              f"was trained with block_size={trained}; larger blocks were never "
                              "trained); omit it to use the trained size")
-        if block_size != trained:
-            drafter = _with_block_size(drafter, block_size)
-        self.drafter = drafter
+        min_slots = _min_slots(drafter)
+        if block_size < min_slots:
+            raise ValueError(f"block_size={block_size}: this DFlash 2 drafter's conv has "
+                             f"conv_kernel_size={drafter.config.conv_kernel_size} taps and runs "
+                             f"on blocks of at least {min_slots} slots; use block_size >= "
+                             f"{min_slots}")
+        self._views = {trained: drafter}
+        self.drafter = self._view(block_size)
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.block_size = block_size
@@ -74,18 +112,72 @@ class DFlashProposer:
     def extend(self, features_nf: Tensor) -> None:
         self.drafter.extend_context(self.cache, features_nf.to(self.drafter.fc.weight.device))
 
+    def _view(self, num_slots: int) -> DFlashDrafter:
+        """The drafter running blocks of ``num_slots`` slots (built once, weights shared)."""
+        if num_slots not in self._views:
+            self._views[num_slots] = _with_block_size(self._views[max(self._views)], num_slots)
+        return self._views[num_slots]
+
+    def _hidden(self, anchor_id: int, num_slots: int) -> Tensor:
+        """Final-normed hidden [n, H] of a block of ``num_slots`` slots at the anchor."""
+        drafter = self._view(num_slots)
+        anchor = torch.tensor([anchor_id], dtype=torch.long, device=drafter.fc.weight.device)
+        return drafter.draft(self.cache, anchor, self.embed_tokens)[0]
+
+    def _unary(self, hidden_kh: Tensor) -> Tensor:
+        """Unary logits [k, V] float32 (output_multiplier, softcap) in the head's dtype."""
+        return self.drafter.unary_logits(hidden_kh.to(self.lm_head.weight.dtype),
+                                         self.lm_head).float()
+
     @torch.no_grad()
     def propose(self, anchor_id: int) -> Tensor:
-        device = self.drafter.fc.weight.device
-        anchor = torch.tensor([anchor_id], dtype=torch.long, device=device)
-        hidden_bh = self.drafter.draft(self.cache, anchor, self.embed_tokens)[0]
-        head_dtype = self.lm_head.weight.dtype
-        return self.lm_head(hidden_bh[1:].to(head_dtype)).float()
+        """Unary draft logits [B-1, V] (a DFlash 2 drafter's selector re-ranks their top-K)."""
+        return self._unary(self._hidden(anchor_id, self.block_size)[1:])
+
+    @torch.no_grad()
+    def draft(self, anchor_id: int, num_drafts: int, temperature: float, mode: str,
+              generator: torch.Generator | None) -> Draft:
+        """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (see the class doc).
+
+        A DFlash 2 conv with more taps than a short tail block can run (``_min_slots``) gets
+        the shortest block it runs on and keeps its first drafts (z-lab's loop fails there).
+        """
+        if not 1 <= num_drafts < self.block_size:
+            raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.block_size - 1}]")
+        num_slots = max(num_drafts + 1, _min_slots(self.drafter))
+        hidden_kh = self._hidden(anchor_id, num_slots)[1:num_drafts + 1]
+        unary_kv = self._unary(hidden_kh)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return Draft(*propose(unary_kv, temperature, mode, generator))
+        tokens, q = selector_draft(selector, hidden_kh, unary_kv, anchor_id, temperature, mode,
+                                   generator)
+        return Draft(tokens, q, unary_kv.argmax(-1))
+
+
+def _min_slots(drafter: DFlashDrafter) -> int:
+    """Fewest block slots the drafter runs on: 2, or K - 1 for a DFlash 2 conv of K taps (its
+    shifted taps need offset <= slots; taps past the block would only see zeros anyway)."""
+    k = drafter.config.conv_kernel_size if drafter.config.is_dflash2 else None
+    return max(2, (k or 0) - 1)
 
 
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
-    """A drafter sharing ``drafter``'s weights whose blocks are ``block_size`` long."""
-    config = dataclasses.replace(drafter.config, block_size=block_size)
-    view = DFlashDrafter(config, backend=drafter.backend_name)
+    """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long.
+
+    Built on the meta device and given ``drafter``'s tensors, so a short block costs no memory.
+    The block length is set on the config and on every DFlash 2 conv (their taps are cut at
+    the block start); the config is copied without re-validation because a tail block may be
+    shorter than the conv kernel (``conv_kernel_size <= block_size`` is a training rule).
+    """
+    with torch.device("meta"):
+        view = DFlashDrafter(drafter.config, backend=drafter.backend_name)
     view.load_state_dict(drafter.state_dict(), assign=True)
-    return view.to(drafter.fc.weight.device).eval()
+    view.rotary = drafter.rotary  # inv_freq is a non-persistent buffer: not in the state dict
+    view.config = copy.copy(drafter.config)
+    view.config.block_size = block_size
+    for module in view.modules():
+        if isinstance(module, GroupedDynamicCausalConv):
+            module.block_size = block_size
+    view.static_shapes = drafter.static_shapes
+    return view.eval()

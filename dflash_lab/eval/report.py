@@ -54,6 +54,21 @@ def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str
     }
 
 
+def unary_summary(spec: list[Generation], block_size: int) -> dict[str, Any]:
+    """DFlash 2 drafters: the unary argmax draft's acceptance in the same rounds as the selector
+    path (``tau_mean``), for the side-by-side comparison; every value None at T > 0, where the
+    loop does not measure it (``Generation.unary_acceptance_lengths`` is None)."""
+    if any(g.acceptance_lengths and g.unary_acceptance_lengths is None for g in spec):
+        return {"unary_tau_mean": None, "unary_tau_per_prompt": None,
+                "unary_acceptance_lengths": None, "unary_per_position_acceptance": None}
+    per_prompt = [g.unary_acceptance_lengths or [] for g in spec]
+    summary = acceptance_summary(per_prompt, block_size)
+    return {"unary_tau_mean": summary["tau_mean"],
+            "unary_tau_per_prompt": summary["tau_per_prompt"],
+            "unary_acceptance_lengths": per_prompt,
+            "unary_per_position_acceptance": summary["per_position_acceptance"]}
+
+
 def _rate(gens: list[Generation]) -> float | None:
     seconds = sum(g.seconds for g in gens)
     return sum(len(g.output_ids) for g in gens) / seconds if seconds > 0 else None
@@ -70,6 +85,9 @@ def generation_report(spec: list[Generation], baseline: list[Generation] | None,
                    if s.output_ids != b.output_ids] if baseline is not None else [])
     report: dict[str, Any] = {"mode": "generate"}
     report.update(acceptance_summary([g.acceptance_lengths for g in spec], block_size))
+    if settings.get("variant") == "dflash2":
+        report["selector_tau_mean"] = report["tau_mean"]
+        report.update(unary_summary(spec, block_size))
     report.update({
         "lossless": (not mismatched) if (greedy and baseline is not None) else None,
         "mismatched_prompts": mismatched,
@@ -100,17 +118,27 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# dflash-eval report ({report['mode']})", "",
              f"- target: `{s.get('target')}`", f"- drafter: `{s.get('drafter')}`",
              f"- data: `{s.get('data')}`", f"- block size: {s.get('block_size')}", ""]
-    keys = ["tau_mean", "num_rounds", "lossless", "tokens_per_second",
+    keys = ["tau_mean", "selector_tau_mean", "unary_tau_mean", "oracle_tau_mean", "recall_at_k",
+            "num_rounds", "lossless", "tokens_per_second",
             "baseline_tokens_per_second", "speedup", "draft_ms_per_round", "verify_ms_per_round",
             "num_prompts", "num_output_tokens", "num_samples", "num_blocks"]
     lines += ["| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(report[k])} |" for k in keys if k in report]
     lines += ["", "Per-position acceptance (fraction of rounds accepting at least t drafts):", "",
               "| t | " + " | ".join(str(t) for t in range(1, s["block_size"])) + " |",
-              "|---" * s["block_size"] + "|",
-              "| acc | " + " | ".join(_fmt(v, 2) for v in report["per_position_acceptance"])
-              + " |", "", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
+              "|---" * s["block_size"] + "|"]
+    lines += [f"| {name} | " + " | ".join(_fmt(v, 2) for v in report[key]) + " |"
+              for name, key in _curves(report)]
+    lines += ["", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _curves(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(row name, report key) of the per-position curves to print: DFlash 2 reports name the
+    selector path and add the unary one beside it."""
+    if report.get("unary_per_position_acceptance") is None:
+        return [("acc", "per_position_acceptance")]
+    return [("selector", "per_position_acceptance"), ("unary", "unary_per_position_acceptance")]
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
