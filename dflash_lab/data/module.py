@@ -20,6 +20,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -307,17 +308,23 @@ class OfflineDataModule(BlockDataModule):
 
     ``path``: the capture directory; ``target_layer_ids`` / ``hidden_size`` / ``vocab_size``: what
     the drafter expects (a mismatch is refused naming both values); ``target``: optional loaded
-    target whose config and tokenizer hashes must match the capture.
+    target whose config, tokenizer and weights fingerprint must match the capture
+    (``allow_other_target_weights``: accept another checkpoint's features, same config).
     """
 
     def __init__(self, path: str, *, target_layer_ids: Sequence[int] | None = None,
                  hidden_size: int | None = None, vocab_size: int | None = None,
-                 target: Any = None, verify_checksums: bool = False, **kw: Any):
+                 target: Any = None, verify_checksums: bool | str = "first_use",
+                 allow_other_target_weights: bool = False, **kw: Any):
+        if not path or not isinstance(path, (str, Path)):
+            raise ValueError(f"data.path={path!r}: data=offline reads a capture directory; set "
+                             "data.path=DIR (the dflash-capture out_dir holding manifest.json)")
         super().__init__(**kw)
         self.path = path
         self.expect = {"target_layer_ids": list(target_layer_ids) if target_layer_ids else None,
                        "hidden_size": hidden_size, "vocab_size": vocab_size,
-                       "target": target.identity() if target is not None else None}
+                       "target": target.identity() if target is not None else None,
+                       "allow_other_weights": allow_other_target_weights}
         self.verify_checksums = verify_checksums
 
     def load_samples(self) -> Dataset:

@@ -217,11 +217,13 @@ def read_manifest(capture_dir: str | Path) -> dict[str, Any]:
 
 def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
                    target_layer_ids: list[int] | None = None, hidden_size: int | None = None,
-                   vocab_size: int | None = None, target: dict[str, Any] | None = None) -> None:
+                   vocab_size: int | None = None, target: dict[str, Any] | None = None,
+                   allow_other_weights: bool = False) -> None:
     """Refuse a capture that does not match what the caller (e.g. a drafter) expects.
 
     ``target`` is a target identity (``Target.identity()``); its config and tokenizer hashes
-    must match. Each ValueError names both values and the fix.
+    must match, and its weights fingerprint (:func:`check_weights`). Each ValueError names
+    both values and the fix.
     """
     expected = {"target_layer_ids": target_layer_ids, "hidden_size": hidden_size,
                 "vocab_size": vocab_size}
@@ -239,6 +241,33 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
                 "recapture with the matching target / target_layer_ids, or configure the "
                 "drafter to match the capture"
             )
+    if target is not None:
+        check_weights(manifest["target"], target, source, allow_other_weights)
+
+
+#: The override that accepts features of another checkpoint (same config and tokenizer).
+WEIGHTS_OVERRIDE = "data.allow_other_target_weights=true"
+
+
+def check_weights(recorded: dict[str, Any], target: dict[str, Any], source: str,
+                  allow: bool = False, override: str = WEIGHTS_OVERRIDE) -> None:
+    """Refuse features (or a run) made with another checkpoint of the same config: the
+    recorded and the loaded ``weights_fingerprint`` must match. A record from before
+    fingerprints (none recorded) or a target without weight files only warns."""
+    import logging
+
+    want, have = target.get("weights_fingerprint"), recorded.get("weights_fingerprint")
+    if want is None or have is None:
+        logging.getLogger(__name__).warning(
+            "%s: no target weights fingerprint to compare (recorded %s, loaded %s): cannot "
+            "check that the same checkpoint made it", source, have, want)
+        return
+    if want != have and not allow:
+        raise ValueError(
+            f"{source}: made with target weights {have[:16]}... but the loaded target "
+            f"{target.get('name_or_path')!r} has weights {want[:16]}... (same config and "
+            f"tokenizer, another checkpoint); use the target it was made with, or {override} "
+            "to use it anyway")
 
 
 def list_or_value(v: Any) -> Any:
@@ -246,16 +275,26 @@ def list_or_value(v: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------- reader
+#: ``verify_checksums`` values: hash every shard at start-up, each shard when first read in a
+#: process (the default: a flipped byte is an error naming the shard, at the cost of reading
+#: each shard once more per process), or check sizes and headers only.
+VERIFY_MODES = (True, "first_use", False)
+
+
 class ShardDataset(Dataset):
     """Memory-mapped samples of a capture directory, validated at construction.
 
     Item k: dict with ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D]
     (stored dtype), ``target_argmax`` [S] int64, ``sample_id`` int. Keyword arguments are the
-    expectations of :func:`check_manifest`; ``verify_checksums`` re-hashes every shard.
+    expectations of :func:`check_manifest`. Sizes and headers are always checked;
+    ``verify_checksums`` (:data:`VERIFY_MODES`) says when the sha256 of each shard is.
     """
 
-    def __init__(self, capture_dir: str | Path, *, verify_checksums: bool = False,
+    def __init__(self, capture_dir: str | Path, *, verify_checksums: bool | str = "first_use",
                  **expect: Any):
+        if verify_checksums not in VERIFY_MODES:
+            raise ValueError(f"data.verify_checksums={verify_checksums!r}: use true (all shards "
+                             "at start-up), first_use (each when first read) or false")
         self.root = Path(capture_dir)
         self.manifest = read_manifest(self.root)
         check_manifest(self.manifest, str(self.root / MANIFEST_FILE), **expect)
@@ -263,11 +302,12 @@ class ShardDataset(Dataset):
         self._index: list[tuple[int, int, int, int]] = []  # (shard, local k, start, end)
         for shard_no, rec in enumerate(self.manifest["shards"]):
             path = self.root / rec["file"]
-            self._check_shard(path, rec, verify_checksums)
+            self._check_shard(path, rec, verify_checksums is True)
             offsets = self._open(path).get_tensor("offsets").tolist()
             self._files.append(path)
             self._index.extend((shard_no, j, a, b)
                                for j, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])))
+        self._hash_on_open = verify_checksums == "first_use"
         self._handles: dict[int, Any] = {}
 
     @staticmethod
@@ -279,8 +319,8 @@ class ShardDataset(Dataset):
             raise ValueError(f"{path}: truncated or corrupt ({path.stat().st_size} bytes, "
                              f"manifest says {rec['bytes']}); delete it and rerun dflash-capture")
         if verify and sha256_file(path) != rec["sha256"]:
-            raise ValueError(f"{path}: checksum mismatch (corrupt shard); delete it and rerun "
-                             "dflash-capture")
+            raise ValueError(f"{path}: checksum mismatch (corrupt shard: its sha256 is not the "
+                             "manifest's); delete it and rerun dflash-capture")
 
     @staticmethod
     def _open(path: Path):
@@ -296,6 +336,8 @@ class ShardDataset(Dataset):
     def __getitem__(self, k: int) -> dict[str, Any]:
         shard_no, local, a, b = self._index[k]
         if shard_no not in self._handles:
+            if self._hash_on_open:
+                self._check_shard(self._files[shard_no], self.manifest["shards"][shard_no], True)
             self._handles[shard_no] = self._open(self._files[shard_no])
         f = self._handles[shard_no]
         return {

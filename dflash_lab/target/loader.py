@@ -13,7 +13,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,81 @@ def chat_template_hash(tokenizer) -> str | None:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
 
 
+#: Weight files a fingerprint reads, by preference (the first kind present in the directory).
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+_PROBE, _NUM_SAMPLES, _HEAD_BYTES = 64, 16, 1 << 20
+
+
+def _safetensors_probes(f, size: int) -> tuple[int, list[int]] | None:
+    """(header length, offsets to sample) of a safetensors file: 64 bytes at the start, middle
+    and end of every tensor's data, so a change to any one tensor changes the fingerprint.
+    None when the file is not a readable safetensors file."""
+    try:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n)) if 8 + n <= size else None
+    except (ValueError, UnicodeDecodeError):
+        header = None
+    f.seek(0)
+    if not isinstance(header, dict):
+        return None
+    probes = []
+    for name in sorted(k for k in header if k != "__metadata__"):
+        start, end = (8 + n + o for o in header[name]["data_offsets"])
+        probes += sorted({start, max(start, (start + end) // 2 - _PROBE // 2),
+                          max(start, end - _PROBE)})
+    return 8 + n, probes
+
+
+def _file_fingerprint(h, path: Path) -> None:
+    """Feed ``path``'s name, size, header and probed data bytes to the hash ``h``."""
+    size = path.stat().st_size
+    h.update(f"{path.name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        found = _safetensors_probes(f, size) if path.suffix == ".safetensors" else None
+        if found is None:  # GGUF (metadata + tensor info in the first MiB) or a pickle
+            head = min(size, _HEAD_BYTES)
+            span = max(size - head - _PROBE, 0)
+            found = head, [head + span * i // (_NUM_SAMPLES - 1) for i in range(_NUM_SAMPLES)]
+        head, probes = found
+        h.update(f.read(head))
+        for offset in probes:
+            f.seek(offset)
+            h.update(f.read(_PROBE))
+
+
+def weights_fingerprint(files: list[Path]) -> str:
+    """sha256 over each weight file's name, size, header (names, dtypes, shapes) and sampled
+    data: 64 bytes at the start, middle and end of every safetensors tensor (16 evenly spaced
+    samples of other files). Reads kilobytes per tensor, not the weights, yet two checkpoints
+    with the same config but other weights differ (a fine-tune changes every tensor it
+    trains, so its samples)."""
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        _file_fingerprint(h, path)
+    return h.hexdigest()
+
+
+def target_weight_files(name_or_path: str, gguf_file: str | None) -> list[Path]:
+    """The files holding a target's weights: the GGUF file, else the directory's (or the hub
+    snapshot's, through the local HF cache) safetensors files (.bin/.pt when it has none)."""
+    if gguf_file:
+        from transformers.utils import cached_file
+
+        local = Path(name_or_path) / gguf_file
+        return [local if local.is_file() else
+                Path(cached_file(name_or_path, gguf_file, local_files_only=True))]
+    path = Path(name_or_path)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(name_or_path, local_files_only=True))
+    for pattern in _WEIGHT_GLOBS:
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    return []
+
+
 class TargetPieces(nn.Module):
     """The target's frozen token embedding, final norm and LM head, shared with the drafter.
 
@@ -160,6 +235,7 @@ class Target:
     name_or_path: str
     gguf_file: str | None = None
     head_only: bool = False  # only embedding, final norm and LM head are loaded (head_only.py)
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -188,14 +264,30 @@ class Target:
             raise ValueError(f"{self.name_or_path}: token {token!r} is not in the vocabulary")
         return int(tid)
 
+    def weights_fingerprint(self) -> str | None:
+        """:func:`weights_fingerprint` of the files this target was loaded from (computed once;
+        the same for full and head-only loads of one directory or hub snapshot), None when the
+        weights are not in files (a model built in memory)."""
+        if self._fingerprint is None:
+            try:
+                files = target_weight_files(self.name_or_path, self.gguf_file)
+            except Exception as err:  # not a directory nor a cached hub snapshot
+                log.warning("target %s: no weight files to fingerprint (%s)", self.name_or_path,
+                            err)
+                files = []
+            self._fingerprint = weights_fingerprint(files) if files else ""
+        return self._fingerprint or None
+
     def identity(self) -> dict[str, Any]:
-        """What a capture manifest records to recognise this target later."""
+        """What a capture manifest records to recognise this target later (config, tokenizer
+        and weights: ``weights_fingerprint``)."""
         return {
             "name_or_path": self.name_or_path,
             "gguf_file": self.gguf_file,
             "architecture": (self.model.config.architectures or [type(self.model).__name__])[0],
             "config_hash": config_hash(self.model.config),
             "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "weights_fingerprint": self.weights_fingerprint(),
             "chat_template_hash": chat_template_hash(self.tokenizer),
             "num_hidden_layers": self.num_hidden_layers,
             "hidden_size": self.hidden_size,
