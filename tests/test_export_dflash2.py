@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export_support import make_config, random_state, write_zlab_dir
+from test_export_support import make_config, random_state, write_checkpoint, write_zlab_dir
 
 from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
 from export import ExportRefused, export_drafter, import_drafter, inspect_dir, plan_export
@@ -73,6 +73,16 @@ def test_export_writes_the_serving_names_and_flat_keys(tmp_path):
     assert "- variant: dflash2 (DFlash2DraftModel)" in report
     assert "- vllm-main-v2: yes" in report
     assert "num_speculative_tokens = block_size - 1 = 3" in report
+
+
+def test_export_from_a_checkpoint_of_the_drafter_module(tmp_path):
+    from dflash_lab.model.drafter import DFlashDrafter
+
+    config = make_config("zlab_default", **V2)
+    drafter = DFlashDrafter(config)
+    ckpt = write_checkpoint(tmp_path / "run" / "last.ckpt", config, drafter.state_dict())
+    export_drafter(ckpt, tmp_path / "out", engine="vllm", dtype="float32")
+    assert import_drafter(tmp_path / "out").state_dict.keys() == drafter.state_dict().keys()
 
 
 def test_export_inspect_import_round_trip_is_lossless(tmp_path):
