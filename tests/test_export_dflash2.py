@@ -133,6 +133,23 @@ def test_current_engines_load_dflash2_with_every_layer_as_trained(rule_set):
     assert [(r.window, r.causal) for r in reading.layers] == [(8, True)] * 3
 
 
+@pytest.mark.parametrize(("removed", "vllm_refusal", "sglang"), [
+    (["selector_rank"], "KeyError", "refuses: DFlash selector draft requires"),
+    (["conv_kernel_size", "conv_group_size"], "KeyError", "drops: SGLang builds no conv"),
+    (["conv_group_size"], "KeyError", "refuses: conv_kernel_size and conv_group_size together"),
+])
+def test_dflash2_keys_missing_from_dflash_config(removed, vllm_refusal, sglang):
+    """Both engines read the DFlash 2 keys from dflash_config only (a top-level copy is unread)."""
+    raw = make_config("zlab_default", **V2).to_dict()
+    for key in removed:
+        raw[key] = raw["dflash_config"].pop(key)
+    v2 = get_rule_set("vllm-main-v2").read(raw, Artifacts())
+    assert not v2.loads and vllm_refusal in v2.refusal and removed[0] in v2.refusal
+    sgl = get_rule_set("sglang>=#34524").read(raw, Artifacts())
+    kind, text = sglang.split(": ", 1)
+    assert text in (sgl.refusal if kind == "refuses" else " ".join(sgl.dropped))
+
+
 def test_vllm_only_export_warns_about_the_v1_runner(tmp_path):
     result = export_drafter(v2_source(), tmp_path / "out", engine="vllm", dtype="float32")
     warnings = [f.message for f in result.findings]

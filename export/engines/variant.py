@@ -134,6 +134,9 @@ def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: Engine
     elif is_dflash2(config) and ("selector_rank" in missing or "selector_top_k" in missing):
         reading.refusal = ("raises ValueError: 'DFlash selector draft requires "
                            "dflash_config.selector_rank' (and selector_top_k)")
+    elif is_dflash2(config) and ("conv_kernel_size" in missing) != ("conv_group_size" in missing):
+        reading.refusal = ("raises ValueError: 'DFLASH grouped convolution needs "
+                           "conv_kernel_size and conv_group_size together'")
     if reading.refusal:
         return
     if "input_embedding_scale" in scales:
@@ -141,7 +144,7 @@ def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: Engine
                    "SGLang never reads it, block inputs come from the target's embedding module")
     if not is_dflash2(config):
         return
-    if "conv_kernel_size" in missing or "conv_group_size" in missing:
+    if "conv_kernel_size" in missing:
         reading.dropped.append("the grouped convs (conv_kernel_size / conv_group_size not in "
                                "dflash_config: SGLang builds no conv); fix: re-export with this "
                                "tool")
