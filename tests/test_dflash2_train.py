@@ -271,7 +271,7 @@ def _compose(tmp_path, target_dir, **extra):
             "target.path": str(target_dir), "data.demo_rows": 24,
             "data.demo_file": str(tmp_path / "demo.jsonl"), "data.max_length": 96,
             "data.batch_size": 8, "data.val_fraction": 0.25, "logger": "csv",
-            "trainer.log_every_n_steps": 1, "validate_before_fit": False,
+            "trainer.log_every_n_steps": 1,
             "module.num_anchors": 8, "module.selector.alpha_ramp_steps": 4,
             "callbacks.progress": "null"}
     base.update(extra)

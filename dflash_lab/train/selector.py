@@ -210,7 +210,10 @@ class SelectorMetrics:
         for key, flags in (("tau", sel.walk_correct), ("unary_tau", out.correct),
                            ("oracle_tau", sel.in_candidates)):
             self.taus[key].append(acceptance_lengths(flags, out.block_valid).cpu())
-        self.loss += torch.stack([sel.weighted_sum, sel.weight_sum]).detach().float().cpu()
+        # out of place: reset() may run under inference mode (trainer.validate) and an
+        # inference tensor cannot be updated in place by the fit loop's validation
+        pieces = torch.stack([sel.weighted_sum, sel.weight_sum]).detach().float().cpu()
+        self.loss = self.loss + pieces
 
     def compute(self) -> dict[str, float]:
         """``val/...`` metrics: tau (selector path), unary_tau, oracle_tau, recall_at_k,
