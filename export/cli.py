@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-lossy", action="store_true",
                    help="turn engine-rule refusals into loud warnings recorded in the report")
     p.add_argument("--target", metavar="PATH",
-                   help="target model dir, config.json or .gguf file: check hidden/vocab size and "
-                        "layer ids")
+                   help="target model dir, hub id (HF cache), config.json or .gguf file: check "
+                        "hidden/vocab size and layer ids")
     p.add_argument("--no-self-check", action="store_true",
                    help="skip reloading the export and comparing logits (recorded in the report)")
     return p
@@ -48,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_target(path: str | None) -> dict[str, Any] | None:
     if path is None:
         return None
-    if path.endswith(".gguf"):  # no config.json: the config is the GGUF's metadata
+    file = Path(path)
+    if path.endswith(".gguf") or not file.exists():
+        # A GGUF's config is its metadata; a hub id is read through the HF cache (offline with
+        # HF_HUB_OFFLINE=1), as every other entry point reads it.
         from dflash_lab.target.loader import load_target_config
 
         return load_target_config(path).to_dict()
-    file = Path(path)
     file = file / CONFIG_FILE if file.is_dir() else file
     try:
         return json.loads(file.read_text())

@@ -29,19 +29,27 @@ def config_target(config: dict | str | Path, tokenizer=None, name: str = "stand-
                            name_or_path=name)
 
 
-def publish_to_hf_cache(src: str | Path, repo_id: str, hub_cache: str | Path) -> Path:
-    """Lay the files of model directory ``src`` out as hub repo ``repo_id`` in the HF cache
-    layout (``models--Org--Name/{refs/main, snapshots/<sha>/...}``) under ``hub_cache``, so
-    ``from_pretrained(repo_id)`` with ``HF_HUB_OFFLINE=1`` finds it as a downloaded model.
-    Returns the snapshot directory."""
+def hub_snapshot_dir(repo_id: str, hub_cache: str | Path) -> Path:
+    """The snapshot directory of hub repo ``repo_id`` in the HF cache layout
+    (``models--Org--Name/{refs/main, snapshots/<sha>/}``) under ``hub_cache``, created with its
+    ``refs/main``: files written into it are what ``from_pretrained(repo_id)`` finds with
+    ``HF_HUB_OFFLINE=1``, as if downloaded."""
     import hashlib
-    import shutil
 
-    src, hub_cache = Path(src), Path(hub_cache)
-    repo = hub_cache / ("models--" + repo_id.replace("/", "--"))
+    repo = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
     commit = hashlib.sha1(repo_id.encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
-    shutil.copytree(src, snapshot, dirs_exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def publish_to_hf_cache(src: str | Path, repo_id: str, hub_cache: str | Path) -> Path:
+    """Copy the files of model directory ``src`` into hub repo ``repo_id``'s snapshot in the HF
+    cache under ``hub_cache`` (:func:`hub_snapshot_dir`). Returns the snapshot directory."""
+    import shutil
+
+    snapshot = hub_snapshot_dir(repo_id, hub_cache)
+    shutil.copytree(src, snapshot, dirs_exist_ok=True)
     return snapshot

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from tiny_archs import ARCHITECTURES, build_tiny_arch_target
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.demo_corpus import demo_conversations
@@ -21,7 +22,6 @@ from dflash_lab.paths import CONF_DIR
 from dflash_lab.target.features import extract_features
 from dflash_lab.target.loader import RawEmbedding, load_target, text_config
 from dflash_lab.target.tiny import MASK_TOKEN
-from dflash_lab.target.tiny_archs import ARCHITECTURES, build_tiny_arch_target
 
 ARCHS = sorted(ARCHITECTURES)
 B = 5

@@ -63,11 +63,25 @@ def target_rope(config) -> dict[str, Any]:
     return out
 
 
+def _global_value(cfg, name: str) -> Any:
+    """``cfg.name``, or its global value where transformers refuses it because some layers
+    override it (Gemma-4: the full-attention layers' ``head_dim`` is ``global_head_dim``; the
+    drafter takes the global one, that of the sliding majority)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception as err:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        if "per-layer" not in str(err):
+            raise
+        value = cfg.to_dict().get(name)
+        log.info("target %s differs per layer; the drafter uses its global value %s", name, value)
+        return value
+
+
 def target_shape(config) -> dict[str, Any]:
     """DrafterConfig shape fields read from a target config (text config of multimodal ones)."""
     cfg = text_config(config)
-    shape = {ours: getattr(cfg, theirs) for ours, theirs in _FROM_TARGET.items()
-             if getattr(cfg, theirs, None) is not None}
+    shape = {ours: value for ours, theirs in _FROM_TARGET.items()
+             if (value := _global_value(cfg, theirs)) is not None}
     if "head_dim" not in shape and {"hidden_size", "num_attention_heads"} <= shape.keys():
         shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     return {**shape, **target_rope(cfg)}
