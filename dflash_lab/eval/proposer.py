@@ -94,6 +94,7 @@ class DFlashProposer:
                              f"conv_kernel_size={drafter.config.conv_kernel_size} taps and runs "
                              f"on blocks of at least {min_slots} slots; use block_size >= "
                              f"{min_slots}")
+        self._trained = drafter
         self._views = {trained: drafter}
         self.drafter = self._view(block_size)
         self.embed_tokens = embed_tokens
@@ -115,7 +116,7 @@ class DFlashProposer:
     def _view(self, num_slots: int) -> DFlashDrafter:
         """The drafter running blocks of ``num_slots`` slots (built once, weights shared)."""
         if num_slots not in self._views:
-            self._views[num_slots] = _with_block_size(self._views[max(self._views)], num_slots)
+            self._views[num_slots] = _with_block_size(self._trained, num_slots)
         return self._views[num_slots]
 
     def _hidden(self, anchor_id: int, num_slots: int) -> Tensor:
