@@ -26,7 +26,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 from stand_ins import hub_snapshot_dir
 from tiny_archs import build_smollm2_style_tokenizer, build_tiny_arch_target
 
@@ -225,12 +224,9 @@ def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False,
                       map_location="cpu")["global_step"] == 2
     assert result["val_tau_after"] >= 1.0
-    if OmegaConf.select(cfg, "drafter.variant") == "dflash2" and not cfg.export.enabled:
-        drafter_dir = run_dir  # the exporter's DFlash 2 support is issue 15 part 4
-    else:
-        drafter_dir = (Path(result["export_dir"]) if cfg.export.enabled
-                       else export_command(cfg, run_dir, name))
-        check_the_recipe_is_what_trained(cfg, drafter_dir, _tokenizer_owner(cfg))
+    drafter_dir = (Path(result["export_dir"]) if cfg.export.enabled
+                   else export_command(cfg, run_dir, name or cfg.target.path))
+    check_the_recipe_is_what_trained(cfg, drafter_dir, _tokenizer_owner(cfg))
     run_eval_command(cfg, drafter_dir, name or "tiny")
 
 
