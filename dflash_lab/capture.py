@@ -18,10 +18,11 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab.data.capture_loop import CaptureSettings, run_capture
+from dflash_lab.data.capture_loop import CaptureSettings, build_plan, claim_dir, run_capture
 from dflash_lab.data.conversations import load_conversations
 from dflash_lab.data.demo_corpus import write_demo_jsonl
 from dflash_lab.entry import log_final, make_logger
+from dflash_lab.errors import user_errors
 from dflash_lab.model.config import build_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
@@ -87,7 +88,9 @@ def capture(cfg: DictConfig) -> dict[str, Any] | None:
     target = instantiate(cfg.target)
     data = instantiate(cfg.data)
     settings = _settings(cfg, target)
-    if rank == 0:
+    if rank == 0:  # refuse a directory captured with other settings before writing the record
+        claim_dir(Path(settings.out_dir), build_plan(target, settings, len(data.dataset),
+                                                      data.source))
         write_run_info(settings.out_dir, cfg, world_size=world)
     manifest = run_capture(target, data.dataset, settings, data.source, rank=rank,
                            world_size=world, progress=cfg.capture.progress)
@@ -106,7 +109,8 @@ def capture(cfg: DictConfig) -> dict[str, Any] | None:
 @hydra.main(config_path=str(CONF_DIR), config_name="capture", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
-    capture(cfg)
+    with user_errors():
+        capture(cfg)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from dflash_lab.capture import rank_and_world
 from dflash_lab.data.completion_server import ServerSettings, open_server
 from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
 from dflash_lab.entry import log_final, make_logger
+from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
@@ -74,7 +75,8 @@ def make_server_settings(cfg: DictConfig) -> ServerSettings | None:
 @hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
-    regenerate(cfg)
+    with user_errors():
+        regenerate(cfg)
 
 
 def main() -> None:

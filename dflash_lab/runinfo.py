@@ -58,25 +58,53 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def record_paths(out_dir: Path) -> list[tuple[Path, Path]]:
+    """The directory's records, oldest first: (``config.yaml``, ``run_info.json``), then
+    (``config.1.yaml``, ``run_info.1.json``), ... (one per later run in the directory)."""
+    out, n = [], 0
+    while True:
+        suffix = f".{n}" if n else ""
+        pair = (out_dir / f"config{suffix}.yaml", out_dir / f"run_info{suffix}.json")
+        if not (pair[0].exists() or pair[1].exists()):
+            return out
+        out.append(pair)
+        n += 1
+
+
+def latest_config(out_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(file, resolved config) of the directory's latest record with a config, or None."""
+    from omegaconf import OmegaConf
+
+    for config, _ in reversed(record_paths(Path(out_dir))):
+        if config.is_file():
+            return config, OmegaConf.to_container(OmegaConf.load(config))
+    return None
+
+
 def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
     """Write ``config.yaml`` (resolved, when ``cfg`` is an OmegaConf config or dict) and
     ``run_info.json`` (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``.
 
+    A directory's first record is never overwritten: a later run there (a resume, a rerun)
+    writes ``config.N.yaml`` / ``run_info.N.json`` beside it (:func:`record_paths`). Callers
+    validate first and write after, so a refused run leaves no record at all.
     Only the job's global rank 0 writes (every process of a multi-node job shares the run
     directory on one filesystem); the others return the path without touching it.
     """
     from dflash_lab.launch import is_global_zero
 
     out_dir = Path(out_dir)
-    path = out_dir / RUN_INFO_FILE
+    n = len(record_paths(out_dir))
+    suffix = f".{n}" if n else ""
+    path = out_dir / f"run_info{suffix}.json"
     if not is_global_zero():
-        return path
+        return out_dir / RUN_INFO_FILE
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg is not None:
         from omegaconf import OmegaConf
 
         conf = cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)
-        _write_atomic(out_dir / CONFIG_FILE, OmegaConf.to_yaml(conf, resolve=True))
+        _write_atomic(out_dir / f"config{suffix}.yaml", OmegaConf.to_yaml(conf, resolve=True))
     info = {
         "git_sha": git_sha(),
         "argv": list(sys.argv),

@@ -75,7 +75,12 @@ def _plain_key(key: str) -> str:
 
 def load_checkpoint(path: Path) -> Source:
     """A Lightning ``.ckpt``: ``state_dict`` keys prefixed ``drafter.`` and
-    ``hyper_parameters["drafter_config"]`` = ``DrafterConfig.to_dict()``."""
+    ``hyper_parameters["drafter_config"]`` = ``DrafterConfig.to_dict()``. A checkpoint whose
+    ``.sha256`` sidecar (written by training) does not match is refused."""
+    from dflash_lab.checksums import checksum_problem
+
+    if problem := checksum_problem(Path(path)):
+        raise ValueError(f"{path}: {problem}; export another checkpoint of the run")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:

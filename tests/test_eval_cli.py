@@ -222,8 +222,10 @@ def test_config_validation(tmp_path):
     (["logger.run_name=r1"], "logger.name=NAME"),
 ])
 def test_old_spellings_name_the_new_one(old, new, monkeypatch):
-    """The former hand-read keys fail in one line that gives the new spelling."""
+    """The former hand-read keys fail in one line that gives the new spelling (DFLASH_DEBUG:
+    raised, not printed as ``error: ...``)."""
     monkeypatch.setattr(sys, "argv", ["dflash-eval", "output_dir=o", *old])
+    monkeypatch.setenv("DFLASH_DEBUG", "1")
     with pytest.raises(ValueError, match=f"old dflash-eval spelling: .*{new}"):
         cli.main()
 

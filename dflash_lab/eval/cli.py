@@ -15,6 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash_lab.entry import log_final, make_logger
+from dflash_lab.errors import user_errors
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
 from dflash_lab.eval.report import write_report
@@ -87,12 +88,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="eval", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    with user_errors():
+        evaluate(cfg)
 
 
 def main() -> None:
     """Console entry point (``dflash-eval``)."""
-    check_old_spellings(sys.argv[1:])
+    with user_errors():
+        check_old_spellings(sys.argv[1:])
     _hydra_main()
 
 

@@ -1,4 +1,12 @@
-"""Checkpointing that also records the best checkpoint where the exporter looks for it."""
+"""Checkpointing that also records the best checkpoint where the exporter looks for it.
+
+Every checkpoint is written atomically (temporary file in the same directory, fsync, rename)
+with a ``<name>.sha256`` sidecar; the previous ``last.ckpt`` is kept as ``last.prev.ckpt``, so a
+full disk or a kill mid-write never leaves a resume point that cannot be read
+(:func:`dflash_lab.train.resume.resume_checkpoint` checks and falls back). Paths in the
+callback's saved state are rebased onto the directory the run is in now, so a moved or copied
+run directory resumes, saves and picks its best checkpoint inside itself.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,15 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
+
 BEST_FILE = "best.json"
+_PATH_KEYS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
 class DFlashCheckpoint(ModelCheckpoint):
@@ -29,6 +41,50 @@ class DFlashCheckpoint(ModelCheckpoint):
             raise ValueError(f"callbacks.checkpoint.last_every_n_steps={last_every_n_steps}: "
                              "must be >= 1, or null to write last.ckpt only at validation")
         self.last_every_n_steps = last_every_n_steps
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Rebase the saved paths (absolute, in the directory the checkpoint was written in)
+        onto this run's ``dirpath``: Lightning keeps a stale ``best_model_path`` when the
+        directory moved and forgets ``last_model_path`` (the next save then goes to
+        last-v1.ckpt beside a stale last.ckpt)."""
+        old = state_dict.get("dirpath")
+        if old and self.dirpath and old != self.dirpath:
+            state_dict = {**state_dict, "dirpath": self.dirpath,
+                          **{k: self._rebase(state_dict.get(k), old) for k in _PATH_KEYS},
+                          "best_k_models": {self._rebase(k, old): v for k, v in
+                                            (state_dict.get("best_k_models") or {}).items()}}
+        super().load_state_dict(state_dict)
+
+    def _rebase(self, path: str | None, old_dir: str) -> str | None:
+        if not path:
+            return path
+        rel = os.path.relpath(path, old_dir)
+        return path if rel.startswith("..") else os.path.join(self.dirpath, rel)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """Lightning's save, but atomic: write ``.<name>.tmp`` beside ``filepath`` (one name
+        for every rank: a sharded strategy writes it together), then
+        :func:`~dflash_lab.train.resume.finish_checkpoint` on global rank 0."""
+        tmp = str(Path(filepath).with_name(f".{Path(filepath).name}.tmp"))
+        try:
+            trainer.save_checkpoint(tmp, self.save_weights_only)
+            if trainer.is_global_zero:
+                keep = PREVIOUS_LAST if Path(filepath).name == "last.ckpt" else None
+                finish_checkpoint(Path(tmp), Path(filepath), keep)
+        finally:
+            if trainer.is_global_zero and os.path.isfile(tmp):
+                os.remove(tmp)  # a failed write (full disk): the old checkpoint stays
+        trainer.strategy.barrier()
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            remove_checkpoint(Path(filepath), sidecar_only=True)
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)

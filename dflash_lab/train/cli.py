@@ -12,6 +12,7 @@ from collections.abc import MutableMapping
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 
 RUN_NAME_ENV = "DFLASH_RUN_NAME"  #: the run name Lightning's launcher hands its child processes
@@ -49,10 +50,11 @@ def _trainer_source() -> str:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    check_launch(cfg, _trainer_source())
-    from dflash_lab.train.run import train
+    with user_errors():
+        check_launch(cfg, _trainer_source())
+        from dflash_lab.train.run import train
 
-    train(cfg)
+        train(cfg)
 
 
 def main() -> None:

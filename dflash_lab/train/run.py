@@ -14,22 +14,13 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab.runinfo import write_run_info
+from dflash_lab.runinfo import latest_config, record_paths, write_run_info
+from dflash_lab.train.checks import check_train_config
+from dflash_lab.train.resume import check_resume_config, resolve_ckpt_path
+
+__all__ = ["build_components", "export_run", "resolve_ckpt_path", "train"]
 
 log = logging.getLogger("dflash_lab.train")
-
-
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
-    """``auto`` resumes from ``<output_dir>/checkpoints/last.ckpt`` when it exists."""
-    if ckpt_path is None:
-        return None
-    if ckpt_path == "auto":
-        last = Path(output_dir) / "checkpoints" / "last.ckpt"
-        return str(last) if last.is_file() else None
-    if not Path(ckpt_path).is_file():
-        raise ValueError(f"ckpt_path={ckpt_path!r} does not exist; give a .ckpt file, 'auto' "
-                         "(resume from the run's last.ckpt) or null (start fresh)")
-    return ckpt_path
 
 
 def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
@@ -80,8 +71,41 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
             "trainer": trainer, "logger": logger}
 
 
+def check_resume(cfg: DictConfig, out_dir: Path, ckpt: str | None) -> None:
+    """A resume (``ckpt`` in this run directory) must match the run's latest recorded config
+    (:func:`~dflash_lab.train.resume.check_resume_config`)."""
+    recorded = latest_config(out_dir) if ckpt is not None else None
+    if recorded is None:
+        return
+    current = OmegaConf.to_container(cfg, resolve=True)
+    check_resume_config(recorded[1], current, str(recorded[0]),
+                        allow=list(cfg.get("resume_allow_changes") or []),
+                        force=bool(cfg.get("resume_force", False)))
+
+
+def check_resume_target(cfg: DictConfig, out_dir: Path, ckpt: str | None, target) -> None:
+    """A resume must load the checkpoint the run was trained with (weights fingerprint in the
+    run's first run_info.json; runs from before fingerprints only warn)."""
+    records = record_paths(out_dir) if ckpt is not None else []
+    if not records or not records[0][1].is_file():
+        return
+    import json
+
+    from dflash_lab.data.shards import check_weights
+
+    recorded = json.loads(records[0][1].read_text()).get("target") or {}
+    allowed = "target.weights_fingerprint" in (cfg.get("resume_allow_changes") or [])
+    check_weights(recorded, target.identity(), str(records[0][1]),
+                  allow=allowed or bool(cfg.get("resume_force", False)),
+                  override="resume_allow_changes=[target.weights_fingerprint]")
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train and return {"val_tau_before", "val_tau_after", "best_checkpoint", "output_dir"}."""
+    """Train and return {"val_tau_before", "val_tau_after", "best_checkpoint", "output_dir"}.
+
+    Everything that can be refused is checked before the run directory's record is written
+    (config.yaml / run_info.json, or config.N.yaml on a resume): a refused run leaves the
+    directory as it was."""
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
     if cfg.export.enabled:  # refuse an export.out_dir that the end-of-run export may not replace
@@ -89,12 +113,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
         check_output_dir(cfg.export.out_dir, [out_dir], force=True, owner=out_dir,
                          name="export.out_dir")
-    write_run_info(out_dir, cfg)
+    check_train_config(cfg)
+    ckpt = resolve_ckpt_path(cfg.ckpt_path, out_dir)
+    check_resume(cfg, out_dir, ckpt)
     parts = build_components(cfg)
+    check_resume_target(cfg, out_dir, ckpt, parts["target"])
+    write_run_info(out_dir, cfg, target=parts["target"].identity(), resumed_from=ckpt)
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]
     if parts["logger"]:
         parts["logger"].log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    ckpt = resolve_ckpt_path(cfg.ckpt_path, out_dir)
     before = None
     if cfg.validate_before_fit and ckpt is None:
         before = trainer.validate(module, datamodule=data, verbose=False)[0]["val/tau"]
