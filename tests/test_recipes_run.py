@@ -45,6 +45,7 @@ TARGETS = {
 #: Hidden size of the stand-ins: each drafted slot costs a [V, H] projection, so on 2 CPU cores
 #: a 150k-260k vocab is affordable only at a tiny width.
 WIDTH = 32
+SELECTOR_RANK = 16
 #: The sizes a smoke run may change (everything else is the recipe's).
 TRAIN_SIZES = ["trainer.max_steps=2", "trainer.max_epochs=1"]
 ONLINE_SIZES = ["data.demo_rows=9", "data.max_length=96", "data.batch_size=4"]
@@ -134,6 +135,11 @@ def train_config(recipe_cfg, args: list[str], tiny_target_dir: Path):
         sizes += ["trainer.accelerator=cpu", "trainer.devices=1"]
     if _tiny(recipe_cfg):  # the session's cached build of the built-in tiny target
         sizes.append(f"target.path={tiny_target_dir}")
+    elif recipe_cfg.drafter.get("selector_rank"):
+        # A width, like the stand-in's hidden size: DFlash 2's codebooks are [vocab, rank] x 2
+        # (248k x 256: 127M parameters whose AdamW state, checkpoints and export alone take
+        # minutes on 2 cores); the conv, top-K and layout stay the recipe's.
+        sizes.append(f"drafter.selector_rank={SELECTOR_RANK}")
     if recipe_cfg.logger.get("_target_", "").endswith("WandbLogger"):
         # conf/train.yaml's default, not a recipe choice: an offline wandb run costs ~10 s of
         # start-up per test on 2 cores (its service process); recipes that pick a logger keep it.
