@@ -430,3 +430,47 @@ def test_a_user_error_exits_2_with_one_line_and_no_traceback(tiny_target_dir, tm
     debug = subprocess.run(args, cwd=REPO_ROOT, env={**env, "DFLASH_DEBUG": "1"},
                            capture_output=True, text=True, timeout=300)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+# ------------------------------------------- item 10: data errors that name the place
+@pytest.mark.parametrize(("line3", "message"), [
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "line 3: not UTF-8"),
+    (b'{"messages": [{"role": "user", "content": "hi"}', "line 3: malformed JSON"),
+])
+def test_a_bad_jsonl_line_is_named_by_file_and_line(tmp_path, line3, message):
+    from dflash_lab.data.conversations import load_conversations
+
+    good = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", ' \
+           b'"content": "hello"}]}'
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join([good, good, line3, good]) + b"\n")
+    with pytest.raises(ValueError, match=f"rows.jsonl.*{message}"):
+        load_conversations(str(path))
+
+
+def test_a_row_too_long_to_regenerate_is_logged_with_its_input_row(tiny_target, tmp_path,
+                                                                   caplog):
+    from dflash_lab.data.regenerate import RegenerateSettings, part_path, regenerate_part
+
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    long = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]
+    rows = [{"messages": short, "input_row": 7}, {"messages": long, "input_row": 8}]
+    s = RegenerateSettings(out_dir=str(tmp_path), max_new_tokens=4, max_length=48)
+    with caplog.at_level("WARNING"):
+        regenerate_part(tiny_target, rows, 0, s)
+    assert "input row 8 dropped: no assistant turn fitted" in caplog.text
+    assert "input row 7" not in caplog.text
+    assert part_path(tmp_path, 0).read_text().count("\n") == 1
+
+
+def test_num_prompts_beyond_the_file_is_warned(tiny_target, tmp_path, caplog):
+    import json
+
+    from dflash_lab.eval.prompts import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]})
+                            + "\n" for i in range(3)))
+    with caplog.at_level("WARNING"):
+        assert len(load_prompts(tiny_target.tokenizer, str(path), num_prompts=50)) == 3
+    assert "num_prompts=50 but" in caplog.text and "holds 3 rows" in caplog.text

@@ -48,8 +48,15 @@ def load_conversations(path: str, *, split: str = "train", limit: int | None = N
         try:
             ds = datasets.load_dataset(builder, data_files=str(p), split="train")
         except Exception as err:  # datasets/pyarrow raise many error types for bad files
+            where = locate_json_error(p) if builder == "json" else None
+            if where is not None:
+                raise ValueError(f"data file {path!r}, {where}; fix that line (each line of a "
+                                 ".jsonl file is one JSON object in UTF-8)") from err
             raise ValueError(f"data file {path!r} could not be read as {builder} ({err!r}); "
                              "check the file format") from err
+        if builder == "json" and not is_utf8(p):  # pyarrow replaces bad bytes silently
+            raise ValueError(f"data file {path!r}, {locate_json_error(p)}; fix that line (each "
+                             "line of a .jsonl file is one JSON object in UTF-8)")
     else:
         ds = datasets.load_dataset(path, split=split)
     if len(ds) == 0:
@@ -65,6 +72,45 @@ def load_conversations(path: str, *, split: str = "train", limit: int | None = N
     if limit is not None:
         ds = ds.select(range(min(int(limit), len(ds))))
     return ds
+
+
+def is_utf8(path: Path, chunk: int = 1 << 24) -> bool:
+    """Whether the whole file decodes as UTF-8 (read in 16 MiB chunks)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def locate_json_error(path: Path) -> str | None:
+    """``line N: reason`` of the first line of a JSON/JSONL file that is not UTF-8 or not
+    valid JSON (a .json file is parsed whole: its error carries the line), else None. Only
+    called after ``datasets`` failed, whose pyarrow errors name neither file nor line."""
+    import json
+
+    data = path.read_bytes()
+    lines = [data] if path.suffix == ".json" else data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return (f"line {number}: not UTF-8 (byte {raw[err.start]:#04x} at column "
+                    f"{err.start + 1})")
+        if not text.strip():
+            continue
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            line = err.lineno if path.suffix == ".json" else number
+            return f"line {line}: malformed JSON ({err.msg} at column {err.colno})"
+    return None
 
 
 # ------------------------------------------------------------------ tokenising rows, bad rows

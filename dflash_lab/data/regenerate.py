@@ -214,6 +214,11 @@ def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress
                 if (c := _checked(target.tokenizer, dataset[i], i, s)) is not None]
         new, n = regenerate_batch(target, [c for _, c in good], s, server) if good else ([], 0)
         tokens += n
+        for (i, _), m in zip(good, new):
+            if m is None:  # counted in the manifest's "dropped"; logged so it can be found
+                log.warning("input row %d dropped: no assistant turn fitted "
+                            "regenerate.settings.max_length=%d", input_row(dataset[i], i),
+                            s.max_length)
         rows += [{"messages": m, "source_row": i} for (i, _), m in zip(good, new)
                  if m is not None]
         if progress is not None:

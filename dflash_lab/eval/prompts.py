@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,10 @@ def load_prompts(tokenizer, path: str, *, num_prompts: int | None = None,
 
         random.Random(shuffle_seed).shuffle(order)
     if num_prompts is not None:
+        if int(num_prompts) > len(rows):
+            logging.getLogger("dflash_lab.eval").warning(
+                "num_prompts=%d but %s holds %d rows: evaluating all %d", int(num_prompts),
+                path, len(rows), len(rows))
         order = order[:int(num_prompts)]
     if not order:
         raise ValueError(f"data.path={path!r} gave no prompts (rows={len(rows)}, "
