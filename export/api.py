@@ -29,7 +29,15 @@ from export.checks import (
 )
 from export.engines import ENGINES, RULE_SETS, Artifacts, EngineReading, read_all, rule_sets_for
 from export.engines.common import layouts_agree
-from export.outdir import REPORT_FILE, SOURCE_PATH_KEY, check_output_dir, refuse_overlap
+from export.outdir import (
+    REPORT_FILE,
+    SOURCE_PATH_KEY,
+    check_output_dir,
+    publish_modes,
+    refuse_overlap,
+    stale_temp_dirs,
+    temp_prefix,
+)
 from export.report import as_trained_lines, drafter_lines, engine_notes, export_report, layer_table
 from export.selfcheck import SelfCheckResult, run_self_check
 from export.sources import Source, artifacts_of, load_source, read_config_json
@@ -169,7 +177,9 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     if refusals(findings):
         raise ExportRefused(findings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
+        _remove(stale)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=temp_prefix(out_dir)))
     try:
         raw = _write_dir(tmp, config, state, mask, dtype)
         checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check)
@@ -179,6 +189,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
             config=config, readings=readings, findings=findings, self_check=check_lines,
             files=files + [REPORT_FILE])
         (tmp / REPORT_FILE).write_text(report)
+        publish_modes(tmp)
         _commit(tmp, out_dir, force)
     except BaseException:
         _remove(tmp)

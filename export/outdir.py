@@ -10,6 +10,7 @@ names its run (``owner``): it replaces only an export whose recorded source lies
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -98,3 +99,47 @@ def check_output_dir(out_dir: str | Path, reads: Iterable[str | Path], *, force:
             f"{name} {out} exists and is not replaced: {why}. Replacing deletes it, so only an "
             "empty directory or a previous export (of this run, for the training-end export) is "
             f"replaced; choose another {name} or move {out} away yourself")
+
+
+# ------------------------------------------------------------------ temporary directories
+def temp_prefix(out_dir: Path) -> str:
+    """Prefix of this process's temporary export directory beside ``out_dir``:
+    ``.OUT.tmp-<host>-<pid>-`` (the host and pid say whose it is once the process is gone)."""
+    return f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def stale_temp_dirs(out_dir: Path) -> list[Path]:
+    """Temporary export directories beside ``out_dir`` left by a killed export on this host:
+    the pid in the name is not running, and they hold only files an export writes."""
+    host = socket.gethostname()
+    found = []
+    for path in out_dir.parent.glob(f".{out_dir.name}.tmp-{host}-*"):
+        pid = path.name[len(f".{out_dir.name}.tmp-{host}-"):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if path.is_dir() and not path.is_symlink() and all(
+                e.name in EXPORT_FILES and e.is_file() for e in path.iterdir()):
+            found.append(path)
+    return found
+
+
+def publish_modes(directory: Path) -> None:
+    """The modes other tools give a model directory: files 0644 and the directory 0755 under
+    the usual umask 022 (``mkdtemp`` makes it 0700, which a shared model directory cannot
+    use)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for entry in directory.iterdir():
+        if entry.is_file():
+            entry.chmod(0o666 & ~umask)
+    directory.chmod(0o777 & ~umask)

@@ -474,3 +474,51 @@ def test_num_prompts_beyond_the_file_is_warned(tiny_target, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert len(load_prompts(tiny_target.tokenizer, str(path), num_prompts=50)) == 3
     assert "num_prompts=50 but" in caplog.text and "holds 3 rows" in caplog.text
+
+
+# ------------------------------------------------- item 12: export temp dirs and modes
+def test_an_export_killed_mid_way_leaves_a_temp_dir_the_next_run_removes(trained_run,
+                                                                         tmp_path):
+    """kill -9 while the export's temporary directory exists (its commit made to wait): the
+    next export removes it (its pid is gone) and keeps a live process's one and foreign
+    files; exported files are 0644 and the directory 0755 (umask 022), not mkdtemp's 0700."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from export import export_drafter
+
+    from dflash_lab.paths import REPO_ROOT
+
+    src, out = trained_run, tmp_path / "out"
+    code = ("import time, export.api as a; a._commit = lambda *x: time.sleep(600); "
+            f"a.export_drafter({str(src)!r}, {str(out)!r}, engine='vllm')")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    try:
+        for _ in range(600):
+            left = list(tmp_path.glob(".out.tmp-*"))
+            if left and (left[0] / "EXPORT_REPORT.md").is_file():
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(left) == 1, "the export never reached its commit"
+    live = tmp_path / f".out.tmp-{socket.gethostname()}-{os.getpid()}-live"
+    live.mkdir()
+    foreign = tmp_path / f".out.tmp-{socket.gethostname()}-{proc.pid}-notes"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    old_umask = os.umask(0o022)
+    try:
+        export_drafter(src, out, engine="vllm")
+    finally:
+        os.umask(old_umask)
+    assert not left[0].exists()
+    assert live.exists() and (foreign / "notes.txt").is_file()
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
