@@ -194,6 +194,18 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def test_a_run_records_its_target_weights_in_run_info_and_every_checkpoint(
+        trained_run, tiny_target):
+    import json
+
+    want = tiny_target.weights_fingerprint()
+    info = json.loads((trained_run / "run_info.json").read_text())
+    assert info["target"]["weights_fingerprint"] == want
+    for ckpt in (trained_run / "checkpoints").glob("*.ckpt"):
+        saved = torch.load(ckpt, map_location="cpu", weights_only=True)["dflash_target"]
+        assert saved["weights_fingerprint"] == want, ckpt.name
+
+
 def test_a_copied_run_directory_resumes_its_own_copy(trained_run, tiny_target_dir, tmp_path):
     """ckpt_path=auto in a copy: resumes the copy's last.ckpt, saves to the same last.ckpt
     (no last-v1.ckpt split), its best checkpoint lies in the copy; the original is untouched."""
@@ -489,9 +501,8 @@ def test_an_export_killed_mid_way_leaves_a_temp_dir_the_next_run_removes(trained
     import sys
     import time
 
-    from export import export_drafter
-
     from dflash_lab.paths import REPO_ROOT
+    from export import export_drafter
 
     src, out = trained_run, tmp_path / "out"
     code = ("import time, export.api as a; a._commit = lambda *x: time.sleep(600); "

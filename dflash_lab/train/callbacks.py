@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
 
 BEST_FILE = "best.json"
+TARGET_KEY = "dflash_target"  #: checkpoint key of the target identity (config/tokenizer/weights)
 _PATH_KEYS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
@@ -41,6 +42,14 @@ class DFlashCheckpoint(ModelCheckpoint):
             raise ValueError(f"callbacks.checkpoint.last_every_n_steps={last_every_n_steps}: "
                              "must be >= 1, or null to write last.ckpt only at validation")
         self.last_every_n_steps = last_every_n_steps
+
+    #: ``Target.identity()`` of the run's target, saved in every checkpoint as
+    #: ``checkpoint["dflash_target"]`` (plain data: weights_only loads it), set by train().
+    target_identity: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if self.target_identity is not None:
+            checkpoint[TARGET_KEY] = self.target_identity
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Rebase the saved paths (absolute, in the directory the checkpoint was written in)

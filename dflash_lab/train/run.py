@@ -120,6 +120,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_resume_target(cfg, out_dir, ckpt, parts["target"])
     write_run_info(out_dir, cfg, target=parts["target"].identity(), resumed_from=ckpt)
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]
+    if hasattr(trainer.checkpoint_callback, "target_identity"):  # DFlashCheckpoint
+        trainer.checkpoint_callback.target_identity = parts["target"].identity()
     if parts["logger"]:
         parts["logger"].log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     before = None
