@@ -519,6 +519,7 @@ def test_an_export_killed_mid_way_leaves_a_temp_dir_the_next_run_removes(trained
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert len(left) == 1, "the export never reached its commit"
+    assert not out.exists()  # nothing half-made where the export goes
     live = tmp_path / f".out.tmp-{socket.gethostname()}-{os.getpid()}-live"
     live.mkdir()
     foreign = tmp_path / f".out.tmp-{socket.gethostname()}-{proc.pid}-notes"
