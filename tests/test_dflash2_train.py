@@ -129,6 +129,24 @@ def test_loss_is_unary_plus_alpha_selector_ce_computed_by_hand(missing_gold):
     torch.testing.assert_close(grads, want)  # the fused head pass's gradient, scales included
 
 
+def test_a_dflash1_drafter_trains_on_its_scaled_unary_logits_too():
+    cfg = tiny_drafter_config("mixed_swa", **SCALES)
+    module = DFlashModule(DFlashDrafter(cfg), _head(cfg), torch.optim.SGD, gamma=2.0,
+                          label_source="dataset")
+    batch = {"hidden": torch.randn(2, 16, 3 * cfg.hidden_size),
+             "input_ids": torch.randint(0, 90, (2, 16)), "loss_mask": torch.ones(2, 16)}
+    anchors, valid = torch.tensor([[1, 6, 10]] * 2), torch.ones(2, 3, dtype=torch.bool)
+    out = module.blocks_loss(batch, anchors, valid)
+    hidden = module.drafter(batch["hidden"], batch["input_ids"], anchors,
+                            module.target_head.embed_tokens)
+    tgt = block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid, 4)
+    logits = module.drafter.unary_logits(hidden, module.target_head.lm_head)
+    w = position_weights(4, 2.0).expand_as(tgt.valid)[tgt.valid]
+    ce = F.cross_entropy(logits[tgt.valid], tgt.labels[tgt.valid], reduction="none")
+    assert out.selector is None
+    torch.testing.assert_close(module.objective(out, 0), (w * ce).sum() / w.sum())
+
+
 def test_exclude_and_swap_differ_only_where_gold_is_missing():
     outs = {}
     for mode in ("exclude", "swap"):
