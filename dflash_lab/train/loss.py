@@ -156,6 +156,17 @@ class HeadPass:
     top_ids: Tensor | None = None
 
 
+def into_head_dtype(hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:
+    """Dtype policy (docs/targets.md): the frozen target head computes in the target's dtype,
+    as it does when serving; the drafter's hidden states are cast into it here, the one place
+    both head passes (:func:`chunked_head_pass`, :func:`candidate_logits`) go through (autograd
+    casts the gradient back); the logits leave as fp32."""
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, Tensor) and hidden_xh.dtype != weight.dtype:
+        return hidden_xh.to(weight.dtype)
+    return hidden_xh
+
+
 def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, scale: LogitScale,
               top_k: int) -> tuple[Tensor, ...]:
     logits = lm_head(hidden_mh).float()
@@ -196,11 +207,7 @@ def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
     chunk runs under activation checkpointing: backward recomputes its logits (three matmuls).
     """
     weight = getattr(lm_head, "weight", None)
-    if isinstance(weight, Tensor) and hidden_mh.dtype != weight.dtype:
-        # Dtype policy (docs/training.md): the frozen target head computes in the target's
-        # dtype, as it does when serving; the drafter's hidden states are cast into it here
-        # (autograd casts the gradient back) and the logits leave as fp32.
-        hidden_mh = hidden_mh.to(weight.dtype)
+    hidden_mh = into_head_dtype(hidden_mh, lm_head)
     if hidden_mh.shape[0] == 0:
         empty = hidden_mh.new_zeros(0, dtype=torch.float32)
         top = (empty.new_zeros(0, top_k), labels_m.new_zeros(0, top_k)) if top_k else (None, None)
@@ -300,8 +307,7 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
     Hidden states are cast to the head's dtype first (the dtype policy of the unary pass).
     """
     weight = getattr(lm_head, "weight", None)
-    if isinstance(weight, Tensor) and hidden_mh.dtype != weight.dtype:
-        hidden_mh = hidden_mh.to(weight.dtype)
+    hidden_mh = into_head_dtype(hidden_mh, lm_head)
     linear = isinstance(lm_head, nn.Linear)
     if linear:
         per_row = ids_mk.shape[1] * hidden_mh.shape[1] * hidden_mh.element_size()
