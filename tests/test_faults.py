@@ -222,7 +222,6 @@ def test_a_copied_run_directory_resumes_its_own_copy(trained_run, tiny_target_di
     assert _snapshot(trained_run) == before
 
 
-@pytest.mark.slow
 def test_a_moved_run_directory_resumes_where_it_is_now(tiny_target_dir, tmp_path):
     """The old directory is gone: no FileNotFoundError for the stale best/last paths."""
     import shutil
