@@ -87,10 +87,10 @@ def train_args(gguf: Path, run_dir: Path, *extra: str) -> list[str]:
 # ------------------------------------------------------------------ the written GGUF itself
 def test_the_written_gguf_is_the_tiny_target(ggufs, tiny_target_dir):
     """transformers reads the GGUF back as the same model (F32: equal logits), tokenizer (same
-    ids) and template; head_dim (16, not Qwen3's default 128) comes from the file."""
+    ids) and template; head_dim (32, not Qwen3's default 128) comes from the file."""
     ref = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
     got = load_target(str(ggufs["with"]), dtype="float32", device="cpu")
-    assert got.model.config.head_dim == ref.model.config.head_dim == 16
+    assert got.model.config.head_dim == ref.model.config.head_dim == 32
     assert got.tokenizer.chat_template == ref.tokenizer.chat_template
     texts = ["What is 12 + 30? (think first)", "  spaces\n\nand\ttabs, 1234 apples.",
              ref.tokenizer.apply_chat_template(demo_conversations(2, seed=9)[1], tokenize=False)]
@@ -133,7 +133,7 @@ def test_a_gguf_in_a_hub_repo_loads_from_the_offline_cache(ggufs, offline_hf_cac
     publish_to_hf_cache(repo, "example-org/tiny-GGUF", offline_hf_cache)
     got = load_target("example-org/tiny-GGUF", gguf_file="tiny-F32.gguf", dtype="float32",
                       device="cpu", chat_template="chatml")
-    assert got.model.config.head_dim == 16
+    assert got.model.config.head_dim == 32
     assert got.identity()["gguf_file"] == "tiny-F32.gguf"
 
 
