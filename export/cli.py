@@ -17,6 +17,7 @@ from typing import Any
 
 from export.api import ExportRefused, SelfCheckFailed, export_drafter, inspect_dir
 from export.checks import WARN
+from export.sources import Source, load_source
 from export.weights import CONFIG_FILE, DTYPES
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK = 0, 2, 3, 4
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", metavar="PATH",
                    help="target model dir, hub id (HF cache), config.json or .gguf file: check "
                         "hidden/vocab size and layer ids")
+    p.add_argument("--allow-other-target-weights", action="store_true",
+                   help="export although --target's weights fingerprint differs from the one "
+                        "the training checkpoint recorded")
     p.add_argument("--no-self-check", action="store_true",
                    help="skip reloading the export and comparing logits (recorded in the report)")
     return p
@@ -68,7 +72,29 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK if result.ok else EXIT_REFUSED
 
 
+def _check_target_weights(src: Source, target: str | None, allow: bool) -> None:
+    """``--target`` must be the checkpoint the drafter was trained on: its weights fingerprint
+    equals the one the training checkpoint recorded (same config and tokenizer are not enough:
+    a drafter trained on other weights drafts for those). Older checkpoints carry none."""
+    recorded = (src.target_identity or {}).get("weights_fingerprint")
+    if target is None or recorded is None:
+        return
+    from dflash_lab.target.loader import split_gguf_path, target_weight_files, weights_fingerprint
+
+    name, gguf = split_gguf_path(target, None)
+    files = target_weight_files(name, gguf)
+    have = weights_fingerprint(files) if files else None
+    if have is not None and have != recorded and not allow:
+        raise ValueError(f"--target {target}: its weights fingerprint {have[:16]}... differs from "
+                         f"the one {src.description} was trained on ({recorded[:16]}...): another "
+                         "checkpoint with the same config. Pass the training target, or "
+                         "--allow-other-target-weights to export anyway")
+
+
 def _export(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.target is not None:
+        _check_target_weights(load_source(args.source), args.target,
+                              args.allow_other_target_weights)
     result = export_drafter(
         args.source, args.out_dir, engine=args.engine, dtype=args.dtype, force=args.force,
         allow_lossy=args.allow_lossy, target=_read_target(args.target),

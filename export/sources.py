@@ -50,6 +50,9 @@ class Source:
     description: str
     notes: list[str] = field(default_factory=list)
     reads: list[Path] = field(default_factory=list)  #: files/dirs read (never an OUT_DIR)
+    #: The target identity a training checkpoint recorded (``dflash_target``: config/tokenizer
+    #: hashes and ``weights_fingerprint``); None for serving dirs and older checkpoints.
+    target_identity: dict | None = None
 
 
 class ImportedDrafter(NamedTuple):
@@ -100,7 +103,9 @@ def load_checkpoint(path: Path) -> Source:
              if k.startswith(DRAFTER_PREFIX)}
     if not state:
         raise ValueError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict")
-    return Source(config, state, "checkpoint", f"checkpoint {path}", reads=[path])
+    identity = ckpt.get("dflash_target")
+    return Source(config, state, "checkpoint", f"checkpoint {path}", reads=[path],
+                  target_identity=identity if isinstance(identity, dict) else None)
 
 
 def resolve_run_dir(run: Path) -> tuple[Path, str]:

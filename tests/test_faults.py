@@ -533,3 +533,17 @@ def test_an_export_killed_mid_way_leaves_a_temp_dir_the_next_run_removes(trained
     assert live.exists() and (foreign / "notes.txt").is_file()
     assert oct(out.stat().st_mode & 0o777) == "0o755"
     assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+
+
+def test_export_refuses_a_target_with_other_weights(trained_run, tiny_target_dir,
+                                                    weights_capture, tmp_path, capsys):
+    """dflash-export --target: the checkpoint's recorded weights fingerprint must match (issue
+    16 item 3, exports); the same config with other weights is refused unless allowed."""
+    from export.cli import main
+
+    other_dir = Path(weights_capture[1].name_or_path)
+    assert main([str(trained_run), str(tmp_path / "a"), "--target", str(other_dir)]) == 2
+    assert "weights fingerprint" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main([str(trained_run), str(tmp_path / "b"), "--target", str(tiny_target_dir)]) == 0
+    assert main([str(trained_run), str(tmp_path / "c"), "--target", str(other_dir),
+                 "--allow-other-target-weights"]) == 0
