@@ -547,3 +547,30 @@ def test_export_refuses_a_target_with_other_weights(trained_run, tiny_target_dir
     assert main([str(trained_run), str(tmp_path / "b"), "--target", str(tiny_target_dir)]) == 0
     assert main([str(trained_run), str(tmp_path / "c"), "--target", str(other_dir),
                  "--allow-other-target-weights"]) == 0
+
+
+def test_features_eval_refuses_another_checkpoints_capture(tiny_target, weights_capture,
+                                                           tmp_path, caplog):
+    """dflash-eval mode=features checks the capture's target weights like training does; its
+    own config carries the override the message names; num_prompts past the capture warns."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash_lab.eval import cli
+    from dflash_lab.eval.testing import tiny_drafter_for, write_serving_dir
+
+    cap, other = weights_capture
+    drafter = tiny_drafter_for(tiny_target, block_size=4, target_layer_ids=[1, 3])
+    serving = write_serving_dir(drafter, tmp_path / "d")
+    base = [f"drafter.path={serving}", f"data.path={cap}", "mode=features", "progress=false",
+            "target=hf", f"target.name_or_path={other.name_or_path}", "target.device=cpu"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        refused = compose("eval", overrides=[*base, f"output_dir={tmp_path / 'a'}"])
+        allowed = compose("eval", overrides=[*base, f"output_dir={tmp_path / 'b'}",
+                                             "data.allow_other_target_weights=true",
+                                             "num_prompts=10"])
+    with pytest.raises(ValueError, match="data.allow_other_target_weights=true"):
+        cli.evaluate(refused)
+    with caplog.at_level("WARNING"):
+        assert cli.evaluate(allowed)["num_samples"] == 4
+    assert "num_prompts=10 but the capture" in caplog.text

@@ -139,7 +139,11 @@ def run_features(cfg) -> dict[str, Any]:
     drafter = loaded.drafter
     dataset = ShardDataset(cfg.data.path, target_layer_ids=drafter.config.target_layer_ids,
                            hidden_size=drafter.config.hidden_size,
-                           vocab_size=drafter.config.vocab_size, target=target.identity())
+                           vocab_size=drafter.config.vocab_size, target=target.identity(),
+                           allow_other_weights=bool(cfg.data.get("allow_other_target_weights")))
+    if cfg.num_prompts is not None and cfg.num_prompts > len(dataset):
+        log.warning("num_prompts=%d but the capture %s holds %d samples: evaluating all %d",
+                    cfg.num_prompts, cfg.data.path, len(dataset), len(dataset))
     f = cfg.features
     report = feature_eval(drafter, target.pieces(), dataset, num_samples=cfg.num_prompts,
                           num_anchors=f.num_anchors, seed=f.seed,
