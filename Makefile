@@ -112,9 +112,10 @@ dflash-venv: $(DFLASH_VENV)/.installed
 
 # z-lab's released loop as the reference (docs/eval.md): its dflash_generate and dflash-eval's
 # loop, on the same DFlash 1 and DFlash 2 drafter directories, give the same greedy outputs and
-# acceptance round for round; plus the forward-pass parity of tests/test_dflash2_model.py.
+# acceptance round for round; plus the forward-pass parity of tests/test_dflash2_model.py and a
+# directory written by z-lab's own save_pretrained importing and re-exporting losslessly.
 check-zlab: dev dflash-venv
-	$(VPY) -m pytest -q tests/test_eval_dflash2.py tests/test_dflash2_model.py -k zlab
+	$(VPY) -m pytest -q tests/test_eval_dflash2.py tests/test_dflash2_model.py tests/test_export_dflash2.py -k zlab
 
 bench: venv speculators-venv vllm-venv
 	mkdir -p outputs/bench
