@@ -17,7 +17,6 @@ Bytes per token: D * itemsize(hidden) + 4 + 4 + 1 (e.g. Qwen3-8B, 5 layers, bf16
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
+from dflash_lab.checksums import sha256_file
 from dflash_lab.paths import temp_beside
 
 FORMAT_NAME = "dflash-lab-capture"
@@ -61,14 +61,6 @@ def shard_record_file(index: int) -> str:
 def bytes_per_token(feature_dim: int, hidden_dtype: str) -> int:
     """Disk bytes per captured token: hidden + input id + argmax id + loss-mask byte."""
     return feature_dim * HIDDEN_DTYPES[hidden_dtype].itemsize + 4 + 4 + 1
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

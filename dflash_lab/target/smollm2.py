@@ -21,13 +21,14 @@ CLI: ``python -m dflash_lab.target.smollm2 [--out-dir DIR] [--force]`` prints th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
+
+from dflash_lab.checksums import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +62,8 @@ def _check_loader_deps() -> None:
         raise ValueError(f"reading the SmolLM2 GGUF needs {missing}; install with: {INSTALL_HINT}")
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _marker_payload(gguf: Path) -> dict:
-    return {"source_package": PACKAGE, "gguf_file": gguf.name, "gguf_sha256": _sha256(gguf),
+    return {"source_package": PACKAGE, "gguf_file": gguf.name, "gguf_sha256": sha256_file(gguf),
             "layout_version": LAYOUT_VERSION, "dtype": "float32"}
 
 
