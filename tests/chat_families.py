@@ -201,3 +201,15 @@ def build_tokenizer(family: Family, special: bool = False):
 def generation_stop_ids(family: Family, tokenizer) -> list[int]:
     """The ids the family's generation_config.json lists as ``eos_token_id``."""
     return [tokenizer.convert_tokens_to_ids(t) for t in family.generation_eos]
+
+
+def masked_runs(tok, tc) -> list[str]:
+    """Decoded text of each contiguous run of loss-masked tokens of a TokenizedConversation."""
+    runs, cur = [], []
+    for tid, m in zip(tc.input_ids.tolist(), tc.loss_mask.tolist()):
+        if m:
+            cur.append(tid)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from chat_families import FAMILIES, build_tokenizer, generation_stop_ids
+from chat_families import FAMILIES, build_tokenizer, generation_stop_ids, masked_runs
 
 from dflash_lab.target.chat import (
     BadConversation,
@@ -29,15 +29,6 @@ LAST_TURN_GLUE = {"qwen3": "<think>\n\n</think>\n\n"}
 CASES = [(name, special) for name in FAMILIES for special in (False, True)]
 
 
-def _masked_runs(tok, tc) -> list[str]:
-    runs, cur = [], []
-    for tid, m in zip(tc.input_ids.tolist(), tc.loss_mask.tolist()):
-        if m:
-            cur.append(tid)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    return runs + ([tok.decode(cur)] if cur else [])
 
 
 @pytest.mark.parametrize("name, special", CASES)
@@ -49,14 +40,14 @@ def test_end_of_turn_is_in_the_mask_and_headers_and_prompts_are_not(name, specia
     eot = tok.convert_tokens_to_ids(family.end_of_turn)
     assert turn_end == TurnEnd(family.end_of_turn, eot, True)
     glue = LAST_TURN_GLUE.get(name, "")
-    assert _masked_runs(tok, tc) == [BOT1 + family.end_of_turn,
+    assert masked_runs(tok, tc) == [BOT1 + family.end_of_turn,
                                      glue + BOT2 + family.end_of_turn]
     masked = tc.input_ids[tc.loss_mask].tolist()
     assert masked.count(eot) == 2
     for header in family.headers:
         hid = tok.convert_tokens_to_ids(header)
         assert hid in tc.input_ids.tolist() and hid not in masked
-    masked_text = "".join(_masked_runs(tok, tc))
+    masked_text = "".join(masked_runs(tok, tc))
     assert not any(text in masked_text for text in (SYSTEM, USER1, USER2))
 
 
@@ -83,7 +74,7 @@ def test_template_without_an_end_of_turn_token_masks_to_the_content_and_warns(ca
     assert turn_end == TurnEnd("", None, False)
     assert "writes no end-of-turn token" in caplog.text
     tc = tokenize_conversation(tok, MESSAGES[1:3], turn_end=turn_end)
-    assert _masked_runs(tok, tc) == [BOT1]
+    assert masked_runs(tok, tc) == [BOT1]
 
 
 def test_trimmed_contents_still_end_with_the_turn_token():
@@ -91,7 +82,7 @@ def test_trimmed_contents_still_end_with_the_turn_token():
     tok = build_tokenizer(family)
     msgs = [{"role": "user", "content": USER1}, {"role": "assistant", "content": f" {BOT1}\n"}]
     tc = tokenize_conversation(tok, msgs, turn_end=find_turn_end(tok))
-    assert _masked_runs(tok, tc) == [BOT1 + "<end_of_turn>"]
+    assert masked_runs(tok, tc) == [BOT1 + "<end_of_turn>"]
 
 
 def test_gemma_alternation_errors_are_bad_conversations():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chat_families import masked_runs
 
 from dflash_lab.target.chat import (
     BadConversation,
@@ -34,23 +35,11 @@ def tok(tiny_target):
     return tiny_target.tokenizer
 
 
-def _masked_runs(tok, tc) -> list[str]:
-    """Decoded text of each contiguous run of loss-masked tokens."""
-    runs, cur = [], []
-    for tid, m in zip(tc.input_ids.tolist(), tc.loss_mask.tolist()):
-        if m:
-            cur.append(tid)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    if cur:
-        runs.append(tok.decode(cur))
-    return runs
 
 
 def test_multi_turn_mask_is_exactly_the_assistant_turns_with_end_of_turn(tok):
     tc = tokenize_conversation(tok, MESSAGES)
-    assert _masked_runs(tok, tc) == ["2 + 3 = 5.<|im_end|>", "4 + 4 = 8.<|im_end|>"]
+    assert masked_runs(tok, tc) == ["2 + 3 = 5.<|im_end|>", "4 + 4 = 8.<|im_end|>"]
     assert tok.decode(tc.input_ids) == tok.apply_chat_template(MESSAGES, tokenize=False)
     assert tc.input_ids.dtype == torch.long and tc.loss_mask.dtype == torch.bool
 
@@ -73,7 +62,7 @@ def test_sharegpt_and_openai_formats_give_identical_samples(tok):
 
 def test_last_turn_only(tok):
     tc = tokenize_conversation(tok, MESSAGES, last_turn_only=True)
-    assert _masked_runs(tok, tc) == ["4 + 4 = 8.<|im_end|>"]
+    assert masked_runs(tok, tc) == ["4 + 4 = 8.<|im_end|>"]
 
 
 def test_thinking_switch_adds_an_unmasked_empty_think_block(tok):
@@ -81,14 +70,14 @@ def test_thinking_switch_adds_an_unmasked_empty_think_block(tok):
     off = tokenize_conversation(tok, MESSAGES, enable_thinking=False)
     assert "<think>" not in tok.decode(on.input_ids)
     assert tok.decode(off.input_ids).count("<think>\n\n</think>\n\n") == 2
-    assert _masked_runs(tok, off) == _masked_runs(tok, on)  # glue stays outside the loss
+    assert masked_runs(tok, off) == masked_runs(tok, on)  # glue stays outside the loss
 
 
 def test_reasoning_content_is_part_of_the_assistant_turn(tok):
     msgs = [{"role": "user", "content": "What is 2 + 3?"},
             {"role": "assistant", "content": "5.", "reasoning_content": "add them"}]
     tc = tokenize_conversation(tok, msgs)
-    assert _masked_runs(tok, tc) == ["<think>\nadd them\n</think>\n\n5.<|im_end|>"]
+    assert masked_runs(tok, tc) == ["<think>\nadd them\n</think>\n\n5.<|im_end|>"]
 
 
 def test_truncation_keeps_mask_aligned(tok):
