@@ -132,3 +132,14 @@ def test_rejection_accepts_more_than_exact_match():
         return sum(lengths) / len(lengths)
 
     assert tau("rejection") > tau("exact_match") + 0.1
+
+
+def test_default_sampling_is_rejection():
+    """T > 0 defaults to rejection sampling (z-lab's released loop), in the dataclass and the
+    eval config alike (issue 17 item 7)."""
+    from omegaconf import OmegaConf
+
+    from dflash_lab.paths import CONF_DIR
+
+    assert DecodeSettings().sampling == "rejection"
+    assert OmegaConf.load(CONF_DIR / "eval.yaml").sampling == "rejection"

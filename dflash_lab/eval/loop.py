@@ -47,7 +47,7 @@ class DecodeSettings:
 
     max_new_tokens: int = 256
     temperature: float = 0.0
-    sampling: str = "exact_match"  #: T > 0 only: exact_match | rejection
+    sampling: str = "rejection"  #: T > 0 only: rejection (z-lab's loop) | exact_match
     stop_token_ids: tuple[int, ...] = ()  #: generation ends after emitting one of these
 
 

@@ -5,11 +5,15 @@ Three verification rules, all lossless with respect to the target:
 - ``greedy`` (T = 0): drafts are the drafter's argmax; accept while a draft equals the target's
   argmax; the bonus is the target's argmax after the accepted prefix. Output equals plain greedy
   decoding token for token.
-- ``exact_match`` (T > 0, the reference behaviour): drafts are the drafter's argmax; the target
-  samples its own token at every block position; accept while a draft equals the target's sample;
-  the bonus is the target's sample at the first mismatch. Every emitted token is a target sample
+- ``exact_match`` (T > 0): drafts are the drafter's argmax; the target samples its own token at
+  every block position; accept while a draft equals the target's sample; the bonus is the
+  target's sample at the first mismatch. A draft x passes with probability p(x): the same law as
+  rejection sampling with a one-hot q, which is vLLM 0.32's default (``draft_sample_method:
+  greedy``). Every emitted token is a target sample
   given the emitted prefix, so the output distribution is the target's.
-- ``rejection`` (T > 0, Leviathan et al. 2023): drafts are sampled from the drafter's
+- ``rejection`` (T > 0, the default; Leviathan et al. 2023; the rule of z-lab's released
+  ``dflash_generate`` and of vLLM with ``draft_sample_method: probabilistic``): drafts are
+  sampled from the drafter's
   distribution q; draft x at slot t is accepted with probability min(1, p(x) / q(x)); on the first
   rejection the bonus is drawn from norm(max(0, p - q)); after a fully accepted block it is drawn
   from p at the last position. Same output distribution, more drafts accepted than exact match.
