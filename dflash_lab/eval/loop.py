@@ -62,6 +62,8 @@ class Generation:
     verify_seconds: list[float] = field(default_factory=list)
     #: DFlash 2 at T = 0: per round, the unary argmax draft's acceptance length (else None)
     unary_acceptance_lengths: list[int] | None = None
+    #: time to the first output token (prefill + its sampling); decode time = seconds - this
+    ttft_seconds: float | None = None
 
 
 class Clock:
@@ -117,7 +119,7 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt_ids: l
     proposer.start(prefill.features_nf)
     out, done = _keep([_first_token(prefill.logits_nv, settings, generator)],
                       settings.max_new_tokens, settings.stop_token_ids)
-    result = Generation(out, 0.0)
+    result = Generation(out, 0.0, ttft_seconds=clock() - start)
     unary_rounds: list[tuple[int, list[int]]] = []
     while not done:
         anchor_pos = target.length  # = len(prompt) + len(out) - 1 = proposer.context_length
@@ -160,11 +162,12 @@ def baseline_generate(target: TargetRunner, prompt_ids: list[int], settings: Dec
     target.reset()
     logits = target.forward(torch.tensor(prompt_ids), last_only=True).logits_nv
     out: list[int] = []
-    done = False
+    done, ttft = False, None
     while not done:
         kept, done = _keep([_first_token(logits, settings, generator)],
                            settings.max_new_tokens - len(out), settings.stop_token_ids)
         out.extend(kept)
+        ttft = clock() - start if ttft is None else ttft
         if not done:
             logits = target.forward(torch.tensor(out[-1:]), last_only=True).logits_nv
-    return Generation(out, clock() - start)
+    return Generation(out, clock() - start, ttft_seconds=ttft)
