@@ -1,0 +1,141 @@
+"""One record per response, whatever produced it, and the metrics every report derives from them.
+
+A response is one generated answer: one prompt of a single-turn dataset, or one turn of a
+multi-turn one (MT-Bench: turn 2 is conditioned on the speculative turn-1 answer). The offline
+loop fills a record from its :class:`~dflash_lab.eval.loop.Generation` pair; a serving backend
+fills the same fields from what the engine reports (per-round lengths when it gives them, else the
+totals ``num_rounds`` / ``num_round_tokens``, e.g. SGLang's ``spec_verify_ct`` and
+``completion_tokens - 1``).
+
+The two tau conventions (dflash.md section 8):
+
+- ``tau_macro``: the mean over responses of each response's mean tokens per verify round (the
+  reference's "Average Acceptance length"; responses without a round are left out, as there);
+- ``tau_pooled``: all round tokens / all rounds (what engines' counters give).
+
+Timing as the reference's ``dflash_generate``: TTFT = prefill and first token; TPOT = decode time
+(after the first token) / output tokens; ``decode_speedup`` = mean baseline TPOT / mean
+speculative TPOT (decode only, TTFT apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class ResponseRecord:
+    """One response's acceptance and timing (seconds). Lengths count the tokens a verify round
+    committed (accepted drafts + the bonus, cut at the budget and the first stop token)."""
+
+    dataset: str
+    index: int  #: row index in the dataset (before the shuffle)
+    turn: int = 0  #: 0-based turn of a multi-turn row
+    num_output_tokens: int = 0
+    acceptance_lengths: list[int] | None = None  #: per round; None when only totals are known
+    num_rounds: int | None = None  #: verify rounds (derived from acceptance_lengths if given)
+    num_round_tokens: int | None = None  #: tokens from rounds (= sum of acceptance_lengths)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    baseline_ttft_s: float | None = None
+    baseline_tpot_s: float | None = None
+    lossless: bool | None = None  #: T = 0 with a baseline: output == baseline output
+
+    def __post_init__(self):
+        if self.acceptance_lengths is not None:
+            self.num_rounds = len(self.acceptance_lengths)
+            self.num_round_tokens = sum(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens per round of this response (None without a round)."""
+        if not self.num_rounds:
+            return None
+        return self.num_round_tokens / self.num_rounds
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _tpot(gen) -> float | None:
+    """Decode seconds per output token, as dflash_generate's time_per_output_token."""
+    if gen is None or gen.ttft_seconds is None or not gen.output_ids:
+        return None
+    return (gen.seconds - gen.ttft_seconds) / len(gen.output_ids)
+
+
+def record_from_generation(dataset: str, index: int, turn: int, spec, base=None,
+                           greedy: bool = True) -> ResponseRecord:
+    """The record of one offline response (``spec``/``base``: loop Generations)."""
+    return ResponseRecord(
+        dataset=dataset, index=index, turn=turn, num_output_tokens=len(spec.output_ids),
+        acceptance_lengths=list(spec.acceptance_lengths), ttft_s=spec.ttft_seconds,
+        tpot_s=_tpot(spec), baseline_ttft_s=None if base is None else base.ttft_seconds,
+        baseline_tpot_s=_tpot(base),
+        lossless=(spec.output_ids == base.output_ids) if (greedy and base is not None) else None)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def histogram(lengths: list[int], block_size: int) -> list[int]:
+    """Counts of acceptance length 1..B (index 0 = length 1)."""
+    counts = [0] * block_size
+    for n in lengths:
+        counts[min(max(n, 1), block_size) - 1] += 1
+    return counts
+
+
+def per_position_acceptance(lengths: list[int], block_size: int) -> list[float | None]:
+    """Fraction of rounds that accepted at least t drafts (length >= t + 1), t = 1..B-1."""
+    if not lengths:
+        return [None] * (block_size - 1)
+    return [sum(n >= t + 1 for n in lengths) / len(lengths) for t in range(1, block_size)]
+
+
+def tau_macro(records: list[ResponseRecord]) -> float | None:
+    """Mean over responses (with at least one round) of each response's tau."""
+    return _mean([r.tau for r in records])
+
+
+def tau_pooled(records: list[ResponseRecord]) -> float | None:
+    """All round tokens over all rounds."""
+    rounds = sum(r.num_rounds or 0 for r in records)
+    return sum(r.num_round_tokens or 0 for r in records) / rounds if rounds else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def summarize(records: list[ResponseRecord], block_size: int) -> dict[str, Any]:
+    """One dataset row: both taus, the pooled histogram and curve, TTFT/TPOT, decode speedup.
+    Histogram and curve pool the records that carry per-round lengths."""
+    pooled = [n for r in records for n in (r.acceptance_lengths or [])]
+    tpot = _mean([r.tpot_s for r in records])
+    base_tpot = _mean([r.baseline_tpot_s for r in records])
+    checked = [r.lossless for r in records if r.lossless is not None]
+    return {
+        "num_responses": len(records),
+        "num_rounds": sum(r.num_rounds or 0 for r in records),
+        "num_output_tokens": sum(r.num_output_tokens for r in records),
+        "tau_macro": tau_macro(records),
+        "tau_pooled": tau_pooled(records),
+        "acceptance_histogram": histogram(pooled, block_size),
+        "per_position_acceptance": per_position_acceptance(pooled, block_size),
+        "ttft_ms": _ms(_mean([r.ttft_s for r in records])),
+        "tpot_ms": _ms(tpot),
+        "baseline_ttft_ms": _ms(_mean([r.baseline_ttft_s for r in records])),
+        "baseline_tpot_ms": _ms(base_tpot),
+        "decode_speedup": base_tpot / tpot if tpot and base_tpot else None,
+        "lossless": all(checked) if checked else None,
+    }
+
+
+def per_dataset(records: list[ResponseRecord], block_size: int) -> dict[str, dict[str, Any]]:
+    """{dataset: summarize(its records)} in first-seen order."""
+    names = list(dict.fromkeys(r.dataset for r in records))
+    return {n: summarize([r for r in records if r.dataset == n], block_size) for n in names}
