@@ -19,6 +19,7 @@ from dflash_lab.errors import user_errors
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
 from dflash_lab.eval.report import write_report
+from dflash_lab.eval.server import BACKENDS, run_server
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
@@ -48,6 +49,11 @@ def check_config(cfg: DictConfig) -> None:
     """Start-up validation of the choices that are not checked where they are used."""
     if cfg.mode not in MODES:
         raise ValueError(f"mode={cfg.mode!r}: use one of {list(MODES)}")
+    if cfg.get("backend", "local") not in BACKENDS:
+        raise ValueError(f"backend={cfg.backend!r}: use one of {list(BACKENDS)}")
+    if cfg.get("backend") == "server" and cfg.mode != "generate":
+        raise ValueError(f"backend=server measures generation in the engine; mode={cfg.mode} "
+                         "runs here only: use mode=generate or backend=local")
     if cfg.num_prompts is not None and cfg.num_prompts < 1:
         raise ValueError(f"num_prompts={cfg.num_prompts}: must be >= 1 (or null for all)")
 
@@ -77,7 +83,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         def on_prompt(i, gen):
             lengths = gen.acceptance_lengths
             logger.log_metrics({"eval/prompt_tau": sum(lengths) / max(len(lengths), 1)}, step=i)
-    report = (run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg))
+    if cfg.get("backend") == "server":
+        def on_response(i, response):
+            if logger is not None and response.tau is not None:
+                logger.log_metrics({"eval/prompt_tau": response.tau}, step=i)
+        report = run_server(cfg, on_response)
+    else:
+        report = run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg)
     path = write_report(report, out_dir)
     log.info("tau_mean=%s speedup=%s lossless=%s -> %s", report.get("tau_mean"),
              report.get("speedup"), report.get("lossless"), path)

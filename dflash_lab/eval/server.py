@@ -1,0 +1,522 @@
+"""``dflash-eval backend=server``: acceptance, latency and throughput measured inside a serving
+engine (vLLM or SGLang) instead of this package's own loop.
+
+The prompts are the same token ids the local eval decodes (same loader, chat template, stop
+tokens); each goes to the engine as token ids, one request at a time, with every sampling field
+explicit (as :mod:`dflash_lab.data.completion_server` does for regeneration). What comes back
+per response (:class:`ServerResponse`):
+
+* **vLLM** (``/v1/completions``, ``prompt`` = the id list): vLLM has no per-request acceptance
+  in that API, so its Prometheus counters on ``/metrics`` (``vllm:spec_decode_num_drafts``,
+  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``;
+  vllm/v1/spec_decode/metrics.py) are read before and after each request. Requests are
+  sequential, so the difference belongs to that request, provided nobody else uses the server.
+  ``rounds`` = delta num_drafts (verify steps; the prefill step drafts but verifies nothing),
+  ``accepted_drafts`` = delta num_accepted_tokens.
+* **SGLang** (native ``/generate``, ``input_ids``): its ``/v1/completions`` answer has no
+  acceptance fields, ``/generate`` returns ``meta_info`` with ``spec_verify_ct`` (rounds),
+  ``completion_tokens`` and ``spec_accept_length`` (= completion_tokens / spec_verify_ct).
+
+Tokens per round. ``tau`` of a response is ``(num_output_tokens - 1) / rounds``: the tokens
+kept per verify round, bonus token included, the first token (from the prefill) apart. It is
+exactly dflash-eval's per-round mean, since there ``len(output) == 1 + sum(lengths)``, whenever
+both run the same rounds. The engine's own number is kept beside it as ``engine_tau``: vLLM's
+``1 + accepted / drafts`` (counts drafts accepted past the token budget or stop token in the
+last round) and SGLang's ``spec_accept_length`` (counts the prefill token in the numerator).
+
+Block size: SGLang ``--speculative-num-draft-tokens`` = B, vLLM ``num_speculative_tokens`` =
+B - 1 (the anchor slot is not a draft). Latency with ``server.stream=true``: time to first token
+(TTFT) is the arrival of the first streamed token, time per output token (TPOT) the rest of the
+response divided by the tokens after the first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dflash_lab.data.server_launch import PORT, launched_server
+from dflash_lab.eval.records import ResponseRecord, summarize
+
+log = logging.getLogger(__name__)
+ENGINES = ("vllm", "sglang")
+BACKENDS = ("local", "server")
+#: vLLM's speculative-decoding counters (Prometheus names without ``_total``).
+VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "accepted": "vllm:spec_decode_num_accepted_tokens"}
+VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+class EngineError(ValueError):
+    """The engine is unreachable, refused a request, or does not report acceptance."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """conf/eval.yaml ``server:`` (used with ``backend=server``)."""
+
+    engine: str = "vllm"  # vllm | sglang
+    url: str = "http://localhost:8000/v1"  # the OpenAI-compatible API base (ends in /v1)
+    model: str | None = None  # served model id; None: the server's only model
+    timeout_s: float = 600.0  # per request
+    api_key_env: str | None = None  # environment variable holding a bearer token
+    launch: list[str] | None = None  # start this command ({port} filled) for the run
+    start_timeout_s: float = 1800.0  # launch: how long the server may take to be ready
+    stream: bool = True  # stream the answer: TTFT and TPOT (else only the total time)
+    block_size: int | None = None  # B; None: vLLM's /metrics positions + 1, SGLang's server info
+    settle_s: float = 2.0  # vLLM: wait at most this long for the counters to stop moving
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"server.engine={self.engine!r} (conf/eval.yaml): use one of "
+                             f"{list(ENGINES)}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"server.url={self.url!r} is not an http(s) URL: pass the API base, "
+                             "e.g. server.url=http://localhost:8000/v1")
+        if self.launch is not None and not any(PORT in str(a) for a in self.launch):
+            raise ValueError(f"server.launch={list(self.launch)!r} must contain {PORT} where the "
+                             "server takes its port, e.g. [vllm, serve, DIR, --port, '{port}']")
+        if self.timeout_s <= 0 or self.start_timeout_s <= 0 or self.settle_s < 0:
+            raise ValueError(f"server: timeout_s={self.timeout_s}, start_timeout_s="
+                             f"{self.start_timeout_s} must be > 0, settle_s={self.settle_s} >= 0")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"server.block_size={self.block_size}: must be >= 2 (or null)")
+        if self.api_key_env and self.api_key_env not in os.environ:
+            raise ValueError(f"server.api_key_env={self.api_key_env!r}: that environment "
+                             "variable is not set")
+
+    @property
+    def root(self) -> str:
+        """The server's root URL (``/metrics``, SGLang's ``/generate``): url without ``/v1``."""
+        base = self.url.rstrip("/")
+        return base[:-3] if base.endswith("/v1") else base
+
+
+@dataclass
+class ServerResponse:
+    """One response as the engine reports it. Seconds; ``rounds`` = verify rounds."""
+
+    num_output_tokens: int
+    rounds: int
+    seconds: float
+    output_ids: list[int] | None = None
+    accepted_drafts: int | None = None  # vLLM: accepted drafts (also past the budget)
+    draft_tokens: int | None = None
+    #: rounds that accepted exactly j drafts, j = 0..B-1 (the engine's count, uncut)
+    accepted_histogram: list[int] | None = None
+    engine_tau: float | None = None  # the engine's own tokens per round (module docstring)
+    ttft_s: float | None = None  # streaming only
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens kept per verify round, bonus included, prefill token apart."""
+        return (self.num_output_tokens - 1) / self.rounds if self.rounds else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Decode seconds (after the first token) per output token, as the offline records
+        (:mod:`dflash_lab.eval.records`, z-lab's time_per_output_token); streaming only."""
+        if self.ttft_s is None or not self.num_output_tokens:
+            return None
+        return (self.seconds - self.ttft_s) / self.num_output_tokens
+
+    def to_record(self, dataset: str, index: int, turn: int = 0) -> ResponseRecord:
+        """The report's per-response record: totals only (engines give no per-round lengths);
+        round tokens = output tokens - 1 (the first comes from the prefill)."""
+        return ResponseRecord(dataset=dataset, index=index, turn=turn,
+                              num_output_tokens=self.num_output_tokens, num_rounds=self.rounds,
+                              num_round_tokens=max(self.num_output_tokens - 1, 0)
+                              if self.rounds else 0,
+                              ttft_s=self.ttft_s, tpot_s=self.tpot_s)
+
+    def engine_fields(self) -> dict[str, Any]:
+        """What the engine said beyond the record (report.json ``engine_responses``)."""
+        return {k: v for k, v in vars(self).items() if k != "output_ids"}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one request asks for (the local eval's settings)."""
+
+    max_tokens: int
+    temperature: float
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class SpecCounters:
+    """A reading of vLLM's speculative-decoding counters, summed over engines and models."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_pos: list[float] = field(default_factory=list)
+
+    def minus(self, before: SpecCounters) -> SpecCounters:
+        pos = [a - (before.per_pos[i] if i < len(before.per_pos) else 0.0)
+               for i, a in enumerate(self.per_pos)]
+        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                            self.accepted - before.accepted, pos)
+
+
+def parse_vllm_metrics(text: str, where: str) -> SpecCounters:
+    """vLLM's ``/metrics`` (Prometheus text) -> its spec-decode counters. A counter named
+    ``X`` is exposed as ``X_total``; every label set (engine, model) is summed."""
+    found: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or not m.group(1).endswith("_total"):
+            continue
+        name, labels, value = m.group(1)[:-len("_total")], m.group(2) or "", float(m.group(3))
+        if name == VLLM_PER_POS:
+            pos = _POSITION.search(labels)
+            if pos is not None:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        elif name in VLLM_COUNTERS.values():
+            found[name] = found.get(name, 0.0) + value
+    missing = [n for n in VLLM_COUNTERS.values() if n not in found]
+    if missing:
+        raise EngineError(
+            f"{where} has no {', '.join(missing)}: the server was not started with speculative "
+            "decoding (vllm serve TARGET --speculative-config '{\"method\": \"dflash\", "
+            "\"model\": DRAFTER, \"num_speculative_tokens\": B-1}'), or it runs with "
+            "--disable-log-stats")
+    return SpecCounters(*(found[VLLM_COUNTERS[k]] for k in ("drafts", "draft_tokens", "accepted")),
+                        [per_pos[i] for i in sorted(per_pos)])
+
+
+def histogram_from_positions(drafts: float, per_pos: list[float]) -> list[int]:
+    """vLLM's per-position counts (``per_pos[t]`` = rounds that accepted draft t, i.e. at least
+    t + 1 drafts) -> rounds that accepted exactly j drafts, j = 0..len(per_pos)."""
+    at_least = [drafts, *per_pos, 0.0]
+    return [int(round(at_least[j] - at_least[j + 1])) for j in range(len(per_pos) + 1)]
+
+
+def _sse_events(resp) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a server-sent-events stream (``data: {...}``), until ``[DONE]``."""
+    for raw in resp:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+class EngineClient:
+    """Client of one served model; one request at a time (the vLLM counters need it)."""
+
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.base = settings.url.rstrip("/")
+        self.model = settings.model
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    def _open(self, url: str, body: dict[str, Any] | None = None):
+        """The open response of a GET (no body) or JSON POST; errors name the URL."""
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key_env:
+            headers["Authorization"] = f"Bearer {os.environ[self.settings.api_key_env]}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, headers=headers)
+        try:
+            return urllib.request.urlopen(req, timeout=self.settings.timeout_s)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:1000]
+            raise EngineError(f"{url} answered HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            raise EngineError(
+                f"could not reach {url} ({getattr(e, 'reason', e)}). Is the server up at "
+                f"server.url={self.settings.url}? Start it (vllm serve TARGET --port 8000 "
+                "--speculative-config ..., or python -m sglang.launch_server ...) or let "
+                "dflash-eval start it with server.launch=[...]") from None
+
+    def _json(self, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        with self._open(url, body) as resp:
+            return json.loads(resp.read())
+
+    def counters(self) -> SpecCounters:
+        """vLLM's spec-decode counters now (EngineError when the server has none)."""
+        url = self.settings.root + "/metrics"
+        with self._open(url) as resp:
+            return parse_vllm_metrics(resp.read().decode(errors="replace"), url)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def connect(self) -> dict[str, Any]:
+        """Pick the served model, check the engine reports acceptance, find B.
+
+        Returns ``{"model", "root", "block_size"}`` (``root``: the served directory, where the
+        server says).
+        """
+        models = self._json(self.base + "/models").get("data") or []
+        ids = [m.get("id") for m in models]
+        if self.model is None:
+            if len(ids) != 1:
+                raise EngineError(f"{self.base} serves {ids}: set server.model to one of them")
+            self.model = ids[0]
+        if self.model not in ids:
+            raise EngineError(f"{self.base} does not serve server.model={self.model!r}; it "
+                              f"serves {ids}")
+        block = self.settings.block_size or self._engine_block_size()
+        return {"model": self.model, "root": models[ids.index(self.model)].get("root"),
+                "block_size": block}
+
+    def _engine_block_size(self) -> int:
+        """B as the engine is configured: vLLM num_speculative_tokens + 1 (its per-position
+        counters), SGLang speculative_num_draft_tokens (``/get_server_info``)."""
+        if self.settings.engine == "vllm":
+            positions = len(self.counters().per_pos)
+            if positions:
+                return positions + 1
+        else:
+            info = self._json(self.settings.root + "/get_server_info")
+            if info.get("speculative_num_draft_tokens"):
+                return int(info["speculative_num_draft_tokens"])
+        raise EngineError(f"{self.settings.root} does not say its draft block size: set "
+                          "server.block_size=B (vLLM num_speculative_tokens + 1, SGLang "
+                          "--speculative-num-draft-tokens)")
+
+    # -- one response ----------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], sampling: Sampling) -> ServerResponse:
+        """Decode one prompt (token ids) and return what the engine reports for it."""
+        if self.settings.engine == "sglang":
+            return self._sglang(prompt_ids, sampling)
+        before = self.counters()
+        resp = self._vllm_complete(prompt_ids, sampling)
+        delta = self._settled(before, resp.num_output_tokens).minus(before)
+        resp.rounds = int(delta.drafts)
+        resp.accepted_drafts, resp.draft_tokens = int(delta.accepted), int(delta.draft_tokens)
+        resp.accepted_histogram = histogram_from_positions(delta.drafts, delta.per_pos)
+        resp.engine_tau = 1 + delta.accepted / delta.drafts if delta.drafts else None
+        return resp
+
+    def _settled(self, before: SpecCounters, num_output_tokens: int) -> SpecCounters:
+        """The counters after a response. vLLM records a step's stats in the same event-loop
+        turn that finishes the request, so they are normally in place; a response of 2+
+        tokens without a round is read again for up to ``settle_s``."""
+        deadline = time.monotonic() + self.settings.settle_s
+        now = self.counters()
+        while now.drafts == before.drafts and num_output_tokens > 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = self.counters()
+        return now
+
+    def _vllm_complete(self, prompt_ids: list[int], s: Sampling) -> ServerResponse:
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": s.max_tokens,
+                "temperature": s.temperature, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos, "n": 1,
+                "skip_special_tokens": True, "return_token_ids": True,
+                "stream": self.settings.stream}
+        if self.settings.stream:
+            body["stream_options"] = {"include_usage": True}
+        if s.seed is not None:
+            body["seed"] = s.seed
+        url = self.base + "/completions"
+        start = time.perf_counter()
+        if not self.settings.stream:
+            answer = self._json(url, body)
+            ids = answer["choices"][0].get("token_ids")
+            return ServerResponse(int(answer["usage"]["completion_tokens"]), 0,
+                                  time.perf_counter() - start, ids)
+        ids, ttft, usage = [], None, None
+        with self._open(url, body) as stream:
+            for event in _sse_events(stream):
+                for choice in event.get("choices") or []:
+                    piece = choice.get("token_ids") or []
+                    if ttft is None and (piece or choice.get("text")):
+                        ttft = time.perf_counter() - start
+                    ids.extend(piece)
+                usage = event.get("usage") or usage
+        if usage is None:
+            raise EngineError(f"{url} streamed no usage (stream_options.include_usage)")
+        return ServerResponse(int(usage["completion_tokens"]), 0, time.perf_counter() - start,
+                              ids or None, ttft_s=ttft)
+
+    def _sglang(self, prompt_ids: list[int], s: Sampling) -> ServerResponse:
+        params = {"max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": 1.0,
+                  "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
+                  "skip_special_tokens": True}
+        if s.seed is not None and s.temperature > 0:
+            params["sampling_seed"] = s.seed
+        url = self.settings.root + "/generate"
+        body = {"input_ids": prompt_ids, "sampling_params": params,
+                "stream": self.settings.stream}
+        start = time.perf_counter()
+        ttft, last, pieces = None, None, []
+        if self.settings.stream:
+            with self._open(url, body) as stream:
+                for event in _sse_events(stream):
+                    if ttft is None and event.get("meta_info", {}).get("completion_tokens"):
+                        ttft = time.perf_counter() - start
+                    pieces.append(event.get("output_ids") or [])
+                    last = event
+        else:
+            last = self._json(url, body)
+            pieces = [last.get("output_ids") or []]
+        return _sglang_response(last, pieces, time.perf_counter() - start, ttft, url)
+
+
+def _sglang_response(last: dict[str, Any] | None, pieces: list[list[int]], seconds: float,
+                     ttft: float | None, url: str) -> ServerResponse:
+    """SGLang's final answer -> ServerResponse. Streamed ``output_ids`` are cumulative in some
+    versions and incremental in others: whichever has the reported length is kept."""
+    meta = (last or {}).get("meta_info") or {}
+    if "spec_verify_ct" not in meta:
+        raise EngineError(
+            f"{url} answered without meta_info.spec_verify_ct: the server was not started with "
+            "speculative decoding (python -m sglang.launch_server --model-path TARGET "
+            "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER "
+            "--speculative-num-draft-tokens B)")
+    n = int(meta["completion_tokens"])
+    joined = [t for p in pieces for t in p]
+    ids = pieces[-1] if pieces and len(pieces[-1]) == n else joined if len(joined) == n else None
+    accepted = meta.get("spec_num_correct_drafts", meta.get("spec_accept_token_num"))
+    hist = meta.get("spec_acceptance_histogram")
+    return ServerResponse(n, int(meta["spec_verify_ct"]), seconds, ids,
+                          accepted_drafts=None if accepted is None else int(accepted),
+                          accepted_histogram=[int(c) for c in hist] if hist else None,
+                          engine_tau=meta.get("spec_accept_length"), ttft_s=ttft)
+
+
+@contextmanager
+def open_engine(settings: EngineSettings, log_path: Path) -> Iterator[EngineClient]:
+    """A client of the server at ``settings.url``, or of one started for the block with
+    ``settings.launch`` (its output in ``log_path``) and stopped after it."""
+    if settings.launch is None:
+        yield EngineClient(settings)
+        return
+    with launched_server(list(settings.launch), log_path,
+                         start_timeout_s=settings.start_timeout_s) as url:
+        log.info("server ready at %s (its output: %s)", url, log_path)
+        yield EngineClient(replace(settings, url=url))
+
+
+# -- the evaluation --------------------------------------------------------------------------------
+def engine_settings(server_cfg) -> EngineSettings:
+    """conf/eval.yaml ``server:`` -> EngineSettings; an unknown key is refused by name."""
+    from omegaconf import OmegaConf
+
+    given = OmegaConf.to_container(server_cfg, resolve=True) if server_cfg is not None else {}
+    known = set(EngineSettings.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"server.{unknown[0]} is not a server option (conf/eval.yaml); the "
+                         f"options are {sorted(known)}")
+    return EngineSettings(**given)
+
+
+def _pooled_histogram(responses: list[ServerResponse], block_size: int) -> list[int] | None:
+    """Rounds by acceptance length 1..B summed over responses (None unless every response
+    with rounds has the engine's histogram)."""
+    counted = [r for r in responses if r.rounds]
+    if not counted or any(r.accepted_histogram is None for r in counted):
+        return None
+    total = [0] * block_size
+    for r in counted:
+        for j, c in enumerate(r.accepted_histogram[:block_size]):
+            total[j] += c
+    return total
+
+
+def server_report(responses: list[ServerResponse], records: list[ResponseRecord],
+                  prompt_ids: list[list[int]], block_size: int,
+                  settings: dict[str, Any]) -> dict[str, Any]:
+    """report.json for ``backend=server``: the offline report's row (both tau conventions from
+    the tokens kept per round, TTFT, TPOT; :func:`dflash_lab.eval.records.summarize`) plus the
+    engine's own numbers. ``tau_mean`` is the pooled tau, as in the offline report. The
+    per-position acceptance and histogram are the engine's counts (vLLM's per-position
+    counters, SGLang's ``spec_acceptance_histogram`` where it sends one), which are not cut at
+    the token budget or the stop token; without them they are n/a and zero."""
+    row = summarize(records, block_size)
+    hist = _pooled_histogram(responses, block_size)
+    rounds = row["num_rounds"]
+    per_pos = ([sum(hist[t:]) / rounds for t in range(1, block_size)] if hist and rounds
+               else [None] * (block_size - 1))
+    engine = [r.engine_tau for r in responses if r.rounds and r.engine_tau is not None]
+    seconds = sum(r.seconds for r in responses)
+    return {
+        "mode": "server", **row, "tau_mean": row["tau_pooled"],
+        "tau_per_prompt": [r.tau for r in records],
+        "engine_tau_mean": sum(engine) / len(engine) if engine else None,
+        "per_position_acceptance": per_pos,
+        "acceptance_histogram": hist if hist is not None else [0] * block_size,
+        "acceptance_histogram_from_engine": hist is not None,
+        "tokens_per_second": row["num_output_tokens"] / seconds if seconds > 0 else None,
+        "num_prompts": len(responses),
+        "records": [r.to_dict() for r in records],
+        "engine_responses": [r.engine_fields() for r in responses],
+        "prompt_ids": prompt_ids, "outputs": [r.output_ids for r in responses],
+        "settings": settings,
+    }
+
+
+def run_server(cfg, on_prompt=None) -> dict[str, Any]:
+    """``dflash-eval backend=server``: the configured prompts through the engine -> report.
+
+    ``on_prompt(i, response)`` is called after each response (the logger's per-prompt tau).
+    """
+    from hydra.utils import instantiate
+    from tqdm import tqdm
+
+    from dflash_lab.eval.evaluate import stop_token_ids
+    from dflash_lab.eval.prompts import load_prompts
+
+    settings = engine_settings(cfg.get("server"))
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
+    d = cfg.data
+    prompts = load_prompts(target.tokenizer, d.path, num_prompts=cfg.num_prompts, split=d.split,
+                           shuffle_seed=d.shuffle_seed, chat_template=d.chat_template,
+                           enable_thinking=d.enable_thinking, prompt_format=d.prompt_format,
+                           max_prompt_tokens=d.max_prompt_tokens)
+    stops = stop_token_ids(target.tokenizer, target.model) if cfg.stop_on_eos else ()
+    ids = [p.ids for p in prompts]
+    responses: list[ServerResponse] = []
+    with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
+        info = client.connect()
+        if cfg.warmup and ids:  # untimed, and its rounds fall outside every measured delta
+            client.generate(ids[0], _sampling(cfg, stops, 0, max_tokens=8))
+        for i, prompt in enumerate(tqdm(ids, desc="dflash-eval server", unit="prompt",
+                                        disable=not cfg.progress)):
+            responses.append(client.generate(prompt, _sampling(cfg, stops, i)))
+            if on_prompt is not None:
+                on_prompt(i, responses[-1])
+    record = {"backend": "server", "engine": settings.engine, "url": settings.url,
+              "served_model": info["model"], "served_root": info["root"],
+              "launch": settings.launch, "stream": settings.stream,
+              "target": target.name_or_path, "data": d.path, "block_size": info["block_size"],
+              "max_new_tokens": cfg.max_new_tokens, "num_prompts": cfg.num_prompts,
+              "temperature": cfg.temperature, "seed": cfg.seed,
+              "sampling": "engine" if cfg.temperature > 0 else "greedy",
+              "enable_thinking": d.enable_thinking, "chat_template": d.chat_template,
+              "stop_token_ids": list(stops)}
+    records = [r.to_record(str(d.path), p.index) for r, p in zip(responses, prompts)]
+    return server_report(responses, records, ids, info["block_size"], record)
+
+
+def _sampling(cfg, stops: tuple[int, ...], i: int, max_tokens: int | None = None) -> Sampling:
+    """Prompt i's request: the local eval's settings; T > 0 seeds with seed + i."""
+    return Sampling(max_tokens or cfg.max_new_tokens, float(cfg.temperature), tuple(stops),
+                    ignore_eos=not cfg.stop_on_eos,
+                    seed=cfg.seed + i if cfg.temperature > 0 else None)
