@@ -103,10 +103,12 @@ def test_every_entry_point_group_option_composes_and_instantiates(
 
 
 def test_entry_points_share_the_train_groups():
-    """One config system: target and logger as dflash-train; one conversations group."""
+    """One config system: target and logger as dflash-train; one conversations group; eval's
+    own datasets (eval_data, placed at data)."""
     train = set(entry_groups("train"))
     for entry in ("capture", "regenerate", "eval"):
-        assert {"target", "logger"} <= set(entry_groups(entry)) <= train | {"conversations"}
+        own = {"conversations"} | ({"eval_data"} if entry == "eval" else set())
+        assert {"target", "logger"} <= set(entry_groups(entry)) <= train | own
     for entry in ("capture", "regenerate"):
         assert entry_groups(entry)["conversations"] == "data"
 
@@ -225,6 +227,19 @@ def check_recipe(cfg, package, *, tiny_target_dir, big_target_dir, **_):
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
 
 
+def check_eval_data(cfg, package, **_):
+    """An eval dataset option: a file path, or a reference dataset's hub id, split, text field
+    and a prompt format that takes it, with the reference budget."""
+    from dflash_lab.eval.suite import data_configs, is_reference
+
+    (d,) = data_configs(cfg)
+    if is_reference(d):
+        assert d.hub_id and d.split and d.field and d.max_new_tokens == 2048
+        assert d.shuffle_seed == 42 and "x" in d.prompt_format.format(prompt="x")
+    else:
+        assert d.path and cfg.max_new_tokens == d.max_new_tokens
+
+
 CHECKS = {"target": check_target, "logger": check_logger, "conversations": check_conversations,
-          "data": check_data, "recipe": check_recipe, **dict.fromkeys(
+          "eval_data": check_eval_data, "data": check_data, "recipe": check_recipe, **dict.fromkeys(
               ("drafter", "module", "trainer", "callbacks", "paths"), check_train_part)}

@@ -7,6 +7,7 @@ run_generate / run_features -> report files -> the logger (none | csv | wandb).
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,13 @@ from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
 from dflash_lab.eval.report import write_report
 from dflash_lab.eval.server import BACKENDS, run_server
+from dflash_lab.eval.suite import DATA_GROUP
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 
 log = logging.getLogger("dflash_lab.eval")
+#: The command line as the user typed it (set by main; report.md shows it).
+COMMAND: str | None = None
 #: The eval's former hand-read keys (a ``logger.*`` key without a ``logger=`` choice) -> now.
 _OLD_LOGGER_KEYS = {"logger.name": "logger=wandb|csv|none", "logger.mode": "logger=wandb "
                     "(offline) or logger=wandb logger.offline=false (online)",
@@ -43,6 +47,13 @@ def check_old_spellings(overrides: list[str]) -> None:
         for key, new in _OLD_LOGGER_KEYS.items():
             if key in given:
                 raise ValueError(f"{key}={given[key]} is the old dflash-eval spelling: use {new}")
+
+
+def data_group_overrides(argv: list[str]) -> list[str]:
+    """``data=NAME`` (a dataset option of conf/eval_data/) as Hydra spells a group placed at
+    ``data``: ``eval_data@data=NAME``; every other argument unchanged."""
+    return [f"{DATA_GROUP}@data={a.split('=', 1)[1]}" if a.startswith("data=") else a
+            for a in argv]
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -65,6 +76,16 @@ def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -
     for t, v in enumerate(report["per_position_acceptance"], start=1):
         if v is not None:
             metrics[f"eval/acc_pos{t}"] = v
+    datasets = report.get("datasets") or {}
+    if len(datasets) > 1:  # a suite: each dataset's row under eval/<dataset>/
+        for name, row in datasets.items():
+            metrics.update({f"eval/{name}/{k}": v for k, v in row.items()
+                            if isinstance(v, (int, float))})
+    if len(datasets) > 1 and hasattr(logger, "log_table"):  # wandb: the table itself
+        columns = ["dataset", *(k for k, v in next(iter(datasets.values())).items()
+                                if not isinstance(v, list))]
+        logger.log_table(key="eval/datasets", columns=columns,
+                         data=[[n, *(row[c] for c in columns[1:])] for n, row in datasets.items()])
     if hasattr(logger, "log_image"):
         for plot in report.get("plots", []):
             logger.log_image(key=f"eval/{Path(plot).stem}", images=[str(out_dir / plot)])
@@ -90,6 +111,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         report = run_server(cfg, on_response)
     else:
         report = run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg)
+    report["command"] = COMMAND or shlex.join(sys.argv)
     path = write_report(report, out_dir)
     log.info("tau_mean=%s speedup=%s lossless=%s -> %s", report.get("tau_mean"),
              report.get("speedup"), report.get("lossless"), path)
@@ -106,8 +128,11 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point (``dflash-eval``)."""
+    global COMMAND
     with user_errors():
         check_old_spellings(sys.argv[1:])
+    COMMAND = shlex.join(["dflash-eval", *sys.argv[1:]])
+    sys.argv[1:] = data_group_overrides(sys.argv[1:])
     _hydra_main()
 
 

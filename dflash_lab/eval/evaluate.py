@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import Any
 
 import torch
@@ -25,10 +27,12 @@ from dflash_lab.eval.loop import (
     baseline_generate,
     speculative_generate,
 )
-from dflash_lab.eval.prompts import load_prompts
+from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer, Proposer
+from dflash_lab.eval.records import ResponseRecord, record_from_generation
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
+from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items, template_kwargs
 from dflash_lab.eval.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -43,8 +47,31 @@ def stop_token_ids(tokenizer, model) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in ids if i is not None))
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+class Decoder:
+    """Speculative decoding of one prompt, and its plain-target baseline right after it, so
+    that both see the same machine load. Response n samples with ``seed + n`` (T > 0)."""
+
+    def __init__(self, model, proposer: Proposer, target_layer_ids: list[int], *,
+                 baseline: bool = True, seed: int = 0):
+        self.proposer, self.baseline, self.seed = proposer, baseline, seed
+        self.spec_target = TargetRunner(model, target_layer_ids)
+        self.base_target = TargetRunner(model, None)
+
+    def _gen(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.spec_target.device).manual_seed(seed)
+
+    def warm(self, ids: list[int], settings: DecodeSettings) -> None:
+        """Run ``ids`` once for 8 tokens, untimed (lazy initialisation, kernel selection)."""
+        short = DecodeSettings(**{**vars(settings), "max_new_tokens": 8})
+        self.respond(ids, short, 0)
+
+    def respond(self, ids: list[int], settings: DecodeSettings, n: int,
+                ) -> tuple[Generation, Generation | None]:
+        spec = speculative_generate(self.spec_target, self.proposer, ids, settings,
+                                    self._gen(self.seed + n))
+        base = (baseline_generate(self.base_target, ids, settings, self._gen(self.seed + n))
+                if self.baseline else None)
+        return spec, base
 
 
 def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
@@ -52,26 +79,18 @@ def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
                      seed: int = 0, warmup: bool = False, progress: bool = True,
                      on_prompt: Callable[[int, Generation], None] | None = None,
                      ) -> tuple[list[Generation], list[Generation] | None]:
-    """Speculative generations (and baseline generations) for every prompt, interleaved so that
-    both see the same machine load. ``warmup`` first runs the first prompt untimed (lazy
-    initialisation, kernel selection)."""
-    spec_target = TargetRunner(model, target_layer_ids)
-    base_target = TargetRunner(model, None)
-    device = spec_target.device
+    """Speculative generations (and baseline generations) for every prompt. ``warmup`` first
+    runs the first prompt untimed."""
+    decoder = Decoder(model, proposer, target_layer_ids, baseline=baseline, seed=seed)
     if warmup and prompts:
-        short = DecodeSettings(**{**vars(settings), "max_new_tokens": 8})
-        speculative_generate(spec_target, proposer, prompts[0], short, _generator(device, seed))
-        if baseline:
-            baseline_generate(base_target, prompts[0], short, _generator(device, seed))
+        decoder.warm(prompts[0], settings)
     spec, base = [], ([] if baseline else None)
     for i, ids in enumerate(tqdm(prompts, desc="dflash-eval", unit="prompt",
                                  disable=not progress)):
-        gen = speculative_generate(spec_target, proposer, ids, settings,
-                                   _generator(device, seed + i))
+        gen, base_gen = decoder.respond(ids, settings, i)
         spec.append(gen)
         if base is not None:
-            base.append(baseline_generate(base_target, ids, settings,
-                                          _generator(device, seed + i)))
+            base.append(base_gen)
         if on_prompt is not None:
             on_prompt(i, gen)
     return spec, base
@@ -82,11 +101,10 @@ def _settings_record(cfg, target, block_size: int, trained: int, description: st
                      variant: str) -> dict[str, Any]:
     return {
         "target": target.name_or_path, "drafter": cfg.drafter.path, "drafter_source": description,
-        "drafter_notes": notes, "variant": variant, "data": cfg.data.path, "block_size": block_size,
-        "trained_block_size": trained, "max_new_tokens": cfg.max_new_tokens,
-        "num_prompts": cfg.num_prompts, "temperature": cfg.temperature,
+        "drafter_notes": notes, "variant": variant, "block_size": block_size,
+        "trained_block_size": trained, "num_prompts": cfg.num_prompts,
+        "temperature": cfg.temperature,
         "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
-        "enable_thinking": cfg.data.enable_thinking, "chat_template": cfg.data.chat_template,
         "stop_token_ids": list(stop_ids), "backend": backend, "device": str(target.device),
         "dtype": cfg.target.dtype, "baseline": cfg.baseline,
     }
@@ -104,30 +122,89 @@ def _load_pair(cfg, packed: bool = False):
     return target, loaded, backend
 
 
+@dataclass
+class _Collected:
+    """What a generate run gathers, response by response (every dataset, every turn)."""
+
+    records: list[ResponseRecord] = dc_field(default_factory=list)
+    spec: list[Generation] = dc_field(default_factory=list)
+    base: list[Generation] = dc_field(default_factory=list)
+    ids: list[list[int]] = dc_field(default_factory=list)
+    warm: bool = False  #: the untimed warm-up is still to do
+
+
+def _encode(tokenizer, messages, d, kwargs) -> list[int]:
+    ids = encode_prompt(tokenizer, messages, chat_template=d.chat_template,
+                        template_kwargs=kwargs)
+    return ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
+
+
+def _run_dataset(decoder: Decoder, tokenizer, d, settings: DecodeSettings, cfg, got: _Collected,
+                 on_prompt) -> None:
+    """Every item of one dataset; a multi-turn item's later turns follow the speculative
+    answers (decoded without special tokens, as the reference), one response per turn."""
+    name, kwargs = dataset_name(d), template_kwargs(tokenizer, d)
+    greedy = settings.temperature == 0
+    items = load_items(d, cfg.num_prompts)
+    for item in tqdm(items, desc=f"dflash-eval {name}", unit="prompt", disable=not cfg.progress):
+        messages = list(item.messages)
+        for turn, followup in enumerate([None, *item.followups]):
+            if followup is not None:
+                messages.append({"role": "user", "content": followup})
+            ids = _encode(tokenizer, messages, d, kwargs)
+            if got.warm:
+                decoder.warm(ids, settings)
+                got.warm = False
+            spec, base = decoder.respond(ids, settings, len(got.spec))
+            if on_prompt is not None:
+                on_prompt(len(got.spec), spec)
+            got.records.append(record_from_generation(name, item.index, turn, spec, base, greedy))
+            got.spec.append(spec)
+            got.ids.append(ids)
+            if base is not None:
+                got.base.append(base)
+            answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+
+
 def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None,
                  ) -> dict[str, Any]:
-    """Speculative decoding + baseline over the configured prompts -> report dict."""
+    """Speculative decoding + baseline over the configured dataset(s) -> report dict."""
     check_sampling(cfg.temperature, cfg.sampling)
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    configs = data_configs(cfg)
+    budgets = [budget(cfg, d) for d in configs]
     target, loaded, backend = _load_pair(cfg)
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
-    d = cfg.data
-    prompts = load_prompts(target.tokenizer, d.path, num_prompts=cfg.num_prompts, split=d.split,
-                           shuffle_seed=d.shuffle_seed, chat_template=d.chat_template,
-                           enable_thinking=d.enable_thinking, prompt_format=d.prompt_format,
-                           max_prompt_tokens=d.max_prompt_tokens)
     stops = stop_token_ids(target.tokenizer, target.model) if cfg.stop_on_eos else ()
-    settings = DecodeSettings(cfg.max_new_tokens, float(cfg.temperature), cfg.sampling, stops)
-    ids = [p.ids for p in prompts]
-    spec, base = evaluate_prompts(target.model, proposer, loaded.drafter.config.target_layer_ids,
-                                  ids, settings, baseline=cfg.baseline, seed=cfg.seed,
-                                  warmup=cfg.warmup, progress=cfg.progress, on_prompt=on_prompt)
+    decoder = Decoder(target.model, proposer, loaded.drafter.config.target_layer_ids,
+                      baseline=cfg.baseline, seed=cfg.seed)
+    got = _Collected(warm=bool(cfg.warmup))
+    for d, max_new in zip(configs, budgets):
+        settings = DecodeSettings(max_new, float(cfg.temperature), cfg.sampling, stops)
+        _run_dataset(decoder, target.tokenizer, d, settings, cfg, got, on_prompt)
     record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
                               loaded.description, loaded.notes, stops, backend,
                               loaded.drafter.config.variant)
-    return generation_report(spec, base, ids, proposer.block_size, record)
+    record.update(_data_record(cfg, configs, budgets))
+    return generation_report(got.spec, got.base if cfg.baseline else None, got.ids,
+                             proposer.block_size, record, records=got.records)
+
+
+def _data_record(cfg, configs, budgets) -> dict[str, Any]:
+    """The settings keys that describe the data: source(s), budget(s), rendering."""
+    names = [dataset_name(d) for d in configs]
+    sources = [str(d.path) if d.get("path") else str(d.get("hub_id")) for d in configs]
+    first = configs[0]
+    return {
+        "suite": cfg.get("suite"), "datasets": names,
+        "data": sources[0] if len(configs) == 1 else sources,
+        "max_new_tokens": budgets[0] if len(set(budgets)) == 1 else dict(zip(names, budgets)),
+        "enable_thinking": first.get("enable_thinking"),
+        "reasoning_effort": first.get("reasoning_effort"),
+        "chat_template_kwargs": dict(first.get("chat_template_kwargs") or {}),
+        "chat_template": first.chat_template,
+    }
 
 
 def run_features(cfg) -> dict[str, Any]:

@@ -103,12 +103,16 @@ def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = No
 
 
 def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: bool = True,
-                  enable_thinking: bool | None = None) -> list[int]:
-    """Token ids of the prompt: chat template + generation prompt, or the raw text of a single
-    message when ``chat_template`` is false (base models)."""
+                  enable_thinking: bool | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of the prompt: chat template + generation prompt (``template_kwargs``, e.g. the
+    reasoning switch, passed to the template), or the raw text of the messages when
+    ``chat_template`` is false (base models)."""
     if chat_template:
         require_chat_template(tokenizer, "data.chat_template=true (false: raw text prompts)")
-        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        kwargs = dict(template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=True, **kwargs)
     else:

@@ -1,7 +1,10 @@
 """The eval report: metrics from per-round acceptance lengths, and the files in the output dir.
 
-Files: ``report.json`` (every field, see docs/eval.md), ``report.md`` (a readable summary) and PNG
-plots ``acceptance_histogram.png`` and ``per_position_acceptance.png`` (matplotlib, Agg backend).
+Files: ``report.json`` (every field, see docs/eval.md), ``report.md`` (the per-dataset table with
+both taus, TTFT, TPOT and the decode speedup, text histograms, the command) and PNG plots
+``acceptance_histogram.png`` and ``per_position_acceptance.png`` (matplotlib, Agg backend; a run
+over several datasets adds ``<dataset>_acceptance_histogram.png`` etc.). The per-response metrics
+come from :mod:`dflash_lab.eval.records`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.eval.loop import Generation
+from dflash_lab.eval.records import (
+    ResponseRecord,
+    histogram,
+    per_dataset,
+    per_position_acceptance,
+    record_from_generation,
+    summarize,
+)
+from dflash_lab.paths import temp_beside
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +36,6 @@ CURVE_PNG = "per_position_acceptance.png"
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def per_position_acceptance(lengths: list[int], block_size: int) -> list[float | None]:
-    """Fraction of rounds that accepted at least t drafts (length >= t + 1), t = 1..B-1."""
-    if not lengths:
-        return [None] * (block_size - 1)
-    return [sum(n >= t + 1 for n in lengths) / len(lengths) for t in range(1, block_size)]
-
-
-def histogram(lengths: list[int], block_size: int) -> list[int]:
-    """Counts of acceptance length 1..B (index 0 = length 1)."""
-    counts = [0] * block_size
-    for n in lengths:
-        counts[min(max(n, 1), block_size) - 1] += 1
-    return counts
 
 
 def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str, Any]:
@@ -74,17 +71,33 @@ def _rate(gens: list[Generation]) -> float | None:
     return sum(len(g.output_ids) for g in gens) / seconds if seconds > 0 else None
 
 
+def records_report(records: list[ResponseRecord], block_size: int) -> dict[str, Any]:
+    """The fields every backend fills from its response records: both taus, TTFT/TPOT and the
+    decode speedup over all responses, one row per dataset, and the records themselves."""
+    overall = summarize(records, block_size)
+    keys = ("tau_macro", "tau_pooled", "ttft_ms", "tpot_ms", "baseline_ttft_ms",
+            "baseline_tpot_ms", "decode_speedup")
+    return {**{k: overall[k] for k in keys}, "datasets": per_dataset(records, block_size),
+            "responses": [r.to_dict() for r in records]}
+
+
 def generation_report(spec: list[Generation], baseline: list[Generation] | None,
                       prompt_ids: list[list[int]], block_size: int,
-                      settings: dict[str, Any]) -> dict[str, Any]:
-    """Every field of report.json for a generation run (greedy losslessness only at T = 0)."""
+                      settings: dict[str, Any],
+                      records: list[ResponseRecord] | None = None) -> dict[str, Any]:
+    """Every field of report.json for a generation run (greedy losslessness only at T = 0).
+    ``records``: one per response (default: one per generation, dataset ``prompts``)."""
     rounds = sum(len(g.acceptance_lengths) for g in spec)
     tps, base_tps = _rate(spec), _rate(baseline) if baseline is not None else None
     greedy = settings.get("temperature", 0) == 0
     mismatched = ([i for i, (s, b) in enumerate(zip(spec, baseline))
                    if s.output_ids != b.output_ids] if baseline is not None else [])
+    if records is None:
+        records = [record_from_generation("prompts", i, 0, s, b, greedy) for i, (s, b) in
+                   enumerate(zip(spec, baseline or [None] * len(spec)))]
     report: dict[str, Any] = {"mode": "generate"}
     report.update(acceptance_summary([g.acceptance_lengths for g in spec], block_size))
+    report.update(records_report(records, block_size))
     if settings.get("variant") == "dflash2":
         report["selector_tau_mean"] = report["tau_mean"]
         report.update(unary_summary(spec, block_size))
@@ -112,17 +125,84 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+_ROW_COLUMNS = (("responses", "num_responses", 0), ("tau macro", "tau_macro", 3),
+                ("tau pooled", "tau_pooled", 3), ("rounds", "num_rounds", 0),
+                ("TTFT ms", "ttft_ms", 1), ("TPOT ms", "tpot_ms", 2),
+                ("baseline TPOT ms", "baseline_tpot_ms", 2),
+                ("decode speedup", "decode_speedup", 2), ("lossless", "lossless", 0))
+
+
+def dataset_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per dataset: both taus, TTFT, TPOT, the decode speedup (baseline TPOT / TPOT)."""
+    lines = ["| dataset | " + " | ".join(c for c, _, _ in _ROW_COLUMNS) + " |",
+             "|---" * (len(_ROW_COLUMNS) + 1) + "|"]
+    for name, row in datasets.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(row[k], d) for _, k, d in _ROW_COLUMNS)
+                     + " |")
+    return lines
+
+
+def suite_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
+    """The paper's layout: datasets as columns, tau (macro) and decode speedup as rows, and
+    their mean over datasets."""
+    names = list(datasets)
+    lines = ["| | " + " | ".join(names) + " | mean |", "|---" * (len(names) + 2) + "|"]
+    for label, key in (("tau", "tau_macro"), ("speedup", "decode_speedup")):
+        values = [datasets[n][key] for n in names]
+        known = [v for v in values if v is not None]
+        mean = sum(known) / len(known) if len(known) == len(values) else None
+        lines.append(f"| {label} | " + " | ".join(_fmt(v, 2) for v in values)
+                     + f" | {_fmt(mean, 2)} |")
+    return lines
+
+
+def histogram_table(datasets: dict[str, dict[str, Any]], block_size: int) -> list[str]:
+    """Per dataset, the share of rounds of each acceptance length 1..B (text histogram)."""
+    lines = ["| dataset | " + " | ".join(str(n) for n in range(1, block_size + 1)) + " |",
+             "|---" * (block_size + 1) + "|"]
+    for name, row in datasets.items():
+        total = sum(row["acceptance_histogram"]) or 1
+        lines.append(f"| {name} | " + " | ".join(f"{100 * c / total:.1f}%"
+                                                  for c in row["acceptance_histogram"]) + " |")
+    return lines
+
+
+def _dataset_sections(report: dict[str, Any]) -> list[str]:
+    datasets, b = report.get("datasets"), report["settings"]["block_size"]
+    if not datasets:
+        return []
+    lines = ["## Per dataset", "", "tau macro: mean over responses of each response's tokens "
+             "per verify round (the reference's); tau pooled: all tokens over all rounds (the "
+             "engines' counters). TPOT: decode time / output tokens; decode speedup: baseline "
+             "TPOT / TPOT.", "", *dataset_table(datasets), ""]
+    if len(datasets) > 1:
+        lines += [*suite_table(datasets), ""]
+    lines += ["Acceptance length histogram (share of verify rounds):", "",
+              *histogram_table(datasets, b), ""]
+    if len(datasets) > 1:
+        lines += ["Per-position acceptance per dataset:", "",
+                  "| dataset | " + " | ".join(str(t) for t in range(1, b)) + " |", "|---" * b + "|"]
+        lines += [f"| {n} | " + " | ".join(_fmt(v, 2) for v in r["per_position_acceptance"])
+                  + " |" for n, r in datasets.items()]
+        lines.append("")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     """A short human-readable summary of ``report``."""
     s = report["settings"]
     lines = [f"# dflash-eval report ({report['mode']})", "",
              f"- target: `{s.get('target')}`", f"- drafter: `{s.get('drafter')}`",
-             f"- data: `{s.get('data')}`", f"- block size: {s.get('block_size')}", ""]
-    keys = ["tau_mean", "selector_tau_mean", "unary_tau_mean", "oracle_tau_mean", "recall_at_k",
-            "num_rounds", "lossless", "tokens_per_second",
+             f"- data: `{s.get('data')}`", f"- block size: {s.get('block_size')}"]
+    if report.get("command"):
+        lines.append(f"- command: `{report['command']}`")
+    lines += ["", *_dataset_sections(report)]
+    keys = ["tau_mean", "tau_macro", "tau_pooled", "selector_tau_mean", "unary_tau_mean",
+            "oracle_tau_mean", "recall_at_k", "num_rounds", "lossless", "ttft_ms", "tpot_ms",
+            "baseline_tpot_ms", "decode_speedup", "tokens_per_second",
             "baseline_tokens_per_second", "speedup", "draft_ms_per_round", "verify_ms_per_round",
             "num_prompts", "num_output_tokens", "num_samples", "num_blocks"]
-    lines += ["| metric | value |", "|---|---|"]
+    lines += ["## All responses", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(report[k])} |" for k in keys if k in report]
     lines += ["", "Per-position acceptance (fraction of rounds accepting at least t drafts):", "",
               "| t | " + " | ".join(str(t) for t in range(1, s["block_size"])) + " |",
@@ -141,8 +221,32 @@ def _curves(report: dict[str, Any]) -> list[tuple[str, str]]:
     return [("selector", "per_position_acceptance"), ("unary", "unary_per_position_acceptance")]
 
 
+def _plot_pair(plt, hist: list[int], curve: list[float | None], title: str, out_dir: Path,
+               prefix: str = "") -> list[str]:
+    """Histogram and per-position curve of one set of rounds -> [histogram file, curve file]."""
+    b = len(hist)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(range(1, b + 1), hist, color="tab:blue")
+    ax.set(xlabel="acceptance length (tokens per round)", ylabel="rounds", title=title,
+           xticks=range(1, b + 1))
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{prefix}{HISTOGRAM_PNG}", dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, b), [math.nan if v is None else v for v in curve], marker="o")
+    ax.set(xlabel="draft position t", ylabel="P(accept >= t drafts)", ylim=(0, 1.02),
+           title=f"per-position acceptance{' (' + prefix[:-1] + ')' if prefix else ''}",
+           xticks=range(1, b))
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{prefix}{CURVE_PNG}", dpi=100)
+    plt.close(fig)
+    return [f"{prefix}{HISTOGRAM_PNG}", f"{prefix}{CURVE_PNG}"]
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
-    """The two PNG plots; returns their file names ([] when matplotlib is missing, logged)."""
+    """The two PNG plots over all rounds, and (several datasets) the pair of each dataset,
+    ``<dataset>_acceptance_histogram.png`` etc.; returns their file names ([] when matplotlib
+    is missing, logged: report.md keeps the histogram as a table)."""
     try:
         import matplotlib
 
@@ -151,23 +255,20 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     except ImportError:
         log.warning("matplotlib is not installed: no PNG plots (pip install matplotlib)")
         return []
-    b = report["settings"]["block_size"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(range(1, b + 1), report["acceptance_histogram"], color="tab:blue")
-    ax.set(xlabel="acceptance length (tokens per round)", ylabel="rounds",
-           title=f"tau = {_fmt(report['tau_mean'], 2)}", xticks=range(1, b + 1))
-    fig.tight_layout()
-    fig.savefig(out_dir / HISTOGRAM_PNG, dpi=100)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    curve = [math.nan if v is None else v for v in report["per_position_acceptance"]]
-    ax.plot(range(1, b), curve, marker="o")
-    ax.set(xlabel="draft position t", ylabel="P(accept >= t drafts)", ylim=(0, 1.02),
-           title="per-position acceptance", xticks=range(1, b))
-    fig.tight_layout()
-    fig.savefig(out_dir / CURVE_PNG, dpi=100)
-    plt.close(fig)
-    return [HISTOGRAM_PNG, CURVE_PNG]
+    files = _plot_pair(plt, report["acceptance_histogram"], report["per_position_acceptance"],
+                       f"tau = {_fmt(report['tau_mean'], 2)}", out_dir)
+    datasets = report.get("datasets") or {}
+    if len(datasets) > 1:
+        for name, row in datasets.items():
+            files += _plot_pair(plt, row["acceptance_histogram"], row["per_position_acceptance"],
+                                f"{name}: tau macro = {_fmt(row['tau_macro'], 2)}", out_dir,
+                                prefix=f"{_safe(name)}_")
+    return files
+
+
+def _safe(name: str) -> str:
+    """A dataset name as a file-name prefix."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
@@ -175,10 +276,17 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report["plots"] = write_plots(report, out_dir)
-    (out_dir / REPORT_MD).write_text(markdown(report))
+    _write_text(out_dir / REPORT_MD, markdown(report))
     path = out_dir / REPORT_JSON
-    path.write_text(dumps(report))
+    _write_text(path, dumps(report))
     return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Temporary file beside ``path``, then rename: a reader never sees half a report."""
+    tmp = temp_beside(path)
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def dumps(report: dict[str, Any]) -> str:

@@ -1,0 +1,199 @@
+"""The datasets of a generate run: one ``data`` option, or a suite (``suite=reference``).
+
+The reference datasets (conf/eval_data/<name>.yaml, dflash.md section 8, as z-lab's
+``dflash benchmark``): rows from the hub id (online) or a local copy in the same schema
+(``data.path``: a .jsonl/.json/.parquet file or a ``datasets`` save_to_disk directory;
+``suite_dir``: one copy per dataset), the text ``field`` put into ``prompt_format``,
+``random.Random(42)`` shuffle of the rows then the first ``num_prompts``. A multi-turn row
+(MT-Bench) is a list of user turns; each turn is one response, conditioned on the speculative
+answers to the turns before it.
+
+The generic option (conf/eval_data/file.yaml) reads rows through :mod:`dflash_lab.eval.prompts`.
+
+The reasoning switch (:func:`template_kwargs`): ``data.enable_thinking`` and
+``data.reasoning_effort`` go to the chat template as keyword arguments, and only when the
+template reads them (the reference refuses a switch the template ignores: it would change nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from dflash_lab.eval.prompts import load_rows, row_messages
+from dflash_lab.paths import CONF_DIR
+
+log = logging.getLogger("dflash_lab.eval")
+DATA_GROUP = "eval_data"  #: conf/eval_data/: the options of ``data=`` (placed at ``data``)
+SUITES = {"reference": ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")}
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+@dataclass
+class Item:
+    """One dataset row to answer: the messages up to its first user turn, then the later user
+    turns (multi-turn rows), each answered after the assistant's answer to the one before."""
+
+    index: int  #: row index in the dataset (before the shuffle)
+    messages: list[dict[str, Any]]
+    followups: list[str] = field(default_factory=list)
+
+
+def data_configs(cfg) -> list:
+    """The data config of each dataset to run: ``cfg.data``, or the suite's options
+    (conf/eval_data/<name>.yaml with the run's rendering keys and ``suite_dir`` copies)."""
+    suite = cfg.get("suite")
+    if suite is None:
+        return [cfg.data]
+    if suite not in SUITES:
+        raise ValueError(f"suite={suite!r}: use one of {sorted(SUITES)} (or null: the data option)")
+    render = {k: cfg.data[k] for k in RENDER_KEYS if k in cfg.data}
+    out = []
+    for name in SUITES[suite]:
+        node = OmegaConf.load(CONF_DIR / DATA_GROUP / f"{name}.yaml")
+        node.merge_with(render)
+        if cfg.get("suite_dir"):
+            node.path = str(local_copy(Path(cfg.suite_dir), name))
+        out.append(node)
+    return out
+
+
+#: data keys that say how prompts are rendered (conf/eval.yaml): shared by every dataset
+RENDER_KEYS = ("chat_template", "enable_thinking", "reasoning_effort", "chat_template_kwargs",
+               "max_prompt_tokens")
+
+
+def local_copy(root: Path, name: str) -> Path:
+    """``root/<name>.jsonl|.json|.parquet`` or the save_to_disk directory ``root/<name>``."""
+    found = [root / f"{name}{s}" for s in _FILE_BUILDERS if (root / f"{name}{s}").is_file()]
+    if (root / name).is_dir():
+        found.append(root / name)
+    if not found:
+        raise ValueError(f"suite_dir={root}: no local copy of {name} ({name}.jsonl, "
+                         f"{name}.json, {name}.parquet or a datasets save_to_disk dir {name}/)")
+    return found[0]
+
+
+def dataset_name(d) -> str:
+    """The report's row label of a data config."""
+    if d.get("name"):
+        return str(d.name)
+    return Path(str(d.path)).name or str(d.path)
+
+
+def is_reference(d) -> bool:
+    return d.get("hub_id") is not None
+
+
+def _read_local(path: str, split: str | None):
+    import datasets
+
+    p = Path(path)
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"data.path={path}: a DatasetDict without split {split!r} "
+                                 f"(it has {sorted(ds)})")
+            ds = ds[split]
+        return ds
+    if p.suffix not in _FILE_BUILDERS or not p.is_file():
+        raise ValueError(f"data.path={path!r}: expected a .jsonl/.json/.parquet file or a "
+                         "datasets save_to_disk directory in the hub schema")
+    return datasets.load_dataset(_FILE_BUILDERS[p.suffix], data_files=str(p), split="train")
+
+
+def _offline_fix(d) -> str:
+    return (f"data={d.name} reads {d.hub_id} from the hub; offline, pass a local copy in its "
+            f"schema: data.path=FILE.jsonl|.parquet or a datasets save_to_disk dir (suite: "
+            f"suite_dir=DIR with {d.name}.jsonl or {d.name}/)")
+
+
+def _read_hub(d):
+    import datasets
+
+    if any(os.environ.get(k, "0") not in ("", "0", "false", "False") for k in _OFFLINE_ENV):
+        raise ValueError(f"{_offline_fix(d)} ({'/'.join(_OFFLINE_ENV)} is set)")
+    try:
+        return datasets.load_dataset(d.hub_id, d.get("hub_config"), split=d.split)
+    except Exception as err:  # no network, no such id: the user's fix is the same
+        raise ValueError(f"{_offline_fix(d)}: loading it failed with {type(err).__name__}: "
+                         f"{err}") from err
+
+
+def reference_rows(d) -> list[dict[str, Any]]:
+    """The rows of a reference dataset, checked for its text field."""
+    ds = _read_local(str(d.path), d.split) if d.get("path") else _read_hub(d)
+    rows = [dict(r) for r in ds]
+    where = d.path or d.hub_id
+    for i, row in enumerate(rows):
+        value = row.get(d.field)
+        ok = (isinstance(value, list) and value and all(isinstance(t, str) for t in value)
+              if d.multi_turn else isinstance(value, str))
+        if not ok:
+            kind = "a list of turn strings" if d.multi_turn else "a string"
+            raise ValueError(f"{where}[{i}]: field {d.field!r} must be {kind} ({d.hub_id} "
+                             f"schema); the row has keys {sorted(row)}")
+    return rows
+
+
+def _reference_item(d, index: int, row: dict[str, Any]) -> Item:
+    turns = row[d.field] if d.multi_turn else [row[d.field]]
+    texts = [d.prompt_format.format(prompt=t) for t in turns]
+    return Item(index, [{"role": "user", "content": texts[0]}], texts[1:])
+
+
+def load_items(d, num_prompts: int | None) -> list[Item]:
+    """The first ``num_prompts`` rows of a data config after its seeded shuffle, as items."""
+    rows = reference_rows(d) if is_reference(d) else load_rows(str(d.path), d.get("split"))
+    order = list(range(len(rows)))
+    if d.get("shuffle_seed") is not None:
+        random.Random(int(d.shuffle_seed)).shuffle(order)
+    if num_prompts is not None and int(num_prompts) > len(rows):
+        log.warning("num_prompts=%d but %s holds %d rows: evaluating all %d", int(num_prompts),
+                    dataset_name(d), len(rows), len(rows))
+    order = order if num_prompts is None else order[:int(num_prompts)]
+    if not order:
+        raise ValueError(f"data {dataset_name(d)} gave no prompts (rows={len(rows)})")
+    if is_reference(d):
+        return [_reference_item(d, i, rows[i]) for i in order]
+    return [Item(i, row_messages(rows[i], f"{d.path}[{i}]", d.get("prompt_format")))
+            for i in order]
+
+
+def template_kwargs(tokenizer, d) -> dict[str, Any]:
+    """Chat-template keyword arguments: ``chat_template_kwargs`` plus the reasoning switch,
+    refused when the template does not read the switch."""
+    kwargs = dict(d.get("chat_template_kwargs") or {})
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    name = getattr(tokenizer, "name_or_path", "") or "the target"
+    if d.get("enable_thinking") is not None:
+        if "enable_thinking" not in template:
+            raise ValueError(f"data.enable_thinking={d.enable_thinking}: the chat template of "
+                             f"{name} has no enable_thinking switch; leave it null")
+        kwargs["enable_thinking"] = bool(d.enable_thinking)
+    if d.get("reasoning_effort") is not None:
+        keys = [k for k in ("reasoning_effort", "reasoning_strength") if k in template]
+        if not keys:
+            raise ValueError(f"data.reasoning_effort={d.reasoning_effort}: the chat template of "
+                             f"{name} reads neither reasoning_effort nor reasoning_strength; "
+                             "leave it null (data.enable_thinking is the on/off switch)")
+        kwargs[keys[0]] = d.reasoning_effort
+    return kwargs
+
+
+def budget(cfg, d) -> int:
+    """``max_new_tokens``; left at its default (``${data.max_new_tokens}``), the suite's datasets
+    each keep their own (2048, the reference budget)."""
+    default = OmegaConf.is_config(cfg) and OmegaConf.is_interpolation(cfg, "max_new_tokens")
+    value = d.max_new_tokens if (cfg.get("suite") and default) else cfg.max_new_tokens
+    if int(value) < 1:
+        raise ValueError(f"max_new_tokens={value}: must be >= 1")
+    return int(value)
