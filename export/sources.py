@@ -233,10 +233,22 @@ def is_serving_dir(path: Path) -> bool:
 
 
 def load_source(path: str | Path) -> Source:
-    """Dispatch on what SOURCE is: a .ckpt file, a serving directory, or a training run dir."""
+    """Dispatch on what SOURCE is: a .ckpt file, a serving directory (ours or z-lab's), a
+    training run dir, a speculators directory or a SpecForge checkpoint (export/peers.py)."""
+    from export.peers import (
+        is_speculators_dir,
+        load_specforge_checkpoint,
+        load_speculators_dir,
+        specforge_state_file,
+    )
+
     path = Path(path)
+    if (state_file := specforge_state_file(path)) is not None:
+        return load_specforge_checkpoint(state_file)
     if path.is_file():
         return load_checkpoint(path)
+    if is_speculators_dir(path):
+        return load_speculators_dir(path)
     if is_serving_dir(path):
         imported = import_drafter(path)
         notes = [f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
@@ -249,4 +261,5 @@ def load_source(path: str | Path) -> Source:
         source.reads.append(path)
         return source
     raise ValueError(f"{path}: not a .ckpt file, a serving directory (config.json + "
-                     f"{WEIGHTS_FILE}) or a training run directory (checkpoints/)")
+                     f"{WEIGHTS_FILE}), a training run directory (checkpoints/), a speculators "
+                     "directory or a SpecForge checkpoint (training_state.pt)")

@@ -11,6 +11,7 @@ and a new group without an instantiation check below fails until it gets one.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf, open_dict
 from stand_ins import config_target
+from test_export_support import write_checkpoint
 
 from dflash_lab.entry import make_logger
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
@@ -213,10 +215,21 @@ def check_data(cfg, package, *, tiny_target_dir, tmp_path, **_):
     assert data.batch_size == cfg.data.batch_size
 
 
-def check_recipe(cfg, package, *, tiny_target_dir, big_target_dir, **_):
+def _stand_in_source(cfg, target, path: Path) -> str:
+    """A warm-start recipe's ``drafter.init_from``: a fresh drafter of the recipe's own values
+    saved as our checkpoint (the real source is another run's output)."""
+    fresh = instantiate(cfg.drafter, _partial_=True, init_from=None)(target=target)
+    write_checkpoint(path, fresh.config, fresh.state_dict())
+    return str(path)
+
+
+def check_recipe(cfg, package, *, tiny_target_dir, big_target_dir, tmp_path, **_):
     """A recipe's drafter on a stand-in of its target's shape, then the trainer side."""
     tiny = cfg.target._target_.endswith("load_tiny_target")
     target_path = str(tiny_target_dir if tiny else big_target_dir)
+    if cfg.drafter.get("init_from"):
+        cfg.drafter.init_from = _stand_in_source(cfg, config_target(target_path),
+                                                 tmp_path / "source.ckpt")
     extra = {"mask_token_id": 7} if cfg.drafter.mask_token_id is None and not tiny else {}
     drafter = instantiate(cfg.drafter, _partial_=True)(target=config_target(target_path), **extra)
     assert drafter.config.num_hidden_layers == cfg.drafter.num_hidden_layers

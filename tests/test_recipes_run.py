@@ -62,7 +62,8 @@ EVAL_SIZES = ["num_prompts=2", "max_new_tokens=6", "warmup=false", "progress=fal
 
 def documented_commands(recipe: str) -> dict[str, list[str]]:
     """``{"dflash-train": [...args], "dflash-capture": [...]}`` from the recipe's comment lines
-    (continuation backslashes joined)."""
+    (continuation backslashes joined); ``dflash-train`` lines before the last one (a run the
+    recipe starts from, ``drafter.init_from``) under ``"before"``."""
     lines = [ln[1:].strip() for ln in (RECIPES_DIR / f"{recipe}.yaml").read_text().splitlines()
              if ln.startswith("#")]
     text = re.sub(r"\\\s*\n\s*", " ", "\n".join(lines))
@@ -70,6 +71,8 @@ def documented_commands(recipe: str) -> dict[str, list[str]]:
     for line in text.splitlines():
         if line.split(" ", 1)[0] in ("dflash-train", "dflash-capture"):
             words = shlex.split(line.split(" # ")[0])
+            if words[0] in found and words[0] == "dflash-train":
+                found.setdefault("before", []).append(found[words[0]])
             found[words[0]] = words[1:]
     return found
 
@@ -163,6 +166,11 @@ def _online(cfg) -> bool:
 def check_the_recipe_is_what_trained(cfg, export_dir: Path, target) -> None:
     """The trained drafter has the recipe's settings (a test that silently changed one fails)."""
     trained = json.loads((export_dir / "config.json").read_text())
+    if cfg.drafter.get("init_from"):  # warm start: the source's drafter, not the group's values
+        source = json.loads((Path(cfg.drafter.init_from) / "config.json").read_text())
+        kept = ("num_hidden_layers", "layer_types", "dflash_config")
+        assert {k: trained[k] for k in kept} == {k: source[k] for k in kept}
+        return
     dc = trained.get("dflash_config", {})
     assert trained["num_hidden_layers"] == cfg.drafter.num_hidden_layers
     assert dc["block_size"] == cfg.drafter.block_size
@@ -239,6 +247,8 @@ def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
             f"recipes/{recipe}.yaml trains on a capture: its comment must give the "
             "dflash-capture command that makes it")
         run_capture_command(commands["dflash-capture"])
+    for before in commands.get("before", []):  # the run this recipe starts from
+        train(train_config(_compose("train", before[:1]), before, tiny_target_dir))
     cfg = train_config(composed, train_args, tiny_target_dir)
     result = train(cfg)
     run_dir = Path(result["output_dir"])

@@ -77,6 +77,7 @@ class DFlashDrafter(nn.Module):
         self._specs = config.layer_specs()
         self.activation_checkpointing = False  # recompute each layer in backward (saves memory)
         self.static_shapes = False  # same attention shapes every step (set by compile_layers)
+        self.warm_started = False  # weights loaded from a trained drafter (drafter.init_from)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -90,8 +91,9 @@ class DFlashDrafter(nn.Module):
             module.reset_parameters()
 
     def init_mask_embedding(self, embed_tokens: nn.Embedding) -> None:
-        """Start the learned mask embedding from the target's row of ``mask_token_id``."""
-        if self.mask_embedding is not None:
+        """Start the learned mask embedding from the target's row of ``mask_token_id`` (a
+        warm-started drafter keeps its trained one)."""
+        if self.mask_embedding is not None and not self.warm_started:
             with torch.no_grad():
                 self.mask_embedding.copy_(embed_tokens.weight[self.config.mask_token_id])
 

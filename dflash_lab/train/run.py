@@ -125,11 +125,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if parts["logger"]:
         parts["logger"].log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     before = None
+    start = "untrained" if cfg.drafter.get("init_from") is None else "warm-started"
     if cfg.validate_before_fit and ckpt is None:
         before = trainer.validate(module, datamodule=data, verbose=False)[0]["val/tau"]
-        log.info("val/tau of the untrained drafter: %.3f", before)
-    if ckpt is not None:
-        log.info("resuming from %s", ckpt)
+        log.info("val/tau of the %s drafter: %.3f", start, before)
+    if ckpt is not None:  # weights, optimizer and schedule come from our own checkpoint
+        log.info("resuming from %s%s", ckpt, "" if start == "untrained" else
+                 " (its weights replace drafter.init_from's)")
     # weights_only: a resumed checkpoint never runs pickled code, whatever
     # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says (our checkpoints hold tensors and plain data only).
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
@@ -145,7 +147,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         skipped = "n/a (resumed)" if ckpt is not None else "n/a (not measured)"
         before_txt = f"{before:.3f}" if before is not None else skipped
-        print(f"\nval tau: untrained {before_txt} -> trained {after:.3f} (block size "
+        print(f"\nval tau: {start} {before_txt} -> trained {after:.3f} (block size "
               f"{parts['drafter'].config.block_size})\nbest checkpoint: {best}\n"
               f"run directory: {result['output_dir']}")
     return result

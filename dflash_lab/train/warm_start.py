@@ -1,0 +1,144 @@
+"""``drafter.init_from=PATH``: start training from a trained drafter of any format we read.
+
+PATH is anything ``export.sources.load_source`` reads: our ``.ckpt`` / run directory (best
+checkpoint) / export, a z-lab directory (DFlash 1 or 2), a speculators directory or a SpecForge
+checkpoint. The drafter config comes from the source; a drafter field set in Hydra (a value that
+differs from the ``conf/drafter`` option's own, or any ``drafter.KEY=`` on the command line)
+overrides it. An override that changes what the trained weights compute (a layer switched
+between sliding and full or causal and bidirectional, another window, block size, target layer
+ids, MASK id, RoPE or logit scales) is logged as one warning listing each; one that changes the
+tensor shapes, or a source built for another target (hidden or vocab size), is a ValueError.
+Only the weights are taken: optimizer and schedule start fresh (a resume of our own run goes
+through ``ckpt_path`` and restores both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
+from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.paths import CONF_DIR
+
+log = logging.getLogger(__name__)
+
+#: Fields whose change changes the set or shapes of the trained tensors: never overridable.
+WEIGHT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "vocab_size", "attention_bias",
+                 "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
+                 "conv_group_size", "selector_rank")
+#: Hydra keys of conf/drafter that are no DrafterConfig field.
+NOT_FIELDS = ("_target_", "backend", "init_from", "defaults")
+
+
+def group_defaults(variant: str | None) -> dict[str, Any]:
+    """The drafter fields as ``conf/drafter/default.yaml`` (+ ``dflash2.yaml``) set them."""
+    merged = OmegaConf.load(CONF_DIR / "drafter" / "default.yaml")
+    if variant == "dflash2":
+        merged = OmegaConf.merge(merged, OmegaConf.load(CONF_DIR / "drafter" / "dflash2.yaml"))
+    out = OmegaConf.to_container(merged, resolve=True)
+    return {k: v for k, v in out.items() if k not in NOT_FIELDS}
+
+
+def command_line_fields() -> set[str]:
+    """``drafter.KEY`` names given on the Hydra command line (empty outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    keys = (o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
+    return {k.removeprefix("drafter.") for k in keys if k.startswith("drafter.")}
+
+
+def explicit_overrides(fields: dict[str, Any]) -> dict[str, Any]:
+    """The drafter fields a recipe or the command line set, out of everything Hydra composed."""
+    defaults = group_defaults(fields.get("variant"))
+    given = command_line_fields()
+    return {k: v for k, v in fields.items()
+            if k not in NOT_FIELDS and (v != defaults.get(k) or k in given)}
+
+
+def _layer_changes(old: DrafterConfig, new: DrafterConfig) -> list[str]:
+    out = []
+    for i, (a, b) in enumerate(zip(old.layer_specs(), new.layer_specs(), strict=True)):
+        if (a.window is None) != (b.window is None):
+            out.append(f"layer {i}: {'sliding' if a.window else 'full'} -> "
+                       f"{'sliding' if b.window else 'full'}")
+        elif a.window != b.window:
+            out.append(f"layer {i}: window {a.window} -> {b.window}")
+        if a.causal != b.causal:
+            out.append(f"layer {i}: {'causal' if a.causal else 'bidirectional'} -> "
+                       f"{'causal' if b.causal else 'bidirectional'}")
+    return out
+
+
+def contradictions(old: DrafterConfig, new: DrafterConfig) -> list[str]:
+    """What ``new`` runs differently from the ``old`` config the weights were trained with."""
+    out = _layer_changes(old, new)
+    for key in ("block_size", "target_layer_ids", "mask_token_id", "rope_theta", "rope_scaling",
+                "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                "selector_top_k", "rms_norm_eps"):
+        if getattr(old, key) != getattr(new, key):
+            out.append(f"{key} {getattr(old, key)} -> {getattr(new, key)}")
+    return out
+
+
+def check_target(config: DrafterConfig, shape: dict[str, Any], where: str, name: str) -> None:
+    """ValueError when the source was trained for another target (hidden or vocab size)."""
+    bad = [f"{k}={getattr(config, k)} but the target has {k}={shape[k]}"
+           for k in ("hidden_size", "vocab_size") if getattr(config, k) != shape.get(k)]
+    if bad:
+        raise ValueError(f"drafter.init_from={where}: the drafter was trained for another "
+                         f"target ({'; '.join(bad)}; target {name}); pass the target it was "
+                         "trained for, or train a fresh drafter (drafter.init_from=null)")
+
+
+def merged_config(source: DrafterConfig, overrides: dict[str, Any], num_target_layers: int,
+                  where: str) -> DrafterConfig:
+    """The source config with the overrides and the loaded target's depth applied."""
+    refused = [f"{k}={v!r} (trained with {getattr(source, k)!r})" for k, v in overrides.items()
+               if k in WEIGHT_FIELDS and v != getattr(source, k)]
+    if refused:
+        raise ValueError(f"drafter.init_from={where}: {', '.join(refused)} would change the "
+                         "trained tensors' shapes; drop these drafter overrides")
+    fields = {k: v for k, v in overrides.items() if k not in WEIGHT_FIELDS}
+    if isinstance(fields.get("target_layer_ids"), int):
+        fields["target_layer_ids"] = build_target_layer_ids(num_target_layers,
+                                                            fields["target_layer_ids"])
+    return dataclasses.replace(source, num_target_layers=num_target_layers, **fields,
+                               _source=f"{where} (drafter.init_from)")
+
+
+def warm_started_drafter(target, init_from: str, backend: str,
+                         fields: dict[str, Any]) -> DFlashDrafter:
+    """A drafter holding the weights of ``init_from`` for the loaded ``target``."""
+    from dflash_lab.target.mask_token import resolve_mask_token_id
+    from dflash_lab.train.factory import target_shape
+    from export.sources import load_source
+
+    where = str(init_from)
+    if not Path(where).exists():
+        raise ValueError(f"drafter.init_from={where} does not exist; pass one of our .ckpt "
+                         "files, run or export directories, a z-lab, speculators or SpecForge "
+                         "drafter (docs/warm_start.md)")
+    source = load_source(where)
+    shape = target_shape(target.model.config)
+    check_target(source.config, shape, where, str(target.name_or_path))
+    config = merged_config(source.config, explicit_overrides(fields),
+                           int(shape["num_target_layers"]), where)
+    resolve_mask_token_id(target.tokenizer, config.mask_token_id, vocab_size=config.vocab_size,
+                          where=str(target.name_or_path))
+    if changed := contradictions(source.config, config):
+        log.warning("drafter.init_from=%s: overrides contradict the trained weights: %s",
+                    where, "; ".join(changed))
+    drafter = DFlashDrafter(config, backend=backend)
+    drafter.load_state_dict(source.state_dict, strict=True)
+    drafter.warm_started = True  # keep the trained mask embedding (module init would reset it)
+    log.info("drafter weights from %s (%s); optimizer state starts fresh", source.description,
+             "; ".join(source.notes) or "no notes")
+    return drafter
