@@ -16,6 +16,7 @@ from omegaconf import OmegaConf, open_dict
 
 from dflash_lab.eval import cli
 from dflash_lab.eval import suite as suite_mod
+from dflash_lab.eval.evaluate import run_features
 from dflash_lab.eval.suite import SUITES, load_items, template_kwargs
 from dflash_lab.eval.testing import tiny_drafter_for, write_serving_dir
 from dflash_lab.paths import CONF_DIR
@@ -121,6 +122,10 @@ def test_offline_without_a_copy_and_wrong_schema_are_clear(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="suite_dir=.*no local copy of math500"):
         suite_mod.data_configs(compose_eval("suite=reference", f"suite_dir={tmp_path}",
                                             "output_dir=o", "drafter.path=x"))
+    with pytest.raises(ValueError, match="suite=reference generates answers: use mode=generate"):
+        run_features(compose_eval("suite=reference", "mode=features", "output_dir=o"))
+    with pytest.raises(ValueError, match="suite='paper': use one of"):
+        suite_mod.data_configs(compose_eval("suite=paper", "output_dir=o"))
 
 
 def test_reasoning_switch_goes_where_the_template_reads_it():

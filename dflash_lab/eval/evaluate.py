@@ -211,6 +211,9 @@ def run_features(cfg) -> dict[str, Any]:
     """The feature-level tau simulator over a capture directory -> report dict."""
     from dflash_lab.data.shards import ShardDataset, read_manifest
 
+    if cfg.get("suite") is not None:
+        raise ValueError(f"suite={cfg.suite} generates answers: use mode=generate (features "
+                         "mode reads one capture, data.path=CAPTURE_DIR)")
     read_manifest(cfg.data.path)  # a ValueError naming the directory before any loading
     target, loaded, backend = _load_pair(cfg, packed=True)
     drafter = loaded.drafter
