@@ -2,9 +2,11 @@
 and the check that they belong together.
 
 A drafter path is a training checkpoint (``.ckpt``), a training run directory (its best, else last
-checkpoint) or a serving directory (ours, or a z-lab style one whose implicit causality the
-exporter resolves with a named engine rule set). The exporter owns those formats; this module only
-turns its ``(config, state_dict)`` into a :class:`DFlashDrafter`.
+checkpoint), a serving directory (ours, or a z-lab style one whose implicit causality the
+exporter resolves with a named engine rule set), a speculators DFlash directory or a SpecForge
+DFlash checkpoint (export/peers.py; docs/warm_start.md), the same sources ``drafter.init_from``
+reads. The exporter owns those formats; this module only turns its ``(config, state_dict)`` into
+a :class:`DFlashDrafter`.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     ``block_size`` (<= the trained one) sets the inference block; ``assume`` names the engine
     rule set used to read a third-party serving directory (default: the exporter's).
     """
+    from export.peers import is_speculators_dir
     from export.sources import ImportedDrafter, import_drafter, is_serving_dir, load_source
 
     path = Path(path)
     if not path.exists():
         raise ValueError(f"drafter.path={str(path)!r} does not exist; pass a training checkpoint "
-                         "(.ckpt), a run directory or a serving directory (config.json + "
-                         "model.safetensors)")
-    if assume is not None and is_serving_dir(path):
+                         "(.ckpt), a run directory, a serving directory (config.json + "
+                         "model.safetensors), a speculators directory or a SpecForge checkpoint")
+    if assume is not None and is_serving_dir(path) and not is_speculators_dir(path):
         imported: ImportedDrafter = import_drafter(path, assume)
         config, state = imported.config, imported.state_dict
         description = f"serving directory {path}"
