@@ -44,6 +44,41 @@ def scale_logits(logits_xv: Tensor, output_multiplier: float,
     return logits_xv
 
 
+#: Vocabulary rows per block of :func:`vocab_topk` (the per-block maxima it ranks first).
+TOPK_BLOCK = 64
+
+
+def vocab_topk(logits: Tensor, k: int, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """``logits.topk(k, dim)`` (values and ids, best first) for a 2-D tensor over a large
+    vocabulary, ~5-10x faster on CPU than ``torch.topk`` there (49k-152k entries; benchmark 2).
+
+    Exact: the vocabulary is cut into blocks of ``TOPK_BLOCK`` entries; every top-k entry lies
+    in a block whose maximum is among the k largest block maxima (a block outside them has k
+    blocks above it, each holding an entry at least as large), so the top-k of those k blocks
+    (plus the ragged tail) is the top-k. Values equal ``torch.topk``'s; ids too, except which
+    of exactly equal logits is kept, which ``torch.topk`` leaves unspecified as well.
+    ``dim``: the vocabulary dimension, 0 ([V, m], the loss's vocab-major chunks) or -1 ([m, V]).
+    """
+    if logits.dim() != 2 or dim not in (0, 1, -1):
+        raise ValueError(f"vocab_topk takes a 2-D tensor and dim 0 or -1, got "
+                         f"{tuple(logits.shape)} and dim={dim}")
+    x_vm = logits if dim == 0 else logits.t()
+    num_blocks = x_vm.shape[0] // TOPK_BLOCK
+    if num_blocks < 16 * k:  # small vocabularies: torch.topk is as fast
+        return logits.topk(k, dim=dim)
+    m = x_vm.shape[1]
+    body = num_blocks * TOPK_BLOCK
+    best_km = x_vm[:body].reshape(num_blocks, TOPK_BLOCK, m).amax(dim=1).topk(k, dim=0).indices
+    offsets = torch.arange(TOPK_BLOCK, device=logits.device)
+    rows = (best_km[:, None] * TOPK_BLOCK + offsets[None, :, None]).reshape(k * TOPK_BLOCK, m)
+    if body < x_vm.shape[0]:  # the ragged tail is always a candidate
+        tail = torch.arange(body, x_vm.shape[0], device=logits.device)
+        rows = torch.cat([rows, tail[:, None].expand(-1, m)])
+    values, pos = x_vm.gather(0, rows).topk(k, dim=0)
+    ids = rows.gather(0, pos)
+    return (values, ids) if dim == 0 else (values.t(), ids.t())
+
+
 def grouped_dynamic_conv(x_bqh: Tensor, dyn_bqkg: Tensor, base_kh: Tensor,
                          block_size: int) -> Tensor:
     """``out[t, c] = sum_o (base[o, c] + dyn[t, o, c // group_size]) * x[t - o, c]`` per block.
@@ -129,7 +164,10 @@ class CandidateSelector(nn.Module):
 
     def candidates(self, unary_xv: Tensor) -> tuple[Tensor, Tensor]:
         """Top-C of the unary logits [x, V] -> (values [x, C], token ids [x, C]), best first."""
-        return torch.topk(unary_xv, self.top_k, dim=-1)
+        flat_nv = unary_xv.reshape(-1, unary_xv.shape[-1])
+        values, ids = vocab_topk(flat_nv, self.top_k, dim=-1)
+        return (values.reshape(*unary_xv.shape[:-1], self.top_k),
+                ids.reshape(*unary_xv.shape[:-1], self.top_k))
 
     def _pair(self, hidden_xh: Tensor, prev_x: Tensor) -> Tensor:
         """``A[prev] * (W h)`` [x, R]: the query side of the interaction."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lab.model.dflash2 import scale_logits
+from dflash_lab.model.dflash2 import scale_logits, vocab_topk
 
 LABEL_SOURCES = ("target_argmax", "dataset")
 #: Default budget of one CE chunk's fp32 logits [rows, V]: 512 MiB (a 262k vocab gets 512 rows).
@@ -259,7 +259,7 @@ class _FusedHeadCE(torch.autograd.Function):
             logits_vm = (weight_vh @ h.t()).float()
             deriv = None if scale.identity else scale.apply_(logits_vm)
             if top_k:
-                values_km, ids_km = logits_vm.topk(top_k, dim=0)
+                values_km, ids_km = vocab_topk(logits_vm, top_k, dim=0)
                 top_values.append(values_km.t())
                 top_ids.append(ids_km.t())
             top = logits_vm.amax(dim=0)

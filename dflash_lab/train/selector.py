@@ -151,6 +151,9 @@ def walk_correct(selector: CandidateSelector, hidden_bnbh: Tensor, out: LossOutp
     first invalid slot, so later slots' placeholders cannot change any counted result.
     """
     valid = out.valid
+    # detached: a view made under no_grad of a tensor that requires grad still says it does
+    # (with no grad_fn), which hooks on module inputs (FlopCounterMode's tracker) reject
+    hidden_bnbh = hidden_bnbh.detach()
     ids_bntk = _scatter(out.top_ids, valid)[:, :, 1:]
     values_bntk = _scatter(out.top_values, valid)[:, :, 1:]
     bt, n, t, k = ids_bntk.shape
