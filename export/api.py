@@ -29,6 +29,7 @@ from export.checks import (
 )
 from export.engines import ENGINES, RULE_SETS, Artifacts, EngineReading, read_all, rule_sets_for
 from export.engines.common import layouts_agree
+from export.engines.zlab import DEFAULT_BLOCK_SIZE, base_config
 from export.outdir import (
     REPORT_FILE,
     SOURCE_PATH_KEY,
@@ -40,7 +41,15 @@ from export.outdir import (
 )
 from export.report import as_trained_lines, drafter_lines, engine_notes, export_report, layer_table
 from export.selfcheck import SelfCheckResult, run_self_check
-from export.sources import Source, artifacts_of, load_source, read_config_json
+from export.sources import (
+    DEFAULT_ASSUMED_RULES,
+    OUR_SPEC,
+    Source,
+    artifacts_of,
+    load_source,
+    read_config_json,
+    resolve_third_party,
+)
 from export.weights import (
     CONFIG_FILE,
     DTYPES,
@@ -214,6 +223,9 @@ def _self_check(tmp: Path, raw: dict[str, Any], src: Source, engines: tuple[str,
 
 
 # ---------------------------------------------------------------------------- inspect
+OK, UNCHECKED, PROBLEMS = "ok", "unchecked", "problems"
+
+
 @dataclass
 class InspectResult:
     """How every rule set reads one serving directory, and whether they all agree."""
@@ -223,14 +235,25 @@ class InspectResult:
     readings: dict[str, EngineReading]
     problems: list[str]
     text: str
+    #: the layout every rule set is compared with: ``trained``, or for a third-party directory
+    #: the importer's resolution (``assumed_rules``); None when neither can be read
+    declared: list[LayerSpec] | None = None
+    assumed_rules: str | None = None  #: OUR_SPEC, or the rule set resolving a third-party layout
+    #: weight-dependent checks not made because the directory has no model.safetensors
+    unchecked: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """``problems`` (something disagrees or is wrong), ``unchecked`` (config.json is fine
+        but the weight checks were not made) or ``ok`` (everything checked, nothing wrong)."""
+        if self.problems:
+            return PROBLEMS
+        return UNCHECKED if self.unchecked else OK
 
     @property
     def ok(self) -> bool:
-        return not self.problems
-
-
-def _block_size(d: dict[str, Any]) -> int:
-    return int((d.get("dflash_config") or {}).get("block_size") or d.get("block_size") or 16)
+        """Everything was checked and nothing is wrong (never True without the weights)."""
+        return self.status == OK
 
 
 def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[str]:
@@ -247,13 +270,6 @@ def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[
                     f"'{reading.layers[i].label()}'" for i in diff]
     out += [f"{r.rule_set} silently drops {item}" for r in loading.values() for item in r.dropped]
     return out
-
-
-def _parse(d: dict[str, Any], path: Path) -> tuple[DrafterConfig | None, list[str]]:
-    try:
-        return DrafterConfig.from_dict(d, source=str(path / CONFIG_FILE)), []
-    except ValueError as err:
-        return None, [f"config.json cannot be read as a drafter: {err}"]
 
 
 def tensor_problems(config: DrafterConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
@@ -276,33 +292,122 @@ def tensor_problems(config: DrafterConfig, shapes: dict[str, tuple[int, ...]]) -
     return out
 
 
+@dataclass
+class _Declared:
+    """What config.json declares, read the way the importer reads it."""
+
+    config: DrafterConfig | None  #: every field; None when config.json cannot be read
+    layers: list[LayerSpec] | None  #: the trained spec, or the assumed rule set's layout
+    assumed: str  #: OUR_SPEC or the rule set that resolved the layout
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
+    """Ours: the strict reader and the recorded training spec. Third-party: z-lab's reading of
+    the fields and the layout resolved exactly as ``import_drafter`` resolves it."""
+    source = str(path / CONFIG_FILE)
+    ours = TRAINING_SPEC_KEY in d
+    assumed = OUR_SPEC if ours else DEFAULT_ASSUMED_RULES
+    try:
+        config = DrafterConfig.from_dict(d, source=source) if ours else base_config(d, source)
+    except ValueError as err:
+        return _Declared(None, None, assumed, [f"config.json cannot be read as a drafter: {err}"])
+    if ours:
+        return _Declared(config, config.layer_specs(), assumed)
+    try:
+        resolved, _ = resolve_third_party(d, path, artifacts, assumed)
+    except ValueError as err:
+        return _Declared(config, None, assumed, notes=[f"dflash-lab's importer cannot read it: "
+                                                       f"{err}"])
+    return _Declared(config, resolved.layer_specs(), assumed)
+
+
+def _artifacts(path: Path) -> Artifacts:
+    """What the directory ships; without model.safetensors only the mask file can be seen."""
+    if (path / WEIGHTS_FILE).is_file():
+        return artifacts_of(path)
+    return Artifacts(mask_embedding_file=(path / MASK_FILE).is_file())
+
+
+def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[str]:
+    """The checks ``--inspect`` makes from model.safetensors (and mask_embedding.pt), worded
+    for a directory that lacks them: each could still make an engine run another drafter."""
+    out = [f"tensor names and shapes against config.json (hidden_size, heads, vocab_size, the fc "
+           f"input of every target layer): no {WEIGHTS_FILE}"]
+    declared = config is not None and config.attention_sink_bias
+    out.append("attention sinks: " + (
+        "config.json declares them; whether the per-head sink tensors exist" if declared else
+        "whether the weights hold layers.*.self_attn.attention_sink_bias tensors config.json "
+        "does not declare (vLLM builds no sink parameter for them and drops them)"))
+    if not (path / MASK_FILE).is_file():
+        out.append(f"learned mask embedding: no {MASK_FILE} here, so whether the drafter ships "
+                   "one (vLLM uses it for every MASK slot, SGLang never opens it)")
+    if config is None or config.is_dflash2:
+        out.append("DFlash 2 tensors: the conv and selector tensors, and whether the codebooks "
+                   "carry z-lab save_pretrained's '.weight' names (vLLM refuses them, SGLang "
+                   "skips them)")
+    return out
+
+
+def _verdict(problems: list[str], unchecked: list[str]) -> str:
+    if problems:
+        return f"NOT OK: {len(problems)} problem(s)" + (
+            f"; {len(unchecked)} weight check(s) not made (no {WEIGHTS_FILE})" if unchecked else "")
+    if unchecked:
+        return (f"NOT FULLY CHECKED: from config.json alone every rule set runs the same layout, "
+                f"but {len(unchecked)} weight check(s) were not made (see 'Not checked'); "
+                f"inspect the directory with {WEIGHTS_FILE} for a full verdict")
+    return "OK: every rule set runs the same drafter"
+
+
+def _layout_lines(declared: _Declared, readings: dict[str, EngineReading], block: int,
+                  config_only: bool) -> list[str]:
+    """The drafter and, per rule set, whether it runs the declared layout."""
+    if declared.config is None:
+        return []
+    lines = ["", "Drafter:"] + drafter_lines(declared.config) + [""]
+    how = "trained" if declared.assumed == OUR_SPEC else (
+        f"dflash-lab's importer reads it ({declared.assumed}: config.json leaves the layout to "
+        "the engine)")
+    scope = " (from config.json alone: the weights were not checked)" if config_only else ""
+    lines.append(f"Runs the drafter as {how}?{scope}")
+    if declared.layers is None:
+        return lines + [f"- {note}" for note in declared.notes]
+    return lines + as_trained_lines(declared.layers, readings, block)
+
+
 def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectResult:
     """Per layer, how each rule set resolves a serving directory; the drafter's variant, conv,
-    selector and scales, whether each rule set runs it as trained; problems if any disagree,
-    drop a feature, or the weights do not match the config."""
+    selector and scales, whether each rule set runs it as trained (third-party: as the importer
+    resolves it); problems if any disagree, drop a feature, or the weights do not match the
+    config. Without model.safetensors (a config.json alone) the layout is still classified and
+    the weight checks that were not made are listed in ``unchecked``."""
     path = Path(path)
     d = read_config_json(path)
-    readings = read_all(d, artifacts_of(path), parse_engines(engine))
-    block = _block_size(d)
-    parsed, problems = _parse(d, path)
-    trained = parsed.layer_specs() if parsed is not None and TRAINING_SPEC_KEY in d else None
-    problems += _disagreement_lines(readings, block)
+    config_only = not (path / WEIGHTS_FILE).is_file()
+    artifacts = _artifacts(path)
+    readings = read_all(d, artifacts, parse_engines(engine))
+    declared = _declared(d, path, artifacts)
+    block = declared.config.block_size if declared.config else DEFAULT_BLOCK_SIZE
+    trained = declared.layers if declared.assumed == OUR_SPEC else None
+    problems = declared.problems + _disagreement_lines(readings, block)
     if trained is not None:
         for reading in readings.values():
             problems += [f.message for f in mismatches(trained, reading, block, "warn")]
-    if parsed is not None:
-        problems += tensor_problems(parsed, weight_shapes(path))
+    if declared.config is not None and not config_only:
+        problems += tensor_problems(declared.config, weight_shapes(path))
+    unchecked = unchecked_without_weights(declared.config, path) if config_only else []
     lines = [f"# {path}", "", f"block_size={block}; rule sets: "
              + ", ".join(f"{r.name} ({'current' if r.current else 'older'})"
                          for r in RULE_SETS if r.name in readings), ""]
     lines += layer_table(trained, readings, block)
-    if parsed is not None:
-        lines += ["", "Drafter:"] + drafter_lines(parsed)
-        lines += ["", "Runs the drafter as " + ("trained" if trained is not None else
-                                                "config.json declares it (dflash-lab's reading)")
-                  + "?"] + as_trained_lines(parsed.layer_specs(), readings, block)
+    lines += _layout_lines(declared, readings, block, config_only)
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
-    verdict = "OK: every rule set runs the same drafter" if not problems else \
-        f"NOT OK: {len(problems)} problem(s)"
-    return InspectResult(path, trained, readings, problems, "\n".join(lines + ["", verdict]))
+    if unchecked:
+        lines += ["", f"Not checked (no {WEIGHTS_FILE}: config.json alone):"]
+        lines += [f"- {u}" for u in unchecked]
+    text = "\n".join(lines + ["", _verdict(problems, unchecked)])
+    return InspectResult(path, trained, readings, problems, text, declared.layers,
+                         declared.assumed, unchecked)

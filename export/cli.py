@@ -1,9 +1,11 @@
 """``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory.
 
-Exit codes: 0 done (or --inspect found every rule set in agreement); 2 bad input or usage
-(including OUT_DIR exists without --force, OUT_DIR is not a previous export, or OUT_DIR is or
-contains SOURCE); 3 refused by the engine rules (or --inspect found
-disagreements); 4 the self-check failed. Nothing is written unless the exit code is 0.
+Exit codes: 0 done (or --inspect checked everything and found every rule set in agreement); 2 bad
+input or usage (including OUT_DIR exists without --force, OUT_DIR is not a previous export, or
+OUT_DIR is or contains SOURCE); 3 refused by the engine rules (or --inspect found problems); 4 the
+self-check failed; 5 --inspect found no problem in config.json but could not make the weight
+checks (DIR has no model.safetensors: sinks, mask embedding, DFlash 2 tensors, shapes). Nothing
+is written unless the exit code is 0.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from export.api import ExportRefused, SelfCheckFailed, export_drafter, inspect_dir
+from export.api import (
+    OK,
+    UNCHECKED,
+    ExportRefused,
+    SelfCheckFailed,
+    export_drafter,
+    inspect_dir,
+)
 from export.checks import WARN
 from export.sources import Source, load_source
 from export.weights import CONFIG_FILE, DTYPES
 
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK = 0, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK, EXIT_UNCHECKED = 0, 2, 3, 4, 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "would run differently from training; or --inspect a serving directory.")
     p.add_argument("source", nargs="?", help="Lightning .ckpt, training run dir, or serving dir")
     p.add_argument("out_dir", nargs="?", help="serving directory to create")
-    p.add_argument("--inspect", metavar="DIR", help="print how each engine reads DIR and exit")
+    p.add_argument("--inspect", metavar="DIR",
+                   help="print how each engine reads DIR and exit (config.json alone is enough "
+                        "for the layout; exit 5 when the weight checks could not be made)")
     p.add_argument("--engine", choices=["both", "vllm", "sglang"], default="both")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--force", action="store_true",
@@ -69,7 +80,7 @@ def _read_target(path: str | None) -> dict[str, Any] | None:
 def _inspect(args: argparse.Namespace) -> int:
     result = inspect_dir(args.inspect, args.engine)
     print(result.text)
-    return EXIT_OK if result.ok else EXIT_REFUSED
+    return {OK: EXIT_OK, UNCHECKED: EXIT_UNCHECKED}.get(result.status, EXIT_REFUSED)
 
 
 def _check_target_weights(src: Source, target: str | None, allow: bool) -> None:

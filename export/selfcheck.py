@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
+from dflash_lab.model.config import DrafterConfig
 from export.engines import RuleSet
 from export.engines.common import Artifacts
+from export.engines.zlab import base_config
 from export.sources import config_from_reading
 from export.weights import MASK_KEY, load_mask_file, load_weights
 
@@ -165,8 +166,7 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
     reading = rule_set.read(view, artifacts)
     if not reading.loads:
         return None
-    plain = {k: v for k, v in view.items() if k != TRAINING_SPEC_KEY}
-    base = DrafterConfig.from_dict(plain, source=f"{out_dir} as {rule_set.name}")
+    base = base_config(view, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(base, reading, artifacts.mask_embedding_file and is_vllm,
                                  base.attention_sink_bias and is_vllm)

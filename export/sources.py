@@ -20,6 +20,7 @@ import torch
 from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
 from export.engines import Artifacts, EngineReading, get_rule_set, read_all
 from export.engines.common import layouts_agree
+from export.engines.zlab import base_config
 from export.weights import (
     CONFIG_FILE,
     MASK_FILE,
@@ -169,8 +170,10 @@ def _disagreements(readings: dict[str, EngineReading], chosen: str,
             if name != chosen and not layouts_agree(r.layers, ref, block_size)]
 
 
-def _resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
-                         assume: str) -> tuple[DrafterConfig, list[str]]:
+def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
+                        assume: str) -> tuple[DrafterConfig, list[str]]:
+    """A third-party config.json as rule set ``assume`` runs it (z-lab's reading for every other
+    field), and the rule sets that read it differently; ``--inspect`` resolves it the same way."""
     rule_set = get_rule_set(assume)
     # the import renames z-lab's '.weight' codebooks, so no rule set should refuse over them
     readings = read_all(d, dataclasses.replace(artifacts, suffixed_codebooks=False))
@@ -178,7 +181,7 @@ def _resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
     if not reading.loads:
         raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
                          "rule set (assume=...)")
-    base = DrafterConfig.from_dict(d, source=str(path / CONFIG_FILE))
+    base = base_config(d, str(path / CONFIG_FILE))
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(base, reading,
                                  keeps_mask=artifacts.mask_embedding_file and is_vllm,
@@ -205,7 +208,7 @@ def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDraft
         assumed, disagree = OUR_SPEC, []
     else:
         assumed = assume or DEFAULT_ASSUMED_RULES
-        config, disagree = _resolve_third_party(d, path, artifacts, assumed)
+        config, disagree = resolve_third_party(d, path, artifacts, assumed)
     state, renamed = serving_names(load_weights(path))
     if renamed:
         disagree = disagree + [f"tensors {renamed} renamed without '.weight' (vLLM refuses "

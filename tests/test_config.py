@@ -12,20 +12,6 @@ from dflash_lab.model.config import (
 )
 from dflash_lab.testing import LAYOUTS, tiny_drafter_config
 
-ZLAB_QWEN3_8B = {
-    "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16,
-    "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 12288, "layer_types": ["full_attention"] * 5,
-    "max_position_embeddings": 40960, "max_window_layers": 5, "model_type": "qwen3",
-    "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8,
-    "num_target_layers": 36, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-    "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "4.57.1",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}
-
 
 @pytest.mark.parametrize(("n_layers", "n", "expected"), [
     (36, 5, [1, 9, 17, 25, 33]), (36, 1, [18]), (28, 5, [1, 7, 13, 19, 25]), (30, 3, [1, 14, 27]),
@@ -73,27 +59,6 @@ def test_serving_keys_follow_the_contract():
     assert "is_causal" not in mixed and "causal" not in mixed["dflash_config"]
 
 
-def test_zlab_config_loads_with_its_bookkeeping_keys():
-    cfg = DrafterConfig.from_dict(ZLAB_QWEN3_8B, source="z-lab/config.json")
-    assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.block_size == 16
-    assert cfg.layer_specs() == [LayerSpec(None, False)] * 5
-    assert cfg.variant == "dflash1" and cfg.output_multiplier == 1.0
-
-
-@pytest.mark.parametrize(("where", "key", "hint"), [
-    ("dflash_config", "future_knob", ""),
-    ("dflash_config", "selector_topk", "did you mean one of 'selector_top_k'"),
-    ("top", "attention_value_scale", ""),
-    ("top", "output_multipler", "did you mean 'output_multiplier'"),
-])
-def test_unknown_keys_are_errors(where, key, hint):
-    d = json.loads(json.dumps(ZLAB_QWEN3_8B))
-    (d["dflash_config"] if where == "dflash_config" else d)[key] = 3
-    with pytest.raises(ValueError, match=f"unknown key '.*{key}'") as err:
-        DrafterConfig.from_dict(d, source="z-lab/config.json")
-    assert hint in str(err.value) and "z-lab/config.json" in str(err.value)
-
-
 def test_unknown_key_in_our_training_spec_is_an_error():
     d = tiny_drafter_config().to_dict()
     d[TRAINING_SPEC_KEY]["is_casual"] = True
@@ -101,28 +66,40 @@ def test_unknown_key_in_our_training_spec_is_an_error():
         DrafterConfig.from_dict(d)
 
 
-def test_transformers5_rope_parameters_are_read():
-    d = {k: v for k, v in ZLAB_QWEN3_8B.items() if k not in ("rope_theta", "rope_scaling")}
-    d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}
-    assert DrafterConfig.from_dict(d).rope_theta == 5e5
-    d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}
-    assert DrafterConfig.from_dict(d).rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    with pytest.raises(ValueError, match="disagrees with rope_parameters.rope_theta"):
-        DrafterConfig.from_dict(dict(d, rope_theta=1e6))
+def test_our_reader_refuses_a_third_party_config_and_names_the_importer():
+    d = tiny_drafter_config().to_dict()
+    d.pop(TRAINING_SPEC_KEY)
+    with pytest.raises(ValueError, match="no 'dflash_lab_training_spec'.*export.import_drafter"):
+        DrafterConfig.from_dict(d, source="hub/config.json")
 
 
-def test_use_swa_without_sliding_layer_types_slides_every_layer_bidirectionally():
-    d = dict(ZLAB_QWEN3_8B, dflash_config={"mask_token_id": 151669, "use_swa": True,
-                                           "swa_window_size": 2048,
-                                           "target_layer_ids": [1, 9, 17, 25, 33]})
-    assert DrafterConfig.from_dict(d).layer_specs() == [LayerSpec(2048, False)] * 5
+@pytest.mark.parametrize(("where", "key", "value"), [
+    ("dflash_config", "use_swa", True),  # vLLM's rule, never written by us
+    ("dflash_config", "learned_mask_embedding", True),  # ours records it in the training spec
+    ("top", "selector_rank", 8),  # z-lab's flat layout; ours writes it in dflash_config
+    ("top", "future_knob", 1),
+])
+def test_our_reader_rejects_keys_we_never_write(where, key, value):
+    d = tiny_drafter_config("sliding_causal").to_dict()
+    (d["dflash_config"] if where == "dflash_config" else d)[key] = value
+    with pytest.raises(ValueError, match=f"unknown key '.*{key}'"):
+        DrafterConfig.from_dict(d)
 
 
-def test_explicit_is_causal_is_read_in_precedence_order():
-    base = dict(ZLAB_QWEN3_8B, dflash_config={"mask_token_id": 1, "causal": False,
-                                              "target_layer_ids": [1, 9, 17, 25, 33]})
-    assert DrafterConfig.from_dict(base).causal_flags == [False] * 5
-    assert DrafterConfig.from_dict(dict(base, is_causal=True)).causal_flags == [True] * 5
+def test_our_reader_takes_the_layout_from_the_training_spec_only():
+    """The engine-facing copies (is_causal, dflash_config.causal) are written for the engines;
+    our reader does not re-derive causality from them, whatever they say."""
+    cfg = tiny_drafter_config("mixed_per_layer")
+    d = cfg.to_dict()
+    d["is_causal"], d["dflash_config"]["causal"] = True, True
+    assert DrafterConfig.from_dict(d).layer_specs() == cfg.layer_specs()
+
+
+def test_our_block_size_copies_must_agree():
+    d = tiny_drafter_config().to_dict()
+    d["dflash_config"]["block_size"] = 8
+    with pytest.raises(ValueError, match="block_size=4 but dflash_config.block_size=8"):
+        DrafterConfig.from_dict(d, source="run/config.json")
 
 
 @pytest.mark.parametrize(("override", "key", "hint"), [

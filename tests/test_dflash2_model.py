@@ -12,6 +12,7 @@ from dflash_lab.model.config import DFLASH2_DEFAULTS, DrafterConfig
 from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.testing import LAYOUTS, tiny_drafter_config
+from export.engines.zlab import base_config
 
 REPO = Path(__file__).resolve().parents[1]
 ZLAB_PYTHON = REPO / ".venv-dflash" / "bin" / "python"
@@ -76,22 +77,22 @@ def _v2_dict(**dflash_extra):
 
 def test_variant_is_read_from_architectures_or_the_v2_keys():
     d = _v2_dict()
-    assert DrafterConfig.from_dict({k: v for k, v in d.items() if k != "architectures"}).is_dflash2
+    assert base_config({k: v for k, v in d.items() if k != "architectures"}, "z").is_dflash2
     with pytest.raises(ValueError, match=r"DFlash 2 keys .*architectures to \['DFlash2DraftModel'"):
-        DrafterConfig.from_dict(dict(d, architectures=["DFlashDraftModel"]))
+        base_config(dict(d, architectures=["DFlashDraftModel"]), "z")
     with pytest.raises(ValueError, match="is not a DFlash drafter"):
-        DrafterConfig.from_dict(dict(d, architectures=["Qwen3ForCausalLM"]))
+        base_config(dict(d, architectures=["Qwen3ForCausalLM"]), "z")
     del d["dflash_config"]["selector_top_k"]
     with pytest.raises(ValueError, match=r"needs \['dflash_config.selector_top_k'\]"):
-        DrafterConfig.from_dict(d)
+        base_config(d, "z")
 
 
 def test_zlab_lookup_order_and_softcap_zero_means_off():
     d = _v2_dict(final_logit_softcapping=0.0)
-    assert DrafterConfig.from_dict(d).final_logit_softcapping is None  # z-lab: <= 0 is off
+    assert base_config(d, "z").final_logit_softcapping is None  # z-lab: <= 0 is off
     top = dict(d, output_multiplier=0.5, input_embedding_scale=2.0)  # top level is read too
     top["dflash_config"] = dict(d["dflash_config"], input_embedding_scale=3.0)  # ... after this
-    cfg = DrafterConfig.from_dict(top)
+    cfg = base_config(top, "z")
     assert cfg.output_multiplier == 0.5 and cfg.input_embedding_scale == 3.0
 
 

@@ -3,9 +3,13 @@
 Everything else (drafter, attention backends, exporter, eval) reads the per-layer attention layout
 from :meth:`DrafterConfig.layer_specs`, never from the raw ``layer_types`` / ``is_causal`` fields.
 
-The serving ``config.json`` format (dflash.md section 4) is produced by :meth:`to_dict` and read by
-:meth:`from_dict`. Target layer ids use the z-lab convention: id ``i`` is the OUTPUT of decoder
-layer ``i``, i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
+The serving ``config.json`` format (dflash.md section 4) is produced by :meth:`to_dict` and read
+back, strictly, by :meth:`from_dict`. Third-party config.json files (z-lab, vLLM-style) are not
+read here: their layout is whatever an engine makes of it, so ``export`` reads them
+(``export.engines.zlab`` for the fields, an engine rule set for the layout).
+
+Target layer ids use the z-lab convention: id ``i`` is the OUTPUT of decoder layer ``i``,
+i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
 """
 
 from __future__ import annotations
@@ -375,18 +379,21 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
-        """Read a serving config.json dict (ours or a third-party z-lab one).
+        """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly.
 
-        HF bookkeeping keys are ignored; any other unknown key (top level or ``dflash_config``)
-        is a ValueError naming it and its close matches: a key we do not implement could change
-        what the drafter computes, so it is never dropped. Causality precedence: our recorded
-        training spec, top-level ``is_causal``, ``dflash_config.causal``, else the legacy
-        per-layer rule. Layers that only ``dflash_config.use_swa`` makes sliding stay
-        bidirectional (vLLM rule). The variant comes from ``architectures`` (or, absent, from
-        the presence of the DFlash 2 keys); DFlash 2 and scale keys are read from
-        ``dflash_config`` first, then the top level (z-lab's lookup order).
+        The dict must carry our recorded training spec (``dflash_lab_training_spec``), which is
+        the layout's single source: the layer types and window come from ``layer_types`` /
+        ``sliding_window``, causality from the spec's ``is_causal``. The engine-facing copies
+        (top-level ``is_causal``, ``dflash_config.causal`` / ``swa_window_size``) are not read.
+        HF bookkeeping keys are ignored; any other key we do not write is a ValueError naming it
+        and its close matches (a key we do not implement could change what the drafter
+        computes). ``block_size`` written twice (top level and ``dflash_config``) must agree.
+
+        No engine rule is emulated here. A third-party (z-lab, vLLM-style) config.json leaves
+        the layout to the engine that reads it: read it with ``export.import_drafter`` (or
+        ``dflash-export --inspect``), which resolves it with a named engine rule set.
         """
-        return _parse_serving_dict(cls, d, source=source)
+        return _parse_ours(cls, d, source=source)
 
     @classmethod
     def from_json(cls, path: str | Path) -> DrafterConfig:
@@ -405,26 +412,30 @@ class DrafterConfig:
         tmp.replace(path)
 
 
-_SHAPE_KEYS = (
+#: Shape keys, read from the top level by every reader of the serving format.
+SHAPE_KEYS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
-    "max_position_embeddings", "attention_bias", "num_target_layers", "block_size",
+    "max_position_embeddings", "attention_bias", "num_target_layers",
 )
-#: Keys read from ``dflash_config`` first, then the top level (z-lab's ``_draft_value``).
-_VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(SCALE_DEFAULTS)
-_TOP_KEYS = frozenset(_SHAPE_KEYS) | frozenset(_VARIANT_KEYS) | {
-    "layer_types", "sliding_window", "is_causal", "dflash_config", TRAINING_SPEC_KEY,
-    "rope_parameters",
+#: Keys holding a variant field (DFlash 2) or a scale; ours writes them in ``dflash_config``.
+VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(SCALE_DEFAULTS)
+#: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
+OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
+    "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
+    TRAINING_SPEC_KEY, "rope_parameters",  # transformers 5 re-saves rope_theta there
 }
-_DFLASH_KEYS = frozenset(
-    {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size", "use_swa",
-     "attention_sink_bias", "learned_mask_embedding", *_VARIANT_KEYS}
+OUR_DFLASH_KEYS = frozenset(
+    {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size",
+     "attention_sink_bias", *VARIANT_KEYS}
 )
-
 _SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding"})
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "vocab_size")
 
 
-def _reject_unknown(keys: set[str], known: frozenset[str], where: str, source: str) -> None:
+def reject_unknown_keys(keys: set[str], known: frozenset[str], where: str, source: str) -> None:
+    """ValueError naming the first unknown key (and close matches) of a serving config."""
     unknown = sorted(keys - known)
     if unknown:
         key = unknown[0]
@@ -435,7 +446,17 @@ def _reject_unknown(keys: set[str], known: frozenset[str], where: str, source: s
             "config says: remove it or fix its spelling")
 
 
-def _variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
+def require_keys(d: dict[str, Any], dfc: dict[str, Any], source: str,
+                 extra: tuple[str, ...] = ()) -> None:
+    """The keys without which a config.json is no DFlash drafter (``extra``: top-level)."""
+    missing = [k for k in _REQUIRED + extra if k not in d]
+    if "mask_token_id" not in dfc:
+        missing.append("dflash_config.mask_token_id")
+    if missing:
+        raise ValueError(f"{source}: missing required keys {missing}; is this a DFlash drafter?")
+
+
+def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     """dflash1 | dflash2 from ``architectures``, else from the presence of DFlash 2 keys."""
     arch = d.get("architectures")
     has_v2_keys = sorted(k for k in DFLASH2_DEFAULTS if k in dfc or k in d)
@@ -452,23 +473,20 @@ def _variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     return found[0]
 
 
-def _variant_kwargs(d: dict[str, Any], dfc: dict[str, Any], source: str) -> dict[str, Any]:
-    """variant, DFlash 2 fields (required under DFlash2DraftModel, as z-lab's loader needs
-    them) and the scales (``final_logit_softcapping`` <= 0 is z-lab's "off": read as None)."""
-    variant = _variant_of(d, dfc, source)
-    out: dict[str, Any] = {"variant": variant}
-    for key in _VARIANT_KEYS:
-        value = dfc.get(key, d.get(key))
-        if value is not None:
-            out[key] = value
-    if variant == DFLASH2:
-        missing = [f"dflash_config.{k}" for k in DFLASH2_DEFAULTS if k not in out]
+def require_dflash2_keys(fields: dict[str, Any], source: str) -> None:
+    """A DFlash2DraftModel config names its conv and selector (z-lab's loader needs them)."""
+    if fields["variant"] == DFLASH2:
+        missing = [f"dflash_config.{k}" for k in DFLASH2_DEFAULTS if k not in fields]
         if missing:
             raise ValueError(f"{source}: a DFlash2DraftModel config needs {missing}")
-    cap = out.get("final_logit_softcapping")
-    if isinstance(cap, int | float) and not isinstance(cap, bool) and cap <= 0:
-        out["final_logit_softcapping"] = None
-    return out
+
+
+def shape_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """Shape and RoPE fields from the top level (``num_key_value_heads`` defaults to MHA)."""
+    fields: dict[str, Any] = {k: d[k] for k in SHAPE_KEYS if d.get(k) is not None}
+    fields.update(_rope_kwargs(d, source))
+    fields.setdefault("num_key_value_heads", d["num_attention_heads"])
+    return fields
 
 
 def _rope_kwargs(d: dict[str, Any], source: str) -> dict[str, Any]:
@@ -487,55 +505,41 @@ def _rope_kwargs(d: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _parse_serving_dict(cls: type[DrafterConfig], d: dict[str, Any], *,
-                        source: str) -> DrafterConfig:
-    _reject_unknown(set(d), _TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
+def _our_block_size(d: dict[str, Any], dfc: dict[str, Any], source: str) -> int:
+    """Ours writes ``block_size`` at the top level and in ``dflash_config``: they must agree."""
+    top, inner = d.get("block_size"), dfc.get("block_size")
+    if top is not None and inner is not None and top != inner:
+        raise ValueError(f"{source}: block_size={top} but dflash_config.block_size={inner}; "
+                         "the drafter was trained with one block size: re-export it")
+    value = inner if inner is not None else top
+    if value is None:
+        raise ValueError(f"{source}: no block_size; re-export the drafter")
+    return value
+
+
+def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> DrafterConfig:
     dfc = dict(d.get("dflash_config") or {})
-    _reject_unknown(set(dfc), _DFLASH_KEYS, "dflash_config.", source)
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in d]
-    if "mask_token_id" not in dfc:
-        missing.append("dflash_config.mask_token_id")
-    if missing:
-        raise ValueError(f"{source}: missing required keys {missing}; is this a DFlash drafter?")
-    kwargs: dict[str, Any] = {k: d[k] for k in _SHAPE_KEYS if d.get(k) is not None}
-    kwargs.update(_rope_kwargs(d, source))
-    kwargs.update(_variant_kwargs(d, dfc, source))
-    kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
-    kwargs["mask_token_id"] = dfc["mask_token_id"]
-    if "block_size" in dfc:
-        kwargs["block_size"] = dfc["block_size"]
-    n_layers = int(d["num_hidden_layers"])
-    ids = dfc.get("target_layer_ids")
-    if "num_target_layers" not in kwargs:
-        if ids is None:
-            raise ValueError(f"{source}: needs num_target_layers or dflash_config.target_layer_ids")
-        kwargs["num_target_layers"] = max(ids) + 1
-        log.warning("%s: num_target_layers missing; assuming %d (max target id + 1)",
-                    source, kwargs["num_target_layers"])
-    kwargs["target_layer_ids"] = ids if ids is not None else build_target_layer_ids(
-        kwargs["num_target_layers"], n_layers)
-    kwargs["sliding_window"] = dfc.get("swa_window_size") or d.get("sliding_window")
-    layer_types = d.get("layer_types")
-    if layer_types is None or SLIDING not in layer_types:
-        if dfc.get("use_swa"):
-            # vLLM: use_swa makes every layer slide, and those layers stay bidirectional.
-            kwargs["layer_types"] = [SLIDING] * n_layers
-            kwargs["is_causal"] = False
-        else:
-            kwargs["layer_types"] = layer_types
-    else:
-        kwargs["layer_types"] = layer_types
-    spec = d.get(TRAINING_SPEC_KEY)
-    if spec is not None:
-        _reject_unknown(set(spec), _SPEC_KEYS, f"{TRAINING_SPEC_KEY}.", source)
-        kwargs["is_causal"] = spec.get("is_causal")
-        kwargs["learned_mask_embedding"] = bool(spec.get("learned_mask_embedding", False))
-    elif d.get("is_causal") is not None:
-        kwargs["is_causal"] = bool(d["is_causal"])
-    elif dfc.get("causal") is not None:
-        kwargs["is_causal"] = bool(dfc["causal"])
-    kwargs["attention_sink_bias"] = bool(dfc.get("attention_sink_bias", False))
-    if "learned_mask_embedding" in dfc:
-        kwargs["learned_mask_embedding"] = bool(dfc["learned_mask_embedding"])
+    require_keys(d, dfc, source, extra=("num_target_layers",))
+    if TRAINING_SPEC_KEY not in d:
+        raise ValueError(
+            f"{source}: no '{TRAINING_SPEC_KEY}', so dflash-lab did not write it; a third-party "
+            "(z-lab, vLLM-style) config.json is read by export.import_drafter (dflash-export "
+            "SRC OUT, dflash-export --inspect DIR), which resolves its layout with a named "
+            "engine rule set")
+    reject_unknown_keys(set(d), OUR_TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
+    reject_unknown_keys(set(dfc), OUR_DFLASH_KEYS, "dflash_config.", source)
+    spec = d[TRAINING_SPEC_KEY]
+    reject_unknown_keys(set(spec), _SPEC_KEYS, f"{TRAINING_SPEC_KEY}.", source)
+    if "target_layer_ids" not in dfc:
+        raise ValueError(f"{source}: missing dflash_config.target_layer_ids; re-export the drafter")
+    kwargs = shape_fields(d, source)
+    kwargs["variant"] = variant_of(d, dfc, source)
+    kwargs.update({k: dfc[k] for k in VARIANT_KEYS if dfc.get(k) is not None})
+    require_dflash2_keys(kwargs, source)
+    kwargs.update(
+        block_size=_our_block_size(d, dfc, source), mask_token_id=dfc["mask_token_id"],
+        target_layer_ids=dfc["target_layer_ids"], layer_types=d.get("layer_types"),
+        sliding_window=d.get("sliding_window"), is_causal=spec.get("is_causal"),
+        learned_mask_embedding=bool(spec.get("learned_mask_embedding", False)),
+        attention_sink_bias=bool(dfc.get("attention_sink_bias", False)))
     return cls(_source=source, **kwargs)

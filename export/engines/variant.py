@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from export.engines import zlab
 from export.engines.common import Artifacts, EngineReading
 
 DFLASH2_ARCH = "DFlash2DraftModel"
@@ -118,8 +119,7 @@ def vllm_variant(config: dict[str, Any], artifacts: Artifacts, reading: EngineRe
     for key in scales:
         if top_level_only(config, key):
             drop_scale(reading, key, "qwen3_dflash2 reads it from dflash_config only")
-    block = int((config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
-                or 16)
+    block = zlab.block_size(config)
     reading.notes.append(f"serve with num_speculative_tokens = block_size - 1 = {block - 1}: the "
                          "conv block is 1 + num_speculative_tokens slots")
 

@@ -1,0 +1,114 @@
+"""z-lab's reference loader, emulated: how it reads a third-party config.json's non-layout fields.
+
+Source: z-lab ``dflash`` 0.1.0 ``model.py``. ``_draft_value(config, name, default)`` looks a key up
+in ``dflash_config`` first, then at the top level: ``block_size`` (default 16), the DFlash 2 keys
+(``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``), the three scales
+and ``target_layer_ids`` (default ``build_target_layer_ids(num_target_layers,
+num_hidden_layers)``). ``final_logit_softcapping <= 0`` is its "off". ``architectures`` picks
+``DFlashDraftModel`` or ``DFlash2DraftModel``.
+
+The layer layout (which layers slide, with what window, which are causal) is NOT read here: each
+engine decides it differently, so a third-party drafter's layout is always one engine rule set's
+reading (``export.sources.config_from_reading``), named wherever it is used. This is the one reader
+of a raw config.json's ``block_size`` for every rule set and for ``--inspect``.
+
+Keys are checked as strictly as our own format: anything no reader here or in a rule set knows is
+a ValueError, because a key nobody implements could change what the drafter computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dflash_lab.model.config import (
+    HF_BOOKKEEPING_KEYS,
+    OUR_DFLASH_KEYS,
+    OUR_TOP_KEYS,
+    TRAINING_SPEC_KEY,
+    VARIANT_KEYS,
+    DrafterConfig,
+    build_target_layer_ids,
+    reject_unknown_keys,
+    require_dflash2_keys,
+    require_keys,
+    shape_fields,
+    variant_of,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  #: z-lab's ``_draft_value(config, "block_size", 16)``
+#: Besides ours: the flat z-lab layout (variant keys at the top level), and the dflash_config keys
+#: vLLM's rule set reads (``use_swa``) or z-lab-style exporters write (``learned_mask_embedding``).
+TOP_KEYS = OUR_TOP_KEYS | frozenset(VARIANT_KEYS)
+DFLASH_KEYS = OUR_DFLASH_KEYS | {"use_swa", "learned_mask_embedding"}
+
+
+def draft_value(config: dict[str, Any], key: str, default: Any = None) -> Any:
+    """z-lab's ``_draft_value``: ``dflash_config[key]`` if present (even null), else top level."""
+    dfc = config.get("dflash_config") or {}
+    return dfc[key] if key in dfc else config.get(key, default)
+
+
+def block_size(config: dict[str, Any]) -> int:
+    """The drafter's block size B as z-lab reads it (a null or non-integer value is an error)."""
+    value = draft_value(config, "block_size", DEFAULT_BLOCK_SIZE)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"block_size={value!r} is not an integer; z-lab's loader reads "
+                         "dflash_config.block_size, then the top-level block_size (default 16)")
+    return value
+
+
+def _variant_fields(d: dict[str, Any], dfc: dict[str, Any], source: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {"variant": variant_of(d, dfc, source)}
+    for key in VARIANT_KEYS:
+        value = draft_value(d, key)
+        if value is not None:
+            fields[key] = value
+    require_dflash2_keys(fields, source)
+    cap = fields.get("final_logit_softcapping")
+    if isinstance(cap, int | float) and not isinstance(cap, bool) and cap <= 0:
+        fields["final_logit_softcapping"] = None
+    return fields
+
+
+def _target_layer_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    ids = draft_value(d, "target_layer_ids")
+    num = d.get("num_target_layers")
+    if num is None:
+        if ids is None:
+            raise ValueError(f"{source}: needs num_target_layers or dflash_config.target_layer_ids")
+        num = max(ids) + 1
+        log.warning("%s: num_target_layers missing; assuming %d (max target id + 1)", source, num)
+    if ids is None:
+        ids = build_target_layer_ids(num, int(d["num_hidden_layers"]))
+    return {"num_target_layers": num, "target_layer_ids": ids}
+
+
+def drafter_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """Every DrafterConfig field of a third-party config.json except the layer layout (layer
+    types, window, causality) and the learned mask embedding, which depend on the engine."""
+    dfc = dict(d.get("dflash_config") or {})
+    require_keys(d, dfc, source)
+    reject_unknown_keys(set(d), TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
+    reject_unknown_keys(set(dfc), DFLASH_KEYS, "dflash_config.", source)
+    fields = shape_fields(d, source)
+    fields.update(_variant_fields(d, dfc, source))
+    fields.update(_target_layer_fields(d, source))
+    try:
+        fields["block_size"] = block_size(d)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from err
+    fields["mask_token_id"] = dfc["mask_token_id"]
+    fields["attention_sink_bias"] = bool(dfc.get("attention_sink_bias", False))
+    return fields
+
+
+def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
+    """The drafter fields of a third-party config.json on a placeholder layout (all layers full,
+    legacy causality): callers replace the layout with a rule set's reading before use. A
+    recorded training spec is ignored (the caller chose to resolve the layout with a rule set)."""
+    plain = {k: v for k, v in d.items() if k != TRAINING_SPEC_KEY}
+    fields = drafter_fields(plain, source)
+    return DrafterConfig.create(source=source, **fields)
