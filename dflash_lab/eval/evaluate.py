@@ -3,7 +3,9 @@
 - :func:`evaluate_prompts`: speculative decoding (and the plain-target baseline) over tokenised
   prompts with any :class:`~dflash_lab.eval.proposer.Proposer`; returns per-prompt generations.
 - :func:`run_generate` / :func:`run_features`: load everything from an eval config (conf/eval.yaml)
-  and return the report dict (written by :func:`dflash_lab.eval.report.write_report`).
+  and return the report dict (written by :func:`dflash_lab.eval.report.write_report`);
+  ``run_generate`` runs one data option or a suite (:mod:`dflash_lab.eval.suite`), one
+  :class:`~dflash_lab.eval.records.ResponseRecord` per response (MT-Bench: per turn).
 """
 
 from __future__ import annotations

