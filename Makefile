@@ -115,7 +115,8 @@ dflash-venv: $(DFLASH_VENV)/.installed
 # acceptance round for round; plus the forward-pass parity of tests/test_dflash2_model.py and a
 # directory written by z-lab's own save_pretrained importing and re-exporting losslessly.
 check-zlab: dev dflash-venv
-	$(VPY) -m pytest -q tests/test_eval_dflash2.py tests/test_dflash2_model.py tests/test_export_dflash2.py -k zlab
+	$(VPY) -m pytest -q tests/test_eval_dflash2.py tests/test_dflash2_model.py tests/test_export_dflash2.py \
+		tests/test_warm_start.py -k zlab
 
 bench: venv speculators-venv vllm-venv
 	mkdir -p outputs/bench

@@ -30,6 +30,7 @@ from export import export_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
+ZLAB_PYTHON = REPO / ".venv-dflash" / "bin" / "python"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 V2 = dict(variant="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8,
           selector_top_k=4)
@@ -95,6 +96,52 @@ def test_zlab_directory_starts_the_drafter(tiny_target, tmp_path, variant):
     assert drafter.config.variant == variant and drafter.config.block_size == 4
     assert drafter.config.causal_flags == [False, False]  # z-lab: full layers bidirectional
     assert_same_weights(drafter, state)
+
+
+_ZLAB_WRITER = """
+import json, sys
+import torch
+from transformers import Qwen3Config
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
+out, shape = sys.argv[1], json.loads(sys.argv[2])
+for name, cls, extra in (("dflash1", DFlashDraftModel, {}),
+                         ("dflash2", DFlash2DraftModel, json.loads(sys.argv[3]))):
+    cfg = Qwen3Config(**shape, architectures=[cls.__name__])
+    cfg.dflash_config = {**cfg.dflash_config, **extra}
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():  # z-lab leaves some tensors uninitialised (torch.empty)
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(f"{out}/{name}")
+"""
+
+
+@pytest.mark.skipif(not ZLAB_PYTHON.exists(),
+                    reason="needs .venv-dflash (make dflash-venv): z-lab's dflash package")
+def test_zlab_directories_written_by_zlab_code_start_the_drafter(tiny_target, tmp_path):
+    cfg = tiny_target.model.config
+    shape = {"hidden_size": cfg.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+             "vocab_size": cfg.vocab_size, "max_position_embeddings": 512, "rope_theta": 1e6,
+             "num_target_layers": cfg.num_hidden_layers, "block_size": 4,
+             "dflash_config": {"mask_token_id": tiny_target.token_id("<|mask|>"),
+                               "target_layer_ids": [1, 3, 5]}}
+    v2 = {k: v for k, v in V2.items() if k != "variant"}
+    script = tmp_path / "zlab_writer.py"
+    script.write_text(_ZLAB_WRITER)
+    done = subprocess.run([str(ZLAB_PYTHON), str(script), str(tmp_path), json.dumps(shape),
+                           json.dumps(v2)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for variant in ("dflash1", "dflash2"):
+        saved = load_file(str(tmp_path / variant / "model.safetensors"))
+        drafter = warm(tiny_target, tmp_path / variant)
+        assert drafter.config.variant == variant and drafter.config.block_size == 4
+        ours = drafter.state_dict()
+        assert len(ours) == len(saved)
+        assert all(torch.equal(ours[k], saved[f"{k}.weight" if k in CODEBOOKS else k])
+                   for k in ours)
 
 
 # ---------------------------------------------------------------------------- speculators
