@@ -119,6 +119,7 @@ for name, cls, extra in (("dflash1", DFlashDraftModel, {}),
 
 @pytest.mark.skipif(not ZLAB_PYTHON.exists(),
                     reason="needs .venv-dflash (make dflash-venv): z-lab's dflash package")
+@pytest.mark.slow
 def test_zlab_directories_written_by_zlab_code_start_the_drafter(tiny_target, tmp_path):
     cfg = tiny_target.model.config
     shape = {"hidden_size": cfg.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -183,14 +184,17 @@ def write_speculators_dir(path: Path, d: dict, state: dict[str, torch.Tensor]) -
     return path
 
 
-@pytest.mark.parametrize(("non_causal", "causal"), [(None, [True, False]),
-                                                    (True, [False, False])])
-def test_speculators_directory_from_its_documented_keys(tiny_target, tmp_path, non_causal,
-                                                        causal):
-    config = tiny_source_config(tiny_target)
+@pytest.mark.parametrize(("variant", "non_causal", "causal"), [
+    ("dflash1", None, [True, False]), ("dflash1", True, [False, False]),
+    ("dflash2", None, [False, False]),  # speculators' dflash2 default: non-causal sliding
+])
+def test_speculators_directory_from_its_documented_keys(tiny_target, tmp_path, variant,
+                                                        non_causal, causal):
+    config = tiny_source_config(tiny_target, **(V2 if variant == "dflash2" else {}))
     state = random_state(config)
     sdir = write_speculators_dir(tmp_path / "spec", speculators_dict(config, non_causal), state)
     drafter = warm(tiny_target, sdir)
+    assert drafter.config.variant == variant
     assert drafter.config.target_layer_ids == [1, 3, 5]  # aux ids [2, 4, 6] minus one
     assert drafter.config.causal_flags == causal  # full layers always bidirectional
     assert drafter.config.layer_specs()[0].window == 8
@@ -248,6 +252,7 @@ for kind, model_cls, cfg_cls in (("dflash", DFlashDraftModel, DFlashSpeculatorCo
 
 @pytest.mark.skipif(not SPEC_PYTHON.exists(),
                     reason="needs .venv-speculators (make speculators-venv): speculators 0.9.0")
+@pytest.mark.slow
 def test_speculators_directories_written_by_speculators(tiny_target, tmp_path):
     cfg = tiny_target.model.config
     shape = {"hidden_size": cfg.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -370,6 +375,7 @@ def _data(tmp_path: Path, target_dir: Path) -> list[str]:
             "data.batch_size=8", "data.val_fraction=0.25", "logger=none"]
 
 
+@pytest.mark.slow
 def test_warm_start_validates_at_the_source_tau_and_trains_with_a_fresh_optimizer(
         tiny_target_dir, tmp_path):
     """Step 0 of ``recipe=finetune_cpu`` from the tiny recipe's export gives the source run's
@@ -390,3 +396,32 @@ def test_warm_start_validates_at_the_source_tau_and_trains_with_a_fresh_optimize
     steps = {float(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
     assert steps == {1.0}  # AdamW state of one step: fresh, not the source's
     assert ckpt["hyper_parameters"]["drafter_config"]["block_size"] == 8  # the source's
+
+
+def test_a_command_line_drafter_value_overrides_even_when_it_equals_the_group_default(
+        tiny_target, tmp_path):
+    """``drafter.block_size=16`` on the command line is an override although 16 is
+    conf/drafter's own value (which, unset, would leave the source's block size)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from dflash_lab.train.warm_start import explicit_overrides
+
+    fields = group_defaults(None)
+    assert "block_size" not in explicit_overrides(fields)
+    cfg = _compose_hydra(["drafter.block_size=16"])
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert explicit_overrides(fields) == {"block_size": 16}
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+def _compose_hydra(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dflash_lab.paths import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides, return_hydra_config=True)
