@@ -17,7 +17,7 @@ Two formats, each read from the trainer's own code (docs/warm_start.md lists the
   the run's output directory. SpecForge's mask is the legacy rule (sliding layers causal with
   a per-query window, full layers bidirectional), which is what a config without ``is_causal``
   means to us. Its HF export (``specforge.export.to_hf``) is a z-lab directory and is read as
-  one.
+  one. This SpecForge (main at a6b6b02) has no DFlash 2 model: DFlash 1 only.
 
 Everything is opened with safetensors or ``torch.load(weights_only=True)``.
 """
@@ -231,7 +231,9 @@ def load_specforge_checkpoint(state_file: Path):
         config = specforge_config(json.loads(config_file.read_text()), config_file)
     except (KeyError, json.JSONDecodeError) as err:
         raise ValueError(f"{config_file}: not a SpecForge DFlash draft config ({err!r})") from err
-    weights = {k: v for k, v in state["draft_state_dict"].items() if "embed" not in k}
+    from export.sources import _plain_key
+
+    weights = {_plain_key(k): v for k, v in state["draft_state_dict"].items() if "embed" not in k}
     validate_state_dict(weights, config, str(state_file))
     notes = [f"draft config {config_file}; SpecForge step {state.get('global_step')}; "
              "sliding layers causal, full bidirectional (SpecForge's mask)"]
