@@ -168,12 +168,12 @@ def test_mt_bench_turn_two_follows_the_speculative_answer(tiny_target, tiny_targ
     report = json.loads((out / "report.json").read_text())
     order = list(range(3))
     random.Random(42).shuffle(order)
-    assert [(r["index"], r["turn"]) for r in report["responses"]] == [(order[0], 0), (order[0], 1)]
+    assert [(r["index"], r["turn"]) for r in report["records"]] == [(order[0], 0), (order[0], 1)]
     tok = tiny_target.tokenizer
     first, second = report["prompt_ids"][:2]
     answer = tok.decode(report["outputs"][0], skip_special_tokens=True)
     assert answer.strip(), "turn 1 gave no text to condition on"
-    i = report["responses"][0]["index"]
+    i = report["records"][0]["index"]
     text = tok.decode(second)
     assert f"first {i}" in text and answer in text and text.rstrip().endswith(
         tok.decode(first[-4:]).rstrip())  # the generation prompt closes turn 2 as turn 1
@@ -205,12 +205,12 @@ def test_suite_run_reports_each_dataset(tiny_target, tiny_target_dir, suite_dir,
     report = cli.evaluate(cfg)
     names = list(SUITES["reference"])
     assert list(report["datasets"]) == names
-    assert [r["dataset"] for r in report["responses"]] == names + ["mt-bench"]  # two turns
+    assert [r["dataset"] for r in report["records"]] == names + ["mt-bench"]  # two turns
     for row in report["datasets"].values():
         assert row["tau_macro"] >= 1 and row["tau_pooled"] >= 1 and row["lossless"] is True
         assert row["tpot_ms"] > 0 and row["baseline_tpot_ms"] > 0 and row["decode_speedup"] > 0
     taus = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
-            for r in report["responses"] if r["acceptance_lengths"]]
+            for r in report["records"] if r["acceptance_lengths"]]
     assert report["tau_macro"] == pytest.approx(sum(taus) / len(taus))
     md = (out / "report.md").read_text()
     assert "| dataset | responses | tau macro | tau pooled |" in md

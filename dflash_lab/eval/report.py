@@ -78,7 +78,7 @@ def records_report(records: list[ResponseRecord], block_size: int) -> dict[str, 
     keys = ("tau_macro", "tau_pooled", "ttft_ms", "tpot_ms", "baseline_ttft_ms",
             "baseline_tpot_ms", "decode_speedup")
     return {**{k: overall[k] for k in keys}, "datasets": per_dataset(records, block_size),
-            "responses": [r.to_dict() for r in records]}
+            "records": [r.to_dict() for r in records]}
 
 
 def generation_report(spec: list[Generation], baseline: list[Generation] | None,
