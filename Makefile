@@ -123,6 +123,8 @@ bench: venv speculators-venv vllm-venv
 	for b in $(BENCHMARKS); do \
 		$(VPY) -m benchmarks.$$b --json outputs/bench/$$b.json | tee outputs/bench/$$b.txt || exit 1; \
 	done
+	$(VPY) -m benchmarks.peer_speculators --variant dflash2 \
+		--json outputs/bench/peer_speculators_dflash2.json | tee outputs/bench/peer_speculators_dflash2.txt
 
 # pytest wheels for the GPU machine (no network there); carry outputs/gpu_wheels with the run.
 gpu-wheels:

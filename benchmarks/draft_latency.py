@@ -5,13 +5,20 @@ positions drafts one block (``DFlashDrafter.draft``; plus the LM head on the B-1
 proposer does), against recomputing the context K/V for that block (the training forward with
 one anchor at C): the cache's speed-up per block, at several C.
 
-Part B, loop overhead on the built-in tiny target: ``speculative_generate`` with every target
-forward, drafter call (draft + LM head) and context append timed; overhead = wall time outside
-those forwards, as a share of the total (goal < 10%). ``--drafter`` takes a trained run or
-checkpoint for the tiny target (realistic acceptance); default: a freshly initialised drafter.
+Part A also times, for a DFlash 2 drafter of that shape, what its selector adds per block:
+the top-K candidates of the B-1 slots' unary logits and the left-to-right walk.
+
+Part B, loop overhead on the built-in tiny target, a DFlash 1 and a DFlash 2 drafter side by
+side (alternating prompt by prompt): ``speculative_generate`` with every target forward,
+drafter call (block forward + LM head, + the selector's candidates and walk for DFlash 2) and
+context append timed; overhead = wall time outside those calls, as a share of the total (goal
+< 10%); for DFlash 2 also with the selector counted as overhead. ``--drafter`` / ``--drafter2``
+take a trained DFlash 1 / DFlash 2 run or checkpoint for the tiny target (realistic
+acceptance); default: freshly initialised drafters.
 
     python -m benchmarks.draft_latency [--device cpu|cuda] [--size toy|cpu|paper]
-        [--drafter outputs/runs/RUN] [--tiny-target outputs/tiny_target]
+        [--drafter outputs/runs/RUN] [--drafter2 outputs/runs/RUN2]
+        [--tiny-target outputs/tiny_target]
 """
 
 from __future__ import annotations
@@ -95,87 +102,166 @@ class Timed:
         return out
 
 
-def loop_overhead(device: torch.device, drafter_path: str | None, tiny_dir: str,
-                  num_prompts: int, max_new_tokens: int) -> dict:
-    """Part B: the overhead share of speculative_generate on the tiny target."""
-    from dflash_lab.data.demo_corpus import demo_conversations
+def _loop_parts(target, device: torch.device, drafter_path: str | None, variant: str):
+    """(runner, proposer, timers) for one drafter on the tiny target; every timed call wrapped.
+
+    Timers: target forwards, drafter calls (``draft``: block forward + LM head, + for DFlash 2
+    the selector's candidates and walk), context appends, and for DFlash 2 the selector alone
+    (top-K candidates + the left-to-right walk, inside the drafter call)."""
     from dflash_lab.eval.loading import load_drafter
-    from dflash_lab.eval.loop import DecodeSettings, speculative_generate
-    from dflash_lab.eval.prompts import encode_prompt
     from dflash_lab.eval.proposer import DFlashProposer
     from dflash_lab.eval.target_runner import TargetRunner
-    from dflash_lab.target.loader import load_target
-    from dflash_lab.target.tiny import materialize_tiny_target
     from dflash_lab.train.factory import build_drafter
 
-    root = materialize_tiny_target(tiny_dir)
-    target = load_target(str(root), dtype="float32", device=str(device))
     if drafter_path:
         drafter = load_drafter(drafter_path, device=device).drafter
     else:
         torch.manual_seed(0)
+        extra = {"variant": "dflash2"} if variant == "dflash2" else {}
         drafter = build_drafter(target, backend="sdpa", num_hidden_layers=2, block_size=8,
-                                target_layer_ids=3).to(device).eval()
+                                target_layer_ids=3, **extra).to(device).eval()
+    if drafter.config.variant != variant:
+        raise SystemExit(f"{drafter_path}: a {drafter.config.variant} drafter where the "
+                         f"benchmark expects {variant} (--drafter: DFlash 1, --drafter2: DFlash 2)")
     pieces = target.pieces()
     runner = TargetRunner(target.model, drafter.config.target_layer_ids)
     proposer = DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head)
-    runner.forward = Timed(runner.forward, device)
-    proposer.propose = Timed(proposer.propose, device)
-    proposer.extend = Timed(proposer.extend, device)
+    timers = {"target_s": Timed(runner.forward, device), "drafter_s": Timed(proposer.draft, device),
+              "context_append_s": Timed(proposer.extend, device)}
+    runner.forward, proposer.draft = timers["target_s"], timers["drafter_s"]
+    proposer.extend = timers["context_append_s"]
+    selector = drafter.candidate_selector
+    if selector is not None:  # instance attributes shadow the methods selector_draft calls
+        timers["selector_s"] = Timed(selector.walk, device)
+        timers["candidates_s"] = Timed(selector.candidates, device)
+        selector.walk, selector.candidates = timers["selector_s"], timers["candidates_s"]
+    what = drafter_path or f"freshly initialised {variant} (2 layers, B=8)"
+    return runner, proposer, timers, what
+
+
+def loop_overhead(device: torch.device, drafters: dict[str, str | None], tiny_dir: str,
+                  num_prompts: int, max_new_tokens: int) -> list[dict]:
+    """Part B: the overhead share of speculative_generate on the tiny target, one row per drafter
+    variant; the variants alternate prompt by prompt (who goes first swaps every prompt).
+
+    overhead = wall time outside target forwards, drafter calls and context appends (the loop's
+    own work: acceptance, bookkeeping, tensors to lists). For DFlash 2 the selector (top-K
+    candidates + walk) is inside the drafter call; ``overhead+selector_share`` counts it as loop
+    overhead too (the strictest reading)."""
+    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.eval.loop import DecodeSettings, speculative_generate
+    from dflash_lab.eval.prompts import encode_prompt
+    from dflash_lab.target.loader import load_target
+    from dflash_lab.target.tiny import materialize_tiny_target
+
+    root = materialize_tiny_target(tiny_dir)
+    target = load_target(str(root), dtype="float32", device=str(device))
+    parts = {v: _loop_parts(target, device, path, v) for v, path in drafters.items()}
     settings = DecodeSettings(max_new_tokens=max_new_tokens,
                               stop_token_ids=(target.tokenizer.eos_token_id,))
     prompts = [encode_prompt(target.tokenizer, conv[:1])
                for conv in demo_conversations(num_prompts + 1, seed=7)[1:]]
-    speculative_generate(runner, proposer, prompts[0], settings)  # warm-up
-    for t in (runner.forward, proposer.propose, proposer.extend):
-        t.seconds, t.calls = 0.0, 0
-    total, tokens, rounds = 0.0, 0, 0
-    for ids in prompts:
-        gen = speculative_generate(runner, proposer, ids, settings)
-        total += gen.seconds
-        tokens += len(gen.output_ids)
-        rounds += len(gen.acceptance_lengths)
-    inside = runner.forward.seconds + proposer.propose.seconds + proposer.extend.seconds
-    return {
-        "prompts": len(prompts), "tokens": tokens, "rounds": rounds,
-        "tau": (tokens - len(prompts)) / max(rounds, 1), "total_s": total,
-        "target_s": runner.forward.seconds, "drafter_s": proposer.propose.seconds,
-        "context_append_s": proposer.extend.seconds, "overhead_s": total - inside,
-        "overhead_share": (total - inside) / total,
-        "drafter": drafter_path or "freshly initialised (2 layers, B=8)",
-    }
+    for runner, proposer, timers, _ in parts.values():
+        speculative_generate(runner, proposer, prompts[0], settings)  # warm-up
+        for t in timers.values():
+            t.seconds, t.calls = 0.0, 0
+    names = list(parts)
+    sums = {v: {"total_s": 0.0, "tokens": 0, "rounds": 0} for v in names}
+    for i, ids in enumerate(prompts):
+        for v in names[i % len(names):] + names[:i % len(names)]:
+            gen = speculative_generate(parts[v][0], parts[v][1], ids, settings)
+            sums[v]["total_s"] += gen.seconds
+            sums[v]["tokens"] += len(gen.output_ids)
+            sums[v]["rounds"] += len(gen.acceptance_lengths)
+    return [_loop_row(v, sums[v], parts[v][2], parts[v][3], len(prompts)) for v in names]
+
+
+def _loop_row(variant: str, sums: dict, timers: dict, what: str, num_prompts: int) -> dict:
+    total = sums["total_s"]
+    inside = timers["target_s"].seconds + timers["drafter_s"].seconds
+    inside += timers["context_append_s"].seconds
+    row = {"variant": variant, "prompts": num_prompts, "tokens": sums["tokens"],
+           "rounds": sums["rounds"], "tau": (sums["tokens"] - num_prompts) / max(sums["rounds"], 1),
+           "total_s": total, **{k: t.seconds for k, t in timers.items()},
+           "overhead_s": total - inside, "overhead_share": (total - inside) / total,
+           "drafter": what}
+    if "selector_s" in timers:
+        sel = timers["selector_s"].seconds + timers["candidates_s"].seconds
+        row["overhead+selector_share"] = (total - inside + sel) / total
+        row["selector_share"] = sel / total
+    return row
+
+
+def selector_latency(size: str, device: torch.device, repeats: int) -> dict:
+    """Part A, DFlash 2: per block, the unary LM head on the B-1 drafted slots, the selector's
+    top-K candidates of those logits and its walk, at the benchmark shape (``DFLASH2``)."""
+    from benchmarks.train_step import DFLASH2
+
+    dtype = SHAPES[size]["dtype"]
+    cfg = drafter_config(size, **DFLASH2)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, backend="sdpa").to(device, dtype).eval()
+    head = target_head(cfg, device, dtype)
+    hidden_1th = torch.randn(1, cfg.block_size - 1, cfg.hidden_size, device=device, dtype=dtype)
+    anchor = torch.zeros(1, dtype=torch.long, device=device)
+    selector = drafter.candidate_selector
+    with torch.no_grad():
+        unary = drafter.unary_logits(hidden_1th, head.lm_head)
+        cand_unary, cand_ids = selector.candidates(unary)
+        t_head = time_it(lambda: drafter.unary_logits(hidden_1th, head.lm_head), device, repeats)
+        t_cand = time_it(lambda: selector.candidates(unary), device, repeats)
+        t_torch = time_it(lambda: unary.topk(cfg.selector_top_k, dim=-1), device, repeats)
+        t_walk = time_it(lambda: selector.walk(hidden_1th, cand_ids, cand_unary, anchor), device,
+                         repeats)
+    return {"slots": cfg.block_size - 1, "lm_head_ms": t_head * 1e3,
+            "candidates_ms": t_cand * 1e3, "torch.topk_ms": t_torch * 1e3,
+            "walk_ms": t_walk * 1e3, "selector / lm_head": (t_cand + t_walk) / t_head}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0], allocator="default")  # times only
-    p.add_argument("--drafter", default=None, help="trained drafter for the tiny target")
+    p.add_argument("--drafter", default=None, help="trained DFlash 1 drafter for the tiny target")
+    p.add_argument("--drafter2", default=None, help="trained DFlash 2 drafter for the tiny target")
     p.add_argument("--tiny-target", default="outputs/tiny_target")
     p.add_argument("--prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     args = p.parse_args(argv)
     device, size = resolve(args)
+    for flag, path in (("--drafter", args.drafter), ("--drafter2", args.drafter2)):
+        if path and not Path(path).exists():
+            raise SystemExit(f"{flag} {path}: not found")
     repeats = args.repeats or (3 if size == "toy" else 10)
     rows = draft_latency(size, device, repeats)
+    sel = selector_latency(size, device, repeats)
     shape = SHAPES[size]
     print(f"draft latency, size {size}: H={shape['config']['hidden_size']} "
           f"layers={shape['config']['num_hidden_layers']} B={shape['config']['block_size']} "
           f"{str(shape['dtype']).removeprefix('torch.')} on {device}; median of {repeats}")
     table(rows, ["context", "draft_ms", "draft+lm_head_ms", "recompute_ms", "recompute/cached",
                  "max_abs_diff"])
-    if args.drafter and not Path(args.drafter).exists():
-        raise SystemExit(f"--drafter {args.drafter}: not found")
-    loop = loop_overhead(device, args.drafter, args.tiny_target,
-                         args.prompts or (2 if size == "toy" else 8),
-                         args.max_new_tokens or (16 if size == "toy" else 96))
-    print(f"loop overhead on the tiny target ({loop['drafter']}): {loop['prompts']} prompts, "
-          f"{loop['tokens']} tokens, {loop['rounds']} rounds, tau {loop['tau']:.2f}")
-    table([loop], ["total_s", "target_s", "drafter_s", "context_append_s", "overhead_s",
-                   "overhead_share"])
-    print(f"ratio loop overhead share: {loop['overhead_share']:.3g} (goal < 0.1)")
+    print(f"DFlash 2 selector per block (same shape, V={shape['config']['vocab_size']}):")
+    table([sel], ["slots", "lm_head_ms", "candidates_ms", "torch.topk_ms", "walk_ms",
+                  "selector / lm_head"])
+    loops = loop_overhead(device, {"dflash1": args.drafter, "dflash2": args.drafter2},
+                          args.tiny_target, args.prompts or (2 if size == "toy" else 8),
+                          args.max_new_tokens or (16 if size == "toy" else 96))
+    for loop in loops:
+        print(f"loop on the tiny target, {loop['variant']} ({loop['drafter']}): "
+              f"{loop['prompts']} prompts, {loop['tokens']} tokens, {loop['rounds']} rounds, "
+              f"tau {loop['tau']:.2f}")
+    table(loops, ["variant", "total_s", "target_s", "drafter_s", "selector_s", "candidates_s",
+                  "context_append_s", "overhead_s", "overhead_share", "overhead+selector_share"])
+    for loop in loops:
+        print(f"ratio loop overhead share ({loop['variant']}): {loop['overhead_share']:.3g} "
+              "(goal < 0.1)")
+        if "overhead+selector_share" in loop:
+            print(f"ratio loop overhead + selector share ({loop['variant']}): "
+                  f"{loop['overhead+selector_share']:.3g} (goal < 0.1)")
     for r in rows:
         print(f"ratio recompute / cached draft at C={r['context']}: {r['recompute/cached']:.3g}")
+    print(f"ratio DFlash 2 selector / LM head per block: {sel['selector / lm_head']:.3g}")
     return report("draft_latency", args, {"device": str(device), "size": size,
-                                          "draft": rows, "loop": loop})
+                                          "draft": rows, "selector": sel, "loops": loops})
 
 
 if __name__ == "__main__":

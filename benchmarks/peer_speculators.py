@@ -18,7 +18,15 @@ step also projects the verifier's last hidden state through norm + LM head at ev
 slot to get labels (we store the target's argmax at capture time); that projection is timed on
 its own and a second time ratio leaves it out.
 
+``--variant dflash2``: both sides train a DFlash 2 drafter of that shape (the released conv and
+selector setting, ``benchmarks.train_step.DFLASH2``) on the unary CE plus 1.0 x the K-way
+selector CE, teacher-forced, with a gold token outside the unary top-K swapped in for the K-th
+candidate (speculators' only rule; ours is ``module.selector.missing_gold=swap``); speculators'
+``DFlash2DraftModel`` also computes its eager TV metric over the vocabulary every step (part of
+its step, as its trainer runs it), we compute our selector metrics (recall, accuracy, the walk).
+
     python -m benchmarks.peer_speculators [--size toy|cpu] [--repeats STEP_PAIRS]
+        [--variant dflash1|dflash2]
 """
 
 from __future__ import annotations
@@ -42,17 +50,21 @@ SPEC_PYTHON = Path(os.environ.get("SPECULATORS_PYTHON",
 GAMMA = 4.0
 
 
-def shape_json(size: str) -> str:
+def shape_json(size: str, variant: str = "dflash1") -> str:
+    from benchmarks.train_step import DFLASH2
+
     shape = SHAPES[size]
-    return json.dumps({"config": shape["config"], "seq_len": shape["seq_len"],
-                       "num_anchors": shape["num_anchors"], "gamma": GAMMA})
+    config = {**shape["config"], **(DFLASH2 if variant == "dflash2" else {})}
+    return json.dumps({"config": config, "seq_len": shape["seq_len"],
+                       "num_anchors": shape["num_anchors"], "gamma": GAMMA,
+                       "selector_alpha": 1.0})
 
 
-def our_worker(size: str, warmup: int, device: torch.device) -> None:
+def our_worker(size: str, warmup: int, device: torch.device, variant: str = "dflash1") -> None:
     """Our side, in its own process, speaking the worker line protocol."""
     from benchmarks.train_step import build, make_step
 
-    module, opt, batch = build(size, device, "sdpa", batch=1)
+    module, opt, batch = build(size, device, "sdpa", batch=1, variant=variant)
     step = make_step(module, opt, batch)
     for _ in range(warmup):
         step()
@@ -88,14 +100,16 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
-def alternate(size: str, warmup: int, steps: int, allocator: str, with_peaks: bool = False):
+def alternate(size: str, warmup: int, steps: int, allocator: str, with_peaks: bool = False,
+              variant: str = "dflash1"):
     """Start both workers with one allocator setting and alternate single steps (who goes
     first swaps every pair). Returns ([(ours_s, theirs_s)], [infos], peaks by who or None,
     the median seconds of their target projection)."""
     ours = Worker([sys.executable, "-m", "benchmarks.peer_speculators", "--worker", "--size",
-                   size, "--device", "cpu", "--allocator", allocator])
+                   size, "--device", "cpu", "--allocator", allocator, "--variant", variant])
     theirs = Worker([str(SPEC_PYTHON), "benchmarks/speculators_worker.py", "--shape",
-                     shape_json(size), "--warmup", str(warmup), "--allocator", allocator])
+                     shape_json(size, variant), "--warmup", str(warmup), "--allocator",
+                     allocator])
     peaks = None
     try:
         pairs = []
@@ -114,13 +128,15 @@ def alternate(size: str, warmup: int, steps: int, allocator: str, with_peaks: bo
 
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0], allocator="default")
+    p.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2"],
+                   help="drafter variant both sides train (dflash2: conv + candidate selector)")
     p.add_argument("--worker", action="store_true", help=argparse_hidden())
     args = p.parse_args(argv)
     device, size = resolve(args)
     steps = args.repeats or (3 if size == "toy" else 20)
     warmup = 1 if size == "toy" else 2
     if args.worker:
-        our_worker(size, warmup, device)
+        our_worker(size, warmup, device, args.variant)
         return {}
     if device.type != "cpu":
         raise SystemExit("the peer comparison runs on CPU only: speculators is installed in "
@@ -130,9 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Steps are timed under glibc's default allocator (as a training run has it); peaks are
     # taken by a second pair of workers with the pinned allocator (benchmarks/common.py), which
     # also time a few pairs so the two settings can be compared.
-    pairs, infos, _, proj = alternate(size, warmup, steps, "default")
+    pairs, infos, _, proj = alternate(size, warmup, steps, "default", variant=args.variant)
     pinned_pairs, _, peaks, _ = alternate(size, warmup, max(2, steps // 4), "pinned",
-                                             with_peaks=True)
+                                          with_peaks=True, variant=args.variant)
     ours_s = [x for x, _ in pairs]
     theirs_s = [y for _, y in pairs]
     paired = statistics.median(y / x for x, y in pairs)
@@ -143,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "trainable_params": info["trainable_params"], "torch": info["torch"]})
     rows[1]["target_projection_ms"] = proj * 1e3
     shape = SHAPES[size]
-    print(f"shape {size}: S={shape['seq_len']} N={shape['num_anchors']} "
+    print(f"variant {args.variant}; shape {size}: S={shape['seq_len']} N={shape['num_anchors']} "
           f"B={shape['config']['block_size']} H={shape['config']['hidden_size']} "
           f"layers={shape['config']['num_hidden_layers']} V={shape['config']['vocab_size']} fp32 "
           f"cpu; {steps} alternating step pairs (glibc default allocator), peaks and "
@@ -165,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"ratio {key}: {val:.3g}")
     goal = paired >= 1.5 and ratios["our peak / speculators peak"] <= 1.0
     print(f"goal (>= 1.5x faster, peak <= theirs): {'met' if goal else 'NOT met'}")
-    return report("peer_speculators", args, {"size": size, "rows": rows, "ratios": ratios,
+    return report("peer_speculators", args, {"size": size, "variant": args.variant,
+                                             "rows": rows, "ratios": ratios,
                                              "goal_met": goal, "pairs_s": pairs,
                                              "pinned_pairs_s": pinned_pairs})
 

@@ -1,7 +1,9 @@
 """The speculators side of benchmark 3, run by ``benchmarks/peer_speculators.py`` with the
 interpreter of the speculators venv (``.venv-speculators``): it must not import dflash_lab.
 
-Builds speculators' own DFlash draft model (``DFlashDraftModel``) with the shape given on the
+Builds speculators' own DFlash draft model (``DFlashDraftModel``, or ``DFlash2DraftModel`` when
+the shape's config says ``"variant": "dflash2"``: its conv and candidate selector, unary CE plus
+``selector_loss_alpha`` x its K-way selector CE, eager TV metric) with the shape given on the
 command line, sdpa attention and its eager CE loss on CPU, and times full optimizer steps
 (their forward with anchor sampling, mask building and target projection, their loss, backward,
 AdamW) on request over a line protocol (:func:`serve`), so the orchestrator can alternate single
@@ -45,7 +47,6 @@ def main() -> None:
     shape = json.loads(a.shape)
     device = torch.device(a.device)
     from speculators.losses import resolve_loss_config
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from transformers import Qwen3Config
 
     c = shape["config"]
@@ -57,19 +58,25 @@ def main() -> None:
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 1e6),
         max_position_embeddings=4 * shape["seq_len"])
     layer_cfg._attn_implementation = shape.get("attn", "sdpa")
-    cfg = DFlashSpeculatorConfig(
+    model_cls, cfg_cls, extra = _model_classes(c)
+    cfg = cfg_cls(
         transformer_layer_config=layer_cfg, draft_vocab_size=c["vocab_size"],
         block_size=c["block_size"], aux_hidden_state_layer_ids=c["target_layer_ids"],
-        mask_token_id=c["mask_token_id"])
+        mask_token_id=c["mask_token_id"], **extra)
     torch.manual_seed(0)
-    model = DFlashDraftModel(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():  # frozen target pieces are loaded from the verifier normally
         for name in ("embed_tokens", "lm_head", "verifier_lm_head"):
             getattr(model, name).weight.normal_(0.0, 0.02)
     model.to(device).train()
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    loss_cfg = resolve_loss_config("ce", shape.get("loss_implementation", "eager"))
+    implementation = shape.get("loss_implementation", "eager")
+    loss_cfg = resolve_loss_config("ce", implementation)
+    step_kwargs = {}
+    if c.get("variant") == "dflash2":  # their default TV metric is the Triton kernel
+        step_kwargs = {"tv_loss_fn": resolve_loss_config("tv", implementation)["tv"][0],
+                       "selector_loss_alpha": shape.get("selector_alpha", 1.0)}
 
     s, n, h = shape["seq_len"], shape["num_anchors"], c["hidden_size"]
     g = torch.Generator().manual_seed(0)
@@ -81,7 +88,7 @@ def main() -> None:
 
     def step() -> float:
         _, loss, _ = model(feats, ids, loss_mask, last_hidden, doc_ids, loss_config=loss_cfg,
-                           gamma=shape["gamma"], max_anchors=n)
+                           gamma=shape["gamma"], max_anchors=n, **step_kwargs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -98,6 +105,18 @@ def main() -> None:
     serve({"step": step, "projection": projection}, device, {
         "who": "speculators", "trainable_params": sum(q.numel() for q in params),
         "torch": torch.__version__})
+
+
+def _model_classes(c: dict) -> tuple[type, type, dict]:
+    """(model class, config class, DFlash 2 config fields) for the shape's variant."""
+    if c.get("variant", "dflash1") == "dflash1":
+        from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+        return DFlashDraftModel, DFlashSpeculatorConfig, {}
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    return DFlash2DraftModel, DFlash2SpeculatorConfig, {k: c[k] for k in keys}
 
 
 def serve(actions: dict, device: torch.device, info: dict) -> None:

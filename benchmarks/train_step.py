@@ -7,13 +7,23 @@ block slots/s, and MFU = executed FLOPs per step (counted by torch's FlopCounter
 attention, the chunked-CE recompute) / step time / the machine's dense matmul throughput
 measured in the same run. ``--compile`` adds the same step with the layer stack compiled.
 
+``--variant both`` (the default) builds a DFlash 1 and a DFlash 2 drafter of the same shape in
+one process and alternates their steps (who goes first swaps every pair), so a load change on
+the machine hits both; the ratio DFlash 2 / DFlash 1 is the median over step pairs (goal
+<= 1.15). DFlash 2 (``DFLASH2`` below): the released conv and selector setting, with the
+selector loss on (alpha 1, ``missing_gold: swap``) and its metrics, as ``module.selector``
+trains it.
+
     python -m benchmarks.train_step [--device cpu|cuda] [--size toy|cpu|paper] [--compile]
+        [--variant dflash1|dflash2|both]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -28,27 +38,42 @@ from benchmarks.common import (
     product_optimizer,
     report,
     resolve,
+    sync,
     table,
     target_head,
-    time_it,
     training_batch,
 )
 from dflash_lab.data.anchors import step_generator
 from dflash_lab.model.drafter import DFlashDrafter
-from dflash_lab.train.loss import global_weighted_loss
 from dflash_lab.train.module import DFlashModule
+
+VARIANTS = ("dflash1", "dflash2")
+#: The DFlash 2 drafter fields: the released Qwen3.8-27B-DFlash2 setting (dflash.md section 7),
+#: taken as is: K=2 taps and group 16 act per channel, top-16 and rank 256 per token, none of
+#: them scales with the width (at H=576, V=49152 the two [V, 256] codebooks hold 25.2 M
+#: parameters, twice the rest of the drafter: the selector's share is larger than at 27B).
+DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16,
+           "selector_rank": 256, "selector_top_k": 16}
 
 
 def build(size: str, device: torch.device, backend: str, compile_layers: bool = False,
-          batch: int | None = None):
-    """(module, optimizer, batch) for one size on one device."""
+          batch: int | None = None, variant: str = "dflash1", missing_gold: str = "swap",
+          selector_rank: int | None = None):
+    """(module, optimizer, batch) for one size on one device. ``variant``: dflash1 | dflash2
+    (``DFLASH2``; ``missing_gold``: the selector's rule for a gold token outside the top-K;
+    ``swap`` by default, so every valid slot trains the selector: random labels are almost
+    never among a random drafter's top-16 of 49k, and ``exclude`` would train none);
+    ``selector_rank``: overrides ``DFLASH2``'s rank (the codebooks' size)."""
     shape = SHAPES[size]
-    cfg = drafter_config(size)
+    fields = {**DFLASH2, "selector_rank": selector_rank or DFLASH2["selector_rank"]}
+    cfg = drafter_config(size, **(fields if variant == "dflash2" else {}))
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, backend=backend).to(device)
     head = target_head(cfg, device, shape["dtype"])
-    module = DFlashModule(drafter, head, product_optimizer,
-                          gamma=4.0, num_anchors=shape["num_anchors"], compile=compile_layers)
+    selector = {"alpha": 1.0, "missing_gold": missing_gold} if variant == "dflash2" else None
+    module = DFlashModule(drafter, head, product_optimizer, gamma=4.0,
+                          num_anchors=shape["num_anchors"], compile=compile_layers,
+                          selector=selector)
     module = module.to(device)
     if shape["dtype"] != torch.float32:
         drafter.to(shape["dtype"])
@@ -58,14 +83,15 @@ def build(size: str, device: torch.device, backend: str, compile_layers: bool = 
 
 
 def make_step(module: DFlashModule, opt, batch: dict):
-    """One full optimizer step (the step counter drives fresh anchors each call)."""
+    """One full optimizer step (the step counter drives fresh anchors each call); the loss is the
+    module's objective: unary, plus alpha x the selector term for DFlash 2."""
     counter = [0]
 
     def step():
         g = step_generator(0, counter[0])
-        counter[0] += 1
         out = module.blocks_loss(batch, *module.sample_anchors(batch, g))
-        loss = global_weighted_loss(out.weighted_sum, out.weight_sum)
+        loss = module.objective(out, counter[0])
+        counter[0] += 1
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -87,47 +113,98 @@ def step_peak_mib(step, device: torch.device) -> float:
     return pk.mib
 
 
-def child_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool) -> float:
+def child_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool,
+                   variant: str = "dflash1", selector_rank: int | None = None) -> float:
     """The pinned child's measurement: its own module, one warm-up step, one measured step."""
-    module, opt, batch = build(size, device, backend, compile_layers)
+    module, opt, batch = build(size, device, backend, compile_layers, variant=variant,
+                               selector_rank=selector_rank)
     step = make_step(module, opt, batch)
     step()
     return step_peak_mib(step, device)
 
 
-def run_variant(name: str, size: str, device: torch.device, backend: str, repeats: int,
-                peak_flops: float, compile_layers: bool = False, allocator: str = "default",
-                ) -> dict:
-    module, opt, batch = build(size, device, backend, compile_layers)
-    step = make_step(module, opt, batch)
-    step()  # warm-up: allocator, optimizer state, compilation
-    flops = count_flops(step) if not compile_layers else None
-    sec = time_it(step, device, repeats, warmup=1)
-    if device.type == "cpu" and allocator != "pinned":  # steps timed as training runs them
-        argv = ["--peak-of", backend, "--size", size, "--device", "cpu"]
-        peak_mib = pinned_child("benchmarks.train_step",
-                                argv + (["--compile"] if compile_layers else []))["peak_MiB"]
-    else:  # the same module: a second one would double GPU memory and compile again
-        peak_mib = step_peak_mib(step, device)
-    bt, s = batch["input_ids"].shape
-    n, b = SHAPES[size]["num_anchors"], module.drafter.config.block_size
-    row = {"variant": name, "backend": backend, "step_ms": sec * 1e3,
-           "tokens/s": bt * s / sec, "anchors/s": bt * n / sec, "slots/s": bt * n * b / sec,
-           "peak_MiB": peak_mib}
-    if flops is not None:
-        row["GFLOP/step"] = flops / 1e9
-        row["MFU"] = flops / sec / peak_flops
-    return row
+def interleaved_seconds(steps: dict, device: torch.device, repeats: int) -> dict[str, list]:
+    """Seconds of ``repeats`` rounds of one step of every variant, in an order that rotates
+    every round, so a change of the machine's speed hits every variant alike."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            sync(device)
+            t0 = time.perf_counter()
+            steps[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def run_variants(variants: list[str], size: str, device: torch.device, backend: str,
+                 repeats: int, peak_flops: float, compile_layers: bool = False,
+                 allocator: str = "default", selector_rank: int | None = None,
+                 ) -> tuple[list[dict], dict[str, list]]:
+    """One row per drafter variant (their steps interleaved) and every step's seconds."""
+    prefix = "compiled" if compile_layers else "eager"
+    built = {v: build(size, device, backend, compile_layers, variant=v,
+                      selector_rank=selector_rank) for v in variants}
+    steps = {v: make_step(*built[v]) for v in variants}
+    for step in steps.values():  # warm-up: allocator, optimizer state, compilation
+        step()
+        step()
+    flops = {v: count_flops(steps[v]) for v in variants} if not compile_layers else {}
+    times = interleaved_seconds(steps, device, repeats)
+    rows = []
+    for v in variants:
+        module, _, batch = built[v]
+        sec = statistics.median(times[v])
+        if device.type == "cpu" and allocator != "pinned":  # steps timed as training runs them
+            argv = ["--peak-of", backend, "--variant", v, "--size", size, "--device", "cpu"]
+            argv += ["--selector-rank", str(selector_rank)] if selector_rank else []
+            peak_mib = pinned_child("benchmarks.train_step",
+                                    argv + (["--compile"] if compile_layers else []))["peak_MiB"]
+        else:  # the same module: a second one would double GPU memory and compile again
+            peak_mib = step_peak_mib(steps[v], device)
+        bt, s = batch["input_ids"].shape
+        n, b = SHAPES[size]["num_anchors"], module.drafter.config.block_size
+        row = {"variant": f"{prefix}/{backend}/{v}", "step_ms": sec * 1e3,
+               "tokens/s": bt * s / sec, "anchors/s": bt * n / sec, "slots/s": bt * n * b / sec,
+               "trainable_params": sum(p.numel() for p in module.drafter.parameters()
+                                       if p.requires_grad),
+               "peak_MiB": peak_mib}
+        if v in flops:
+            row["GFLOP/step"] = flops[v] / 1e9
+            row["MFU"] = flops[v] / sec / peak_flops
+        rows.append(row)
+    return rows, times
+
+
+def variant_ratios(rows: list[dict], times: dict[str, list], prefix: str) -> dict[str, float]:
+    """DFlash 2 / DFlash 1: median of paired steps (goal <= 1.15), medians, peaks."""
+    if set(times) != set(VARIANTS):
+        return {}
+    by = {r["variant"].rsplit("/", 1)[1]: r for r in rows}
+    one, two = by["dflash1"], by["dflash2"]
+    pairs = [b / a for a, b in zip(times["dflash1"], times["dflash2"])]
+    return {
+        f"dflash2 / dflash1 step, median of paired steps ({prefix})": statistics.median(pairs),
+        f"dflash2 / dflash1 step, median / median ({prefix})": two["step_ms"] / one["step_ms"],
+        f"dflash2 / dflash1 peak ({prefix})": two["peak_MiB"] / max(one["peak_MiB"], 1e-9),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0], allocator="default")
     p.add_argument("--compile", action="store_true", help="also time the compiled layer stack")
+    p.add_argument("--variant", default="both", choices=[*VARIANTS, "both"],
+                   help="drafter variant(s); both: DFlash 1 and DFlash 2 steps interleaved")
+    p.add_argument("--selector-rank", type=int, default=None,
+                   help=f"DFlash 2 selector rank (default {DFLASH2['selector_rank']}, released)")
     p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # BACKEND: child mode
     args = p.parse_args(argv)
     device, size = resolve(args)
-    if args.peak_of:  # a pinned child of run_variant: one step's peak, as JSON
-        print(json.dumps({"peak_MiB": child_peak_mib(size, device, args.peak_of, args.compile)}))
+    variants = list(VARIANTS) if args.variant == "both" else [args.variant]
+    if args.peak_of:  # a pinned child of run_variants: one step's peak, as JSON
+        print(json.dumps({"peak_MiB": child_peak_mib(size, device, args.peak_of, args.compile,
+                                                     variants[0], args.selector_rank)}))
         return {}
     repeats = args.repeats or (2 if size == "toy" else 5)
     dtype = SHAPES[size]["dtype"]
@@ -135,36 +212,59 @@ def main(argv: list[str] | None = None) -> dict:
                                          n=256 if size == "toy" else None)
     print(f"measured matmul peak: {peak_flops / 1e9:.1f} GFLOP/s ({what})")
     backends = ["sdpa"] + (["flex"] if device.type == "cuda" else [])
-    rows = [run_variant(f"eager/{b}", size, device, b, repeats, peak_flops,
-                        allocator=args.allocator) for b in backends]
-    if args.compile:
-        rows += [run_variant(f"compiled/{b}", size, device, b, repeats, peak_flops, True,
-                             args.allocator) for b in backends]
+    rows, ratios, step_s = [], {}, {}
+    for compiled in [False] + ([True] if args.compile else []):
+        for b in backends:
+            got, times = run_variants(variants, size, device, b, repeats, peak_flops, compiled,
+                                      args.allocator, args.selector_rank)
+            prefix = f"{'compiled' if compiled else 'eager'}/{b}"
+            rows += got
+            ratios.update(variant_ratios(got, times, prefix))
+            step_s[prefix] = times
     # The matmul peak again after the steps: how much the machine's speed moved during the run.
     peak_after, _ = matmul_peak_flops(device, dtype if device.type == "cuda" else None,
                                       n=256 if size == "toy" else None)
-    shape = SHAPES[size]
+    dflash2 = {**DFLASH2, "selector_rank": args.selector_rank or DFLASH2["selector_rank"]}
+    print_shape(size, device, repeats, args.allocator, variants, dflash2)
+    table(rows, ["variant", "step_ms", "tokens/s", "anchors/s", "slots/s", "GFLOP/step", "MFU",
+                 "trainable_params", "peak_MiB"])
+    ratios = {"matmul peak after / before (machine drift)": peak_after / peak_flops,
+              **ratios, **backend_ratios(rows, variants)}
+    for key, val in ratios.items():
+        print(f"ratio {key}: {val:.3g}")
+    key = "dflash2 / dflash1 step, median of paired steps (eager/sdpa)"
+    if key in ratios:
+        print(f"goal (DFlash 2 step <= 1.15 x DFlash 1): "
+              f"{'met' if ratios[key] <= 1.15 else 'NOT met'}")
+    return report("train_step", args, {"device": str(device), "size": size,
+                                       "allocator": args.allocator, "dflash2": dflash2,
+                                       "matmul_peak_flops": peak_flops, "matmul": what,
+                                       "rows": rows, "ratios": ratios, "step_s": step_s})
+
+
+def print_shape(size: str, device: torch.device, repeats: int, allocator: str,
+                variants: list[str], dflash2: dict) -> None:
+    shape, dtype = SHAPES[size], SHAPES[size]["dtype"]
     print(f"size {size}: S={shape['seq_len']} N={shape['num_anchors']} "
           f"B={shape['config']['block_size']} Bt={shape['batch']} "
           f"H={shape['config']['hidden_size']} layers={shape['config']['num_hidden_layers']} "
           f"V={shape['config']['vocab_size']} {str(dtype).removeprefix('torch.')} on {device}; "
-          f"median of {repeats}; steps timed with the {args.allocator} allocator")
-    table(rows, ["variant", "step_ms", "tokens/s", "anchors/s", "slots/s", "GFLOP/step", "MFU",
-                 "peak_MiB"])
-    ratios = {"matmul peak after / before (machine drift)": peak_after / peak_flops}
-    by = {r["variant"]: r for r in rows}
-    if "eager/flex" in by:
-        ratios["flex step / sdpa step"] = by["eager/flex"]["step_ms"] / by["eager/sdpa"]["step_ms"]
-    for b in backends:
-        if f"compiled/{b}" in by:
-            ratios[f"compiled / eager step ({b})"] = (
-                by[f"compiled/{b}"]["step_ms"] / by[f"eager/{b}"]["step_ms"])
-    for key, val in ratios.items():
-        print(f"ratio {key}: {val:.3g}")
-    return report("train_step", args, {"device": str(device), "size": size,
-                                       "allocator": args.allocator,
-                                       "matmul_peak_flops": peak_flops, "matmul": what,
-                                       "rows": rows, "ratios": ratios})
+          f"variants {variants} (dflash2: {dflash2}); median of {repeats} interleaved steps; "
+          f"steps timed with the {allocator} allocator")
+
+
+def backend_ratios(rows: list[dict], variants: list[str]) -> dict[str, float]:
+    """flex / sdpa and compiled / eager step time, per variant, where both rows exist."""
+    by = {r["variant"]: r["step_ms"] for r in rows}
+    out = {}
+    for v in variants:
+        if f"eager/flex/{v}" in by:
+            out[f"flex step / sdpa step ({v})"] = by[f"eager/flex/{v}"] / by[f"eager/sdpa/{v}"]
+        for b in ("sdpa", "flex"):
+            if f"compiled/{b}/{v}" in by:
+                out[f"compiled / eager step ({b}, {v})"] = (
+                    by[f"compiled/{b}/{v}"] / by[f"eager/{b}/{v}"])
+    return out
 
 
 if __name__ == "__main__":

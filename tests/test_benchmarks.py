@@ -7,6 +7,7 @@ keep the scripts working. The peer comparison needs the speculators venv and ski
 import json
 
 import pytest
+import torch
 
 from benchmarks import (
     attention,
@@ -38,9 +39,25 @@ def test_loss_memory_benchmark(tmp_path):
     assert all(r["max_grad_diff"] < 1e-4 for r in rec["rows"])
 
 
-def test_train_step_benchmark(tmp_path):
+def test_train_step_benchmark_times_dflash1_and_dflash2_interleaved(tmp_path):
     rec = _run(train_step, tmp_path)
-    assert rec["rows"][0]["GFLOP/step"] > 0 and rec["rows"][0]["MFU"] > 0
+    by = {r["variant"]: r for r in rec["rows"]}
+    assert set(by) == {"eager/sdpa/dflash1", "eager/sdpa/dflash2"}
+    assert all(r["GFLOP/step"] > 0 and r["MFU"] > 0 for r in rec["rows"])
+    # the DFlash 2 row trains the conv and the selector (codebooks), not a DFlash 1 drafter
+    two, one = by["eager/sdpa/dflash2"], by["eager/sdpa/dflash1"]
+    assert two["trainable_params"] > one["trainable_params"]
+    assert rec["ratios"]["dflash2 / dflash1 step, median of paired steps (eager/sdpa)"] > 0
+    assert len(rec["step_s"]["eager/sdpa"]["dflash2"]) == 1
+
+
+def test_train_step_dflash2_step_trains_the_selector():
+    from benchmarks.train_step import build, make_step
+
+    module, opt, batch = build("toy", torch.device("cpu"), "sdpa", variant="dflash2")
+    before = module.drafter.candidate_selector.successor_codebook.detach().clone()
+    make_step(module, opt, batch)()
+    assert not torch.equal(before, module.drafter.candidate_selector.successor_codebook)
 
 
 @pytest.mark.slow
@@ -48,7 +65,11 @@ def test_draft_latency_and_capture_benchmarks(tmp_path, tiny_target_dir):
     rec = _run(draft_latency, tmp_path, "--tiny-target", str(tiny_target_dir), "--prompts", "1",
                "--max-new-tokens", "6")
     assert all(r["max_abs_diff"] < 1e-4 for r in rec["draft"])
-    assert 0 <= rec["loop"]["overhead_share"] < 1
+    loops = {r["variant"]: r for r in rec["loops"]}
+    assert set(loops) == {"dflash1", "dflash2"}
+    assert all(0 <= r["overhead_share"] < 1 and r["drafter_s"] > 0 for r in loops.values())
+    assert 0 < loops["dflash2"]["selector_s"] < loops["dflash2"]["drafter_s"]
+    assert rec["selector"]["walk_ms"] > 0
     rec = _run(capture, tmp_path, "--tiny-target", str(tiny_target_dir))
     assert 1.9 < rec["ratios"]["disk bytes/token float32 / bfloat16"] < 2.1
 
@@ -56,8 +77,10 @@ def test_draft_latency_and_capture_benchmarks(tmp_path, tiny_target_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(not peer_speculators.SPEC_PYTHON.exists(),
                     reason="needs the speculators venv (make speculators-venv)")
-def test_peer_benchmark(tmp_path):
-    rec = _run(peer_speculators, tmp_path)
+@pytest.mark.parametrize("variant", ["dflash1", "dflash2"])
+def test_peer_benchmark(tmp_path, variant):
+    rec = _run(peer_speculators, tmp_path, "--variant", variant)
+    assert rec["variant"] == variant
     assert rec["rows"][0]["trainable_params"] == rec["rows"][1]["trainable_params"]
 
 
