@@ -15,7 +15,11 @@ Runs in the project venv (``.venv``); the vLLM side runs in ``.venv-vllm`` throu
 7. DFlash 2 pieces: vLLM cannot serve DFlash 2 on CPU, so ``scripts/vllm_dflash2_pieces.py``
    checks a tiny random DFlash 2 export against vLLM's own ``qwen3_dflash2`` code (every tensor
    loaded, CPU grouped conv, candidates and selector lattice; about 20 s of CPU);
-8. compare, print a PASS/FAIL table, write ``outputs/check_serving/summary.json``.
+8. server-eval: ``dflash-eval backend=server`` of the first drafter through vLLM's OpenAI-compatible
+   server (k_norm fix applied by ``scripts/vllm_knorm_api_server.py``): acceptance from vLLM's
+   ``/metrics`` counters per request must give stage 4's tau (``SERVER_TOLERANCE``) and outputs;
+   ``--only server-eval`` runs just this stage (and the cached stages 1-4 of that drafter);
+9. compare, print a PASS/FAIL table, write ``outputs/check_serving/summary.json``.
 
 Acceptance comparison. Both sides decode greedily in fp32 from the same token ids, so they must
 produce the same tokens and, round by round, the same acceptance lengths. vLLM's own metric
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -43,7 +48,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks.vllm_server (the server launcher)
-from benchmarks.vllm_server import VLLM_PYTHON, tiny_target, vllm_server  # noqa: E402
+from benchmarks.vllm_server import (  # noqa: E402
+    VLLM_PYTHON,
+    tiny_target,
+    vllm_command,
+    vllm_server,
+)
+from dflash_lab.data.server_launch import launched_server  # noqa: E402
 
 OUT = ROOT / "outputs" / "check_serving"
 VENV_BIN = Path(sys.executable).parent
@@ -57,6 +68,13 @@ VENV_BIN = Path(sys.executable).parent
 #: block costs 0.12-0.23 and a window off by 2 costs 0.50 on these drafters.
 EXACT_TOLERANCE = 0.01
 STOCK_TOLERANCE = 0.1
+#: Server-eval (stage 8) vs dflash-eval, absolute on tau, pooled and macro. The server computes
+#: ``(output tokens - 1) / delta vllm:spec_decode_num_drafts`` per request, which is exactly
+#: dflash-eval's per-round mean when both run the same rounds (same tokens in, greedy fp32, the
+#: k_norm fix): measured gap 0. The bound is EXACT_TOLERANCE for the same reason as there: a
+#: near-tie argmax flipped by kernel rounding (the server decodes one request at a time, the LLM
+#: stage a batch) moves one round by up to B-1 tokens; outputs must still be equal.
+SERVER_TOLERANCE = EXACT_TOLERANCE
 #: engine variant -> (apply the k_norm workaround, tau tolerance)
 VARIANTS = {"stock": (False, STOCK_TOLERANCE), "knorm-fix": (True, EXACT_TOLERANCE)}
 NUM_PROMPTS = 32
@@ -271,6 +289,68 @@ def regenerate_both(target: Path) -> dict:
             "passed": rows["hf"] == rows["server"] and len(rows["hf"]) == REGEN_ROWS}
 
 
+def _macro(per_prompt: list[list[int]]) -> float | None:
+    """Mean over responses (with a round) of each response's mean tokens per round."""
+    taus = [sum(lengths) / len(lengths) for lengths in per_prompt if lengths]
+    return sum(taus) / len(taus) if taus else None
+
+
+def server_eval(d: Drafter, export_dir: Path, target: Path, prompts: Path, report: dict) -> dict:
+    """Stage 8: dflash-eval backend=server through vLLM's server serving ``export_dir`` with
+    the k_norm fix; compared with the drafter's offline eval ``report``."""
+    out = OUT / "server_eval" / d.name
+    spec = {"method": "dflash", "model": str(export_dir),
+            "num_speculative_tokens": report["settings"]["block_size"] - 1}
+    command = [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_knorm_api_server.py"),
+               *vllm_command(target, max_model_len=1024)[3:],
+               "--speculative-config", json.dumps(spec), "--seed", "0"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = OUT / "logs" / f"server_eval_vllm_{d.name}.log"
+    with launched_server(command, log, start_timeout_s=600, env=env) as url:
+        run([str(VENV_BIN / "dflash-eval"), "backend=server", f"server.url={url}", "target=hf",
+             f"target.name_or_path={target}", f"data.path={prompts}", f"output_dir={out}",
+             f"num_prompts={NUM_PROMPTS}", f"max_new_tokens={MAX_NEW_TOKENS}",
+             "temperature=0.0", "target.dtype=float32", "progress=false"],
+            OUT / "logs" / f"server_eval_{d.name}.log")
+    server = json.loads((out / "report.json").read_text())
+    return compare_server(report, server, log)
+
+
+def compare_server(report: dict, server: dict, log: Path) -> dict:
+    """Server-eval checks: same outputs, tau (pooled and macro) within SERVER_TOLERANCE."""
+    eval_rounds = [len(lengths) for lengths in report["acceptance_lengths"]]
+    server_rounds = [r["num_rounds"] for r in server["records"]]
+    eval_macro = _macro(report["acceptance_lengths"])
+    gaps = {"pooled": abs(server["tau_pooled"] - report["tau_mean"]),
+            "macro": abs(server["tau_macro"] - eval_macro)}
+    text = log.read_text(errors="replace")
+    patched = set(re.findall(r"context k_norm fix applied in pid (\d+)", text))
+    loaders = set(re.findall(r"pid=(\d+)\).*Starting to load model", text))
+    checks = {"outputs_equal_eval": server["outputs"] == report["outputs"],
+              "tau_within_tolerance": max(gaps.values()) <= SERVER_TOLERANCE,
+              # the processes that load (and run) the model are the patched ones
+              "knorm_fix_where_the_model_runs": bool(loaders) and loaders <= patched}
+    return {"checks": checks, "passed": all(checks.values()), "tolerance": SERVER_TOLERANCE,
+            "eval_tau_pooled": report["tau_mean"], "server_tau_pooled": server["tau_pooled"],
+            "eval_tau_macro": eval_macro, "server_tau_macro": server["tau_macro"],
+            "engine_tau_mean": server["engine_tau_mean"], "gaps": gaps,
+            "responses_with_equal_rounds": sum(a == b for a, b in zip(eval_rounds,
+                                                                       server_rounds)),
+            "num_responses": len(eval_rounds), "ttft_ms": server["ttft_ms"],
+            "tpot_ms": server["tpot_ms"], "log": str(log)}
+
+
+def print_server_eval(res: dict) -> None:
+    g = res["gaps"]
+    print(f"{'server-eval: dflash-eval backend=server':<40}"
+          f" tau pooled {res['eval_tau_pooled']:.4f} -> {res['server_tau_pooled']:.4f},"
+          f" macro {res['eval_tau_macro']:.4f} -> {res['server_tau_macro']:.4f}"
+          f" (gaps {g['pooled']:.1e}/{g['macro']:.1e}, tolerance {res['tolerance']}),"
+          f" rounds equal {res['responses_with_equal_rounds']}/{res['num_responses']}  "
+          + ("PASS" if res["passed"] else "FAIL: " + ", ".join(
+              k for k, ok in res["checks"].items() if not ok)))
+
+
 def dflash2_pieces() -> dict:
     """Stage 7: vLLM's qwen3_dflash2 pieces on a DFlash 2 export of ours (see the script)."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -285,6 +365,8 @@ def dflash2_pieces() -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fresh", action="store_true", help="delete outputs/check_serving first")
+    parser.add_argument("--only", choices=["server-eval"],
+                        help="run only this stage (and the train/export/eval stages it needs)")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} missing: run `make vllm-venv` (or make check-serving)")
@@ -300,7 +382,7 @@ def main() -> int:
 
     prompts = write_demo_jsonl(OUT / "prompts.jsonl", num=NUM_PROMPTS, seed=PROMPT_SEED)
     exports, reports = {}, {}
-    for d in DRAFTERS:
+    for d in DRAFTERS[:1] if args.only else DRAFTERS:
         t = time.perf_counter()
         run_dir = train(d, target)
         times[f"train_{d.name}"] = time.perf_counter() - t
@@ -308,6 +390,12 @@ def main() -> int:
         t = time.perf_counter()
         reports[d.name] = evaluate(d, exports[d.name], target, prompts)
         times[f"eval_{d.name}"] = time.perf_counter() - t
+    first = DRAFTERS[0]
+    if args.only == "server-eval":
+        res = server_eval(first, exports[first.name], target, prompts, reports[first.name])
+        (OUT / "server_eval" / "summary.json").write_text(json.dumps(res, indent=1))
+        print_server_eval(res)
+        return 0 if res["passed"] else 1
     t = time.perf_counter()
     vres = serve(target, exports, reports)
     times["vllm"] = time.perf_counter() - t
@@ -319,12 +407,16 @@ def main() -> int:
     regen = regenerate_both(target)
     times["regenerate"] = time.perf_counter() - t
     t = time.perf_counter()
+    served_eval = server_eval(first, exports[first.name], target, prompts, reports[first.name])
+    times["server_eval"] = time.perf_counter() - t
+    t = time.perf_counter()
     pieces = dflash2_pieces()
     times["dflash2_pieces"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t0
     summary = {"passed": all(r["passed"] for r in rows) and mixed["passed"]
-               and vres["baseline"]["engine_ok"] and regen["passed"] and pieces["passed"],
-               "regenerate": regen, "dflash2_pieces": pieces,
+               and vres["baseline"]["engine_ok"] and regen["passed"] and pieces["passed"]
+               and served_eval["passed"],
+               "regenerate": regen, "server_eval": served_eval, "dflash2_pieces": pieces,
                "vllm_version": vres["vllm_version"], "target": str(target),
                "num_prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
                "tolerances": {v: tol for v, (_, tol) in VARIANTS.items()}, "drafters": rows,
@@ -335,6 +427,7 @@ def main() -> int:
           + ("PASS" if pieces["passed"] else "FAIL: " + ", ".join(
               k for k, ok in pieces["checks"].items() if not ok))
           + f" (max rel diff {max(pieces['diffs'].values()):.1e})")
+    print_server_eval(served_eval)
     print(f"\ncheck-serving: {'PASS' if summary['passed'] else 'FAIL'} "
           f"({times['total']:.0f} s; {OUT.relative_to(ROOT)}/summary.json)")
     return 0 if summary["passed"] else 1

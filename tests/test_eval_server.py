@@ -178,14 +178,21 @@ def test_cli_vllm_backend_measures_the_engines_rounds(tiny_target, tiny_target_d
     assert (tmp_path / "out" / "report.md").is_file()
 
 
-def test_sampled_requests_carry_seed_plus_index(tiny_target_dir, spec_engine, prompts_file,
-                                                tmp_path, monkeypatch):
+def test_sampled_requests_carry_seed_plus_index(tiny_target, tiny_target_dir, spec_engine,
+                                                prompts_file, tmp_path, monkeypatch):
+    """T > 0: seed + i per prompt. A head-only target (tokenizer and generation config, no
+    layers) gives the same prompt and stop ids as the full one."""
     engine, url = spec_engine
     report = _run_cli(monkeypatch, tiny_target_dir, prompts_file, tmp_path / "out",
-                      f"server.url={url}", "temperature=0.7", "seed=11", "warmup=false")
+                      f"server.url={url}", "temperature=0.7", "seed=11", "warmup=false",
+                      "target.head_only=true")
     assert [(r["temperature"], r["seed"]) for r in engine.requests] == [(0.7, 11), (0.7, 12),
                                                                        (0.7, 13)]
     assert report["settings"]["sampling"] == "engine"
+    prompts = load_prompts(tiny_target.tokenizer, str(prompts_file), num_prompts=3)
+    assert report["prompt_ids"] == [p.ids for p in prompts]
+    assert report["settings"]["stop_token_ids"] == list(
+        stop_token_ids(tiny_target.tokenizer, tiny_target.model))
 
 
 def test_non_streaming_has_no_ttft(spec_engine, tiny_target):
