@@ -27,8 +27,17 @@ from export.checks import (
     mismatches,
     refusals,
 )
-from export.engines import ENGINES, RULE_SETS, Artifacts, EngineReading, read_all, rule_sets_for
-from export.engines.common import layouts_agree
+from export.engines import (
+    ENGINES,
+    RULE_SETS,
+    Artifacts,
+    EngineReading,
+    read_all,
+    rule_sets_for,
+    select_sglang,
+)
+from export.engines.common import architecture_of, layouts_agree
+from export.engines.sglang import DEFAULT_RELEASE
 from export.engines.zlab import DEFAULT_BLOCK_SIZE, base_config
 from export.outdir import (
     REPORT_FILE,
@@ -101,14 +110,20 @@ def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
 
 
 def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict | None = None,
-                allow_lossy: bool = False) -> tuple[dict[str, EngineReading], list[Finding]]:
-    """Readings of every rule set (for the report) and the findings for the targeted engines."""
+                allow_lossy: bool = False, sglang_version: str = DEFAULT_RELEASE,
+                sglang_backend: str = "any", target_architecture: str | None = None,
+                ) -> tuple[dict[str, EngineReading], list[Finding]]:
+    """Readings of every rule set (for the report) and the findings for the targeted engines
+    (SGLang: the release and draft attention backend of :func:`select_sglang`). The target's
+    class is ``target_architecture``, else ``architectures[0]`` of ``target``."""
     raw = config.to_dict()
-    artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias)
+    artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias,
+                          target_architecture=target_architecture or architecture_of(target))
     readings = read_all(raw, artifacts)
+    table = select_sglang(sglang_version, sglang_backend)
     findings = check_layout(config)
     for engine in engines:
-        findings += check_engine(config, readings, engine)
+        findings += check_engine(config, readings, engine, table)
     findings += check_target(config, target)
     return readings, apply_allow_lossy(findings, allow_lossy)
 
@@ -161,8 +176,14 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                    engine: str | list[str] = "both", dtype: str = "bfloat16",
                    force: bool = False, allow_lossy: bool = False,
                    target: dict[str, Any] | None = None, self_check: bool = True,
-                   command: str | None = None, owner: str | Path | None = None) -> ExportResult:
+                   command: str | None = None, owner: str | Path | None = None,
+                   sglang_version: str = DEFAULT_RELEASE,
+                   sglang_backend: str = "any") -> ExportResult:
     """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``.
+
+    SGLang is checked for ``sglang_version`` and ``sglang_backend`` (its draft attention
+    backend; ``any`` = every backend read for that release); the target's class (SGLang feeds
+    Gemma 4 inputs scaled) comes from ``target`` or from what the training checkpoint recorded.
 
     ``force`` replaces only an empty directory or a previous export (``export.outdir``); with
     ``owner`` (the training run) only a previous export of a source inside it. Raises ValueError
@@ -182,7 +203,10 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
-    readings, findings = plan_export(config, engines, target=target, allow_lossy=allow_lossy)
+    arch = architecture_of(target, src.target_identity)
+    readings, findings = plan_export(config, engines, target=target, allow_lossy=allow_lossy,
+                                     sglang_version=sglang_version, sglang_backend=sglang_backend,
+                                     target_architecture=arch)
     if refusals(findings):
         raise ExportRefused(findings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +215,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=temp_prefix(out_dir)))
     try:
         raw = _write_dir(tmp, config, state, mask, dtype)
-        checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check)
+        checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
+                                          select_sglang(sglang_version, sglang_backend), arch)
         files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
         report = export_report(
             header=_header(src, named, out_dir, engines, dtype, allow_lossy, command),
@@ -207,11 +232,13 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
 
 
 def _self_check(tmp: Path, raw: dict[str, Any], src: Source, engines: tuple[str, ...],
-                dtype: str, enabled: bool) -> tuple[list[SelfCheckResult], list[str]]:
+                dtype: str, enabled: bool, table: tuple = RULE_SETS,
+                arch: str | None = None) -> tuple[list[SelfCheckResult], list[str]]:
     if not enabled:
         return [], ["- SKIPPED (--no-self-check): the export was not reloaded and compared"]
-    current = [r for r in rule_sets_for(engines) if r.current]
-    artifacts = Artifacts(src.config.learned_mask_embedding, src.config.attention_sink_bias)
+    current = [r for r in rule_sets_for(engines, table) if r.current]
+    artifacts = Artifacts(src.config.learned_mask_embedding, src.config.attention_sink_bias,
+                          target_architecture=arch)
     results, how = run_self_check(tmp, raw, src.config, src.state_dict, current, artifacts,
                                   DTYPES[dtype])
     lines = [f"- {how}"] + [r.line() for r in results]
@@ -342,7 +369,8 @@ def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[
         "does not declare (vLLM builds no sink parameter for them and drops them)"))
     if not (path / MASK_FILE).is_file():
         out.append(f"learned mask embedding: no {MASK_FILE} here, so whether the drafter ships "
-                   "one (vLLM uses it for every MASK slot, SGLang never opens it)")
+                   "one (vLLM uses it for every MASK slot, SGLang >= 0.5.23 merges it into "
+                   "the target's embedding row)")
     if config is None or config.is_dflash2:
         out.append("DFlash 2 tensors: the conv and selector tensors, and whether the codebooks "
                    "carry z-lab save_pretrained's '.weight' names (vLLM refuses them, SGLang "

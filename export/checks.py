@@ -11,13 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_lab.model.config import DrafterConfig, LayerSpec
-from export.engines import RULE_SETS, EngineReading, LayerReading
-from export.engines.common import SYMMETRIC, same_attention
+from export.engines import RULE_SETS, EngineReading, LayerReading, RuleSet
+from export.engines.common import END_ANCHORED, SYMMETRIC, same_attention
 
 REFUSE = "refuse"
 WARN = "warn"
-
-_LEGACY_UPGRADE = {"vllm": "vLLM > 0.26", "sglang": "SGLang >= #34524"}
 
 
 @dataclass
@@ -46,9 +44,16 @@ def layer_matches(spec: LayerSpec, reading: LayerReading, block_size: int) -> bo
 
 
 def _advice(spec: LayerSpec, reading: LayerReading, block_size: int) -> str:
-    if spec.window is not None and spec.window == reading.window and spec.causal == reading.causal:
+    same_kind = spec.window == reading.window and spec.causal == reading.causal
+    if spec.window is not None and same_kind and reading.bidir_window == END_ANCHORED:
+        return ("serve SGLang with --speculative-draft-attention-backend fa3, fa4, triton or "
+                "flashinfer and export with --sglang-attention-backend set to it, or make the "
+                "sliding layers causal, or export with --engine vllm")
+    if spec.window is not None and same_kind:
         return (f"train with sliding_window >= block_size ({block_size}) or make the sliding "
-                "layers causal, or export with --engine vllm (symmetric window, as trained)")
+                "layers causal, or serve SGLang with --speculative-draft-attention-backend fa3, "
+                "fa4 or triton (symmetric window) and export with --sglang-attention-backend set "
+                "to it, or export with --engine vllm (symmetric window, as trained)")
     if spec.window != reading.window:
         return ("check layer_types / sliding_window / dflash_config.swa_window_size in "
                 "config.json; re-export with this tool so all three are written")
@@ -103,11 +108,12 @@ def check_layout(config: DrafterConfig) -> list[Finding]:
                     "'sliding causal + full bidirectional'")]
 
 
-def check_engine(config: DrafterConfig, readings: dict[str, EngineReading],
-                 engine: str) -> list[Finding]:
-    """Refuse on any current-version mismatch or dropped feature; warn for older versions."""
+def check_engine(config: DrafterConfig, readings: dict[str, EngineReading], engine: str,
+                 table: tuple[RuleSet, ...] = RULE_SETS) -> list[Finding]:
+    """Refuse on any current-version mismatch or dropped feature; warn for the others
+    (``table``: the rule sets with their ``current`` flags, e.g. from ``select_sglang``)."""
     specs, block = config.layer_specs(), config.block_size
-    rule_sets = [r for r in RULE_SETS if r.engine == engine and r.name in readings]
+    rule_sets = [r for r in table if r.engine == engine and r.name in readings]
     current = [readings[r.name] for r in rule_sets if r.current]
     if current and not any(r.loads for r in current):
         why = "; ".join(f"{r.rule_set} {r.refusal}" for r in current)
@@ -123,7 +129,7 @@ def check_engine(config: DrafterConfig, readings: dict[str, EngineReading],
         found = mismatches(specs, reading, block, severity) + _dropped_findings(reading, severity)
         if not rule_set.current:
             for f in found:
-                f.message += f" (older release; upgrade to {_LEGACY_UPGRADE[engine]})"
+                f.message += f" ({rule_set.why_not_current})"
         out += found
     return out
 

@@ -26,6 +26,9 @@ from export.api import (
     inspect_dir,
 )
 from export.checks import WARN
+from export.engines import SGLANG_BACKENDS
+from export.engines.sglang import DEFAULT_RELEASE
+from export.engines.sglang import RELEASES as SGLANG_RELEASES
 from export.sources import Source, load_source
 from export.weights import CONFIG_FILE, DTYPES
 
@@ -44,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "for the layout; exit 5 when the weight checks could not be made)")
     p.add_argument("--engine", choices=["both", "vllm", "sglang"], default="both")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--sglang-version", choices=list(SGLANG_RELEASES), default=DEFAULT_RELEASE,
+                   help="SGLang release the export must be right for (others only warn)")
+    p.add_argument("--sglang-attention-backend", choices=list(SGLANG_BACKENDS), default="any",
+                   help="SGLang draft attention backend you will serve with "
+                        "(--speculative-draft-attention-backend); any = every one read")
     p.add_argument("--force", action="store_true",
                    help="replace an existing OUT_DIR if it is empty or a previous export "
                         "(never a directory holding other files, SOURCE or its checkpoint)")
@@ -110,6 +118,7 @@ def _export(args: argparse.Namespace, argv: list[str]) -> int:
         args.source, args.out_dir, engine=args.engine, dtype=args.dtype, force=args.force,
         allow_lossy=args.allow_lossy, target=_read_target(args.target),
         self_check=not args.no_self_check,
+        sglang_version=args.sglang_version, sglang_backend=args.sglang_attention_backend,
         command=shlex.join(["dflash-export", *argv]))
     for finding in result.findings:
         if finding.severity == WARN:

@@ -168,8 +168,9 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
         return None
     base = base_config(view, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
     is_vllm = rule_set.engine == "vllm"
-    config = config_from_reading(base, reading, artifacts.mask_embedding_file and is_vllm,
-                                 base.attention_sink_bias and is_vllm)
+    config = config_from_reading(
+        base, reading, artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
+        base.attention_sink_bias and (is_vllm or reading.serves_sinks))
     config = dataclasses.replace(config, **reading.overrides)
     state = load_weights(out_dir)
     if not config.attention_sink_bias:

@@ -130,9 +130,24 @@ def resolve_run_dir(run: Path) -> tuple[Path, str]:
 
 
 # ---------------------------------------------------------------------------- serving dirs
+def mask_file_form(file: Path) -> str:
+    """How ``mask_embedding.pt`` is stored: "dict" (``{embedding, mask_token_id}``, what we write),
+    "per_position" (that dict with ``per_position`` true), "no_token_id" or "tensor" (a bare
+    tensor, which vLLM also accepts); "absent" when there is no file."""
+    if not file.exists():
+        return "absent"
+    data = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        return "tensor"
+    if data.get("per_position"):
+        return "per_position"
+    return "dict" if "mask_token_id" in data else "no_token_id"
+
+
 def artifacts_of(path: Path) -> Artifacts:
     names = weight_names(path)
     return Artifacts(mask_embedding_file=(path / MASK_FILE).exists(),
+                     mask_file_form=mask_file_form(path / MASK_FILE),
                      sink_weights=any(n.endswith(SINK_SUFFIX) for n in names),
                      suffixed_codebooks=any(n in SUFFIXED_CODEBOOKS for n in names))
 
@@ -183,9 +198,10 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
                          "rule set (assume=...)")
     base = base_config(d, str(path / CONFIG_FILE))
     is_vllm = rule_set.engine == "vllm"
-    config = config_from_reading(base, reading,
-                                 keeps_mask=artifacts.mask_embedding_file and is_vllm,
-                                 keeps_sinks=base.attention_sink_bias and is_vllm)
+    config = config_from_reading(
+        base, reading,
+        keeps_mask=artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
+        keeps_sinks=base.attention_sink_bias and (is_vllm or reading.serves_sinks))
     return config, _disagreements(readings, rule_set.name, base.block_size)
 
 

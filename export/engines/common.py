@@ -22,7 +22,9 @@ SLIDING = "sliding_attention"
 
 #: How an engine bounds the RIGHT side of a bidirectional sliding window inside the block.
 SYMMETRIC = "symmetric"  #: (W-1, W-1): vLLM, and our training mask
-LEFT_ONLY = "left-only"  #: (W-1, unbounded): SGLang's window_left
+LEFT_ONLY = "left-only"  #: (W-1, unbounded): SGLang's window_left (flashinfer)
+#: every query sees the W keys ending at the block's last slot (SGLang's trtllm_mha)
+END_ANCHORED = "block-end"
 
 QWEN3_DEFAULT_SLIDING_WINDOW = 4096
 QWEN3_DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -36,6 +38,11 @@ class Artifacts:
     sink_weights: bool = False  #: ``layers.*.self_attn.attention_sink_bias`` tensors present
     #: DFlash 2 codebooks named ``candidate_selector.*_codebook.weight`` (z-lab save_pretrained)
     suffixed_codebooks: bool = False
+    #: how mask_embedding.pt is stored (export.sources.mask_file_form); ours is "dict"
+    mask_file_form: str = "dict"
+    #: the target model's class (``architectures[0]`` of --target, or what the training
+    #: checkpoint recorded); None = unknown. SGLang feeds Gemma 4 block inputs scaled.
+    target_architecture: str | None = None
 
 
 NO_ARTIFACTS = Artifacts()
@@ -69,6 +76,9 @@ class EngineReading:
     #: drafter config fields the engine runs with another value than config.json declares
     #: (a dropped scale runs as "off"); the self-check builds the engine's drafter with them
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: the engine runs the shipped learned mask embedding / sink logits (vLLM always does)
+    serves_learned_mask: bool = False
+    serves_sinks: bool = False
 
     @property
     def loads(self) -> bool:
@@ -100,16 +110,28 @@ def hf_view(config: dict[str, Any]) -> HFView:
                   dict(config.get("dflash_config") or {}))
 
 
+def architecture_of(target: dict[str, Any] | None,
+                    identity: dict[str, Any] | None = None) -> str | None:
+    """The target's class: ``architectures[0]`` of its config.json, else the ``architecture`` a
+    training checkpoint recorded (``dflash_target``); None when neither is known."""
+    archs = (target or {}).get("architectures") or []
+    return archs[0] if archs else (identity or {}).get("architecture")
+
+
 def same_attention(a: LayerReading, b: LayerReading, block_size: int) -> bool:
     """Whether two readings of a layer attend to exactly the same keys.
 
     A symmetric and a left-only bidirectional window agree only when W >= B: the whole own block
-    is then visible under both, and the context bound (query position - W + 1) is the same.
+    is then visible under both, and the context bound (query position - W + 1) is the same. A
+    block-end window bounds the context at (last block slot - W + 1) for every query: it agrees
+    with neither unless the block has one slot.
     """
     if a.window != b.window or a.causal != b.causal:
         return False
     if a.window is None or a.causal or a.bidir_window == b.bidir_window:
         return True
+    if END_ANCHORED in (a.bidir_window, b.bidir_window):
+        return block_size == 1  # other queries lose context keys the symmetric window keeps
     return a.window >= block_size
 
 

@@ -1,48 +1,115 @@
-"""SGLang's DFlash rules, emulated as pure functions of a config.json dict.
+"""SGLang's DFlash rules by release (and, where it matters, by draft attention backend).
 
-Sources: ``python/sglang/srt/models/dflash.py`` (``_get_dflash_layer_attention_params``,
-``_get_dflash_attention_type``) and ``python/sglang/srt/speculative/dflash_utils.py``
-(``get_dflash_layer_types``, ``get_dflash_attention_sliding_window_size``), sgl-project/sglang.
+Every rule set names the release and files it was read from. Config-level rules are the same in
+every release since PR #34524 except where a :class:`Release` field says otherwise:
 
-- after PR #34524: layer_types absent -> every layer full and bidirectional. Otherwise a full layer
-  is bidirectional and a sliding layer causal, unless top-level ``is_causal`` is declared, which
-  then sets every layer. The window is the top-level ``sliding_window`` (``window_left = W - 1``,
-  no right bound for bidirectional layers).
-- between PR #34262 and #34524: as above, but an undeclared ``is_causal`` made EVERY layer
-  bidirectional (the gemma-4-31B-it-DFlash regression, accept length 5.62 -> 5.27).
-- before PR #34262: ``is_causal`` not read; full -> bidirectional, sliding -> causal.
+- ``srt/models/dflash.py`` ``_get_dflash_layer_attention_params`` / ``_get_dflash_attention_type``:
+  layer_types absent -> every layer full and bidirectional. Otherwise a full layer is
+  bidirectional and a sliding layer causal, unless top-level ``is_causal`` is declared, which then
+  sets every layer. The window is ``get_dflash_attention_sliding_window_size`` (dflash_utils.py):
+  the top-level ``sliding_window`` minus one (SGLang stores window_left). Between PR #34262 and
+  #34524 an undeclared ``is_causal`` made EVERY layer bidirectional; before #34262 it was not read.
+- ``dflash_config.causal``, ``use_swa`` and ``swa_window_size`` are not read (the last only for
+  the Nemotron 3.5 layout).
+- Block inputs (``speculative/dflash_worker_v2.py``, the draft block step):
+  ``embed_module(block_ids)`` with ``embed_module = target.get_input_embeddings()`` (times
+  ``_noise_embed_scale``, which is 1: no target class defines
+  ``get_dflash_noise_embedding_scale``). For Gemma 4 that module is
+  ``Gemma4TextScaledWordEmbedding`` (``models/gemma4_causal.py``), which multiplies every row by
+  sqrt(hidden_size); the merged mask row goes through it too. Gemma 1/2/3/3n classes have no
+  ``set_dflash_layers_to_capture``: ``attention_backend_setup.py`` raises at start-up.
 
-SGLang reads neither ``dflash_config.causal`` nor ``use_swa`` / ``swa_window_size`` (the latter
-only for the Nemotron 3.5 layout), never opens ``mask_embedding.pt``, and skips weights it has no
-parameter for, which includes ``attention_sink_bias`` outside the Nemotron 3.5 layout.
-DFlash 2 (served since PR #35371, in 0.5.23) and the three scales: :mod:`export.engines.variant`.
+How a bidirectional (ENCODER_ONLY) sliding layer's window is bounded depends on the draft attention
+backend (``--speculative-draft-attention-backend``; by default the target's backend when it is a
+DFlash draft backend, else flashinfer): see :data:`BACKENDS`. DFlash 2 and the scales:
+:mod:`export.engines.variant`.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from export.engines.common import (
+    END_ANCHORED,
     FULL,
     LEFT_ONLY,
     NO_ARTIFACTS,
     SLIDING,
+    SYMMETRIC,
     Artifacts,
     EngineReading,
     HFView,
     LayerReading,
     hf_view,
 )
-from export.engines.variant import sglang_variant
+from export.engines.variant import declared_scales, drop_scale, sglang_variant
 
 
-def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
+@dataclass(frozen=True)
+class Release:
+    """What one SGLang release does with the parts of a DFlash export that changed over time."""
+
+    name: str  #: the ``--sglang-version`` value
+    source: str  #: where the rules were read
+    causal_era: str  #: "after-34524" | "between" | "before-34262"
+    plain_sinks: bool  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
+    merges_mask: bool  #: ``mask_embedding.pt`` merged into the target's embedding table
+    dflash2: bool  #: ``DFlash2DraftModel`` exists
+    per_backend: bool  #: the backends' bidirectional windows were read (else LEFT_ONLY assumed)
+
+
+RELEASES: dict[str, Release] = {r.name: r for r in (
+    Release("0.5.23", "sglang==0.5.23 (PyPI wheel): srt/models/dflash.py, "
+            "srt/speculative/dflash_utils.py, srt/speculative/dflash_worker_v2.py, "
+            "srt/layers/attention/{flashattention,flashinfer,triton,trtllm_mha}_backend.py",
+            "after-34524", plain_sinks=True, merges_mask=True, dflash2=True, per_backend=True),
+    Release("#34524", "sgl-project/sglang main after PR #34524, before 0.5.23, as this project "
+            "read it then: no plain-DFlash sinks, no mask merge, no DFlash 2", "after-34524",
+            plain_sinks=False, merges_mask=False, dflash2=False, per_backend=False),
+    Release("#34262..#34524", "sgl-project/sglang PR #34262 (regression fixed by #34524)",
+            "between", plain_sinks=False, merges_mask=False, dflash2=False, per_backend=False),
+    Release("<#34262", "sgl-project/sglang models/dflash.py before #34262 (no is_causal)",
+            "before-34262", plain_sinks=False, merges_mask=False, dflash2=False,
+            per_backend=False),
+)}
+DEFAULT_RELEASE = "0.5.23"
+
+#: How each DFlash draft backend of 0.5.23 bounds a bidirectional sliding layer (window_left W-1):
+#: - fa3 / fa4 (``flashattention_backend.py`` forward_extend): ``window_size=(W-1, W-1)`` with
+#:   ``causal=False``, i.e. symmetric, as trained;
+#: - triton (``triton_backend.py`` + ``kernels/ops/attention/extend_attention.py``): the
+#:   non-causal window mask bounds both sides: symmetric;
+#: - flashinfer (``flashinfer_backend.py``): ``window_left=W-1``, ``causal=False``, no right bound;
+#: - trtllm_mha (``trtllm_mha_backend.py``): ENCODER_ONLY verify rows are single-token decode rows
+#:   over the whole block with ``window_left=W-1``, so every query sees the W keys ending at the
+#:   block's last slot. SGLang picks it only for all-sliding or explicitly causal drafters
+#:   (``arg_groups/speculative_hook.py`` ``_resolve_dflash_draft_attention_backend``).
+BACKENDS: dict[str, str] = {"fa3": SYMMETRIC, "fa4": SYMMETRIC, "triton": SYMMETRIC,
+                            "flashinfer": LEFT_ONLY, "trtllm_mha": END_ANCHORED}
+#: backends grouped into one rule set each (same reading)
+BACKEND_GROUPS: dict[str, tuple[str, ...]] = {
+    "fa3/fa4/triton": ("fa3", "fa4", "triton"), "flashinfer": ("flashinfer",),
+    "trtllm_mha": ("trtllm_mha",)}
+
+#: Gemma targets (SGLang EntryClass names): the scaled embedding module, or no DFlash hook at all
+GEMMA_SCALED = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+GEMMA_NO_HOOK = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                 "Gemma3ForConditionalGeneration", "Gemma3nForCausalLM",
+                 "Gemma3nForConditionalGeneration")
+
+
+def _dropped(view: HFView, artifacts: Artifacts, release: Release) -> list[str]:
     dropped = []
-    if artifacts.mask_embedding_file:
+    if artifacts.mask_embedding_file and not release.merges_mask:
         dropped.append("mask_embedding.pt (learned mask embedding; SGLang uses "
                        "embed_tokens[mask_token_id])")
-    if artifacts.sink_weights or view.dflash.get("attention_sink_bias"):
-        dropped.append("attention_sink_bias (per-head sink logits; weights skipped on load)")
+    sinks = artifacts.sink_weights or view.dflash.get("attention_sink_bias")
+    if sinks and not (release.plain_sinks and view.dflash.get("attention_sink_bias") is True):
+        dropped.append("attention_sink_bias (per-head sink logits; weights skipped on load"
+                       + ("" if not release.plain_sinks else
+                          " unless dflash_config.attention_sink_bias is true") + ")")
     if view.dflash.get("use_swa"):
         dropped.append("dflash_config.use_swa (not read: only layer_types decides sliding)")
     return dropped
@@ -57,45 +124,120 @@ def _causal(view: HFView, layer_type: str, era: str) -> bool:
     return layer_type == SLIDING
 
 
-def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str,
-         era: str) -> EngineReading:
-    """Per-layer (window, causal) as SGLang builds its RadixAttention layers, or its refusal."""
-    view = hf_view(config)
-    reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
-    sglang_variant(config, artifacts, reading, current=era == "after-34524")
-    if reading.refusal:
-        return reading
+def _uses_trtllm(view: HFView) -> bool:
+    """``_resolve_dflash_draft_attention_backend`` keeps trtllm_mha only for these drafters."""
+    types = view.layer_types or []
+    all_sliding = len(types) == view.num_layers and set(types) == {SLIDING}
+    return all_sliding or view.is_causal is True
+
+
+def _layers(view: HFView, release: Release, bidir: str,
+            reading: EngineReading) -> list[LayerReading] | None:
     if view.layer_types is None:
-        reading.layers = [LayerReading(None, False, LEFT_ONLY)] * view.num_layers
-        return reading
+        return [LayerReading(None, False, bidir)] * view.num_layers
     if len(view.layer_types) < view.num_layers:
         reading.refusal = "raises ValueError: layer_types needs one entry per draft layer"
-        return reading
+        return None
     layers = []
     for i, layer_type in enumerate(view.layer_types[: view.num_layers]):
         if layer_type not in (FULL, SLIDING):
             reading.refusal = f"raises ValueError: unsupported layer_types[{i}]={layer_type!r}"
-            return reading
+            return None
         window = view.sliding_window if layer_type == SLIDING else None
         if layer_type == SLIDING and window is None:
             reading.refusal = ("raises ValueError: sliding_attention layers require a top-level "
                                "sliding_window (with use_sliding_window: true)")
-            return reading
-        layers.append(LayerReading(window, _causal(view, layer_type, era), LEFT_ONLY))
-    reading.layers = layers
+            return None
+        layers.append(LayerReading(window, _causal(view, layer_type, release.causal_era), bidir))
+    return layers
+
+
+#: what ``_maybe_merge_trained_mask_embedding`` (dflash_worker_v2.py) does with each file form
+_MASK_FORM_REFUSAL = {
+    "tensor": "raises at start-up: mask_embedding.pt is a bare tensor and the merge reads "
+              "saved['embedding'] and saved['mask_token_id']; re-export with this tool",
+    "no_token_id": "raises KeyError at start-up: mask_embedding.pt has no 'mask_token_id'; "
+                   "re-export with this tool",
+    "per_position": "raises NotImplementedError at start-up: per-position mask embeddings "
+                    "(per_position=True) are not supported",
+}
+
+
+def _sinks_refusal(view: HFView, release: Release, backend: str | None) -> str | None:
+    value = view.dflash.get("attention_sink_bias", False)
+    if release.plain_sinks and not isinstance(value, bool):
+        return ("raises ValueError: dflash_config.attention_sink_bias must be a bool "
+                f"(got {value!r})")
+    if release.plain_sinks and value is True and backend == "flashinfer":
+        return ("raises TypeError at the first draft forward: FlashInferAttnBackend."
+                "forward_extend() takes no 'sinks'; serve with "
+                "--speculative-draft-attention-backend fa3, fa4 or triton")
+    return None
+
+
+def _embedding_scale(config: dict[str, Any], artifacts: Artifacts,
+                     reading: EngineReading) -> None:
+    """What the block inputs are multiplied by on SGLang, against the trained scale."""
+    arch = artifacts.target_architecture
+    trained = declared_scales(config).get("input_embedding_scale", 1.0)
+    if arch in GEMMA_NO_HOOK:
+        reading.refusal = (f"raises ValueError at start-up: the target class {arch} implements "
+                           "no set_dflash_layers_to_capture (SGLang serves DFlash for Gemma 4 "
+                           "only among the Gemma families)")
+    elif arch in GEMMA_SCALED:
+        fed = math.sqrt(int(config["hidden_size"]))
+        if not math.isclose(trained, fed, rel_tol=1e-3):
+            reading.dropped.append(
+                f"input_embedding_scale (the target's embedding module {arch}.get_input_"
+                f"embeddings() multiplies every block input, the merged mask row included, by "
+                f"sqrt(hidden_size)={fed:.4f}; trained with {trained}: every draft differs); "
+                f"fix: export with --engine vllm, or retrain with drafter.input_embedding_scale="
+                f"{fed:.6g} for SGLang")
+            reading.overrides["input_embedding_scale"] = fed
+    elif trained != 1.0:
+        drop_scale(reading, "input_embedding_scale",
+                   "SGLang never reads it, block inputs come from the target's embedding module")
+
+
+def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release: str,
+         backend: str | None = None) -> EngineReading:
+    """Per-layer (window, causal) as one SGLang release (and draft backend) builds its
+    RadixAttention layers, what it drops, or its refusal. ``backend`` None = not read."""
+    rel, view = RELEASES[release], hf_view(config)
+    reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts, rel))
+    reading.serves_learned_mask = artifacts.mask_embedding_file and rel.merges_mask
+    reading.serves_sinks = rel.plain_sinks and view.dflash.get("attention_sink_bias") is True
+    if backend == "trtllm_mha" and not _uses_trtllm(view):
+        reading.notes.append("SGLang replaces trtllm_mha by flashinfer (fa4 on SM100) for "
+                             "this layout: read as flashinfer")
+        backend = "flashinfer"
+    sglang_variant(config, artifacts, reading, current=rel.dflash2)
+    if not reading.refusal:
+        _embedding_scale(config, artifacts, reading)
+    if reading.serves_learned_mask:
+        reading.refusal = reading.refusal or _MASK_FORM_REFUSAL.get(artifacts.mask_file_form)
+    reading.refusal = reading.refusal or _sinks_refusal(view, rel, backend)
+    if reading.refusal:
+        return reading
+    bidir = BACKENDS[backend] if backend is not None else LEFT_ONLY
+    reading.layers = _layers(view, rel, bidir, reading)
     return reading
 
 
-def read_after_34524(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """SGLang after PR #34524 (explicit is_causal wins, else sliding causal / full bidir)."""
-    return read(config, artifacts, rule_set="sglang>=#34524", era="after-34524")
+def reader(release: str, backend_group: str | None = None):
+    """The ``(config, artifacts) -> EngineReading`` of one release and backend group."""
+    backend = BACKEND_GROUPS[backend_group][0] if backend_group else None
+    name = rule_set_name(release, backend_group)
+
+    def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
+        return read(config, artifacts, rule_set=name, release=release, backend=backend)
+
+    read_one.__doc__ = f"SGLang {release}" + (f", draft backend {backend_group}"
+                                              if backend_group else "")
+    return read_one
 
 
-def read_between(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """SGLang between PR #34262 and #34524 (undeclared is_causal -> all bidirectional)."""
-    return read(config, artifacts, rule_set="sglang#34262..#34524", era="between")
-
-
-def read_before_34262(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """SGLang before PR #34262 (is_causal ignored; sliding causal / full bidir)."""
-    return read(config, artifacts, rule_set="sglang<#34262", era="before-34262")
+def rule_set_name(release: str, backend_group: str | None = None) -> str:
+    """``sglang==0.5.23`` (fa3/fa4/triton), ``sglang==0.5.23+flashinfer``, ``sglang#34524`` ..."""
+    base = f"sglang=={release}" if release[0].isdigit() else f"sglang{release}"
+    return base if backend_group in (None, "fa3/fa4/triton") else f"{base}+{backend_group}"

@@ -139,9 +139,7 @@ def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: Engine
                            "conv_kernel_size and conv_group_size together'")
     if reading.refusal:
         return
-    if "input_embedding_scale" in scales:
-        drop_scale(reading, "input_embedding_scale",
-                   "SGLang never reads it, block inputs come from the target's embedding module")
+    # input_embedding_scale: export.engines.sglang (what SGLang feeds depends on the target)
     if not is_dflash2(config):
         return
     if "conv_kernel_size" in missing:
