@@ -188,11 +188,11 @@ def _embedding_scale(config: dict[str, Any], artifacts: Artifacts,
         fed = math.sqrt(int(config["hidden_size"]))
         if not math.isclose(trained, fed, rel_tol=1e-3):
             reading.dropped.append(
-                f"input_embedding_scale (the target's embedding module {arch}.get_input_"
-                f"embeddings() multiplies every block input, the merged mask row included, by "
-                f"sqrt(hidden_size)={fed:.4f}; trained with {trained}: every draft differs); "
-                f"fix: export with --engine vllm, or retrain with drafter.input_embedding_scale="
-                f"{fed:.6g} for SGLang")
+                f"the trained block-input scale input_embedding_scale={trained} (the target's "
+                f"embedding module, {arch}.get_input_embeddings(), multiplies every block "
+                f"input, the merged mask row included, by sqrt(hidden_size)={fed:.4f} instead: "
+                f"every draft differs); fix: export with --engine vllm, or retrain with "
+                f"drafter.input_embedding_scale={fed:.6g} for SGLang")
             reading.overrides["input_embedding_scale"] = fed
     elif trained != 1.0:
         drop_scale(reading, "input_embedding_scale",
