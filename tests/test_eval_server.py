@@ -255,3 +255,23 @@ def test_cli_launches_the_server_for_the_run(tiny_target_dir, prompts_file, tmp_
                       "warmup=false")
     assert report["settings"]["served_model"] == MODEL_ID
     assert report["num_rounds"] > 0 and (tmp_path / "out" / "server.log").is_file()
+
+
+def test_mt_bench_turn_two_follows_the_engines_answer(tiny_target, tiny_target_dir, spec_engine,
+                                                      tmp_path, monkeypatch):
+    """A reference dataset through the engine: data=mt-bench from a local copy, two responses
+    per row, turn 2's prompt holds the engine's turn-1 answer; one report row per dataset."""
+    engine, url = spec_engine
+    rows = tmp_path / "mt.jsonl"
+    rows.write_text(json.dumps({"prompt": ["say hi", "now bye"], "prompt_id": 1}) + "\n")
+    report = _run_cli(monkeypatch, tiny_target_dir, rows, tmp_path / "out", f"server.url={url}",
+                      "data=mt-bench", "num_prompts=1", "warmup=false")
+    assert [(r["dataset"], r["turn"]) for r in report["records"]] == [("mt-bench", 0),
+                                                                      ("mt-bench", 1)]
+    answer = tiny_target.tokenizer.decode(report["outputs"][0], skip_special_tokens=True)
+    tok = tiny_target.tokenizer
+    turn2 = tok.decode(engine.requests[1]["prompt"])
+    assert answer in turn2 and "now bye" in turn2 and "say hi" in turn2
+    assert report["prompt_ids"][1] == engine.requests[1]["prompt"]
+    assert report["datasets"]["mt-bench"]["num_responses"] == 2
+    assert report["datasets"]["mt-bench"]["acceptance_histogram_from_engine"] is True

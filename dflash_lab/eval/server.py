@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.data.server_launch import PORT, launched_server
-from dflash_lab.eval.records import ResponseRecord, summarize
+from dflash_lab.eval.records import ResponseRecord
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
@@ -119,6 +119,7 @@ class ServerResponse:
     accepted_histogram: list[int] | None = None
     engine_tau: float | None = None  # the engine's own tokens per round (module docstring)
     ttft_s: float | None = None  # streaming only
+    text: str | None = None  # the answer's text (multi-turn context when ids are missing)
 
     @property
     def tau(self) -> float | None:
@@ -135,7 +136,8 @@ class ServerResponse:
 
     def to_record(self, dataset: str, index: int, turn: int = 0) -> ResponseRecord:
         """The report's per-response record: totals only (engines give no per-round lengths);
-        round tokens = output tokens - 1 (the first comes from the prefill)."""
+        round tokens = output tokens - 1 (the first comes from the prefill), its tau
+        :attr:`tau`."""
         return ResponseRecord(dataset=dataset, index=index, turn=turn,
                               num_output_tokens=self.num_output_tokens, num_rounds=self.rounds,
                               num_round_tokens=max(self.num_output_tokens - 1, 0)
@@ -144,7 +146,7 @@ class ServerResponse:
 
     def engine_fields(self) -> dict[str, Any]:
         """What the engine said beyond the record (report.json ``engine_responses``)."""
-        return {k: v for k, v in vars(self).items() if k != "output_ids"}
+        return {k: v for k, v in vars(self).items() if k not in ("output_ids", "text")}
 
 
 @dataclass(frozen=True)
@@ -334,10 +336,11 @@ class EngineClient:
         start = time.perf_counter()
         if not self.settings.stream:
             answer = self._json(url, body)
-            ids = answer["choices"][0].get("token_ids")
+            choice = answer["choices"][0]
             return ServerResponse(int(answer["usage"]["completion_tokens"]), 0,
-                                  time.perf_counter() - start, ids)
-        ids, ttft, usage = [], None, None
+                                  time.perf_counter() - start, choice.get("token_ids"),
+                                  text=choice.get("text"))
+        ids, texts, ttft, usage = [], [], None, None
         with self._open(url, body) as stream:
             for event in _sse_events(stream):
                 for choice in event.get("choices") or []:
@@ -345,11 +348,12 @@ class EngineClient:
                     if ttft is None and (piece or choice.get("text")):
                         ttft = time.perf_counter() - start
                     ids.extend(piece)
+                    texts.append(choice.get("text") or "")
                 usage = event.get("usage") or usage
         if usage is None:
             raise EngineError(f"{url} streamed no usage (stream_options.include_usage)")
         return ServerResponse(int(usage["completion_tokens"]), 0, time.perf_counter() - start,
-                              ids or None, ttft_s=ttft)
+                              ids or None, ttft_s=ttft, text="".join(texts))
 
     def _sglang(self, prompt_ids: list[int], s: Sampling) -> ServerResponse:
         params = {"max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": 1.0,
@@ -395,7 +399,8 @@ def _sglang_response(last: dict[str, Any] | None, pieces: list[list[int]], secon
     return ServerResponse(n, int(meta["spec_verify_ct"]), seconds, ids,
                           accepted_drafts=None if accepted is None else int(accepted),
                           accepted_histogram=[int(c) for c in hist] if hist else None,
-                          engine_tau=meta.get("spec_accept_length"), ttft_s=ttft)
+                          engine_tau=meta.get("spec_accept_length"), ttft_s=ttft,
+                          text=(last or {}).get("text"))
 
 
 @contextmanager
@@ -409,114 +414,3 @@ def open_engine(settings: EngineSettings, log_path: Path) -> Iterator[EngineClie
                          start_timeout_s=settings.start_timeout_s) as url:
         log.info("server ready at %s (its output: %s)", url, log_path)
         yield EngineClient(replace(settings, url=url))
-
-
-# -- the evaluation --------------------------------------------------------------------------------
-def engine_settings(server_cfg) -> EngineSettings:
-    """conf/eval.yaml ``server:`` -> EngineSettings; an unknown key is refused by name."""
-    from omegaconf import OmegaConf
-
-    given = OmegaConf.to_container(server_cfg, resolve=True) if server_cfg is not None else {}
-    known = set(EngineSettings.__dataclass_fields__)
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ValueError(f"server.{unknown[0]} is not a server option (conf/eval.yaml); the "
-                         f"options are {sorted(known)}")
-    return EngineSettings(**given)
-
-
-def _pooled_histogram(responses: list[ServerResponse], block_size: int) -> list[int] | None:
-    """Rounds by acceptance length 1..B summed over responses (None unless every response
-    with rounds has the engine's histogram)."""
-    counted = [r for r in responses if r.rounds]
-    if not counted or any(r.accepted_histogram is None for r in counted):
-        return None
-    total = [0] * block_size
-    for r in counted:
-        for j, c in enumerate(r.accepted_histogram[:block_size]):
-            total[j] += c
-    return total
-
-
-def server_report(responses: list[ServerResponse], records: list[ResponseRecord],
-                  prompt_ids: list[list[int]], block_size: int,
-                  settings: dict[str, Any]) -> dict[str, Any]:
-    """report.json for ``backend=server``: the offline report's row (both tau conventions from
-    the tokens kept per round, TTFT, TPOT; :func:`dflash_lab.eval.records.summarize`) plus the
-    engine's own numbers. ``tau_mean`` is the pooled tau, as in the offline report. The
-    per-position acceptance and histogram are the engine's counts (vLLM's per-position
-    counters, SGLang's ``spec_acceptance_histogram`` where it sends one), which are not cut at
-    the token budget or the stop token; without them they are n/a and zero."""
-    row = summarize(records, block_size)
-    hist = _pooled_histogram(responses, block_size)
-    rounds = row["num_rounds"]
-    per_pos = ([sum(hist[t:]) / rounds for t in range(1, block_size)] if hist and rounds
-               else [None] * (block_size - 1))
-    engine = [r.engine_tau for r in responses if r.rounds and r.engine_tau is not None]
-    seconds = sum(r.seconds for r in responses)
-    return {
-        "mode": "server", **row, "tau_mean": row["tau_pooled"],
-        "tau_per_prompt": [r.tau for r in records],
-        "engine_tau_mean": sum(engine) / len(engine) if engine else None,
-        "per_position_acceptance": per_pos,
-        "acceptance_histogram": hist if hist is not None else [0] * block_size,
-        "acceptance_histogram_from_engine": hist is not None,
-        "tokens_per_second": row["num_output_tokens"] / seconds if seconds > 0 else None,
-        "num_prompts": len(responses),
-        "records": [r.to_dict() for r in records],
-        "engine_responses": [r.engine_fields() for r in responses],
-        "prompt_ids": prompt_ids, "outputs": [r.output_ids for r in responses],
-        "settings": settings,
-    }
-
-
-def run_server(cfg, on_prompt=None) -> dict[str, Any]:
-    """``dflash-eval backend=server``: the configured prompts through the engine -> report.
-
-    ``on_prompt(i, response)`` is called after each response (the logger's per-prompt tau).
-    """
-    from hydra.utils import instantiate
-    from tqdm import tqdm
-
-    from dflash_lab.eval.evaluate import stop_token_ids
-    from dflash_lab.eval.prompts import load_prompts
-
-    settings = engine_settings(cfg.get("server"))
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
-    target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
-    d = cfg.data
-    prompts = load_prompts(target.tokenizer, d.path, num_prompts=cfg.num_prompts, split=d.split,
-                           shuffle_seed=d.shuffle_seed, chat_template=d.chat_template,
-                           enable_thinking=d.enable_thinking, prompt_format=d.prompt_format,
-                           max_prompt_tokens=d.max_prompt_tokens)
-    stops = stop_token_ids(target.tokenizer, target.model) if cfg.stop_on_eos else ()
-    ids = [p.ids for p in prompts]
-    responses: list[ServerResponse] = []
-    with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
-        info = client.connect()
-        if cfg.warmup and ids:  # untimed, and its rounds fall outside every measured delta
-            client.generate(ids[0], _sampling(cfg, stops, 0, max_tokens=8))
-        for i, prompt in enumerate(tqdm(ids, desc="dflash-eval server", unit="prompt",
-                                        disable=not cfg.progress)):
-            responses.append(client.generate(prompt, _sampling(cfg, stops, i)))
-            if on_prompt is not None:
-                on_prompt(i, responses[-1])
-    record = {"backend": "server", "engine": settings.engine, "url": settings.url,
-              "served_model": info["model"], "served_root": info["root"],
-              "launch": settings.launch, "stream": settings.stream,
-              "target": target.name_or_path, "data": d.path, "block_size": info["block_size"],
-              "max_new_tokens": cfg.max_new_tokens, "num_prompts": cfg.num_prompts,
-              "temperature": cfg.temperature, "seed": cfg.seed,
-              "sampling": "engine" if cfg.temperature > 0 else "greedy",
-              "enable_thinking": d.enable_thinking, "chat_template": d.chat_template,
-              "stop_token_ids": list(stops)}
-    records = [r.to_record(str(d.path), p.index) for r, p in zip(responses, prompts)]
-    return server_report(responses, records, ids, info["block_size"], record)
-
-
-def _sampling(cfg, stops: tuple[int, ...], i: int, max_tokens: int | None = None) -> Sampling:
-    """Prompt i's request: the local eval's settings; T > 0 seeds with seed + i."""
-    return Sampling(max_tokens or cfg.max_new_tokens, float(cfg.temperature), tuple(stops),
-                    ignore_eos=not cfg.stop_on_eos,
-                    seed=cfg.seed + i if cfg.temperature > 0 else None)

@@ -1,0 +1,166 @@
+"""``dflash-eval backend=server``: the configured dataset(s) through a serving engine, response
+by response as the local loop runs them, into the same records and report fields.
+
+The client, what each engine reports and the tokens-per-round convention are in
+:mod:`dflash_lab.eval.server`; this module walks the data (one data option or a suite,
+MT-Bench's second turn after the engine's first answer), the untimed warm-up, and builds
+report.json (:func:`dflash_lab.eval.report.records_report` plus the engine's own curves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_lab.eval.records import ResponseRecord
+from dflash_lab.eval.report import records_report
+from dflash_lab.eval.server import (
+    EngineClient,
+    EngineSettings,
+    Sampling,
+    ServerResponse,
+    open_engine,
+)
+
+
+def engine_settings(server_cfg) -> EngineSettings:
+    """conf/eval.yaml ``server:`` -> EngineSettings; an unknown key is refused by name."""
+    from omegaconf import OmegaConf
+
+    given = OmegaConf.to_container(server_cfg, resolve=True) if server_cfg is not None else {}
+    known = set(EngineSettings.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"server.{unknown[0]} is not a server option (conf/eval.yaml); the "
+                         f"options are {sorted(known)}")
+    return EngineSettings(**given)
+
+
+def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str, Any]:
+    """Histogram (rounds by acceptance length 1..B) and per-position acceptance from the
+    engine's own counts, summed over ``responses``; n/a and zeros unless every response with
+    rounds brought them."""
+    counted = [r for r in responses if r.rounds]
+    engine = [r.engine_tau for r in counted if r.engine_tau is not None]
+    row: dict[str, Any] = {"engine_tau_mean": sum(engine) / len(engine) if engine else None}
+    if not counted or any(r.accepted_histogram is None for r in counted):
+        return {**row, "acceptance_histogram": [0] * block_size,
+                "per_position_acceptance": [None] * (block_size - 1),
+                "acceptance_histogram_from_engine": False}
+    hist = [sum(r.accepted_histogram[j] for r in counted if j < len(r.accepted_histogram))
+            for j in range(block_size)]
+    rounds = sum(hist)
+    return {**row, "acceptance_histogram": hist,
+            "per_position_acceptance": [sum(hist[t:]) / rounds if rounds else None
+                                        for t in range(1, block_size)],
+            "acceptance_histogram_from_engine": True}
+
+
+@dataclass
+class _Served:
+    """What a server run gathers, response by response (every dataset, every turn)."""
+
+    responses: list[ServerResponse] = field(default_factory=list)
+    records: list[ResponseRecord] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)
+    warm: bool = False  #: the untimed warm-up is still to do
+
+
+def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """report.json for ``backend=server``: the offline report's fields from the response
+    records (both tau conventions from the tokens kept per round, TTFT, TPOT, one row per
+    dataset; ``tau_mean`` = the pooled tau, as offline), the engine's own curves and tau."""
+    report: dict[str, Any] = {"mode": "server", **records_report(got.records, block_size)}
+    report["tau_mean"] = report["tau_pooled"]
+    report.update(_engine_curves(got.responses, block_size))
+    for name, row in report["datasets"].items():
+        row.update(_engine_curves([r for r, rec in zip(got.responses, got.records)
+                                   if rec.dataset == name], block_size))
+    seconds = sum(r.seconds for r in got.responses)
+    outputs = sum(r.num_output_tokens for r in got.responses)
+    report.update({
+        "num_rounds": sum(r.rounds for r in got.responses),
+        "tokens_per_second": outputs / seconds if seconds > 0 else None,
+        "num_prompts": len(got.responses), "num_output_tokens": outputs,
+        "engine_responses": [r.engine_fields() for r in got.responses],
+        "prompt_ids": got.ids, "outputs": [r.output_ids for r in got.responses],
+        "settings": settings})
+    return report
+
+
+def _serve_dataset(client: EngineClient, tokenizer, d, max_new: int, stops: tuple[int, ...],
+                   cfg, got: _Served, on_prompt) -> None:
+    """Every item of one data config through the engine, as the local loop runs them
+    (:func:`dflash_lab.eval.evaluate.run_generate`): a multi-turn item's later turns follow the
+    engine's answers, one response per turn."""
+    from tqdm import tqdm
+
+    from dflash_lab.eval.prompts import encode_prompt
+    from dflash_lab.eval.suite import dataset_name, load_items, template_kwargs
+
+    name, kwargs = dataset_name(d), template_kwargs(tokenizer, d)
+    for item in tqdm(load_items(d, cfg.num_prompts), desc=f"dflash-eval server {name}",
+                     unit="prompt", disable=not cfg.progress):
+        messages = list(item.messages)
+        for turn, followup in enumerate([None, *item.followups]):
+            if followup is not None:
+                messages.append({"role": "user", "content": followup})
+            ids = encode_prompt(tokenizer, messages, chat_template=d.chat_template,
+                                template_kwargs=kwargs)
+            ids = ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
+            if got.warm:  # untimed; its rounds fall outside every measured counter delta
+                client.generate(ids, _sampling(cfg, stops, 0, 8))
+                got.warm = False
+            resp = client.generate(ids, _sampling(cfg, stops, len(got.responses), max_new))
+            if on_prompt is not None:
+                on_prompt(len(got.responses), resp)
+            got.responses.append(resp)
+            got.records.append(resp.to_record(name, item.index, turn))
+            got.ids.append(ids)
+            answer = (tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+                      if resp.output_ids is not None else resp.text or "")
+            messages.append({"role": "assistant", "content": answer})
+
+
+def run_server(cfg, on_prompt=None) -> dict[str, Any]:
+    """``dflash-eval backend=server``: the configured dataset(s) through the engine -> report.
+
+    ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau).
+    """
+    from hydra.utils import instantiate
+
+    from dflash_lab.eval.evaluate import stop_token_ids
+    from dflash_lab.eval.suite import budget, data_configs, dataset_name
+
+    settings = engine_settings(cfg.get("server"))
+    configs = data_configs(cfg)
+    budgets = [budget(cfg, d) for d in configs]
+    target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
+    stops = stop_token_ids(target.tokenizer, target.model) if cfg.stop_on_eos else ()
+    got = _Served(warm=bool(cfg.warmup))
+    with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
+        info = client.connect()
+        for d, max_new in zip(configs, budgets):
+            _serve_dataset(client, target.tokenizer, d, max_new, stops, cfg, got, on_prompt)
+    names = [dataset_name(d) for d in configs]
+    record = {"backend": "server", "engine": settings.engine, "url": settings.url,
+              "served_model": info["model"], "served_root": info["root"],
+              "launch": settings.launch, "stream": settings.stream,
+              "target": target.name_or_path, "block_size": info["block_size"],
+              "suite": cfg.get("suite"), "datasets": names,
+              "data": [str(d.get("path") or d.get("hub_id")) for d in configs],
+              "max_new_tokens": dict(zip(names, budgets)), "num_prompts": cfg.num_prompts,
+              "temperature": cfg.temperature, "seed": cfg.seed,
+              "sampling": "engine" if cfg.temperature > 0 else "greedy",
+              "chat_template": configs[0].chat_template,
+              "enable_thinking": configs[0].get("enable_thinking"),
+              "stop_token_ids": list(stops)}
+    return server_report(got, info["block_size"], record)
+
+
+def _sampling(cfg, stops: tuple[int, ...], n: int, max_tokens: int) -> Sampling:
+    """Response n's request: the local eval's settings; T > 0 seeds with seed + n."""
+    return Sampling(max_tokens, float(cfg.temperature), tuple(stops),
+                    ignore_eos=not cfg.stop_on_eos,
+                    seed=cfg.seed + n if cfg.temperature > 0 else None)
