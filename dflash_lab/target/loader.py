@@ -61,10 +61,12 @@ def text_config(config):
 class RawEmbedding(nn.Module):
     """The plain table lookup ``weight[ids]`` of a target embedding whose own module does more.
 
-    Gemma's HF embedding multiplies every row by sqrt(H). Serving engines give the drafter the
-    target's bare vocabulary table (vLLM shares the target's ``embed_tokens`` module, SGLang its
-    weight via ``get_embed_and_head``; Gemma's scale lives in the target model's forward, not in
-    that module), so training and the offline eval must read the same unscaled rows.
+    Gemma's HF embedding multiplies every row by sqrt(H). z-lab's reference and vLLM give the
+    drafter the bare rows (vLLM shares the target's ``embed_tokens`` module, whose Gemma scale
+    lives in the model's forward), so training and the offline eval read the same unscaled rows
+    (times ``input_embedding_scale`` when set). SGLang 0.5.23 calls the target's
+    ``get_input_embeddings()(ids)``, which for Gemma 4 is the scaled module: the exporter's SGLang
+    rules (export/engines/sglang.py) account for that.
     ``weight`` is the target's own parameter (not a copy). ids [...] -> [..., H].
     """
 
