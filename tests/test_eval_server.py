@@ -195,6 +195,14 @@ def test_sampled_requests_carry_seed_plus_index(tiny_target, tiny_target_dir, sp
         stop_token_ids(tiny_target.tokenizer, tiny_target.model))
 
 
+def test_block_size_follows_vllms_convention(spec_engine):
+    """vLLM's num_speculative_tokens is B - 1: its 7 per-position counters mean B = 8."""
+    _, url = spec_engine
+    assert EngineClient(EngineSettings(url=url, block_size=8)).connect()["block_size"] == 8
+    with pytest.raises(EngineError, match="server.block_size=7 but .* B=8"):
+        EngineClient(EngineSettings(url=url, block_size=7)).connect()
+
+
 def test_non_streaming_has_no_ttft(spec_engine, tiny_target):
     engine, url = spec_engine
     client = EngineClient(EngineSettings(url=url, stream=False))

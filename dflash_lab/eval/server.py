@@ -276,17 +276,25 @@ class EngineClient:
         if self.model not in ids:
             raise EngineError(f"{self.base} does not serve server.model={self.model!r}; it "
                               f"serves {ids}")
-        block = self.settings.block_size or self._engine_block_size()
+        block = self._engine_block_size()
         return {"model": self.model, "root": models[ids.index(self.model)].get("root"),
                 "block_size": block}
 
     def _engine_block_size(self) -> int:
         """B as the engine is configured: vLLM num_speculative_tokens + 1 (its per-position
-        counters), SGLang speculative_num_draft_tokens (``/get_server_info``)."""
+        counters; a ``server.block_size`` that disagrees is refused), SGLang
+        speculative_num_draft_tokens (``/get_server_info``), unless ``server.block_size``."""
+        given = self.settings.block_size
         if self.settings.engine == "vllm":
             positions = len(self.counters().per_pos)
-            if positions:
-                return positions + 1
+            if positions and given and given != positions + 1:
+                raise EngineError(f"server.block_size={given} but {self.settings.root} serves "
+                                  f"num_speculative_tokens={positions}, i.e. B={positions + 1} "
+                                  "(vLLM counts the drafts, B - 1): drop server.block_size")
+            if positions or given:
+                return given or positions + 1
+        elif given:
+            return given
         else:
             info = self._json(self.settings.root + "/get_server_info")
             if info.get("speculative_num_draft_tokens"):
