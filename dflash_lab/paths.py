@@ -22,13 +22,6 @@ def _find_conf_dir() -> Path:
 CONF_DIR = _find_conf_dir()
 
 
-def require_conf_dir() -> str:
-    """CONF_DIR as a string for ``hydra.main``; ValueError with the fix when it is missing."""
-    if not CONF_DIR.is_dir():
-        raise ValueError(f"Hydra config dir {CONF_DIR} not found; install dflash-lab from a "
-                         "checkout (pip install -e .) or set DFLASH_LAB_CONF to its conf/ dir")
-    return str(CONF_DIR)
-
 #: Ready experiments selected with ``recipe=NAME`` (conf/recipe links here).
 RECIPES_DIR = REPO_ROOT / "recipes"
 

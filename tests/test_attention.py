@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from doubles import emulated_flash_attn_func
 
 from dflash_lab.attention import flash as flash_module
 from dflash_lab.attention import flex as flex_module
 from dflash_lab.attention.base import get_backend
 from dflash_lab.attention.mask import BlockLayout, LayerSpec, dense_mask
 from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
-from dflash_lab.testing import emulated_flash_attn_func
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")

@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from doubles import emulated_flash_attn_func
 
 from dflash_lab.attention import base
 from dflash_lab.attention import flash as flash_module
@@ -18,7 +19,6 @@ from dflash_lab.attention.base import resolve_backend_name
 from dflash_lab.attention.flash import FlashBackend
 from dflash_lab.attention.flex import FlexBackend
 from dflash_lab.attention.sdpa import SdpaBackend
-from dflash_lab.testing import emulated_flash_attn_func
 
 
 def test_resolution_table(monkeypatch):

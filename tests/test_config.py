@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from doubles import LAYOUTS, tiny_drafter_config
 
 from dflash_lab.model.config import (
     TRAINING_SPEC_KEY,
@@ -10,7 +11,6 @@ from dflash_lab.model.config import (
     LayerSpec,
     build_target_layer_ids,
 )
-from dflash_lab.testing import LAYOUTS, tiny_drafter_config
 
 
 @pytest.mark.parametrize(("n_layers", "n", "expected"), [

@@ -61,10 +61,10 @@ def test_pad_to_multiple_of_rounds_batch_lengths_and_pads_stay_invisible():
     """Lengths 5 and 3 -> 8 with multiple 4 (8 stays 8); the drafter's blocks are unchanged by
     the extra context pads (no anchor, no loss, no block sees them)."""
     import pytest
+    from doubles import tiny_drafter_config
 
     from dflash_lab.data.module import BlockDataModule
     from dflash_lab.model.drafter import DFlashDrafter
-    from dflash_lab.testing import tiny_drafter_config
 
     cfg = tiny_drafter_config("mixed_per_layer")
     f = len(cfg.target_layer_ids) * cfg.hidden_size

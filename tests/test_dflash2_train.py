@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from doubles import tiny_drafter_config
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.testing import tiny_drafter_config
 from dflash_lab.train.loss import (
     BlockTargets,
     LogitScale,

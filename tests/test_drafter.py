@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from doubles import LAYOUTS, emulated_flash_attn_func, tiny_drafter_config
 
 from dflash_lab.attention import flash as flash_module
 from dflash_lab.attention.mask import dense_mask
 from dflash_lab.model.drafter import DFlashDrafter
-from dflash_lab.testing import LAYOUTS, emulated_flash_attn_func, tiny_drafter_config
 
 FEATURES = {
     "plain": {},

@@ -10,6 +10,11 @@ import sys
 
 import pytest
 import torch
+from eval_doubles import (
+    tiny_drafter_for,
+    write_checkpoint,
+    write_serving_dir,
+)
 from hydra import compose, initialize_config_dir
 
 from dflash_lab.data.demo_corpus import demo_conversations
@@ -17,11 +22,6 @@ from dflash_lab.eval import cli
 from dflash_lab.eval import prompts as prompts_mod
 from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.prompts import encode_prompt, load_prompts, row_messages
-from dflash_lab.eval.testing import (
-    tiny_drafter_for,
-    write_checkpoint,
-    write_serving_dir,
-)
 from dflash_lab.paths import CONF_DIR
 
 ISSUE_FIELDS = ("tau_mean", "tau_per_prompt", "acceptance_lengths", "per_position_acceptance",

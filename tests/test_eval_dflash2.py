@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_doubles import MarkovTarget, tiny_drafter_for
 from safetensors.torch import save_file
 from test_eval_sampling import chi_square_pvalue
 from test_eval_trained import _as_capture, quick_train
@@ -35,7 +36,6 @@ from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.report import generation_report, markdown
 from dflash_lab.eval.target_runner import StepOutput, TargetRunner
-from dflash_lab.eval.testing import MarkovTarget, tiny_drafter_for
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.loss import acceptance_lengths

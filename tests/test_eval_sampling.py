@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from eval_doubles import MarkovProposer, MarkovTarget
 
 from dflash_lab.eval.loop import DecodeSettings, speculative_generate
 from dflash_lab.eval.sampling import (
@@ -21,7 +22,6 @@ from dflash_lab.eval.sampling import (
     rejection_sample,
     verify,
 )
-from dflash_lab.eval.testing import MarkovProposer, MarkovTarget
 
 V = 4
 

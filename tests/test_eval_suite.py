@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
+from eval_doubles import tiny_drafter_for, write_serving_dir
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
@@ -18,7 +19,6 @@ from dflash_lab.eval import cli
 from dflash_lab.eval import suite as suite_mod
 from dflash_lab.eval.evaluate import run_features
 from dflash_lab.eval.suite import SUITES, load_items, template_kwargs
-from dflash_lab.eval.testing import tiny_drafter_for, write_serving_dir
 from dflash_lab.paths import CONF_DIR
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+from eval_doubles import RecordingProposer, tiny_drafter_for
 
 from dflash_lab.data.anchors import sample_anchors, step_generator
 from dflash_lab.data.demo_corpus import demo_conversations
@@ -31,7 +32,6 @@ from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
-from dflash_lab.eval.testing import RecordingProposer, tiny_drafter_for
 from dflash_lab.target.chat import tokenize_conversation
 from dflash_lab.target.features import extract_features
 from dflash_lab.train.loss import acceptance_lengths, block_targets, dflash_loss, token_targets

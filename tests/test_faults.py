@@ -553,10 +553,10 @@ def test_features_eval_refuses_another_checkpoints_capture(tiny_target, weights_
                                                            tmp_path, caplog):
     """dflash-eval mode=features checks the capture's target weights like training does; its
     own config carries the override the message names; num_prompts past the capture warns."""
+    from eval_doubles import tiny_drafter_for, write_serving_dir
     from hydra import compose, initialize_config_dir
 
     from dflash_lab.eval import cli
-    from dflash_lab.eval.testing import tiny_drafter_for, write_serving_dir
 
     cap, other = weights_capture
     drafter = tiny_drafter_for(tiny_target, block_size=4, target_layer_ids=[1, 3])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from doubles import flash_window_mask
 
 from dflash_lab.attention.mask import (
     BlockLayout,
@@ -10,7 +11,6 @@ from dflash_lab.attention.mask import (
     flash_window_args,
     is_inference_layout,
 )
-from dflash_lab.testing import flash_window_mask
 
 # S = 6 context slots, B = 3, anchors at 2 and 4 (blocks overlap in position 4).
 # Key columns: context 0..5 | block 0 slots 0..2 | block 1 slots 0..2.

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_train import _compose, _losses, _tiny_overrides
+from test_train import SUBPROCESS_PYTHONPATH, _compose, _losses, _tiny_overrides
 
 from dflash_lab.data.server_launch import free_port
 from dflash_lab.data.shards import read_manifest, write_json_atomic
@@ -196,7 +196,7 @@ def _torchrun_two_nodes(overrides, log_dir: Path, module: str = "dflash_lab.trai
     sharing a filesystem. Returns both agents' exit codes; their output goes to
     ``log_dir/node{0,1}.log``."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=SUBPROCESS_PYTHONPATH, OMP_NUM_THREADS="1")
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for node in range(2):
@@ -231,7 +231,7 @@ def test_two_torchrun_nodes_train_die_mid_epoch_and_resume_the_same_loss_curve(t
         "data.batch_size": 4, "validate_before_fit": False,
         "callbacks.checkpoint.last_every_n_steps": 7,
         "+logger.flush_logs_every_n_steps": 1})  # the killed run keeps every step's loss
-    kill = ["+callbacks.kill._target_=dflash_lab.testing.kill_at_step_callback",
+    kill = ["+callbacks.kill._target_=doubles.kill_at_step_callback",
             "+callbacks.kill.step=9"]
     run_dir = tmp_path / "run"
     codes = _torchrun_two_nodes(overrides + kill, tmp_path / "killed")

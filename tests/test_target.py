@@ -16,7 +16,6 @@ from dflash_lab.target.tiny import (
     TinyTargetRecipe,
     build_tiny_target,
     materialize_tiny_target,
-    tiny_mask_token_id,
 )
 
 PROMPTS = [
@@ -35,7 +34,7 @@ def test_tiny_target_is_a_plain_hf_directory(tiny_target_dir):
     assert model.config.model_type == "qwen3"
     assert len(tok) <= model.config.vocab_size <= 2048
     assert model.config.num_hidden_layers >= 5
-    mask_id = tiny_mask_token_id(tiny_target_dir)
+    mask_id = json.loads((tiny_target_dir / MARKER_FILE).read_text())["mask_token_id"]
     assert tok.convert_tokens_to_ids(MASK_TOKEN) == mask_id
     assert tok.decode([mask_id]) == MASK_TOKEN
     assert tok.chat_template

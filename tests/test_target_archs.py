@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eval_doubles import OracleProposer, RecordingProposer, tiny_drafter_for
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from tiny_archs import ARCHITECTURES, build_tiny_arch_target
@@ -17,7 +18,6 @@ from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
-from dflash_lab.eval.testing import OracleProposer, RecordingProposer, tiny_drafter_for
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.target.features import extract_features
 from dflash_lab.target.loader import RawEmbedding, load_target, text_config
@@ -169,7 +169,8 @@ def _compose(overrides):
 
 def test_capture_train_export_on_the_architecture(arch, arch_dir, tmp_path):
     """Capture demo conversations, train offline on the head-only target, export for both
-    engines against the target's config (nested text_config included)."""
+    engines against the target's config (nested text_config included); Gemma 4 for vLLM only
+    (SGLang 0.5.23 would feed its scaled embeddings), refused for both at start-up and export."""
     from dflash_lab.train.run import train
     from export.cli import main as export_main
 
@@ -179,15 +180,25 @@ def test_capture_train_export_on_the_architecture(arch, arch_dir, tmp_path):
     manifest = run_capture(arch, rows, settings, {"path": "demo"}, progress=False)
     assert manifest["hidden_size"] == 64
     mask = arch.token_id(MASK_TOKEN)
-    result = train(_compose([
+    overrides = [
         "target=hf", f"target.name_or_path={arch_dir}", "target.dtype=float32",
         "target.device=cpu", "target.head_only=true", f"drafter.target_layer_ids={LAYERS}",
         f"drafter.mask_token_id={mask}", "drafter.num_hidden_layers=1", "drafter.block_size=4",
         "logger=none", f"paths.output_dir={tmp_path / 'run'}", "trainer=cpu",
         "trainer.max_epochs=1", "data.batch_size=4", "data.num_workers=0",
-        "module.num_anchors=8", "export.enabled=false", "data=offline",
-        f"data.path={tmp_path / 'cap'}"]))
+        "module.num_anchors=8", "data=offline", f"data.path={tmp_path / 'cap'}"]
+    gemma = arch_dir.name == "gemma4"
+    if gemma:  # SGLang feeds Gemma 4's scaled embedding module: refused before training
+        with pytest.raises(ValueError, match="(?s)Gemma4ForConditionalGeneration.*export.engine"):
+            train(_compose(overrides + ["export.engine=both"]))
+        assert not (tmp_path / "run" / "checkpoints").exists()
+    result = train(_compose(overrides + ["export.enabled=false"]))
     assert result["val_tau_after"] >= 1.0 and result["best_checkpoint"]
+    engine = ["--engine", "vllm"] if gemma else []
     rc = export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32",
-                      "--target", str(arch_dir)])
+                      "--target", str(arch_dir), *engine])
     assert rc == 0 and (tmp_path / "export" / "config.json").is_file()
+    if gemma:
+        assert export_main([str(tmp_path / "run"), str(tmp_path / "export2"), "--dtype",
+                            "float32", "--target", str(arch_dir)]) != 0
+        assert not (tmp_path / "export2").exists()

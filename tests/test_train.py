@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from doubles import tiny_drafter_config
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from stand_ins import config_target
@@ -16,7 +17,6 @@ from stand_ins import config_target
 from dflash_lab.attention import mask as mask_module
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR, REPO_ROOT
-from dflash_lab.testing import tiny_drafter_config
 from dflash_lab.train.factory import build_drafter
 from dflash_lab.train.loss import block_targets, dflash_loss, global_weighted_loss
 from dflash_lab.train.module import DFlashModule
@@ -133,8 +133,13 @@ def test_missing_capture_fails_at_start_up(tiny_target_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume
+#: The repository (the package, not installed) and tests/ (the doubles a run's config may name,
+#: e.g. ``doubles.kill_at_step_callback``) on a subprocess's import path.
+SUBPROCESS_PYTHONPATH = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])
+
+
 def _run_cli(overrides, check=True):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=SUBPROCESS_PYTHONPATH)
     return subprocess.run([sys.executable, "-m", "dflash_lab.train.cli", *overrides],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=check,
                           timeout=600)
@@ -167,7 +172,7 @@ def test_resume_after_a_kill_continues_the_same_loss_curve(tiny_target_dir, tmp_
     ref = _tiny_overrides(tmp_path / "ref", tiny_target_dir, **common)
     _run_cli(ref)
     killed = _tiny_overrides(tmp_path / "kill", tiny_target_dir, **common)
-    kill = ["+callbacks.kill._target_=dflash_lab.testing.kill_at_step_callback",
+    kill = ["+callbacks.kill._target_=doubles.kill_at_step_callback",
             f"+callbacks.kill.step={kill_at}"]
     proc = _run_cli(killed + kill, check=False)
     assert proc.returncode != 0, "the run was supposed to be killed"

@@ -217,11 +217,6 @@ def materialize_tiny_target(path: str | Path | None = None,
     return path
 
 
-def tiny_mask_token_id(path: str | Path) -> int:
-    """The MASK token id recorded in a materialised tiny target directory."""
-    return int(json.loads((Path(path) / MARKER_FILE).read_text())["mask_token_id"])
-
-
 def load_tiny_target(path: str | Path | None = None, seed: int = 0, dtype: str = "float32",
                      device: str = "cpu"):
     """Materialise (or reuse) the tiny target and load it with :func:`load_target`."""

@@ -1,4 +1,5 @@
-"""Small deterministic building blocks for tests, examples and benchmarks (no downloads)."""
+"""Small deterministic building blocks for tests (no downloads): tiny drafter configs over every
+layer layout, a pure-torch flash-attn stand-in and its visibility rule, a kill-at-step callback."""
 
 from __future__ import annotations
 
