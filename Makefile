@@ -118,6 +118,34 @@ check-zlab: dev dflash-venv
 	$(VPY) -m pytest -q tests/test_eval_dflash2.py tests/test_dflash2_model.py tests/test_export_dflash2.py \
 		tests/test_warm_start.py -k zlab
 
+# SGLang's own config-level DFlash code (docs/serving.md): sglang 0.5.23 in its own venv, installed
+# --no-deps (its GPU kernels do not install on CPU) with the packages its config-level modules
+# import, at the versions it pins. torch 2.14.1 is the CUDA build (PyPI has no CPU build of it;
+# `import torch` needs its nvidia-* libraries), so this venv is about 6 GB. Never uses the
+# project's torch constraint (constraints.txt pins 2.13.0).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_VERSION ?= 0.5.23
+SGLANG_PINS := "torch==2.14.1" "transformers==5.19.0" "tokenizers==0.23.2" \
+	"apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" "openai==2.8.0" "sentencepiece==0.2.1"
+SGLANG_IMPORTS := orjson psutil pybase64 requests starlette msgspec pyzmq IPython aiohttp dill \
+	gguf partial_json_parser einops pillow zstandard setproctitle uvicorn fastapi
+
+$(SGLANG_VENV)/.installed:
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --upgrade pip
+	$(SGLANG_VENV)/bin/pip install $(SGLANG_PINS) $(SGLANG_IMPORTS)
+	$(SGLANG_VENV)/bin/pip install --no-deps "torchvision==0.29.1" "sglang==$(SGLANG_VERSION)"
+	touch $@
+
+.PHONY: sglang-venv check-sglang-config
+
+sglang-venv: $(SGLANG_VENV)/.installed
+
+# Every recipe's export read by SGLang's _get_dflash_layer_attention_params and
+# parse_dflash_draft_config (scripts/check_sglang_config.py): as trained, or refused by the exporter.
+check-sglang-config: venv sglang-venv
+	$(VPY) scripts/check_sglang_config.py
+
 bench: venv speculators-venv vllm-venv
 	mkdir -p outputs/bench
 	for b in $(BENCHMARKS); do \
