@@ -22,7 +22,6 @@ from test_eval_sampling import chi_square_pvalue
 from test_eval_trained import _as_capture, quick_train
 
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.eval.evaluate import stop_token_ids
 from dflash_lab.eval.features import _forward, feature_eval, selector_flags
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.eval.loop import (
@@ -38,6 +37,7 @@ from dflash_lab.eval.report import generation_report, markdown
 from dflash_lab.eval.target_runner import StepOutput, TargetRunner
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.target.chat import target_stop_ids
 from dflash_lab.train.loss import acceptance_lengths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -368,7 +368,7 @@ def zlab_runs(tiny_target, tiny_target_dir, trained, prompts, tmp_path_factory):
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     theirs = json.loads((root / "zlab.json").read_text())
-    stops = stop_token_ids(tiny_target.tokenizer, tiny_target.model)
+    stops = tuple(target_stop_ids(tiny_target))
     assert theirs["stop_token_ids"] == list(stops)  # benchmark.py's rule gives ours here
     settings = DecodeSettings(max_new_tokens=ZLAB_BUDGET, stop_token_ids=stops)
     ours = {name: _generate(tiny_target, load_drafter(path).drafter, prompts, settings)

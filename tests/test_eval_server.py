@@ -19,7 +19,6 @@ from hydra import compose, initialize_config_dir
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.server_launch import free_port
 from dflash_lab.eval import cli
-from dflash_lab.eval.evaluate import stop_token_ids
 from dflash_lab.eval.prompts import load_prompts
 from dflash_lab.eval.server import (
     EngineClient,
@@ -30,6 +29,7 @@ from dflash_lab.eval.server import (
     parse_vllm_metrics,
 )
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.target.chat import target_stop_ids
 
 #: prometheus_client's text for vLLM's counters (generated in .venv-vllm with vLLM 0.32's names,
 #: label names and documentation), two engines, created samples and an unrelated family included.
@@ -155,7 +155,7 @@ def test_cli_vllm_backend_measures_the_engines_rounds(tiny_target, tiny_target_d
     report = _run_cli(monkeypatch, tiny_target_dir, prompts_file, tmp_path / "out",
                       f"server.url={url}")
     prompts = load_prompts(tiny_target.tokenizer, str(prompts_file), num_prompts=3)
-    stops = stop_token_ids(tiny_target.tokenizer, tiny_target.model)
+    stops = tuple(target_stop_ids(tiny_target))
     measured = engine.requests[1:]  # the first is the untimed warm-up (8 tokens)
     assert engine.requests[0]["max_tokens"] == 8
     assert [r["prompt"] for r in measured] == [p.ids for p in prompts]  # token ids, as local
@@ -191,8 +191,7 @@ def test_sampled_requests_carry_seed_plus_index(tiny_target, tiny_target_dir, sp
     assert report["settings"]["sampling"] == "engine"
     prompts = load_prompts(tiny_target.tokenizer, str(prompts_file), num_prompts=3)
     assert report["prompt_ids"] == [p.ids for p in prompts]
-    assert report["settings"]["stop_token_ids"] == list(
-        stop_token_ids(tiny_target.tokenizer, tiny_target.model))
+    assert report["settings"]["stop_token_ids"] == target_stop_ids(tiny_target)
 
 
 def test_block_size_follows_vllms_convention(spec_engine):

@@ -22,10 +22,9 @@ from dflash_lab.data.regenerate import (
     RegenerateSettings,
     decode_reply,
     run_regenerate,
-    stop_token_ids,
 )
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.target.chat import render_prompt
+from dflash_lab.target.chat import render_prompt, target_stop_ids
 
 
 @pytest.fixture
@@ -80,7 +79,7 @@ def test_requests_carry_token_ids_explicit_sampling_fields_and_the_targets_stops
     want_ids = tok(render_prompt(tok, conv[:first_reply]), add_special_tokens=False)["input_ids"]
     assert first["prompt"] == want_ids  # token ids: no server-side template, no second BOS
     assert first["model"] == MODEL_ID and first["max_tokens"] == 16
-    assert first["stop_token_ids"] == stop_token_ids(tiny_target)
+    assert first["stop_token_ids"] == target_stop_ids(tiny_target)
     # Nothing left for the engine to fill from the model's generation_config.json.
     assert (first["temperature"], first["top_p"], first["top_k"], first["min_p"],
             first["repetition_penalty"]) == (0.0, 1.0, -1, 0.0, 1.0)
@@ -99,7 +98,7 @@ def test_a_server_without_token_ids_falls_back_to_its_text(tiny_target, served, 
 
 
 def test_a_reply_cut_inside_a_character_drops_the_partial_character(tiny_target):
-    tok, stops = tiny_target.tokenizer, stop_token_ids(tiny_target)
+    tok, stops = tiny_target.tokenizer, target_stop_ids(tiny_target)
     ids = tok("héllo 日本", add_special_tokens=False)["input_ids"]  # byte-level: 日 is 3 tokens
     cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
     assert decode_reply(tok, ids[:cut], stops) == (tok.decode(ids[:cut]).rstrip("\ufffd"), cut)

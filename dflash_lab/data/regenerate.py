@@ -33,6 +33,7 @@ from dflash_lab.target.chat import (
     check_conversation,
     normalize_conversation,
     render_prompt,
+    target_stop_ids,
 )
 
 log = logging.getLogger("dflash_lab.regenerate")
@@ -85,12 +86,6 @@ def _generation_config(s: RegenerateSettings, stops: list[int], pad: int):
                                                  {"do_sample": False}))
 
 
-def stop_token_ids(target) -> list[int]:
-    """The target's end-of-turn ids: its generation config's EOS list, else the tokenizer's."""
-    stops = target.model.generation_config.eos_token_id
-    return [stops] if isinstance(stops, int) else list(stops or [target.tokenizer.eos_token_id])
-
-
 def generate_replies(target, histories: list[list[dict[str, Any]]], s: RegenerateSettings,
                      server: CompletionServer | None = None) -> list[tuple[str, int] | None]:
     """The target's next assistant turn for each history: (text, new tokens), or None when the
@@ -105,7 +100,7 @@ def generate_replies(target, histories: list[list[dict[str, Any]]], s: Regenerat
     fits = [k for k, p in enumerate(prompts) if len(p) + s.max_new_tokens <= s.max_length]
     out: list[tuple[str, int] | None] = [None] * len(histories)
     if fits:
-        ask, stops = [prompts[k] for k in fits], stop_token_ids(target)
+        ask, stops = [prompts[k] for k in fits], target_stop_ids(target)
         replies = (_hf_replies(target, ask, s, stops) if server is None
                    else _server_replies(server, ask, s, tok, stops))
         for k, reply in zip(fits, replies):

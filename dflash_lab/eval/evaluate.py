@@ -36,17 +36,10 @@ from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
 from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items, template_kwargs
 from dflash_lab.eval.target_runner import TargetRunner
+from dflash_lab.target.chat import target_stop_ids
 
 log = logging.getLogger(__name__)
 MODES = ("generate", "features")
-
-
-def stop_token_ids(tokenizer, model) -> tuple[int, ...]:
-    """EOS ids of the tokenizer and the generation config (end-of-turn for chat models)."""
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-    return tuple(sorted(int(i) for i in ids if i is not None))
 
 
 class Decoder:
@@ -178,7 +171,7 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     target, loaded, backend = _load_pair(cfg)
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
-    stops = stop_token_ids(target.tokenizer, target.model) if cfg.stop_on_eos else ()
+    stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     decoder = Decoder(target.model, proposer, loaded.drafter.config.target_layer_ids,
                       baseline=cfg.baseline, seed=cfg.seed)
     got = _Collected(warm=bool(cfg.warmup))

@@ -130,14 +130,14 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     """
     from hydra.utils import instantiate
 
-    from dflash_lab.eval.evaluate import stop_token_ids
     from dflash_lab.eval.suite import budget, data_configs, dataset_name
+    from dflash_lab.target.chat import target_stop_ids
 
     settings = engine_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
     target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
-    stops = stop_token_ids(target.tokenizer, target.model) if cfg.stop_on_eos else ()
+    stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     got = _Served(warm=bool(cfg.warmup))
     with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
         info = client.connect()
