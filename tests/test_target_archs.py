@@ -190,7 +190,7 @@ def test_capture_train_export_on_the_architecture(arch, arch_dir, tmp_path):
     gemma = arch_dir.name == "gemma4"
     if gemma:  # SGLang feeds Gemma 4's scaled embedding module: refused before training
         with pytest.raises(ValueError, match="(?s)Gemma4ForConditionalGeneration.*export.engine"):
-            train(_compose(overrides + ["export.engine=both"]))
+            train(_compose(overrides + ["export.enabled=true", "export.engine=both"]))
         assert not (tmp_path / "run" / "checkpoints").exists()
     result = train(_compose(overrides + ["export.enabled=false"]))
     assert result["val_tau_after"] >= 1.0 and result["best_checkpoint"]

@@ -73,6 +73,24 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
             "trainer": trainer, "logger": logger}
 
 
+def check_export_plan(cfg: DictConfig, drafter, target) -> None:
+    """Refuse at start-up a run whose end-of-run export the engine rules would refuse (e.g. a
+    Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings), instead of
+    failing after training: same rules, same target class as ``dflash-export`` applies."""
+    from export.api import ExportRefused, parse_engines, plan_export
+    from export.checks import refusals
+
+    _, findings = plan_export(
+        drafter.config, parse_engines(cfg.export.engine),
+        sglang_version=str(cfg.export.get("sglang_version", "0.5.23")),
+        sglang_backend=cfg.export.get("sglang_attention_backend", "any"),
+        target_architecture=target.identity().get("architecture"))
+    if refusals(findings):
+        raise ValueError(f"{ExportRefused(findings)}\nthe end-of-run export (export.engine="
+                         f"{cfg.export.engine}) would be refused: set export.engine to the "
+                         "engines that serve this drafter, or export.enabled=false")
+
+
 def check_resume(cfg: DictConfig, out_dir: Path, ckpt: str | None) -> None:
     """A resume (``ckpt`` in this run directory) must match the run's latest recorded config
     (:func:`~dflash_lab.train.resume.check_resume_config`)."""
@@ -120,6 +138,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_resume(cfg, out_dir, ckpt)
     parts = build_components(cfg)
     check_resume_target(cfg, out_dir, ckpt, parts["target"])
+    if cfg.export.enabled:
+        check_export_plan(cfg, parts["drafter"], parts["target"])
     write_run_info(out_dir, cfg, target=parts["target"].identity(), resumed_from=ckpt)
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]
     if hasattr(trainer.checkpoint_callback, "target_identity"):  # DFlashCheckpoint
