@@ -64,15 +64,45 @@ def is_speculators_dir(path: Path) -> bool:
 def _speculators_layout(d: dict[str, Any], tl: dict[str, Any], kind: str) -> dict[str, Any]:
     """Per-layer window and causality as speculators' mask builds them: sliding layers are
     causal unless ``sliding_window_non_causal`` (default False for dflash, True for dflash2),
-    full layers always bidirectional."""
+    full layers always bidirectional. Its window ``W`` is read as our ``W + 1``
+    (:func:`speculators_window_difference` says why and what still differs)."""
     n = int(tl["num_hidden_layers"])
     types = list(tl.get("layer_types") or [FULL] * n)
     sliding = [t == SLIDING for t in types]
     non_causal = bool(d.get("sliding_window_non_causal", kind == "dflash2"))
     causal = [s and not non_causal for s in sliding]
-    return {"layer_types": types,
-            "sliding_window": tl.get("sliding_window") if any(sliding) else None,
+    window = tl.get("sliding_window") if any(sliding) else None
+    return {"layer_types": types, "sliding_window": None if window is None else int(window) + 1,
             "is_causal": causal[0] if len(set(causal)) == 1 else causal}
+
+
+def speculators_window_difference(window: int, block_size: int, causal: bool) -> str:
+    """What our window ``W + 1`` hides that speculators 0.9.0's sliding window ``W`` shows.
+
+    speculators (``models/dflash/attention.py::create_anchor_block_mask_mod``) anchors the
+    window at the block: every slot of the block anchored at ``a`` sees the context positions
+    ``[a - W, a)`` and its whole block (causal: slots ``u <= t``). Ours counts ``W' `` keys back
+    from each query (slot ``t`` at position ``a + t`` sees context ``[a + t - W' + 1, a)`` and
+    block slots ``|t - u| <= W' - 1``), so no ``W'`` equals it for ``B >= 2``: the context bound
+    would have to move with ``t``. ``W' = W + 1`` is the largest window whose keys all lie
+    inside speculators' for every slot: slot 0 sees exactly speculators' context, slot ``t`` misses
+    the ``min(t, W)`` oldest context positions ``[a - W, a - W + t)``, and when ``W + 1 < B``
+    block slots more than ``W`` apart (which speculators shows) are hidden. Counts are per block
+    whose anchor has at least ``W`` context positions.
+    """
+    b = block_size
+    ctx = sum(min(t, window) for t in range(b))
+    blk = sum(1 for t in range(b) for u in range(b)
+              if abs(t - u) > window and (u <= t or not causal))
+    seen = b * window + sum(1 for t in range(b) for u in range(b) if u <= t or not causal)
+    text = (f"speculators' sliding window {window} covers the {window} positions before the "
+            f"block for every slot; ours counts back from each query: read as window "
+            f"{window + 1} (slot 0's context exact), slot t of the {b}-slot block misses the "
+            f"min(t, {window}) oldest of them: {ctx} of its {b * window} context (query, key) "
+            "pairs")
+    if blk:
+        text += f" and {blk} block pairs more than {window} slots apart"
+    return text + f" per block ({ctx + blk} of {seen} pairs speculators trained with)"
 
 
 def _rope(tl: dict[str, Any], file: Path) -> dict[str, Any]:
@@ -133,10 +163,11 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
              f"{ids} (speculators counts hidden_states: i+1)",
              f"num_target_layers not recorded; assumed {max(ids) + 1} (training and eval use "
              "the loaded target's depth)"]
-    if fields["sliding_window"] is not None:
-        notes.append("speculators' sliding window spans the W context positions before the "
-                     "anchor for every slot; ours counts W keys back from each query")
-    return DrafterConfig.create(source=str(file), **fields), notes
+    config = DrafterConfig.create(source=str(file), **fields)
+    causal = {s.causal for s in config.layer_specs() if s.window is not None}
+    notes += [speculators_window_difference(config.sliding_window - 1, config.block_size, c)
+              for c in sorted(causal)]
+    return config, notes
 
 
 def load_speculators_dir(path: Path):
@@ -147,7 +178,9 @@ def load_speculators_dir(path: Path):
     config, notes = speculators_config(json.loads(file.read_text()), file)
     state = {k: v for k, v in load_weights(path).items() if k not in SPECULATORS_KEYS}
     validate_state_dict(state, config, str(path / WEIGHTS_FILE))
-    return Source(config, state, "serving", f"speculators directory {path}", notes, reads=[path])
+    return Source(config, state, "serving", f"speculators directory {path}", notes, reads=[path],
+                  depth_recorded=False,
+                  mask_differences=[n for n in notes if n.startswith("speculators' sliding")])
 
 
 # ---------------------------------------------------------------------------- SpecForge
@@ -238,4 +271,5 @@ def load_specforge_checkpoint(state_file: Path):
     notes = [f"draft config {config_file}; SpecForge step {state.get('global_step')}; "
              "sliding layers causal, full bidirectional (SpecForge's mask)"]
     return Source(config, weights, "checkpoint", f"SpecForge checkpoint {state_file}", notes,
-                  reads=[state_file, config_file])
+                  reads=[state_file, config_file],
+                  depth_recorded="num_target_layers" in json.loads(config_file.read_text()))

@@ -54,6 +54,12 @@ class Source:
     #: The target identity a training checkpoint recorded (``dflash_target``: config/tokenizer
     #: hashes and ``weights_fingerprint``); None for serving dirs and older checkpoints.
     target_identity: dict | None = None
+    #: False when the format records no target depth (speculators, a z-lab config without
+    #: ``num_target_layers``): ``config.num_target_layers`` is then max(ids) + 1, assumed.
+    depth_recorded: bool = True
+    #: Where our mask runs these weights differently from their trainer's (read from the
+    #: format; the warm start reports them with the override contradictions).
+    mask_differences: list[str] = field(default_factory=list)
 
 
 class ImportedDrafter(NamedTuple):
@@ -272,7 +278,8 @@ def load_source(path: str | Path) -> Source:
         imported = import_drafter(path)
         notes = [f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
         return Source(imported.config, imported.state_dict, "serving",
-                      f"serving directory {path}", notes, reads=[path])
+                      f"serving directory {path}", notes, reads=[path],
+                      depth_recorded="num_target_layers" in read_config_json(path))
     if (path / "checkpoints").is_dir():
         ckpt, why = resolve_run_dir(path)
         source = load_checkpoint(ckpt)

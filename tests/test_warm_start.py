@@ -197,7 +197,7 @@ def test_speculators_directory_from_its_documented_keys(tiny_target, tmp_path, v
     assert drafter.config.variant == variant
     assert drafter.config.target_layer_ids == [1, 3, 5]  # aux ids [2, 4, 6] minus one
     assert drafter.config.causal_flags == causal  # full layers always bidirectional
-    assert drafter.config.layer_specs()[0].window == 8
+    assert drafter.config.layer_specs()[0].window == 9  # speculators' 8 + 1
     assert_same_weights(drafter, state)
     loaded = load_drafter(sdir)  # dflash-eval
     assert loaded.drafter.config.target_layer_ids == [1, 3, 5]
@@ -425,3 +425,123 @@ def _compose_hydra(overrides: list[str]):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=overrides, return_hydra_config=True)
+
+
+# ---------------------------------------------------------------------------- other targets
+def test_a_source_recorded_for_another_target_depth_is_refused_unless_ids_are_chosen(
+        tiny_target, tmp_path, caplog):
+    """Ids [1, 3, 5] exist on the 8-layer tiny target but were chosen on a 12-layer one."""
+    config = tiny_source_config(tiny_target, num_target_layers=12)
+    state = random_state(config)
+    ckpt = write_checkpoint(tmp_path / "deep.ckpt", config, state)
+    zdir = write_zlab_dir(tmp_path / "zlab", zlab_dict(config), state)
+    for path in (ckpt, zdir):
+        with pytest.raises(ValueError, match="target of 12 layers .* the loaded target has 8") \
+                as err:
+            warm(tiny_target, path)
+        assert str(path) in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.train.warm_start"):
+        drafter = warm(tiny_target, ckpt, target_layer_ids=[1, 3, 5])  # chosen: reported
+    assert drafter.config.num_target_layers == 8
+    assert "num_target_layers 12 -> 8" in " ".join(r.getMessage() for r in caplog.records)
+    unrecorded = zlab_dict(config)
+    unrecorded.pop("num_target_layers")  # no depth recorded: nothing to compare
+    drafter = warm(tiny_target, write_zlab_dir(tmp_path / "zlab2", unrecorded, state))
+    assert drafter.config.num_target_layers == 8
+
+
+def test_a_source_trained_on_other_target_weights_is_warned_with_both_fingerprints(
+        tiny_target, tmp_path, caplog):
+    """A fine-tuned target (same shapes, other values) is a use case: a warning, no refusal."""
+    config = tiny_source_config(tiny_target)
+    state = random_state(config)
+    have = tiny_target.weights_fingerprint()
+    assert have  # the tiny target is loaded from files
+    for name, recorded, warned in (("other", "f" * 64, True), ("same", have, False)):
+        ckpt = write_checkpoint(tmp_path / f"{name}.ckpt", config, state)
+        saved = torch.load(ckpt, weights_only=True)
+        torch.save({**saved, "dflash_target": {"weights_fingerprint": recorded}}, ckpt)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dflash_lab.train.warm_start"):
+            assert_same_weights(warm(tiny_target, ckpt), state)
+        text = " ".join(r.getMessage() for r in caplog.records)
+        assert (recorded in text and have in text) == warned, text
+
+
+# ---------------------------------------------------------------------------- speculators mask
+def speculators_visible(anchors_n: torch.Tensor, num_context: int, block_size: int,
+                        window: int, causal: bool) -> torch.Tensor:
+    """speculators 0.9.0's sliding-layer mask (models/dflash/attention.py,
+    create_anchor_block_mask_mod, one document), [Q, K] over our key layout (context, blocks):
+    every slot of block j sees context [a_j - W, a_j) and its own block (causal: u <= t)."""
+    q = torch.arange(len(anchors_n) * block_size)[:, None]
+    kv = torch.arange(num_context + len(anchors_n) * block_size)[None, :]
+    a = anchors_n[q // block_size]
+    ctx = (kv < num_context) & (kv < a) & (kv >= a - window)
+    blk = (kv >= num_context) & ((kv - num_context) // block_size == q // block_size)
+    if causal:
+        blk = blk & (kv - num_context <= q)
+    return ctx | blk
+
+
+@pytest.mark.parametrize(("window", "block", "non_causal"),
+                         [(2, 4, False), (2, 4, True), (8, 4, False)])
+def test_speculators_window_is_read_as_w_plus_one_and_what_differs_is_reported(
+        tiny_target, tmp_path, caplog, window, block, non_causal):
+    """No window of ours equals speculators' block-anchored one (B >= 2); W + 1 is the largest
+    whose keys stay inside it (slot 0's context exact). The warning counts the (query, key)
+    pairs ours hides, counted here on the two masks themselves."""
+    from dflash_lab.attention.mask import BlockLayout, dense_mask
+
+    config = tiny_source_config(tiny_target, sliding_window=window, block_size=block)
+    sdir = write_speculators_dir(tmp_path / "spec", speculators_dict(config, non_causal),
+                                 random_state(config))
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.train.warm_start"):
+        spec = warm(tiny_target, sdir).config.layer_specs()[0]
+    assert spec.window == window + 1 and spec.causal == (not non_causal)
+    context = window + 3  # a full window of context before the block
+    anchors = torch.tensor([context])
+    ours = dense_mask(BlockLayout(anchors[None], context, block), spec)[0, 0]
+    theirs = speculators_visible(anchors, context, block, window, spec.causal)
+    assert not (ours & ~theirs).any()  # ours never shows a key speculators hid
+    assert torch.equal(ours[0, :context], theirs[0, :context])  # slot 0's context exact
+    hidden, seen = int((theirs & ~ours).sum()), int(theirs.sum())
+    assert hidden > 0
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "contradicts how the weights were trained" in text
+    assert f"read as window {window + 1}" in text and f"({hidden} of {seen} pairs" in text
+
+
+_SPEC_MASK = """
+import json, sys
+import torch
+from speculators.models.dflash.attention import create_anchor_block_mask_mod
+a = json.loads(sys.argv[1])
+zero = torch.tensor(0)  # or_masks builds its result from the batch index tensor
+out = []
+for non_causal in (False, True):
+    mod, q_len, kv_len = create_anchor_block_mask_mod(
+        torch.zeros(a["S"], dtype=torch.long), a["S"], torch.tensor(a["anchors"]), a["B"],
+        sliding_window=a["W"], sliding_window_non_causal=non_causal)
+    q, kv = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+    out.append(mod(zero, zero, q, kv).tolist())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not SPEC_PYTHON.exists(),
+                    reason="needs .venv-speculators (make speculators-venv): speculators 0.9.0")
+@pytest.mark.slow
+def test_the_transcribed_speculators_mask_is_speculators_own(tmp_path):
+    """speculators_visible above equals speculators 0.9.0's mask_mod (causal and non-causal
+    sliding), run by speculators itself."""
+    layout = {"S": 12, "anchors": [2, 5, 9], "B": 4, "W": 3}
+    script = tmp_path / "spec_mask.py"
+    script.write_text(_SPEC_MASK)
+    done = subprocess.run([str(SPEC_PYTHON), str(script), json.dumps(layout)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for theirs, causal in zip(json.loads(done.stdout), (True, False), strict=True):
+        assert torch.equal(torch.tensor(theirs), speculators_visible(
+            torch.tensor(layout["anchors"]), 12, 4, 3, causal=causal))

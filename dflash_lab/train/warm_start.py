@@ -8,6 +8,11 @@ overrides it. An override that changes what the trained weights compute (a layer
 between sliding and full or causal and bidirectional, another window, block size, target layer
 ids, MASK id, RoPE or logit scales) is logged as one warning listing each; one that changes the
 tensor shapes, or a source built for another target (hidden or vocab size), is a ValueError.
+A source recorded for a target of another depth is refused too unless ``target_layer_ids`` is
+overridden (:func:`check_depth`); one trained on other target weights of the same shapes (a
+fine-tune of the target) is a warning naming both fingerprints (:func:`other_target_weights`).
+Where a peer's mask differs from ours (speculators' block-anchored window) the contradiction
+warning says so with the numbers (``Source.mask_differences``).
 Only the weights are taken: optimizer and schedule start fresh (a resume of our own run goes
 through ``ckpt_path`` and restores both).
 """
@@ -98,6 +103,47 @@ def check_target(config: DrafterConfig, shape: dict[str, Any], where: str, name:
                          "trained for, or train a fresh drafter (drafter.init_from=null)")
 
 
+def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> list[str]:
+    """ValueError when the source was recorded for a target of another depth and its layer ids
+    are kept; the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
+
+    In the drafter the depth only bounds and spreads the layer ids (``build_target_layer_ids``;
+    nothing it computes reads it), but ids chosen on an L-layer target name other layers of a
+    target of another depth (id 17 is mid-depth of 36 layers, two thirds of 28): the trained
+    ``fc`` would read features it never saw, which is another target. An explicit
+    ``drafter.target_layer_ids`` is the user choosing this target's layers: reported, not refused.
+    Formats that record no depth (speculators) are not compared.
+    """
+    old = source.config.num_target_layers
+    if not source.depth_recorded or old == depth:
+        return []
+    if "target_layer_ids" not in overrides:
+        raise ValueError(
+            f"drafter.init_from={where}: the drafter was trained for a target of {old} layers "
+            f"(num_target_layers={old}) but the loaded target has {depth}: its target_layer_ids "
+            f"{source.config.target_layer_ids} name other layers here (another target). Pass "
+            "the target it was trained for, or choose this target's layers with "
+            "drafter.target_layer_ids=[...] (or a count to spread them), reported as a "
+            "contradiction")
+    return [f"num_target_layers {old} -> {depth}"]
+
+
+def other_target_weights(source, target, where: str) -> None:
+    """Warn when the source's checkpoint recorded a target weights fingerprint other than the
+    loaded target's: same shapes, other values (a fine-tune of the target). Legitimate for a
+    warm start (adapting a drafter to a fine-tuned target), so not refused; step 0 then
+    validates below the source's own tau. Our exports and the peers' formats record none."""
+    recorded = (source.target_identity or {}).get("weights_fingerprint")
+    if not recorded:
+        return
+    have = target.weights_fingerprint()
+    if have and have != recorded:
+        log.warning("drafter.init_from=%s was trained on target weights with fingerprint %s; "
+                    "the loaded target %s has %s (same shapes, other values, e.g. a fine-tune): "
+                    "the warm start adapts the drafter to these weights", where, recorded,
+                    target.name_or_path, have)
+
+
 def merged_config(source: DrafterConfig, overrides: dict[str, Any], num_target_layers: int,
                   where: str) -> DrafterConfig:
     """The source config with the overrides and the loaded target's depth applied."""
@@ -129,12 +175,15 @@ def warm_started_drafter(target, init_from: str, backend: str,
     source = load_source(where)
     shape = target_shape(target.model.config)
     check_target(source.config, shape, where, str(target.name_or_path))
-    config = merged_config(source.config, explicit_overrides(fields),
-                           int(shape["num_target_layers"]), where)
+    overrides, depth = explicit_overrides(fields), int(shape["num_target_layers"])
+    changed = check_depth(source, depth, overrides, where)
+    config = merged_config(source.config, overrides, depth, where)
     resolve_mask_token_id(target.tokenizer, config.mask_token_id, vocab_size=config.vocab_size,
                           where=str(target.name_or_path))
-    if changed := contradictions(source.config, config):
-        log.warning("drafter.init_from=%s: overrides contradict the trained weights: %s",
+    other_target_weights(source, target, where)
+    changed += contradictions(source.config, config)
+    if changed := changed + source.mask_differences:
+        log.warning("drafter.init_from=%s: this run contradicts how the weights were trained: %s",
                     where, "; ".join(changed))
     drafter = DFlashDrafter(config, backend=backend)
     drafter.load_state_dict(source.state_dict, strict=True)
