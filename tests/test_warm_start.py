@@ -545,3 +545,52 @@ def test_the_transcribed_speculators_mask_is_speculators_own(tmp_path):
     for theirs, causal in zip(json.loads(done.stdout), (True, False), strict=True):
         assert torch.equal(torch.tensor(theirs), speculators_visible(
             torch.tensor(layout["anchors"]), 12, 4, 3, causal=causal))
+
+
+# ---------------------------------------------------------------------------- step-0 tau
+@pytest.mark.slow
+def test_step_0_val_tau_equals_the_feature_eval_of_the_source_export(tiny_target,
+                                                                     tiny_target_dir, tmp_path):
+    """Step 0 of a run warm-started from an export = ``dflash-eval mode=features`` of that
+    export (its loader and ``feature_eval``) over the run's validation samples of one capture.
+
+    The two are defined alike only when validation evaluates every valid anchor: it samples
+    ``module.num_anchors`` anchors per row from (val_seed, batch index), while features mode
+    evaluates every anchor (``features.num_anchors=null``) or seeds per sample. With
+    ``num_anchors`` above every row's candidate count (max_length 64: at most 63) validation
+    takes them all; both then pool ``1 + leading correct slots`` over the same blocks
+    (validation over all its batches, features over all samples), with the same features read
+    from the shards. Only the validation split is evaluated: features mode reads a whole
+    capture, so ``feature_eval`` (what it calls) gets the run's own ``val_set``.
+    """
+    from dflash_lab.data.capture_loop import CaptureSettings, run_capture
+    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.data.module import OfflineDataModule
+    from dflash_lab.eval.features import feature_eval
+    from dflash_lab.train.run import train
+
+    cap = tmp_path / "capture"
+    rows = [{"messages": c} for c in demo_conversations(40, seed=3)]
+    run_capture(tiny_target, rows, CaptureSettings(out_dir=str(cap), target_layer_ids=[1, 3, 5],
+                                                   shard_size=16, batch_size=8, max_length=64),
+                {"path": "demo-seed3"}, progress=False)
+    # tiny_cpu's choices on captured data (the recipe itself selects data=online)
+    common = ["target=tiny", f"target.path={tiny_target_dir}", "trainer=cpu", "logger=none",
+              "drafter.backend=sdpa", "data=offline", f"data.path={cap}", "data.batch_size=4",
+              "data.val_fraction=0.2", "data.num_workers=0", "module.num_anchors=64",
+              "module.gamma=4.0"]
+    source = train(_compose([*common, f"paths.output_dir={tmp_path / 'src'}",
+                             "drafter.num_hidden_layers=2", "drafter.block_size=8",
+                             "drafter.target_layer_ids=3", "module.optimizer.lr=3e-3",
+                             "trainer.max_steps=10", "trainer.max_epochs=10",
+                             "export.enabled=true", "export.dtype=float32"]))
+    assert source["val_tau_after"] > source["val_tau_before"] + 0.05  # not a trivial tau of 1
+    warm_run = train(_compose([*common, f"paths.output_dir={tmp_path / 'ft'}",
+                               f"drafter.init_from={source['export_dir']}",
+                               "trainer.max_steps=1", "export.enabled=false"]))
+    split = OfflineDataModule(str(cap), batch_size=4, val_fraction=0.2, seed=0)
+    split.setup()
+    report = feature_eval(load_drafter(source["export_dir"]).drafter, tiny_target.pieces(),
+                          split.val_set, num_anchors=None, progress=False)
+    assert report["num_blocks"] > 100
+    assert warm_run["val_tau_before"] == pytest.approx(report["tau_mean"], abs=1e-6)
