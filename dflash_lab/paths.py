@@ -1,9 +1,14 @@
-"""Where the Hydra configs live, found the same way from a checkout or an installed package."""
+"""Where the Hydra configs live, found the same way from a checkout or an installed package;
+and the one way files are written (temporary name beside the file, then rename).
+
+Imports only the standard library: export/ (no Lightning, no Hydra) may use it."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -32,3 +37,24 @@ def temp_beside(path: Path) -> Path:
     data, a manifest that two ranks finishing together both merge); with one shared temporary
     name a rank renames the other's half-written file and then fails its own rename."""
     return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary file name beside ``path`` (:func:`temp_beside`) to write; on a clean
+    exit rename it onto ``path`` (``os.replace``, atomic on one filesystem), on an error remove
+    it. Readers see the old file or the whole new one, never half of it."""
+    path = Path(path)
+    tmp = temp_beside(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_path`."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.paths import REPO_ROOT, temp_beside
+from dflash_lab.paths import REPO_ROOT, atomic_write_text
 
 RUN_INFO_FILE = "run_info.json"
 CONFIG_FILE = "config.yaml"
@@ -50,12 +50,6 @@ def _launch_info() -> dict[str, Any]:
         return {"launcher": "none"}
     return {"launcher": launch.launcher, "world_size": launch.world_size,
             "num_nodes": launch.num_nodes, "processes_per_node": launch.local_world_size}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = temp_beside(path)
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def record_paths(out_dir: Path) -> list[tuple[Path, Path]]:
@@ -104,7 +98,7 @@ def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
         from omegaconf import OmegaConf
 
         conf = cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)
-        _write_atomic(out_dir / f"config{suffix}.yaml", OmegaConf.to_yaml(conf, resolve=True))
+        atomic_write_text(out_dir / f"config{suffix}.yaml", OmegaConf.to_yaml(conf, resolve=True))
     info = {
         "git_sha": git_sha(),
         "argv": list(sys.argv),
@@ -113,5 +107,5 @@ def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
         "launch": _launch_info(),
         **extra,
     }
-    _write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
+    atomic_write_text(path, json.dumps(info, indent=2, default=str) + "\n")
     return path

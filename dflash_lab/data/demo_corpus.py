@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_lab.paths import temp_beside
+from dflash_lab.paths import atomic_path
 
 Conversation = list[dict[str, str]]
 
@@ -125,9 +125,7 @@ def write_demo_jsonl(path: str | Path, num: int = 512, seed: int = 0) -> Path:
     """Write ``num`` demo conversations as JSONL rows ``{"messages": [...]}``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_beside(path)  # every rank of a launch writes it at start
-    with tmp.open("w") as f:
+    with atomic_path(path) as tmp, tmp.open("w") as f:  # every rank of a launch writes it
         for conv in demo_conversations(num, seed):
             f.write(json.dumps({"messages": conv}) + "\n")
-    tmp.replace(path)
     return path

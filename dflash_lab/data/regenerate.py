@@ -27,7 +27,7 @@ import torch
 
 from dflash_lab.data.completion_server import CompletionServer
 from dflash_lab.data.conversations import check_bad_rows_mode, input_row
-from dflash_lab.paths import temp_beside
+from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.target.chat import (
     BadConversation,
     check_conversation,
@@ -191,9 +191,7 @@ def regenerate_batch(target, conversations: list[list[dict[str, Any]]], s: Regen
 
 
 def _write_part(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress=None,
@@ -253,9 +251,7 @@ def check_settings(out_dir: Path, record: dict[str, Any]) -> None:
                              "to resume")
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = temp_beside(path)  # every rank writes it at start
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")  # every rank
 
 
 class _Progress:
@@ -319,16 +315,12 @@ def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any
 def merge_parts(out: Path, num_parts: int, record: dict[str, Any]) -> dict[str, Any]:
     """conversations.jsonl (parts in order) and manifest.json, both written atomically."""
     merged, kept = out / MERGED_FILE, 0
-    tmp = temp_beside(merged)  # two ranks finishing together both merge
-    with tmp.open("w") as f:
+    with atomic_path(merged) as tmp, tmp.open("w") as f:  # two ranks finishing together merge
         for i in range(num_parts):
             text = part_path(out, i).read_text()
             kept += text.count("\n")
             f.write(text)
-    tmp.replace(merged)
     manifest = {**record, "num_parts": num_parts, "num_conversations": kept,
                 "dropped": record["num_rows"] - kept, "file": MERGED_FILE}
-    tmp = temp_beside(out / MANIFEST_FILE)
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    tmp.replace(out / MANIFEST_FILE)
+    atomic_write_text(out / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from dflash_lab.checksums import sha256_file
-from dflash_lab.paths import temp_beside
+from dflash_lab.paths import atomic_path, atomic_write_text
 
 FORMAT_NAME = "dflash-lab-capture"
 FORMAT_VERSION = 1
@@ -66,9 +66,7 @@ def bytes_per_token(feature_dim: int, hidden_dtype: str) -> int:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to a temporary file then rename, so readers never see a half-written file
     (and ranks writing the same record at once do not collide: ``temp_beside``)."""
-    tmp = temp_beside(path)
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------------------------- writer
@@ -103,12 +101,11 @@ def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
     }
     path = out_dir / shard_file(index)
-    tmp = path.with_name(path.name + ".tmp")
-    # One metadata key only: safetensors writes metadata keys in random order, and shard
-    # checksums must be reproducible (resume and rank-split tests compare them).
-    save_file(tensors, str(tmp), metadata={"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"})
-    os.chmod(tmp, 0o644)  # shared capture dirs: readable by the training job's user
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        # One metadata key only: safetensors writes metadata keys in random order, and shard
+        # checksums must be reproducible (resume and rank-split tests compare them).
+        save_file(tensors, str(tmp), metadata={"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"})
+        os.chmod(tmp, 0o644)  # shared capture dirs: readable by the training job's user
     record = {
         "index": index, "file": path.name, "num_samples": len(samples),
         "num_tokens": int(offsets[-1]), "num_loss_tokens": int(tensors["loss_mask"].sum()),

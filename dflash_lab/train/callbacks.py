@@ -19,6 +19,7 @@ from weakref import proxy
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from dflash_lab.paths import atomic_write_text
 from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
 
 BEST_FILE = "best.json"
@@ -119,9 +120,7 @@ class DFlashCheckpoint(ModelCheckpoint):
         record = {"path": os.path.relpath(self.best_model_path, run_dir),
                   "val/tau": float(score) if score is not None else None}
         target = Path(self.dirpath) / BEST_FILE
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(target)
+        atomic_write_text(target, json.dumps(record, indent=2) + "\n")
 
 
 def check_same_start_step(trainer, device: torch.device) -> None:
