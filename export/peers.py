@@ -9,6 +9,8 @@ Two formats, each read from the trainer's own code (docs/warm_start.md lists the
   ``model.safetensors`` with our serving names (``embed_tokens`` / ``lm_head`` /
   ``verifier_*`` are not saved for a full-vocabulary draft). Its layer ids index HF
   ``hidden_states`` (``i + 1`` = the output of decoder layer ``i``); ours are z-lab's ``i``.
+  Its block-anchored sliding window ``W`` is read as our per-query ``W + 1``; what still
+  differs is in ``Source.mask_differences`` (:func:`speculators_window_difference`).
 - SpecForge (sgl-project/SpecForge, ``CheckpointManager``): ``{run_id}-step{N}/
   training_state.pt``, a dict whose ``draft_state_dict`` holds the ``DFlashDraftModel``
   weights (``draft_model.`` prefix already stripped) and ``strategy`` ("dflash"). The draft
