@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dflash_lab.dtypes import DTYPES  # noqa: F401  (re-exported: api.py, cli.py)
 from dflash_lab.model.config import DrafterConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -32,7 +33,6 @@ SINK_SUFFIX = "self_attn.attention_sink_bias"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 #: z-lab ``save_pretrained`` name -> serving name (vLLM refuses the former, SGLang skips it)
 SUFFIXED_CODEBOOKS = {f"{name}.weight": name for name in CODEBOOKS}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:

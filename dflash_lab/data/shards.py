@@ -29,13 +29,14 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from dflash_lab.checksums import sha256_file
+from dflash_lab.dtypes import DTYPES
 from dflash_lab.paths import atomic_path, atomic_write_text
 
 FORMAT_NAME = "dflash-lab-capture"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 PLAN_FILE = "capture_plan.json"
-HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HIDDEN_DTYPES = DTYPES  #: what a shard may store its hidden states as (every named dtype)
 
 
 @dataclass

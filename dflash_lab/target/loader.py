@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_lab.dtypes import DTYPE_ALIASES, DTYPES
+
 log = logging.getLogger(__name__)
 
 #: Config keys that change with the saving tool or the load dtype, not with the model itself.
@@ -27,8 +29,7 @@ _VOLATILE_CONFIG_KEYS = frozenset(
     {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype",
      "_commit_hash", "_attn_implementation_autoset", "use_cache", "quantization_config"}
 )
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {**DTYPES, **{alias: DTYPES[name] for alias, name in DTYPE_ALIASES.items()}}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
