@@ -277,6 +277,7 @@ def test_speculators_directories_written_by_speculators(tiny_target, tmp_path):
         assert drafter.config.target_layer_ids == [1, 3, 5]
         assert drafter.config.causal_flags == causal  # dflash2: sliding_window_non_causal
         assert drafter.config.is_dflash2 == (kind == "dflash2")
+        assert drafter.config.layer_specs()[0].window == 9  # speculators' 8, block-anchored
         ours = drafter.state_dict()
         assert all(torch.equal(ours[k], saved[k]) for k in ours)
         assert set(saved) - set(ours) <= {"embed_tokens.weight", "lm_head.weight",
@@ -566,7 +567,7 @@ def test_step_0_val_tau_equals_the_feature_eval_of_the_source_export(tiny_target
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
     from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.data.module import OfflineDataModule
-    from dflash_lab.eval.features import feature_eval
+    from dflash_lab.eval.offline_tau import feature_eval
     from dflash_lab.train.run import train
 
     cap = tmp_path / "capture"
