@@ -22,7 +22,6 @@ from test_eval_sampling import chi_square_pvalue
 from test_eval_trained import _as_capture, quick_train
 
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.eval.features import _forward, feature_eval, selector_flags
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.eval.loop import (
     DecodeSettings,
@@ -31,6 +30,7 @@ from dflash_lab.eval.loop import (
     speculative_generate,
     unary_lengths,
 )
+from dflash_lab.eval.offline_tau import _forward, feature_eval, selector_flags
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.report import generation_report, markdown

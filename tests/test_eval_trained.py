@@ -26,9 +26,9 @@ from eval_doubles import RecordingProposer, tiny_drafter_for
 from dflash_lab.data.anchors import sample_anchors, step_generator
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.module import pad_collate
-from dflash_lab.eval.features import feature_eval, score_blocks
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
+from dflash_lab.eval.offline_tau import feature_eval, score_blocks
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner

@@ -6,9 +6,9 @@ Public API: :func:`speculative_generate` / :func:`baseline_generate` (one prompt
 """
 
 from dflash_lab.eval.evaluate import evaluate_prompts, run_features, run_generate
-from dflash_lab.eval.features import feature_eval
 from dflash_lab.eval.loading import LoadedDrafter, load_drafter
 from dflash_lab.eval.loop import DecodeSettings, Generation, baseline_generate, speculative_generate
+from dflash_lab.eval.offline_tau import feature_eval
 from dflash_lab.eval.proposer import DFlashProposer, Proposer
 from dflash_lab.eval.report import generation_report, write_report
 from dflash_lab.eval.target_runner import TargetRunner

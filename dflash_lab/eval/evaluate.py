@@ -21,7 +21,6 @@ from hydra.utils import instantiate
 from tqdm import tqdm
 
 from dflash_lab.attention.base import resolve_backend_name
-from dflash_lab.eval.features import feature_eval
 from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.loop import (
     DecodeSettings,
@@ -29,6 +28,7 @@ from dflash_lab.eval.loop import (
     baseline_generate,
     speculative_generate,
 )
+from dflash_lab.eval.offline_tau import feature_eval
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer, Proposer
 from dflash_lab.eval.records import ResponseRecord, record_from_generation
