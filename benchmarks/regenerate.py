@@ -31,7 +31,7 @@ SHAREGPT = ROOT / "outputs" / "data" / "sharegpt" / "train.jsonl"
 
 def regenerate_rows(target, rows: list[dict], settings, server=None) -> tuple[int, float]:
     """(generated tokens, seconds) of regenerating ``rows`` part by part into settings.out_dir."""
-    from dflash_lab.data.regenerate import merge_parts, regenerate_part
+    from dflash_lab.data.regenerate_loop import merge_parts, regenerate_part
 
     num_parts = -(-len(rows) // settings.part_size)
     Path(settings.out_dir).mkdir(parents=True)
@@ -102,7 +102,7 @@ def load_inputs(args) -> tuple[object, list[dict], str]:
 
 def run(args) -> dict:
     from dflash_lab.data.completion_server import CompletionServer, ServerSettings
-    from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings
+    from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings
 
     target, rows, what = load_inputs(args)
     results, outputs = [], {}

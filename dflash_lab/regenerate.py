@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import rank_and_world
 from dflash_lab.data.completion_server import ServerSettings, open_server
-from dflash_lab.data.regenerate import MERGED_FILE, RegenerateSettings, run_regenerate
+from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings, run_regenerate
 from dflash_lab.entry import log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR

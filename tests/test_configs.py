@@ -122,7 +122,7 @@ def test_settings_dataclasses_are_all_configurable():
 
     from dflash_lab.data.capture_loop import CaptureSettings
     from dflash_lab.data.completion_server import ServerSettings
-    from dflash_lab.data.regenerate import RegenerateSettings
+    from dflash_lab.data.regenerate_loop import RegenerateSettings
 
     block = yaml.safe_load((CONF_DIR / "regenerate.yaml").read_text())["regenerate"]
     for cls, keys in ((RegenerateSettings, block["settings"]), (ServerSettings, block["server"])):

@@ -461,7 +461,7 @@ def test_a_bad_jsonl_line_is_named_by_file_and_line(tmp_path, line3, message):
 
 def test_a_row_too_long_to_regenerate_is_logged_with_its_input_row(tiny_target, tmp_path,
                                                                    caplog):
-    from dflash_lab.data.regenerate import RegenerateSettings, part_path, regenerate_part
+    from dflash_lab.data.regenerate_loop import RegenerateSettings, part_path, regenerate_part
 
     short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     long = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}]

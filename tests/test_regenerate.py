@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.data.regenerate import (
+from dflash_lab.data.regenerate_loop import (
     MERGED_FILE,
     RegenerateSettings,
     part_path,

@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 import dflash_lab.data.completion_server as cs
 from dflash_lab.data.completion_server import CompletionServer, ServerError, ServerSettings
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.data.regenerate import (
+from dflash_lab.data.regenerate_loop import (
     MERGED_FILE,
     RegenerateSettings,
     decode_reply,
