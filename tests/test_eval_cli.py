@@ -123,6 +123,10 @@ def test_load_errors(tiny_target, drafter, tmp_path):
     other = tiny_drafter_for(tiny_target, vocab_size=tiny_target.vocab_size + 1)
     with pytest.raises(ValueError, match="vocab_size"):
         check_pair(other, tiny_target)
+    deeper = tiny_drafter_for(tiny_target, num_target_layers=tiny_target.num_hidden_layers + 4)
+    with pytest.raises(ValueError, match=r"num_target_layers=12 .* the target has 8 layers"):
+        check_pair(deeper, tiny_target)
+    check_pair(deeper, tiny_target, depth_recorded=False)  # speculators records no depth
 
 
 # ------------------------------------------------------------------ end to end

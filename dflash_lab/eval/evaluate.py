@@ -113,7 +113,7 @@ def _load_pair(cfg, packed: bool = False):
     loaded = load_drafter(cfg.drafter.path, backend=backend, device=target.device,
                           dtype=target.model.dtype, block_size=cfg.block_size,
                           assume=cfg.drafter.assume)
-    check_pair(loaded.drafter, target)
+    check_pair(loaded.drafter, target, loaded.depth_recorded)
     return target, loaded, backend
 
 

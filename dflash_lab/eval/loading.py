@@ -29,6 +29,8 @@ class LoadedDrafter:
     description: str
     trained_block_size: int
     notes: list[str] = field(default_factory=list)
+    #: False when the format records no target depth (``export.sources.Source.depth_recorded``)
+    depth_recorded: bool = True
 
 
 def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch.device = "cpu",
@@ -40,7 +42,13 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     rule set used to read a third-party serving directory (default: the exporter's).
     """
     from export.peers import is_speculators_dir
-    from export.sources import ImportedDrafter, import_drafter, is_serving_dir, load_source
+    from export.sources import (
+        ImportedDrafter,
+        import_drafter,
+        is_serving_dir,
+        load_source,
+        read_config_json,
+    )
 
     path = Path(path)
     if not path.exists():
@@ -52,10 +60,12 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
         config, state = imported.config, imported.state_dict
         description = f"serving directory {path}"
         notes = [f"causality resolved by {imported.assumed_rules}", *imported.disagreements]
+        depth_recorded = "num_target_layers" in read_config_json(path)
     else:
         source = load_source(path)
         config, state = source.config, source.state_dict
         description, notes = source.description, list(source.notes)
+        depth_recorded = source.depth_recorded
     trained = config.block_size
     if block_size is not None and block_size != trained:
         _check_block_size(block_size, config.block_size)
@@ -64,7 +74,7 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     drafter = DFlashDrafter(config, backend=backend)
     drafter.load_state_dict(state, strict=True)
     drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return LoadedDrafter(drafter, description, trained, notes)
+    return LoadedDrafter(drafter, description, trained, notes, depth_recorded)
 
 
 def _check_block_size(block_size: int, trained: int) -> None:
@@ -73,14 +83,19 @@ def _check_block_size(block_size: int, trained: int) -> None:
                          f"trained with block_size={trained}); omit it to use the trained size")
 
 
-def check_pair(drafter: DFlashDrafter, target) -> None:
-    """ValueError when the drafter was not built for this target: hidden size, vocab, and layer
-    ids inside the target's depth (``num_target_layers`` itself is not compared: third-party
-    configs sometimes omit it)."""
+def check_pair(drafter: DFlashDrafter, target, depth_recorded: bool = True) -> None:
+    """ValueError when the drafter was not built for this target: hidden size, vocab, layer ids
+    inside the target's depth, and the recorded target depth (``depth_recorded``: formats that
+    record none, such as speculators', are not compared): ids picked on a target of another
+    depth read other layers than the drafter was trained on."""
     cfg = drafter.config
     problems = [f"{key}={want} but the target has {have}" for key, want, have in (
         ("hidden_size", cfg.hidden_size, target.hidden_size),
         ("vocab_size", cfg.vocab_size, target.vocab_size)) if want != have]
+    if depth_recorded and cfg.num_target_layers != target.num_hidden_layers:
+        problems.append(f"num_target_layers={cfg.num_target_layers} (its target_layer_ids "
+                        f"{cfg.target_layer_ids} pick layers of that depth) but the target has "
+                        f"{target.num_hidden_layers} layers")
     if max(cfg.target_layer_ids) >= target.num_hidden_layers:
         problems.append(f"target_layer_ids={cfg.target_layer_ids} but the target has only "
                         f"{target.num_hidden_layers} layers")
