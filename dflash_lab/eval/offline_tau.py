@@ -27,7 +27,8 @@ gets). Beside them: the unary argmax's tau, the oracle tau (a slot counts when i
 the K candidates: the best any selector could do) and recall@K.
 
 Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
-K selector candidates, V vocab.
+K selector candidates, V vocab. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
+batch, ``p`` a position in a block.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
 
 
 @torch.no_grad()
-def selector_flags(drafter: DFlashDrafter, lm_head, hidden_bnbh: Tensor, anchor_ids_bn: Tensor,
-                   labels_bnb: Tensor, valid_bnb: Tensor) -> tuple[Tensor, Tensor]:
+def selector_flags(drafter: DFlashDrafter, lm_head, hidden_bnph: Tensor, anchor_ids_bn: Tensor,
+                   labels_bnp: Tensor, valid_bnp: Tensor) -> tuple[Tensor, Tensor]:
     """DFlash 2 per-slot flags [Bt, N, B] (False at slot 0 and invalid slots): the serving walk's
     pick equals the label; the label is among the slot's K candidates (recall, oracle path).
 
@@ -102,8 +103,8 @@ def selector_flags(drafter: DFlashDrafter, lm_head, hidden_bnbh: Tensor, anchor_
     Slots past a block's first invalid one are walked on placeholder labels but never counted.
     """
     selector = drafter.candidate_selector
-    bt, n, b, h = hidden_bnbh.shape
-    hidden_xth = hidden_bnbh[:, :, 1:].reshape(bt * n, b - 1, h)
+    bt, n, b, h = hidden_bnph.shape
+    hidden_xth = hidden_bnph[:, :, 1:].reshape(bt * n, b - 1, h)
     anchors_x = anchor_ids_bn.reshape(bt * n)
     picks, cands = [], []
     for s in range(0, bt * n, _SELECTOR_CHUNK):
@@ -112,11 +113,11 @@ def selector_flags(drafter: DFlashDrafter, lm_head, hidden_bnbh: Tensor, anchor_
         cand_unary, cand_ids = selector.candidates(unary)
         picks.append(selector.walk(h_xth, cand_ids, cand_unary, a_x)[0])
         cands.append(cand_ids)
-    labels = labels_bnb[:, :, 1:].reshape(bt * n, b - 1)
-    walk, found = torch.zeros_like(valid_bnb), torch.zeros_like(valid_bnb)
+    labels = labels_bnp[:, :, 1:].reshape(bt * n, b - 1)
+    walk, found = torch.zeros_like(valid_bnp), torch.zeros_like(valid_bnp)
     walk[:, :, 1:] = (torch.cat(picks) == labels).view(bt, n, b - 1)
     found[:, :, 1:] = (torch.cat(cands) == labels[..., None]).any(-1).view(bt, n, b - 1)
-    return walk & valid_bnb, found & valid_bnb
+    return walk & valid_bnp, found & valid_bnp
 
 
 def chained_rounds(loss_mask_s: Tensor, anchors_n: Tensor, taus_n: Tensor) -> list[int]:
@@ -140,10 +141,10 @@ class _Pool:
         self.taus: list[Tensor] = []
         self.correct: list[Tensor] = []
 
-    def add(self, correct_bnb: Tensor, block_valid_bn: Tensor) -> Tensor:
-        taus = acceptance_lengths(correct_bnb, block_valid_bn).cpu()
+    def add(self, correct_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
+        taus = acceptance_lengths(correct_bnp, block_valid_bn).cpu()
         self.taus.append(taus)
-        self.correct.append(correct_bnb[0].cpu())
+        self.correct.append(correct_bnp[0].cpu())
         return taus
 
     def lengths(self) -> list[int]:

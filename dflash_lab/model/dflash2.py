@@ -19,7 +19,8 @@ the identity (``base[:, 0] = 1``, other taps 0, projection 0) and the successor 
 
 Shape legend: Bt batch, Q = N*B block slots of a row (N blocks of B slots), H hidden, K conv taps,
 G conv groups (H / conv_group_size), V vocab, C candidates (selector_top_k), R selector rank,
-T scored slots, ``x`` any leading dims.
+T scored slots, ``x`` any leading dims. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is
+the batch, ``p`` a position in a block.
 """
 
 from __future__ import annotations
@@ -90,14 +91,14 @@ def grouped_dynamic_conv(x_bqh: Tensor, dyn_bqkg: Tensor, base_kh: Tensor,
     k, g = base_kh.shape[0], dyn_bqkg.shape[-1]
     if q % block_size:
         raise ValueError(f"{q} block slots are not a whole number of blocks of {block_size}")
-    x_bnbgc = x_bqh.reshape(bt, q // block_size, block_size, g, h // g)
-    dyn_bnbkg1 = dyn_bqkg.reshape(bt, q // block_size, block_size, k, g, 1)
+    x_bnpgc = x_bqh.reshape(bt, q // block_size, block_size, g, h // g)
+    dyn_bnpkg1 = dyn_bqkg.reshape(bt, q // block_size, block_size, k, g, 1)
     base_kgc = base_kh.to(x_bqh.dtype).view(k, g, h // g)
     out = None
     for o in range(k):
         # slot t sees x[t - o]; the first o slots of each block see zeros
-        shifted = x_bnbgc if o == 0 else F.pad(x_bnbgc[:, :, :-o], (0, 0, 0, 0, o, 0))
-        term = (base_kgc[o] + dyn_bnbkg1[:, :, :, o]) * shifted
+        shifted = x_bnpgc if o == 0 else F.pad(x_bnpgc[:, :, :-o], (0, 0, 0, 0, o, 0))
+        term = (base_kgc[o] + dyn_bnpkg1[:, :, :, o]) * shifted
         out = term if out is None else out + term
     return out.reshape(bt, q, h)
 

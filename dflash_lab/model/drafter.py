@@ -16,7 +16,8 @@ turns unary top-K candidates into the draft (:meth:`propose`; training: :meth:`s
 
 Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
 concatenated target features, Hkv key/value heads, D head dim, V vocab, C selector candidates,
-T = B-1 drafted slots.
+T = B-1 drafted slots. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p``
+a position in a block.
 """
 
 from __future__ import annotations
@@ -219,14 +220,14 @@ class DFlashDrafter(nn.Module):
         return selector.score(hidden_xth, prev_ids_xt, cand_ids, cand_unary), cand_ids, cand_unary
 
     @torch.no_grad()
-    def propose(self, hidden_bbh: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module) -> Tensor:
+    def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module) -> Tensor:
         """Greedy draft tokens [Bt, B-1] from :meth:`draft`'s hidden [Bt, B, H]: the unary argmax
         (DFlash 1) or the selector's left-to-right argmax walk from the anchor (DFlash 2)."""
-        unary = self.unary_logits(hidden_bbh[:, 1:], lm_head)
+        unary = self.unary_logits(hidden_bph[:, 1:], lm_head)
         if self.candidate_selector is None:
             return unary.argmax(dim=-1)
         cand_unary, cand_ids = self.candidate_selector.candidates(unary)
-        return self.candidate_selector.walk(hidden_bbh[:, 1:], cand_ids, cand_unary,
+        return self.candidate_selector.walk(hidden_bph[:, 1:], cand_ids, cand_unary,
                                             anchor_ids_b)[0]
 
     @torch.no_grad()

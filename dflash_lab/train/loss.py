@@ -6,6 +6,7 @@ with target-argmax labels it is ``target_argmax[p - 1]`` (the target's choice fo
 made after reading positions <= p-1); with dataset labels it is ``input_ids[p]``.
 
 Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, V vocab, M selected slots.
+Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p`` a position in a block.
 """
 
 from __future__ import annotations
@@ -346,17 +347,17 @@ class LossOutput:
     selector: Any = None
 
 
-def dflash_loss(hidden_bnbh: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
+def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
                 chunk_size: int | None = None, block_valid_bn: Tensor | None = None,
                 chunk_bytes: int = CE_CHUNK_BYTES, *, scale: LogitScale = NO_SCALE,
                 top_k: int = 0) -> LossOutput:
     """Weighted CE over valid slots; only the M valid slots go through the vocab projection
     (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale;
     ``top_k`` > 0 also returns the unary top-K of every valid slot."""
-    b = hidden_bnbh.shape[2]
-    weights = position_weights(b, gamma, hidden_bnbh.device).expand_as(targets.valid)
+    b = hidden_bnph.shape[2]
+    weights = position_weights(b, gamma, hidden_bnph.device).expand_as(targets.valid)
     sel = targets.valid
-    head = chunked_head_pass(hidden_bnbh[sel], targets.labels[sel], lm_head, chunk_size,
+    head = chunked_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, chunk_size,
                              chunk_bytes, scale=scale, top_k=top_k)
     w = weights[sel]
     correct = torch.zeros_like(sel)
@@ -380,12 +381,12 @@ def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: i
     return weighted_sum * world_size / total.clamp(min=1e-8)
 
 
-def acceptance_lengths(correct_bnb: Tensor, block_valid_bn: Tensor) -> Tensor:
+def acceptance_lengths(correct_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
     """Exact greedy acceptance per real block [K]: 1 + number of leading correct slots t >= 1.
 
     An invalid slot (past the sequence or outside the loss mask) ends the run like a miss.
     """
-    run = correct_bnb[..., 1:].long().cumprod(dim=-1).sum(-1)
+    run = correct_bnp[..., 1:].long().cumprod(dim=-1).sum(-1)
     return (1 + run)[block_valid_bn].float()
 
 

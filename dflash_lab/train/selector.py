@@ -15,7 +15,8 @@ selector path (the greedy walk on its OWN previous picks, :meth:`CandidateSelect
 serving gets), unary (the unary argmax) and oracle (a slot counts when gold is a candidate).
 
 Shape legend: Bt batch, N blocks, B block size, T = B-1 drafted slots, H hidden, M valid slots,
-K candidates (selector_top_k).
+K candidates (selector_top_k). Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
+batch, ``p`` a position in a block.
 """
 
 from __future__ import annotations
@@ -114,18 +115,18 @@ class SelectorOutput:
     walk_correct: Tensor  # the greedy walk's own pick == label (selector path)
 
 
-def previous_tokens(labels_bnb: Tensor, anchor_ids_bn: Tensor) -> Tensor:
+def previous_tokens(labels_bnp: Tensor, anchor_ids_bn: Tensor) -> Tensor:
     """The true token before each slot [Bt, N, B]: slot 1 -> the anchor token, slot t >= 2 ->
     the label of slot t-1 (slot 0 gets the anchor too; it is never scored)."""
-    prev = torch.roll(labels_bnb, 1, dims=-1)
+    prev = torch.roll(labels_bnp, 1, dims=-1)
     prev[..., :2] = anchor_ids_bn[..., None]
     return prev.clamp(min=0)
 
 
-def _scatter(values_m: Tensor, valid_bnb: Tensor, fill=0) -> Tensor:
+def _scatter(values_m: Tensor, valid_bnp: Tensor, fill=0) -> Tensor:
     """[M, ...] rows of the valid slots -> [Bt, N, B, ...], ``fill`` elsewhere."""
-    out = values_m.new_full((*valid_bnb.shape, *values_m.shape[1:]), fill)
-    out[valid_bnb] = values_m
+    out = values_m.new_full((*valid_bnp.shape, *values_m.shape[1:]), fill)
+    out[valid_bnp] = values_m
     return out
 
 
@@ -142,8 +143,8 @@ def _train_candidates(ids_mk: Tensor, hit_mk: Tensor, gold_m: Tensor, missing_go
 
 
 @torch.no_grad()
-def walk_correct(selector: CandidateSelector, hidden_bnbh: Tensor, out: LossOutput,
-                 labels_bnb: Tensor, anchor_ids_bn: Tensor) -> Tensor:
+def walk_correct(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOutput,
+                 labels_bnp: Tensor, anchor_ids_bn: Tensor) -> Tensor:
     """[Bt, N, B]: the serving walk's pick at slot t equals its label (valid slots only).
 
     The walk uses its own previous picks from the anchor on (never the gold). Invalid slots get
@@ -153,19 +154,19 @@ def walk_correct(selector: CandidateSelector, hidden_bnbh: Tensor, out: LossOutp
     valid = out.valid
     # detached: a view made under no_grad of a tensor that requires grad still says it does
     # (with no grad_fn), which hooks on module inputs (FlopCounterMode's tracker) reject
-    hidden_bnbh = hidden_bnbh.detach()
+    hidden_bnph = hidden_bnph.detach()
     ids_bntk = _scatter(out.top_ids, valid)[:, :, 1:]
     values_bntk = _scatter(out.top_values, valid)[:, :, 1:]
     bt, n, t, k = ids_bntk.shape
-    tokens, _ = selector.walk(hidden_bnbh[:, :, 1:].reshape(bt * n, t, -1),
+    tokens, _ = selector.walk(hidden_bnph[:, :, 1:].reshape(bt * n, t, -1),
                               ids_bntk.reshape(bt * n, t, k), values_bntk.reshape(bt * n, t, k),
                               anchor_ids_bn.reshape(bt * n))
     correct = torch.zeros_like(valid)
-    correct[..., 1:] = (tokens.view(bt, n, t) == labels_bnb[..., 1:]) & valid[..., 1:]
+    correct[..., 1:] = (tokens.view(bt, n, t) == labels_bnp[..., 1:]) & valid[..., 1:]
     return correct
 
 
-def selector_loss(selector: CandidateSelector, hidden_bnbh: Tensor, out: LossOutput,
+def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOutput,
                   targets: BlockTargets, anchor_ids_bn: Tensor, lm_head: nn.Module,
                   gamma: float, missing_gold: str = "exclude", scale: LogitScale = NO_SCALE,
                   chunk_bytes: int = CE_CHUNK_BYTES) -> SelectorOutput:
@@ -176,7 +177,7 @@ def selector_loss(selector: CandidateSelector, hidden_bnbh: Tensor, out: LossOut
     also through the candidates' unary logits (recomputed for the K ids only, differentiable).
     """
     valid = targets.valid
-    hidden_mh, gold_m = hidden_bnbh[valid], targets.labels[valid]
+    hidden_mh, gold_m = hidden_bnph[valid], targets.labels[valid]
     prev_m = previous_tokens(targets.labels, anchor_ids_bn)[valid]
     hit_mk = out.top_ids == gold_m[:, None]
     ids_mk, index_m, trained_m = _train_candidates(out.top_ids, hit_mk, gold_m, missing_gold)
@@ -191,7 +192,7 @@ def selector_loss(selector: CandidateSelector, hidden_bnbh: Tensor, out: LossOut
     return SelectorOutput(
         (w_m * ce_m).sum(), w_m.sum(), _scatter(hit_mk.any(-1), valid, False),
         _scatter(picked_ok, valid, False),
-        walk_correct(selector, hidden_bnbh, out, targets.labels, anchor_ids_bn))
+        walk_correct(selector, hidden_bnph, out, targets.labels, anchor_ids_bn))
 
 
 class SelectorMetrics:
