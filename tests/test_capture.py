@@ -53,7 +53,7 @@ def test_features_read_back_equal_a_fresh_forward(tiny_target, clean_capture):
         assert torch.equal(item["input_ids"], tc.input_ids)
         assert torch.equal(item["loss_mask"], tc.loss_mask)
         assert torch.equal(item["target_argmax"], fresh.argmax_bs[0])
-        ref = fresh.hidden_bsd[0].to(torch.bfloat16).float()
+        ref = fresh.hidden_bsf[0].to(torch.bfloat16).float()
         assert torch.allclose(item["hidden"].float(), ref, rtol=1e-2, atol=1e-2)
 
 

@@ -105,7 +105,7 @@ def test_caches_equal_recomputing_from_scratch(tiny_target, drafter, proposer, p
     assert spec.output_ids == seq[len(prompt):len(prompt) + 48]
     assert len(recorder.rounds) >= 10
     ids = drafter.config.target_layer_ids
-    full = extract_features(tiny_target.model, torch.tensor([seq]), ids).hidden_bsd
+    full = extract_features(tiny_target.model, torch.tensor([seq]), ids).hidden_bsf
     for c, anchor, logits in recorder.rounds:
         fresh = drafter.new_cache()
         drafter.extend_context(fresh, full[:, :c])

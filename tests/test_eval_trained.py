@@ -52,7 +52,7 @@ def quick_train(target, steps: int = 200, seed: int = 0):
         tc = tokenize_conversation(target.tokenizer, conv)
         f = extract_features(target.model, tc.input_ids[None], ids)
         samples.append({"input_ids": tc.input_ids, "loss_mask": tc.loss_mask,
-                        "hidden": f.hidden_bsd[0], "target_argmax": f.argmax_bs[0]})
+                        "hidden": f.hidden_bsf[0], "target_argmax": f.argmax_bs[0]})
     pieces = target.pieces()
     opt = torch.optim.AdamW(drafter.parameters(), lr=6e-3)
     gen = torch.Generator().manual_seed(seed)
@@ -106,7 +106,7 @@ def test_trained_drafter_cache_equals_recompute(tiny_target, drafter, generation
     pieces = tiny_target.pieces()
     prompt, gen, rounds = generations[0]
     seq = torch.tensor([prompt + gen.output_ids])
-    full = extract_features(tiny_target.model, seq, drafter.config.target_layer_ids).hidden_bsd
+    full = extract_features(tiny_target.model, seq, drafter.config.target_layer_ids).hidden_bsf
     for c, anchor, logits in rounds:
         cache = drafter.new_cache()
         drafter.extend_context(cache, full[:, :c])
@@ -119,7 +119,7 @@ def _as_capture(tiny_target, drafter, prompt, output, hidden_dtype=torch.float32
     ids = torch.tensor(prompt + output)
     f = extract_features(tiny_target.model, ids[None], drafter.config.target_layer_ids)
     mask = torch.arange(len(ids)) >= len(prompt)
-    return {"input_ids": ids, "loss_mask": mask, "hidden": f.hidden_bsd[0].to(hidden_dtype),
+    return {"input_ids": ids, "loss_mask": mask, "hidden": f.hidden_bsf[0].to(hidden_dtype),
             "target_argmax": f.argmax_bs[0]}
 
 

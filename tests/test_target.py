@@ -100,9 +100,9 @@ def test_features_match_hf_hidden_states_and_logits(tiny_target):
     feats = extract_features(tiny_target.model, ids, layer_ids)
     out = tiny_target.model(ids, output_hidden_states=True)
     h = tiny_target.hidden_size
-    assert feats.hidden_bsd.shape == (2, 23, 3 * h)
+    assert feats.hidden_bsf.shape == (2, 23, 3 * h)
     for k, idx in enumerate(hf_hidden_state_indices(layer_ids)):
-        assert torch.allclose(feats.hidden_bsd[..., k * h:(k + 1) * h], out.hidden_states[idx])
+        assert torch.allclose(feats.hidden_bsf[..., k * h:(k + 1) * h], out.hidden_states[idx])
     assert torch.equal(feats.argmax_bs, out.logits.argmax(-1))
 
 
@@ -116,7 +116,7 @@ def test_right_padding_does_not_change_features(tiny_target):
     batch[1, :9], attn[1, :9] = b[0], 1
     both = extract_features(tiny_target.model, batch, [2, 4], attn)
     alone = extract_features(tiny_target.model, b, [2, 4])
-    assert torch.allclose(both.hidden_bsd[1, :9], alone.hidden_bsd[0], atol=1e-5)
+    assert torch.allclose(both.hidden_bsf[1, :9], alone.hidden_bsf[0], atol=1e-5)
     assert torch.equal(both.argmax_bs[1, :9], alone.argmax_bs[0])
 
 

@@ -141,7 +141,7 @@ def test_speculative_decoding_is_lossless_at_every_acceptance_length(arch, promp
         assert spec.output_ids == base.output_ids
         seen = torch.cat(recorder.features, dim=1)[0]
         full = torch.tensor(prompt + base.output_ids)
-        want = extract_features(arch.model, full[None], LAYERS).hidden_bsd[0]
+        want = extract_features(arch.model, full[None], LAYERS).hidden_bsf[0]
         torch.testing.assert_close(seen, want[:seen.shape[0]], atol=2e-4, rtol=1e-4)
 
 

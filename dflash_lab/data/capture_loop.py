@@ -117,7 +117,7 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
     dtype = shards.HIDDEN_DTYPES[settings.hidden_dtype]
     return [
         shards.CapturedSample(row_id, tc.input_ids, tc.loss_mask,
-                              feats.hidden_bsd[b, :lengths[b]].to(dtype),
+                              feats.hidden_bsf[b, :lengths[b]].to(dtype),
                               feats.argmax_bs[b, :lengths[b]])
         for b, (row_id, tc) in enumerate(batch)
     ]

@@ -288,7 +288,7 @@ class OnlineDataModule(BlockDataModule):
         # Right padding needs no attention mask: a causal target's features at real positions
         # do not depend on the pads after them.
         feats = extract_features(model, batch["input_ids"], self.target_layer_ids)
-        batch["hidden"], batch["target_argmax"] = feats.hidden_bsd, feats.argmax_bs
+        batch["hidden"], batch["target_argmax"] = feats.hidden_bsf, feats.argmax_bs
         return batch
 
 

@@ -1,6 +1,7 @@
 """Target feature extraction: THE function used by offline capture, online training and eval.
 
-Legend: B batch, S sequence length, H target hidden size, nL = len(target_layer_ids), V vocab.
+Shape legend: Bt batch, S sequence length, H target hidden size, nL = len(target_layer_ids),
+F = nL*H concatenated features, V vocab (suffix letters: docs/architecture.md).
 Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``.
 """
 
@@ -14,10 +15,10 @@ from dflash_lab.target.loader import text_config
 
 
 class TargetFeatures(NamedTuple):
-    """``hidden_bsd`` [B, S, nL*H] (target dtype, concatenated in ``target_layer_ids`` order) and
-    ``argmax_bs`` [B, S] int64: the target's greedy next token after each position."""
+    """``hidden_bsf`` [Bt, S, F = nL*H] (target dtype, concatenated in ``target_layer_ids``
+    order) and ``argmax_bs`` [Bt, S] int64: the target's greedy next token after each position."""
 
-    hidden_bsd: torch.Tensor
+    hidden_bsf: torch.Tensor
     argmax_bs: torch.Tensor
 
 
@@ -41,7 +42,7 @@ def check_target_layer_ids(target_layer_ids: list[int], num_hidden_layers: int) 
 @torch.no_grad()
 def chunked_argmax(lm_head: torch.nn.Module, normed_bsh: torch.Tensor,
                    chunk_tokens: int = 2048) -> torch.Tensor:
-    """argmax over the vocab of ``lm_head(normed_bsh)`` [B, S, H] -> [B, S] int64, computed in
+    """argmax over the vocab of ``lm_head(normed_bsh)`` [Bt, S, H] -> [Bt, S] int64, computed in
     chunks of positions so the [tokens, V] logits never exist for the whole batch at once."""
     flat = normed_bsh.reshape(-1, normed_bsh.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
@@ -56,10 +57,10 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                      out_device: torch.device | str | None = None) -> TargetFeatures:
     """Run the frozen target once and return its features at every position.
 
-    ``model``: an HF causal LM; ``input_ids_bs`` [B, S]; ``attention_mask_bs`` [B, S] (1 = real
+    ``model``: an HF causal LM; ``input_ids_bs`` [Bt, S]; ``attention_mask_bs`` [Bt, S] (1 = real
     token; use right padding: positions before the padding are then unaffected by it).
     The argmax is computed from the base model's final (normed) hidden state with the LM head,
-    which equals ``logits.argmax(-1)`` without materialising [B, S, V] logits.
+    which equals ``logits.argmax(-1)`` without materialising [Bt, S, V] logits.
     ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
     return hidden states on several devices; they are gathered there).
     """
@@ -72,9 +73,9 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                                 attention_mask=attention_mask_bs, output_hidden_states=True,
                                 use_cache=False)
     states = base_out.hidden_states
-    hidden_bsd = torch.cat(
+    hidden_bsf = torch.cat(
         [states[i].to(out_device) for i in hf_hidden_state_indices(target_layer_ids)], dim=-1)
     lm_head = model.get_output_embeddings()
     last_bsh = base_out.last_hidden_state.to(lm_head.weight.device)
     argmax_bs = chunked_argmax(lm_head, last_bsh).to(out_device)
-    return TargetFeatures(hidden_bsd, argmax_bs)
+    return TargetFeatures(hidden_bsf, argmax_bs)
