@@ -36,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from dflash_lab.model.config import DrafterConfig  # noqa: E402
+from dflash_lab.paths import atomic_write_text  # noqa: E402
 from export import plan_export, serving_config  # noqa: E402
 from export.checks import refusals  # noqa: E402
 from export.engines import SGLANG_BACKENDS  # noqa: E402
@@ -261,9 +262,7 @@ def report(verdicts: dict[str, dict[str, Any]]) -> str:
 
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,12 +22,13 @@ The write is atomic (a temporary sibling renamed into place).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 from safetensors.numpy import load_file
+
+from dflash_lab.paths import atomic_path
 
 #: tokenizer.ggml.pre for the tiny target: none of llama.cpp's named splits is its pre-tokenizer
 #: (GPT-2's regex with single digits), and transformers keeps GPT-2's own split for a name it
@@ -126,15 +127,14 @@ def write_qwen3_gguf(model_dir: str | Path, out_path: str | Path, *,
     if config.get("model_type") != "qwen3":
         raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r}; this writer "
                          "only writes qwen3")
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    writer = gguf.GGUFWriter(tmp, "qwen3")
-    writer.add_name(model_dir.name)
-    _add_shape(writer, config)
-    _add_tokenizer(writer, model_dir, config, config["vocab_size"], chat_template)
-    _add_tensors(writer, model_dir, config["num_hidden_layers"], skip_tensors, quant)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out_path)
+    with atomic_path(out_path) as tmp:
+        writer = gguf.GGUFWriter(tmp, "qwen3")
+        writer.add_name(model_dir.name)
+        _add_shape(writer, config)
+        _add_tokenizer(writer, model_dir, config, config["vocab_size"], chat_template)
+        _add_tensors(writer, model_dir, config["num_hidden_layers"], skip_tensors, quant)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return out_path
