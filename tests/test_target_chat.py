@@ -132,3 +132,21 @@ def test_an_empty_system_prompt_and_tool_turns_are_accepted():
                  {"role": "tool", "content": "s"}, {"role": "assistant", "content": "c"}])
     check_roles([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}],
                 answers=False)  # regeneration rewrites the answers
+
+
+@pytest.mark.parametrize(("tokenizer_eos", "config_eos", "want"), [
+    (2, [7, 2], [2, 7]),  # a chat model's end-of-turn beside the tokenizer's EOS
+    (5, [7, 3], [3, 5, 7]),  # the config's list omits the tokenizer's EOS: both still stop
+    (4, 4, [4]),  # an int in the generation config
+    (None, None, []),
+])
+def test_target_stop_ids_are_the_tokenizer_and_generation_config_eos(tokenizer_eos, config_eos,
+                                                                      want):
+    """The one stop-id rule capture, regeneration and both eval backends read."""
+    from types import SimpleNamespace
+
+    target = SimpleNamespace(
+        tokenizer=SimpleNamespace(eos_token_id=tokenizer_eos),
+        model=SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=config_eos)))
+    assert target_stop_ids(target) == want
+
