@@ -91,19 +91,21 @@ fi
 BENCHES=(
   "attention:150:"
   "loss_memory:60:"
-  "train_step:180:--compile"
+  "train_step:180:--compile --variant dflash1"
   "draft_latency:120:"
   "capture:60:"
+  "train_step_dflash2:120:--variant both"
 )
 for entry in "${BENCHES[@]}"; do
   IFS=: read -r name limit extra <<< "$entry"
+  module=${name%_dflash2}  # train_step_dflash2: benchmarks.train_step, DFlash 2 vs DFlash 1
   elapsed=$(( $(date +%s) - START ))
   if [ "$elapsed" -ge "$BUDGET_S" ]; then
     note "benchmark $name: SKIPPED (time budget ${BUDGET_S}s used: ${elapsed}s)"
     continue
   fi
   # shellcheck disable=SC2086
-  timeout "$limit" "$PY" -m "benchmarks.$name" --device "$DEVICE" --size "$SIZE" $extra \
+  timeout "$limit" "$PY" -m "benchmarks.$module" --device "$DEVICE" --size "$SIZE" $extra \
     --json "$OUT_DIR/$name.json" > "$OUT_DIR/$name.log" 2>&1
   rc=$?
   note "benchmark $name: rc=$rc ($(( $(date +%s) - START ))s since start)"
