@@ -4,7 +4,7 @@ Importable without Lightning or Hydra (torch, safetensors and ``dflash_lab.model
 transformers optionally, for the self-check), so it also runs inside a serving environment.
 """
 
-from export.api import (
+from dflash_lab.export.api import (
     ExportRefused,
     ExportResult,
     InspectResult,
@@ -14,8 +14,14 @@ from export.api import (
     plan_export,
     serving_config,
 )
-from export.engines import RULE_SETS, Artifacts, EngineReading, LayerReading, read_all
-from export.sources import ImportedDrafter, Source, import_drafter, load_serving_dir, load_source
+from dflash_lab.export.engines import RULE_SETS, Artifacts, EngineReading, LayerReading, read_all
+from dflash_lab.export.sources import (
+    ImportedDrafter,
+    Source,
+    import_drafter,
+    load_serving_dir,
+    load_source,
+)
 
 __all__ = [
     "Artifacts", "EngineReading", "ExportRefused", "ExportResult", "ImportedDrafter",

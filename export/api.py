@@ -1,4 +1,4 @@
-"""Library API: export a drafter, inspect a serving directory (import lives in export.sources).
+"""Library API: export a drafter, inspect a serving directory (import lives in sources.py).
 
 Nothing is written unless every check passes: the directory is built in a temporary sibling,
 self-checked, then renamed into place, so a refusal or a crash never leaves a partial OUT_DIR.
@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig, LayerSpec
-from export.checks import (
+from dflash_lab.export.checks import (
     Finding,
     apply_allow_lossy,
     check_engine,
@@ -27,7 +26,7 @@ from export.checks import (
     mismatches,
     refusals,
 )
-from export.engines import (
+from dflash_lab.export.engines import (
     ENGINES,
     RULE_SETS,
     Artifacts,
@@ -36,10 +35,10 @@ from export.engines import (
     rule_sets_for,
     select_sglang,
 )
-from export.engines.common import architecture_of, layouts_agree
-from export.engines.sglang import DEFAULT_RELEASE
-from export.engines.zlab import DEFAULT_BLOCK_SIZE, base_config
-from export.outdir import (
+from dflash_lab.export.engines.common import architecture_of, layouts_agree
+from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
+from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE, base_config
+from dflash_lab.export.outdir import (
     REPORT_FILE,
     SOURCE_PATH_KEY,
     check_output_dir,
@@ -48,9 +47,15 @@ from export.outdir import (
     stale_temp_dirs,
     temp_prefix,
 )
-from export.report import as_trained_lines, drafter_lines, engine_notes, export_report, layer_table
-from export.selfcheck import SelfCheckResult, run_self_check
-from export.sources import (
+from dflash_lab.export.report import (
+    as_trained_lines,
+    drafter_lines,
+    engine_notes,
+    export_report,
+    layer_table,
+)
+from dflash_lab.export.selfcheck import SelfCheckResult, run_self_check
+from dflash_lab.export.sources import (
     DEFAULT_ASSUMED_RULES,
     OUR_SPEC,
     Source,
@@ -59,7 +64,7 @@ from export.sources import (
     read_config_json,
     resolve_third_party,
 )
-from export.weights import (
+from dflash_lab.export.weights import (
     CONFIG_FILE,
     DTYPES,
     MASK_FILE,
@@ -73,6 +78,7 @@ from export.weights import (
     validate_state_dict,
     weight_shapes,
 )
+from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig, LayerSpec
 
 
 class ExportRefused(Exception):
@@ -185,7 +191,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     backend; ``any`` = every backend read for that release); the target's class (SGLang feeds
     Gemma 4 inputs scaled) comes from ``target`` or from what the training checkpoint recorded.
 
-    ``force`` replaces only an empty directory or a previous export (``export.outdir``); with
+    ``force`` replaces only an empty directory or a previous export (``outdir.py``); with
     ``owner`` (the training run) only a previous export of a source inside it. Raises ValueError
     (bad input, or ``out_dir`` is or contains what the export reads), FileExistsError (exists:
     no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_lab.export.engines import RULE_SETS, EngineReading, LayerReading, RuleSet
+from dflash_lab.export.engines.common import END_ANCHORED, SYMMETRIC, same_attention
 from dflash_lab.model.config import DrafterConfig, LayerSpec
-from export.engines import RULE_SETS, EngineReading, LayerReading, RuleSet
-from export.engines.common import END_ANCHORED, SYMMETRIC, same_attention
 
 REFUSE = "refuse"
 WARN = "warn"

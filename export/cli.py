@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from export.api import (
+from dflash_lab.export.api import (
     OK,
     UNCHECKED,
     ExportRefused,
@@ -25,12 +25,12 @@ from export.api import (
     export_drafter,
     inspect_dir,
 )
-from export.checks import WARN
-from export.engines import SGLANG_BACKENDS
-from export.engines.sglang import DEFAULT_RELEASE
-from export.engines.sglang import RELEASES as SGLANG_RELEASES
-from export.sources import Source, load_source
-from export.weights import CONFIG_FILE, DTYPES
+from dflash_lab.export.checks import WARN
+from dflash_lab.export.engines import SGLANG_BACKENDS
+from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
+from dflash_lab.export.engines.sglang import RELEASES as SGLANG_RELEASES
+from dflash_lab.export.sources import Source, load_source
+from dflash_lab.export.weights import CONFIG_FILE, DTYPES
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK, EXIT_UNCHECKED = 0, 2, 3, 4, 5
 

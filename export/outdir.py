@@ -14,7 +14,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from export.weights import CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
+from dflash_lab.export.weights import CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
 
 REPORT_FILE = "EXPORT_REPORT.md"
 #: every file an export writes; a previous export holds the first three and nothing but these
@@ -39,7 +39,7 @@ def recorded_source(out: Path) -> Path | None:
         lines = (out / REPORT_FILE).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return None
-    prefix = f"- {SOURCE_PATH_KEY}: "  # export.report writes header lines as "- key: value"
+    prefix = f"- {SOURCE_PATH_KEY}: "  # report.py writes header lines as "- key: value"
     paths = [line[len(prefix):] for line in lines if line.startswith(prefix)]
     return Path(paths[0]) if paths else None
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.export.weights import CONFIG_FILE, WEIGHTS_FILE, load_weights, validate_state_dict
 from dflash_lab.model.config import (
     DFLASH1,
     DFLASH2,
@@ -41,7 +42,6 @@ from dflash_lab.model.config import (
     DrafterConfig,
     build_target_layer_ids,
 )
-from export.weights import CONFIG_FILE, WEIGHTS_FILE, load_weights, validate_state_dict
 
 SPECFORGE_STATE = "training_state.pt"
 SPECULATORS_KEYS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
@@ -173,8 +173,9 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
 
 
 def load_speculators_dir(path: Path):
-    """A speculators DFlash / DFlash 2 directory as an export :class:`~export.sources.Source`."""
-    from export.sources import Source
+    """A speculators DFlash / DFlash 2 directory as an export
+    :class:`~dflash_lab.export.sources.Source`."""
+    from dflash_lab.export.sources import Source
 
     file = path / CONFIG_FILE
     config, notes = speculators_config(json.loads(file.read_text()), file)
@@ -249,7 +250,7 @@ def specforge_config(d: dict[str, Any], file: Path) -> DrafterConfig:
 
 def load_specforge_checkpoint(state_file: Path):
     """A SpecForge DFlash ``training_state.pt`` (+ its draft config) as a Source."""
-    from export.sources import Source
+    from dflash_lab.export.sources import Source
 
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
@@ -266,7 +267,7 @@ def load_specforge_checkpoint(state_file: Path):
         config = specforge_config(json.loads(config_file.read_text()), config_file)
     except (KeyError, json.JSONDecodeError) as err:
         raise ValueError(f"{config_file}: not a SpecForge DFlash draft config ({err!r})") from err
-    from export.sources import _plain_key
+    from dflash_lab.export.sources import _plain_key
 
     weights = {_plain_key(k): v for k, v in state["draft_state_dict"].items() if "embed" not in k}
     validate_state_dict(weights, config, str(state_file))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dflash_lab.attention.mask import LayerSpec
+from dflash_lab.export.checks import REFUSE, Finding, layer_matches, spec_label
+from dflash_lab.export.engines import EngineReading
 from dflash_lab.model.config import SCALE_DEFAULTS, DrafterConfig
-from export.checks import REFUSE, Finding, layer_matches, spec_label
-from export.engines import EngineReading
 
 
 def layer_table(specs: list[LayerSpec] | None, readings: dict[str, EngineReading],

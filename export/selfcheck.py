@@ -1,12 +1,12 @@
 """After writing, reload the directory the way an engine would and compare draft logits.
 
 The reload path: ``config.json`` through transformers' ``Qwen3Config`` (when transformers is
-installed; else the emulated rewrites of :func:`export.engines.common.hf_view`), then each
-current engine rule set's per-layer reading, then the weights by name from ``model.safetensors``
-(and ``mask_embedding.pt`` for vLLM). That drafter and the source drafter run the inference path
-(``extend_context`` + ``draft``) on one random probe block; logits use a random probe LM head
-and the drafter's scales (output_multiplier, softcap); a DFlash 2 drafter also walks its
-selector over the probe's top-K candidates, and its scores are compared too.
+installed; else the emulated rewrites of :func:`dflash_lab.export.engines.common.hf_view`), then
+each current engine rule set's per-layer reading, then the weights by name from
+``model.safetensors`` (and ``mask_embedding.pt`` for vLLM). That drafter and the source drafter run
+the inference path (``extend_context`` + ``draft``) on one random probe block; logits use a random
+probe LM head and the drafter's scales (output_multiplier, softcap); a DFlash 2 drafter also walks
+its selector over the probe's top-K candidates, and its scores are compared too.
 
 Two numbers per engine view, both relative to max |reference logit|:
 - ``config`` diff: source config vs engine-read config, both with the EXPORTED weights in fp32.
@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflash_lab.export.engines import RuleSet
+from dflash_lab.export.engines.common import Artifacts
+from dflash_lab.export.engines.zlab import base_config
+from dflash_lab.export.sources import config_from_reading
+from dflash_lab.export.weights import MASK_KEY, load_mask_file, load_weights
 from dflash_lab.model.config import DrafterConfig
-from export.engines import RuleSet
-from export.engines.common import Artifacts
-from export.engines.zlab import base_config
-from export.sources import config_from_reading
-from export.weights import MASK_KEY, load_mask_file, load_weights
 
 CONFIG_TOL = 1e-4
 DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}

@@ -17,11 +17,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
-from export.engines import Artifacts, EngineReading, get_rule_set, read_all
-from export.engines.common import layouts_agree
-from export.engines.zlab import base_config
-from export.weights import (
+from dflash_lab.export.engines import Artifacts, EngineReading, get_rule_set, read_all
+from dflash_lab.export.engines.common import layouts_agree
+from dflash_lab.export.engines.zlab import base_config
+from dflash_lab.export.weights import (
     CONFIG_FILE,
     MASK_FILE,
     MASK_KEY,
@@ -34,6 +33,7 @@ from export.weights import (
     validate_state_dict,
     weight_names,
 )
+from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
 
 DRAFTER_PREFIX = "drafter."
 #: Rule set assumed for a third-party directory: the reader that honours every feature.
@@ -260,7 +260,7 @@ def is_serving_dir(path: Path) -> bool:
 def load_source(path: str | Path) -> Source:
     """Dispatch on what SOURCE is: a .ckpt file, a serving directory (ours or z-lab's), a
     training run dir, a speculators directory or a SpecForge checkpoint (export/peers.py)."""
-    from export.peers import (
+    from dflash_lab.export.peers import (
         is_speculators_dir,
         load_specforge_checkpoint,
         load_speculators_dir,

@@ -172,7 +172,7 @@ def mixed_copy(src: Path) -> Path:
 def emulated_readings(serving_dir: Path) -> dict:
     """How the exporter's engine-rule emulation reads ``serving_dir``, per rule set: per-layer
     labels, or the engine's refusal."""
-    from export import Artifacts, read_all
+    from dflash_lab.export import Artifacts, read_all
 
     config = json.loads((serving_dir / "config.json").read_text())
     readings = read_all(config, Artifacts(mask_embedding_file=True, sink_weights=True))

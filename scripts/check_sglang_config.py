@@ -13,8 +13,9 @@ block-input scale (the target class's embedding module and DFlash hooks).
 Verdict per export: SGLang's reading equals the trained layout and features (per-layer window and
 causality, sinks, learned mask embedding, input embedding scale, output multiplier, soft-cap,
 value scale, DFlash 2 class, conv and selector fields), or the exporter
-(:func:`export.plan_export` with ``engines=("sglang",)``, the ``dflash-export --engine sglang``
-decision) refused SGLang for that export. Anything else fails with the field-by-field diff.
+(:func:`dflash_lab.export.plan_export` with ``engines=("sglang",)``, the
+``dflash-export --engine sglang`` decision) refused SGLang for that export. Anything else fails
+with the field-by-field diff.
 
 Config-level code cannot show how a draft attention backend bounds the right side of a
 bidirectional sliding window (export/engines/sglang.py ``BACKENDS`` models that per backend): such
@@ -35,11 +36,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from dflash_lab.export import plan_export, serving_config  # noqa: E402
+from dflash_lab.export.checks import refusals  # noqa: E402
+from dflash_lab.export.engines import SGLANG_BACKENDS  # noqa: E402
 from dflash_lab.model.config import DrafterConfig  # noqa: E402
 from dflash_lab.paths import atomic_write_text  # noqa: E402
-from export import plan_export, serving_config  # noqa: E402
-from export.checks import refusals  # noqa: E402
-from export.engines import SGLANG_BACKENDS  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "export_config"
 WORKER = ROOT / "scripts" / "sglang_config_worker.py"

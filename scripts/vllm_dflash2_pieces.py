@@ -189,10 +189,10 @@ def prepare_case(case: Path, seed: int = 0) -> Path:
     its target's config.json, and fixed inputs. Project venv only."""
     from safetensors.torch import save_file
 
+    from dflash_lab.export import export_drafter
+    from dflash_lab.export.sources import Source
+    from dflash_lab.export.weights import expected_shapes
     from dflash_lab.model.config import DrafterConfig
-    from export import export_drafter
-    from export.sources import Source
-    from export.weights import expected_shapes
 
     config = DrafterConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -233,8 +233,8 @@ def our_pieces(case: Path) -> dict[str, torch.Tensor]:
     """The same pieces computed by dflash_lab's drafter loaded from the export."""
     from safetensors.torch import load_file
 
+    from dflash_lab.export import load_serving_dir
     from dflash_lab.model.drafter import DFlashDrafter
-    from export import load_serving_dir
 
     config, state, _ = load_serving_dir(case / "export")
     drafter = DFlashDrafter(config).float().eval()

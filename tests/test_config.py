@@ -69,7 +69,8 @@ def test_unknown_key_in_our_training_spec_is_an_error():
 def test_our_reader_refuses_a_third_party_config_and_names_the_importer():
     d = tiny_drafter_config().to_dict()
     d.pop(TRAINING_SPEC_KEY)
-    with pytest.raises(ValueError, match="no 'dflash_lab_training_spec'.*export.import_drafter"):
+    with pytest.raises(ValueError,
+                       match="no 'dflash_lab_training_spec'.*dflash_lab.export.import_drafter"):
         DrafterConfig.from_dict(d, source="hub/config.json")
 
 

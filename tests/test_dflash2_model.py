@@ -9,10 +9,10 @@ import torch
 from doubles import LAYOUTS, tiny_drafter_config
 from safetensors.torch import load_file, save_file
 
+from dflash_lab.export.engines.zlab import base_config
 from dflash_lab.model.config import DFLASH2_DEFAULTS, DrafterConfig
 from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
-from export.engines.zlab import base_config
 
 REPO = Path(__file__).resolve().parents[1]
 ZLAB_PYTHON = REPO / ".venv-dflash" / "bin" / "python"

@@ -16,16 +16,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_export_support import make_config, random_state, write_checkpoint, write_zlab_dir
 
+from dflash_lab.export import (
+    ExportRefused,
+    export_drafter,
+    import_drafter,
+    inspect_dir,
+    plan_export,
+)
+from dflash_lab.export.api import serving_config
+from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
+from dflash_lab.export.engines import get_rule_set, read_all
+from dflash_lab.export.engines.common import Artifacts
+from dflash_lab.export.engines.zlab import base_config
+from dflash_lab.export.selfcheck import run_self_check
+from dflash_lab.export.sources import Source
+from dflash_lab.export.weights import WEIGHTS_FILE, expected_shapes
 from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
-from export import ExportRefused, export_drafter, import_drafter, inspect_dir, plan_export
-from export.api import serving_config
-from export.cli import EXIT_OK, EXIT_REFUSED, main
-from export.engines import get_rule_set, read_all
-from export.engines.common import Artifacts
-from export.engines.zlab import base_config
-from export.selfcheck import run_self_check
-from export.sources import Source
-from export.weights import WEIGHTS_FILE, expected_shapes
 
 REPO = Path(__file__).resolve().parents[1]
 ZLAB_PYTHON = REPO / ".venv-dflash" / "bin" / "python"

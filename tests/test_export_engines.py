@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from test_export_support import LAYOUTS, F, S, make_config, zlab_config
 
+from dflash_lab.export.api import plan_export, serving_config
+from dflash_lab.export.checks import REFUSE, WARN, refusals
+from dflash_lab.export.engines import Artifacts, read_all
+from dflash_lab.export.engines.common import hf_view
 from dflash_lab.model.config import TRAINING_SPEC_KEY
-from export.api import plan_export, serving_config
-from export.checks import REFUSE, WARN, refusals
-from export.engines import Artifacts, read_all
-from export.engines.common import hf_view
 
 CAUSAL, BIDIR = "causal", "bidir"
 

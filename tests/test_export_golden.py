@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from stand_ins import config_target
 
+from dflash_lab.export import plan_export, serving_config
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
 from dflash_lab.train.factory import drafter_config_for_target
-from export import plan_export, serving_config
 
 GOLDEN = Path(__file__).parent / "golden" / "export_config"
 ALL_RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -68,8 +68,8 @@ def test_every_recipe_is_exportable_for_its_intended_engines(recipe, tmp_path, t
     engine = cfg.get("export", {}).get("engine", "both")
     if config.learned_mask_embedding or config.attention_sink_bias:
         engine = "vllm"  # SGLang < 0.5.23 drops these; 0.5.23 only on some draft backends
-    from export.api import parse_engines
-    from export.checks import refusals
+    from dflash_lab.export.api import parse_engines
+    from dflash_lab.export.checks import refusals
 
     _, findings = plan_export(config, parse_engines(engine),
                               sglang_backend=cfg.export.sglang_attention_backend)

@@ -15,15 +15,21 @@ from test_export_support import (
     zlab_config,
 )
 
+from dflash_lab.export import (
+    ExportRefused,
+    SelfCheckFailed,
+    export_drafter,
+    import_drafter,
+    inspect_dir,
+)
+from dflash_lab.export.api import serving_config
+from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, main
+from dflash_lab.export.engines import RuleSet, get_rule_set
+from dflash_lab.export.engines.common import Artifacts, LayerReading
+from dflash_lab.export.selfcheck import run_self_check
+from dflash_lab.export.sources import Source, load_serving_dir
+from dflash_lab.export.weights import MASK_KEY, expected_shapes, load_weights
 from dflash_lab.model.config import TRAINING_SPEC_KEY
-from export import ExportRefused, SelfCheckFailed, export_drafter, import_drafter, inspect_dir
-from export.api import serving_config
-from export.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, main
-from export.engines import RuleSet, get_rule_set
-from export.engines.common import Artifacts, LayerReading
-from export.selfcheck import run_self_check
-from export.sources import Source, load_serving_dir
-from export.weights import MASK_KEY, expected_shapes, load_weights
 
 
 def source(layout: str, **kw) -> Source:
@@ -217,7 +223,7 @@ def test_self_check_catches_a_misread_layout(tmp_path):
 
 
 def test_self_check_failure_writes_nothing(tmp_path, monkeypatch):
-    import export.api as api
+    import dflash_lab.export.api as api
 
     monkeypatch.setattr(api, "run_self_check", lambda *a, **k: (
         [type("R", (), {"ok": False, "line": lambda self: "- forced failure"})()], "test"))

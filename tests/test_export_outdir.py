@@ -16,10 +16,10 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 from test_export_support import make_config, random_state, write_checkpoint
 
+from dflash_lab.export import export_drafter
+from dflash_lab.export.cli import EXIT_OK, EXIT_USAGE, main
+from dflash_lab.export.outdir import REPORT_FILE, recorded_source
 from dflash_lab.paths import CONF_DIR
-from export import export_drafter
-from export.cli import EXIT_OK, EXIT_USAGE, main
-from export.outdir import REPORT_FILE, recorded_source
 
 
 def make_run(path: Path, seed: int = 0) -> Path:

@@ -13,12 +13,18 @@ import pytest
 import torch
 from test_export_support import make_config, random_state, write_checkpoint
 
-from export.api import ExportRefused, export_drafter, inspect_dir, plan_export
-from export.checks import WARN, refusals
-from export.cli import EXIT_OK, EXIT_REFUSED, main
-from export.engines import Artifacts, read_all, select_sglang
-from export.engines.common import END_ANCHORED, LEFT_ONLY, SYMMETRIC, LayerReading, same_attention
-from export.sources import Source
+from dflash_lab.export.api import ExportRefused, export_drafter, inspect_dir, plan_export
+from dflash_lab.export.checks import WARN, refusals
+from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
+from dflash_lab.export.engines import Artifacts, read_all, select_sglang
+from dflash_lab.export.engines.common import (
+    END_ANCHORED,
+    LEFT_ONLY,
+    SYMMETRIC,
+    LayerReading,
+    same_attention,
+)
+from dflash_lab.export.sources import Source
 
 SGL, FI, TRT, OLD = ("sglang==0.5.23", "sglang==0.5.23+flashinfer", "sglang==0.5.23+trtllm_mha",
                      "sglang#34524")

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dflash_lab.export.weights import MASK_KEY, expected_shapes
 from dflash_lab.model.config import DrafterConfig
-from export.weights import MASK_KEY, expected_shapes
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

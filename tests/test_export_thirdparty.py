@@ -1,4 +1,4 @@
-"""Third-party config.json files: z-lab's field reading (export.engines.zlab), the layout
+"""Third-party config.json files: z-lab's field reading (dflash_lab.export.engines.zlab), the layout
 resolved by one named engine rule set, one resolution shared by the importer and --inspect, and
 --inspect on a directory that holds only config.json."""
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from test_export_support import make_config, random_state, write_zlab_dir, zlab_config
 
+from dflash_lab.export import export_drafter, import_drafter, inspect_dir
+from dflash_lab.export.cli import EXIT_REFUSED, EXIT_UNCHECKED, main
+from dflash_lab.export.engines.common import NO_ARTIFACTS
+from dflash_lab.export.engines.zlab import base_config, block_size
+from dflash_lab.export.sources import Source, resolve_third_party
+from dflash_lab.export.weights import MASK_FILE, WEIGHTS_FILE, expected_shapes
 from dflash_lab.model.config import LayerSpec
-from export import export_drafter, import_drafter, inspect_dir
-from export.cli import EXIT_REFUSED, EXIT_UNCHECKED, main
-from export.engines.common import NO_ARTIFACTS
-from export.engines.zlab import base_config, block_size
-from export.sources import Source, resolve_third_party
-from export.weights import MASK_FILE, WEIGHTS_FILE, expected_shapes
 
 ZLAB_QWEN3_8B = {
     "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,

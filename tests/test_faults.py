@@ -366,7 +366,7 @@ def test_a_refused_capture_keeps_the_directory_record(tiny_target_dir, tmp_path)
 
 # -------------------------------------------------------- item 8: a corrupt checkpoint
 def test_the_exporter_refuses_a_checkpoint_whose_checksum_fails(trained_run, tmp_path):
-    from export import export_drafter
+    from dflash_lab.export import export_drafter
 
     run = _copy(trained_run, tmp_path / "run")
     best = next(run.glob("checkpoints/best-*.ckpt"))
@@ -500,11 +500,11 @@ def test_an_export_killed_mid_way_leaves_a_temp_dir_the_next_run_removes(trained
     import sys
     import time
 
+    from dflash_lab.export import export_drafter
     from dflash_lab.paths import REPO_ROOT
-    from export import export_drafter
 
     src, out = trained_run, tmp_path / "out"
-    code = ("import time, export.api as a; a._commit = lambda *x: time.sleep(600); "
+    code = ("import time, dflash_lab.export.api as a; a._commit = lambda *x: time.sleep(600); "
             f"a.export_drafter({str(src)!r}, {str(out)!r}, engine='vllm')")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT,
                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
@@ -539,7 +539,7 @@ def test_export_refuses_a_target_with_other_weights(trained_run, tiny_target_dir
                                                     weights_capture, tmp_path, capsys):
     """dflash-export --target: the checkpoint's recorded weights fingerprint must match (issue
     16 item 3, exports); the same config with other weights is refused unless allowed."""
-    from export.cli import main
+    from dflash_lab.export.cli import main
 
     other_dir = Path(weights_capture[1].name_or_path)
     assert main([str(trained_run), str(tmp_path / "a"), "--target", str(other_dir)]) == 2

@@ -217,8 +217,8 @@ def test_capture_train_export_eval_from_the_gguf_path_alone(variant, ggufs, conv
     """docs/capture.md "GGUF targets", command by command."""
     from dflash_lab.capture import main as capture_main
     from dflash_lab.eval.cli import main as eval_main
+    from dflash_lab.export.cli import main as export_main
     from dflash_lab.train.cli import main as train_main
-    from export.cli import main as export_main
 
     if variant == "template in the GGUF":
         gguf, template = ggufs["with"], []

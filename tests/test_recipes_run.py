@@ -206,7 +206,7 @@ def run_eval_command(cfg, drafter_dir: Path, name: str) -> dict:
 
 def export_command(cfg, run_dir: Path, name: str) -> Path:
     """``dflash-export RUN_DIR OUT_DIR --engine E --target T`` (the recipe's engine)."""
-    from export.cli import main as export_main
+    from dflash_lab.export.cli import main as export_main
 
     out = Path("outputs/export")
     rc = export_main([str(run_dir), str(out), "--engine", cfg.export.engine, "--dtype",

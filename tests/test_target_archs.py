@@ -171,8 +171,8 @@ def test_capture_train_export_on_the_architecture(arch, arch_dir, tmp_path):
     """Capture demo conversations, train offline on the head-only target, export for both
     engines against the target's config (nested text_config included); Gemma 4 for vLLM only
     (SGLang 0.5.23 would feed its scaled embeddings), refused for both at start-up and export."""
+    from dflash_lab.export.cli import main as export_main
     from dflash_lab.train.run import train
-    from export.cli import main as export_main
 
     rows = [{"messages": c} for c in demo_conversations(16, seed=4)]
     settings = CaptureSettings(out_dir=str(tmp_path / "cap"), target_layer_ids=LAYERS,

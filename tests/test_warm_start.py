@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from test_export_support import random_state, write_checkpoint, write_zlab_dir
 
 from dflash_lab.eval.loading import load_drafter
+from dflash_lab.export import export_drafter
 from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
 from dflash_lab.train.factory import build_drafter
 from dflash_lab.train.warm_start import group_defaults
-from export import export_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PYTHON = REPO / ".venv-speculators" / "bin" / "python"

@@ -29,7 +29,8 @@ class LoadedDrafter:
     description: str
     trained_block_size: int
     notes: list[str] = field(default_factory=list)
-    #: False when the format records no target depth (``export.sources.Source.depth_recorded``)
+    #: False when the format records no target depth
+    #: (``dflash_lab.export.sources.Source.depth_recorded``)
     depth_recorded: bool = True
 
 
@@ -41,8 +42,8 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     ``block_size`` (<= the trained one) sets the inference block; ``assume`` names the engine
     rule set used to read a third-party serving directory (default: the exporter's).
     """
-    from export.peers import is_speculators_dir
-    from export.sources import (
+    from dflash_lab.export.peers import is_speculators_dir
+    from dflash_lab.export.sources import (
         ImportedDrafter,
         import_drafter,
         is_serving_dir,

@@ -6,7 +6,7 @@ from :meth:`DrafterConfig.layer_specs`, never from the raw ``layer_types`` / ``i
 The serving ``config.json`` format (dflash.md section 4) is produced by :meth:`to_dict` and read
 back, strictly, by :meth:`from_dict`. Third-party config.json files (z-lab, vLLM-style) are not
 read here: their layout is whatever an engine makes of it, so ``export`` reads them
-(``export.engines.zlab`` for the fields, an engine rule set for the layout).
+(``dflash_lab.export.engines.zlab`` for the fields, an engine rule set for the layout).
 
 Target layer ids use the z-lab convention: id ``i`` is the OUTPUT of decoder layer ``i``,
 i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
@@ -390,8 +390,9 @@ class DrafterConfig:
         computes). ``block_size`` written twice (top level and ``dflash_config``) must agree.
 
         No engine rule is emulated here. A third-party (z-lab, vLLM-style) config.json leaves
-        the layout to the engine that reads it: read it with ``export.import_drafter`` (or
-        ``dflash-export --inspect``), which resolves it with a named engine rule set.
+        the layout to the engine that reads it: read it with
+        ``dflash_lab.export.import_drafter`` (or ``dflash-export --inspect``), which resolves it
+        with a named engine rule set.
         """
         return _parse_ours(cls, d, source=source)
 
@@ -523,9 +524,9 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
     if TRAINING_SPEC_KEY not in d:
         raise ValueError(
             f"{source}: no '{TRAINING_SPEC_KEY}', so dflash-lab did not write it; a third-party "
-            "(z-lab, vLLM-style) config.json is read by export.import_drafter (dflash-export "
-            "SRC OUT, dflash-export --inspect DIR), which resolves its layout with a named "
-            "engine rule set")
+            "(z-lab, vLLM-style) config.json is read by dflash_lab.export.import_drafter "
+            "(dflash-export SRC OUT, dflash-export --inspect DIR), which resolves its layout "
+            "with a named engine rule set")
     reject_unknown_keys(set(d), OUR_TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
     reject_unknown_keys(set(dfc), OUR_DFLASH_KEYS, "dflash_config.", source)
     spec = d[TRAINING_SPEC_KEY]

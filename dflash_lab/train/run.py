@@ -28,7 +28,7 @@ def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
 
     Replaces only an earlier export of this run (``owner``), never other files: train() checks
     ``export.out_dir`` the same way at start-up, so a bad one is refused before training."""
-    from export import export_drafter
+    from dflash_lab.export import export_drafter
 
     result = export_drafter(run_dir, cfg.export.out_dir, engine=cfg.export.engine,
                             dtype=cfg.export.dtype, force=True, owner=run_dir,
@@ -77,8 +77,8 @@ def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     """Refuse at start-up a run whose end-of-run export the engine rules would refuse (e.g. a
     Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings), instead of
     failing after training: same rules, same target class as ``dflash-export`` applies."""
-    from export.api import ExportRefused, parse_engines, plan_export
-    from export.checks import refusals
+    from dflash_lab.export.api import ExportRefused, parse_engines, plan_export
+    from dflash_lab.export.checks import refusals
 
     _, findings = plan_export(
         drafter.config, parse_engines(cfg.export.engine),
@@ -129,7 +129,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
     if cfg.export.enabled:  # refuse an export.out_dir that the end-of-run export may not replace
-        from export.outdir import check_output_dir
+        from dflash_lab.export.outdir import check_output_dir
 
         check_output_dir(cfg.export.out_dir, [out_dir], force=True, owner=out_dir,
                          name="export.out_dir")

@@ -1,12 +1,12 @@
 """``drafter.init_from=PATH``: start training from a trained drafter of any format we read.
 
-PATH is anything ``export.sources.load_source`` reads: our ``.ckpt`` / run directory (best
-checkpoint) / export, a z-lab directory (DFlash 1 or 2), a speculators directory or a SpecForge
-checkpoint. The drafter config comes from the source; a drafter field set in Hydra (a value that
-differs from the ``conf/drafter`` option's own, or any ``drafter.KEY=`` on the command line)
-overrides it. An override that changes what the trained weights compute (a layer switched
-between sliding and full or causal and bidirectional, another window, block size, target layer
-ids, MASK id, RoPE or logit scales) is logged as one warning listing each; one that changes the
+PATH is anything ``dflash_lab.export.sources.load_source`` reads: our ``.ckpt`` / run directory
+(best checkpoint) / export, a z-lab directory (DFlash 1 or 2), a speculators directory or a
+SpecForge checkpoint. The drafter config comes from the source; a drafter field set in Hydra (a
+value that differs from the ``conf/drafter`` option's own, or any ``drafter.KEY=`` on the command
+line) overrides it. An override that changes what the trained weights compute (a layer switched
+between sliding and full or causal and bidirectional, another window, block size, target layer ids,
+MASK id, RoPE or logit scales) is logged as one warning listing each; one that changes the
 tensor shapes, or a source built for another target (hidden or vocab size), is a ValueError.
 A source recorded for a target of another depth is refused too unless ``target_layer_ids`` is
 overridden (:func:`check_depth`); one trained on other target weights of the same shapes (a
@@ -163,9 +163,9 @@ def merged_config(source: DrafterConfig, overrides: dict[str, Any], num_target_l
 def warm_started_drafter(target, init_from: str, backend: str,
                          fields: dict[str, Any]) -> DFlashDrafter:
     """A drafter holding the weights of ``init_from`` for the loaded ``target``."""
+    from dflash_lab.export.sources import load_source
     from dflash_lab.target.mask_token import resolve_mask_token_id
     from dflash_lab.train.factory import target_shape
-    from export.sources import load_source
 
     where = str(init_from)
     if not Path(where).exists():

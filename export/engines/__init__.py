@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from export.engines import sglang, vllm
-from export.engines.common import Artifacts, EngineReading, LayerReading
+from dflash_lab.export.engines import sglang, vllm
+from dflash_lab.export.engines.common import Artifacts, EngineReading, LayerReading
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ every release since PR #34524 except where a :class:`Release` field says otherwi
 How a bidirectional (ENCODER_ONLY) sliding layer's window is bounded depends on the draft attention
 backend (``--speculative-draft-attention-backend``; by default the target's backend when it is a
 DFlash draft backend, else flashinfer): see :data:`BACKENDS`. DFlash 2 and the scales:
-:mod:`export.engines.variant`.
+:mod:`dflash_lab.export.engines.variant`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from export.engines.common import (
+from dflash_lab.export.engines.common import (
     END_ANCHORED,
     FULL,
     LEFT_ONLY,
@@ -44,7 +44,7 @@ from export.engines.common import (
     LayerReading,
     hf_view,
 )
-from export.engines.variant import declared_scales, drop_scale, sglang_variant
+from dflash_lab.export.engines.variant import declared_scales, drop_scale, sglang_variant
 
 
 @dataclass(frozen=True)

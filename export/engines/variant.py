@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from export.engines import zlab
-from export.engines.common import Artifacts, EngineReading
+from dflash_lab.export.engines import zlab
+from dflash_lab.export.engines.common import Artifacts, EngineReading
 
 DFLASH2_ARCH = "DFlash2DraftModel"
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -139,7 +139,7 @@ def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: Engine
                            "conv_kernel_size and conv_group_size together'")
     if reading.refusal:
         return
-    # input_embedding_scale: export.engines.sglang (what SGLang feeds depends on the target)
+    # input_embedding_scale: engines/sglang.py (what SGLang feeds depends on the target)
     if not is_dflash2(config):
         return
     if "conv_kernel_size" in missing:

@@ -17,14 +17,14 @@ Sources (read from the released wheels, file ``vllm/model_executor/models/qwen3_
 - ``mask_embedding.pt`` (a tensor, or ``{"embedding": T, "mask_token_id": id}``) is read by
   ``DFlashQwen3ForCausalLM._read_mask_embedding``; sink weights are created only when
   ``dflash_config.attention_sink_bias`` is true.
-- DFlash 2 (``qwen3_dflash2.py``) and the three scales: :mod:`export.engines.variant`.
+- DFlash 2 (``qwen3_dflash2.py``) and the three scales: :mod:`dflash_lab.export.engines.variant`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from export.engines.common import (
+from dflash_lab.export.engines.common import (
     NO_ARTIFACTS,
     SLIDING,
     SYMMETRIC,
@@ -34,7 +34,7 @@ from export.engines.common import (
     LayerReading,
     hf_view,
 )
-from export.engines.variant import vllm_variant
+from dflash_lab.export.engines.variant import vllm_variant
 
 
 def _layer_causal(view: HFView, i: int, *, honors_is_causal: bool) -> bool:
