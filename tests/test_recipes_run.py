@@ -205,12 +205,15 @@ def run_eval_command(cfg, drafter_dir: Path, name: str) -> dict:
 
 
 def export_command(cfg, run_dir: Path, name: str) -> Path:
-    """``dflash-export RUN_DIR OUT_DIR --engine E --target T`` (the recipe's engine)."""
+    """``dflash-export RUN_DIR OUT_DIR --engine E --target T`` with the recipe's engine and
+    SGLang release/draft backend (the command its comment documents)."""
     from dflash_lab.export.cli import main as export_main
 
     out = Path("outputs/export")
     rc = export_main([str(run_dir), str(out), "--engine", cfg.export.engine, "--dtype",
-                      cfg.export.dtype, "--target", name])
+                      cfg.export.dtype, "--target", name, "--sglang-version",
+                      str(cfg.export.sglang_version), "--sglang-attention-backend",
+                      cfg.export.sglang_attention_backend])
     assert rc == 0, f"dflash-export refused the trained drafter (exit {rc}); see stderr"
     return out
 
