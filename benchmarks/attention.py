@@ -21,7 +21,7 @@ from dflash_lab.attention.base import get_backend
 from dflash_lab.attention.flash import flash_attn_available
 from dflash_lab.attention.mask import BlockLayout, LayerSpec, dense_mask
 from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
-from dflash_lab.data.anchors import sample_anchors, step_generator
+from dflash_lab.train.anchors import sample_anchors, step_generator
 
 #: (S, N, B, Bt, Hq, Hkv, D, dtype) per size.
 LAYOUTS = {

@@ -43,7 +43,7 @@ from benchmarks.common import (
     target_head,
     training_batch,
 )
-from dflash_lab.data.anchors import step_generator
+from dflash_lab.train.anchors import step_generator
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.module import DFlashModule
 

@@ -35,8 +35,12 @@ def test_online_batches_equal_offline_batches_from_a_capture(tiny_target, tmp_pa
     pairs = list(zip(offline.train_dataloader(), online.train_dataloader()))
     pairs += list(zip(offline.val_dataloader(), online.val_dataloader()))
     assert len(pairs) == 3 + 1
+    features = online.feature_source()  # what the training step runs on online batches
+    assert offline.feature_source() is None  # captured batches carry their features
     for off, on in pairs:
-        on = online.on_after_batch_transfer(on, 0)
+        assert "hidden" not in on
+        feats = features(on["input_ids"])
+        on = {**on, "hidden": feats.hidden_bsf, "target_argmax": feats.argmax_bs}
         real = off["attention_mask"]
         assert torch.equal(real, on["attention_mask"])
         for key in ("input_ids", "loss_mask", "target_argmax"):

@@ -23,7 +23,7 @@ import pytest
 import torch
 from eval_doubles import RecordingProposer, tiny_drafter_for
 
-from dflash_lab.data.anchors import sample_anchors, step_generator
+from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.module import pad_collate
 from dflash_lab.eval.loading import load_drafter

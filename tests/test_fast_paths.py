@@ -9,7 +9,7 @@ from doubles import tiny_drafter_config
 
 from dflash_lab.attention.base import get_backend
 from dflash_lab.attention.mask import BlockLayout, dense_mask, visible
-from dflash_lab.data.anchors import sample_anchors, step_generator
+from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.model.config import FULL, SLIDING, LayerSpec
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.loss import block_targets, dflash_loss, token_targets

@@ -7,7 +7,7 @@ import torch
 from doubles import tiny_drafter_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_lab.data.anchors import anchor_candidates, sample_anchors, step_generator
+from dflash_lab.train.anchors import anchor_candidates, sample_anchors, step_generator
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,

@@ -2,13 +2,15 @@
 
 Every batch carries (rows right-padded to the longest row, Bt x S):
   input_ids [Bt, S] long, loss_mask [Bt, S] bool (False on padding), attention_mask [Bt, S]
-  bool (real tokens), hidden [Bt, S, F] target features at target_layer_ids, target_argmax
-  [Bt, S] long (target's greedy next token; meaningless on padding).
-Anchors are sampled by the training module per step (see dflash_lab/data/anchors.py), so padding
+  bool (real tokens); offline batches also hidden [Bt, S, F] target features at
+  target_layer_ids and target_argmax [Bt, S] long (target's greedy next token; meaningless on
+  padding). Online batches get those two from the module's ``feature_source()`` in the training
+  step (``DFlashModule.target_features``).
+Anchors are sampled by the training module per step (see dflash_lab/train/anchors.py), so padding
 never needs a mask of its own: no anchor points into it and no context past an anchor is seen.
 
-- :class:`OnlineDataModule` tokenises conversations and computes features with the frozen target
-  in-process (``on_after_batch_transfer``: on the training device, no grad).
+- :class:`OnlineDataModule` tokenises conversations; its ``feature_source()`` is the frozen
+  target, which the training step runs on each batch (on the training device, no grad).
 - :class:`OfflineDataModule` reads captured shards (``dflash-capture``).
 Both hold out a deterministic validation split and shuffle with a per-epoch seeded sampler, so a
 run resumed from an end-of-epoch (or validation) checkpoint sees the same batches.
@@ -153,6 +155,11 @@ class BlockDataModule(L.LightningDataModule):
         """All samples (dicts of per-sample tensors); subclasses implement it."""
         raise NotImplementedError
 
+    def feature_source(self):
+        """What computes ``hidden`` / ``target_argmax`` for a batch that lacks them: None here
+        (captured batches carry their features); the online module returns the target."""
+        return None
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
@@ -226,8 +233,8 @@ class OnlineDataModule(BlockDataModule):
     ``conversations``: a file or hub id, or ``demo`` for the built-in demo conversations
     (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
     :class:`dflash_lab.target.loader.Target`; ``target_layer_ids``: the drafter's. Features are
-    computed on the training device after the batch transfer, under no_grad, by the same
-    function capture uses. ``bad_rows``: ``skip`` logs each bad row (roles not alternating,
+    computed by the training step (:meth:`feature_source`) on the training device, under
+    no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row (roles not alternating,
     empty turn, no assistant turn, template error) with its input row and drops it; ``error``
     stops at the first (as ``capture.bad_rows``).
     """
@@ -276,20 +283,12 @@ class OnlineDataModule(BlockDataModule):
                              f"{len(done.bad_rows)} bad rows were skipped)")
         return _TokenizedConversations(items)
 
-    def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict:
-        from dflash_lab.target.features import extract_features
+    def feature_source(self):
+        """The frozen target as the training step's feature source (``DFlashModule``'s first
+        step: online batches carry only ids and masks)."""
+        from dflash_lab.target.features import OnlineFeatures
 
-        if "hidden" in batch:
-            return batch
-        model = self.target.model
-        if model.device != batch["input_ids"].device and getattr(model, "hf_device_map",
-                                                                 None) is None:
-            model.to(batch["input_ids"].device)
-        # Right padding needs no attention mask: a causal target's features at real positions
-        # do not depend on the pads after them.
-        feats = extract_features(model, batch["input_ids"], self.target_layer_ids)
-        batch["hidden"], batch["target_argmax"] = feats.hidden_bsf, feats.argmax_bs
-        return batch
+        return OnlineFeatures(self.target.model, self.target_layer_ids)
 
 
 def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[str, Any]:

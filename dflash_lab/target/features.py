@@ -79,3 +79,26 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
     last_bsh = base_out.last_hidden_state.to(lm_head.weight.device)
     argmax_bs = chunked_argmax(lm_head, last_bsh).to(out_device)
     return TargetFeatures(hidden_bsf, argmax_bs)
+
+
+class OnlineFeatures:
+    """The frozen target as a feature source for a training batch (online data).
+
+    ``__call__(input_ids_bs)`` [Bt, S] -> :class:`TargetFeatures` on the ids' device. The model
+    moves to that device on first use (not when spread with ``device_map``). Runs under no_grad
+    and outside autocast: the features are the target's own, whatever the drafter's precision
+    (``bf16-mixed`` must not re-round the target's forward). Right padding needs no attention
+    mask: a causal target's features at real positions do not depend on the pads after them.
+    Not an ``nn.Module`` on purpose: the target is never a parameter of the training module,
+    never in its checkpoints, never moved or cast by Lightning.
+    """
+
+    def __init__(self, model, target_layer_ids: list[int]):
+        self.model, self.target_layer_ids = model, list(target_layer_ids)
+
+    def __call__(self, input_ids_bs: torch.Tensor) -> TargetFeatures:
+        device = input_ids_bs.device
+        if self.model.device != device and getattr(self.model, "hf_device_map", None) is None:
+            self.model.to(device)
+        with torch.autocast(device.type, enabled=False):
+            return extract_features(self.model, input_ids_bs, self.target_layer_ids)

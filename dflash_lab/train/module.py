@@ -1,15 +1,21 @@
 """DFlashModule: the LightningModule that trains a drafter against frozen target pieces.
 
-One training step: sample sorted anchors (seeded by seed/step/rank) -> drafter forward over the
-packed blocks -> gather labels at anchored slots only -> chunked weighted CE normalised by the
-GLOBAL weight sum across devices -> metrics (loss, per-slot accuracy, exact acceptance tau).
-A DFlash 2 drafter adds ``alpha(step)`` x the selector CE over the unary top-K
-(dflash_lab/train/selector.py); its ``val/tau`` is the selector path's (what serving gets),
-beside ``val/unary_tau`` and ``val/oracle_tau``.
+One training step (:meth:`DFlashModule.step`), top-down, each a named call:
+  1. target features  ``target_features``: the batch's own (a capture) or the frozen target
+     run now (online data, :class:`~dflash_lab.target.features.OnlineFeatures`);
+  2. anchors          ``sample_anchors``: sorted block starts, seeded by seed/step/rank
+     (dflash_lab/train/anchors.py);
+  3. drafter          ``draft``: the drafter forward over the packed anchored blocks;
+  4. loss             ``loss``: labels at anchored slots, chunked position-weighted CE through
+     the frozen LM head (DFlash 2: plus the selector term, dflash_lab/train/selector.py);
+then ``objective`` normalises it by the GLOBAL weight sum across devices and the metrics are
+logged (loss, per-slot accuracy, exact acceptance tau). A DFlash 2 drafter's objective adds
+``alpha(step)`` x the selector CE over the unary top-K; its ``val/tau`` is the selector path's
+(what serving gets), beside ``val/unary_tau`` and ``val/oracle_tau``.
 
 Batch contract (from the data module), Bt rows padded to S:
-  hidden [Bt, S, F] target features, input_ids [Bt, S], loss_mask [Bt, S] (0 on padding),
-  target_argmax [Bt, S] (the target's greedy next token at each position).
+  input_ids [Bt, S], loss_mask [Bt, S] (0 on padding); from a capture, or added by step 1:
+  hidden [Bt, S, F] target features, target_argmax [Bt, S] (the target's greedy next token).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 
-from dflash_lab.data.anchors import sample_anchors, step_generator
+from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
@@ -55,6 +61,9 @@ class DFlashModule(L.LightningModule):
     rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``). selector: the
     ``module.selector`` settings (:class:`~dflash_lab.train.selector.SelectorSettings`): used by
     DFlash 2 drafters; a DFlash 1 drafter accepts only the defaults (refused otherwise).
+    feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden``
+    (the data module's ``feature_source()``: the frozen target for online data, None for
+    captures).
     """
 
     def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
@@ -64,7 +73,8 @@ class DFlashModule(L.LightningModule):
                  ce_chunk_size: int | None = None, ce_chunk_bytes: int = CE_CHUNK_BYTES,
                  seed: int = 0, val_seed: int = 1234,
                  compile: bool = False, activation_checkpointing: bool = False,
-                 selector: Mapping[str, Any] | None = None):
+                 selector: Mapping[str, Any] | None = None,
+                 feature_source: Callable[[Tensor], Any] | None = None):
         super().__init__()
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
@@ -73,7 +83,9 @@ class DFlashModule(L.LightningModule):
         selector = dict(selector or {})  # plain types in the checkpoint's hyper_parameters
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
-        self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler"])
+        self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler",
+                                          "feature_source"])
+        self.feature_source = feature_source
         self.drafter = drafter
         self.target_head = target_head.requires_grad_(False)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
@@ -88,20 +100,41 @@ class DFlashModule(L.LightningModule):
             self.drafter.compile_layers()
 
     # ------------------------------------------------------------------ the step
+    def step(self, batch: dict[str, Tensor], generator: torch.Generator) -> LossOutput:
+        """One step's loss pieces, in order: target features -> anchors -> drafter -> loss."""
+        batch = self.target_features(batch)
+        anchors, anchor_valid = self.sample_anchors(batch, generator)
+        hidden = self.draft(batch, anchors)
+        return self.loss(batch, hidden, anchors, anchor_valid)
+
+    def target_features(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The batch with ``hidden`` [Bt, S, F] and ``target_argmax`` [Bt, S]: as captured, or
+        from ``feature_source`` (the frozen target, no grad) when the batch has ids only."""
+        if "hidden" in batch:
+            return batch
+        if self.feature_source is None:
+            raise ValueError("this batch has no 'hidden' target features and the module has no "
+                             "feature_source: use a capture (data=offline) or online data, "
+                             "whose data module gives the target as feature_source")
+        feats = self.feature_source(batch["input_ids"])
+        return {**batch, "hidden": feats.hidden_bsf, "target_argmax": feats.argmax_bs}
+
     def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator):
         """Sorted anchors [Bt, N] and their validity for this batch."""
         return sample_anchors(batch["loss_mask"], self.hparams.num_anchors, generator)
 
-    def blocks_loss(self, batch: dict[str, Tensor], anchors: Tensor,
-                    anchor_valid: Tensor) -> LossOutput:
-        """Drafter forward on the anchored blocks and the (local) weighted loss pieces."""
-        hp = self.hparams
-        hidden = self.drafter(batch["hidden"], batch["input_ids"], anchors,
-                              self.target_head.embed_tokens)
+    def draft(self, batch: dict[str, Tensor], anchors: Tensor) -> Tensor:
+        """The drafter's hidden states [Bt, N, B, H] for the blocks anchored at ``anchors``."""
+        return self.drafter(batch["hidden"], batch["input_ids"], anchors,
+                            self.target_head.embed_tokens)
+
+    def loss(self, batch: dict[str, Tensor], hidden: Tensor, anchors: Tensor,
+             anchor_valid: Tensor) -> LossOutput:
+        """The (local) weighted loss pieces of the drafted blocks ``hidden`` [Bt, N, B, H]:
+        labels at the anchored slots, unary CE, and for DFlash 2 the selector term."""
+        hp, cfg, lm_head = self.hparams, self.drafter.config, self.target_head.lm_head
         targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
-        tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid,
-                            self.drafter.config.block_size)
-        cfg, lm_head = self.drafter.config, self.target_head.lm_head
+        tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size)
         out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
                           hp.ce_chunk_bytes, scale=self.logit_scale,
                           top_k=cfg.selector_top_k if cfg.is_dflash2 else 0)
@@ -111,6 +144,11 @@ class DFlashModule(L.LightningModule):
                 batch["input_ids"].gather(1, anchors), lm_head, hp.gamma,
                 self.selector_settings.missing_gold, self.logit_scale, hp.ce_chunk_bytes)
         return out
+
+    def blocks_loss(self, batch: dict[str, Tensor], anchors: Tensor,
+                    anchor_valid: Tensor) -> LossOutput:
+        """Steps 3-4 for given anchors (tests and benchmarks fix the anchors)."""
+        return self.loss(batch, self.draft(batch, anchors), anchors, anchor_valid)
 
     def objective(self, out: LossOutput, step: int, world_size: int = 1,
                   all_reduce_sum=None) -> Tensor:
@@ -125,8 +163,8 @@ class DFlashModule(L.LightningModule):
         return loss + self.selector_settings.alpha_at(step) * sel
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        g = step_generator(self.hparams.seed, self.global_step, self.global_rank)
-        out = self.blocks_loss(batch, *self.sample_anchors(batch, g))
+        out = self.step(batch, step_generator(self.hparams.seed, self.global_step,
+                                              self.global_rank))
         loss = self.objective(out, self.global_step, self.trainer.world_size,
                               lambda t: self.all_gather(t).sum())
         bs = batch["input_ids"].shape[0]
@@ -153,8 +191,8 @@ class DFlashModule(L.LightningModule):
         return unary_mean + alpha * sel_mean
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        g = step_generator(self.hparams.val_seed, batch_idx, self.global_rank)
-        out = self.blocks_loss(batch, *self.sample_anchors(batch, g))
+        out = self.step(batch, step_generator(self.hparams.val_seed, batch_idx,
+                                              self.global_rank))
         self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
         if out.selector is not None:

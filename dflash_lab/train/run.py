@@ -65,7 +65,8 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
                          hidden_size=dc.hidden_size, vocab_size=dc.vocab_size)
     data.prepare_data()
     data.setup("fit")  # reads and validates the data now, before any long work
-    module = instantiate(cfg.module, drafter=drafter, target_head=target.pieces())
+    module = instantiate(cfg.module, drafter=drafter, target_head=target.pieces(),
+                         feature_source=data.feature_source())
     logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
