@@ -2,9 +2,11 @@
 # The GPU check (issue 8): every `gpu`-marked test, then the benchmarks on CUDA, in one go.
 #
 # Made for the lent H200 machine (Python 3.12, torch 2.11 + triton, lightning, transformers; no
-# hydra-core, wandb, datasets or flash-attn, no network). Runs from the repository root WITHOUT
-# installing the package (PYTHONPATH=.): the GPU tests and the benchmarks import none of
-# hydra / wandb / datasets. pytest, when missing, is installed offline from outputs/gpu_wheels
+# hydra-core, wandb, datasets or flash-attn, no network). Runs from the repository root with
+# PYTHONPATH=. and, where the package is not installed yet, an editable install without its
+# dependencies (offline, no build isolation), so `dflash_lab.export` (the top-level export/
+# folder mapped by pyproject's package-dir) imports too: the GPU tests and the benchmarks import
+# none of hydra / wandb / datasets. pytest, when missing, is installed offline from outputs/gpu_wheels
 # (fill it here with `make gpu-wheels`). Carry outputs/gpu_wheels and outputs/tiny_target to the
 # device machine (the tiny target is rebuilt in about a minute if absent).
 #
@@ -57,6 +59,12 @@ for mod in ("triton", "lightning", "transformers", "safetensors", "pytest", "fla
 EOF
 } > "$OUT_DIR/env.txt" 2>&1
 cat "$OUT_DIR/env.txt"
+if ! "$PY" -c "import dflash_lab.export" 2>/dev/null; then
+  "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . \
+    > "$OUT_DIR/pip_editable.log" 2>&1 \
+    || note "dflash_lab.export: not importable and the offline editable install failed" \
+            "(pip_editable.log); only code that does not import the exporter runs"
+fi
 ON_CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 if [ "$ON_CUDA" = 1 ]; then DEVICE=cuda; SIZE=paper; else DEVICE=cpu; SIZE=toy; fi
 note "gpu_check: device=$DEVICE size=$SIZE out=$OUT_DIR"
