@@ -73,6 +73,7 @@ from dflash_lab.export.weights import (
     cast,
     dflash2_shapes,
     expected_shapes,
+    has_weights,
     save_weights,
     split_mask_embedding,
     validate_state_dict,
@@ -358,7 +359,7 @@ def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
 
 def _artifacts(path: Path) -> Artifacts:
     """What the directory ships; without model.safetensors only the mask file can be seen."""
-    if (path / WEIGHTS_FILE).is_file():
+    if has_weights(path):
         return artifacts_of(path)
     return Artifacts(mask_embedding_file=(path / MASK_FILE).is_file())
 
@@ -419,7 +420,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectRe
     the weight checks that were not made are listed in ``unchecked``."""
     path = Path(path)
     d = read_config_json(path)
-    config_only = not (path / WEIGHTS_FILE).is_file()
+    config_only = not has_weights(path)
     artifacts = _artifacts(path)
     readings = read_all(d, artifacts, parse_engines(engine))
     declared = _declared(d, path, artifacts)

@@ -27,6 +27,7 @@ from dflash_lab.export.weights import (
     SINK_SUFFIX,
     SUFFIXED_CODEBOOKS,
     WEIGHTS_FILE,
+    has_weights,
     load_mask_file,
     load_weights,
     serving_names,
@@ -254,7 +255,7 @@ def load_serving_dir(path: str | Path, assume: str | None = None
 
 
 def is_serving_dir(path: Path) -> bool:
-    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+    return (path / CONFIG_FILE).is_file() and has_weights(path)
 
 
 def load_source(path: str | Path) -> Source:

@@ -16,6 +16,7 @@ maps the bare names onto its ``nn.Embedding``. z-lab's ``save_pretrained`` write
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from dflash_lab.dtypes import DTYPES  # noqa: F401  (re-exported: api.py, cli.py
 from dflash_lab.model.config import DrafterConfig
 
 WEIGHTS_FILE = "model.safetensors"
+#: HF's sharded form: {"weight_map": {tensor name: shard file in the same directory}}
+WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MASK_FILE = "mask_embedding.pt"
 MASK_KEY = "mask_embedding"  #: the drafter's state_dict key for the learned mask embedding
@@ -137,20 +140,78 @@ def save_weights(out_dir: Path, state: dict[str, torch.Tensor], mask: torch.Tens
         torch.save({"embedding": mask, "mask_token_id": mask_token_id}, out_dir / MASK_FILE)
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a serving directory: ``model.safetensors``, else the shards that
+    ``model.safetensors.index.json`` names (each once, sorted); [] when it has neither.
+
+    ValueError for an index that is not one, or that names a shard outside the directory or not
+    in it: such a directory cannot be read whole, and a partial read would drop tensors."""
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    index = path / WEIGHTS_INDEX
+    if not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted({str(v) for v in weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index}: not a safetensors index ({type(err).__name__}: {err}); it "
+                         "needs a 'weight_map' of tensor name -> shard file") from err
+    outside = [s for s in shards if Path(s).name != s]
+    if outside:
+        raise ValueError(f"{index} names shard(s) outside {path}: {outside[:4]}; a shard must be "
+                         "a file name in the same directory")
+    missing = [s for s in shards if not (path / s).is_file()]
+    if missing:
+        raise ValueError(f"{index} names {len(missing)} shard(s) that are not in {path}: "
+                         f"{missing[:4]}; copy them there (or download the whole directory)")
+    return [path / s for s in shards]
+
+
+def has_weights(path: Path) -> bool:
+    """Whether the directory ships weights (one file or an index with its shards)."""
+    return bool(weight_files(path))
+
+
+def _header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over every weight file, from the headers (no tensor is loaded).
+    ValueError when a name is in two shards or when the index's names differ from the shards'."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                if k in shapes:
+                    raise ValueError(f"{path}: tensor {k} is in two weight shards "
+                                     f"({file.name} and another); the directory is corrupt")
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    index = Path(path) / WEIGHTS_INDEX
+    if not (Path(path) / WEIGHTS_FILE).is_file() and index.is_file():
+        listed = set(json.loads(index.read_text())["weight_map"])
+        if listed != set(shapes):
+            raise ValueError(f"{index} and its shards disagree: only in the index "
+                             f"{sorted(listed - set(shapes))[:4]}, only in the shards "
+                             f"{sorted(set(shapes) - listed)[:4]}; re-download the directory")
+    return shapes
+
+
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / WEIGHTS_FILE), device="cpu")
+    """Every tensor of the directory (one file or all shards), on the CPU."""
+    _header(path)  # refuses duplicate names and an index that disagrees with its shards
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        state.update(load_file(str(file), device="cpu"))
+    return state
 
 
 def weight_names(path: Path) -> list[str]:
     """Tensor names without loading the tensors (cheap, for --inspect)."""
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-        return list(f.keys())
+    return list(_header(path))
 
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from the safetensors header (no tensor is loaded)."""
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    """Tensor name -> shape from the safetensors headers (no tensor is loaded)."""
+    return _header(path)
 
 
 def load_mask_file(path: Path, mask_token_id: int | None) -> torch.Tensor | None:
