@@ -1,13 +1,17 @@
 """Where the Hydra configs live, found the same way from a checkout or an installed package;
-and the one way files are written (temporary name beside the file, then rename).
+and the one way outputs are written: under a temporary name beside the output, then renamed
+onto it (files: :func:`atomic_path`, :func:`atomic_write_text`; directories: :func:`atomic_dir`,
+or its two steps :func:`temp_dir_beside` and :func:`publish_dir`).
 
 Imports only the standard library: export/ (no Lightning, no Hydra) may use it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,17 +44,25 @@ def temp_beside(path: Path) -> Path:
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary file name beside ``path`` (:func:`temp_beside`) to write; on a clean
-    exit rename it onto ``path`` (``os.replace``, atomic on one filesystem), on an error remove
-    it. Readers see the old file or the whole new one, never half of it."""
+def atomic_path(path: str | Path, *, temp: Path | None = None,
+                finish: Callable[[Path, Path], None] = os.replace) -> Iterator[Path]:
+    """Yield a temporary file name beside ``path`` to write; on a clean exit ``finish(temp,
+    path)`` moves it onto ``path`` (default ``os.replace``, atomic on one filesystem), on an
+    error the temporary file is removed. Readers see the old file or the whole new one, never
+    half of it.
+
+    ``temp``: the temporary name, when writers share one (every rank writes one sharded
+    checkpoint; default :func:`temp_beside`, unique to this process). ``finish``: another last
+    step ending in the rename (a checkpoint's fsync, checksum and rotation). A directory left at
+    ``temp`` by an error (a sharded checkpoint, other ranks may still write it) is kept."""
     path = Path(path)
-    tmp = temp_beside(path)
+    tmp = temp_beside(path) if temp is None else Path(temp)
     try:
         yield tmp
-        os.replace(tmp, path)
+        finish(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if not tmp.is_dir():
+            tmp.unlink(missing_ok=True)
         raise
 
 
@@ -58,3 +70,86 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_path`."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------ directories
+def temp_dir_prefix(path: Path) -> str:
+    """Name prefix of this process's temporary directories beside ``path``:
+    ``.NAME.tmp-<host>-<pid>-`` (hidden; the host and pid say whose it is once the process is
+    gone, see ``dflash_lab.export.outdir.stale_temp_dirs``)."""
+    return f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_path(path: Path) -> None:
+    """Delete ``path``: a directory tree, a file or a symlink (never what a symlink points
+    at); nothing when it does not exist."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _occupied(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _always(_existing: Path) -> bool:
+    return True
+
+
+@contextmanager
+def temp_dir_beside(path: str | Path) -> Iterator[Path]:
+    """Yield a new empty directory beside ``path`` (:func:`temp_dir_prefix` + a random tail, so
+    concurrent builders never share one; a plain ``mkdir``, so the umask's mode, not
+    ``mkdtemp``'s 0700), and delete it on exit unless it was moved away (:func:`publish_dir`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{temp_dir_prefix(path)}{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        remove_path(tmp)
+
+
+def publish_dir(tmp: Path, path: str | Path,
+                replace_existing: Callable[[Path], bool] = _always) -> bool:
+    """Rename the finished directory ``tmp`` onto ``path``; True when it is there.
+
+    Where ``path`` exists (also when another builder renamed its own onto it meanwhile),
+    ``replace_existing(path)`` decides: True renames the old one aside (``.NAME.old-<random>``),
+    renames ``tmp`` in and then deletes the old one, so readers see the old or the new
+    directory whole; False keeps ``path`` and ``tmp`` (an equal result is already there); it
+    may raise to refuse. A rename failing for another reason puts the old one back."""
+    path = Path(path)
+    while True:
+        old = None
+        if _occupied(path):
+            if not replace_existing(path):
+                return False
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if _occupied(path):
+                continue  # another builder placed its directory first: decide again
+            if old is not None:
+                os.rename(old, path)
+                old = None
+            raise
+        finally:
+            if old is not None:
+                remove_path(old)
+        return True
+
+
+@contextmanager
+def atomic_dir(path: str | Path, replace_existing: Callable[[Path], bool] = _always
+               ) -> Iterator[Path]:
+    """Yield a new empty directory beside ``path`` to build in; on a clean exit it becomes
+    ``path`` (:func:`publish_dir`, ``replace_existing`` deciding about an existing ``path``),
+    on an error it is deleted. A crash never leaves a half-built ``path``."""
+    with temp_dir_beside(path) as tmp:
+        yield tmp
+        publish_dir(tmp, path, replace_existing)

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import platform
-import shutil
-import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +42,6 @@ from dflash_lab.export.outdir import (
     publish_modes,
     refuse_overlap,
     stale_temp_dirs,
-    temp_prefix,
 )
 from dflash_lab.export.report import (
     as_trained_lines,
@@ -80,6 +76,7 @@ from dflash_lab.export.weights import (
     weight_shapes,
 )
 from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig, LayerSpec
+from dflash_lab.paths import publish_dir, remove_path, temp_dir_beside
 
 
 class ExportRefused(Exception):
@@ -135,24 +132,15 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     return readings, apply_allow_lossy(findings, allow_lossy)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
-    """Move the finished temp dir into place; an old OUT_DIR is swapped out, then deleted."""
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        tmp.rename(out_dir)
-        return
-    if not force:
-        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-    backup = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-    out_dir.rename(backup)
-    tmp.rename(out_dir)
-    _remove(backup)
+    """Move the finished temp dir into place (:func:`~dflash_lab.paths.publish_dir`): an old
+    OUT_DIR, which only ``force`` replaces, is swapped out, then deleted."""
+    def forced(existing: Path) -> bool:
+        if not force:
+            raise FileExistsError(f"{existing} exists; pass --force to replace it")
+        return True
+
+    publish_dir(tmp, out_dir, replace_existing=forced)
 
 
 def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[str, ...],
@@ -218,9 +206,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         raise ExportRefused(findings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
-        _remove(stale)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=temp_prefix(out_dir)))
-    try:
+        remove_path(stale)
+    with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
         raw = _write_dir(tmp, config, state, mask, dtype)
         checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
                                           select_sglang(sglang_version, sglang_backend), arch)
@@ -232,9 +219,6 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         (tmp / REPORT_FILE).write_text(report)
         publish_modes(tmp)
         _commit(tmp, out_dir, force)
-    except BaseException:
-        _remove(tmp)
-        raise
     return ExportResult(out_dir, findings, checks)
 
 

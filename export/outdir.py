@@ -102,10 +102,9 @@ def check_output_dir(out_dir: str | Path, reads: Iterable[str | Path], *, force:
 
 
 # ------------------------------------------------------------------ temporary directories
-def temp_prefix(out_dir: Path) -> str:
-    """Prefix of this process's temporary export directory beside ``out_dir``:
-    ``.OUT.tmp-<host>-<pid>-`` (the host and pid say whose it is once the process is gone)."""
-    return f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+# An export builds in dflash_lab.paths.temp_dir_beside(OUT_DIR), named
+# ``.OUT.tmp-<host>-<pid>-<random>`` (paths.temp_dir_prefix): the host and pid say whose it is
+# once the process is gone.
 
 
 def _pid_alive(pid: int) -> bool:
@@ -135,8 +134,7 @@ def stale_temp_dirs(out_dir: Path) -> list[Path]:
 
 def publish_modes(directory: Path) -> None:
     """The modes other tools give a model directory: files 0644 and the directory 0755 under
-    the usual umask 022 (``mkdtemp`` makes it 0700, which a shared model directory cannot
-    use)."""
+    the usual umask 022, whatever wrote them (a shared model directory needs them readable)."""
     umask = os.umask(0)
     os.umask(umask)
     for entry in directory.iterdir():

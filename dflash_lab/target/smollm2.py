@@ -24,11 +24,10 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 
 from dflash_lab.checksums import sha256_file
+from dflash_lab.paths import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +100,9 @@ def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = Fals
     """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir``; return its path.
 
     Idempotent: returns at once when ``out_dir`` already holds the directory built from the same
-    GGUF (marker file ``dflash_smollm2.json``). Atomic: builds in ``.<name>.tmp-<pid>`` next to
-    ``out_dir`` and renames it into place, so a killed run leaves no half-written target.
+    GGUF (marker file ``dflash_smollm2.json``). Atomic: builds in a temporary directory beside
+    ``out_dir`` and renames it into place (:func:`~dflash_lab.paths.atomic_dir`), so a killed
+    run leaves no half-written target.
     """
     out = Path(out_dir).absolute()
     gguf = find_gguf()
@@ -111,18 +111,10 @@ def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = Fals
         log.info("SmolLM2 target already prepared in %s", out)
         return out
     _check_loader_deps()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     log.info("dequantising %s -> %s (float32, once)", gguf, out)
-    try:
+    with atomic_dir(out) as tmp:  # an existing one is stale or from another GGUF: replaced
         _dequantise_into(gguf, tmp)
         (tmp / MARKER_FILE).write_text(json.dumps(expected, indent=2) + "\n")
-        if out.exists():  # stale or from another GGUF: replace it
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_lab.data.demo_corpus import demo_conversations
+from dflash_lab.paths import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +185,9 @@ def materialize_tiny_target(path: str | Path | None = None,
     """Build the tiny target into ``path`` (default ``outputs/tiny_target``) unless a directory
     with the same recipe is already there; returns the absolute path (and logs it).
 
-    The directory is built under a temporary name beside ``path`` and renamed into place, so a
-    crash never leaves a half-written target and concurrent callers agree on one result.
+    The directory is built under a temporary name beside ``path`` and renamed into place
+    (:func:`~dflash_lab.paths.atomic_dir`), so a crash never leaves a half-written target and
+    concurrent callers agree on one result.
     """
     recipe = recipe or TinyTargetRecipe()
     path = Path(path or DEFAULT_TINY_TARGET_DIR).absolute()
@@ -197,22 +197,14 @@ def materialize_tiny_target(path: str | Path | None = None,
         _check_replaceable(path)  # before the build: never after a minute of work
     start = time.time()
     tokenizer, model, loss = build_tiny_target(recipe)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     marker = {"digest": recipe.digest(), "version": TINY_TARGET_VERSION, "recipe": asdict(recipe),
               "final_train_loss": loss, "mask_token": MASK_TOKEN,
               "mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
-    (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-    if path.exists() and not _marker_ok(path, recipe):
-        shutil.rmtree(path)  # stale recipe: replace it
-    try:
-        tmp.rename(path)
-    except OSError:  # another process finished first with the same recipe
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _marker_ok(path, recipe):
-            raise
+    # a stale recipe is replaced; one another process finished first with this recipe is kept
+    with atomic_dir(path, replace_existing=lambda old: not _marker_ok(old, recipe)) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     log.info("tiny target built in %.0f s (final loss %.3f): %s", time.time() - start, loss, path)
     return path
 
