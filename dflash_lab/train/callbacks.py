@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 from weakref import proxy
@@ -19,7 +21,7 @@ from weakref import proxy
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dflash_lab.paths import atomic_write_text
+from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
 
 BEST_FILE = "best.json"
@@ -73,17 +75,17 @@ class DFlashCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         """Lightning's save, but atomic: write ``.<name>.tmp`` beside ``filepath`` (one name
-        for every rank: a sharded strategy writes it together), then
-        :func:`~dflash_lab.train.resume.finish_checkpoint` on global rank 0."""
-        tmp = str(Path(filepath).with_name(f".{Path(filepath).name}.tmp"))
-        try:
-            trainer.save_checkpoint(tmp, self.save_weights_only)
-            if trainer.is_global_zero:
-                keep = PREVIOUS_LAST if Path(filepath).name == "last.ckpt" else None
-                finish_checkpoint(Path(tmp), Path(filepath), keep)
-        finally:
-            if trainer.is_global_zero and os.path.isfile(tmp):
-                os.remove(tmp)  # a failed write (full disk): the old checkpoint stays
+        for every rank: a sharded strategy writes it together), then on global rank 0
+        :func:`~dflash_lab.train.resume.finish_checkpoint`, as the ``finish`` of
+        :func:`~dflash_lab.paths.atomic_path`."""
+        tmp = Path(filepath).with_name(f".{Path(filepath).name}.tmp")
+        keep = PREVIOUS_LAST if Path(filepath).name == "last.ckpt" else None
+        # rank 0 renames (a failed write, e.g. a full disk, is removed: the old one stays)
+        writing = (atomic_path(filepath, temp=tmp, finish=partial(finish_checkpoint,
+                                                                  keep_previous_as=keep))
+                   if trainer.is_global_zero else nullcontext(tmp))
+        with writing as tmp:
+            trainer.save_checkpoint(str(tmp), self.save_weights_only)
         trainer.strategy.barrier()
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.checksums import checksum_problem, sha256_file, sidecar, sidecar_text
+from dflash_lab.paths import atomic_path
 
 log = logging.getLogger("dflash_lab.train")
 LAST, PREVIOUS_LAST = "last.ckpt", "last.prev.ckpt"
@@ -35,6 +36,7 @@ def _fsync(path: Path) -> None:
 def finish_checkpoint(tmp: Path, dest: Path, keep_previous_as: str | None = None) -> None:
     """Make the fully written ``tmp`` the checkpoint ``dest``: fsync it, write
     ``dest.sha256``, move an existing ``dest`` to ``keep_previous_as`` (same directory), rename.
+    The last step of :func:`dflash_lab.paths.atomic_path` (its ``finish``) for checkpoints.
 
     A crash at any point leaves ``dest`` or the kept previous one whole (a sidecar that does
     not match is detected at resume, :func:`checkpoint_problem`)."""
@@ -50,10 +52,9 @@ def finish_checkpoint(tmp: Path, dest: Path, keep_previous_as: str | None = None
             os.replace(sidecar(dest), sidecar(prev))
         else:
             sidecar(prev).unlink(missing_ok=True)
-    side_tmp = sidecar(tmp)
-    side_tmp.write_text(sidecar_text(digest, dest))
-    os.replace(tmp, dest)
-    os.replace(side_tmp, sidecar(dest))
+    with atomic_path(sidecar(dest)) as side_tmp:  # renamed right after the checkpoint
+        side_tmp.write_text(sidecar_text(digest, dest))
+        os.replace(tmp, dest)
     _fsync(dest.parent)
 
 
