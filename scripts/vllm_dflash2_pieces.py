@@ -23,7 +23,8 @@ to False while the config is built; the model class is then instantiated directl
 
 Two sides, one file:
 - ``.venv-vllm/bin/python scripts/vllm_dflash2_pieces.py CASE_DIR`` (vLLM side; needs no
-  dflash_lab) reads ``CASE_DIR/{export,target,inputs.safetensors}`` and writes
+  dflash_lab's dependencies: of dflash_lab it imports only the standard-library
+  ``dflash_lab/paths.py``) reads ``CASE_DIR/{export,target,inputs.safetensors}`` and writes
   ``CASE_DIR/vllm_pieces.safetensors`` + ``vllm_pieces.json``;
 - :func:`prepare_case` and :func:`compare_case` (project venv) write the case and compare
   vLLM's outputs with ours (``tests/test_export_dflash2.py``, ``scripts/check_serving.py``).
@@ -32,13 +33,15 @@ Two sides, one file:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
+from dflash_lab.paths import atomic_path, atomic_write_text  # noqa: E402 (standard library only)
 
 NUM_REQUESTS = 2  #: requests in the conv rows (rows = NUM_REQUESTS * block_size)
 SHARED = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")  #: target's
@@ -176,10 +179,9 @@ def run_vllm(case: Path) -> None:
     import vllm
 
     report["vllm_version"] = vllm.__version__
-    save_file(pieces, str(case / "vllm_pieces.safetensors.tmp"))
-    os.replace(case / "vllm_pieces.safetensors.tmp", case / "vllm_pieces.safetensors")
-    (case / "vllm_pieces.json.tmp").write_text(json.dumps(report, indent=1))
-    os.replace(case / "vllm_pieces.json.tmp", case / "vllm_pieces.json")
+    with atomic_path(case / "vllm_pieces.safetensors") as tmp:
+        save_file(pieces, str(tmp))
+    atomic_write_text(case / "vllm_pieces.json", json.dumps(report, indent=1))
     print(json.dumps(report))
 
 

@@ -1,6 +1,7 @@
 """Greedy speculative decoding with z-lab's released loop (``dflash`` 0.1.0 ``dflash_generate``).
 
-Usage (inside ``.venv-dflash``, built by ``make dflash-venv``; never imports dflash_lab)::
+Usage (inside ``.venv-dflash``, built by ``make dflash-venv``; of dflash_lab it imports only the
+standard-library ``dflash_lab/paths.py``, for the write-then-rename)::
 
     .venv-dflash/bin/python scripts/zlab_generate.py --target TARGET_DIR --prompts PROMPTS.json \
         --max-new-tokens N [--stop-token-ids ID ...] [--block-size B] --out OUT.json DRAFTER ...
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,9 @@ from dflash import model as zlab
 from dflash.benchmark import stop_token_ids
 from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
+from dflash_lab.paths import atomic_write_text  # noqa: E402 (standard library only)
 
 zlab._cuda_time = time.perf_counter  # the released loop synchronises CUDA for its timings
 torch.set_num_threads(1)  # tiny models: threads only contend (CI boxes are small)
@@ -75,9 +79,7 @@ def main() -> None:
     result = {"stop_token_ids": stops,
               "drafters": {d: generate(load_drafter(d), target, prompts, args, stops)
                            for d in args.drafters}}
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps(result))
     print(f"wrote {args.out}: {len(args.drafters)} drafters x {len(prompts)} prompts")
 
 

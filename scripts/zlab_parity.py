@@ -1,6 +1,7 @@
 """Run z-lab's released drafter (``dflash`` 0.1.0) on a directory our code wrote.
 
-Usage (inside ``.venv-dflash``, built by ``make dflash-venv``; never imports dflash_lab)::
+Usage (inside ``.venv-dflash``, built by ``make dflash-venv``; of dflash_lab it imports only the
+standard-library ``dflash_lab/paths.py``, for the write-then-rename)::
 
     .venv-dflash/bin/python scripts/zlab_parity.py DIR [DIR ...]
 
@@ -20,7 +21,7 @@ id; z-lab's top-k is unsorted).
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ from dflash.model import (
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
+from dflash_lab.paths import atomic_path  # noqa: E402 (standard library only)
 
 
 class StandInTarget(nn.Module):
@@ -83,9 +87,8 @@ def main() -> None:
     parser.add_argument("dirs", type=Path, nargs="+", help="serving dirs with inputs.safetensors")
     for path in parser.parse_args().dirs:  # one process for all: importing transformers is slow
         out = run(path)
-        tmp = path / "zlab_outputs.safetensors.tmp"
-        save_file(out, str(tmp))
-        os.replace(tmp, path / "zlab_outputs.safetensors")
+        with atomic_path(path / "zlab_outputs.safetensors") as tmp:
+            save_file(out, str(tmp))
         print(f"wrote {path / 'zlab_outputs.safetensors'}: "
               + ", ".join(f"{k} {list(v.shape)}" for k, v in out.items()))
 
