@@ -41,6 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.data.server_launch import PORT, launched_server
+from dflash_lab.server_http import (
+    CONNECTION_ERRORS,
+    error_detail,
+    json_request,
+    pick_served_model,
+)
 
 log = logging.getLogger("dflash_lab.regenerate")
 
@@ -105,25 +111,21 @@ class CompletionServer:
     def _request(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """GET (no body) or POST JSON with retries on transient failures; the decoded answer."""
         s = self.settings
-        headers = {"Content-Type": "application/json"}
-        if s.api_key_env:
-            headers["Authorization"] = f"Bearer {os.environ[s.api_key_env]}"
-        data = None if body is None else json.dumps(body).encode()
         last: Exception | None = None
         for attempt in range(s.retries + 1):
             if attempt:
                 time.sleep(2 ** (attempt - 1))
-            req = urllib.request.Request(self.base + path, data=data, headers=headers)
+            req = json_request(self.base + path, body, s.api_key_env)
             try:
                 with urllib.request.urlopen(req, timeout=s.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:2000]
+                detail = error_detail(e, 2000)
                 if e.code not in _RETRY_STATUS:
                     raise ServerError(f"{self.base}{path} refused the request (HTTP {e.code}): "
                                       f"{detail}") from None
                 last = ServerError(f"HTTP {e.code}: {detail}")
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            except CONNECTION_ERRORS as e:
                 last = e
             log.warning("%s%s: attempt %d/%d failed (%s)", self.base, path, attempt + 1,
                         s.retries + 1, last)
@@ -140,16 +142,9 @@ class CompletionServer:
         Returns the model id and, where the server says (vLLM and SGLang do), its root path
         and max_model_len (None otherwise).
         """
-        models = self._request("/models").get("data") or []
-        ids = [m.get("id") for m in models]
-        if self.model is None:
-            if len(ids) != 1:
-                raise ServerError(f"{self.base} serves {ids}: set regenerate.server.model to one")
-            self.model = ids[0]
-        if self.model not in ids:
-            raise ServerError(f"{self.base} does not serve regenerate.server.model="
-                              f"{self.model!r}; it serves {ids}")
-        card = models[ids.index(self.model)]
+        card = pick_served_model(self._request("/models").get("data") or [], self.model,
+                                 self.base, "regenerate.server.model", ServerError)
+        self.model = card.get("id")
         max_model_len = card.get("max_model_len")
         if max_model_len is not None and max_length > max_model_len:
             raise ValueError(f"regenerate.settings.max_length={max_length} exceeds the server's "

@@ -47,6 +47,12 @@ from typing import Any
 
 from dflash_lab.data.server_launch import PORT, launched_server
 from dflash_lab.eval.records import ResponseRecord
+from dflash_lab.server_http import (
+    CONNECTION_ERRORS,
+    error_detail,
+    json_request,
+    pick_served_model,
+)
 
 log = logging.getLogger(__name__)
 ENGINES = ("vllm", "sglang")
@@ -233,17 +239,12 @@ class EngineClient:
     # -- HTTP ----------------------------------------------------------------------------------
     def _open(self, url: str, body: dict[str, Any] | None = None):
         """The open response of a GET (no body) or JSON POST; errors name the URL."""
-        headers = {"Content-Type": "application/json"}
-        if self.settings.api_key_env:
-            headers["Authorization"] = f"Bearer {os.environ[self.settings.api_key_env]}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, headers=headers)
+        req = json_request(url, body, self.settings.api_key_env)
         try:
             return urllib.request.urlopen(req, timeout=self.settings.timeout_s)
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:1000]
-            raise EngineError(f"{url} answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            raise EngineError(f"{url} answered HTTP {e.code}: {error_detail(e, 1000)}") from None
+        except CONNECTION_ERRORS as e:
             raise EngineError(
                 f"could not reach {url} ({getattr(e, 'reason', e)}). Is the server up at "
                 f"server.url={self.settings.url}? Start it (vllm serve TARGET --port 8000 "
@@ -267,18 +268,11 @@ class EngineClient:
         Returns ``{"model", "root", "block_size"}`` (``root``: the served directory, where the
         server says).
         """
-        models = self._json(self.base + "/models").get("data") or []
-        ids = [m.get("id") for m in models]
-        if self.model is None:
-            if len(ids) != 1:
-                raise EngineError(f"{self.base} serves {ids}: set server.model to one of them")
-            self.model = ids[0]
-        if self.model not in ids:
-            raise EngineError(f"{self.base} does not serve server.model={self.model!r}; it "
-                              f"serves {ids}")
-        block = self._engine_block_size()
-        return {"model": self.model, "root": models[ids.index(self.model)].get("root"),
-                "block_size": block}
+        card = pick_served_model(self._json(self.base + "/models").get("data") or [],
+                                 self.model, self.base, "server.model", EngineError)
+        self.model = card.get("id")
+        return {"model": self.model, "root": card.get("root"),
+                "block_size": self._engine_block_size()}
 
     def _engine_block_size(self) -> int:
         """B as the engine is configured: vLLM num_speculative_tokens + 1 (its per-position
