@@ -15,7 +15,10 @@ selector loss on (alpha 1, ``missing_gold: swap``) and its metrics, as ``module.
 trains it.
 
     python -m benchmarks.train_step [--device cpu|cuda] [--size toy|cpu|paper] [--compile]
-        [--variant dflash1|dflash2|both]
+        [--variant dflash1|dflash2|both] [--width qwen3] [--no-peak]
+
+``--width qwen3`` keeps the size's sequence, anchors and blocks and takes a Qwen3 width
+(``WIDTHS``), where the two selector codebooks are a small share of the drafter.
 """
 
 from __future__ import annotations
@@ -56,17 +59,30 @@ DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16,
            "selector_rank": 256, "selector_top_k": 16}
 
 
+#: ``--width``: drafter fields over the size's own (its sequence, anchors and block stay).
+#: qwen3: Qwen3-1.7B's width and vocabulary (H=2048, I=6144, 16/8 heads of 128, V=151936),
+#: the qwen3.8_27b_dflash2 recipe's five target layers, its five draft layers scaled down to
+#: two so both drafters, their AdamW state and the two frozen [V, H] heads fit in ~12 GB of RAM.
+WIDTHS = {"qwen3": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=6144, vocab_size=151936,
+                        mask_token_id=151669, num_target_layers=28,
+                        target_layer_ids=[1, 7, 13, 19, 25], num_hidden_layers=2,
+                        rms_norm_eps=1e-6, rope_theta=1000000.0)}
+
+
 def build(size: str, device: torch.device, backend: str, compile_layers: bool = False,
           batch: int | None = None, variant: str = "dflash1", missing_gold: str = "swap",
-          selector_rank: int | None = None):
+          selector_rank: int | None = None, width: str | None = None):
     """(module, optimizer, batch) for one size on one device. ``variant``: dflash1 | dflash2
     (``DFLASH2``; ``missing_gold``: the selector's rule for a gold token outside the top-K;
     ``swap`` by default, so every valid slot trains the selector: random labels are almost
     never among a random drafter's top-16 of 49k, and ``exclude`` would train none);
-    ``selector_rank``: overrides ``DFLASH2``'s rank (the codebooks' size)."""
+    ``selector_rank``: overrides ``DFLASH2``'s rank (the codebooks' size); ``width``: a key
+    of ``WIDTHS`` (None: the size's own width)."""
     shape = SHAPES[size]
     fields = {**DFLASH2, "selector_rank": selector_rank or DFLASH2["selector_rank"]}
-    cfg = drafter_config(size, **(fields if variant == "dflash2" else {}))
+    cfg = drafter_config(size, **WIDTHS.get(width, {}),
+                         **(fields if variant == "dflash2" else {}))
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, backend=backend).to(device)
     head = target_head(cfg, device, shape["dtype"])
@@ -94,7 +110,7 @@ def make_step(module: DFlashModule, opt, batch: dict):
         counter[0] += 1
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        module.optimizer_zero_grad(0, counter[0], opt)  # as the Lightning loop zeroes them
         return loss
 
     return step
@@ -114,10 +130,11 @@ def step_peak_mib(step, device: torch.device) -> float:
 
 
 def child_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool,
-                   variant: str = "dflash1", selector_rank: int | None = None) -> float:
+                   variant: str = "dflash1", selector_rank: int | None = None,
+                   width: str | None = None) -> float:
     """The pinned child's measurement: its own module, one warm-up step, one measured step."""
     module, opt, batch = build(size, device, backend, compile_layers, variant=variant,
-                               selector_rank=selector_rank)
+                               selector_rank=selector_rank, width=width)
     step = make_step(module, opt, batch)
     step()
     return step_peak_mib(step, device)
@@ -141,11 +158,13 @@ def interleaved_seconds(steps: dict, device: torch.device, repeats: int) -> dict
 def run_variants(variants: list[str], size: str, device: torch.device, backend: str,
                  repeats: int, peak_flops: float, compile_layers: bool = False,
                  allocator: str = "default", selector_rank: int | None = None,
+                 width: str | None = None, peaks: bool = True,
                  ) -> tuple[list[dict], dict[str, list]]:
-    """One row per drafter variant (their steps interleaved) and every step's seconds."""
+    """One row per drafter variant (their steps interleaved) and every step's seconds;
+    ``peaks`` False: no peak column (a wide shape's pinned child would double the RAM)."""
     prefix = "compiled" if compile_layers else "eager"
     built = {v: build(size, device, backend, compile_layers, variant=v,
-                      selector_rank=selector_rank) for v in variants}
+                      selector_rank=selector_rank, width=width) for v in variants}
     steps = {v: make_step(*built[v]) for v in variants}
     for step in steps.values():  # warm-up: allocator, optimizer state, compilation
         step()
@@ -156,9 +175,12 @@ def run_variants(variants: list[str], size: str, device: torch.device, backend: 
     for v in variants:
         module, _, batch = built[v]
         sec = statistics.median(times[v])
-        if device.type == "cpu" and allocator != "pinned":  # steps timed as training runs them
+        if not peaks:
+            peak_mib = float("nan")
+        elif device.type == "cpu" and allocator != "pinned":  # steps timed as training runs
             argv = ["--peak-of", backend, "--variant", v, "--size", size, "--device", "cpu"]
             argv += ["--selector-rank", str(selector_rank)] if selector_rank else []
+            argv += ["--width", width] if width else []
             peak_mib = pinned_child("benchmarks.train_step",
                                     argv + (["--compile"] if compile_layers else []))["peak_MiB"]
         else:  # the same module: a second one would double GPU memory and compile again
@@ -198,13 +220,18 @@ def main(argv: list[str] | None = None) -> dict:
                    help="drafter variant(s); both: DFlash 1 and DFlash 2 steps interleaved")
     p.add_argument("--selector-rank", type=int, default=None,
                    help=f"DFlash 2 selector rank (default {DFLASH2['selector_rank']}, released)")
+    p.add_argument("--width", default=None, choices=sorted(WIDTHS),
+                   help="drafter width over the size's own (WIDTHS; default: the size's)")
+    p.add_argument("--no-peak", action="store_true",
+                   help="skip the peak-memory children (a wide shape would need twice the RAM)")
     p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # BACKEND: child mode
     args = p.parse_args(argv)
     device, size = resolve(args)
     variants = list(VARIANTS) if args.variant == "both" else [args.variant]
     if args.peak_of:  # a pinned child of run_variants: one step's peak, as JSON
         print(json.dumps({"peak_MiB": child_peak_mib(size, device, args.peak_of, args.compile,
-                                                     variants[0], args.selector_rank)}))
+                                                     variants[0], args.selector_rank,
+                                                     args.width)}))
         return {}
     repeats = args.repeats or (2 if size == "toy" else 5)
     dtype = SHAPES[size]["dtype"]
@@ -216,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     for compiled in [False] + ([True] if args.compile else []):
         for b in backends:
             got, times = run_variants(variants, size, device, b, repeats, peak_flops, compiled,
-                                      args.allocator, args.selector_rank)
+                                      args.allocator, args.selector_rank, args.width,
+                                      not args.no_peak)
             prefix = f"{'compiled' if compiled else 'eager'}/{b}"
             rows += got
             ratios.update(variant_ratios(got, times, prefix))
@@ -225,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     peak_after, _ = matmul_peak_flops(device, dtype if device.type == "cuda" else None,
                                       n=256 if size == "toy" else None)
     dflash2 = {**DFLASH2, "selector_rank": args.selector_rank or DFLASH2["selector_rank"]}
-    print_shape(size, device, repeats, args.allocator, variants, dflash2)
+    print_shape(size, device, repeats, args.allocator, variants, dflash2, args.width)
     table(rows, ["variant", "step_ms", "tokens/s", "anchors/s", "slots/s", "GFLOP/step", "MFU",
                  "trainable_params", "peak_MiB"])
     ratios = {"matmul peak after / before (machine drift)": peak_after / peak_flops,
@@ -236,19 +264,20 @@ def main(argv: list[str] | None = None) -> dict:
     if key in ratios:
         print(f"goal (DFlash 2 step <= 1.15 x DFlash 1): "
               f"{'met' if ratios[key] <= 1.15 else 'NOT met'}")
-    return report("train_step", args, {"device": str(device), "size": size,
+    return report("train_step", args, {"device": str(device), "size": size, "width": args.width,
                                        "allocator": args.allocator, "dflash2": dflash2,
                                        "matmul_peak_flops": peak_flops, "matmul": what,
                                        "rows": rows, "ratios": ratios, "step_s": step_s})
 
 
 def print_shape(size: str, device: torch.device, repeats: int, allocator: str,
-                variants: list[str], dflash2: dict) -> None:
+                variants: list[str], dflash2: dict, width: str | None = None) -> None:
     shape, dtype = SHAPES[size], SHAPES[size]["dtype"]
-    print(f"size {size}: S={shape['seq_len']} N={shape['num_anchors']} "
-          f"B={shape['config']['block_size']} Bt={shape['batch']} "
-          f"H={shape['config']['hidden_size']} layers={shape['config']['num_hidden_layers']} "
-          f"V={shape['config']['vocab_size']} {str(dtype).removeprefix('torch.')} on {device}; "
+    cfg = {**shape["config"], **WIDTHS.get(width, {})}
+    print(f"size {size}{f' at width {width}' if width else ''}: S={shape['seq_len']} "
+          f"N={shape['num_anchors']} B={cfg['block_size']} Bt={shape['batch']} "
+          f"H={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
+          f"V={cfg['vocab_size']} {str(dtype).removeprefix('torch.')} on {device}; "
           f"variants {variants} (dflash2: {dflash2}); median of {repeats} interleaved steps; "
           f"steps timed with the {allocator} allocator")
 

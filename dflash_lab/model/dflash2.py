@@ -136,6 +136,52 @@ class GroupedDynamicCausalConv(nn.Module):
         return grouped_dynamic_conv(out_bqh, dyn_bqkg, self.base_kernel[1], self.block_size)
 
 
+class _ZeroedGrad:
+    """Whether a codebook's gradient buffer holds the zeros :meth:`CandidateSelector.
+    zero_codebook_grads_` wrote and nothing since (the next backward may add its rows in place)."""
+
+    __slots__ = ("zeroed",)
+
+    def __init__(self) -> None:
+        self.zeroed = False
+
+    def take(self, weight: Tensor) -> bool:
+        """True once after a zeroing, while the weight still has that dense CPU buffer."""
+        ok = (self.zeroed and weight.grad is not None and weight.grad.layout == torch.strided
+              and weight.grad.device.type == "cpu")
+        self.zeroed = False
+        return ok
+
+
+class _CodebookLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward, right after an in-place zeroing of the
+    weight's gradient (``state``), returns the looked-up rows' gradients as an (uncoalesced)
+    sparse [V, R] tensor: autograd adds them into the zeroed dense buffer row by row, in
+    the order a dense embedding backward sums them, so the gradient is bitwise the dense one
+    (``tests/.../test_dflash2_codebook_grad.py``) without a fresh [V, R] buffer: above glibc's
+    mmap threshold each step's fresh buffer is mapped and page-faulted in (~35 ms at
+    [49152, 256] on CPU, benchmark 2b). Otherwise (first step, a gradient accumulated since
+    the zeroing, CUDA) it is the dense embedding backward itself."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, state: _ZeroedGrad) -> Tensor:
+        ctx.save_for_backward(ids, weight)
+        ctx.state = state
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_xr: Tensor):
+        ids, weight = ctx.saved_tensors
+        num_rows, rank = weight.shape
+        if ctx.state.take(weight):
+            # ids are in range (the forward's lookup checked them): no invariant check
+            grad = torch.sparse_coo_tensor(ids.reshape(1, -1), grad_xr.reshape(-1, rank),
+                                           (num_rows, rank), check_invariants=False)
+        else:
+            grad = torch.ops.aten.embedding_dense_backward(grad_xr, ids, num_rows, -1, False)
+        return None, grad, None
+
+
 def _argmax(scores_bc: Tensor) -> Tensor:
     return scores_bc.argmax(dim=-1)
 
@@ -153,7 +199,11 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self._zeroed = {name: _ZeroedGrad() for name in self.CODEBOOKS}
         self.reset_parameters()
+
+    #: The two [V, R] parameters, looked up by token id (a few rows per step get a gradient).
+    CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
     def reset_parameters(self) -> None:
         """Successor codebook 0 (scores = unary: DFlash 1's draft); the others N(0, 0.02) so
@@ -170,9 +220,32 @@ class CandidateSelector(nn.Module):
         return (values.reshape(*unary_xv.shape[:-1], self.top_k),
                 ids.reshape(*unary_xv.shape[:-1], self.top_k))
 
+    def zero_codebook_grads_(self) -> list[nn.Parameter]:
+        """Zero the codebooks' dense CPU gradient buffers in place and return those
+        parameters (the caller sets the other gradients to None): the next backward adds its
+        rows into them (:class:`_CodebookLookup`) instead of mapping a fresh [V, R] buffer.
+        Codebooks without such a buffer (first step, CUDA) are left to the caller."""
+        kept = []
+        for name in self.CODEBOOKS:
+            weight = getattr(self, name)
+            grad = weight.grad
+            if grad is not None and grad.layout == torch.strided and grad.device.type == "cpu":
+                grad.zero_()
+                self._zeroed[name].zeroed = True
+                kept.append(weight)
+        return kept
+
+    def _lookup(self, name: str, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of codebook ``name`` [x, R] (:class:`_CodebookLookup` when tracked)."""
+        weight = getattr(self, name)
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return _CodebookLookup.apply(ids, weight, self._zeroed[name])
+        return F.embedding(ids, weight)
+
     def _pair(self, hidden_xh: Tensor, prev_x: Tensor) -> Tensor:
         """``A[prev] * (W h)`` [x, R]: the query side of the interaction."""
-        return F.embedding(prev_x, self.predecessor_codebook) * self.hidden_projection(hidden_xh)
+        return (self._lookup("predecessor_codebook", prev_x)
+                * self.hidden_projection(hidden_xh))
 
     def score(self, hidden_xh: Tensor, prev_x: Tensor, cand_ids_xc: Tensor,
               cand_unary_xc: Tensor) -> Tensor:
@@ -182,7 +255,7 @@ class CandidateSelector(nn.Module):
         at slots 0..B-2 (slot 0 = the anchor), candidates from :meth:`candidates` (the caller
         may swap the gold token in before scoring).
         """
-        succ_xcr = F.embedding(cand_ids_xc, self.successor_codebook)
+        succ_xcr = self._lookup("successor_codebook", cand_ids_xc)
         inter = torch.einsum("...r,...cr->...c", self._pair(hidden_xh, prev_x), succ_xcr)
         return cand_unary_xc + inter.to(cand_unary_xc.dtype)
 

@@ -263,7 +263,8 @@ class _FusedHeadCE(torch.autograd.Function):
                 values_km, ids_km = vocab_topk(logits_vm, top_k, dim=0)
                 top_values.append(values_km.t())
                 top_ids.append(ids_km.t())
-            top = logits_vm.amax(dim=0)
+            # the top-1 is the column max (the same float): no second pass over [V, m]
+            top = values_km[0] if top_k else logits_vm.amax(dim=0)
             picked = logits_vm.gather(0, y[None])[0]
             probs_vm = logits_vm.sub_(top).exp_()  # softmax, in place over the logits
             total = probs_vm.sum(dim=0)

@@ -228,6 +228,19 @@ class DFlashModule(L.LightningModule):
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int,
+                            optimizer: torch.optim.Optimizer) -> None:
+        """Lightning's ``optimizer.zero_grad()`` (gradients set to None), except the DFlash 2
+        codebooks' dense CPU gradients, zeroed in place and kept: their next backward adds the
+        few looked-up rows into them instead of mapping and page-faulting a fresh [V, R] buffer
+        every step (:meth:`CandidateSelector.zero_codebook_grads_`; the same gradient, bitwise,
+        and AdamW still steps every parameter)."""
+        selector = self.drafter.candidate_selector
+        kept = [(p, p.grad) for p in selector.zero_codebook_grads_()] if selector else []
+        optimizer.zero_grad(set_to_none=True)
+        for param, grad in kept:
+            param.grad = grad
+
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
