@@ -94,7 +94,7 @@ $(SPEC_VENV)/.installed: constraints.txt
 speculators-venv: $(SPEC_VENV)/.installed
 
 # z-lab's released DFlash / DFlash 2 code (dflash 0.1.0, MIT) in its own venv (it pins transformers
-# 5.15.0): the reference the DFlash 2 parity test (tests/test_dflash2_model.py, via
+# 5.15.0): the reference the DFlash 2 parity test (tests/model/test_dflash2.py, via
 # scripts/zlab_parity.py) checks our forward pass against. Never a dependency of the package.
 DFLASH_VENV ?= .venv-dflash
 DFLASH_VERSION ?= 0.1.0
@@ -112,11 +112,11 @@ dflash-venv: $(DFLASH_VENV)/.installed
 
 # z-lab's released loop as the reference (docs/eval.md): its dflash_generate and dflash-eval's
 # loop, on the same DFlash 1 and DFlash 2 drafter directories, give the same greedy outputs and
-# acceptance round for round; plus the forward-pass parity of tests/test_dflash2_model.py and a
+# acceptance round for round; plus the forward-pass parity of tests/model/test_dflash2.py and a
 # directory written by z-lab's own save_pretrained importing and re-exporting losslessly.
 check-zlab: dev dflash-venv
-	$(VPY) -m pytest -q tests/test_eval_dflash2.py tests/test_dflash2_model.py tests/test_export_dflash2.py \
-		tests/test_warm_start.py -k zlab
+	$(VPY) -m pytest -q tests/eval/test_dflash2.py tests/model/test_dflash2.py tests/export/test_dflash2.py \
+		tests/train/test_warm_start.py -k zlab
 
 # SGLang's own config-level DFlash code (docs/serving.md): sglang 0.5.23 in its own venv, installed
 # --no-deps (its GPU kernels do not install on CPU) with the packages its config-level modules

@@ -2,9 +2,9 @@
 
 For each recipe in recipes/*.yaml (DFlash 1 and DFlash 2, plus the z-lab layout with scales) the
 exporter's config.json is written from the golden export config of its layout
-(tests/golden/export_config, which tests/test_export_golden.py pins to the recipe as composed), at
-the recipe's real depth, vocab and layer layout. ``scripts/sglang_config_worker.py`` then runs, in
-the SGLang venv (``make sglang-venv``, sglang 0.5.23), SGLang's own
+(tests/export/golden/export_config, which tests/export/test_golden.py pins to the recipe as
+composed), at the recipe's real depth, vocab and layer layout. ``scripts/sglang_config_worker.py``
+then runs, in the SGLang venv (``make sglang-venv``, sglang 0.5.23), SGLang's own
 ``models/dflash.py::_get_dflash_layer_attention_params`` per layer and
 ``speculative/dflash_utils.py::parse_dflash_draft_config``, plus what decides the mask embedding
 (``DFlashWorkerV2._maybe_merge_trained_mask_embedding``), the sinks (DFlashAttention) and the
@@ -42,7 +42,7 @@ from dflash_lab.export.engines import SGLANG_BACKENDS  # noqa: E402
 from dflash_lab.model.config import DrafterConfig  # noqa: E402
 from dflash_lab.paths import atomic_write_text  # noqa: E402
 
-GOLDEN = ROOT / "tests" / "golden" / "export_config"
+GOLDEN = ROOT / "tests" / "export" / "golden" / "export_config"
 WORKER = ROOT / "scripts" / "sglang_config_worker.py"
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 OUT = ROOT / "outputs" / "check_sglang_config"

@@ -70,7 +70,8 @@ if [ "$ON_CUDA" = 1 ]; then DEVICE=cuda; SIZE=paper; else DEVICE=cpu; SIZE=toy; 
 note "gpu_check: device=$DEVICE size=$SIZE out=$OUT_DIR"
 if ! "$PY" -c "import flash_attn" 2>/dev/null; then
   note "flash-attn: NOT installed here (no network to fetch it); the real-flash tests skip and" \
-       "the flash wiring is covered on CPU by tests/test_attention.py with a pure-torch emulation"
+       "the flash wiring is covered on CPU by tests/attention/test_backends.py with a pure-torch" \
+       "emulation"
 fi
 
 # ---------------------------------------------------------------- gpu-marked tests
@@ -83,7 +84,7 @@ if ! "$PY" -c "import pytest" 2>/dev/null; then
   fi
 fi
 # Only the files that hold gpu tests: the others may import hydra/wandb/datasets at collection.
-mapfile -t GPU_FILES < <(grep -l "mark.gpu" tests/test_*.py)
+mapfile -t GPU_FILES < <(grep -rl --include="test_*.py" "mark.gpu" tests | sort)
 note "gpu test files: ${GPU_FILES[*]}"
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 300 "$PY" -m pytest -m gpu -rA -p no:cacheprovider "${GPU_FILES[@]}" \

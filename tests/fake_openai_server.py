@@ -2,7 +2,7 @@
 prompts) answered by a transformers model one request at a time, with vLLM's semantics for
 stops, text and token counts, and hooks to inject failures and delays.
 
-Speculative decoding, as the engines report it (``FakeEngine.spec``, tests/test_eval_server.py):
+Speculative decoding, as the engines report it (``FakeEngine.spec``, tests/eval/test_server.py):
 the output is the target's own, split into verify rounds that accept ``spec.pattern[r]`` drafts
 in turn (the first token comes from the prefill, a round keeps min(accepted + 1, tokens left)).
 As vLLM, the rounds go to Prometheus counters on ``/metrics`` in vLLM 0.32's exact text format
@@ -12,7 +12,7 @@ the budget; as SGLang, ``/generate`` (``input_ids``) answers with ``meta_info``
 (``spec_verify_ct``, ``spec_accept_length`` = completion_tokens / spec_verify_ct). Both stream
 as server-sent events when asked.
 
-Imported by tests/test_regenerate_server.py and tests/test_eval_server.py; also runnable, so
+Imported by tests/data/test_regenerate_server.py and tests/eval/test_server.py; also runnable, so
 ``regenerate.server.launch`` / ``server.launch`` can start it as a server process:
 
     python tests/fake_openai_server.py --target DIR --port PORT [--spec-pattern 3,1,7]
@@ -24,9 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import torch
 
+#: this file, which the tests launch as the server process (``server.launch``)
+SCRIPT = Path(__file__)
 MODEL_ID = "tiny-target"
 
 

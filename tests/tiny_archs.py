@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 #: Architectures of new families: name -> the recipe that uses the real model
-#: (tests/test_target_archs.py runs each through every stage).
+#: (tests/target/test_archs.py runs each through every stage).
 ARCHITECTURES = {"gemma4": "gemma4_swa", "qwen3_5": "qwen3.6_27b_swa",
                  "mimo_v2_flash": "mimo_swa_sinks"}
 #: Every architecture with a builder (Qwen3 and Llama: the families the older recipes name).

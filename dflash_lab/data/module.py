@@ -82,7 +82,7 @@ def split_indices(num: int, val_fraction: float, seed: int,
 
 # Lightning warns that a mid-epoch resume with a loader lacking state_dict/load_state_dict is
 # unreliable; the data module's state (BlockDataModule.state_dict) makes it exact here
-# (tests/test_resume_data.py), so that warning would only mislead.
+# (tests/data/test_resume.py), so that warning would only mislead.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before "
                         "the epoch ended")
 

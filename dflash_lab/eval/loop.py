@@ -15,7 +15,7 @@ Per round we record the acceptance length ``accepted + 1`` (counted up to the to
 stop token, as the reference implementation does), so ``len(output) == 1 + sum(lengths)``.
 
 As in z-lab's ``dflash_generate`` (the reference loop, checked round for round by
-tests/test_eval_dflash2.py): the first output token is the target's choice after the prefill;
+tests/eval/test_dflash2.py): the first output token is the target's choice after the prefill;
 a round with r tokens left in the budget drafts min(B-1, r) tokens with a block of that many
 slots + 1 and verifies only those; a stop token ends the output just after it.
 
