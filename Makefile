@@ -77,6 +77,14 @@ prepare-smollm2: $(SMOLLM2_DEPS)
 e2e-smollm2: prepare-smollm2
 	scripts/e2e_smollm2.sh
 
+# Quality at equal budget (docs/results.md, "Side by side with speculators"): our trainer and
+# speculators 0.9.0's DFlash trainer on the same captured batches and optimizer steps, both
+# evaluated by dflash-eval. Knobs: scripts/compare_speculators.sh's header (STEPS, EVAL_EVERY, ...).
+.PHONY: compare-speculators
+
+compare-speculators: prepare-smollm2 speculators-venv
+	scripts/compare_speculators.sh
+
 # Benchmarks (docs/benchmarks.md): each prints ratios measured side by side in one run. The peer
 # comparison needs speculators 0.9.0 in its own venv (it pins its own transformers); the
 # regeneration benchmark starts vLLM's server from .venv-vllm.

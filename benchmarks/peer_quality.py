@@ -1,0 +1,309 @@
+"""Quality at equal budget (issue 20): our side of ``scripts/compare_speculators.sh``.
+
+Three subcommands, each a stage of the script:
+
+- ``plan``: compose the training config exactly as ``dflash-train`` does (same overrides), build
+  its data module and write ``plan.json``: for every optimizer step the samples our trainer's
+  loader serves (the data module's epoch-seeded sampler, ``data.batch_size`` per step, epochs
+  chained until ``trainer.max_steps``), each as its shard file and token rows, and the lr our
+  schedule gives that step; plus the drafter shape and the loss settings. speculators' side
+  (``benchmarks/speculators_train.py``, its own venv) trains on exactly these batches.
+- ``curves``: held-out tau (``dflash-eval mode=features``' simulator, the same function) of
+  every saved checkpoint of both sides, ours (``.ckpt``) and theirs (speculators directories,
+  read by our importer) -> a TSV ``side step tau_mean acc_pos1``.
+- ``table``: the TSV and both final ``dflash-eval`` reports -> a markdown summary and the
+  learning-curve plot.
+
+    python -m benchmarks.peer_quality plan --out PLAN.json -- OVERRIDE ...
+    python -m benchmarks.peer_quality curves --heldout CAPTURE --target TARGET --ours DIR \
+        --theirs DIR --out CURVES.tsv
+    python -m benchmarks.peer_quality table --curves CURVES.tsv --eval-ours REPORT.json \
+        --eval-theirs REPORT.json --out SUMMARY.md --plot PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lab.paths import atomic_path, atomic_write_text
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = ROOT / "conf"
+
+
+# ------------------------------------------------------------------------------------ plan
+def compose_train(overrides: list[str]):
+    """The config ``dflash-train OVERRIDES`` runs with (conf/train.yaml)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def sample_rows(capture_dir: str | Path) -> list[tuple[str, int, int]]:
+    """(shard file name, first row, end row) of every captured sample, in the order
+    :class:`~dflash_lab.data.shards.ShardDataset` indexes them (shards in manifest order,
+    samples in offset order)."""
+    from safetensors import safe_open
+
+    from dflash_lab.data.shards import read_manifest
+
+    root = Path(capture_dir)
+    rows = []
+    for rec in read_manifest(root)["shards"]:
+        with safe_open(str(root / rec["file"]), framework="pt") as f:
+            offsets = f.get_tensor("offsets").tolist()
+        rows += [(rec["file"], a, b) for a, b in zip(offsets[:-1], offsets[1:])]
+    return rows
+
+
+def step_batches(data, num_steps: int) -> list[list[int]]:
+    """Dataset indices (into the whole capture) of the batch of each of the first ``num_steps``
+    optimizer steps, as our trainer's loader serves them: epoch e's order is the train loader's
+    sampler after ``set_epoch(e)`` (Lightning calls it at every epoch start), cut into
+    ``batch_size`` batches, the last one short (the loader does not drop it)."""
+    loader = data.train_dataloader()
+    train_indices = list(data.train_set.indices)
+    steps: list[list[int]] = []
+    epoch = 0
+    while len(steps) < num_steps:
+        loader.sampler.set_epoch(epoch)
+        for batch in loader.batch_sampler:
+            steps.append([train_indices[i] for i in batch])
+            if len(steps) == num_steps:
+                break
+        epoch += 1
+    return steps
+
+
+def schedule_lrs(cfg, num_steps: int) -> list[float]:
+    """The lr of optimizer steps 0..num_steps-1 under the run's optimizer and scheduler config
+    (the scheduler built by the same partials ``DFlashModule.configure_optimizers`` uses, with
+    ``total_steps`` = the run's step budget)."""
+    from hydra.utils import instantiate
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = instantiate(cfg.module.optimizer)([param])
+    sched = instantiate(cfg.module.scheduler)(opt, total_steps=num_steps)
+    lrs = []
+    for _ in range(num_steps):
+        lrs.append(float(opt.param_groups[0]["lr"]))
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def build_plan(overrides: list[str]) -> dict[str, Any]:
+    """plan.json's content for the run ``dflash-train OVERRIDES`` (needs trainer.max_steps)."""
+    from hydra.utils import instantiate
+
+    cfg = compose_train(overrides)
+    num_steps = int(cfg.trainer.max_steps)
+    if num_steps < 1:
+        raise ValueError(f"trainer.max_steps={num_steps}: the plan needs a step budget "
+                         "(trainer.max_steps=N among the overrides)")
+    target = instantiate(cfg.target)
+    drafter = instantiate(cfg.drafter, _partial_=True)(target=target)
+    dc = drafter.config
+    data = instantiate(cfg.data, _partial_=True)(
+        target=target, target_layer_ids=dc.target_layer_ids, hidden_size=dc.hidden_size,
+        vocab_size=dc.vocab_size)
+    data.setup("fit")  # as dflash-train's build_components: target, drafter, then data
+    rows = sample_rows(cfg.data.path)
+    batches = step_batches(data, num_steps)
+    opt = cfg.module.optimizer
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    return {
+        "capture": str(Path(cfg.data.path).resolve()),
+        "overrides": list(overrides),
+        "num_steps": num_steps,
+        "batch_size": int(cfg.data.batch_size),
+        "num_anchors_per_sequence": int(cfg.module.num_anchors),
+        "gamma": float(cfg.module.gamma),
+        "gradient_clip_val": float(cfg.trainer.gradient_clip_val),
+        "optimizer": {"lr": float(opt.lr), "betas": [float(b) for b in opt.betas],
+                      "weight_decay": float(opt.weight_decay)},
+        "drafter": {"num_hidden_layers": dc.num_hidden_layers, "block_size": dc.block_size,
+                    "target_layer_ids": list(dc.target_layer_ids),
+                    "mask_token_id": dc.mask_token_id, "hidden_size": dc.hidden_size,
+                    "vocab_size": dc.vocab_size, "trainable_params": trainable},
+        "steps": [{"samples": b, "rows": [list(rows[i]) for i in b], "lr": lr}
+                  for b, lr in zip(batches, schedule_lrs(cfg, num_steps))],
+    }
+
+
+# ---------------------------------------------------------------------------------- curves
+def checkpoints(ours: str | Path, theirs: str | Path) -> list[tuple[str, int, Path]]:
+    """(side, step, path) of every saved checkpoint: ours ``stepN.ckpt`` files, theirs
+    ``step-N`` directories, by side then step."""
+    found = []
+    for p in Path(ours).glob("step*.ckpt"):
+        m = re.fullmatch(r"step(\d+)\.ckpt", p.name)
+        if m:
+            found.append(("ours", int(m.group(1)), p))
+    for p in Path(theirs).glob("step-*"):
+        m = re.fullmatch(r"step-(\d+)", p.name)
+        if m and (p / "config.json").is_file():
+            found.append(("speculators", int(m.group(1)), p))
+    if not found:
+        raise ValueError(f"no checkpoints under {ours} (stepN.ckpt) or {theirs} (step-N/): "
+                         "run the train_ours and train_theirs stages first")
+    return sorted(found, key=lambda t: (t[0], t[1]))
+
+
+def curve_rows(heldout: str, target_path: str, ours: str, theirs: str,
+               num_anchors: int | None = None,
+               done: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Held-out tau of every checkpoint, the target loaded once (float32, as dflash-eval).
+    ``done``: rows of an earlier pass (same settings), kept; only checkpoints without a row
+    are evaluated, so the stage can run while the other side is still training."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from dflash_lab.data.shards import ShardDataset, read_manifest
+    from dflash_lab.eval.loading import check_pair, load_drafter
+    from dflash_lab.eval.offline_tau import feature_eval
+
+    read_manifest(heldout)  # a ValueError naming the directory before the target loads
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[
+            "target=hf", f"target.name_or_path={target_path}", "target.dtype=float32",
+            "target.device=cpu"])
+    target = instantiate(cfg.target)
+    rows = list(done or [])
+    have = {(r["side"], r["step"]) for r in rows}
+    dataset = None
+    for side, step, path in checkpoints(ours, theirs):
+        if (side, step) in have:
+            continue
+        loaded = load_drafter(path, backend="sdpa", device=target.device,
+                              dtype=target.model.dtype)
+        check_pair(loaded.drafter, target, loaded.depth_recorded)
+        dc = loaded.drafter.config
+        if dataset is None:
+            dataset = ShardDataset(heldout, target_layer_ids=dc.target_layer_ids,
+                                   hidden_size=dc.hidden_size, vocab_size=dc.vocab_size,
+                                   target=target.identity())
+        rep = feature_eval(loaded.drafter, target.pieces(), dataset, num_anchors=num_anchors,
+                           progress=False)
+        rows.append({"side": side, "step": step, "tau_mean": rep["tau_mean"],
+                     "acc_pos1": rep["per_position_acceptance"][0],
+                     "num_blocks": rep["num_blocks"], "path": str(path)})
+        print(json.dumps(rows[-1]), flush=True)
+    return sorted(rows, key=lambda r: (r["side"], r["step"]))
+
+
+def write_tsv(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    keys = list(rows[0])
+    text = "\t".join(keys) + "\n" + "".join(
+        "\t".join(str(r[k]) for k in keys) + "\n" for r in rows)
+    atomic_write_text(Path(path), text)
+
+
+def read_tsv(path: str | Path) -> list[dict[str, Any]]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    for r in rows:
+        r["step"], r["tau_mean"] = int(r["step"]), float(r["tau_mean"])
+        r["acc_pos1"], r["num_blocks"] = float(r["acc_pos1"]), int(r["num_blocks"])
+    return rows
+
+
+# ----------------------------------------------------------------------------------- table
+def curve_table(rows: list[dict[str, Any]]) -> list[tuple[int, float | None, float | None]]:
+    """(step, our tau, their tau) for every step either side saved (None where a side has no
+    checkpoint at that step), by step."""
+    by = {(r["side"], r["step"]): r["tau_mean"] for r in rows}
+    steps = sorted({r["step"] for r in rows})
+    return [(s, by.get(("ours", s)), by.get(("speculators", s))) for s in steps]
+
+
+def _fmt(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def summary_markdown(rows: list[dict[str, Any]], eval_ours: dict, eval_theirs: dict) -> str:
+    """The learning-curve table and the final eval table (markdown)."""
+    lines = ["| step | ours: held-out tau (features) | speculators: held-out tau | ours - theirs |",
+             "|---|---|---|---|"]
+    for step, a, b in curve_table(rows):
+        diff = None if a is None or b is None else a - b
+        lines.append(f"| {step} | {_fmt(a)} | {_fmt(b)} | {_fmt(diff)} |")
+    lines += ["", "| drafter | tau (generate) | lossless | verify rounds | acceptance t=1 | "
+              "speedup |", "|---|---|---|---|---|---|"]
+    for name, rep in (("ours", eval_ours), ("speculators", eval_theirs)):
+        pos = rep.get("per_position_acceptance") or [None]
+        lines.append(f"| {name} | {_fmt(rep.get('tau_mean'))} | {rep.get('lossless')} | "
+                     f"{rep.get('num_rounds')} | {_fmt(pos[0])} | "
+                     f"{_fmt(rep.get('speedup'), 2)}x |")
+    same = eval_ours.get("prompt_ids") == eval_theirs.get("prompt_ids")
+    lines += ["", f"Same prompt token ids in both evals: {'yes' if same else 'NO'}; "
+              f"{eval_ours.get('num_prompts')} prompts, "
+              f"{eval_ours.get('num_output_tokens')} / {eval_theirs.get('num_output_tokens')} "
+              "output tokens."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(rows: list[dict[str, Any]], png: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for side, style in (("ours", "o-"), ("speculators", "s--")):
+        pts = sorted((r["step"], r["tau_mean"]) for r in rows if r["side"] == side)
+        if pts:
+            ax.plot(*zip(*pts), style, label="dflash-lab" if side == "ours"
+                    else "speculators 0.9.0")
+    ax.set_xlabel("optimizer steps (same batches)")
+    ax.set_ylabel("held-out tau (features mode)")
+    ax.set_title("SmolLM2-135M + ShareGPT, 3 layers, B=8")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(Path(png)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------- cli
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("plan")
+    pp.add_argument("--out", required=True)
+    pp.add_argument("overrides", nargs="*")
+    pc = sub.add_parser("curves")
+    for k in ("heldout", "target", "ours", "theirs", "out"):
+        pc.add_argument(f"--{k}", required=True)
+    pc.add_argument("--num-anchors", type=int, default=None,
+                    help="blocks per held-out sample (default: every valid anchor)")
+    pt = sub.add_parser("table")
+    for k in ("curves", "eval-ours", "eval-theirs", "out", "plot"):
+        pt.add_argument(f"--{k}", required=True)
+    a = p.parse_args(argv)
+    if a.cmd == "plan":
+        plan = build_plan(a.overrides)
+        atomic_write_text(Path(a.out), json.dumps(plan) + "\n")
+        print(f"plan: {plan['num_steps']} steps of {plan['batch_size']} sequences -> {a.out}")
+    elif a.cmd == "curves":
+        done = read_tsv(a.out) if Path(a.out).is_file() else None
+        write_tsv(a.out, curve_rows(a.heldout, a.target, a.ours, a.theirs, a.num_anchors, done))
+    else:
+        rows = read_tsv(a.curves)
+        reports = [json.loads(Path(x).read_text()) for x in (a.eval_ours, a.eval_theirs)]
+        atomic_write_text(Path(a.out), summary_markdown(rows, *reports))
+        plot_curves(rows, a.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Quality at equal budget (issue 20): our trainer against speculators 0.9.0's DFlash trainer on
+# the SmolLM2 recipe's target and ShareGPT data, same captured batches, same optimizer steps,
+# same drafter shape, both evaluated by dflash-eval (docs/results.md, "Side by side").
+# Usage: scripts/compare_speculators.sh [STAGE ...]   (default: every stage, in order)
+#   stages: capture plan train_ours train_theirs curves eval table
+#   capture       train capture (NUM_CONVERSATIONS rows of train.jsonl, the recipe's settings)
+#                 and a held-out capture (NUM_HELDOUT rows of heldout.jsonl): the learning
+#                 curves' tau (dflash-eval mode=features, every valid anchor)
+#   plan          $OUT/plan.json: the batches our data module serves for STEPS optimizer steps
+#                 (sample indices, shard rows) and our schedule's lr at every step
+#   train_ours    dflash-train recipe=smollm2_sharegpt_cpu, max_steps=STEPS, a checkpoint every
+#                 EVAL_EVERY steps ($RUN/curve/)
+#   train_theirs  benchmarks/speculators_train.py in .venv-speculators: speculators' DFlash
+#                 model built by their CLI's own functions, their default DFlash loss (CE on the
+#                 verifier argmax, D-PACE position weights), the plan's batches packed as their
+#                 collator packs them, the same AdamW and lr per step; save_pretrained every
+#                 EVAL_EVERY steps ($OUT/theirs/step-N/), read back through our importer
+#   curves        held-out tau of every saved checkpoint of both sides -> $OUT/curves_W.tsv
+#                 (checkpoints already in it are kept: it can run while one side still trains)
+#   eval          dflash-eval (speculative decoding, losslessness) of both final drafters on the
+#                 same NUM_PROMPTS held-out ShareGPT prompts (= eval_ours eval_theirs)
+#   table         $OUT/summary_W.md and the learning-curve plot docs/img/compare_speculators_tau_W.png
+#                 (W = THEIR_WEIGHTING)
+# Every stage is skipped once done ($OUT/done/STAGE; delete it to redo one); the captures
+# resume shard by shard, our training resumes from last.ckpt; theirs (no optimizer state saved)
+# reruns from step 0.
+# Knobs (environment): STEPS (200), EVAL_EVERY (25), NUM_CONVERSATIONS (320), NUM_HELDOUT (32),
+# CURVE_ANCHORS (64 seeded blocks per held-out sample for the curves), NUM_PROMPTS (16),
+# MAX_NEW_TOKENS (128), THEIR_WEIGHTING (dpace: their DFlash default | fixed-exp-decay: the
+# paper's weights, as ours), POLICY (off: ShareGPT's own answers | on: the conversations
+# `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's greedy answers),
+# OUT (outputs/compare_speculators[_onpolicy]_s$STEPS), SPEC_PY
+# (.venv-speculators/bin/python; make speculators-venv). Logs in $OUT/logs/, times in
+# $OUT/times.tsv. Needs `make prepare-smollm2` first (target and data).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${BIN:-.venv/bin}
+SPEC_PY=${SPEC_PY:-.venv-speculators/bin/python}
+STEPS=${STEPS:-200}
+EVAL_EVERY=${EVAL_EVERY:-25}
+NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-320}
+NUM_HELDOUT=${NUM_HELDOUT:-32}
+NUM_PROMPTS=${NUM_PROMPTS:-16}
+CURVE_ANCHORS=${CURVE_ANCHORS:-64}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+THEIR_WEIGHTING=${THEIR_WEIGHTING:-dpace}
+for v in STEPS EVAL_EVERY NUM_CONVERSATIONS NUM_HELDOUT NUM_PROMPTS MAX_NEW_TOKENS CURVE_ANCHORS; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$v=${!v}: expected a positive integer"; exit 2; }
+done
+case $THEIR_WEIGHTING in
+  dpace|fixed-exp-decay) ;;
+  *) echo "THEIR_WEIGHTING=$THEIR_WEIGHTING: expected dpace or fixed-exp-decay"; exit 2 ;;
+esac
+POLICY=${POLICY:-off}
+case $POLICY in
+  off) SUFFIX= ;;
+  on)  SUFFIX=_onpolicy ;;
+  *) echo "POLICY=$POLICY: expected off (ShareGPT's own answers) or on (target-regenerated)"
+     exit 2 ;;
+esac
+OUT=${OUT:-outputs/compare_speculators${SUFFIX}_s$STEPS}
+TARGET=outputs/smollm2_target
+DATA=outputs/data/sharegpt
+REGEN=${REGEN:-outputs/regenerated/smollm2_sharegpt}
+CAPTURE=outputs/capture/smollm2_sharegpt${SUFFIX}_n$NUM_CONVERSATIONS
+HELDOUT=outputs/capture/smollm2_sharegpt_heldout_n$NUM_HELDOUT
+RUN_NAME=compare_speculators${SUFFIX}_ours_s$STEPS
+RUN=outputs/runs/$RUN_NAME
+THEIRS=$OUT/theirs_$THEIR_WEIGHTING
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+mkdir -p "$OUT/logs"
+
+# stage NAME CMD...: skip when $OUT/done/NAME exists, else run CMD (tee'd to the stage log),
+# append "NAME<TAB>seconds" to $OUT/times.tsv and mark it done.
+stage() {
+  local name=$1; shift
+  if [[ -e $OUT/done/$name ]]; then
+    echo "== $name: done already ($OUT/done/$name exists), skipping"; return 0
+  fi
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$OUT/logs/$name.log"
+  printf '%s\t%d\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"
+  echo "== $name: $((SECONDS - t0)) s"
+  mkdir -p "$OUT/done" && date -Is > "$OUT/done/$name"
+}
+
+capture_one() {  # capture_one DATA_FILE LIMIT OUT_DIR: the recipe's capture settings
+  "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
+    data.path="$1" data.limit="$2" data.shuffle_seed=0 \
+    capture.max_length=512 capture.num_layers=5 capture.batch_size=4 capture.shard_size=32 \
+    capture.out_dir="$3"
+}
+
+capture() {
+  if [[ $POLICY == on ]]; then  # the regenerated rows, in their file's order (as e2e_smollm2.sh)
+    [[ -e $REGEN/conversations.jsonl ]] || {
+      echo "POLICY=on needs $REGEN/conversations.jsonl: POLICY=on scripts/e2e_smollm2.sh" \
+           "prepare regenerate"; return 2; }
+    "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
+      data.path="$REGEN/conversations.jsonl" data.limit="$NUM_CONVERSATIONS" \
+      data.shuffle_seed=null capture.max_length=512 capture.num_layers=5 capture.batch_size=4 \
+      capture.shard_size=32 capture.out_dir="$CAPTURE"
+  else
+    capture_one "$DATA/train.jsonl" "$NUM_CONVERSATIONS" "$CAPTURE"
+  fi
+  capture_one "$DATA/heldout.jsonl" "$NUM_HELDOUT" "$HELDOUT"
+}
+
+# The recipe with a fixed step budget: max_steps bounds the schedule (cosine to 0 at STEPS).
+OUR_ARGS=(recipe=smollm2_sharegpt_cpu run_name="$RUN_NAME" data.path="$CAPTURE"
+          trainer.max_epochs=1000 trainer.max_steps="$STEPS" export.enabled=false)
+
+plan() {
+  "$BIN/python" -m benchmarks.peer_quality plan --out "$OUT/plan.json" -- "${OUR_ARGS[@]}"
+}
+
+train_ours() {
+  "$BIN/dflash-train" "${OUR_ARGS[@]}" \
+    +callbacks.curve._target_=lightning.pytorch.callbacks.ModelCheckpoint \
+    +callbacks.curve.dirpath="$RUN/curve" "+callbacks.curve.filename='step{step}'" \
+    +callbacks.curve.auto_insert_metric_name=false +callbacks.curve.save_top_k=-1 \
+    +callbacks.curve.every_n_train_steps="$EVAL_EVERY"
+}
+
+train_theirs() {
+  if [[ ! -x $SPEC_PY ]]; then
+    echo "$SPEC_PY missing: make speculators-venv (speculators 0.9.0 in its own venv)"; return 2
+  fi
+  "$SPEC_PY" benchmarks/speculators_train.py --plan "$OUT/plan.json" --target "$TARGET" \
+    --out "$THEIRS" --save-every "$EVAL_EVERY" --weighting "$THEIR_WEIGHTING"
+}
+
+curves() {
+  "$BIN/python" -m benchmarks.peer_quality curves --heldout "$HELDOUT" --target "$TARGET" \
+    --ours "$RUN/curve" --theirs "$THEIRS" --num-anchors "$CURVE_ANCHORS" --out "$OUT/curves_$THEIR_WEIGHTING.tsv"
+}
+
+evaluate() {  # evaluate NAME DRAFTER
+  "$BIN/dflash-eval" target=hf target.name_or_path="$TARGET" drafter.path="$2" \
+    data.path="$DATA/heldout_prompts.jsonl" output_dir="$OUT/eval_$1" \
+    num_prompts="$NUM_PROMPTS" max_new_tokens="$MAX_NEW_TOKENS"
+}
+
+
+table() {
+  mkdir -p docs/img
+  "$BIN/python" -m benchmarks.peer_quality table --curves "$OUT/curves_$THEIR_WEIGHTING.tsv" \
+    --eval-ours "$OUT/eval_ours/report.json" \
+    --eval-theirs "$OUT/eval_theirs_$THEIR_WEIGHTING/report.json" \
+    --out "$OUT/summary_$THEIR_WEIGHTING.md" \
+    --plot "docs/img/compare_speculators_tau_$THEIR_WEIGHTING.png"
+  cat "$OUT/summary_$THEIR_WEIGHTING.md"
+}
+
+run_stage() {
+  case $1 in
+    capture)      stage capture capture ;;
+    plan)         stage plan plan ;;
+    train_ours)   stage train_ours train_ours ;;
+    train_theirs) stage "train_theirs_$THEIR_WEIGHTING" train_theirs ;;
+    curves)       stage "curves_$THEIR_WEIGHTING" curves ;;
+    eval)         run_stage eval_ours; run_stage eval_theirs ;;
+    eval_ours)    stage eval_ours evaluate ours "$RUN/curve/step$STEPS.ckpt" ;;
+    eval_theirs)  stage "eval_theirs_$THEIR_WEIGHTING" evaluate "theirs_$THEIR_WEIGHTING" \
+                    "$THEIRS/step-$STEPS" ;;
+    table)        stage "table_$THEIR_WEIGHTING" table ;;
+    *) echo "unknown stage $1 (capture plan train_ours train_theirs curves eval eval_ours" \
+            "eval_theirs table)"
+       exit 2 ;;
+  esac
+}
+
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(capture plan train_ours train_theirs curves eval table)
+for s in "${STAGES[@]}"; do run_stage "$s"; done
