@@ -55,8 +55,8 @@ def test_prepare_is_idempotent_and_rebuilds_for_another_gguf(fake_gguf, tmp_path
 
 
 def test_failed_prepare_leaves_nothing_behind(fake_gguf, tmp_path, monkeypatch):
-    def boom(src, tmp):
-        tmp.mkdir(parents=True)
+    def boom(src, tmp):  # tmp: the empty build directory paths.atomic_dir made
+        tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed mid-write")
 

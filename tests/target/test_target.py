@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -69,6 +70,37 @@ def test_materialize_reuses_the_cached_directory(tiny_target_dir):
     assert (tiny_target_dir / "model.safetensors").stat().st_mtime_ns == before
     marker = json.loads((tiny_target_dir / MARKER_FILE).read_text())
     assert marker["digest"] == TinyTargetRecipe().digest()
+
+
+def test_concurrent_builders_agree_and_another_recipe_replaces_the_directory(tmp_path):
+    """Two builders of one small recipe at once leave one whole target (the later one keeps
+    the equal result already there); another recipe replaces it; no temporary is left."""
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: F401
+    # (imported first: two threads resolving transformers' lazy imports at once can fail)
+
+    small = dict(corpus_size=64, train_steps=2, batch_size=2, seq_len=32)
+    out = tmp_path / "t"
+    errors = []
+
+    def build():
+        try:
+            materialize_tiny_target(out, TinyTargetRecipe(seed=3, **small))
+        except BaseException as err:  # noqa: BLE001 (a thread's error is asserted below)
+            errors.append(err)
+
+    builders = [threading.Thread(target=build) for _ in range(2)]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join()
+    assert errors == []
+    digest = json.loads((out / MARKER_FILE).read_text())["digest"]
+    assert digest == TinyTargetRecipe(seed=3, **small).digest()
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    materialize_tiny_target(out, TinyTargetRecipe(seed=4, **small))
+    digest = json.loads((out / MARKER_FILE).read_text())["digest"]
+    assert digest == TinyTargetRecipe(seed=4, **small).digest()
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
 
 
 def test_tiny_target_is_deterministic_from_its_seed():
