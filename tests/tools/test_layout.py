@@ -1,5 +1,6 @@
 """The package layout: the exporter's source is the top-level export/ folder, and it installs and
-imports as ``dflash_lab.export`` (pyproject.toml's package-dir), never as a top-level ``export``.
+imports as ``dflash_lab.export`` (pyproject.toml's package-dir), never as a top-level ``export``;
+tests/ mirrors the package (one folder per part, packages all).
 
 Tests run from the repository root, where the folder itself is importable as ``export``: these
 checks catch a stray ``from export...`` that only works there, a package folder missing from
@@ -18,6 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: folders holding the project's Python files (the venvs and outputs/ are not ours)
 CODE_DIRS = ("dflash_lab", "export", "tests", "scripts", "benchmarks", "recipes")
 TOP_LEVEL_EXPORT = re.compile(r"^\s*(from\s+export(\.|\s)|import\s+export\b)", re.MULTILINE)
+#: tests/ folders beside one per dflash_lab subpackage (docs/architecture.md, "Layout")
+OTHER_TEST_FOLDERS = {"export", "recipes", "tools"}
 
 
 def _python_files() -> list[Path]:
@@ -33,6 +36,24 @@ def test_no_module_imports_the_top_level_export_package():
     assert not offenders, (
         "these lines import the exporter as the top-level `export` package, which only exists "
         f"when the repository root is on sys.path: {offenders}; import dflash_lab.export instead")
+
+
+def test_tests_mirror_the_package():
+    tests = REPO / "tests"
+    at_top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not at_top, (
+        f"test files at the top of tests/: {at_top}; move each into the folder of the part it "
+        "tests (docs/architecture.md, Layout)")
+    parts = {p.parent.name for p in (REPO / "dflash_lab").glob("*/__init__.py")}
+    folders = {p.relative_to(tests).parts[0] for p in tests.glob("*/**/test_*.py")}
+    assert folders <= parts | OTHER_TEST_FOLDERS, (
+        f"tests/ folders {sorted(folders - parts - OTHER_TEST_FOLDERS)} mirror no package part: "
+        f"use one of {sorted(parts | OTHER_TEST_FOLDERS)} (docs/architecture.md, Layout)")
+    assert parts <= folders, f"dflash_lab parts without a tests/ folder: {sorted(parts - folders)}"
+    no_init = sorted(str(d.relative_to(REPO)) for d in [tests, *(tests / f for f in folders)]
+                     if not (d / "__init__.py").is_file())
+    assert not no_init, (f"{no_init} lack __init__.py: tests/ and its folders are packages (the "
+                         "doubles import as tests.doubles, and file names may repeat by folder)")
 
 
 def _declared_packages() -> tuple[list[str], dict[str, str]]:
