@@ -27,7 +27,7 @@ Two sides, one file:
   ``dflash_lab/paths.py``) reads ``CASE_DIR/{export,target,inputs.safetensors}`` and writes
   ``CASE_DIR/vllm_pieces.safetensors`` + ``vllm_pieces.json``;
 - :func:`prepare_case` and :func:`compare_case` (project venv) write the case and compare
-  vLLM's outputs with ours (``tests/test_export_dflash2.py``, ``scripts/check_serving.py``).
+  vLLM's outputs with ours (``tests/export/test_dflash2.py``, ``scripts/check_serving.py``).
 """
 
 from __future__ import annotations
