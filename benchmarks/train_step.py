@@ -46,8 +46,8 @@ from benchmarks.common import (
     target_head,
     training_batch,
 )
-from dflash_lab.train.anchors import step_generator
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.train.anchors import step_generator
 from dflash_lab.train.module import DFlashModule
 
 VARIANTS = ("dflash1", "dflash2")

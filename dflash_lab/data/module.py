@@ -234,9 +234,9 @@ class OnlineDataModule(BlockDataModule):
     (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
     :class:`dflash_lab.target.loader.Target`; ``target_layer_ids``: the drafter's. Features are
     computed by the training step (:meth:`feature_source`) on the training device, under
-    no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row (roles not alternating,
-    empty turn, no assistant turn, template error) with its input row and drops it; ``error``
-    stops at the first (as ``capture.bad_rows``).
+    no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row
+    (roles not alternating, empty turn, no assistant turn, template error) with its input row
+    and drops it; ``error`` stops at the first (as ``capture.bad_rows``).
     """
 
     def __init__(self, conversations: str, target: Any, target_layer_ids: Sequence[int], *,

@@ -40,9 +40,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflash_lab.train.anchors import anchor_candidates, sample_anchors, step_generator
 from dflash_lab.eval.report import acceptance_summary
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.train.anchors import anchor_candidates, sample_anchors, step_generator
 from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,

@@ -29,8 +29,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 
-from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     LABEL_SOURCES,
