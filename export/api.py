@@ -75,7 +75,12 @@ from dflash_lab.export.weights import (
     validate_state_dict,
     weight_shapes,
 )
-from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig, LayerSpec
+from dflash_lab.model.config import (
+    TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY,
+    DrafterConfig,
+    LayerSpec,
+)
 from dflash_lab.paths import publish_dir, remove_path, temp_dir_beside
 
 
@@ -156,9 +161,23 @@ def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[
     }
 
 
+#: The recorded target identity fields an export carries (local paths stay out of it).
+EXPORTED_IDENTITY = ("architecture", "config_hash", "tokenizer_hash", "weights_fingerprint",
+                     "chat_template_hash", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def exported_identity(identity: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What ``config.json`` records of the training target (:data:`TARGET_IDENTITY_KEY`)."""
+    if not identity:
+        return None
+    return {k: identity[k] for k in EXPORTED_IDENTITY if identity.get(k) is not None} or None
+
+
 def _write_dir(tmp: Path, config: DrafterConfig, state: dict, mask: torch.Tensor | None,
-               dtype: str) -> dict[str, Any]:
+               dtype: str, target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
     raw = serving_config(config, dtype)
+    if (recorded := exported_identity(target_identity)) is not None:
+        raw[TARGET_IDENTITY_KEY] = recorded
     (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
     torch_dtype = DTYPES[dtype]
     save_weights(tmp, cast(state, torch_dtype),
@@ -208,7 +227,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
         remove_path(stale)
     with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
-        raw = _write_dir(tmp, config, state, mask, dtype)
+        raw = _write_dir(tmp, config, state, mask, dtype, src.target_identity)
         checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
                                           select_sglang(sglang_version, sglang_backend), arch)
         files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])

@@ -34,7 +34,13 @@ from dflash_lab.export.weights import (
     validate_state_dict,
     weight_names,
 )
-from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
+from dflash_lab.model.config import (
+    FULL,
+    SLIDING,
+    TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY,
+    DrafterConfig,
+)
 
 DRAFTER_PREFIX = "drafter."
 #: Rule set assumed for a third-party directory: the reader that honours every feature.
@@ -53,7 +59,8 @@ class Source:
     notes: list[str] = field(default_factory=list)
     reads: list[Path] = field(default_factory=list)  #: files/dirs read (never an OUT_DIR)
     #: The target identity a training checkpoint recorded (``dflash_target``: config/tokenizer
-    #: hashes and ``weights_fingerprint``); None for serving dirs and older checkpoints.
+    #: hashes and ``weights_fingerprint``), or our export's ``dflash_lab_target``; None for
+    #: third-party directories, older checkpoints and older exports.
     target_identity: dict | None = None
     #: False when the format records no target depth (speculators, a z-lab config without
     #: ``num_target_layers``): ``config.num_target_layers`` is then max(ids) + 1, assumed.
@@ -278,9 +285,12 @@ def load_source(path: str | Path) -> Source:
     if is_serving_dir(path):
         imported = import_drafter(path)
         notes = [f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
+        d = read_config_json(path)
+        identity = d.get(TARGET_IDENTITY_KEY)  # our exports record the training target
         return Source(imported.config, imported.state_dict, "serving",
                       f"serving directory {path}", notes, reads=[path],
-                      depth_recorded="num_target_layers" in read_config_json(path))
+                      target_identity=identity if isinstance(identity, dict) else None,
+                      depth_recorded="num_target_layers" in d)
     if (path / "checkpoints").is_dir():
         ckpt, why = resolve_run_dir(path)
         source = load_checkpoint(ckpt)

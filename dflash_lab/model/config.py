@@ -49,6 +49,10 @@ SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
 #: Key under which our exporter records the exact per-layer spec the drafter was trained with,
 #: so ``dflash-export --inspect`` can compare it with what each engine will do.
 TRAINING_SPEC_KEY = "dflash_lab_training_spec"
+#: Top-level config.json key of our exports: the target the drafter was trained against (the
+#: checkpoint's recorded identity: architecture, hashes, ``weights_fingerprint``, sizes; no local
+#: paths), so a warm start or a re-export from the export can tell other target weights.
+TARGET_IDENTITY_KEY = "dflash_lab_target"
 
 #: Standard Hugging Face bookkeeping keys: accepted and ignored when reading a config.json.
 HF_BOOKKEEPING_KEYS = frozenset(
@@ -424,7 +428,8 @@ VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(SCALE_DEFAULTS)
 #: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
 OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
     "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
-    TRAINING_SPEC_KEY, "rope_parameters",  # transformers 5 re-saves rope_theta there
+    TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY,
+    "rope_parameters",  # transformers 5 re-saves rope_theta there
 }
 OUR_DFLASH_KEYS = frozenset(
     {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size",

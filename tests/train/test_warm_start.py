@@ -476,6 +476,31 @@ def test_a_source_trained_on_other_target_weights_is_warned_with_both_fingerprin
         assert (recorded in text and have in text) == warned, text
 
 
+def test_an_export_carries_the_training_target_and_its_warm_start_warns_the_same(
+        tiny_target, tmp_path, caplog):
+    """Exports record the checkpoint's target identity (config.json ``dflash_lab_target``, no
+    local paths), so a warm start from an export tells other target weights as one from the
+    checkpoint does; a re-export carries it on."""
+    config = tiny_source_config(tiny_target)
+    state = random_state(config)
+    have = tiny_target.weights_fingerprint()
+    ckpt = write_checkpoint(tmp_path / "src.ckpt", config, state)
+    recorded = {**tiny_target.identity(), "weights_fingerprint": "e" * 64}
+    torch.save({**torch.load(ckpt, weights_only=True), "dflash_target": recorded}, ckpt)
+    out = export_drafter(ckpt, tmp_path / "export", engine="vllm", dtype="float32").out_dir
+    written = json.loads((out / "config.json").read_text())["dflash_lab_target"]
+    assert written["weights_fingerprint"] == "e" * 64
+    assert written["architecture"] == recorded["architecture"]
+    assert "name_or_path" not in written and "gguf_file" not in written
+    again = export_drafter(out, tmp_path / "again", engine="vllm", dtype="float32").out_dir
+    assert json.loads((again / "config.json").read_text())["dflash_lab_target"] == written
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.train.warm_start"):
+        drafter = warm(tiny_target, out)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "e" * 64 in text and have in text, text
+    assert drafter.config.hidden_size == config.hidden_size
+
+
 # ---------------------------------------------------------------------------- speculators mask
 def speculators_visible(anchors_n: torch.Tensor, num_context: int, block_size: int,
                         window: int, causal: bool) -> torch.Tensor:
