@@ -158,7 +158,7 @@ class _CodebookLookup(torch.autograd.Function):
     weight's gradient (``state``), returns the looked-up rows' gradients as an (uncoalesced)
     sparse [V, R] tensor: autograd adds them into the zeroed dense buffer row by row, in
     the order a dense embedding backward sums them, so the gradient is bitwise the dense one
-    (``tests/.../test_dflash2_codebook_grad.py``) without a fresh [V, R] buffer: above glibc's
+    (``tests/train/test_dflash2_codebook_grad.py``) without a fresh [V, R] buffer: above glibc's
     mmap threshold each step's fresh buffer is mapped and page-faulted in (~35 ms at
     [49152, 256] on CPU, benchmark 2b). Otherwise (first step, a gradient accumulated since
     the zeroing, CUDA) it is the dense embedding backward itself."""
