@@ -139,15 +139,20 @@ def test_ce_chunk_rows_follow_the_vocab_with_a_byte_budget():
         ce_chunk_rows(1000, chunk_size=0)
 
 
+def _huge_vocab_case(vocab: int, rows: int, requires_grad: bool):
+    """A frozen H=8 head over ``vocab`` tokens, hidden [rows, 8] and labels [rows] (seed 0)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, vocab, bias=False).requires_grad_(False)
+    h = torch.randn(rows, 8, requires_grad=requires_grad)
+    return head, h, torch.randint(0, vocab, (rows,))
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["fused-train", "no-grad-eval"])
 def test_a_262k_vocab_holds_one_budgeted_chunk_of_logits_at_a_time(grad):
     """H=8 keeps it cheap: 40 rows x 262144 x fp32 would be 40 MiB of logits at once; a 16 MiB
     budget gives 16-row chunks, and no op may produce a tensor over 16 MiB."""
-    torch.manual_seed(0)
     vocab, budget = 262_144, 16 * 2**20
-    head = torch.nn.Linear(8, vocab, bias=False).requires_grad_(False)
-    h = torch.randn(40, 8, requires_grad=grad)
-    y = torch.randint(0, vocab, (40,))
+    head, h, y = _huge_vocab_case(vocab, rows=40, requires_grad=grad)
     probe = _LargestOutput()
     with torch.set_grad_enabled(grad), probe:
         ce, ok = chunked_cross_entropy(h, y, head, chunk_bytes=budget)
@@ -164,11 +169,8 @@ def test_a_262k_vocab_holds_one_budgeted_chunk_of_logits_at_a_time(grad):
 def test_a_softcapped_pass_halves_its_chunks_to_keep_the_cap_derivative_in_budget():
     """The fused pass keeps d(softcap)/d(logits) beside the logits: two [rows, V] buffers, so
     a 16 MiB budget gives 8-row chunks (each buffer 8 MiB) and the top-K stays [M, K]."""
-    torch.manual_seed(0)
     vocab, budget = 262_144, 16 * 2**20
-    head = torch.nn.Linear(8, vocab, bias=False).requires_grad_(False)
-    h = torch.randn(24, 8, requires_grad=True)
-    y = torch.randint(0, vocab, (24,))
+    head, h, y = _huge_vocab_case(vocab, rows=24, requires_grad=True)
     probe = _LargestOutput()
     with probe:
         out = chunked_head_pass(h, y, head, chunk_bytes=budget, scale=LogitScale(1.0, 5.0),
