@@ -150,3 +150,68 @@ def test_head_pass_column_max_from_the_top_k_leaves_the_loss_bitwise_unchanged()
     (grad_plain,) = torch.autograd.grad(plain.ce.sum(), hidden)
     (grad_top,) = torch.autograd.grad(with_top.ce.sum(), hidden)
     assert torch.equal(grad_plain, grad_top)
+
+
+# ----------------------------------------------------------------------------- DDP
+class _Objective(torch.nn.Module):
+    """The module's step objective as a forward, so torch DDP wraps the drafter's parameters
+    and all-reduces their gradients after each backward, as Lightning's DDP strategy does."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch, step):
+        return _loss(self.module, batch, step)
+
+
+def _ddp_train(rank: int, world: int, port: int, kept: bool, result_file: str) -> None:
+    """3 AdamW steps under torch DDP (gloo), each rank on its own batch; rank 0 saves the
+    parameters. ``kept``: zero grads through the module (sparse codebook rows) or to None."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    module = _module()
+    model = torch.nn.parallel.DistributedDataParallel(_Objective(module))
+    opt = torch.optim.AdamW(module.drafter.parameters(), lr=1e-2)
+    batch = _batch(module.drafter.config, seed=2 + rank)
+    sparse_steps, take = [], dflash2._ZeroedGrad.take
+
+    def counted_take(self, weight):
+        sparse_steps.append(take(self, weight))
+        return sparse_steps[-1]
+
+    dflash2._ZeroedGrad.take = counted_take  # this spawned process only
+    for step in range(3):
+        model(batch, step).backward()
+        opt.step()
+        if kept:
+            module.optimizer_zero_grad(0, step, opt)
+        else:
+            opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save({"params": {k: v.detach().clone()
+                               for k, v in module.drafter.state_dict().items()},
+                    "sparse": sum(sparse_steps)}, result_file)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_kept_codebook_grads_under_ddp_train_bitwise_like_the_plain_path(tmp_path):
+    """Two DDP processes: the kept-buffer path (sparse rows added into a zeroed dense buffer,
+    then DDP's all-reduce of that buffer) ends at the plain path's parameters, bit for bit."""
+    results = {}
+    for kept, port in ((False, 29541), (True, 29542)):
+        result = str(tmp_path / f"kept{kept}.pt")
+        torch.multiprocessing.spawn(_ddp_train, args=(2, port, kept, result), nprocs=2,
+                                    join=True)
+        results[kept] = torch.load(result, weights_only=True)
+    # steps 2 and 3, both codebooks: the sparse rows were added into the kept buffers
+    assert results[True]["sparse"] == 4 and results[False]["sparse"] == 0
+    results = {kept: r["params"] for kept, r in results.items()}
+    assert results[True].keys() == results[False].keys()
+    for name, want in results[False].items():
+        assert torch.equal(results[True][name], want), name
+    plain = _module().drafter.state_dict()
+    moved = plain["candidate_selector.predecessor_codebook"]
+    assert not torch.equal(results[True]["candidate_selector.predecessor_codebook"], moved)
