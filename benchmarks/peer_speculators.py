@@ -62,14 +62,15 @@ def shape_json(size: str, variant: str = "dflash1") -> str:
 
 def our_worker(size: str, warmup: int, device: torch.device, variant: str = "dflash1") -> None:
     """Our side, in its own process, speaking the worker line protocol."""
-    from benchmarks.train_step import build, make_step
+    from benchmarks.train_step import build, held_grad_bytes, make_step
 
     module, opt, batch = build(size, device, "sdpa", batch=1, variant=variant)
     step = make_step(module, opt, batch)
     for _ in range(warmup):
         step()
     params = sum(p.numel() for p in module.drafter.parameters() if p.requires_grad)
-    serve({"step": lambda: float(step().detach())}, device,
+    serve({"step": lambda: float(step().detach()), "held": lambda: held_grad_bytes(module)},
+          device,
           {"who": "dflash-lab", "trainable_params": params, "torch": torch.__version__})
 
 

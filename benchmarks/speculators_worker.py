@@ -122,7 +122,9 @@ def _model_classes(c: dict) -> tuple[type, type, dict]:
 def serve(actions: dict, device: torch.device, info: dict) -> None:
     """Line protocol on stdin/stdout (the same as our worker's): ``time NAME`` runs an action
     and answers its seconds; ``peak NAME`` answers the resident-set peak above the level before
-    it; ``info``; ``quit``. The orchestrator alternates the two workers step by step."""
+    it, plus what the optional ``held`` action reports is kept alive between steps (our DFlash 2
+    codebook gradients: memory a fresh buffer would add inside the step); ``info``; ``quit``.
+    The orchestrator alternates the two workers step by step."""
     print(json.dumps({"ready": True, **info}), flush=True)
     for line in sys.stdin:
         cmd, _, name = line.strip().partition(" ")
@@ -135,10 +137,11 @@ def serve(actions: dict, device: torch.device, info: dict) -> None:
             _sync(device)
             print(json.dumps({"seconds": time.perf_counter() - t0, "value": out}), flush=True)
         elif cmd == "peak":
+            held = actions["held"]() if "held" in actions else 0
             rss0 = _kib("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")
             actions[name]()
-            print(json.dumps({"peak_bytes": (_kib("VmHWM") - rss0) * 1024}), flush=True)
+            print(json.dumps({"peak_bytes": (_kib("VmHWM") - rss0) * 1024 + held}), flush=True)
 
 
 if __name__ == "__main__":

@@ -122,11 +122,19 @@ def count_flops(step) -> int:
     return counter.get_total_flops()
 
 
-def step_peak_mib(step, device: torch.device) -> float:
-    """Peak memory of one (already warmed-up) step, above the level before it."""
+def held_grad_bytes(module: DFlashModule) -> int:
+    """Bytes of gradients alive between steps (the DFlash 2 codebook buffers the module keeps,
+    CPU): memory of the step's backward that a rise above the pre-step level cannot see."""
+    return sum(p.grad.nbytes for p in module.drafter.parameters() if p.grad is not None)
+
+
+def step_peak_mib(step, device: torch.device, module: DFlashModule | None = None) -> float:
+    """Peak memory of one (already warmed-up) step above the level before it, plus the
+    gradients ``module`` keeps between steps (so a kept buffer counts as a fresh one would)."""
+    held = held_grad_bytes(module) if module is not None else 0
     with peak_memory(device) as pk:
         step()
-    return pk.mib
+    return pk.mib + held / 2**20
 
 
 def child_peak_mib(size: str, device: torch.device, backend: str, compile_layers: bool,
@@ -137,7 +145,7 @@ def child_peak_mib(size: str, device: torch.device, backend: str, compile_layers
                                selector_rank=selector_rank, width=width)
     step = make_step(module, opt, batch)
     step()
-    return step_peak_mib(step, device)
+    return step_peak_mib(step, device, module)
 
 
 def interleaved_seconds(steps: dict, device: torch.device, repeats: int) -> dict[str, list]:
@@ -184,7 +192,7 @@ def run_variants(variants: list[str], size: str, device: torch.device, backend: 
             peak_mib = pinned_child("benchmarks.train_step",
                                     argv + (["--compile"] if compile_layers else []))["peak_MiB"]
         else:  # the same module: a second one would double GPU memory and compile again
-            peak_mib = step_peak_mib(steps[v], device)
+            peak_mib = step_peak_mib(steps[v], device, module)
         bt, s = batch["input_ids"].shape
         n, b = SHAPES[size]["num_anchors"], module.drafter.config.block_size
         row = {"variant": f"{prefix}/{backend}/{v}", "step_ms": sec * 1e3,
