@@ -35,6 +35,7 @@
 # $OUT/times.tsv. Needs `make prepare-smollm2` first (target and data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/stages.sh  # policy_suffix, stage
 
 BIN=${BIN:-.venv/bin}
 SPEC_PY=${SPEC_PY:-.venv-speculators/bin/python}
@@ -54,12 +55,7 @@ case $THEIR_WEIGHTING in
   *) echo "THEIR_WEIGHTING=$THEIR_WEIGHTING: expected dpace or fixed-exp-decay"; exit 2 ;;
 esac
 POLICY=${POLICY:-off}
-case $POLICY in
-  off) SUFFIX= ;;
-  on)  SUFFIX=_onpolicy ;;
-  *) echo "POLICY=$POLICY: expected off (ShareGPT's own answers) or on (target-regenerated)"
-     exit 2 ;;
-esac
+SUFFIX=$(policy_suffix "$POLICY") || exit 2
 OUT=${OUT:-outputs/compare_speculators${SUFFIX}_s$STEPS}
 TARGET=outputs/smollm2_target
 DATA=outputs/data/sharegpt
@@ -71,21 +67,6 @@ RUN=outputs/runs/$RUN_NAME
 THEIRS=$OUT/theirs_$THEIR_WEIGHTING
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$OUT/logs"
-
-# stage NAME CMD...: skip when $OUT/done/NAME exists, else run CMD (tee'd to the stage log),
-# append "NAME<TAB>seconds" to $OUT/times.tsv and mark it done.
-stage() {
-  local name=$1; shift
-  if [[ -e $OUT/done/$name ]]; then
-    echo "== $name: done already ($OUT/done/$name exists), skipping"; return 0
-  fi
-  echo "== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$OUT/logs/$name.log"
-  printf '%s\t%d\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"
-  echo "== $name: $((SECONDS - t0)) s"
-  mkdir -p "$OUT/done" && date -Is > "$OUT/done/$name"
-}
 
 capture_one() {  # capture_one DATA_FILE LIMIT OUT_DIR: the recipe's capture settings
   "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
@@ -157,16 +138,16 @@ table() {
 
 run_stage() {
   case $1 in
-    capture)      stage capture capture ;;
-    plan)         stage plan plan ;;
-    train_ours)   stage train_ours train_ours ;;
-    train_theirs) stage "train_theirs_$THEIR_WEIGHTING" train_theirs ;;
-    curves)       stage "curves_$THEIR_WEIGHTING" curves ;;
+    capture)      stage capture mark capture ;;
+    plan)         stage plan mark plan ;;
+    train_ours)   stage train_ours mark train_ours ;;
+    train_theirs) stage "train_theirs_$THEIR_WEIGHTING" mark train_theirs ;;
+    curves)       stage "curves_$THEIR_WEIGHTING" mark curves ;;
     eval)         run_stage eval_ours; run_stage eval_theirs ;;
-    eval_ours)    stage eval_ours evaluate ours "$RUN/curve/step$STEPS.ckpt" ;;
-    eval_theirs)  stage "eval_theirs_$THEIR_WEIGHTING" evaluate "theirs_$THEIR_WEIGHTING" \
+    eval_ours)    stage eval_ours mark evaluate ours "$RUN/curve/step$STEPS.ckpt" ;;
+    eval_theirs)  stage "eval_theirs_$THEIR_WEIGHTING" mark evaluate "theirs_$THEIR_WEIGHTING" \
                     "$THEIRS/step-$STEPS" ;;
-    table)        stage "table_$THEIR_WEIGHTING" table ;;
+    table)        stage "table_$THEIR_WEIGHTING" mark table ;;
     *) echo "unknown stage $1 (capture plan train_ours train_theirs curves eval eval_ours" \
             "eval_theirs table)"
        exit 2 ;;

@@ -21,14 +21,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/stages.sh  # policy_suffix, stage
+
 BIN=${BIN:-.venv/bin}
 POLICY=${POLICY:-off}
-case $POLICY in
-  off) SUFFIX= ;;
-  on)  SUFFIX=_onpolicy ;;
-  *) echo "POLICY=$POLICY: expected off (ShareGPT's own answers) or on (target-regenerated)"
-     exit 2 ;;
-esac
+SUFFIX=$(policy_suffix "$POLICY") || exit 2
 EPOCHS=${EPOCHS:-3}
 [[ $EPOCHS =~ ^[1-9][0-9]*$ ]] || { echo "EPOCHS=$EPOCHS: expected a positive integer"; exit 2; }
 RUN_SUFFIX=$SUFFIX
@@ -56,22 +53,6 @@ MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
 # setting, so the speedup ratio stays fair. Set EVAL_THREADS=2 on an idle machine.
 EVAL_THREADS=${EVAL_THREADS:-1}
 mkdir -p "$OUT/logs"
-
-# stage NAME MARK CMD...: skip when $OUT/done/NAME exists (MARK=mark), else run CMD (tee'd to
-# the stage log), append "NAME<TAB>seconds" to $OUT/times.tsv and, with MARK=mark, mark it done.
-# Stages with MARK=- are cheap and idempotent and always run. Delete $OUT/done/NAME to redo one.
-stage() {
-  local name=$1 mark=$2; shift 2
-  if [[ $mark == mark && -e $OUT/done/$name ]]; then
-    echo "== $name: done already ($OUT/done/$name exists), skipping"; return 0
-  fi
-  echo "== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$OUT/logs/$name.log"
-  printf '%s\t%d\n' "$name" $((SECONDS - t0)) >> "$OUT/times.tsv"
-  echo "== $name: $((SECONDS - t0)) s"
-  if [[ $mark == mark ]]; then mkdir -p "$OUT/done" && date -Is > "$OUT/done/$name"; fi
-}
 
 prepare() {
   "$BIN/python" -m dflash_lab.target.smollm2 --out-dir "$TARGET"
