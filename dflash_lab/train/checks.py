@@ -15,13 +15,18 @@ from omegaconf import DictConfig, OmegaConf
 
 
 def check_module(cfg: DictConfig) -> None:
-    """``module.num_anchors`` >= 1 and ``module.gamma`` > 0."""
+    """``module.num_anchors`` >= 1, ``module.gamma`` > 0, ``module.position_weighting`` known
+    and, for dpace, ``module.dpace_alpha`` in (0, 1]."""
     anchors, gamma = cfg.module.get("num_anchors"), cfg.module.get("gamma")
     if anchors is not None and int(anchors) < 1:
         raise ValueError(f"module.num_anchors={anchors}: must be >= 1 (blocks drafted per "
                          "sequence per step; the recipes use 512)")
     if gamma is not None and float(gamma) <= 0:
         raise ValueError(f"module.gamma={gamma}: must be > 0 (slot weight exp(-(t-1)/gamma))")
+    from dflash_lab.train.loss import check_position_weighting
+
+    check_position_weighting(cfg.module.get("position_weighting", "exp_decay"),
+                             cfg.module.get("dpace_alpha", 0.5))
 
 
 def _sequence_limit(cfg: DictConfig) -> tuple[int | None, str]:

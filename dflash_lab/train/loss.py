@@ -52,6 +52,55 @@ def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
     return torch.where(t >= 1, torch.exp(-(t - 1) / gamma), torch.zeros_like(t))
 
 
+#: ``module.position_weighting``: how the loss weights the slots t >= 1 of a block.
+POSITION_WEIGHTINGS = ("exp_decay", "dpace")
+
+
+def check_position_weighting(weighting: str, dpace_alpha: float) -> None:
+    """Refuse an unknown ``module.position_weighting``, or a dpace ``module.dpace_alpha``
+    outside (0, 1]."""
+    if weighting not in POSITION_WEIGHTINGS:
+        raise ValueError(f"module.position_weighting='{weighting}': use one of "
+                         f"{list(POSITION_WEIGHTINGS)} (exp_decay: exp(-(t-1)/gamma); dpace: "
+                         "confidence-adaptive, from the drafter's own per-slot CE)")
+    if weighting == "dpace" and not 0.0 < float(dpace_alpha) <= 1.0:
+        raise ValueError(f"module.dpace_alpha={dpace_alpha}: must be in (0, 1] with "
+                         "module.position_weighting=dpace (speculators' default 0.5)")
+
+
+def dpace_weights(ce_bnp: Tensor, valid_bnp: Tensor, alpha: float) -> Tensor:
+    """D-PACE slot weights [Bt, N, B] (fp32, no gradient) from the per-slot CE [Bt, N, B].
+
+    ``q_t = exp(-CE_t)`` is the drafter's probability of slot t's label; smoothed,
+    ``s_t = alpha + (1 - alpha) q_t`` on valid slots and 1 on invalid ones (an invalid slot
+    neither breaks nor extends the chain); ``P_t = prod_{i <= t} s_i`` (inclusive) and
+    ``w_t = valid_t * sum_{j >= t, valid_j} P_j``. With ``s = q``, ``sum_j P_j`` is the expected
+    number of accepted slots of the block and ``w_t`` its derivative in ``log q_t``: a slot
+    weighs what raising its log-probability adds to the expected acceptance length. ``alpha``
+    keeps the weights from vanishing while q is small; ``alpha = 1`` gives ``w_t`` = number of
+    valid slots at or after t. Computed under no_grad: the weights are constants of the step.
+    """
+    with torch.no_grad():
+        mask = valid_bnp.to(torch.float32)
+        q = torch.exp(-ce_bnp.detach().float())
+        smooth = torch.where(valid_bnp, alpha + (1.0 - alpha) * q, torch.ones_like(q))
+        prefix = torch.cumprod(smooth, dim=-1) * mask
+        return prefix.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def slot_weights(valid_bnp: Tensor, ce_m: Tensor, gamma: float, weighting: str = "exp_decay",
+                 dpace_alpha: float = 0.5) -> Tensor:
+    """Weights [M] of the M valid slots (``valid_bnp`` [Bt, N, B] in row-major order) whose CE
+    is ``ce_m`` [M]: :func:`position_weights` (exp_decay) or :func:`dpace_weights` (dpace)."""
+    check_position_weighting(weighting, dpace_alpha)
+    if weighting == "exp_decay":
+        return position_weights(valid_bnp.shape[-1], gamma, valid_bnp.device).expand_as(
+            valid_bnp)[valid_bnp]
+    ce_bnp = torch.zeros(valid_bnp.shape, dtype=torch.float32, device=valid_bnp.device)
+    ce_bnp[valid_bnp] = ce_m.detach().float()
+    return dpace_weights(ce_bnp, valid_bnp, float(dpace_alpha))[valid_bnp]
+
+
 @dataclass
 class BlockTargets:
     """Per-slot labels and validity of a batch of blocks, each [Bt, N, B]."""
@@ -351,16 +400,17 @@ class LossOutput:
 def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
                 chunk_size: int | None = None, block_valid_bn: Tensor | None = None,
                 chunk_bytes: int = CE_CHUNK_BYTES, *, scale: LogitScale = NO_SCALE,
-                top_k: int = 0) -> LossOutput:
+                top_k: int = 0, weighting: str = "exp_decay",
+                dpace_alpha: float = 0.5) -> LossOutput:
     """Weighted CE over valid slots; only the M valid slots go through the vocab projection
     (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale;
-    ``top_k`` > 0 also returns the unary top-K of every valid slot."""
-    b = hidden_bnph.shape[2]
-    weights = position_weights(b, gamma, hidden_bnph.device).expand_as(targets.valid)
+    ``top_k`` > 0 also returns the unary top-K of every valid slot. Slot weights:
+    :func:`slot_weights` (``weighting``: exp_decay with ``gamma`` | dpace with ``dpace_alpha``,
+    from this pass's own CE)."""
     sel = targets.valid
     head = chunked_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, chunk_size,
                              chunk_bytes, scale=scale, top_k=top_k)
-    w = weights[sel]
+    w = slot_weights(sel, head.ce, gamma, weighting, dpace_alpha)
     correct = torch.zeros_like(sel)
     correct[sel] = head.correct
     return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,

@@ -39,6 +39,7 @@ from dflash_lab.train.loss import (
     acceptance_lengths,
     block_targets,
     ce_chunk_rows,
+    check_position_weighting,
     dflash_loss,
     global_weighted_loss,
     per_position_accuracy,
@@ -74,6 +75,7 @@ class DFlashModule(L.LightningModule):
                  seed: int = 0, val_seed: int = 1234,
                  compile: bool = False, activation_checkpointing: bool = False,
                  selector: Mapping[str, Any] | None = None,
+                 position_weighting: str = "exp_decay", dpace_alpha: float = 0.5,
                  feature_source: Callable[[Tensor], Any] | None = None):
         super().__init__()
         if label_source not in LABEL_SOURCES:
@@ -82,6 +84,7 @@ class DFlashModule(L.LightningModule):
         self.selector_settings = SelectorSettings.create(selector, drafter.config.variant)
         selector = dict(selector or {})  # plain types in the checkpoint's hyper_parameters
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
+        check_position_weighting(position_weighting, dpace_alpha)
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler",
                                           "feature_source"])
@@ -135,14 +138,16 @@ class DFlashModule(L.LightningModule):
         hp, cfg, lm_head = self.hparams, self.drafter.config, self.target_head.lm_head
         targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size)
+        weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
         out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
                           hp.ce_chunk_bytes, scale=self.logit_scale,
-                          top_k=cfg.selector_top_k if cfg.is_dflash2 else 0)
+                          top_k=cfg.selector_top_k if cfg.is_dflash2 else 0, **weighting)
         if cfg.is_dflash2:
             out.selector = selector_loss(
                 self.drafter.candidate_selector, hidden, out, tgt,
                 batch["input_ids"].gather(1, anchors), lm_head, hp.gamma,
-                self.selector_settings.missing_gold, self.logit_scale, hp.ce_chunk_bytes)
+                self.selector_settings.missing_gold, self.logit_scale, hp.ce_chunk_bytes,
+                **weighting)
         return out
 
     def blocks_loss(self, batch: dict[str, Tensor], anchors: Tensor,

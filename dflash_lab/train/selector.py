@@ -3,7 +3,8 @@
 The objective of a DFlash 2 drafter (dflash.md section 7) is the unary DFlash loss plus
 ``alpha(step)`` x a K-way cross-entropy of the candidate selector over the unary top-K of each
 valid slot, teacher-forced: slot t's predecessor is the TRUE previous token (the anchor token for
-slot 1, the label of slot t-1 after). Slot weights are the unary ones, ``exp(-(t-1)/gamma)``, and
+slot 1, the label of slot t-1 after). Slot weights follow the unary ones (``exp(-(t-1)/gamma)``,
+or D-PACE from the selector's own CE with ``module.position_weighting=dpace``), and
 the selector term is normalised by the GLOBAL sum of the weights of the slots it trains (with
 ``missing_gold: swap`` that is every valid slot, as for the unary term; with ``exclude`` only
 the slots whose gold token is among the K), so it is a weighted mean of a K-way CE whatever the
@@ -39,7 +40,9 @@ from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,
     candidate_logits,
+    check_position_weighting,
     position_weights,
+    slot_weights,
 )
 
 MISSING_GOLD = ("exclude", "swap")
@@ -169,9 +172,15 @@ def walk_correct(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOutp
 def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOutput,
                   targets: BlockTargets, anchor_ids_bn: Tensor, lm_head: nn.Module,
                   gamma: float, missing_gold: str = "exclude", scale: LogitScale = NO_SCALE,
-                  chunk_bytes: int = CE_CHUNK_BYTES) -> SelectorOutput:
+                  chunk_bytes: int = CE_CHUNK_BYTES, *, weighting: str = "exp_decay",
+                  dpace_alpha: float = 0.5) -> SelectorOutput:
     """The teacher-forced K-way selector CE over the unary top-K of :func:`dflash_loss`'s
     valid slots (``out.top_ids`` [M, K]), and the selector metrics.
+
+    Slot weights as the unary term's (``weighting``, :func:`~dflash_lab.train.loss.slot_weights`):
+    exp_decay on the trained slots; dpace from the selector's own K-way CE, its chain running
+    over the trained slots only (an excluded slot counts as invalid), as the unary D-PACE
+    weights come from the unary CE.
 
     Gradients reach the selector (codebooks, hidden projection) and the drafter's hidden states,
     also through the candidates' unary logits (recomputed for the K ids only, differentiable).
@@ -184,8 +193,14 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
     unary_mk = candidate_logits(hidden_mh, ids_mk, lm_head, chunk_bytes, scale)
     ce_m = F.cross_entropy(selector.score(hidden_mh, prev_m, ids_mk, unary_mk), index_m,
                            reduction="none")
-    weights = position_weights(valid.shape[-1], gamma, valid.device).expand_as(valid)[valid]
-    w_m = weights * trained_m
+    if weighting == "dpace":
+        w_m = torch.zeros_like(ce_m, dtype=torch.float32)
+        w_m[trained_m] = slot_weights(_scatter(trained_m, valid, False), ce_m[trained_m], gamma,
+                                      weighting, dpace_alpha)
+    else:
+        check_position_weighting(weighting, dpace_alpha)
+        weights = position_weights(valid.shape[-1], gamma, valid.device).expand_as(valid)[valid]
+        w_m = weights * trained_m
     with torch.no_grad():  # metrics on the candidates serving sees, with their serving values
         serving = selector.score(hidden_mh, prev_m, out.top_ids, out.top_values)
         picked_ok = hit_mk.gather(-1, serving.argmax(-1, keepdim=True))[:, 0]
