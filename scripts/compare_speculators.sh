@@ -28,7 +28,9 @@
 # Knobs (environment): STEPS (200), EVAL_EVERY (25), NUM_CONVERSATIONS (320), NUM_HELDOUT (32),
 # CURVE_ANCHORS (64 seeded blocks per held-out sample for the curves), NUM_PROMPTS (16),
 # MAX_NEW_TOKENS (128), THEIR_WEIGHTING (dpace: their DFlash default | fixed-exp-decay: the
-# paper's weights, as ours), POLICY (off: ShareGPT's own answers | on: the conversations
+# paper's weights, as ours), OUR_WEIGHTING (exp_decay: our default | dpace: module.position_weighting
+# =dpace, in a run of its own, compare_speculators_ours_dpace_s$STEPS, whose stages and files
+# carry the suffix _ours-dpace: train_ours, curves, eval_ours, table), POLICY (off: ShareGPT's own answers | on: the conversations
 # `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's greedy answers),
 # OUT (outputs/compare_speculators[_onpolicy]_s$STEPS), SPEC_PY
 # (.venv-speculators/bin/python; make speculators-venv). Logs in $OUT/logs/, times in
@@ -47,12 +49,18 @@ NUM_PROMPTS=${NUM_PROMPTS:-16}
 CURVE_ANCHORS=${CURVE_ANCHORS:-64}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
 THEIR_WEIGHTING=${THEIR_WEIGHTING:-dpace}
+OUR_WEIGHTING=${OUR_WEIGHTING:-exp_decay}
 for v in STEPS EVAL_EVERY NUM_CONVERSATIONS NUM_HELDOUT NUM_PROMPTS MAX_NEW_TOKENS CURVE_ANCHORS; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$v=${!v}: expected a positive integer"; exit 2; }
 done
 case $THEIR_WEIGHTING in
   dpace|fixed-exp-decay) ;;
   *) echo "THEIR_WEIGHTING=$THEIR_WEIGHTING: expected dpace or fixed-exp-decay"; exit 2 ;;
+esac
+case $OUR_WEIGHTING in  # OSUF names our side's stages and files when it is not the default
+  exp_decay) OSUF=; OUR_RUN=; OUR_SET=() ;;
+  dpace) OSUF=_ours-dpace; OUR_RUN=_dpace; OUR_SET=(module.position_weighting=dpace) ;;
+  *) echo "OUR_WEIGHTING=$OUR_WEIGHTING: expected exp_decay or dpace"; exit 2 ;;
 esac
 POLICY=${POLICY:-off}
 SUFFIX=$(policy_suffix "$POLICY") || exit 2
@@ -62,7 +70,7 @@ DATA=outputs/data/sharegpt
 REGEN=${REGEN:-outputs/regenerated/smollm2_sharegpt}
 CAPTURE=outputs/capture/smollm2_sharegpt${SUFFIX}_n$NUM_CONVERSATIONS
 HELDOUT=outputs/capture/smollm2_sharegpt_heldout_n$NUM_HELDOUT
-RUN_NAME=compare_speculators${SUFFIX}_ours_s$STEPS
+RUN_NAME=compare_speculators${SUFFIX}_ours${OUR_RUN}_s$STEPS
 RUN=outputs/runs/$RUN_NAME
 THEIRS=$OUT/theirs_$THEIR_WEIGHTING
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -92,7 +100,8 @@ capture() {
 
 # The recipe with a fixed step budget: max_steps bounds the schedule (cosine to 0 at STEPS).
 OUR_ARGS=(recipe=smollm2_sharegpt_cpu run_name="$RUN_NAME" data.path="$CAPTURE"
-          trainer.max_epochs=1000 trainer.max_steps="$STEPS" export.enabled=false)
+          trainer.max_epochs=1000 trainer.max_steps="$STEPS" export.enabled=false
+          ${OUR_SET[@]+"${OUR_SET[@]}"})
 
 plan() {
   "$BIN/python" -m benchmarks.peer_quality plan --out "$OUT/plan.json" -- "${OUR_ARGS[@]}"
@@ -114,9 +123,17 @@ train_theirs() {
     --out "$THEIRS" --save-every "$EVAL_EVERY" --weighting "$THEIR_WEIGHTING"
 }
 
+CURVES=$OUT/curves_$THEIR_WEIGHTING$OSUF.tsv
 curves() {
+  # our non-default side starts from the default pass's speculators rows (same checkpoints,
+  # same held-out blocks): only our checkpoints are evaluated
+  local base=$OUT/curves_$THEIR_WEIGHTING.tsv
+  if [[ -n $OSUF && ! -e $CURVES && -e $base ]]; then
+    awk -F'\t' 'NR == 1 || $1 == "speculators"' "$base" > "$CURVES.tmp"
+    mv "$CURVES.tmp" "$CURVES"
+  fi
   "$BIN/python" -m benchmarks.peer_quality curves --heldout "$HELDOUT" --target "$TARGET" \
-    --ours "$RUN/curve" --theirs "$THEIRS" --num-anchors "$CURVE_ANCHORS" --out "$OUT/curves_$THEIR_WEIGHTING.tsv"
+    --ours "$RUN/curve" --theirs "$THEIRS" --num-anchors "$CURVE_ANCHORS" --out "$CURVES"
 }
 
 evaluate() {  # evaluate NAME DRAFTER
@@ -128,26 +145,26 @@ evaluate() {  # evaluate NAME DRAFTER
 
 table() {
   mkdir -p docs/img
-  "$BIN/python" -m benchmarks.peer_quality table --curves "$OUT/curves_$THEIR_WEIGHTING.tsv" \
-    --eval-ours "$OUT/eval_ours/report.json" \
+  "$BIN/python" -m benchmarks.peer_quality table --curves "$CURVES" \
+    --eval-ours "$OUT/eval_ours$OSUF/report.json" \
     --eval-theirs "$OUT/eval_theirs_$THEIR_WEIGHTING/report.json" \
-    --out "$OUT/summary_$THEIR_WEIGHTING.md" \
-    --plot "docs/img/compare_speculators_tau_$THEIR_WEIGHTING.png"
-  cat "$OUT/summary_$THEIR_WEIGHTING.md"
+    --out "$OUT/summary_$THEIR_WEIGHTING$OSUF.md" \
+    --plot "docs/img/compare_speculators_tau_$THEIR_WEIGHTING$OSUF.png"
+  cat "$OUT/summary_$THEIR_WEIGHTING$OSUF.md"
 }
 
 run_stage() {
   case $1 in
     capture)      stage capture mark capture ;;
     plan)         stage plan mark plan ;;
-    train_ours)   stage train_ours mark train_ours ;;
+    train_ours)   stage "train_ours$OSUF" mark train_ours ;;
     train_theirs) stage "train_theirs_$THEIR_WEIGHTING" mark train_theirs ;;
-    curves)       stage "curves_$THEIR_WEIGHTING" mark curves ;;
+    curves)       stage "curves_$THEIR_WEIGHTING$OSUF" mark curves ;;
     eval)         run_stage eval_ours; run_stage eval_theirs ;;
-    eval_ours)    stage eval_ours mark evaluate ours "$RUN/curve/step$STEPS.ckpt" ;;
+    eval_ours)    stage "eval_ours$OSUF" mark evaluate "ours$OSUF" "$RUN/curve/step$STEPS.ckpt" ;;
     eval_theirs)  stage "eval_theirs_$THEIR_WEIGHTING" mark evaluate "theirs_$THEIR_WEIGHTING" \
                     "$THEIRS/step-$STEPS" ;;
-    table)        stage "table_$THEIR_WEIGHTING" mark table ;;
+    table)        stage "table_$THEIR_WEIGHTING$OSUF" mark table ;;
     *) echo "unknown stage $1 (capture plan train_ours train_theirs curves eval eval_ours" \
             "eval_theirs table)"
        exit 2 ;;
