@@ -9,6 +9,10 @@ fused head pass's column max taken from its top-K all equal the plain path bit f
 
 from __future__ import annotations
 
+import datetime
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -167,9 +171,14 @@ class _Objective(torch.nn.Module):
 
 def _ddp_train(rank: int, world: int, port: int, kept: bool, result_file: str) -> None:
     """3 AdamW steps under torch DDP (gloo), each rank on its own batch; rank 0 saves the
-    parameters. ``kept``: zero grads through the module (sparse codebook rows) or to None."""
+    parameters. ``kept``: zero grads through the module (sparse codebook rows) or to None.
+
+    The ranks meet at a barrier once rank 0 has saved and then leave with ``os._exit(0)``, not
+    through ``destroy_process_group``: in a full-suite run a rank once waited forever in that
+    teardown after rank 0, which hosts the store, had gone (the result already saved)."""
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=rank, world_size=world)
+                                         rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     module = _module()
     model = torch.nn.parallel.DistributedDataParallel(_Objective(module))
@@ -193,7 +202,20 @@ def _ddp_train(rank: int, world: int, port: int, kept: bool, result_file: str) -
         torch.save({"params": {k: v.detach().clone()
                                for k, v in module.drafter.state_dict().items()},
                     "sparse": sum(sparse_steps)}, result_file)
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()
+    os._exit(0)  # no teardown of the process group (see the docstring); the result is saved
+
+
+def _spawn_bounded(fn, args: tuple, nprocs: int, seconds: float) -> None:
+    """``torch.multiprocessing.spawn`` that fails (and kills the ranks) after ``seconds``
+    instead of waiting forever on a stuck rank."""
+    context = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in context.processes:
+                proc.kill()
+            pytest.fail(f"DDP ranks still running after {seconds} s: killed")
 
 
 @pytest.mark.slow
@@ -203,8 +225,7 @@ def test_kept_codebook_grads_under_ddp_train_bitwise_like_the_plain_path(tmp_pat
     results = {}
     for kept, port in ((False, 29541), (True, 29542)):
         result = str(tmp_path / f"kept{kept}.pt")
-        torch.multiprocessing.spawn(_ddp_train, args=(2, port, kept, result), nprocs=2,
-                                    join=True)
+        _spawn_bounded(_ddp_train, (2, port, kept, result), nprocs=2, seconds=300)
         results[kept] = torch.load(result, weights_only=True)
     # steps 2 and 3, both codebooks: the sparse rows were added into the kept buffers
     assert results[True]["sparse"] == 4 and results[False]["sparse"] == 0
