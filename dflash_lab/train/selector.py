@@ -40,8 +40,6 @@ from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,
     candidate_logits,
-    check_position_weighting,
-    position_weights,
     slot_weights,
 )
 
@@ -197,10 +195,8 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
         w_m = torch.zeros_like(ce_m, dtype=torch.float32)
         w_m[trained_m] = slot_weights(_scatter(trained_m, valid, False), ce_m[trained_m], gamma,
                                       weighting, dpace_alpha)
-    else:
-        check_position_weighting(weighting, dpace_alpha)
-        weights = position_weights(valid.shape[-1], gamma, valid.device).expand_as(valid)[valid]
-        w_m = weights * trained_m
+    else:  # the unary term's weights of the valid slots, zero where the selector trains none
+        w_m = slot_weights(valid, ce_m, gamma, weighting, dpace_alpha) * trained_m
     with torch.no_grad():  # metrics on the candidates serving sees, with their serving values
         serving = selector.score(hidden_mh, prev_m, out.top_ids, out.top_values)
         picked_ok = hit_mk.gather(-1, serving.argmax(-1, keepdim=True))[:, 0]
