@@ -100,6 +100,15 @@ def schedule_lrs(cfg, num_steps: int) -> list[float]:
     return lrs
 
 
+def variant_fields(dc) -> dict[str, Any]:
+    """The plan drafter's variant and, for DFlash 2, its conv and selector shape (speculators'
+    DFlash 2 is built with the same values)."""
+    from dflash_lab.model.config import DFLASH2_DEFAULTS
+
+    return {"variant": dc.variant,
+            **({k: getattr(dc, k) for k in DFLASH2_DEFAULTS} if dc.is_dflash2 else {})}
+
+
 def build_plan(overrides: list[str]) -> dict[str, Any]:
     """plan.json's content for the run ``dflash-train OVERRIDES`` (needs trainer.max_steps)."""
     from hydra.utils import instantiate
@@ -133,7 +142,8 @@ def build_plan(overrides: list[str]) -> dict[str, Any]:
         "drafter": {"num_hidden_layers": dc.num_hidden_layers, "block_size": dc.block_size,
                     "target_layer_ids": list(dc.target_layer_ids),
                     "mask_token_id": dc.mask_token_id, "hidden_size": dc.hidden_size,
-                    "vocab_size": dc.vocab_size, "trainable_params": trainable},
+                    "vocab_size": dc.vocab_size, "trainable_params": trainable,
+                    **variant_fields(dc)},
         "steps": [{"samples": b, "rows": [list(rows[i]) for i in b], "lr": lr}
                   for b, lr in zip(batches, schedule_lrs(cfg, num_steps))],
     }
@@ -252,7 +262,11 @@ def summary_markdown(rows: list[dict[str, Any]], eval_ours: dict, eval_theirs: d
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(rows: list[dict[str, Any]], png: str | Path) -> None:
+#: The plot's default title: the SmolLM2 recipe's drafter shape.
+PLOT_TITLE = "SmolLM2-135M + ShareGPT, 3 layers, B=8"
+
+
+def plot_curves(rows: list[dict[str, Any]], png: str | Path, title: str = PLOT_TITLE) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,7 +280,7 @@ def plot_curves(rows: list[dict[str, Any]], png: str | Path) -> None:
                     else "speculators 0.9.0")
     ax.set_xlabel("optimizer steps (same batches)")
     ax.set_ylabel("held-out tau (features mode)")
-    ax.set_title("SmolLM2-135M + ShareGPT, 3 layers, B=8")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -290,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     pt = sub.add_parser("table")
     for k in ("curves", "eval-ours", "eval-theirs", "out", "plot"):
         pt.add_argument(f"--{k}", required=True)
+    pt.add_argument("--title", default=PLOT_TITLE, help="the plot's title")
     a = p.parse_args(argv)
     if a.cmd == "plan":
         plan = build_plan(a.overrides)
@@ -302,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = read_tsv(a.curves)
         reports = [json.loads(Path(x).read_text()) for x in (a.eval_ours, a.eval_theirs)]
         atomic_write_text(Path(a.out), summary_markdown(rows, *reports))
-        plot_curves(rows, a.plot)
+        plot_curves(rows, a.plot, a.title)
 
 
 if __name__ == "__main__":
