@@ -79,7 +79,8 @@ e2e-smollm2: prepare-smollm2
 
 # Quality at equal budget (docs/results.md, "Side by side with speculators"): our trainer and
 # speculators 0.9.0's DFlash trainer on the same captured batches and optimizer steps, both
-# evaluated by dflash-eval. Knobs: scripts/compare_speculators.sh's header (STEPS, EVAL_EVERY, ...).
+# evaluated by dflash-eval; VARIANT=dflash2 compares the DFlash 2 drafters (ours against
+# speculators' dflash2). Knobs: scripts/compare_speculators.sh's header (STEPS, EVAL_EVERY, ...).
 .PHONY: compare-speculators
 
 compare-speculators: prepare-smollm2 speculators-venv

@@ -2,8 +2,9 @@
 # Quality at equal budget (issue 20): our trainer against speculators 0.9.0's DFlash trainer on
 # the SmolLM2 recipe's target and ShareGPT data, same captured batches, same optimizer steps,
 # same drafter shape, both evaluated by dflash-eval (docs/results.md, "Side by side").
+# VARIANT=dflash2 does the same for DFlash 2: our DFlash 2 drafter against speculators' dflash2.
 # Usage: scripts/compare_speculators.sh [STAGE ...]   (default: every stage, in order)
-#   stages: capture plan train_ours train_theirs curves eval table
+#   stages: capture plan train_ours train_theirs curves eval table (args: print our overrides)
 #   capture       train capture (NUM_CONVERSATIONS rows of train.jsonl, the recipe's settings)
 #                 and a held-out capture (NUM_HELDOUT rows of heldout.jsonl): the learning
 #                 curves' tau (dflash-eval mode=features, every valid anchor)
@@ -22,16 +23,31 @@
 #                 same NUM_PROMPTS held-out ShareGPT prompts (= eval_ours eval_theirs)
 #   table         $OUT/summary_W.md and the learning-curve plot docs/img/compare_speculators_tau_W.png
 #                 (W = THEIR_WEIGHTING)
+# VARIANT=dflash2: the same stages on the same capture and batches ($OUT/plan_dflash2.json, whose
+# steps are checked equal to plan.json's when that exists) with DFlash 2 on both sides. Ours:
+# the recipe with drafter=dflash2 (conf/drafter/dflash2.yaml, the released conv/selector
+# setting) and the selector loss of recipes/tiny_cpu_dflash2.yaml (alpha 1, missing_gold
+# exclude). Theirs: speculators_train.py --variant dflash2, their DFlash2DraftModel at the same
+# conv/selector setting and their dflash2 default loss (kl_div, fixed-exp-decay weights, so
+# THEIR_WEIGHTING defaults to fixed-exp-decay; + 1.0 x their selector CE), which on our
+# point-mass labels is the CE on the stored argmax (benchmarks/speculators_train.py). The curves
+# and the eval score the selector path (what dflash-eval serves for a DFlash 2 drafter). Every
+# file, directory and stage mark carries _dflash2 (plan_dflash2, train_ours_dflash2 in run
+# compare_speculators_ours_dflash2_s$STEPS, train_theirs_dflash2_W, curves_dflash2_W, ...,
+# summary_dflash2_W.md, docs/img/compare_speculators_tau_dflash2_W.png), so it never meets
+# the DFlash 1 run's.
 # Every stage is skipped once done ($OUT/done/STAGE; delete it to redo one); the captures
 # resume shard by shard, our training resumes from last.ckpt; theirs (no optimizer state saved)
 # reruns from step 0.
 # Knobs (environment): STEPS (200), EVAL_EVERY (25), NUM_CONVERSATIONS (320), NUM_HELDOUT (32),
 # CURVE_ANCHORS (64 seeded blocks per held-out sample for the curves), NUM_PROMPTS (16),
-# MAX_NEW_TOKENS (128), THEIR_WEIGHTING (dpace: their DFlash default | fixed-exp-decay: the
-# paper's weights, as ours), OUR_WEIGHTING (exp_decay: our default | dpace: module.position_weighting
-# =dpace, in a run of its own, compare_speculators_ours_dpace_s$STEPS, whose stages and files
-# carry the suffix _ours-dpace: train_ours, curves, eval_ours, table), POLICY (off: ShareGPT's own answers | on: the conversations
-# `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's greedy answers),
+# MAX_NEW_TOKENS (128), VARIANT (dflash1: DFlash 1 | dflash2: DFlash 2, above), THEIR_WEIGHTING
+# (dpace: their DFlash default | fixed-exp-decay: the paper's weights, as ours, and their
+# DFlash 2 default; the default follows VARIANT), OUR_WEIGHTING (exp_decay: our default | dpace:
+# module.position_weighting=dpace, in a run of its own, compare_speculators_ours_dpace_s$STEPS,
+# whose stages and files carry the suffix _ours-dpace: train_ours, curves, eval_ours, table),
+# POLICY (off: ShareGPT's own answers | on: the conversations `POLICY=on scripts/e2e_smollm2.sh
+# regenerate` wrote into REGEN, the target's greedy answers),
 # OUT (outputs/compare_speculators[_onpolicy]_s$STEPS), SPEC_PY
 # (.venv-speculators/bin/python; make speculators-venv). Logs in $OUT/logs/, times in
 # $OUT/times.tsv. Needs `make prepare-smollm2` first (target and data).
@@ -48,7 +64,17 @@ NUM_HELDOUT=${NUM_HELDOUT:-32}
 NUM_PROMPTS=${NUM_PROMPTS:-16}
 CURVE_ANCHORS=${CURVE_ANCHORS:-64}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
-THEIR_WEIGHTING=${THEIR_WEIGHTING:-dpace}
+VARIANT=${VARIANT:-dflash1}
+case $VARIANT in  # VSUF names every file, directory and stage of a DFlash 2 run
+  dflash1) VSUF=; VARIANT_SET=(); THEIR_DEFAULT=dpace; TITLE_VARIANT= ;;
+  dflash2) VSUF=_dflash2; THEIR_DEFAULT=fixed-exp-decay; TITLE_VARIANT="DFlash 2, "
+           # conf/drafter/dflash2.yaml (the released conv/selector setting) over the recipe's
+           # drafter; the selector loss as recipes/tiny_cpu_dflash2.yaml trains it
+           VARIANT_SET=(drafter=dflash2 module.selector.alpha=1.0
+                        module.selector.missing_gold=exclude) ;;
+  *) echo "VARIANT=$VARIANT: expected dflash1 or dflash2"; exit 2 ;;
+esac
+THEIR_WEIGHTING=${THEIR_WEIGHTING:-$THEIR_DEFAULT}
 OUR_WEIGHTING=${OUR_WEIGHTING:-exp_decay}
 for v in STEPS EVAL_EVERY NUM_CONVERSATIONS NUM_HELDOUT NUM_PROMPTS MAX_NEW_TOKENS CURVE_ANCHORS; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$v=${!v}: expected a positive integer"; exit 2; }
@@ -70,9 +96,11 @@ DATA=outputs/data/sharegpt
 REGEN=${REGEN:-outputs/regenerated/smollm2_sharegpt}
 CAPTURE=outputs/capture/smollm2_sharegpt${SUFFIX}_n$NUM_CONVERSATIONS
 HELDOUT=outputs/capture/smollm2_sharegpt_heldout_n$NUM_HELDOUT
-RUN_NAME=compare_speculators${SUFFIX}_ours${OUR_RUN}_s$STEPS
+RUN_NAME=compare_speculators${SUFFIX}_ours${OUR_RUN}${VSUF}_s$STEPS
 RUN=outputs/runs/$RUN_NAME
-THEIRS=$OUT/theirs_$THEIR_WEIGHTING
+TW=${VSUF}_$THEIR_WEIGHTING  # their side's suffix: variant, then weighting
+THEIRS=$OUT/theirs$TW
+PLAN=$OUT/plan$VSUF.json
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$OUT/logs"
 
@@ -101,10 +129,16 @@ capture() {
 # The recipe with a fixed step budget: max_steps bounds the schedule (cosine to 0 at STEPS).
 OUR_ARGS=(recipe=smollm2_sharegpt_cpu run_name="$RUN_NAME" data.path="$CAPTURE"
           trainer.max_epochs=1000 trainer.max_steps="$STEPS" export.enabled=false
-          ${OUR_SET[@]+"${OUR_SET[@]}"})
+          ${VARIANT_SET[@]+"${VARIANT_SET[@]}"} ${OUR_SET[@]+"${OUR_SET[@]}"})
 
 plan() {
-  "$BIN/python" -m benchmarks.peer_quality plan --out "$OUT/plan.json" -- "${OUR_ARGS[@]}"
+  "$BIN/python" -m benchmarks.peer_quality plan --out "$PLAN" -- "${OUR_ARGS[@]}"
+  if [[ -n $VSUF && -e $OUT/plan.json ]]; then  # the DFlash 1 run's batches, step by step
+    "$BIN/python" -c 'import json, sys
+a, b = (json.load(open(f))["steps"] for f in sys.argv[1:])
+sys.exit(0 if a == b else f"{sys.argv[2]}: other batches or lrs than {sys.argv[1]}")' \
+      "$OUT/plan.json" "$PLAN"
+  fi
 }
 
 train_ours() {
@@ -119,15 +153,16 @@ train_theirs() {
   if [[ ! -x $SPEC_PY ]]; then
     echo "$SPEC_PY missing: make speculators-venv (speculators 0.9.0 in its own venv)"; return 2
   fi
-  "$SPEC_PY" benchmarks/speculators_train.py --plan "$OUT/plan.json" --target "$TARGET" \
-    --out "$THEIRS" --save-every "$EVAL_EVERY" --weighting "$THEIR_WEIGHTING"
+  "$SPEC_PY" benchmarks/speculators_train.py --plan "$PLAN" --target "$TARGET" \
+    --out "$THEIRS" --save-every "$EVAL_EVERY" --variant "$VARIANT" \
+    --weighting "$THEIR_WEIGHTING"
 }
 
-CURVES=$OUT/curves_$THEIR_WEIGHTING$OSUF.tsv
+CURVES=$OUT/curves$TW$OSUF.tsv
 curves() {
   # our non-default side starts from the default pass's speculators rows (same checkpoints,
   # same held-out blocks): only our checkpoints are evaluated
-  local base=$OUT/curves_$THEIR_WEIGHTING.tsv
+  local base=$OUT/curves$TW.tsv
   if [[ -n $OSUF && ! -e $CURVES && -e $base ]]; then
     awk -F'\t' 'NR == 1 || $1 == "speculators"' "$base" > "$CURVES.tmp"
     mv "$CURVES.tmp" "$CURVES"
@@ -146,27 +181,29 @@ evaluate() {  # evaluate NAME DRAFTER
 table() {
   mkdir -p docs/img
   "$BIN/python" -m benchmarks.peer_quality table --curves "$CURVES" \
-    --eval-ours "$OUT/eval_ours$OSUF/report.json" \
-    --eval-theirs "$OUT/eval_theirs_$THEIR_WEIGHTING/report.json" \
-    --out "$OUT/summary_$THEIR_WEIGHTING$OSUF.md" \
-    --plot "docs/img/compare_speculators_tau_$THEIR_WEIGHTING$OSUF.png"
-  cat "$OUT/summary_$THEIR_WEIGHTING$OSUF.md"
+    --eval-ours "$OUT/eval_ours$VSUF$OSUF/report.json" \
+    --eval-theirs "$OUT/eval_theirs$TW/report.json" \
+    --out "$OUT/summary$TW$OSUF.md" \
+    --plot "docs/img/compare_speculators_tau$TW$OSUF.png" \
+    --title "SmolLM2-135M + ShareGPT, ${TITLE_VARIANT}3 layers, B=8"
+  cat "$OUT/summary$TW$OSUF.md"
 }
 
 run_stage() {
   case $1 in
     capture)      stage capture mark capture ;;
-    plan)         stage plan mark plan ;;
-    train_ours)   stage "train_ours$OSUF" mark train_ours ;;
-    train_theirs) stage "train_theirs_$THEIR_WEIGHTING" mark train_theirs ;;
-    curves)       stage "curves_$THEIR_WEIGHTING$OSUF" mark curves ;;
+    plan)         stage "plan$VSUF" mark plan ;;
+    train_ours)   stage "train_ours$VSUF$OSUF" mark train_ours ;;
+    train_theirs) stage "train_theirs$TW" mark train_theirs ;;
+    curves)       stage "curves$TW$OSUF" mark curves ;;
     eval)         run_stage eval_ours; run_stage eval_theirs ;;
-    eval_ours)    stage "eval_ours$OSUF" mark evaluate "ours$OSUF" "$RUN/curve/step$STEPS.ckpt" ;;
-    eval_theirs)  stage "eval_theirs_$THEIR_WEIGHTING" mark evaluate "theirs_$THEIR_WEIGHTING" \
-                    "$THEIRS/step-$STEPS" ;;
-    table)        stage "table_$THEIR_WEIGHTING$OSUF" mark table ;;
+    eval_ours)    stage "eval_ours$VSUF$OSUF" mark evaluate "ours$VSUF$OSUF" \
+                    "$RUN/curve/step$STEPS.ckpt" ;;
+    eval_theirs)  stage "eval_theirs$TW" mark evaluate "theirs$TW" "$THEIRS/step-$STEPS" ;;
+    table)        stage "table$TW$OSUF" mark table ;;
+    args)         printf '%s\n' "${OUR_ARGS[@]}" ;;  # our side's dflash-train overrides
     *) echo "unknown stage $1 (capture plan train_ours train_theirs curves eval eval_ours" \
-            "eval_theirs table)"
+            "eval_theirs table args)"
        exit 2 ;;
   esac
 }
