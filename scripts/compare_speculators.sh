@@ -25,7 +25,7 @@
 #                 importer) and served by vLLM (.venv-vllm, make vllm-venv) on the exact prompt ids
 #                 of their eval reports, round for round (= serve_ours serve_theirs; not in the
 #                 default stages: run it after eval)
-#   table         $OUT/summary_W.md and the learning-curve plot docs/img/compare_speculators_tau_W.png
+#   table         $OUT/summary_W.md and the learning-curve plot docs/img/compare_speculators[_onpolicy]_tau_W.png
 #                 (W = THEIR_WEIGHTING)
 # VARIANT=dflash2: the same stages on the same capture and batches ($OUT/plan_dflash2.json, whose
 # steps are checked equal to plan.json's when that exists) with DFlash 2 on both sides. Ours:
@@ -38,7 +38,7 @@
 # and the eval score the selector path (what dflash-eval serves for a DFlash 2 drafter). Every
 # file, directory and stage mark carries _dflash2 (plan_dflash2, train_ours_dflash2 in run
 # compare_speculators_ours_dflash2_s$STEPS, train_theirs_dflash2_W, curves_dflash2_W, ...,
-# summary_dflash2_W.md, docs/img/compare_speculators_tau_dflash2_W.png), so it never meets
+# summary_dflash2_W.md, docs/img/compare_speculators[_onpolicy]_tau_dflash2_W.png), so it never meets
 # the DFlash 1 run's.
 # Every stage is skipped once done ($OUT/done/STAGE; delete it to redo one); the captures
 # resume shard by shard, our training resumes from last.ckpt; theirs (no optimizer state saved)
@@ -188,7 +188,7 @@ table() {
     --eval-ours "$OUT/eval_ours$VSUF$OSUF/report.json" \
     --eval-theirs "$OUT/eval_theirs$TW/report.json" \
     --out "$OUT/summary$TW$OSUF.md" \
-    --plot "docs/img/compare_speculators_tau$TW$OSUF.png" \
+    --plot "docs/img/compare_speculators${SUFFIX}_tau$TW$OSUF.png" \
     --title "SmolLM2-135M + ShareGPT, ${TITLE_VARIANT}3 layers, B=8"
   cat "$OUT/summary$TW$OSUF.md"
 }
