@@ -189,7 +189,7 @@ table() {
     --eval-theirs "$OUT/eval_theirs$TW/report.json" \
     --out "$OUT/summary$TW$OSUF.md" \
     --plot "docs/img/compare_speculators${SUFFIX}_tau$TW$OSUF.png" \
-    --title "SmolLM2-135M + ShareGPT, ${TITLE_VARIANT}3 layers, B=8"
+    --title "SmolLM2-135M + ShareGPT${SUFFIX:+ (on-policy)}, ${TITLE_VARIANT}3 layers, B=8"
   cat "$OUT/summary$TW$OSUF.md"
 }
 
