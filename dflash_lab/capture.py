@@ -78,6 +78,8 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
         max_length=c.max_length, hidden_dtype=c.hidden_dtype, shard_size=c.shard_size,
         last_turn_only=c.last_turn_only, enable_thinking=c.enable_thinking,
         batch_size=c.batch_size, verify_existing=c.verify_existing, bad_rows=c.bad_rows,
+        distribution=tuple(c.get("distribution") or ()),
+        distribution_topk=int(c.get("distribution_topk", 64)),
     )
 
 

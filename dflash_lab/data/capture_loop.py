@@ -45,6 +45,27 @@ class CaptureSettings:
     #: error) is logged with its input row and skipped ("skip", counted in the manifest), or
     #: stops the run ("error"). Runtime so that a run stopped by a bad row resumes with "skip".
     bad_rows: str = "skip"
+    #: what of the target's next-token distribution to keep beside the argmax (recorded):
+    #: ``last_hidden`` (its final-normed last hidden state: the exact distribution through the
+    #: LM head at training time) and/or ``topk`` (the ``distribution_topk`` likeliest tokens and
+    #: their log-probabilities; the rest is one tail bucket). Empty: argmax labels only.
+    distribution: tuple[str, ...] = ()
+    distribution_topk: int = 64
+
+
+def check_distribution(kinds, topk: int) -> tuple[str, ...]:
+    """``capture.distribution`` as a tuple of known kinds (ValueError naming the bad value)."""
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    kinds = tuple(str(k) for k in (kinds or ()))
+    bad = [k for k in kinds if k not in shards.DISTRIBUTION_KINDS]
+    if bad:
+        raise ValueError(f"capture.distribution={list(kinds)}: unknown {bad}; use a list of "
+                         f"{list(shards.DISTRIBUTION_KINDS)} (e.g. "
+                         "capture.distribution=[last_hidden]) or [] for argmax labels only")
+    if "topk" in kinds and not (isinstance(topk, int) and topk >= 1):
+        raise ValueError(f"capture.distribution_topk={topk!r}: give a count >= 1")
+    return kinds
 
 
 def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
@@ -65,6 +86,14 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
     ids = [int(i) for i in settings.target_layer_ids]
     identity = target.identity()
     feature_dim = len(ids) * target.hidden_size
+    kinds = check_distribution(settings.distribution, settings.distribution_topk)
+    held = {"last_hidden": "last_hidden" in kinds,
+            "topk": settings.distribution_topk if "topk" in kinds else 0}
+    # recorded only when asked for: a capture from before the option resumes with its plan
+    extra = {"distribution": held} if kinds else {}
+    per_token = shards.bytes_per_token(
+        feature_dim, settings.hidden_dtype, topk=held["topk"],
+        last_hidden_size=target.hidden_size if held["last_hidden"] else 0)
     return {
         "target": identity,
         "target_layer_ids": ids,  # z-lab / SGLang convention: output of decoder layer i
@@ -72,7 +101,7 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
         "hidden_size": target.hidden_size,
         "feature_dim": feature_dim,
         "hidden_dtype": settings.hidden_dtype,
-        "bytes_per_token": shards.bytes_per_token(feature_dim, settings.hidden_dtype),
+        "bytes_per_token": per_token,
         "chat_template_hash": identity["chat_template_hash"],
         "max_length": settings.max_length,
         "last_turn_only": settings.last_turn_only,
@@ -81,6 +110,7 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
         "num_input_rows": num_rows,
         "num_shards": math.ceil(num_rows / settings.shard_size),
         "source": source,
+        **extra,
     }
 
 
@@ -112,13 +142,21 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
     for b, (_, tc) in enumerate(batch):
         ids_bs[b, :lengths[b]] = tc.input_ids
         attn_bs[b, :lengths[b]] = 1
+    topk = settings.distribution_topk if "topk" in settings.distribution else 0
     feats = extract_features(target.model, ids_bs, settings.target_layer_ids, attn_bs,
-                             out_device="cpu")
+                             out_device="cpu", topk=topk)
     dtype = shards.HIDDEN_DTYPES[settings.hidden_dtype]
+    keep_last = "last_hidden" in settings.distribution
+
+    def rows(t, b):
+        return None if t is None else t[b, :lengths[b]]
+
     return [
         shards.CapturedSample(row_id, tc.input_ids, tc.loss_mask,
                               feats.hidden_bsf[b, :lengths[b]].to(dtype),
-                              feats.argmax_bs[b, :lengths[b]])
+                              feats.argmax_bs[b, :lengths[b]],
+                              rows(feats.last_bsh, b).to(dtype) if keep_last else None,
+                              rows(feats.top_ids_bsk, b), rows(feats.top_logprobs_bsk, b))
         for b, (row_id, tc) in enumerate(batch)
     ]
 

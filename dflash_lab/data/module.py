@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 log = logging.getLogger(__name__)
 
-PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0}
+PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0,
+              "target_last_hidden": 0.0, "target_top_ids": 0, "target_top_logprobs": 0.0}
 
 
 def pad_collate(samples: Sequence[dict[str, Tensor]],
@@ -159,6 +160,15 @@ class BlockDataModule(L.LightningDataModule):
         """What computes ``hidden`` / ``target_argmax`` for a batch that lacks them: None here
         (captured batches carry their features); the online module returns the target."""
         return None
+
+    def target_distribution(self) -> dict[str, Any]:
+        """What of the target's next-token distribution the batches will carry, for the
+        distribution losses: ``{"last_hidden": bool, "topk": k}`` (after :meth:`setup`)."""
+        return {"last_hidden": False, "topk": 0}
+
+    def describe(self) -> str:
+        """Where the samples come from, for messages."""
+        return "the training data"
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -290,6 +300,13 @@ class OnlineDataModule(BlockDataModule):
 
         return OnlineFeatures(self.target.model, self.target_layer_ids)
 
+    def target_distribution(self) -> dict[str, Any]:
+        """The in-process target gives its final-normed last hidden state with every batch."""
+        return {"last_hidden": True, "topk": 0}
+
+    def describe(self) -> str:
+        return f"the conversations {self.conversations} (online)"
+
 
 def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[str, Any]:
     """What the online module made of its rows (logged, and kept as ``module.report``)."""
@@ -329,4 +346,15 @@ class OfflineDataModule(BlockDataModule):
     def load_samples(self) -> Dataset:
         from dflash_lab.data.shards import ShardDataset
 
-        return ShardDataset(self.path, verify_checksums=self.verify_checksums, **self.expect)
+        self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
+                                    **self.expect)
+        return self.samples
+
+    def target_distribution(self) -> dict[str, Any]:
+        """What the capture kept (its manifest's ``distribution``; none before the option)."""
+        from dflash_lab.data.shards import distribution_of
+
+        return distribution_of(self.samples.manifest)
+
+    def describe(self) -> str:
+        return f"the capture {self.path}"

@@ -12,7 +12,16 @@ there, ``manifest.json``. Each shard stores its samples concatenated along the t
     offsets        [n + 1] int64   (sample k = rows offsets[k]:offsets[k+1])
     sample_ids     [n]     int64   (row index in the shuffled / limited input)
 
-Bytes per token: D * itemsize(hidden) + 4 + 4 + 1 (e.g. Qwen3-8B, 5 layers, bf16: 40969).
+and, when the capture keeps the target's distribution (``capture.distribution``, recorded in the
+manifest's ``distribution``: docs/capture.md, "The target distribution"):
+
+    target_last_hidden   [T, H]  hidden dtype  (``last_hidden``: the final-normed last hidden
+                                                state; the exact distribution through the head)
+    target_top_ids       [T, k]  int32         (``topk``: the k likeliest next tokens)
+    target_top_logprobs  [T, k]  float32       (their log-probabilities over the whole vocab)
+
+Bytes per token: D * itemsize(hidden) + 4 + 4 + 1 (e.g. Qwen3-8B, 5 layers, bf16: 40969), plus
+H * itemsize(hidden) with ``last_hidden`` (Qwen3-8B bf16: 8192) and 8 k with ``topk``.
 """
 
 from __future__ import annotations
@@ -49,6 +58,24 @@ class CapturedSample:
     loss_mask: torch.Tensor
     hidden: torch.Tensor
     target_argmax: torch.Tensor
+    target_last_hidden: torch.Tensor | None = None  #: [S, H] with distribution last_hidden
+    target_top_ids: torch.Tensor | None = None  #: [S, k] with distribution topk
+    target_top_logprobs: torch.Tensor | None = None  #: [S, k]
+
+
+#: ``capture.distribution`` entries: what of the target's distribution a capture keeps.
+DISTRIBUTION_KINDS = ("last_hidden", "topk")
+#: The distribution tensors of a shard and their stored dtypes (None: the hidden dtype).
+DISTRIBUTION_TENSORS = {"target_last_hidden": None, "target_top_ids": torch.int32,
+                        "target_top_logprobs": torch.float32}
+
+
+def distribution_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What of the target distribution a capture holds: ``{"last_hidden": bool, "topk": k}``
+    (captures from before the option hold neither: argmax labels only)."""
+    found = manifest.get("distribution") or {}
+    return {"last_hidden": bool(found.get("last_hidden", False)),
+            "topk": int(found.get("topk", 0))}
 
 
 def shard_file(index: int) -> str:
@@ -59,9 +86,12 @@ def shard_record_file(index: int) -> str:
     return f"shard-{index:05d}.json"
 
 
-def bytes_per_token(feature_dim: int, hidden_dtype: str) -> int:
-    """Disk bytes per captured token: hidden + input id + argmax id + loss-mask byte."""
-    return feature_dim * HIDDEN_DTYPES[hidden_dtype].itemsize + 4 + 4 + 1
+def bytes_per_token(feature_dim: int, hidden_dtype: str, *, last_hidden_size: int = 0,
+                    topk: int = 0) -> int:
+    """Disk bytes per captured token: hidden + input id + argmax id + loss-mask byte, plus the
+    last hidden state (``last_hidden_size`` = H when kept) and 4 + 4 bytes per top-k entry."""
+    itemsize = HIDDEN_DTYPES[hidden_dtype].itemsize
+    return (feature_dim + last_hidden_size) * itemsize + 4 + 4 + 1 + 8 * topk
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -101,6 +131,10 @@ def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
         "offsets": offsets,
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
     }
+    for name, dtype in DISTRIBUTION_TENSORS.items():
+        if samples and getattr(samples[0], name) is not None:
+            tensors[name] = torch.cat([getattr(s, name).to("cpu", dtype or HIDDEN_DTYPES[
+                hidden_dtype]) for s in samples]).contiguous()
     path = out_dir / shard_file(index)
     with atomic_path(path) as tmp:
         # One metadata key only: safetensors writes metadata keys in random order, and shard
@@ -299,6 +333,10 @@ class ShardDataset(Dataset):
                                for j, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])))
         self._hash_on_open = verify_checksums == "first_use"
         self._handles: dict[int, Any] = {}
+        held = distribution_of(self.manifest)
+        self._extra = [name for name, kind in (("target_last_hidden", "last_hidden"),
+                                               ("target_top_ids", "topk"),
+                                               ("target_top_logprobs", "topk")) if held[kind]]
 
     @staticmethod
     def _check_shard(path: Path, rec: dict, verify: bool) -> None:
@@ -336,6 +374,7 @@ class ShardDataset(Dataset):
             "hidden": f.get_slice("hidden")[a:b],
             "target_argmax": f.get_slice("target_argmax")[a:b].long(),
             "sample_id": int(f.get_slice("sample_ids")[local:local + 1][0]),
+            **{name: f.get_slice(name)[a:b] for name in self._extra},
         }
 
     def __getstate__(self) -> dict[str, Any]:

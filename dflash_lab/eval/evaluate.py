@@ -222,7 +222,8 @@ def run_features(cfg) -> dict[str, Any]:
     f = cfg.features
     report = feature_eval(drafter, target.pieces(), dataset, num_samples=cfg.num_prompts,
                           num_anchors=f.num_anchors, seed=f.seed,
-                          anchors_per_forward=f.anchors_per_forward, progress=cfg.progress)
+                          anchors_per_forward=f.anchors_per_forward, progress=cfg.progress,
+                          temperatures=f.get("temperatures"))
     report["settings"] = {
         "target": target.name_or_path, "drafter": cfg.drafter.path,
         "drafter_source": loaded.description, "drafter_notes": loaded.notes,

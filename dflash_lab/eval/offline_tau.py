@@ -43,6 +43,7 @@ from tqdm import tqdm
 from dflash_lab.eval.report import acceptance_summary
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.anchors import anchor_candidates, sample_anchors, step_generator
+from dflash_lab.train.distill import slot_teacher
 from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,
@@ -72,8 +73,10 @@ def sample_anchor_sets(loss_mask_s: Tensor, num_anchors: int | None, seed: int, 
 
 
 @torch.no_grad()
-def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor):
-    """(hidden [1, N, B, H], anchor token ids [1, N], block targets, unary LossOutput)."""
+def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor,
+             temperatures: tuple[float, ...] = (), teacher: str = "none"):
+    """(hidden [1, N, B, H], anchor token ids [1, N], block targets, unary LossOutput; with
+    ``temperatures``, its ``expected_taus`` against the captured target distribution)."""
     device = drafter.fc.weight.device
     ids = sample["input_ids"][None].to(device)
     mask = sample["loss_mask"][None].to(device)
@@ -82,8 +85,11 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
     hidden = drafter(sample["hidden"][None].to(device), ids, anchors, pieces.embed_tokens)
     targets = token_targets(ids, sample["target_argmax"][None].to(device), "target_argmax")
     tgt = block_targets(targets, mask, anchors, valid, drafter.config.block_size)
+    rows = {k: v[None].to(device) for k, v in sample.items() if k.startswith("target_")}
     out = dflash_loss(hidden.to(pieces.lm_head.weight.dtype), tgt, pieces.lm_head, _GAMMA,
-                      block_valid_bn=valid)
+                      block_valid_bn=valid, temperatures=temperatures,
+                      teacher=slot_teacher(teacher, rows, anchors, tgt.valid,
+                                           getattr(pieces, "logit_softcap", None)))
     return hidden, ids.gather(1, anchors), tgt, out
 
 
@@ -159,10 +165,14 @@ def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int) -> list[float 
     return [None if math.isnan(a) else a for a in per_position_accuracy(pooled)]
 
 
-def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], valid: list):
+def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], valid: list,
+                  expected: dict[float, list[Tensor]], teacher: str):
     """Score one anchor chunk on every path; returns the taus of the path serving gets."""
-    hidden, anchor_ids, tgt, out = _forward(drafter, pieces, sample, anchors)
+    hidden, anchor_ids, tgt, out = _forward(drafter, pieces, sample, anchors,
+                                            tuple(expected), teacher)
     valid.append(out.valid[0].cpu())
+    for t, taus in (out.expected_taus or {}).items():
+        expected[t].append(taus.cpu())
     unary = paths["unary"].add(out.correct, out.block_valid)
     if "selector" not in paths:
         return unary
@@ -189,9 +199,28 @@ def _dflash2_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dic
 
 def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | None = None,
                  num_anchors: int | None = None, seed: int = 1234, anchors_per_forward: int = 256,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, temperatures=None) -> dict[str, Any]:
     """tau, per-position acceptance and accuracy of ``drafter`` over captured samples (DFlash 2:
-    of the selector path, with the unary and oracle taus and recall@K beside)."""
+    of the selector path, with the unary and oracle taus and recall@K beside).
+
+    ``temperatures``: where to report the expected acceptance length ``tau_T{t}`` (exact, from
+    the per-slot overlaps sum min(p_T, q_T) against the captured target distribution, as
+    training's ``val/tau_T{t}``); null: [1.0] when the capture holds the distribution. DFlash 1
+    only: a DFlash 2 drafter samples from its selector, not from the unary q (refused).
+    """
+    from dflash_lab.data.shards import distribution_of
+    from dflash_lab.train.distill import LossSpec, resolve_val_temperatures, teacher_kind
+
+    held = distribution_of(dataset.manifest)
+    temps = resolve_val_temperatures(temperatures, held)
+    if drafter.config.is_dflash2 and temps:
+        if temperatures is not None:
+            raise ValueError(f"features.temperatures={list(temperatures)}: the expected tau at "
+                             "T > 0 is measured for DFlash 1 drafters only (a DFlash 2 drafter "
+                             "samples from its selector); use generate mode with temperature=T")
+        temps = ()
+    teacher = teacher_kind(LossSpec(), held, temps, f"the capture {dataset.root}")
+    expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
     dflash2 = drafter.config.is_dflash2
     paths = {name: _Pool() for name in (("selector", "unary", "oracle") if dflash2
@@ -203,7 +232,8 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
         anchor_chunks, sample_taus = [], []
         for anchors in sample_anchor_sets(sample["loss_mask"], num_anchors, seed, k,
                                           anchors_per_forward):
-            sample_taus.append(_sample_paths(drafter, pieces, sample, anchors, paths, valid))
+            sample_taus.append(_sample_paths(drafter, pieces, sample, anchors, paths, valid,
+                                             expected, teacher))
             anchor_chunks.append(anchors)
         if num_anchors is None and sample_taus:
             chained += chained_rounds(sample["loss_mask"], torch.cat(anchor_chunks).cpu(),
@@ -223,6 +253,9 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
         "num_samples": count,
         "num_blocks": len(lengths),
     }
+    for t, parts in expected.items():
+        taus = torch.cat(parts) if parts else torch.ones(0)
+        report[f"tau_T{t:g}"] = taus.mean().item() if taus.numel() else None
     if dflash2:
         report.update(_dflash2_fields(paths, valid, b))
     return report

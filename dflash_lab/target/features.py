@@ -16,10 +16,46 @@ from dflash_lab.target.loader import text_config
 
 class TargetFeatures(NamedTuple):
     """``hidden_bsf`` [Bt, S, F = nL*H] (target dtype, concatenated in ``target_layer_ids``
-    order) and ``argmax_bs`` [Bt, S] int64: the target's greedy next token after each position."""
+    order) and ``argmax_bs`` [Bt, S] int64: the target's greedy next token after each position.
+
+    The target's next-token distribution after each position, for the distribution losses
+    (docs/capture.md, "The target distribution"): ``last_bsh`` [Bt, S, H], its final-normed last
+    hidden state (the exact distribution through its LM head), and, when asked for, its top-k
+    ``top_ids_bsk`` [Bt, S, k] int64 and ``top_logprobs_bsk`` [Bt, S, k] float32
+    (log-probabilities over the whole vocabulary, best first).
+    """
 
     hidden_bsf: torch.Tensor
     argmax_bs: torch.Tensor
+    last_bsh: torch.Tensor | None = None
+    top_ids_bsk: torch.Tensor | None = None
+    top_logprobs_bsk: torch.Tensor | None = None
+
+
+def logit_softcap(config) -> float | None:
+    """The target's own ``final_logit_softcapping`` (Gemma 2/3: logits = c tanh(z / c)), None
+    when it has none: its distribution is softmax of the capped logits."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+@torch.no_grad()
+def chunked_topk(lm_head: torch.nn.Module, normed_bsh: torch.Tensor, k: int,
+                 softcap: float | None = None,
+                 chunk_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k ids [Bt, S, k] and log-probabilities [Bt, S, k] (fp32, over the whole
+    vocabulary, softcap applied) of the target's next token, in chunks of positions."""
+    flat = normed_bsh.reshape(-1, normed_bsh.shape[-1])
+    ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)
+    logprobs = torch.empty(flat.shape[0], k, dtype=torch.float32, device=flat.device)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        logits = lm_head(flat[start:start + chunk_tokens]).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        values, top = logits.log_softmax(-1).topk(k, dim=-1)
+        ids[start:start + chunk_tokens], logprobs[start:start + chunk_tokens] = top, values
+    shape = (*normed_bsh.shape[:-1], k)
+    return ids.view(shape), logprobs.view(shape)
 
 
 def hf_hidden_state_indices(target_layer_ids: list[int]) -> list[int]:
@@ -54,7 +90,8 @@ def chunked_argmax(lm_head: torch.nn.Module, normed_bsh: torch.Tensor,
 @torch.no_grad()
 def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[int],
                      attention_mask_bs: torch.Tensor | None = None,
-                     out_device: torch.device | str | None = None) -> TargetFeatures:
+                     out_device: torch.device | str | None = None,
+                     topk: int = 0) -> TargetFeatures:
     """Run the frozen target once and return its features at every position.
 
     ``model``: an HF causal LM; ``input_ids_bs`` [Bt, S]; ``attention_mask_bs`` [Bt, S] (1 = real
@@ -62,7 +99,9 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
     The argmax is computed from the base model's final (normed) hidden state with the LM head,
     which equals ``logits.argmax(-1)`` without materialising [Bt, S, V] logits.
     ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
-    return hidden states on several devices; they are gathered there).
+    return hidden states on several devices; they are gathered there). The final-normed last
+    hidden state comes along (``last_bsh``, it costs nothing more); ``topk`` > 0 adds the
+    target's top-k next tokens and their log-probabilities.
     """
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     embed_device = model.get_input_embeddings().weight.device
@@ -78,7 +117,11 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
     lm_head = model.get_output_embeddings()
     last_bsh = base_out.last_hidden_state.to(lm_head.weight.device)
     argmax_bs = chunked_argmax(lm_head, last_bsh).to(out_device)
-    return TargetFeatures(hidden_bsf, argmax_bs)
+    top = (None, None)
+    if topk:
+        top = tuple(t.to(out_device) for t in chunked_topk(lm_head, last_bsh, topk,
+                                                           logit_softcap(model.config)))
+    return TargetFeatures(hidden_bsf, argmax_bs, last_bsh.to(out_device), *top)
 
 
 class OnlineFeatures:

@@ -210,19 +210,24 @@ class TargetPieces(nn.Module):
     ``lm_head``: [..., H] -> [..., V].
     """
 
-    def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module,
+                 logit_softcap: float | None = None):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.norm = norm
         self.lm_head = lm_head
+        #: the target's own final_logit_softcapping (its distribution is softmax of the capped
+        #: logits: the distribution losses' teacher applies it)
+        self.logit_softcap = logit_softcap
         for p in self.parameters():
             p.requires_grad_(False)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> TargetPieces:
         """Pick the pieces out of an HF causal LM or multimodal model with a language model."""
+        cap = getattr(text_config(model.config), "final_logit_softcapping", None)
         return cls(raw_embedding(model.get_input_embeddings()), final_norm(model),
-                   model.get_output_embeddings())
+                   model.get_output_embeddings(), float(cap) if cap else None)
 
     def train(self, mode: bool = True) -> TargetPieces:
         # Frozen forever: stay in eval mode whatever the parent module does.

@@ -27,6 +27,32 @@ def check_module(cfg: DictConfig) -> None:
 
     check_position_weighting(cfg.module.get("position_weighting", "exp_decay"),
                              cfg.module.get("dpace_alpha", 0.5))
+    loss_spec(cfg.module)
+    from dflash_lab.train.distill import resolve_val_temperatures
+
+    resolve_val_temperatures(cfg.module.get("val_temperatures"), None)
+
+
+def loss_spec(module_cfg):
+    """The :class:`~dflash_lab.train.distill.LossSpec` of ``module.*`` (ValueError if bad)."""
+    from dflash_lab.train.distill import LossSpec
+
+    loss = module_cfg.get("loss", "ce")
+    if not isinstance(loss, str):
+        loss = OmegaConf.to_container(loss) if isinstance(loss, DictConfig) else loss
+    return LossSpec.create(loss, float(module_cfg.get("label_temperature", 1.0)),
+                           float(module_cfg.get("lk_eta", 3.0)),
+                           float(module_cfg.get("accept_temperature", 1.0)))
+
+
+def check_loss_data(module_cfg, data) -> None:
+    """The loss and ``module.val_temperatures`` against what the data module's batches carry
+    (``data.target_distribution()``): refused naming the capture option to rerun with."""
+    from dflash_lab.train.distill import resolve_val_temperatures, teacher_kind
+
+    available = data.target_distribution()
+    temps = resolve_val_temperatures(module_cfg.get("val_temperatures"), available)
+    teacher_kind(loss_spec(module_cfg), available, temps, data.describe())
 
 
 def _sequence_limit(cfg: DictConfig) -> tuple[int | None, str]:

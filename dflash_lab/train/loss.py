@@ -395,18 +395,39 @@ class LossOutput:
     top_values: Tensor | None = None
     top_ids: Tensor | None = None
     selector: Any = None
+    #: the ``accept`` objective (distill.py): -sum over real blocks of the expected accepted
+    #: drafts (local, differentiable) and the number of those blocks (local)
+    accept_sum: Tensor | None = None
+    accept_count: Tensor | None = None
+    #: expected acceptance length per real block [K] at each asked temperature (T -> taus)
+    expected_taus: dict[float, Tensor] | None = None
+    #: each distribution term's weighted sum (local, detached; ``weight_sum`` normalises it)
+    term_sums: dict[str, Tensor] | None = None
+    #: the acceptance probability of every valid slot at each asked temperature (T -> [M])
+    overlaps: dict[float, Tensor] | None = None
 
 
 def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
                 chunk_size: int | None = None, block_valid_bn: Tensor | None = None,
                 chunk_bytes: int = CE_CHUNK_BYTES, *, scale: LogitScale = NO_SCALE,
                 top_k: int = 0, weighting: str = "exp_decay",
-                dpace_alpha: float = 0.5) -> LossOutput:
+                dpace_alpha: float = 0.5, spec=None, teacher=None,
+                temperatures: tuple[float, ...] = ()) -> LossOutput:
     """Weighted CE over valid slots; only the M valid slots go through the vocab projection
     (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale;
     ``top_k`` > 0 also returns the unary top-K of every valid slot. Slot weights:
     :func:`slot_weights` (``weighting``: exp_decay with ``gamma`` | dpace with ``dpace_alpha``,
-    from this pass's own CE)."""
+    from this pass's own CE).
+
+    ``spec`` (:class:`~dflash_lab.train.distill.LossSpec`) with terms beyond the label CE, or
+    ``temperatures`` at which to measure the expected acceptance, take the distribution pass
+    (:func:`~dflash_lab.train.distill_head.distill_head_pass`) against ``teacher`` (the target
+    distribution of the valid slots, in row-major order); the default CE alone takes the CE pass.
+    """
+    if (spec is not None and not spec.ce_only) or temperatures:
+        return _distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
+                             chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
+                             temperatures)
     sel = targets.valid
     head = chunked_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, chunk_size,
                              chunk_bytes, scale=scale, top_k=top_k)
@@ -415,6 +436,53 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     correct[sel] = head.correct
     return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,
                       head.top_values, head.top_ids)
+
+
+def _distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
+                  chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
+                  temperatures) -> LossOutput:
+    """:func:`dflash_loss` through the distribution pass. D-PACE's per-slot confidence is the
+    slot's acceptance probability: q(y) = exp(-CE) for the label CE alone, the overlap
+    sum min(p, q) as soon as a term compares distributions."""
+    from dflash_lab.train.distill import LossSpec, expected_accepted
+    from dflash_lab.train.distill_head import distill_head_pass
+
+    spec = spec or LossSpec()
+    if teacher is None:
+        raise ValueError(f"module.loss={spec.describe()} needs the target's distribution and "
+                         "this batch carries none (see docs/capture.md, 'The target "
+                         "distribution')")
+    sel = targets.valid
+    head = distill_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, spec, teacher,
+                             chunk_size=chunk_size, chunk_bytes=chunk_bytes, scale=scale,
+                             top_k=top_k, temperatures=tuple(temperatures))
+    nll = head.ce if not spec.needs_distribution else -head.overlap.clamp(min=1e-30).log()
+    w = slot_weights(sel, nll, gamma, weighting, dpace_alpha)
+    correct = torch.zeros_like(sel)
+    correct[sel] = head.correct
+    out = LossOutput((w * head.loss).sum(), w.sum(), correct, sel, block_valid_bn,
+                     head.top_values, head.top_ids)
+    names = [n for n, _ in spec.slot_terms if n != "ce"]
+    out.term_sums = {n: (w * head.terms[i]).sum().detach() for i, n in enumerate(names)}
+    if "ce" in dict(spec.slot_terms):
+        out.term_sums["ce"] = (w * head.ce).sum().detach()
+    blocks = block_valid_bn if block_valid_bn is not None else sel.any(-1)
+    if spec.accept_weight:
+        accepted = expected_accepted(_on_slots(head.accept, sel), sel, blocks)
+        out.accept_sum, out.accept_count = -accepted.sum(), sel.new_tensor(
+            accepted.numel(), dtype=torch.float32)
+    if temperatures:
+        out.overlaps = {t: head.overlaps[i] for i, t in enumerate(temperatures)}
+        out.expected_taus = {t: 1.0 + expected_accepted(_on_slots(head.overlaps[i], sel), sel,
+                                                          blocks).detach()
+                             for i, t in enumerate(temperatures)}
+    return out
+
+
+def _on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
+    """[M] values of the valid slots -> [Bt, N, B] (0 elsewhere), differentiable."""
+    out = values_m.new_zeros(valid_bnp.shape)
+    return out.masked_scatter(valid_bnp, values_m)
 
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,

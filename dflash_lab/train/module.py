@@ -20,7 +20,7 @@ Batch contract (from the data module), Bt rows padded to S:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -31,6 +31,12 @@ from torch import Tensor, nn
 
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.anchors import sample_anchors, step_generator
+from dflash_lab.train.distill import (
+    LossSpec,
+    resolve_val_temperatures,
+    slot_teacher,
+    teacher_kind,
+)
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     LABEL_SOURCES,
@@ -76,7 +82,11 @@ class DFlashModule(L.LightningModule):
                  compile: bool = False, activation_checkpointing: bool = False,
                  selector: Mapping[str, Any] | None = None,
                  position_weighting: str = "exp_decay", dpace_alpha: float = 0.5,
-                 feature_source: Callable[[Tensor], Any] | None = None):
+                 loss: str | Mapping[str, float] = "ce", label_temperature: float = 1.0,
+                 lk_eta: float = 3.0, accept_temperature: float = 1.0,
+                 val_temperatures: Sequence[float] | None = None,
+                 feature_source: Callable[[Tensor], Any] | None = None,
+                 target_distribution: Mapping[str, Any] | None = None):
         super().__init__()
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
@@ -86,8 +96,14 @@ class DFlashModule(L.LightningModule):
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
         check_position_weighting(position_weighting, dpace_alpha)
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
+        loss = loss if isinstance(loss, str) else {str(k): float(v) for k, v in loss.items()}
+        self.loss_spec = LossSpec.create(loss, label_temperature, lk_eta, accept_temperature)
+        self.val_temperatures = resolve_val_temperatures(val_temperatures, target_distribution)
+        self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,
+                                         self.val_temperatures, "the training data")
+        self.teacher_softcap = getattr(target_head, "logit_softcap", None)
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler",
-                                          "feature_source"])
+                                          "feature_source", "target_distribution"])
         self.feature_source = feature_source
         self.drafter = drafter
         self.target_head = target_head.requires_grad_(False)
@@ -97,6 +113,7 @@ class DFlashModule(L.LightningModule):
         drafter.activation_checkpointing = activation_checkpointing
         self._val_taus: list[Tensor] = []
         self._val_loss: list[Tensor] = []
+        self._val_expected: dict[float, list[Tensor]] = {}
         self._val_selector = SelectorMetrics()
         self.logit_scale = LogitScale.of(drafter.config)
         if compile:
@@ -120,7 +137,8 @@ class DFlashModule(L.LightningModule):
                              "feature_source: use a capture (data=offline) or online data, "
                              "whose data module gives the target as feature_source")
         feats = self.feature_source(batch["input_ids"])
-        return {**batch, "hidden": feats.hidden_bsf, "target_argmax": feats.argmax_bs}
+        return {**batch, "hidden": feats.hidden_bsf, "target_argmax": feats.argmax_bs,
+                "target_last_hidden": feats.last_bsh}
 
     def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator):
         """Sorted anchors [Bt, N] and their validity for this batch."""
@@ -139,9 +157,13 @@ class DFlashModule(L.LightningModule):
         targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size)
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
+        temperatures = () if self.training else tuple(self.val_temperatures)
+        kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures) else "none"
+        teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap)
         out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
                           hp.ce_chunk_bytes, scale=self.logit_scale,
-                          top_k=cfg.selector_top_k if cfg.is_dflash2 else 0, **weighting)
+                          top_k=cfg.selector_top_k if cfg.is_dflash2 else 0, **weighting,
+                          spec=self.loss_spec, teacher=teacher, temperatures=temperatures)
         if cfg.is_dflash2:
             out.selector = selector_loss(
                 self.drafter.candidate_selector, hidden, out, tgt,
@@ -161,6 +183,9 @@ class DFlashModule(L.LightningModule):
         for DFlash 2; each is normalised by its GLOBAL weight sum (``global_weighted_loss``).
         The selector term is added even at alpha 0, so every parameter is in the graph (DDP)."""
         loss = global_weighted_loss(out.weighted_sum, out.weight_sum, world_size, all_reduce_sum)
+        if out.accept_sum is not None:  # the accept objective: normalised by the global blocks
+            loss = loss + self.loss_spec.accept_weight * global_weighted_loss(
+                out.accept_sum, out.accept_count, world_size, all_reduce_sum)
         if out.selector is None:
             return loss
         sel = global_weighted_loss(out.selector.weighted_sum, out.selector.weight_sum,
@@ -174,6 +199,7 @@ class DFlashModule(L.LightningModule):
                               lambda t: self.all_gather(t).sum())
         bs = batch["input_ids"].shape[0]
         local_mean = out.weighted_sum.detach() / out.weight_sum.clamp(min=1e-8)
+        local_mean = self._log_terms(out, local_mean, "train", bs)
         taus = acceptance_lengths(out.correct, out.block_valid)
         if out.selector is not None:
             local_mean = self._log_selector_train(out, local_mean, taus, bs)
@@ -182,6 +208,19 @@ class DFlashModule(L.LightningModule):
         self.log("train/tau", taus.mean() if taus.numel() else 1.0, prog_bar=True,
                  batch_size=bs)
         return loss
+
+    def _log_terms(self, out: LossOutput, local_mean: Tensor, stage: str, bs: int) -> Tensor:
+        """Log each term of a mixed loss (``{stage}/loss_{name}``, weighted means) and the accept
+        objective's expected accepted drafts per block; returns the local objective."""
+        norm = out.weight_sum.clamp(min=1e-8)
+        if not self.loss_spec.ce_only:
+            for name, total in (out.term_sums or {}).items():
+                self.log(f"{stage}/loss_{name}", total / norm, batch_size=bs)
+        if out.accept_sum is not None:
+            accepted = -out.accept_sum.detach() / out.accept_count.clamp(min=1)
+            self.log(f"{stage}/expected_accepted", accepted, batch_size=bs)
+            local_mean = local_mean - self.loss_spec.accept_weight * accepted
+        return local_mean
 
     def _log_selector_train(self, out: LossOutput, unary_mean: Tensor, unary_taus: Tensor,
                             bs: int) -> Tensor:
@@ -199,6 +238,8 @@ class DFlashModule(L.LightningModule):
         out = self.step(batch, step_generator(self.hparams.val_seed, batch_idx,
                                               self.global_rank))
         self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
+        for t, taus in (out.expected_taus or {}).items():
+            self._val_expected.setdefault(t, []).append(taus.cpu())
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
         if out.selector is not None:
             self._val_selector.update(out)
@@ -212,6 +253,11 @@ class DFlashModule(L.LightningModule):
         sums = torch.stack(self._val_loss).sum(0) if self._val_loss else torch.tensor([0.0, 1.0])
         self._val_taus.clear()
         self._val_loss.clear()
+        for t, parts in sorted(self._val_expected.items()):
+            expected = torch.cat(parts)
+            self.log(f"val/tau_T{t:g}", expected.mean() if expected.numel() else 1.0,
+                     sync_dist=True)
+        self._val_expected.clear()
         self.log("val/loss", sums[0] / sums[1].clamp(min=1e-8), sync_dist=True)
         if not self.drafter.config.is_dflash2:
             self.log("val/tau", taus.mean(), prog_bar=True, sync_dist=True)

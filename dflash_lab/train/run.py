@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.runinfo import latest_config, record_paths, write_run_info
-from dflash_lab.train.checks import check_train_config
+from dflash_lab.train.checks import check_loss_data, check_train_config
 from dflash_lab.train.resume import check_resume_config, resolve_ckpt_path
 
 __all__ = ["build_components", "export_run", "resolve_ckpt_path", "train"]
@@ -65,8 +65,10 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
                          hidden_size=dc.hidden_size, vocab_size=dc.vocab_size)
     data.prepare_data()
     data.setup("fit")  # reads and validates the data now, before any long work
+    check_loss_data(cfg.module, data)
     module = instantiate(cfg.module, drafter=drafter, target_head=target.pieces(),
-                         feature_source=data.feature_source())
+                         feature_source=data.feature_source(),
+                         target_distribution=data.target_distribution())
     logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)

@@ -1,0 +1,408 @@
+"""The target's distribution as a training signal: the loss zoo, one definition each.
+
+``module.loss`` names the per-slot loss: ``ce`` (the default: cross-entropy on the target's
+argmax) or a mix ``{name: weight}`` of
+
+- ``ce``         -log q(y), y the slot's label (the target's argmax)
+- ``kl``         KL(p || q) = sum_v p_v (log p_v - log q_v)  (forward KL, mass covering)
+- ``rkl``        KL(q || p)                                  (reverse KL, mode seeking)
+- ``jsd``        0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2
+- ``tv``         1 - sum_v min(p_v, q_v) = 0.5 sum_v |p_v - q_v|  (= 1 - acceptance rate)
+- ``nla``        -log max(sum_v min(p_v, q_v), 1e-5)         (negative log acceptance)
+- ``lk_hybrid``  lam KL + (1 - lam) TV, lam = exp(-eta sg[alpha])  (module.lk_eta, default 3)
+
+plus ``accept``: the expected acceptance length of each block itself (:func:`expected_accepted`),
+maximised directly at ``module.accept_temperature``. p is the target's next-token distribution
+at the slot's position, softened or sharpened by ``module.label_temperature`` (T_label; 1 = the
+plain softmax); q the drafter's softmax of its scaled unary logits. The definitions (and the
+1e-5 clamp of ``nla``, the 3.0 of ``lk_hybrid``) are those of speculators 0.9.0's eager losses,
+which ``tests/train/test_distill.py`` checks ours against where its venv exists.
+
+Gradients without autograd over [rows, V]: every loss is a function of the probabilities q, so
+its gradient in the logits z is ``q_v (g_v - sum_u q_u g_u)`` with ``g = dL/dq``. Each loss here
+returns ``h = q * g`` (finite where q underflows, unlike g: KL's is ``-p``), and
+:func:`logit_gradient` turns it into dL/dz: ``h - q sum(h)``.
+
+A teacher is either dense (the target's logits, computed per chunk from its final-normed last
+hidden state) or sparse (its top-k log-probabilities with the rest of the mass as one "tail"
+bucket). A sparse teacher is a distribution over k + 1 buckets; the drafter's q is bucketed the
+same way (its mass outside the k ids is its tail), every loss is computed over the buckets, and
+``dL/dq_v`` for a token v of the tail is the tail bucket's. KL over buckets is a lower bound of
+the full KL (the data processing inequality), TV likewise, and the bucketed acceptance
+``sum min`` an upper bound of the true one: the tail's parts are not compared token by token.
+
+Shape legend (vocab-major chunks, as the fused head pass holds them): V vocab, m rows of a chunk,
+K teacher top-k, C loss terms. ``x_vm`` is [V, m]; ``x_m`` [m].
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+#: Per-slot losses over the target distribution (``ce`` uses the label only).
+DISTRIBUTION_LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid")
+SLOT_LOSSES = ("ce", *DISTRIBUTION_LOSSES)
+#: The block-level objective: minus the expected number of accepted drafts per block.
+ACCEPT = "accept"
+LOSS_NAMES = (*SLOT_LOSSES, ACCEPT)
+NLA_EPS = 1e-5  # speculators' clamp of the overlap in -log(alpha)
+TINY = 1e-30  # floor of a bucket's probability where it divides
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """``module.loss`` resolved: the weight of each term (only non-zero ones are kept).
+
+    ``label_temperature``: T_label of the target distribution p = softmax(logits / T_label).
+    ``lk_eta``: the blend temperature of ``lk_hybrid``. ``accept_temperature``: the temperature
+    of the ``accept`` objective (0: greedy, whose smooth surrogate is q(y), the drafter's
+    probability of the target's argmax).
+    """
+
+    weights: tuple[tuple[str, float], ...] = (("ce", 1.0),)
+    label_temperature: float = 1.0
+    lk_eta: float = 3.0
+    accept_temperature: float = 1.0
+
+    @classmethod
+    def create(cls, loss, label_temperature: float = 1.0, lk_eta: float = 3.0,
+               accept_temperature: float = 1.0) -> LossSpec:
+        """From a name (``"kl"``) or a mapping (``{"ce": 0.1, "tv": 0.9}``); ValueError naming
+        the key and its close match for anything else."""
+        if isinstance(loss, str):
+            loss = {loss: 1.0}
+        if not isinstance(loss, Mapping) or not loss:
+            raise ValueError(f"module.loss={loss!r}: give a loss name ({list(LOSS_NAMES)}) or "
+                             "a mapping of names to weights, e.g. module.loss='{ce: 0.1, tv: 0.9}'")
+        weights = []
+        for name, weight in loss.items():
+            if name not in LOSS_NAMES:
+                close = difflib.get_close_matches(str(name), LOSS_NAMES, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"module.loss: unknown loss '{name}'{hint}; known: "
+                                 f"{list(LOSS_NAMES)} (dflash_lab/train/distill.py)")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                    math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"module.loss.{name}={weight!r}: a weight must be a finite "
+                                 "number >= 0")
+            if weight:
+                weights.append((str(name), float(weight)))
+        if not weights:
+            raise ValueError(f"module.loss={dict(loss)}: every weight is 0, nothing to train")
+        for key, value in (("label_temperature", label_temperature), ("lk_eta", lk_eta)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"module.{key}={value}: must be a finite number > 0")
+        if not (math.isfinite(accept_temperature) and accept_temperature >= 0):
+            raise ValueError(f"module.accept_temperature={accept_temperature}: must be >= 0 "
+                             "(0 = greedy serving)")
+        return cls(tuple(weights), float(label_temperature), float(lk_eta),
+                   float(accept_temperature))
+
+    @property
+    def slot_terms(self) -> tuple[tuple[str, float], ...]:
+        """The per-slot terms (everything but ``accept``)."""
+        return tuple((n, w) for n, w in self.weights if n != ACCEPT)
+
+    @property
+    def accept_weight(self) -> float:
+        return dict(self.weights).get(ACCEPT, 0.0)
+
+    @property
+    def ce_only(self) -> bool:
+        """The default path: label CE alone (no teacher distribution needed)."""
+        return self.weights == (("ce", self.weights[0][1]),) and self.weights[0][1] == 1.0
+
+    @property
+    def needs_distribution(self) -> bool:
+        """Some term compares with the target's distribution (ce alone does not; accept at
+        T = 0 does not either: its surrogate is q(y))."""
+        names = {n for n, _ in self.weights}
+        return bool(names & set(DISTRIBUTION_LOSSES)) or (
+            ACCEPT in names and self.accept_temperature > 0)
+
+    def describe(self) -> str:
+        """The spec as its override: ``{ce: 0.1, tv: 0.9}``."""
+        return "{" + ", ".join(f"{n}: {w:g}" for n, w in self.weights) + "}"
+
+
+# ------------------------------------------------------------------------------ the teacher
+@dataclass
+class Teacher:
+    """The target's next-token distribution for M rows (valid slots), dense or sparse.
+
+    Dense: ``hidden_mh`` [M, H], the target's final-normed last hidden state at the position
+    BEFORE each slot (its logits there are the distribution of the slot's token), projected per
+    chunk by the target head; ``softcap``: the target's own ``final_logit_softcapping`` (Gemma).
+    Sparse: ``top_ids_mk`` [M, K] and ``top_logprobs_mk`` [M, K] (log-probabilities at T = 1
+    over the whole vocabulary, best first); the remaining mass is the tail bucket.
+    """
+
+    hidden_mh: Tensor | None = None
+    top_ids_mk: Tensor | None = None
+    top_logprobs_mk: Tensor | None = None
+    softcap: float | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.hidden_mh is not None
+
+    def rows(self, start: int, stop: int) -> Teacher:
+        """The teacher of rows start..stop (views)."""
+        if self.dense:
+            return Teacher(self.hidden_mh[start:stop], softcap=self.softcap)
+        return Teacher(None, self.top_ids_mk[start:stop], self.top_logprobs_mk[start:stop])
+
+
+@dataclass
+class Buckets:
+    """Both distributions of a chunk over the same buckets: every token (dense: B = V) or the
+    teacher's K ids plus the tail (sparse: B = K + 1, the tail last). Each [B, m] fp32."""
+
+    p: Tensor
+    logp: Tensor
+    q: Tensor
+    logq: Tensor
+
+
+def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
+    """Dense teacher logits [V, m] fp32 of a chunk: the target head (and its softcap)."""
+    logits_vm = (weight_vh @ teacher.hidden_mh.to(weight_vh.dtype).t()).float()
+    if teacher.softcap is not None:
+        logits_vm = torch.tanh(logits_vm / teacher.softcap) * teacher.softcap
+    return logits_vm
+
+
+def dense_buckets(teacher_logits_vm: Tensor, q_vm: Tensor, logq_vm: Tensor,
+                  temperature: float) -> Buckets:
+    """Token buckets: p = softmax(teacher / T) over the vocabulary."""
+    logp = torch.log_softmax(teacher_logits_vm / temperature, dim=0)
+    return Buckets(logp.exp(), logp, q_vm, logq_vm)
+
+
+def sparse_buckets(teacher: Teacher, q_vm: Tensor) -> Buckets:
+    """K + 1 buckets: the teacher's top-k ids and the tail (the mass of every other token)."""
+    ids_km = teacher.top_ids_mk.t().long()
+    logp_k = teacher.top_logprobs_mk.t().float()
+    p_k = logp_k.exp()
+    p_tail = (1.0 - p_k.sum(0, keepdim=True)).clamp(min=0.0)
+    q_k = q_vm.gather(0, ids_km)
+    q_tail = (1.0 - q_k.sum(0, keepdim=True)).clamp(min=0.0)
+    p, q = torch.cat([p_k, p_tail]), torch.cat([q_k, q_tail])
+    logp = torch.cat([logp_k, p_tail.clamp(min=TINY).log()])
+    return Buckets(p, logp, q, q.clamp(min=TINY).log())
+
+
+def overlap(b: Buckets) -> Tensor:
+    """The acceptance probability of rejection sampling, sum_v min(p_v, q_v) [m]."""
+    return torch.minimum(b.p, b.q).sum(0)
+
+
+# ------------------------------------------------------------------------------ the losses
+def kl(b: Buckets, **_) -> tuple[Tensor, Tensor]:
+    """KL(p || q) [m] and h = q dKL/dq = -p."""
+    value = (b.p * (b.logp - b.logq)).sum(0)
+    return value, -b.p
+
+
+def rkl(b: Buckets, **_) -> tuple[Tensor, Tensor]:
+    """KL(q || p) [m] and h = q (log q - log p + 1)."""
+    diff = b.logq - b.logp
+    return (b.q * diff).sum(0), b.q * (diff + 1.0)
+
+
+def jsd(b: Buckets, **_) -> tuple[Tensor, Tensor]:
+    """Jensen-Shannon divergence [m] and h = q * 0.5 log(q / m), m = (p + q) / 2."""
+    logm = torch.logaddexp(b.logp, b.logq) - math.log(2.0)
+    value = 0.5 * ((b.p * (b.logp - logm)).sum(0) + (b.q * (b.logq - logm)).sum(0))
+    return value, 0.5 * b.q * (b.logq - logm)
+
+
+def _below(b: Buckets) -> Tensor:
+    """h of -sum min(p, q): -q where q < p (where they tie, torch.minimum's backward splits the
+    gradient in half; ties of float probabilities do not occur in practice)."""
+    return -(b.q * (b.q < b.p))
+
+
+def tv(b: Buckets, **_) -> tuple[Tensor, Tensor]:
+    """TV = 1 - sum min(p, q) [m] and h = -q [q < p]."""
+    return 1.0 - overlap(b), _below(b)
+
+
+def nla(b: Buckets, **_) -> tuple[Tensor, Tensor]:
+    """-log max(alpha, 1e-5) [m] and h = -q [q < p] / alpha (0 where the clamp holds)."""
+    alpha = overlap(b)
+    value = -alpha.clamp(min=NLA_EPS).log()
+    return value, _below(b) * ((alpha >= NLA_EPS) / alpha.clamp(min=NLA_EPS))
+
+
+def lk_hybrid(b: Buckets, *, lk_eta: float = 3.0, **_) -> tuple[Tensor, Tensor]:
+    """lam KL + (1 - lam) TV with lam = exp(-eta alpha), alpha detached (the blend only)."""
+    lam = torch.exp(-lk_eta * overlap(b))
+    kl_value, kl_h = kl(b)
+    tv_value, tv_h = tv(b)
+    return lam * kl_value + (1.0 - lam) * tv_value, lam * kl_h + (1.0 - lam) * tv_h
+
+
+LOSSES = {"kl": kl, "rkl": rkl, "jsd": jsd, "tv": tv, "nla": nla, "lk_hybrid": lk_hybrid}
+
+
+def logit_gradient(h_bm: Tensor, q_vm: Tensor, ids_km: Tensor | None = None) -> Tensor:
+    """dL/dz [V, m] from ``h = q dL/dq`` over the buckets: ``q_v (g_bucket(v) - sum_b h_b)``.
+
+    Dense (``ids_km`` None): ``h - q sum(h)``. Sparse: a tail token's g is the tail bucket's,
+    ``h_tail / q_tail``; the K ids take their own h.
+    """
+    total_m = h_bm.sum(0)
+    if ids_km is None:
+        return h_bm - q_vm * total_m
+    h_k, h_tail = h_bm[:-1], h_bm[-1]
+    q_tail = (1.0 - q_vm.gather(0, ids_km).sum(0)).clamp(min=TINY)
+    grad_vm = q_vm * (h_tail / q_tail - total_m)
+    grad_vm.scatter_(0, ids_km, h_k - q_vm.gather(0, ids_km) * total_m)
+    return grad_vm
+
+
+@dataclass
+class ChunkTerms:
+    """What the distribution part of one chunk gives: the mixed per-slot value [m] (sum over
+    terms of weight x value, without ce), each term's value [C, m], the overlap at T_label [m]
+    (the D-PACE confidence of a distribution loss), and dL/dz [V, m] when asked."""
+
+    value_m: Tensor
+    terms_cm: Tensor
+    overlap_m: Tensor
+    grad_vm: Tensor | None = None
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+
+def distribution_terms(spec: LossSpec, teacher: Teacher, teacher_logits_vm: Tensor | None,
+                       q_vm: Tensor, logq_vm: Tensor, want_grad: bool) -> ChunkTerms:
+    """The distribution terms of ``spec`` (no ce, no accept) for one chunk, over the buckets."""
+    b = (dense_buckets(teacher_logits_vm, q_vm, logq_vm, spec.label_temperature)
+         if teacher.dense else sparse_buckets(teacher, q_vm))
+    values, h_total = [], None
+    for name, weight in spec.slot_terms:
+        if name == "ce":
+            continue
+        value, h = LOSSES[name](b, lk_eta=spec.lk_eta)
+        values.append(value)
+        if want_grad:
+            h_total = weight * h if h_total is None else h_total.add_(weight * h)
+    weights = [w for n, w in spec.slot_terms if n != "ce"]
+    terms = torch.stack(values) if values else q_vm.new_zeros(0, q_vm.shape[1])
+    mixed = sum(w * v for w, v in zip(weights, values)) if values else q_vm.new_zeros(
+        q_vm.shape[1])
+    grad = None
+    if want_grad and h_total is not None:
+        ids = None if teacher.dense else teacher.top_ids_mk.t().long()
+        grad = logit_gradient(h_total, q_vm, ids)
+    return ChunkTerms(mixed, terms, overlap(b), grad)
+
+
+def tempered_overlap(teacher: Teacher, teacher_logits_vm: Tensor | None, logits_vm: Tensor,
+                     temperature: float, want_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """alpha = sum min(p_T, q_T) [m] at serving temperature T > 0 and d(alpha)/dz [V, m].
+
+    Sparse teachers hold T = 1 only (their tail cannot be re-tempered): refused elsewhere.
+    """
+    logq = torch.log_softmax(logits_vm / temperature, dim=0)
+    q = logq.exp()
+    b = (dense_buckets(teacher_logits_vm, q, logq, temperature) if teacher.dense
+         else sparse_buckets(teacher, q))
+    alpha = overlap(b)
+    if not want_grad:
+        return alpha, None
+    h = -_below(b)  # h of +sum min
+    ids = None if teacher.dense else teacher.top_ids_mk.t().long()
+    return alpha, logit_gradient(h, q, ids) / temperature
+
+
+# ------------------------------------------------------------------------------ acceptance
+def chain(alpha_bnp: Tensor, valid_bnp: Tensor) -> Tensor:
+    """P_t = prod over slots 1..t of alpha (an invalid slot ends the chain) [Bt, N, B-1]."""
+    a = torch.where(valid_bnp[..., 1:], alpha_bnp[..., 1:], torch.zeros_like(alpha_bnp[..., 1:]))
+    return torch.cumprod(a, dim=-1)
+
+
+def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
+    """Expected number of accepted drafts of each real block [K]: sum_t P_t.
+
+    With per-slot acceptance probabilities alpha_t (rejection sampling: sum min(p_t, q_t)) the
+    drafts of a block are accepted left to right until the first rejection, so slot t is
+    accepted with probability alpha_1 ... alpha_t and the expected tau is 1 + sum_t P_t.
+    Differentiable in alpha (the ``accept`` objective); at alpha in {0, 1} it is the greedy count
+    of :func:`~dflash_lab.train.loss.acceptance_lengths` minus one.
+    """
+    return chain(alpha_bnp, valid_bnp).sum(-1)[block_valid_bn]
+
+
+# ------------------------------------------------------------------------------ wiring
+#: The capture option that keeps the target distribution (named in every refusal).
+CAPTURE_OPTION = "capture.distribution=[last_hidden]"
+
+
+def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where: str) -> str:
+    """Which teacher a run uses: ``dense`` (the last hidden state: exact, every temperature),
+    ``sparse`` (top-k: T = 1 only) or ``none`` (the spec needs no distribution and no
+    temperature is asked). ValueError naming the option to rerun with otherwise."""
+    available = dict(available or {})
+    need = spec.needs_distribution or bool(temperatures)
+    if not need:
+        return "none"
+    what = (f"module.loss={spec.describe()}" if spec.needs_distribution
+            else f"module.val_temperatures={list(temperatures)}")
+    if available.get("last_hidden"):
+        return "dense"
+    if not available.get("topk"):
+        raise ValueError(f"{what} needs the target's next-token distribution, but {where} holds "
+                         f"its argmax labels only: recapture with {CAPTURE_OPTION} (exact) or "
+                         "capture.distribution=[topk], or train on online data (data=online); "
+                         "module.loss=ce needs neither")
+    temps = {spec.label_temperature, *(float(t) for t in temperatures)}
+    if spec.accept_weight:
+        temps.add(spec.accept_temperature)
+    if temps - {0.0, 1.0}:
+        raise ValueError(f"{where} holds the target's top-k at T = 1 only (its tail cannot be "
+                         f"re-tempered), but temperatures {sorted(temps - {0.0, 1.0})} are asked "
+                         f"(module.label_temperature, accept_temperature, val_temperatures): "
+                         f"recapture with {CAPTURE_OPTION}, or use T = 1")
+    return "sparse"
+
+
+def slot_teacher(kind: str, batch: Mapping[str, Tensor], anchors_bn: Tensor,
+                 valid_bnp: Tensor, softcap: float | None) -> Teacher | None:
+    """The teacher of the valid slots (row-major order) of a batch.
+
+    Slot t of the block anchored at a predicts the token at a + t, which the target
+    distributes after reading positions <= a + t - 1: the teacher of the slot is the target's
+    output at position a + t - 1 (the argmax labels' alignment, loss.py ``token_targets``).
+    """
+    if kind == "none":
+        return None
+    pos_bnp = anchors_bn[..., None] + torch.arange(valid_bnp.shape[-1], device=anchors_bn.device)
+    rows_m = valid_bnp.nonzero(as_tuple=True)[0]
+    before_m = (pos_bnp - 1)[valid_bnp]
+    if kind == "dense":
+        return Teacher(batch["target_last_hidden"][rows_m, before_m], softcap=softcap)
+    return Teacher(None, batch["target_top_ids"][rows_m, before_m].long(),
+                   batch["target_top_logprobs"][rows_m, before_m].float())
+
+
+def resolve_val_temperatures(given, available: Mapping | None) -> tuple[float, ...]:
+    """``module.val_temperatures``: null logs ``val/tau_T1`` whenever the data carries the
+    target distribution (and nothing otherwise); a list is what is asked (refused by
+    :func:`teacher_kind` when the data cannot give it)."""
+    if given is None:
+        held = dict(available or {})
+        return (1.0,) if held.get("last_hidden") or held.get("topk") else ()
+    temps = tuple(float(t) for t in given)
+    bad = [t for t in temps if not (math.isfinite(t) and t >= 0)]
+    if bad:
+        raise ValueError(f"module.val_temperatures={list(given)}: temperatures must be >= 0")
+    return temps
