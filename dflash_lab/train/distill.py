@@ -51,6 +51,8 @@ SLOT_LOSSES = ("ce", *DISTRIBUTION_LOSSES)
 #: The block-level objective: minus the expected number of accepted drafts per block.
 ACCEPT = "accept"
 LOSS_NAMES = (*SLOT_LOSSES, ACCEPT)
+#: speculators' spellings of our names (a refused name gets the hint)
+PEER_NAMES = {"kl_div": "kl", "js": "jsd", "reverse_kl": "rkl"}
 NLA_EPS = 1e-5  # speculators' clamp of the overlap in -log(alpha)
 TINY = 1e-30  # floor of a bucket's probability where it divides
 
@@ -83,7 +85,8 @@ class LossSpec:
         weights = []
         for name, weight in loss.items():
             if name not in LOSS_NAMES:
-                close = difflib.get_close_matches(str(name), LOSS_NAMES, n=1)
+                close = ([PEER_NAMES[name]] if name in PEER_NAMES
+                         else difflib.get_close_matches(str(name), LOSS_NAMES, n=1))
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise ValueError(f"module.loss: unknown loss '{name}'{hint}; known: "
                                  f"{list(LOSS_NAMES)} (dflash_lab/train/distill.py)")

@@ -307,3 +307,40 @@ def test_plain_srun_tasks_split_the_capture(monkeypatch):
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_NAME", "capture")
     assert rank_and_world() == (3, 4)
+
+
+# ----------------------------------------------------------------------------- distribution
+def test_the_target_distribution_is_captured_recorded_and_read_back(tiny_target, tmp_path,
+                                                                   clean_capture):
+    out = tmp_path / "dist"
+    manifest = run_capture(tiny_target, ROWS[:8],
+                           _settings(out, distribution=("last_hidden", "topk"),
+                                     distribution_topk=5), SOURCE, progress=False)
+    h, k = tiny_target.hidden_size, 5
+    assert manifest["distribution"] == {"last_hidden": True, "topk": k}
+    plain = clean_capture[1]
+    assert "distribution" not in plain  # captures without the option keep their plan
+    assert shards.distribution_of(plain) == {"last_hidden": False, "topk": 0}
+    assert manifest["bytes_per_token"] == plain["bytes_per_token"] + 2 * h + 8 * k
+    ds = shards.ShardDataset(out, verify_checksums=True)
+    item = ds[3]
+    tc = tokenize_conversation(tiny_target.tokenizer, ROWS[3]["messages"], max_length=64)
+    fresh = extract_features(tiny_target.model, tc.input_ids[None], LAYERS, topk=k)
+    assert torch.allclose(item["target_last_hidden"].float(),
+                          fresh.last_bsh[0].to(torch.bfloat16).float())
+    assert torch.equal(item["target_top_ids"].long(), fresh.top_ids_bsk[0])
+    assert torch.equal(item["target_top_ids"][:, 0].long(), item["target_argmax"])
+    logits = tiny_target.model(tc.input_ids[None]).logits[0].float()
+    torch.testing.assert_close(item["target_top_logprobs"],
+                               logits.log_softmax(-1).topk(k, dim=-1).values)
+    assert "target_last_hidden" not in shards.ShardDataset(clean_capture[0])[0]
+
+
+def test_a_bad_distribution_option_is_refused_naming_it(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match=r"capture.distribution=\['logits'\]"):
+        run_capture(tiny_target, ROWS[:4], _settings(tmp_path, distribution=("logits",)),
+                    SOURCE, progress=False)
+    with pytest.raises(ValueError, match="capture.distribution_topk=0"):
+        run_capture(tiny_target, ROWS[:4], _settings(tmp_path, distribution=("topk",),
+                                                     distribution_topk=0), SOURCE,
+                    progress=False)

@@ -254,3 +254,38 @@ def test_build_drafter_refuses_bad_values(tiny_target_dir):
                       target_layer_ids=2)
     with pytest.raises(ValueError, match="missing drafter keys.*target_layer_ids"):
         build_drafter(config_target(tiny_target_dir), num_hidden_layers=1)
+
+
+# ----------------------------------------------------------------------------- distribution
+def test_a_distribution_loss_trains_and_exports_online_and_offline(tiny_target_dir, tmp_path):
+    """issue 27's done-when: module.loss={kl: 1.0} on online data and on a capture made with
+    capture.distribution=[last_hidden]; the argmax-only capture refuses it naming the option."""
+    from dflash_lab.data.capture_loop import CaptureSettings, run_capture
+    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.target.loader import load_target
+    from dflash_lab.train.run import train
+
+    steps = {"trainer.max_epochs": 1, "trainer.max_steps": 4, "trainer.val_check_interval": 2,
+             "trainer.log_every_n_steps": 1,
+             "module.loss": "{kl: 1.0}", "export.enabled": True}
+    online = _compose(_tiny_overrides(tmp_path / "online", tiny_target_dir, rows=32, **steps))
+    result = train(online)
+    assert (Path(result["export_dir"]) / "model.safetensors").is_file()
+    metrics = next(Path(result["output_dir"]).rglob("metrics.csv")).read_text()
+    assert "train/loss_kl" in metrics and "val/tau_T1" in metrics
+    target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
+    rows = [{"messages": c} for c in demo_conversations(24, seed=3)]
+    for name, kinds in (("plain", ()), ("dist", ("last_hidden",))):
+        run_capture(target, rows, CaptureSettings(str(tmp_path / name), [1, 3, 5], max_length=96,
+                                                  shard_size=12, distribution=kinds),
+                    {"path": "demo"}, progress=False)
+    offline = {**steps, "data": "offline", "data.num_workers": 0, "~data.conversations": None,
+               "~data.demo_rows": None, "~data.max_length": None}
+    args = _tiny_overrides(tmp_path / "off", tiny_target_dir, **offline)
+    args = [a.replace("=None", "") for a in args if not a.startswith(("data.demo_file",))]
+    refused = _compose([*args, f"data.path={tmp_path / 'plain'}"])
+    with pytest.raises(ValueError, match=r"recapture with capture.distribution=\[last_hidden\]"):
+        build_components(refused)
+    result = train(_compose([*args, f"data.path={tmp_path / 'dist'}"]))
+    assert (Path(result["export_dir"]) / "model.safetensors").is_file()
+    assert result["val_tau_after"] >= 1.0
