@@ -33,6 +33,7 @@ batch, ``p`` a position in a block.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -52,6 +53,8 @@ from dflash_lab.train.loss import (
     per_position_accuracy,
     token_targets,
 )
+
+log = logging.getLogger(__name__)
 
 #: gamma only weights the loss, which this evaluation does not report; correctness ignores it.
 _GAMMA = 7.0
@@ -211,15 +214,18 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
     from dflash_lab.data.shards import distribution_of
     from dflash_lab.train.distill import LossSpec, resolve_val_temperatures, teacher_kind
 
-    held = distribution_of(dataset.manifest)
+    held = distribution_of(getattr(dataset, "manifest", {}))  # a plain list: argmax only
     temps = resolve_val_temperatures(temperatures, held)
     if drafter.config.is_dflash2 and temps:
         if temperatures is not None:
             raise ValueError(f"features.temperatures={list(temperatures)}: the expected tau at "
                              "T > 0 is measured for DFlash 1 drafters only (a DFlash 2 drafter "
                              "samples from its selector); use generate mode with temperature=T")
+        log.warning("features mode: no tau_T1 for a DFlash 2 drafter (its selector path at "
+                    "T > 0 is measured by training's val/tau_T1 or by generate mode)")
         temps = ()
-    teacher = teacher_kind(LossSpec(), held, temps, f"the capture {dataset.root}")
+    teacher = teacher_kind(LossSpec(), held, temps,
+                           f"the capture {getattr(dataset, 'root', '(samples)')}")
     expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
     dflash2 = drafter.config.is_dflash2

@@ -52,7 +52,9 @@ def check_loss_data(module_cfg, data) -> None:
 
     available = data.target_distribution()
     temps = resolve_val_temperatures(module_cfg.get("val_temperatures"), available)
-    teacher_kind(loss_spec(module_cfg), available, temps, data.describe())
+    soft = (module_cfg.get("selector") or {}).get("target", "argmax") == "distribution"
+    teacher_kind(loss_spec(module_cfg), available, temps, data.describe(),
+                 "module.selector.target=distribution" if soft else None)
 
 
 def _sequence_limit(cfg: DictConfig) -> tuple[int | None, str]:

@@ -350,16 +350,18 @@ def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tens
 CAPTURE_OPTION = "capture.distribution=[last_hidden]"
 
 
-def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where: str) -> str:
+def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where: str,
+                 also: str | None = None) -> str:
     """Which teacher a run uses: ``dense`` (the last hidden state: exact, every temperature),
-    ``sparse`` (top-k: T = 1 only) or ``none`` (the spec needs no distribution and no
-    temperature is asked). ValueError naming the option to rerun with otherwise."""
+    ``sparse`` (top-k: T = 1 only) or ``none`` (the spec needs no distribution, no
+    temperature is asked and no ``also``: another setting that needs it, named). ValueError
+    naming the option to rerun with otherwise."""
     available = dict(available or {})
-    need = spec.needs_distribution or bool(temperatures)
+    need = spec.needs_distribution or bool(temperatures) or also is not None
     if not need:
         return "none"
     what = (f"module.loss={spec.describe()}" if spec.needs_distribution
-            else f"module.val_temperatures={list(temperatures)}")
+            else also or f"module.val_temperatures={list(temperatures)}")
     if available.get("last_hidden"):
         return "dense"
     if not available.get("topk"):
@@ -409,3 +411,46 @@ def resolve_val_temperatures(given, available: Mapping | None) -> tuple[float, .
     if bad:
         raise ValueError(f"module.val_temperatures={list(given)}: temperatures must be >= 0")
     return temps
+
+
+# ------------------------------------------------------------------------------ candidates
+def candidate_logprobs(teacher: Teacher, ids_mk: Tensor, lm_head, temperature: float = 1.0,
+                       renormalise: bool = True, chunk_rows: int = 256) -> Tensor:
+    """The target's log-probabilities of K candidate tokens per row [M, K] fp32 (no grad).
+
+    ``renormalise``: over the K candidates (the DFlash 2 selector's K-way target), else over
+    the whole vocabulary (what rejection sampling compares; a dense teacher then runs one
+    chunked pass over the vocabulary for the log-normaliser). A sparse teacher (T = 1) gives a
+    candidate outside its top-k an equal share of the tail: tail / (V - k).
+    """
+    with torch.no_grad():
+        if teacher.dense:
+            logp = _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise,
+                                     chunk_rows)
+        else:
+            vocab = lm_head.weight.shape[0]
+            top_ids, top_lp = teacher.top_ids_mk.long(), teacher.top_logprobs_mk.float()
+            tail = (1.0 - top_lp.exp().sum(-1, keepdim=True)).clamp(min=TINY)
+            share = (tail / max(1, vocab - top_ids.shape[1])).log()
+            hit = ids_mk[..., None] == top_ids[:, None, :]  # [M, K, k]
+            found = (top_lp[:, None, :] * hit).sum(-1)
+            logp = torch.where(hit.any(-1), found, share.expand_as(found))
+        return logp.log_softmax(-1) if renormalise else logp
+
+
+def _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise, chunk_rows):
+    weight = lm_head.weight
+    out = []
+    for start in range(0, ids_mk.shape[0], chunk_rows):
+        h = teacher.hidden_mh[start:start + chunk_rows].to(weight.dtype)
+        ids = ids_mk[start:start + chunk_rows]
+        picked = torch.einsum("mh,mkh->mk", h, weight[ids]).float()
+        full = None if renormalise else (h @ weight.t()).float()
+        if teacher.softcap is not None:
+            picked = torch.tanh(picked / teacher.softcap) * teacher.softcap
+            full = None if full is None else torch.tanh(full / teacher.softcap) * teacher.softcap
+        picked = picked / temperature
+        if full is not None:
+            picked = picked - torch.logsumexp(full / temperature, dim=-1, keepdim=True)
+        out.append(picked)
+    return torch.cat(out) if out else ids_mk.new_zeros(ids_mk.shape, dtype=torch.float32)

@@ -102,7 +102,7 @@ def _chunk(h_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, scale: LogitScale,
     and ``accept`` to the chunk's hidden states [m, H] (None when not asked)."""
     logits_vm = (weight_vh @ h_mh.t()).float()
     deriv = None if scale.identity else scale.apply_(logits_vm)
-    tops = vocab_topk(logits_vm, top_k, dim=0) if top_k else None
+    tops = tuple(t.t() for t in vocab_topk(logits_vm, top_k, dim=0)) if top_k else None
     logq_vm, q_vm, ce_m, correct_m = _ce_terms(logits_vm, labels_m)
     t_vm = teacher_logits(teacher, weight_vh) if teacher.dense else None
     dist = distribution_terms(spec, teacher, t_vm, q_vm, logq_vm, want_grad)

@@ -100,7 +100,8 @@ class DFlashModule(L.LightningModule):
         self.loss_spec = LossSpec.create(loss, label_temperature, lk_eta, accept_temperature)
         self.val_temperatures = resolve_val_temperatures(val_temperatures, target_distribution)
         self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,
-                                         self.val_temperatures, "the training data")
+                                         self.val_temperatures, "the training data",
+                                         self.selector_settings.needs_distribution)
         self.teacher_softcap = getattr(target_head, "logit_softcap", None)
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler",
                                           "feature_source", "target_distribution"])
@@ -113,7 +114,7 @@ class DFlashModule(L.LightningModule):
         drafter.activation_checkpointing = activation_checkpointing
         self._val_taus: list[Tensor] = []
         self._val_loss: list[Tensor] = []
-        self._val_expected: dict[float, list[Tensor]] = {}
+        self._val_expected: dict[str, list[Tensor]] = {}
         self._val_selector = SelectorMetrics()
         self.logit_scale = LogitScale.of(drafter.config)
         if compile:
@@ -158,7 +159,9 @@ class DFlashModule(L.LightningModule):
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size)
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
         temperatures = () if self.training else tuple(self.val_temperatures)
-        kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures) else "none"
+        selector_soft = self.selector_settings.target == "distribution"
+        kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures
+                                     or selector_soft) else "none"
         teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap)
         out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
                           hp.ce_chunk_bytes, scale=self.logit_scale,
@@ -169,7 +172,9 @@ class DFlashModule(L.LightningModule):
                 self.drafter.candidate_selector, hidden, out, tgt,
                 batch["input_ids"].gather(1, anchors), lm_head, hp.gamma,
                 self.selector_settings.missing_gold, self.logit_scale, hp.ce_chunk_bytes,
-                **weighting)
+                **weighting, teacher=teacher if selector_soft else None,
+                label_temperature=self.loss_spec.label_temperature,
+                temperatures=temperatures, eval_teacher=teacher)
         return out
 
     def blocks_loss(self, batch: dict[str, Tensor], anchors: Tensor,
@@ -238,8 +243,11 @@ class DFlashModule(L.LightningModule):
         out = self.step(batch, step_generator(self.hparams.val_seed, batch_idx,
                                               self.global_rank))
         self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
-        for t, taus in (out.expected_taus or {}).items():
-            self._val_expected.setdefault(t, []).append(taus.cpu())
+        for t, taus in (out.expected_taus or {}).items():  # DFlash 2: the unary path's
+            key = f"val/unary_tau_T{t:g}" if out.selector is not None else f"val/tau_T{t:g}"
+            self._val_expected.setdefault(key, []).append(taus.cpu())
+        for t, taus in ((out.selector.expected_taus or {}) if out.selector else {}).items():
+            self._val_expected.setdefault(f"val/tau_T{t:g}", []).append(taus.cpu())
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
         if out.selector is not None:
             self._val_selector.update(out)
@@ -253,10 +261,9 @@ class DFlashModule(L.LightningModule):
         sums = torch.stack(self._val_loss).sum(0) if self._val_loss else torch.tensor([0.0, 1.0])
         self._val_taus.clear()
         self._val_loss.clear()
-        for t, parts in sorted(self._val_expected.items()):
+        for key, parts in sorted(self._val_expected.items()):
             expected = torch.cat(parts)
-            self.log(f"val/tau_T{t:g}", expected.mean() if expected.numel() else 1.0,
-                     sync_dist=True)
+            self.log(key, expected.mean() if expected.numel() else 1.0, sync_dist=True)
         self._val_expected.clear()
         self.log("val/loss", sums[0] / sums[1].clamp(min=1e-8), sync_dist=True)
         if not self.drafter.config.is_dflash2:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_lab.model.dflash2 import CandidateSelector
+from dflash_lab.train.distill import candidate_logprobs, expected_accepted
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     NO_SCALE,
@@ -44,6 +45,8 @@ from dflash_lab.train.loss import (
 )
 
 MISSING_GOLD = ("exclude", "swap")
+#: ``module.selector.target``: what the K-way selector loss learns
+SELECTOR_TARGETS = ("argmax", "distribution")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class SelectorSettings:
     alpha_warmup_steps: int = 0
     alpha_ramp_steps: int = 0
     missing_gold: str = "exclude"
+    #: ``argmax``: K-way CE on the gold token; ``distribution``: K-way soft CE on the target's
+    #: probabilities of the K candidates (renormalised over them, at module.label_temperature)
+    target: str = "argmax"
 
     @classmethod
     def create(cls, given: Mapping[str, Any] | None, variant: str) -> SelectorSettings:
@@ -83,6 +89,9 @@ class SelectorSettings:
         return settings
 
     def _validate(self) -> None:
+        if self.target not in SELECTOR_TARGETS:
+            raise ValueError(f"module.selector.target='{self.target}': use one of "
+                             f"{list(SELECTOR_TARGETS)}")
         if self.missing_gold not in MISSING_GOLD:
             raise ValueError(f"module.selector.missing_gold='{self.missing_gold}': use one of "
                              f"{list(MISSING_GOLD)}")
@@ -92,6 +101,11 @@ class SelectorSettings:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"module.selector.{key}={value!r}: give a step count >= 0")
+
+    @property
+    def needs_distribution(self) -> str | None:
+        """The setting that needs the target distribution, named (None: none does)."""
+        return "module.selector.target=distribution" if self.target == "distribution" else None
 
     def alpha_at(self, step: int) -> float:
         """alpha at optimizer step ``step`` (0-based): 0 for the first ``alpha_warmup_steps``
@@ -114,6 +128,8 @@ class SelectorOutput:
     in_candidates: Tensor  # gold among the unary top-K (recall; oracle path)
     selector_correct: Tensor  # teacher-forced argmax over the serving candidates == gold
     walk_correct: Tensor  # the greedy walk's own pick == label (selector path)
+    #: expected acceptance length per real block at each asked temperature (selector path)
+    expected_taus: dict[float, Tensor] | None = None
 
 
 def previous_tokens(labels_bnp: Tensor, anchor_ids_bn: Tensor) -> Tensor:
@@ -171,7 +187,9 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
                   targets: BlockTargets, anchor_ids_bn: Tensor, lm_head: nn.Module,
                   gamma: float, missing_gold: str = "exclude", scale: LogitScale = NO_SCALE,
                   chunk_bytes: int = CE_CHUNK_BYTES, *, weighting: str = "exp_decay",
-                  dpace_alpha: float = 0.5) -> SelectorOutput:
+                  dpace_alpha: float = 0.5, teacher=None,
+                  label_temperature: float = 1.0, temperatures: tuple[float, ...] = (),
+                  eval_teacher=None) -> SelectorOutput:
     """The teacher-forced K-way selector CE over the unary top-K of :func:`dflash_loss`'s
     valid slots (``out.top_ids`` [M, K]), and the selector metrics.
 
@@ -182,6 +200,13 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
 
     Gradients reach the selector (codebooks, hidden projection) and the drafter's hidden states,
     also through the candidates' unary logits (recomputed for the K ids only, differentiable).
+
+    ``teacher`` (:class:`~dflash_lab.train.distill.Teacher` of the valid slots): with it the
+    K-way loss is a soft CE on the target's probabilities of the K candidates, renormalised over
+    them at ``label_temperature`` (``module.selector.target=distribution``; every valid slot
+    trains, whether or not the gold token is a candidate). ``temperatures``: where to measure
+    the selector path's expected acceptance (``expected_taus``, teacher-forced along the text)
+    against ``eval_teacher`` (the same slots' target distribution).
     """
     valid = targets.valid
     hidden_mh, gold_m = hidden_bnph[valid], targets.labels[valid]
@@ -189,8 +214,13 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
     hit_mk = out.top_ids == gold_m[:, None]
     ids_mk, index_m, trained_m = _train_candidates(out.top_ids, hit_mk, gold_m, missing_gold)
     unary_mk = candidate_logits(hidden_mh, ids_mk, lm_head, chunk_bytes, scale)
-    ce_m = F.cross_entropy(selector.score(hidden_mh, prev_m, ids_mk, unary_mk), index_m,
-                           reduction="none")
+    scores_mk = selector.score(hidden_mh, prev_m, ids_mk, unary_mk)
+    if teacher is not None:
+        soft_mk = candidate_logprobs(teacher, ids_mk, lm_head, label_temperature).exp()
+        ce_m = -(soft_mk * scores_mk.float().log_softmax(-1)).sum(-1)
+        trained_m = torch.ones_like(trained_m)
+    else:
+        ce_m = F.cross_entropy(scores_mk, index_m, reduction="none")
     if weighting == "dpace":
         w_m = torch.zeros_like(ce_m, dtype=torch.float32)
         w_m[trained_m] = slot_weights(_scatter(trained_m, valid, False), ce_m[trained_m], gamma,
@@ -200,10 +230,37 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
     with torch.no_grad():  # metrics on the candidates serving sees, with their serving values
         serving = selector.score(hidden_mh, prev_m, out.top_ids, out.top_values)
         picked_ok = hit_mk.gather(-1, serving.argmax(-1, keepdim=True))[:, 0]
-    return SelectorOutput(
+    result = SelectorOutput(
         (w_m * ce_m).sum(), w_m.sum(), _scatter(hit_mk.any(-1), valid, False),
         _scatter(picked_ok, valid, False),
         walk_correct(selector, hidden_bnph, out, targets.labels, anchor_ids_bn))
+    if temperatures:
+        result.expected_taus = expected_selector_taus(serving, result.walk_correct, out,
+                                                      eval_teacher, lm_head, temperatures)
+    return result
+
+
+@torch.no_grad()
+def expected_selector_taus(serving_mk: Tensor, walk_bnp: Tensor, out: LossOutput, teacher,
+                           lm_head, temperatures: tuple[float, ...]) -> dict[float, Tensor]:
+    """Expected acceptance length per real block [K] of the selector path at each T (T > 0):
+    slot t drafts from q = softmax(score / T) over its K candidates (the serving rule,
+    teacher-forced on the text's previous token), accepted with probability
+    sum_c min(p_T(c), q(c)), p_T the target's distribution over the whole vocabulary; T = 0
+    is the greedy walk's count (``walk_correct``)."""
+    taus = {}
+    for t in temperatures:
+        if t == 0:
+            alpha_m = walk_bnp[out.valid].float()
+        else:
+            q_mk = (serving_mk.float() / t).softmax(-1)
+            p_mk = candidate_logprobs(teacher, out.top_ids, lm_head, t, renormalise=False).exp()
+            alpha_m = torch.minimum(p_mk, q_mk).sum(-1)
+        alpha = torch.zeros(out.valid.shape, dtype=torch.float32,
+                            device=alpha_m.device).masked_scatter(out.valid, alpha_m)
+        blocks = out.block_valid if out.block_valid is not None else out.valid.any(-1)
+        taus[t] = 1.0 + expected_accepted(alpha, out.valid, blocks)
+    return taus
 
 
 class SelectorMetrics:

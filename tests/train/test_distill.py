@@ -16,6 +16,7 @@ from dflash_lab.train.distill import (
     DISTRIBUTION_LOSSES,
     LossSpec,
     Teacher,
+    candidate_logprobs,
     expected_accepted,
     slot_teacher,
     teacher_kind,
@@ -25,6 +26,7 @@ from dflash_lab.train.loss import (
     BlockTargets,
     LogitScale,
     acceptance_lengths,
+    chunked_head_pass,
     dflash_loss,
     slot_weights,
 )
@@ -100,6 +102,18 @@ def test_the_mix_is_the_weighted_sum_of_its_terms_with_the_label_ce():
     torch.testing.assert_close(h1.grad, h2.grad, atol=2e-7, rtol=1e-4)
     torch.testing.assert_close(out.ce, ce.detach(), atol=2e-6, rtol=1e-5)
     assert out.terms.shape == (2, M)  # tv, kl (ce is out.ce)
+
+
+def test_the_unary_top_k_equals_the_ce_pass_s():
+    head, h, th, y = _case(9)
+    scale = LogitScale(1.0, 4.0)
+    ours, _ = _ours(LossSpec.create("kl"), head, h, Teacher(th), y, chunk_size=24, top_k=4,
+                    scale=scale)
+    ce = chunked_head_pass(h, y, head, chunk_size=5, scale=scale, top_k=4)
+    torch.testing.assert_close(ours.top_values, ce.top_values)
+    assert torch.equal(ours.top_ids, ce.top_ids) and ours.top_ids.shape == (M, 4)
+    torch.testing.assert_close(ours.ce, ce.ce)
+    assert torch.equal(ours.correct, ce.correct)
 
 
 def test_results_do_not_depend_on_the_chunking():
@@ -268,6 +282,23 @@ def test_teacher_kind_refuses_what_the_data_cannot_give():
         teacher_kind(LossSpec.create("kl", label_temperature=2.0), {"topk": 8}, (), "C")
     with pytest.raises(ValueError, match="module.val_temperatures"):
         teacher_kind(LossSpec(), {"topk": 0}, (1.0,), "C")
+
+
+def test_candidate_logprobs_of_dense_and_topk_teachers():
+    head, _, th, _ = _case(10)
+    ids = torch.randint(0, V, (M, 3))
+    t = th @ head.weight.t()
+    full = (t / 0.5).log_softmax(-1).gather(-1, ids)
+    torch.testing.assert_close(candidate_logprobs(Teacher(th), ids, head, 0.5, False), full)
+    torch.testing.assert_close(candidate_logprobs(Teacher(th), ids, head, 0.5),
+                               full.log_softmax(-1))  # renormalised over the K
+    logp_k, top = t.log_softmax(-1).topk(5, dim=-1)
+    ids[:, 0] = top[:, 2]  # one candidate in the top-k, the others (mostly) in the tail
+    got = candidate_logprobs(Teacher(None, top, logp_k), ids, head, renormalise=False)
+    torch.testing.assert_close(got[:, 0], logp_k[:, 2])
+    tail = (1 - logp_k.exp().sum(-1)) / (V - 5)
+    outside = ~(ids[:, 1:, None] == top[:, None]).any(-1)
+    torch.testing.assert_close(got[:, 1:][outside], tail[:, None].expand(-1, 2)[outside].log())
 
 
 # ------------------------------------------------------------------- speculators' own losses
