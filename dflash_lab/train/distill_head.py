@@ -25,6 +25,7 @@ from dflash_lab.train.distill import (
     LossSpec,
     Teacher,
     distribution_terms,
+    expected_accepted,
     teacher_logits,
     tempered_overlap,
 )
@@ -32,9 +33,11 @@ from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     NO_SCALE,
     LogitScale,
+    LossOutput,
     _vocab_size,
     ce_chunk_rows,
     into_head_dtype,
+    slot_weights,
 )
 
 #: fp32 [V, m] buffers a chunk holds at once (logits, log q, q, teacher logits, log p, p, h,
@@ -233,3 +236,47 @@ def _empty(hidden_mh: Tensor, labels_m: Tensor, spec: LossSpec, top_k: int,
                        zero.new_zeros(len(temperatures), 0) if temperatures else None,
                        zero.new_zeros(0, top_k) if top_k else None,
                        labels_m.new_zeros(0, top_k) if top_k else None)
+
+
+def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
+                  chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
+                  temperatures) -> LossOutput:
+    """:func:`dflash_loss` through the distribution pass. D-PACE's per-slot confidence is the
+    slot's acceptance probability: q(y) = exp(-CE) for the label CE alone, the overlap
+    sum min(p, q) as soon as a term compares distributions."""
+    spec = spec or LossSpec()
+    if teacher is None:
+        raise ValueError(f"module.loss={spec.describe()} needs the target's distribution and "
+                         "this batch carries none (see docs/capture.md, 'The target "
+                         "distribution')")
+    sel = targets.valid
+    head = distill_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, spec, teacher,
+                             chunk_size=chunk_size, chunk_bytes=chunk_bytes, scale=scale,
+                             top_k=top_k, temperatures=tuple(temperatures))
+    nll = head.ce if not spec.needs_distribution else -head.overlap.clamp(min=1e-30).log()
+    w = slot_weights(sel, nll, gamma, weighting, dpace_alpha)
+    correct = torch.zeros_like(sel)
+    correct[sel] = head.correct
+    out = LossOutput((w * head.loss).sum(), w.sum(), correct, sel, block_valid_bn,
+                     head.top_values, head.top_ids)
+    names = [n for n, _ in spec.slot_terms if n != "ce"]
+    out.term_sums = {n: (w * head.terms[i]).sum().detach() for i, n in enumerate(names)}
+    if "ce" in dict(spec.slot_terms):
+        out.term_sums["ce"] = (w * head.ce).sum().detach()
+    blocks = block_valid_bn if block_valid_bn is not None else sel.any(-1)
+    if spec.accept_weight:
+        accepted = expected_accepted(_on_slots(head.accept, sel), sel, blocks)
+        out.accept_sum, out.accept_count = -accepted.sum(), sel.new_tensor(
+            accepted.numel(), dtype=torch.float32)
+    if temperatures:
+        out.overlaps = {t: head.overlaps[i] for i, t in enumerate(temperatures)}
+        out.expected_taus = {t: 1.0 + expected_accepted(_on_slots(head.overlaps[i], sel), sel,
+                                                          blocks).detach()
+                             for i, t in enumerate(temperatures)}
+    return out
+
+
+def _on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
+    """[M] values of the valid slots -> [Bt, N, B] (0 elsewhere), differentiable."""
+    out = values_m.new_zeros(valid_bnp.shape)
+    return out.masked_scatter(valid_bnp, values_m)

@@ -425,9 +425,11 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     distribution of the valid slots, in row-major order); the default CE alone takes the CE pass.
     """
     if (spec is not None and not spec.ce_only) or temperatures:
-        return _distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
-                             chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
-                             temperatures)
+        from dflash_lab.train.distill_head import distill_loss  # imports this module
+
+        return distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
+                            chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
+                            temperatures)
     sel = targets.valid
     head = chunked_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, chunk_size,
                              chunk_bytes, scale=scale, top_k=top_k)
@@ -436,53 +438,6 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     correct[sel] = head.correct
     return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,
                       head.top_values, head.top_ids)
-
-
-def _distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
-                  chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
-                  temperatures) -> LossOutput:
-    """:func:`dflash_loss` through the distribution pass. D-PACE's per-slot confidence is the
-    slot's acceptance probability: q(y) = exp(-CE) for the label CE alone, the overlap
-    sum min(p, q) as soon as a term compares distributions."""
-    from dflash_lab.train.distill import LossSpec, expected_accepted
-    from dflash_lab.train.distill_head import distill_head_pass
-
-    spec = spec or LossSpec()
-    if teacher is None:
-        raise ValueError(f"module.loss={spec.describe()} needs the target's distribution and "
-                         "this batch carries none (see docs/capture.md, 'The target "
-                         "distribution')")
-    sel = targets.valid
-    head = distill_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, spec, teacher,
-                             chunk_size=chunk_size, chunk_bytes=chunk_bytes, scale=scale,
-                             top_k=top_k, temperatures=tuple(temperatures))
-    nll = head.ce if not spec.needs_distribution else -head.overlap.clamp(min=1e-30).log()
-    w = slot_weights(sel, nll, gamma, weighting, dpace_alpha)
-    correct = torch.zeros_like(sel)
-    correct[sel] = head.correct
-    out = LossOutput((w * head.loss).sum(), w.sum(), correct, sel, block_valid_bn,
-                     head.top_values, head.top_ids)
-    names = [n for n, _ in spec.slot_terms if n != "ce"]
-    out.term_sums = {n: (w * head.terms[i]).sum().detach() for i, n in enumerate(names)}
-    if "ce" in dict(spec.slot_terms):
-        out.term_sums["ce"] = (w * head.ce).sum().detach()
-    blocks = block_valid_bn if block_valid_bn is not None else sel.any(-1)
-    if spec.accept_weight:
-        accepted = expected_accepted(_on_slots(head.accept, sel), sel, blocks)
-        out.accept_sum, out.accept_count = -accepted.sum(), sel.new_tensor(
-            accepted.numel(), dtype=torch.float32)
-    if temperatures:
-        out.overlaps = {t: head.overlaps[i] for i, t in enumerate(temperatures)}
-        out.expected_taus = {t: 1.0 + expected_accepted(_on_slots(head.overlaps[i], sel), sel,
-                                                          blocks).detach()
-                             for i, t in enumerate(temperatures)}
-    return out
-
-
-def _on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
-    """[M] values of the valid slots -> [Bt, N, B] (0 elsewhere), differentiable."""
-    out = values_m.new_zeros(valid_bnp.shape)
-    return out.masked_scatter(valid_bnp, values_m)
 
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,
