@@ -1,6 +1,6 @@
-"""speculators' side of the quality comparison (issue 20, ``scripts/compare_speculators.sh``),
-run with the speculators venv's interpreter (``.venv-speculators``): it must not import
-dflash_lab.
+"""speculators' side of the quality comparison (issues 20 and 27,
+``scripts/compare_speculators.sh``), run with the speculators venv's interpreter
+(``.venv-speculators``): it must not import dflash_lab.
 
 Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default) or DFlash 2
 drafter (``--variant dflash2``) on the batches of ``plan.json`` (``benchmarks/peer_quality.py
@@ -12,36 +12,70 @@ What is theirs: the model and its construction (``create_transformer_layer_confi
 ``DFlashDraftModel.from_training_args`` / ``DFlash2DraftModel.from_training_args``, as their
 ``speculators.train`` CLI builds a draft from the verifier: draft layers shaped like the
 verifier's, all full attention, embeddings and LM head loaded from it and frozen; DFlash 2 adds
-their grouped dynamic conv around every sublayer and their candidate selector), the forward
-(their anchor sampling: ``max_anchors`` per packed batch over every loss position of the pack;
-their block mask, their target projection), the loss their trainer resolves for the variant by
-default (their ``TrainConfig`` defaults, :func:`their_loss`) through ``get_trainer_kwargs``, and
-the step of their ``Trainer.train_epoch`` (forward, zero_grad, backward, clip_grad_norm_ 1.0,
-optimizer step, lr step). Batches are packed as their collator packs them: samples concatenated
-into one row, ``document_ids`` per sample, ``position_ids`` restarting at 0 per sample.
+their grouped dynamic conv around every sublayer and their candidate selector), their seeding
+(``speculators.train.cli.set_seed(--seed)`` before the model is built, as their CLI; it drives
+their initialisation and their anchor sampling, ``torch.randperm`` on the global generator), the
+forward (their anchor sampling: ``max_anchors`` per packed batch over every loss position of the
+pack; their block mask, their target projection), the loss their trainer resolves for the
+variant by default (their ``TrainConfig`` defaults, :func:`their_loss`) through
+``get_trainer_kwargs``, and the step of their ``Trainer.train_epoch`` (forward, zero_grad,
+backward, clip_grad_norm_ 1.0, optimizer step, lr step). Batches are packed as their collator
+packs them: samples concatenated into one row, ``document_ids`` per sample, ``position_ids``
+restarting at 0 per sample.
 
-Their default losses:
+Their defaults (speculators 0.9.0, ``speculators/train/config/schema.py``
+``TrainConfig._resolve_derived_defaults``; ``speculators/losses``):
 
-- DFlash 1: ``ce`` (CE on the argmax of the verifier's logits) with ``dpace`` position weights;
-  ``--weighting fixed-exp-decay`` gives the paper's exp(-(t-1)/gamma), as ours.
-- DFlash 2: ``kl_div`` (KL from the verifier's softmax to the draft's, over the vocabulary) with
-  ``fixed-exp-decay`` position weights, plus ``selector_loss_alpha`` (1.0) x their K-way selector
-  CE over the unary top-K (teacher-forced predecessors; a gold token outside the top-K replaces
-  the K-th candidate), the same position weights; their eager TV metric runs every step.
+- DFlash 1 (``--speculator-type dflash``): loss ``ce`` (CE on the argmax of the verifier's
+  logits) with ``dpace`` position weights (alpha 0.5); ``--weighting fixed-exp-decay`` gives the
+  paper's exp(-(t-1)/gamma), as ours.
+- DFlash 2 (``dflash2``): ``kl_div`` (KL(softmax(verifier logits) || softmax(draft logits)) over
+  the vocabulary, both at temperature 1) with ``fixed-exp-decay`` position weights, plus
+  ``selector_loss_alpha`` (1.0) x their K-way selector CE over the unary top-K (teacher-forced
+  predecessors; the gold token = argmax of the verifier logits, swapped in for the K-th
+  candidate when missing), the same position weights; their eager TV metric runs every step.
   ``--weighting dpace`` switches their loss to ``ce`` (their config refuses D-PACE without it).
+- Either way the weighted per-slot loss is summed and divided by the count of valid slots (+1e-5),
+  not by the weight sum as ours.
 
-What is matched to ours: the batches (same samples, same order, same steps), the anchor budget
-(``num_anchors_per_sequence x sequences`` per packed batch), gamma, the DFlash 2 conv and selector
-shape (the plan's drafter: our conf/drafter/dflash2.yaml, which are also their defaults), AdamW
-with our lr, betas and weight decay, the lr of every step, float32 (their trainer autocasts to
-bfloat16 on GPU). The labels: our capture stores the target's argmax, not its last hidden state
-or logits, so the verifier projection is replaced by point-mass logits of the stored argmax
-(``OneHotVerifierHead``). Their ``ce`` takes the argmax of those, exactly the label ours trains
-on. Their softmax of them is exactly one-hot in float32, so their DFlash 2 ``kl_div`` is exactly
-the CE on that label (KL(one-hot || q) = -log q(label)): with this capture their DFlash 2 learns
-from hard labels. The distillation of the target's full distribution their default would do
-with real verifier states is not reproducible from it, and the TV and candidate-mass metrics see
-a point mass.
+How their trainer gets the verifier's logits: ``_backbone_forward`` computes, without gradient,
+``targets = verifier_lm_head(verifier_norm(verifier_last_hidden_states[:, p - 1]))`` for every
+drafted slot p: ``verifier_norm`` is the verifier's final RMSNorm (its ``model.norm.weight``,
+frozen) and ``verifier_lm_head`` its LM head (``lm_head.weight``, or ``embed_tokens.weight`` for a
+tied head such as SmolLM2's), both loaded from the verifier directory by their
+``load_verifier_weights``. Their own data path stores as ``verifier_last_hidden_states`` the
+verifier's last decoder layer output *before* the final norm (the extra layer id that vLLM's
+hidden-state extraction adds with ``--include-last-layer``), which is why the norm is applied in
+the trainer.
+
+Two modes for the verifier head, chosen from the capture's manifest (``distribution``) with a log
+line, or by ``--verifier-logits``:
+
+- ``real`` (the capture holds ``target_last_hidden``: ``capture.distribution=[last_hidden]``):
+  ``verifier_last_hidden_states`` = our stored ``target_last_hidden`` [T, H] (bfloat16 on disk,
+  upcast to float32), ``verifier_norm`` replaced by the identity and ``verifier_lm_head`` kept as
+  their loader filled it (the target's own head). Our stored state is the target's FINAL-NORMED
+  last hidden state (HF ``base_model(...).last_hidden_state`` = norm(last decoder output)), so
+  ``lm_head(target_last_hidden) = lm_head(norm(pre-norm state))``: exactly the logits their data
+  path gives, up to where the bfloat16 rounding is applied (theirs rounds the pre-norm state,
+  ours the normed one, and our capture ran the target in bfloat16). Their norm must not run
+  again: a second RMSNorm gives w * norm(w * x) != w * x unless w = 1. Their ``ce`` then labels
+  each slot with the argmax of these logits (float32, recomputed: it can differ from our stored
+  ``target_argmax``, computed in the target's bfloat16, at near-ties; run.json records how often
+  on the first batch), their DFlash 2 ``kl_div`` distils the full distribution.
+- ``point-mass`` (argmax-only captures: issue 20's runs): the verifier head gives point-mass
+  logits at the stored ``target_argmax`` (:class:`OneHotVerifierHead`). Their ``ce`` takes the
+  argmax of those, exactly the label ours trains on; their softmax of them is exactly one-hot in
+  float32, so their DFlash 2 ``kl_div`` is exactly the CE on that label (KL(one-hot || q) =
+  -log q(label)): with such a capture their default cannot distil the distribution, and the TV
+  and candidate-mass metrics see a point mass.
+
+What is matched to ours: the batches (same samples, same order, same steps, whatever the seed),
+the anchor budget (``num_anchors_per_sequence x sequences`` per packed batch), gamma, the DFlash 2
+conv and selector shape (the plan's drafter: our conf/drafter/dflash2.yaml, which are also their
+defaults), AdamW with our lr, betas and weight decay, the lr of every step, float32 (their trainer
+autocasts to bfloat16 on GPU). The seed is the comparison's (``--seed``, default 0; their CLI's
+default is 42).
 """
 
 from __future__ import annotations
@@ -63,6 +97,18 @@ POINT_MASS_LOGIT = 1.0e4
 #: Their DFlash 2 conv and selector fields, as the plan's drafter names them (ours and theirs
 #: use the same names).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+#: ``--verifier-logits``: ``auto`` picks ``real`` when the capture holds ``target_last_hidden``.
+VERIFIER_LOGITS = ("auto", "real", "point-mass")
+
+#: Below this share of first-batch loss positions where argmax(lm_head(target_last_hidden))
+#: equals the stored ``target_argmax``, the head and the states do not belong together (another
+#: target's head, or states stored before the final norm): bfloat16 near-ties move a few
+#: percent, never half.
+MIN_ARGMAX_AGREEMENT = 0.5
+
+#: Positions per chunk of :func:`argmax_agreement` (bounds the [rows, V] float32 logits).
+AGREEMENT_CHUNK = 256
 
 
 class OneHotVerifierHead(torch.nn.Module):
@@ -104,11 +150,50 @@ def dflash2_fields(plan: dict) -> dict[str, int]:
     return {k: int(d[k]) for k in DFLASH2_FIELDS}
 
 
-def build_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
+def capture_distribution(capture: str | Path) -> dict:
+    """What of the target distribution the capture holds, from its ``manifest.json``:
+    ``{"last_hidden": bool, "topk": k}`` (captures from before ``capture.distribution``: neither).
+    The same reading as ``dflash_lab.data.shards.distribution_of`` (not imported: this file runs
+    in the speculators venv)."""
+    path = Path(capture) / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: the plan's capture directory must hold a "
+                                "finished dflash-capture (scripts/compare_speculators.sh capture)")
+    found = json.loads(path.read_text()).get("distribution") or {}
+    return {"last_hidden": bool(found.get("last_hidden", False)),
+            "topk": int(found.get("topk", 0))}
+
+
+def verifier_mode(capture: str | Path, requested: str = "auto") -> str:
+    """``real`` or ``point-mass`` for the capture (``requested``: one of
+    :data:`VERIFIER_LOGITS`); prints the log line saying which and why. ``real`` on a capture
+    without ``target_last_hidden`` is a ValueError naming the capture option."""
+    if requested not in VERIFIER_LOGITS:
+        raise ValueError(f"--verifier-logits={requested!r}: expected one of {VERIFIER_LOGITS}")
+    held = capture_distribution(capture)["last_hidden"]
+    if requested == "real" and not held:
+        raise ValueError(f"--verifier-logits real: the capture {capture} holds no "
+                         "target_last_hidden; recapture with capture.distribution=[last_hidden] "
+                         "(DISTRIBUTION=last_hidden scripts/compare_speculators.sh capture)")
+    mode = requested if requested != "auto" else ("real" if held else "point-mass")
+    if mode == "real":
+        print(f"verifier logits: real, their verifier_lm_head (the target's own head) on the "
+              f"captured final-normed target_last_hidden of {capture}; their verifier_norm is "
+              "the identity (the state is normed already)", flush=True)
+    else:
+        why = ("--verifier-logits point-mass" if requested == "point-mass" else
+               "it holds no target_last_hidden (capture.distribution=[last_hidden] adds it)")
+        print(f"verifier logits: point mass at the stored target_argmax of {capture}: {why}; "
+              "their kl_div is then the CE on that argmax", flush=True)
+    return mode
+
+
+def their_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
     """speculators' DFlash (``variant`` dflash1) or DFlash 2 drafter for the verifier at
-    ``target``, built as their CLI builds one (all layers full attention), shaped by the plan's
-    drafter (DFlash 2: its conv and selector fields too)."""
-    from speculators.train.cli import create_transformer_layer_config
+    ``target`` exactly as their CLI builds one (their ``set_seed(seed)`` first; all layers full
+    attention), shaped by the plan's drafter (DFlash 2: its conv and selector fields too), their
+    ``verifier_norm`` and ``verifier_lm_head`` as their loader filled them."""
+    from speculators.train.cli import create_transformer_layer_config, set_seed
 
     if variant == "dflash2":
         from speculators.models.dflash2 import DFlash2DraftModel as model_cls
@@ -123,16 +208,61 @@ def build_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
     layer_cfg = create_transformer_layer_config(
         target, num_layers=n, draft_arch="qwen3", hidden_act=None, sliding_window=2048,
         full_attention_indices=list(range(n)))
-    torch.manual_seed(seed)
-    model = model_cls.from_training_args(
+    set_seed(seed)
+    return model_cls.from_training_args(
         verifier_config=layer_cfg, verifier_name_or_path=target,
         draft_vocab_size=d["vocab_size"], block_size=d["block_size"],
         # speculators' aux ids index HF hidden_states: ours (decoder-layer outputs) + 1
         target_layer_ids=[i + 1 for i in d["target_layer_ids"]],
         mask_token_id=d["mask_token_id"], draft_attn_impl="sdpa", **extra)
+
+
+def build_model(target: str, plan: dict, seed: int, variant: str = "dflash1",
+                logits: str = "point-mass"):
+    """:func:`their_model` with the verifier head of mode ``logits`` (module docstring):
+    ``verifier_norm`` the identity either way; ``real`` keeps their ``verifier_lm_head`` (checked
+    [vocab, hidden] as the plan's drafter and finite, i.e. loaded), ``point-mass`` replaces it by
+    :class:`OneHotVerifierHead`."""
+    model = their_model(target, plan, seed, variant)
+    d = plan["drafter"]
     model.verifier_norm = torch.nn.Identity()
-    model.verifier_lm_head = OneHotVerifierHead(d["vocab_size"])
+    if logits == "real":
+        w = model.verifier_lm_head.weight
+        want = (d["vocab_size"], d["hidden_size"])
+        if tuple(w.shape) != want or not torch.isfinite(w).all():
+            raise ValueError(f"their verifier_lm_head from {target} is {tuple(w.shape)} "
+                             f"(finite: {bool(torch.isfinite(w).all())}), the plan's drafter "
+                             f"needs [vocab, hidden] = {list(want)}: --target must be the "
+                             "capture's target directory")
+    else:
+        model.verifier_lm_head = OneHotVerifierHead(d["vocab_size"])
     return model
+
+
+@torch.no_grad()
+def argmax_agreement(lm_head: torch.nn.Module, last_hidden: torch.Tensor,
+                     argmax: torch.Tensor, loss_mask: torch.Tensor) -> dict:
+    """How often argmax(lm_head(last_hidden)) [T] equals the stored ``argmax`` [T] on the loss
+    positions (``loss_mask`` [T]), in chunks of :data:`AGREEMENT_CHUNK` positions:
+    ``{"agree": n, "positions": m, "fraction": n / m}``."""
+    rows = loss_mask.bool().nonzero()[:, 0]
+    agree = 0
+    for start in range(0, rows.numel(), AGREEMENT_CHUNK):
+        r = rows[start:start + AGREEMENT_CHUNK]
+        agree += int((lm_head(last_hidden[r].float()).argmax(-1) == argmax[r].long()).sum())
+    m = int(rows.numel())
+    return {"agree": agree, "positions": m, "fraction": agree / m if m else None}
+
+
+def check_agreement(found: dict, capture: str | Path, target: str) -> None:
+    """ValueError when the first batch's :func:`argmax_agreement` is below
+    :data:`MIN_ARGMAX_AGREEMENT` (the head and the stored states do not belong together)."""
+    if found["fraction"] is not None and found["fraction"] < MIN_ARGMAX_AGREEMENT:
+        raise ValueError(
+            f"argmax(lm_head(target_last_hidden)) equals the stored target_argmax on only "
+            f"{found['agree']}/{found['positions']} loss positions of the first batch of "
+            f"{capture}: the head of {target} and these states do not belong together (another "
+            "target, or states stored before the final norm); pass the capture's own --target")
 
 
 def trainer_kwargs(model, plan: dict, loss_fn: str, weighting: str) -> dict:
@@ -145,29 +275,44 @@ def trainer_kwargs(model, plan: dict, loss_fn: str, weighting: str) -> dict:
         selector_loss_alpha=1.0)[0]  # their DFlash2Args default (DFlash 1 ignores it)
 
 
-class Shards:
-    """Rows of the capture's shards (safetensors, opened once each)."""
+#: Per-sample tensors read from a shard; ``target_last_hidden`` is added in real-logits mode.
+SAMPLE_KEYS = ("input_ids", "loss_mask", "target_argmax", "hidden")
 
-    def __init__(self, root: str | Path):
-        self.root, self.handles = Path(root), {}
+
+class Shards:
+    """Rows of the capture's shards (safetensors, opened once each); ``keys``: the tensors to
+    read (``target_last_hidden`` too in real-logits mode)."""
+
+    def __init__(self, root: str | Path, keys: tuple[str, ...] = SAMPLE_KEYS):
+        self.root, self.keys, self.handles = Path(root), keys, {}
 
     def sample(self, file: str, a: int, b: int) -> dict[str, torch.Tensor]:
         if file not in self.handles:
             self.handles[file] = safe_open(str(self.root / file), framework="pt")
         f = self.handles[file]
-        return {k: f.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", "target_argmax",
-                                                   "hidden")}
+        held = set(f.keys())
+        missing = [k for k in self.keys if k not in held]
+        if missing:
+            raise ValueError(f"{self.root / file} has no {missing}: the manifest promises them; "
+                             "recapture that directory")
+        return {k: f.get_slice(k)[a:b] for k in self.keys}
 
 
 def pack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Their collator's layout: one row [1, T] of the samples back to back."""
+    """Their collator's layout: one row [1, T] of the samples back to back.
+
+    ``verifier_last_hidden_states``: with ``target_last_hidden`` in the samples (real-logits
+    mode) that state [1, T, H] in float32, else the stored argmax as [1, T, 1] floats for
+    :class:`OneHotVerifierHead`."""
     cat = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    verifier = (cat["target_last_hidden"].float()[None] if "target_last_hidden" in cat
+                else cat["target_argmax"].float()[None, :, None])
     return {
         "hidden_states": cat["hidden"].float()[None],
         "input_ids": cat["input_ids"].long()[None],
         "loss_mask": cat["loss_mask"].long()[None],
-        "verifier_last_hidden_states": cat["target_argmax"].float()[None, :, None],
+        "verifier_last_hidden_states": verifier,
         "document_ids": torch.repeat_interleave(torch.arange(len(samples)), lengths)[None],
         "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()])[None],
     }
@@ -181,7 +326,14 @@ def save(model, out: Path, step: int) -> None:
     os.replace(tmp, final)
 
 
-def main() -> None:
+def write_json(path: Path, obj: dict) -> None:
+    """``obj`` as indented JSON at ``path`` (a temporary name, then renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--plan", required=True)
     p.add_argument("--target", required=True, help="the verifier directory (HF)")
@@ -191,27 +343,39 @@ def main() -> None:
     p.add_argument("--weighting", default=None, choices=["dpace", "fixed-exp-decay"],
                    help="position weights (default: theirs for the variant, dpace for dflash1, "
                         "fixed-exp-decay for dflash2)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
+    p.add_argument("--seed", type=int, default=0,
+                   help="their set_seed before the model is built: init and anchor sampling")
+    p.add_argument("--verifier-logits", default="auto", choices=list(VERIFIER_LOGITS),
+                   help="auto: real when the capture holds target_last_hidden, else point-mass")
+    a = p.parse_args(argv)
     plan = json.loads(Path(a.plan).read_text())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     loss_fn, weighting = their_loss(a.variant, a.weighting)
+    mode = verifier_mode(plan["capture"], a.verifier_logits)
 
-    model = build_model(a.target, plan, a.seed, a.variant)
+    model = build_model(a.target, plan, a.seed, a.variant, mode)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     o = plan["optimizer"]
     opt = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]),
                             weight_decay=o["weight_decay"])
     kwargs = trainer_kwargs(model, plan, loss_fn, weighting)
+    shards = Shards(plan["capture"], SAMPLE_KEYS + (("target_last_hidden",) if mode == "real"
+                                                    else ()))
     info = {"variant": a.variant, "trainable_params": sum(q.numel() for q in params),
             "loss_fn": loss_fn, "weighting": weighting, "max_anchors": kwargs["max_anchors"],
-            "steps": plan["num_steps"],
+            "steps": plan["num_steps"], "seed": a.seed, "verifier_logits": mode,
             "ours_trainable_params": plan["drafter"]["trainable_params"]}
+    if mode == "real":  # before any step: a mismatched head must not train anything
+        first = [shards.sample(*r) for r in plan["steps"][0]["rows"]]
+        cat = {k: torch.cat([s[k] for s in first]) for k in first[0]}
+        info["argmax_agreement"] = argmax_agreement(
+            model.verifier_lm_head, cat["target_last_hidden"], cat["target_argmax"],
+            cat["loss_mask"])
+        check_agreement(info["argmax_agreement"], plan["capture"], a.target)
     print(json.dumps(info), flush=True)
-    (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-    shards = Shards(plan["capture"])
+    write_json(out / "run.json", info)
     with open(out / "train_log.tsv", "w") as log:  # a rerun trains from step 0 again
         t0 = time.time()
         for step, entry in enumerate(plan["steps"]):
