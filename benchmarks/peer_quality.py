@@ -1,6 +1,6 @@
-"""Quality at equal budget (issue 20): our side of ``scripts/compare_speculators.sh``.
+"""Quality at equal budget (issues 20 and 27): our side of ``scripts/compare_speculators.sh``.
 
-Three subcommands, each a stage of the script:
+Four subcommands, each a stage of the script:
 
 - ``plan``: compose the training config exactly as ``dflash-train`` does (same overrides), build
   its data module and write ``plan.json``: for every optimizer step the samples our trainer's
@@ -9,16 +9,26 @@ Three subcommands, each a stage of the script:
   schedule gives that step; plus the drafter shape and the loss settings. speculators' side
   (``benchmarks/speculators_train.py``, its own venv) trains on exactly these batches.
 - ``curves``: held-out tau (``dflash-eval mode=features``' simulator, the same function) of
-  every saved checkpoint of both sides, ours (``.ckpt``) and theirs (speculators directories,
-  read by our importer) -> a TSV ``side step tau_mean acc_pos1``.
-- ``table``: the TSV and both final ``dflash-eval`` reports -> a markdown summary and the
-  learning-curve plot.
+  every saved checkpoint of every arm, ours (``.ckpt``: ``--ours`` and any ``--other
+  SIDE=DIR``) and theirs (speculators directories, read by our importer) -> a TSV ``side step
+  tau_mean acc_pos1 num_blocks path tau_T1`` (``tau_T1``: the exact expected acceptance length
+  at T = 1 where the held-out capture holds the target distribution, DFlash 1; else None).
+- ``table``: one seed's TSV and both final ``dflash-eval`` reports -> a markdown summary and the
+  learning-curve plot (issue 20's form).
+- ``summary``: every arm over every seed (``--run LABEL SIDE SEED CURVES EVAL_T0 EVAL_T1`` per
+  arm and seed) -> mean, std and min..max over seeds of held-out tau at T = 0, held-out
+  expected tau at T = 1, decoding tau at T = 0 and T = 1 and losslessness, whether each of our
+  arms is separated from theirs by more than the seed spread, the mean learning curves, and
+  their plot (mean line, min..max band).
 
     python -m benchmarks.peer_quality plan --out PLAN.json -- OVERRIDE ...
     python -m benchmarks.peer_quality curves --heldout CAPTURE --target TARGET --ours DIR \
         --theirs DIR --out CURVES.tsv
     python -m benchmarks.peer_quality table --curves CURVES.tsv --eval-ours REPORT.json \
         --eval-theirs REPORT.json --out SUMMARY.md --plot PNG
+    python -m benchmarks.peer_quality summary --step N --heldout CAPTURE --variant dflash1 \
+        --run LABEL SIDE SEED CURVES.tsv T0_REPORT.json T1_REPORT.json [--run ...] \
+        --out SUMMARY.md --plot PNG
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,30 +162,39 @@ def build_plan(overrides: list[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- curves
-def checkpoints(ours: str | Path, theirs: str | Path) -> list[tuple[str, int, Path]]:
-    """(side, step, path) of every saved checkpoint: ours ``stepN.ckpt`` files, theirs
-    ``step-N`` directories, by side then step."""
+def checkpoints(ours: str | Path, theirs: str | Path,
+                others: dict[str, str | Path] | None = None) -> list[tuple[str, int, Path]]:
+    """(side, step, path) of every saved checkpoint: ours ``stepN.ckpt`` files (side ``ours``,
+    and each ``others`` side: another of our runs, e.g. the distribution-loss arm), theirs
+    ``step-N`` directories (side ``speculators``), by side then step."""
     found = []
-    for p in Path(ours).glob("step*.ckpt"):
-        m = re.fullmatch(r"step(\d+)\.ckpt", p.name)
-        if m:
-            found.append(("ours", int(m.group(1)), p))
+    ours_sides = {"ours": ours, **(others or {})}
+    for side, root in ours_sides.items():
+        for p in Path(root).glob("step*.ckpt"):
+            m = re.fullmatch(r"step(\d+)\.ckpt", p.name)
+            if m:
+                found.append((side, int(m.group(1)), p))
     for p in Path(theirs).glob("step-*"):
         m = re.fullmatch(r"step-(\d+)", p.name)
         if m and (p / "config.json").is_file():
             found.append(("speculators", int(m.group(1)), p))
     if not found:
-        raise ValueError(f"no checkpoints under {ours} (stepN.ckpt) or {theirs} (step-N/): "
+        dirs = ", ".join(str(d) for d in ours_sides.values())
+        raise ValueError(f"no checkpoints under {dirs} (stepN.ckpt) or {theirs} (step-N/): "
                          "run the train_ours and train_theirs stages first")
     return sorted(found, key=lambda t: (t[0], t[1]))
 
 
 def curve_rows(heldout: str, target_path: str, ours: str, theirs: str,
                num_anchors: int | None = None,
-               done: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+               done: list[dict[str, Any]] | None = None,
+               others: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Held-out tau of every checkpoint, the target loaded once (float32, as dflash-eval).
     ``done``: rows of an earlier pass (same settings), kept; only checkpoints without a row
-    are evaluated, so the stage can run while the other side is still training."""
+    are evaluated, so the stage can run while the other side is still training. ``others``:
+    more of our runs by side name (:func:`checkpoints`). ``tau_T1``: features mode's expected
+    acceptance length at T = 1 (reported where the held-out capture holds the target
+    distribution and the drafter is DFlash 1), else None."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
@@ -191,7 +212,7 @@ def curve_rows(heldout: str, target_path: str, ours: str, theirs: str,
     rows = list(done or [])
     have = {(r["side"], r["step"]) for r in rows}
     dataset = None
-    for side, step, path in checkpoints(ours, theirs):
+    for side, step, path in checkpoints(ours, theirs, others):
         if (side, step) in have:
             continue
         loaded = load_drafter(path, backend="sdpa", device=target.device,
@@ -206,7 +227,8 @@ def curve_rows(heldout: str, target_path: str, ours: str, theirs: str,
                            progress=False)
         rows.append({"side": side, "step": step, "tau_mean": rep["tau_mean"],
                      "acc_pos1": rep["per_position_acceptance"][0],
-                     "num_blocks": rep["num_blocks"], "path": str(path)})
+                     "num_blocks": rep["num_blocks"], "path": str(path),
+                     "tau_T1": rep.get("tau_T1")})
         print(json.dumps(rows[-1]), flush=True)
     return sorted(rows, key=lambda r: (r["side"], r["step"]))
 
@@ -218,12 +240,19 @@ def write_tsv(path: str | Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_text(Path(path), text)
 
 
+def _float_or_none(text: str | None) -> float | None:
+    return None if text in (None, "", "None") else float(text)
+
+
 def read_tsv(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a curves TSV; ``tau_T1`` None where the row has none (also in TSVs written
+    before the column existed, so their rows keep merging with new ones)."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     for r in rows:
         r["step"], r["tau_mean"] = int(r["step"]), float(r["tau_mean"])
         r["acc_pos1"], r["num_blocks"] = float(r["acc_pos1"]), int(r["num_blocks"])
+        r["tau_T1"] = _float_or_none(r.get("tau_T1"))
     return rows
 
 
@@ -289,7 +318,201 @@ def plot_curves(rows: list[dict[str, Any]], png: str | Path, title: str = PLOT_T
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------------- summary
+#: The summary's measures per arm and seed: (key, column title).
+MEASURES = (("heldout_T0", "held-out tau, T=0"),
+            ("heldout_T1", "held-out expected tau, T=1"),
+            ("decode_T0", "decoding tau, T=0"),
+            ("decode_T1", "decoding tau, T=1"))
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """One arm at one seed: its label in the tables, its side in the curves TSV, the seed, the
+    TSV, and its final drafter's dflash-eval reports at T = 0 and T = 1."""
+
+    label: str
+    side: str
+    seed: int
+    curves: Path
+    eval_t0: Path
+    eval_t1: Path
+
+
+def _read_json(path: Path, missing: list[str]) -> dict | None:
+    if not path.is_file():
+        missing.append(str(path))
+        return None
+    return json.loads(path.read_text())
+
+
+def seed_values(run: SeedRun, step: int, missing: list[str]) -> dict[str, Any]:
+    """The measures of one arm at one seed (:data:`MEASURES`; None where not measured) plus
+    ``lossless_T0`` and the arm's learning curve ``curve`` {step: tau}; every input file that
+    does not exist is appended to ``missing`` (the table names them: no silent gaps)."""
+    rows: list[dict[str, Any]] = []
+    if run.curves.is_file():
+        rows = [r for r in read_tsv(run.curves) if r["side"] == run.side]
+    else:
+        missing.append(str(run.curves))
+    final = next((r for r in rows if r["step"] == step), None)
+    if run.curves.is_file() and final is None:
+        missing.append(f"{run.curves}: no {run.side} row at step {step}")
+    t0 = _read_json(run.eval_t0, missing)
+    t1 = _read_json(run.eval_t1, missing)
+    return {"heldout_T0": final and final["tau_mean"],
+            "heldout_T1": final and final["tau_T1"],
+            "decode_T0": t0 and t0.get("tau_mean"),
+            "decode_T1": t1 and t1.get("tau_mean"),
+            "lossless_T0": t0 and t0.get("lossless"),
+            "t1_settings": t1 and {k: t1.get("settings", {}).get(k)
+                                   for k in ("temperature", "sampling")},
+            "curve": {r["step"]: r["tau_mean"] for r in rows}}
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """mean, std (sample, ddof 1; 0 for one value), min, max and n of ``values``; None when
+    empty."""
+    if not values:
+        return None
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
+
+
+def _cell(st: dict[str, float] | None, of: int, why: str) -> str:
+    if st is None:
+        return why
+    text = (f"{st['mean']:.3f}" if st["n"] == 1 else
+            f"{st['mean']:.3f} ± {st['std']:.3f} [{st['min']:.3f}..{st['max']:.3f}]")
+    return text + ("" if st["n"] == of else f" ({st['n']} of {of} seeds)")
+
+
+def t1_reason(variant: str, heldout_holds: bool) -> str:
+    """Why the held-out expected tau at T = 1 is not there, in the words the table shows."""
+    if variant == "dflash2":
+        return ("n/a (DFlash 2 drafts from its selector: features mode measures tau_T1 for "
+                "DFlash 1 only; see decoding T=1)")
+    if not heldout_holds:
+        return ("n/a (needs a held-out capture with capture.distribution=[last_hidden]: "
+                "DISTRIBUTION=last_hidden)")
+    return "n/a (needs features-mode tau_T1 in the curves: rerun the curves stage)"
+
+
+def separation(a: dict[str, float] | None, b: dict[str, float] | None) -> str:
+    """Whether two arms' seed ranges are apart: the difference of their means and a verdict."""
+    if a is None or b is None:
+        return "-"
+    diff = f"{a['mean'] - b['mean']:+.3f}"
+    if a["n"] < 2 or b["n"] < 2:
+        return f"{diff} (one seed: spread unknown)"
+    apart = a["min"] > b["max"] or a["max"] < b["min"]
+    verdict = "separated: the seed ranges do not overlap" if apart else "within the seed spread"
+    return f"{diff} ({verdict})"
+
+
+def summarize(runs: list[SeedRun], step: int, variant: str, heldout_holds: bool,
+              theirs_label: str = "speculators") -> tuple[str, dict[str, Any]]:
+    """The summary markdown and its numbers (``{label: {measure: spread}}``, curves).
+
+    Per arm (label, in the order first given): every measure's :func:`spread` over its seeds,
+    losslessness at T = 0 (every seed's eval), the arm against ``theirs_label`` per measure
+    (:func:`separation`), then the mean learning curve per step."""
+    missing: list[str] = []
+    labels = list(dict.fromkeys(r.label for r in runs))
+    seeds = {lab: sorted(r.seed for r in runs if r.label == lab) for lab in labels}
+    values = {lab: [seed_values(r, step, missing) for r in runs if r.label == lab]
+              for lab in labels}
+    stats = {lab: {k: spread([v[k] for v in vals if v[k] is not None]) for k, _ in MEASURES}
+             for lab, vals in values.items()}
+    why = {"heldout_T1": t1_reason(variant, heldout_holds)}
+    lines = [f"Final drafters (step {step}); each cell: mean ± std [min..max] over the seeds "
+             "(one value: one seed).", "",
+             "| arm | seeds | " + " | ".join(t for _, t in MEASURES) + " | lossless T=0 | "
+             "lossless T=1 |", "|---" * (len(MEASURES) + 4) + "|"]
+    for lab in labels:
+        of = len(seeds[lab])
+        cells = [_cell(stats[lab][k], of, why.get(k, "missing (run its stage)"))
+                 for k, _ in MEASURES]
+        checked = [v["lossless_T0"] for v in values[lab] if v["lossless_T0"] is not None]
+        lossless = ("-" if not checked else
+                    f"{'yes' if all(checked) else 'NO'} ({sum(map(bool, checked))}/{of})")
+        lines.append(f"| {lab} | {' '.join(map(str, seeds[lab]))} | {' | '.join(cells)} | "
+                     f"{lossless} | in distribution (rejection sampling) |")
+    if theirs_label in stats:
+        lines += ["", f"Against {theirs_label} (difference of the means; separated when the "
+                  "min..max ranges over seeds do not overlap):", "",
+                  "| arm | " + " | ".join(t for _, t in MEASURES) + " |",
+                  "|---" * (len(MEASURES) + 1) + "|"]
+        for lab in labels:
+            if lab != theirs_label:
+                lines.append(f"| {lab} - {theirs_label} | " + " | ".join(
+                    separation(stats[lab][k], stats[theirs_label][k]) for k, _ in MEASURES)
+                    + " |")
+    curves = {lab: _mean_curve(values[lab]) for lab in labels}
+    steps = sorted({s for c in curves.values() for s in c})
+    lines += ["", "Held-out tau (T=0) along training, mean over the seeds [min..max]:", "",
+              "| step | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for s in steps:
+        lines.append(f"| {s} | " + " | ".join(
+            _cell(curves[lab].get(s), len(seeds[lab]), "-") for lab in labels) + " |")
+    t1 = {json.dumps(v["t1_settings"], sort_keys=True) for vals in values.values()
+          for v in vals if v["t1_settings"]}
+    if t1:
+        lines += ["", "Decoding at T=1 ran with " + "; ".join(sorted(t1)) + "."]
+    if missing:
+        lines += ["", "Missing inputs (their cells show missing or fewer seeds):", ""]
+        lines += [f"- {m}" for m in missing]
+    return "\n".join(lines) + "\n", {"stats": stats, "curves": curves, "missing": missing}
+
+
+def _mean_curve(vals: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    steps = sorted({s for v in vals for s in v["curve"]})
+    return {s: spread([v["curve"][s] for v in vals if s in v["curve"]]) for s in steps}
+
+
+def plot_seed_curves(curves: dict[str, dict[int, dict[str, float]]], png: str | Path,
+                     title: str = PLOT_TITLE) -> None:
+    """Mean held-out tau per step of every arm, with its min..max band over the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for lab, curve in curves.items():
+        if not curve:
+            continue
+        steps = sorted(curve)
+        mean = [curve[s]["mean"] for s in steps]
+        (line,) = ax.plot(steps, mean, "s--" if lab == "speculators" else "o-", label=lab)
+        ax.fill_between(steps, [curve[s]["min"] for s in steps],
+                        [curve[s]["max"] for s in steps], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("optimizer steps (same batches)")
+    ax.set_ylabel("held-out tau, T=0 (mean, min..max over seeds)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(Path(png)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------- cli
+def parse_others(items: list[str]) -> dict[str, str]:
+    """``--other SIDE=DIR`` values as {side: dir}; ValueError naming a malformed one."""
+    out = {}
+    for item in items:
+        side, sep, root = item.partition("=")
+        if not sep or not side or not root or side in ("ours", "speculators"):
+            raise ValueError(f"--other {item!r}: expected SIDE=DIR with a side name other than "
+                             "ours and speculators, e.g. --other ours-loss-kl1.0=RUN/curve")
+        out[side] = root
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -301,10 +524,23 @@ def main(argv: list[str] | None = None) -> None:
         pc.add_argument(f"--{k}", required=True)
     pc.add_argument("--num-anchors", type=int, default=None,
                     help="blocks per held-out sample (default: every valid anchor)")
+    pc.add_argument("--other", action="append", default=[], metavar="SIDE=DIR",
+                    help="another of our runs' stepN.ckpt directory, scored as side SIDE")
     pt = sub.add_parser("table")
     for k in ("curves", "eval-ours", "eval-theirs", "out", "plot"):
         pt.add_argument(f"--{k}", required=True)
     pt.add_argument("--title", default=PLOT_TITLE, help="the plot's title")
+    ps = sub.add_parser("summary")
+    ps.add_argument("--run", action="append", nargs=6, required=True,
+                    metavar=("LABEL", "SIDE", "SEED", "CURVES", "EVAL_T0", "EVAL_T1"),
+                    help="one arm at one seed (repeat for every arm and seed)")
+    ps.add_argument("--step", type=int, required=True, help="the final drafters' step")
+    ps.add_argument("--heldout", required=True, help="the held-out capture of the curves")
+    ps.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2"])
+    for k in ("out", "plot"):
+        ps.add_argument(f"--{k}", required=True)
+    ps.add_argument("--json", default=None, help="also write the numbers here")
+    ps.add_argument("--title", default=PLOT_TITLE, help="the plot's title")
     a = p.parse_args(argv)
     if a.cmd == "plan":
         plan = build_plan(a.overrides)
@@ -312,7 +548,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"plan: {plan['num_steps']} steps of {plan['batch_size']} sequences -> {a.out}")
     elif a.cmd == "curves":
         done = read_tsv(a.out) if Path(a.out).is_file() else None
-        write_tsv(a.out, curve_rows(a.heldout, a.target, a.ours, a.theirs, a.num_anchors, done))
+        write_tsv(a.out, curve_rows(a.heldout, a.target, a.ours, a.theirs, a.num_anchors, done,
+                                    parse_others(a.other)))
+    elif a.cmd == "summary":
+        from dflash_lab.data.shards import distribution_of, read_manifest
+
+        runs = [SeedRun(lab, side, int(seed), Path(c), Path(e0), Path(e1))
+                for lab, side, seed, c, e0, e1 in a.run]
+        holds = distribution_of(read_manifest(a.heldout))["last_hidden"]
+        text, numbers = summarize(runs, a.step, a.variant, holds)
+        atomic_write_text(Path(a.out), text)
+        if a.json:
+            atomic_write_text(Path(a.json), json.dumps(numbers, indent=1) + "\n")
+        plot_seed_curves(numbers["curves"], a.plot, a.title)
     else:
         rows = read_tsv(a.curves)
         reports = [json.loads(Path(x).read_text()) for x in (a.eval_ours, a.eval_theirs)]
