@@ -12,6 +12,60 @@ policy_suffix() {
   esac
 }
 
+# check_seeds "LIST": SEEDS must be distinct non-negative integers separated by spaces
+# (e.g. SEEDS="0 1 2"); anything else prints the knob and returns 2.
+check_seeds() {
+  local s seen=" " list
+  read -ra list <<< "$1"  # no globbing of the words
+  if [[ ${#list[@]} -eq 0 ]]; then
+    echo "SEEDS=$1: expected one or more seeds, e.g. SEEDS=\"0 1 2\""; return 2
+  fi
+  for s in "${list[@]}"; do
+    if [[ ! $s =~ ^(0|[1-9][0-9]*)$ ]]; then
+      echo "SEEDS=$1: '$s' is not a non-negative integer (e.g. SEEDS=\"0 1 2\")"; return 2
+    fi
+    if [[ $seen == *" $s "* ]]; then echo "SEEDS=$1: seed $s is given twice"; return 2; fi
+    seen+="$s "
+  done
+}
+
+# seed_suffix N: the directory / stage suffix of seed N: "" for seed 0 (the names single-seed
+# runs have always had), _seedN otherwise.
+seed_suffix() {
+  if [[ $1 == 0 ]]; then echo ""; else echo "_seed$1"; fi
+}
+
+# The names module.loss knows (dflash_lab/train/distill.py LOSS_NAMES).
+LOSS_NAMES=(ce kl rkl jsd tv nla lk_hybrid accept)
+
+# loss_slug LOSS: a directory-safe name for a module.loss value, prefixed loss-:
+# "{kl: 1.0}" -> loss-kl1.0, "{ce: 0.1, tv: 0.9}" -> loss-ce0.1_tv0.9, "tv" -> loss-tv.
+# A value that is neither a loss name nor a {name: weight, ...} mapping of known names and
+# non-negative numbers prints the knob (OUR_LOSS) and returns 2.
+loss_slug() {
+  local v=$1 name='[a-z_]+' num='[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?' names n
+  local pair="$name *: *$num" re
+  re="^\{ *$pair( *, *$pair)* *\}$"
+  if [[ $v =~ ^$name$ ]]; then
+    names=$v
+  elif [[ $v =~ $re ]]; then
+    names=$(tr -d '{} ' <<< "$v" | tr ',' '\n' | cut -d: -f1)
+  else
+    echo "OUR_LOSS=$v: expected a loss name or a mapping {name: weight, ...}," \
+         "e.g. OUR_LOSS='{kl: 1.0}' or OUR_LOSS='{ce: 0.1, tv: 0.9}' (or none)"
+    return 2
+  fi
+  for n in $names; do
+    if [[ " ${LOSS_NAMES[*]} " != *" $n "* ]]; then
+      echo "OUR_LOSS=$v: unknown loss '$n'; known: ${LOSS_NAMES[*]} (dflash_lab/train/distill.py)"
+      return 2
+    fi
+  done
+  local s=${v//[\{\} ]/}
+  s=${s//:/}
+  echo "loss-${s//,/_}"
+}
+
 # stage NAME MARK CMD...: skip when $OUT/done/NAME exists (MARK=mark), else run CMD (tee'd to
 # the stage log), append "NAME<TAB>seconds" to $OUT/times.tsv and, with MARK=mark, mark it done.
 # Stages with MARK=- are cheap and idempotent and always run. Delete $OUT/done/NAME to redo one.
