@@ -184,7 +184,8 @@ def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
 def dense_buckets(teacher_logits_vm: Tensor, q_vm: Tensor, logq_vm: Tensor,
                   temperature: float) -> Buckets:
     """Token buckets: p = softmax(teacher / T) over the vocabulary."""
-    logp = torch.log_softmax(teacher_logits_vm / temperature, dim=0)
+    scaled = teacher_logits_vm if temperature == 1.0 else teacher_logits_vm / temperature
+    logp = torch.log_softmax(scaled, dim=0)
     return Buckets(logp.exp(), logp, q_vm, logq_vm)
 
 
@@ -314,7 +315,8 @@ def tempered_overlap(teacher: Teacher, teacher_logits_vm: Tensor | None, logits_
 
     Sparse teachers hold T = 1 only (their tail cannot be re-tempered): refused elsewhere.
     """
-    logq = torch.log_softmax(logits_vm / temperature, dim=0)
+    logq = torch.log_softmax(logits_vm if temperature == 1.0 else logits_vm / temperature,
+                             dim=0)
     q = logq.exp()
     b = (dense_buckets(teacher_logits_vm, q, logq, temperature) if teacher.dense
          else sparse_buckets(teacher, q))

@@ -13,6 +13,7 @@ from benchmarks import (
     attention,
     capture,
     draft_latency,
+    loss_cost,
     loss_memory,
     peer_speculators,
     regenerate,
@@ -37,6 +38,13 @@ def test_attention_benchmark(tmp_path):
 def test_loss_memory_benchmark(tmp_path):
     rec = _run(loss_memory, tmp_path)
     assert all(r["max_grad_diff"] < 1e-4 for r in rec["rows"])
+
+
+def test_loss_cost_benchmark_times_every_loss_against_ce(tmp_path):
+    rec = _run(loss_cost, tmp_path, "--losses", "kl", "kl_top64", "accept")
+    rows = {r["loss"]: r for r in rec["rows"]}
+    assert set(rows) == {"ce", "kl", "kl_top64", "accept"} and rows["ce"]["time_vs_ce"] == 1.0
+    assert all(r["step_ms"] > 0 for r in rows.values())
 
 
 def test_train_step_benchmark_times_dflash1_and_dflash2_interleaved(tmp_path):

@@ -1,0 +1,101 @@
+"""Benchmark: the cost of each training loss against CE (issue 27 item 8).
+
+One full optimizer step (anchors -> drafter -> head pass -> backward -> AdamW) of the same
+drafter shape, batch and anchors for every ``module.loss``: the label CE (the default path),
+each distribution loss against a dense teacher (the target's last hidden state, projected by
+the head in the pass), KL against a top-k teacher, and the accept objective. The steps of all
+losses run interleaved, their order rotating every round, so a load change on the machine hits
+every loss alike; each ratio is the median over rounds of (loss step / CE step) in the same
+round. Peak memory: each step's rise above the level before it (warm, in this process).
+Goals (at the SmolLM2 shape, ``--size cpu``): KL / TV / NLA steps within 1.15x of CE's time,
+peak memory within 1.1x.
+
+    python -m benchmarks.loss_cost [--device cpu|cuda] [--size toy|cpu|paper] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from benchmarks.common import (
+    SHAPES,
+    base_parser,
+    drafter_config,
+    product_optimizer,
+    report,
+    resolve,
+    table,
+    target_head,
+    training_batch,
+)
+from benchmarks.train_step import interleaved_seconds, make_step, step_peak_mib
+from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.train.module import DFlashModule
+
+#: name -> (module.loss, teacher kind)
+LOSSES = {
+    "ce": ("ce", "dense"), "kl": ({"kl": 1.0}, "dense"), "tv": ({"tv": 1.0}, "dense"),
+    "nla": ({"nla": 1.0}, "dense"), "jsd": ({"jsd": 1.0}, "dense"),
+    "rkl": ({"rkl": 1.0}, "dense"), "lk_hybrid": ({"lk_hybrid": 1.0}, "dense"),
+    "ce+tv": ({"ce": 0.1, "tv": 0.9}, "dense"), "accept": ({"accept": 1.0}, "dense"),
+    "kl_top64": ({"kl": 1.0}, "top64"),
+}
+TOPK = 64
+
+
+def teacher_batch(batch: dict, head, seed: int = 1) -> dict:
+    """The batch with a target distribution: last hidden states [Bt, S, H] (unit scale, as a
+    final norm leaves them) and their top-64 ids / log-probabilities through ``head``."""
+    g = torch.Generator().manual_seed(seed)
+    bt, s = batch["input_ids"].shape
+    last = torch.randn(bt, s, head.lm_head.weight.shape[1], generator=g)
+    last = (last * 8.0).to(batch["hidden"].device, batch["hidden"].dtype)  # peaked logits
+    with torch.no_grad():
+        logp = head.lm_head(last).float().log_softmax(-1)
+        values, ids = logp.topk(TOPK, dim=-1)
+    return {**batch, "target_last_hidden": last, "target_top_ids": ids,
+            "target_top_logprobs": values}
+
+
+def build(name: str, size: str, device: torch.device, backend: str):
+    loss, kind = LOSSES[name]
+    cfg = drafter_config(size)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, backend=backend).to(device)
+    head = target_head(cfg, device, SHAPES[size]["dtype"])
+    held = {"last_hidden": kind == "dense", "topk": TOPK if kind == "top64" else 0}
+    module = DFlashModule(drafter, head, product_optimizer, gamma=4.0, loss=loss,
+                          num_anchors=SHAPES[size]["num_anchors"], val_temperatures=[],
+                          target_distribution=held).to(device)
+    opt = product_optimizer([p for p in drafter.parameters() if p.requires_grad])
+    batch = teacher_batch(training_batch(cfg, size, device, SHAPES[size]["dtype"]), head)
+    return module, make_step(module, opt, batch)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.split("\n")[0])
+    parser.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
+    args = parser.parse_args(argv)
+    device, size = resolve(args)
+    repeats = args.repeats or (3 if size == "toy" else 8)
+    names = ["ce", *[n for n in args.losses if n != "ce"]]
+    built = {n: build(n, size, device, "sdpa") for n in names}
+    steps = {n: step for n, (_, step) in built.items()}
+    for step in steps.values():  # warm-up: allocator, kernels
+        step()
+    peaks = {n: step_peak_mib(step, device, built[n][0]) for n, step in steps.items()}
+    times = interleaved_seconds(steps, device, repeats)
+    rows = []
+    for n in names:
+        ratio = statistics.median(t / c for t, c in zip(times[n], times["ce"], strict=True))
+        rows.append({"loss": n, "step_ms": 1e3 * statistics.median(times[n]),
+                     "time_vs_ce": ratio, "peak_mib": peaks[n],
+                     "peak_vs_ce": peaks[n] / max(peaks["ce"], 1e-9)})
+    table(rows, ["loss", "step_ms", "time_vs_ce", "peak_mib", "peak_vs_ce"])
+    return report("loss_cost", args, {"size": size, "repeats": repeats, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
