@@ -125,7 +125,7 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | No
 RESUME_FREE_KEYS = ("data.num_workers", "data.persistent_workers", "data.pin_memory",
                     "data.prefetch_factor", "data.verify_checksums", "data.demo_file",
                     "target.device", "target.device_map", "target.attn_implementation",
-                    "target.local_files_only")
+                    "target.local_files_only", "module.val_temperatures")
 RESUME_CHECKED_GROUPS = ("target", "drafter", "data", "module", "seed")
 
 
