@@ -286,8 +286,11 @@ class ChunkTerms:
 
 
 def distribution_terms(spec: LossSpec, teacher: Teacher, teacher_logits_vm: Tensor | None,
-                       q_vm: Tensor, logq_vm: Tensor, want_grad: bool) -> ChunkTerms:
-    """The distribution terms of ``spec`` (no ce, no accept) for one chunk, over the buckets."""
+                       q_vm: Tensor, logq_vm: Tensor, want_grad: bool,
+                       need_overlap: bool = True) -> ChunkTerms:
+    """The distribution terms of ``spec`` (no ce, no accept) for one chunk, over the buckets;
+    ``need_overlap``: also sum min(p, q) (D-PACE's confidence; zeros otherwise: two passes over
+    the chunk saved)."""
     b = (dense_buckets(teacher_logits_vm, q_vm, logq_vm, spec.label_temperature)
          if teacher.dense else sparse_buckets(teacher, q_vm))
     values, h_total = [], None
@@ -297,7 +300,8 @@ def distribution_terms(spec: LossSpec, teacher: Teacher, teacher_logits_vm: Tens
         value, h = LOSSES[name](b, lk_eta=spec.lk_eta)
         values.append(value)
         if want_grad:
-            h_total = weight * h if h_total is None else h_total.add_(weight * h)
+            h = h if weight == 1.0 else h.mul_(weight)
+            h_total = h if h_total is None else h_total.add_(h)
     weights = [w for n, w in spec.slot_terms if n != "ce"]
     terms = torch.stack(values) if values else q_vm.new_zeros(0, q_vm.shape[1])
     mixed = sum(w * v for w, v in zip(weights, values)) if values else q_vm.new_zeros(
@@ -306,7 +310,8 @@ def distribution_terms(spec: LossSpec, teacher: Teacher, teacher_logits_vm: Tens
     if want_grad and h_total is not None:
         ids = None if teacher.dense else teacher.top_ids_mk.t().long()
         grad = logit_gradient(h_total, q_vm, ids)
-    return ChunkTerms(mixed, terms, overlap(b), grad)
+    return ChunkTerms(mixed, terms, overlap(b) if need_overlap else q_vm.new_zeros(
+        q_vm.shape[1]), grad)
 
 
 def tempered_overlap(teacher: Teacher, teacher_logits_vm: Tensor | None, logits_vm: Tensor,

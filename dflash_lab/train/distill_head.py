@@ -53,8 +53,9 @@ class DistillPass:
     ``accept``: the acceptance probability of each slot at ``spec.accept_temperature``
     (differentiable; only when the spec has ``accept``). ``ce``, ``correct``: the label CE and
     whether the label attains the max. ``overlap``: sum min(p, q) at T_label (the D-PACE
-    confidence). ``terms`` [C, M]: each distribution term's value. ``overlaps`` [T, M]: the
-    acceptance probability at each asked temperature (0: the greedy match). ``top_values`` /
+    confidence; zeros unless ``need_overlap``). ``terms`` [C, M]: each distribution term's
+    value. ``overlaps`` [T, M]: the acceptance probability at each asked temperature (0: the
+    greedy match). ``top_values`` /
     ``top_ids`` [M, K]: the unary top-K when asked.
     """
 
@@ -100,7 +101,8 @@ def _greedy_overlap(logits_vm: Tensor, t_vm: Tensor | None, teacher: Teacher) ->
 
 
 def _chunk(h_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, scale: LogitScale, top_k: int,
-           spec: LossSpec, teacher: Teacher, temperatures: tuple[float, ...], want_grad: bool):
+           spec: LossSpec, teacher: Teacher, temperatures: tuple[float, ...], want_grad: bool,
+           need_overlap: bool = True):
     """Every per-row output of one chunk, and (when ``want_grad``) the gradients of ``loss``
     and ``accept`` to the chunk's hidden states [m, H] (None when not asked)."""
     logits_vm = (weight_vh @ h_mh.t()).float()
@@ -108,7 +110,7 @@ def _chunk(h_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, scale: LogitScale,
     tops = tuple(t.t() for t in vocab_topk(logits_vm, top_k, dim=0)) if top_k else None
     logq_vm, q_vm, ce_m, correct_m = _ce_terms(logits_vm, labels_m)
     t_vm = teacher_logits(teacher, weight_vh) if teacher.dense else None
-    dist = distribution_terms(spec, teacher, t_vm, q_vm, logq_vm, want_grad)
+    dist = distribution_terms(spec, teacher, t_vm, q_vm, logq_vm, want_grad, need_overlap)
     ce_weight = dict(spec.slot_terms).get("ce", 0.0)
     loss_m = dist.value_m + ce_weight * ce_m
     accept_m = accept_grad = None
@@ -143,13 +145,13 @@ def _cat(parts: list, dim: int = 0):
 
 
 def _passes(hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher, temperatures,
-            want_grad):
+            want_grad, need_overlap=True):
     """Run every chunk; returns (outputs as DistillPass fields, gradient parts)."""
     outs, grads = [], []
     for start in range(0, hidden_mh.shape[0], rows):
         stop = start + rows
         o, g = _chunk(hidden_mh[start:stop], labels_m[start:stop], weight_vh, scale, top_k,
-                      spec, teacher.rows(start, stop), temperatures, want_grad)
+                      spec, teacher.rows(start, stop), temperatures, want_grad, need_overlap)
         outs.append(o)
         grads.append(g)
     cols = list(zip(*outs, strict=True))
@@ -164,9 +166,9 @@ class _FusedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher,
-                temperatures):
+                temperatures, need_overlap):
         fields, grads = _passes(hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec,
-                                teacher, temperatures, True)
+                                teacher, temperatures, True, need_overlap)
         loss_grad = torch.cat([g[0] for g in grads])
         accept_grad = torch.cat([g[1] for g in grads]) if spec.accept_weight else None
         ctx.save_for_backward(loss_grad, accept_grad)
@@ -181,7 +183,7 @@ class _FusedDistill(torch.autograd.Function):
         grad = loss_grad * grad_loss[:, None].to(loss_grad.dtype)
         if accept_grad is not None and grad_accept is not None and grad_accept.numel():
             grad = grad + accept_grad * grad_accept[:, None].to(accept_grad.dtype)
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def distill_rows(num_rows: int, vocab_size: int, chunk_size: int | None,
@@ -194,7 +196,8 @@ def distill_rows(num_rows: int, vocab_size: int, chunk_size: int | None,
 def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, spec: LossSpec,
                       teacher: Teacher, *, chunk_size: int | None = None,
                       chunk_bytes: int = CE_CHUNK_BYTES, scale: LogitScale = NO_SCALE,
-                      top_k: int = 0, temperatures: tuple[float, ...] = ()) -> DistillPass:
+                      top_k: int = 0, temperatures: tuple[float, ...] = (),
+                      need_overlap: bool = True) -> DistillPass:
     """The distribution losses, label CE, overlaps and top-K of M rows in one chunked pass.
 
     ``teacher``: the target distribution of the same M rows. ``temperatures``: where to
@@ -214,7 +217,7 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
     rows = distill_rows(hidden_mh.shape[0], _vocab_size(lm_head), chunk_size, chunk_bytes)
     if torch.is_grad_enabled() and hidden_mh.requires_grad:
         out = _FusedDistill.apply(hidden_mh, labels_m, weight, rows, scale, top_k, spec,
-                                  teacher, temperatures)
+                                  teacher, temperatures, need_overlap)
         loss, accept, ce, correct, overlap_m, terms, overlaps, top_v, top_i = out
         return DistillPass(loss, ce, correct, overlap_m, terms,
                            accept if spec.accept_weight else None,
@@ -222,7 +225,7 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
                            top_v if top_k else None, top_i if top_k else None)
     with torch.no_grad():
         fields, _ = _passes(hidden_mh, labels_m, weight, rows, scale, top_k, spec, teacher,
-                            temperatures, False)
+                            temperatures, False, need_overlap)
     loss, ce, correct, overlap_m, terms, accept, overlaps, top_v, top_i = fields
     return DistillPass(loss, ce, correct, overlap_m, terms, accept, overlaps, top_v, top_i)
 
@@ -250,9 +253,10 @@ def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_b
                          "this batch carries none (see docs/capture.md, 'The target "
                          "distribution')")
     sel = targets.valid
+    dpace = weighting == "dpace" and spec.needs_distribution  # confidence = the overlap
     head = distill_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, spec, teacher,
                              chunk_size=chunk_size, chunk_bytes=chunk_bytes, scale=scale,
-                             top_k=top_k, temperatures=tuple(temperatures))
+                             top_k=top_k, temperatures=tuple(temperatures), need_overlap=dpace)
     nll = head.ce if not spec.needs_distribution else -head.overlap.clamp(min=1e-30).log()
     w = slot_weights(sel, nll, gamma, weighting, dpace_alpha)
     correct = torch.zeros_like(sel)
