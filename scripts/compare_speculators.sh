@@ -274,7 +274,7 @@ table() {  # every arm over every seed; the plot into PLOT_DIR
   local runs=() s
   for s in "${SEED_LIST[@]}"; do
     use_seed "$s"
-    runs+=(--run ours ours "$SEED" "$CURVES" "$OUT/eval_$OURS_NAME/report.json"
+    runs+=(--run "ours ce" ours "$SEED" "$CURVES" "$OUT/eval_$OURS_NAME/report.json"
            "$OUT/eval_${OURS_NAME}_T1/report.json")
     if [[ -n $LSLUG ]]; then
       runs+=(--run "ours $OUR_LOSS" "ours-$LSLUG" "$SEED" "$CURVES"
