@@ -307,8 +307,15 @@ def plot_curves(rows: list[dict[str, Any]], png: str | Path, title: str = PLOT_T
         if pts:
             ax.plot(*zip(*pts), style, label="dflash-lab" if side == "ours"
                     else "speculators 0.9.0")
+    _finish_plot(fig, ax, "held-out tau (features mode)", title, png)
+
+
+def _finish_plot(fig, ax, ylabel: str, title: str, png: str | Path) -> None:
+    """Label, grid and legend a learning-curve plot, then write it (temporary name, rename)."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("optimizer steps (same batches)")
-    ax.set_ylabel("held-out tau (features mode)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -489,15 +496,7 @@ def plot_seed_curves(curves: dict[str, dict[int, dict[str, float]]], png: str | 
         (line,) = ax.plot(steps, mean, "s--" if lab == "speculators" else "o-", label=lab)
         ax.fill_between(steps, [curve[s]["min"] for s in steps],
                         [curve[s]["max"] for s in steps], color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("optimizer steps (same batches)")
-    ax.set_ylabel("held-out tau, T=0 (mean, min..max over seeds)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(Path(png)) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _finish_plot(fig, ax, "held-out tau, T=0 (mean, min..max over seeds)", title, png)
 
 
 # ------------------------------------------------------------------------------------- cli
