@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dflash_lab.model.dflash2 import scale_logits
+
 #: Per-slot losses over the target distribution (``ce`` uses the label only).
 DISTRIBUTION_LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid")
 SLOT_LOSSES = ("ce", *DISTRIBUTION_LOSSES)
@@ -176,8 +178,7 @@ class Buckets:
 def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
     """Dense teacher logits [V, m] fp32 of a chunk: the target head (and its softcap)."""
     logits_vm = (weight_vh @ teacher.hidden_mh.to(weight_vh.dtype).t()).float()
-    if teacher.softcap is not None:
-        logits_vm = torch.tanh(logits_vm / teacher.softcap) * teacher.softcap
+    logits_vm = scale_logits(logits_vm, 1.0, teacher.softcap)
     return logits_vm
 
 
@@ -340,6 +341,12 @@ def chain(alpha_bnp: Tensor, valid_bnp: Tensor) -> Tensor:
     return torch.cumprod(a, dim=-1)
 
 
+def on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
+    """[M] values of the valid slots (row-major order) -> [Bt, N, B], 0 elsewhere;
+    differentiable in the values."""
+    return values_m.new_zeros(valid_bnp.shape).masked_scatter(valid_bnp, values_m)
+
+
 def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
     """Expected number of accepted drafts of each real block [K]: sum_t P_t.
 
@@ -453,9 +460,8 @@ def _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise, chunk_
         ids = ids_mk[start:start + chunk_rows]
         picked = torch.einsum("mh,mkh->mk", h, weight[ids]).float()
         full = None if renormalise else (h @ weight.t()).float()
-        if teacher.softcap is not None:
-            picked = torch.tanh(picked / teacher.softcap) * teacher.softcap
-            full = None if full is None else torch.tanh(full / teacher.softcap) * teacher.softcap
+        picked = scale_logits(picked, 1.0, teacher.softcap)
+        full = None if full is None else scale_logits(full, 1.0, teacher.softcap)
         picked = picked / temperature
         if full is not None:
             picked = picked - torch.logsumexp(full / temperature, dim=-1, keepdim=True)

@@ -26,6 +26,7 @@ from dflash_lab.train.distill import (
     Teacher,
     distribution_terms,
     expected_accepted,
+    on_slots,
     teacher_logits,
     tempered_overlap,
 )
@@ -269,18 +270,12 @@ def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_b
         out.term_sums["ce"] = (w * head.ce).sum().detach()
     blocks = block_valid_bn if block_valid_bn is not None else sel.any(-1)
     if spec.accept_weight:
-        accepted = expected_accepted(_on_slots(head.accept, sel), sel, blocks)
+        accepted = expected_accepted(on_slots(head.accept, sel), sel, blocks)
         out.accept_sum, out.accept_count = -accepted.sum(), sel.new_tensor(
             accepted.numel(), dtype=torch.float32)
     if temperatures:
         out.overlaps = {t: head.overlaps[i] for i, t in enumerate(temperatures)}
-        out.expected_taus = {t: 1.0 + expected_accepted(_on_slots(head.overlaps[i], sel), sel,
+        out.expected_taus = {t: 1.0 + expected_accepted(on_slots(head.overlaps[i], sel), sel,
                                                           blocks).detach()
                              for i, t in enumerate(temperatures)}
     return out
-
-
-def _on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
-    """[M] values of the valid slots -> [Bt, N, B] (0 elsewhere), differentiable."""
-    out = values_m.new_zeros(valid_bnp.shape)
-    return out.masked_scatter(valid_bnp, values_m)

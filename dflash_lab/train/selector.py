@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_lab.model.dflash2 import CandidateSelector
-from dflash_lab.train.distill import candidate_logprobs, expected_accepted
+from dflash_lab.train.distill import candidate_logprobs, expected_accepted, on_slots
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     NO_SCALE,
@@ -256,8 +256,7 @@ def expected_selector_taus(serving_mk: Tensor, walk_bnp: Tensor, out: LossOutput
             q_mk = (serving_mk.float() / t).softmax(-1)
             p_mk = candidate_logprobs(teacher, out.top_ids, lm_head, t, renormalise=False).exp()
             alpha_m = torch.minimum(p_mk, q_mk).sum(-1)
-        alpha = torch.zeros(out.valid.shape, dtype=torch.float32,
-                            device=alpha_m.device).masked_scatter(out.valid, alpha_m)
+        alpha = on_slots(alpha_m.float(), out.valid)
         blocks = out.block_valid if out.block_valid is not None else out.valid.any(-1)
         taus[t] = 1.0 + expected_accepted(alpha, out.valid, blocks)
     return taus
