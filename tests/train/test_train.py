@@ -275,7 +275,7 @@ def test_a_distribution_loss_trains_and_exports_online_and_offline(tiny_target_d
     assert "train/loss_kl" in metrics and "val/tau_T1" in metrics
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")
     rows = [{"messages": c} for c in demo_conversations(24, seed=3)]
-    for name, kinds in (("plain", ()), ("dist", ("last_hidden",))):
+    for name, kinds in (("plain", ()), ("dist", ("last_hidden",)), ("topk", ("topk",))):
         run_capture(target, rows, CaptureSettings(str(tmp_path / name), [1, 3, 5], max_length=96,
                                                   shard_size=12, distribution=kinds),
                     {"path": "demo"}, progress=False)
@@ -289,3 +289,10 @@ def test_a_distribution_loss_trains_and_exports_online_and_offline(tiny_target_d
     result = train(_compose([*args, f"data.path={tmp_path / 'dist'}"]))
     assert (Path(result["export_dir"]) / "model.safetensors").is_file()
     assert result["val_tau_after"] >= 1.0
+    # a top-k capture trains at T = 1 and refuses another label temperature, naming the fix
+    sparse = [a.replace(str(tmp_path / "off"), str(tmp_path / "off_topk")) for a in args]
+    hot = _compose([*sparse, f"data.path={tmp_path / 'topk'}", "module.label_temperature=2.0"])
+    with pytest.raises(ValueError, match=r"top-k at T = 1 only.*capture.distribution="):
+        build_components(hot)
+    result = train(_compose([*sparse, f"data.path={tmp_path / 'topk'}"]))
+    assert (Path(result["export_dir"]) / "model.safetensors").is_file()
