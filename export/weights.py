@@ -65,7 +65,29 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
     if config.is_dflash2:
         shapes.update(dflash2_shapes(config))
+    if config.has_draft_vocab:  # the draft head and vLLM's id maps (docs/draft_vocab.md)
+        shapes.update({"lm_head.weight": (config.draft_vocab_size, h),
+                       "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)})
     return shapes
+
+
+def check_draft_vocab(state: dict[str, torch.Tensor], config: DrafterConfig, source: str) -> None:
+    """``d2t`` [N] (offsets: target id = i + d2t[i]) and ``t2d`` [V] (bool) name the same N
+    distinct target ids, ascending, inside the vocabulary: what vLLM's ``compute_logits``
+    scatters the draft logits by."""
+    if not config.has_draft_vocab:
+        return
+    d2t, t2d = state["d2t"], state["t2d"]
+    if d2t.is_floating_point() or t2d.dtype != torch.bool:
+        raise ValueError(f"{source}: d2t must be integer offsets and t2d bool, got {d2t.dtype} "
+                         f"and {t2d.dtype}; re-export the drafter")
+    ids = torch.arange(d2t.numel()) + d2t.long().cpu()
+    ok = (bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0
+          and int(ids[-1]) < config.vocab_size)
+    if not ok or not torch.equal(t2d.cpu().nonzero().flatten(), ids if ok else ids[:0]):
+        raise ValueError(f"{source}: d2t and t2d do not name the same {d2t.numel()} distinct "
+                         f"target ids in [0, {config.vocab_size}); was the draft vocabulary "
+                         "chosen (dflash-train sets it before training)? Re-export the drafter")
 
 
 def dflash2_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -122,6 +144,7 @@ def validate_state_dict(state: dict[str, torch.Tensor], config: DrafterConfig,
            if tuple(state[k].shape) != want[k]]
     if bad:
         raise ValueError(f"{source}: wrong tensor shapes: {bad[:8]}")
+    check_draft_vocab(state, config, source)
     broken = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
     if broken:
         raise ValueError(f"{source}: tensors with NaN/inf values: {broken[:8]}; the checkpoint "
@@ -129,8 +152,10 @@ def validate_state_dict(state: dict[str, torch.Tensor], config: DrafterConfig,
 
 
 def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies in ``dtype`` (safetensors refuses views sharing storage)."""
-    return {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()}
+    """Contiguous CPU copies, floating tensors in ``dtype`` (safetensors refuses views sharing
+    storage); integer and bool tensors (the draft vocabulary's ``d2t`` / ``t2d``) keep theirs."""
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype)
+            .contiguous().clone() for k, v in state.items()}
 
 
 def save_weights(out_dir: Path, state: dict[str, torch.Tensor], mask: torch.Tensor | None,

@@ -362,20 +362,33 @@ class ShardDataset(Dataset):
         return len(self._index)
 
     def __getitem__(self, k: int) -> dict[str, Any]:
-        shard_no, local, a, b = self._index[k]
+        item = self._read(k, ("input_ids", "loss_mask", "hidden", "target_argmax",
+                              *self._extra))
+        local = self._index[k][1]
+        f = self._handles[self._index[k][0]]
+        return {
+            **item,
+            "input_ids": item["input_ids"].long(),
+            "loss_mask": item["loss_mask"].bool(),
+            "target_argmax": item["target_argmax"].long(),
+            "sample_id": int(f.get_slice("sample_ids")[local:local + 1][0]),
+        }
+
+    def tokens(self, k: int) -> dict[str, Any]:
+        """Item k's token columns only (``input_ids``, ``loss_mask``, ``target_argmax``): what
+        counting the training tokens needs, without reading the hidden states."""
+        item = self._read(k, ("input_ids", "loss_mask", "target_argmax"))
+        return {"input_ids": item["input_ids"].long(), "loss_mask": item["loss_mask"].bool(),
+                "target_argmax": item["target_argmax"].long()}
+
+    def _read(self, k: int, names: tuple[str, ...]) -> dict[str, Any]:
+        shard_no, _, a, b = self._index[k]
         if shard_no not in self._handles:
             if self._hash_on_open:
                 self._check_shard(self._files[shard_no], self.manifest["shards"][shard_no], True)
             self._handles[shard_no] = self._open(self._files[shard_no])
         f = self._handles[shard_no]
-        return {
-            "input_ids": f.get_slice("input_ids")[a:b].long(),
-            "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-            "hidden": f.get_slice("hidden")[a:b],
-            "target_argmax": f.get_slice("target_argmax")[a:b].long(),
-            "sample_id": int(f.get_slice("sample_ids")[local:local + 1][0]),
-            **{name: f.get_slice(name)[a:b] for name in self._extra},
-        }
+        return {name: f.get_slice(name)[a:b] for name in names}
 
     def __getstate__(self) -> dict[str, Any]:
         # Open handles are per process (DataLoader workers reopen them lazily).

@@ -145,6 +145,10 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0  #: unary logits = lm_head(h) * output_multiplier ...
     final_logit_softcapping: float | None = None  #: ... then c * tanh(logits / c); None = off
+    #: DFlash 1 only: the drafter drafts from the N most frequent target tokens of its training
+    #: data (docs/draft_vocab.md): its own frozen [N, H] head (the target's rows of those
+    #: tokens) and the d2t / t2d maps vLLM reads; None = the target's whole vocabulary
+    draft_vocab_size: int | None = None
     _source: str = field(default="<DrafterConfig>", repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
@@ -165,6 +169,8 @@ class DrafterConfig:
                 if getattr(self, key) is None:
                     setattr(self, key, default)
         self._validate()
+        if self.draft_vocab_size == self.vocab_size:  # the whole vocabulary: nothing to map
+            self.draft_vocab_size = None
 
     def _fail(self, key: str, value: Any, fix: str) -> None:
         raise ValueError(f"{self._source}: invalid {key}={value!r}: {fix}")
@@ -190,6 +196,7 @@ class DrafterConfig:
         self._validate_layers()
         self._validate_rope()
         self._validate_variant()
+        self._validate_draft_vocab()
         self._validate_scales()
 
     def _validate_target_layers(self) -> None:
@@ -257,6 +264,24 @@ class DrafterConfig:
             self._fail("selector_top_k", self.selector_top_k,
                        f"must be <= vocab_size={self.vocab_size} (candidates come from the full "
                        "target vocabulary)")
+
+    def _validate_draft_vocab(self) -> None:
+        n = self.draft_vocab_size
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size:
+            self._fail("draft_vocab_size", n, f"must be an integer in [1, vocab_size="
+                       f"{self.vocab_size}], or null for the target's whole vocabulary")
+        if self.variant == DFLASH2:
+            self._fail("draft_vocab_size", n, "DFlash 2's candidate selector scores candidates "
+                       "over the target's whole vocabulary (its codebooks are vocabulary-sized): "
+                       "set drafter.draft_vocab_size=null, or train a DFlash 1 drafter "
+                       "(variant=dflash1) for a reduced draft vocabulary")
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        """A reduced draft vocabulary (N < V): the drafter owns its head and the id maps."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
 
     def _validate_scales(self) -> None:
         for key in ("input_embedding_scale", "output_multiplier"):
@@ -369,6 +394,8 @@ class DrafterConfig:
         }
         if self.any_sliding:
             dflash["swa_window_size"] = self.sliding_window
+        if self.has_draft_vocab:  # vLLM sizes the draft head and d2t from the top-level key
+            out["draft_vocab_size"] = self.draft_vocab_size
         if uniform is not None:
             out["is_causal"] = uniform
             dflash["causal"] = uniform
@@ -428,7 +455,7 @@ VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(SCALE_DEFAULTS)
 #: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
 OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
     "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
-    TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY, "draft_vocab_size",
     "rope_parameters",  # transformers 5 re-saves rope_theta there
 }
 OUR_DFLASH_KEYS = frozenset(
@@ -547,5 +574,6 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
         target_layer_ids=dfc["target_layer_ids"], layer_types=d.get("layer_types"),
         sliding_window=d.get("sliding_window"), is_causal=spec.get("is_causal"),
         learned_mask_embedding=bool(spec.get("learned_mask_embedding", False)),
-        attention_sink_bias=bool(dfc.get("attention_sink_bias", False)))
+        attention_sink_bias=bool(dfc.get("attention_sink_bias", False)),
+        draft_vocab_size=d.get("draft_vocab_size"))
     return cls(_source=source, **kwargs)

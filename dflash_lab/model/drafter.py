@@ -75,6 +75,13 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = CandidateSelector(
             config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k,
         ) if config.is_dflash2 else None
+        if config.has_draft_vocab:  # serving layout: lm_head.weight [N, H], d2t [N], t2d [V]
+            n = config.draft_vocab_size
+            self.lm_head = nn.Linear(config.hidden_size, n, bias=False).requires_grad_(False)
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.lm_head = None
         self._specs = config.layer_specs()
         self.activation_checkpointing = False  # recompute each layer in backward (saves memory)
         self.static_shapes = False  # same attention shapes every step (set by compile_layers)
@@ -90,6 +97,49 @@ class DFlashDrafter(nn.Module):
         # apply() visits children first: these re-initialise their own Linear afterwards
         if isinstance(module, GroupedDynamicCausalConv | CandidateSelector):
             module.reset_parameters()
+
+    # ------------------------------------------------------------------ draft vocabulary
+    @property
+    def draft_vocab_set(self) -> bool:
+        """Whether the draft vocabulary's tokens are chosen (``t2d`` marks N of them)."""
+        return self.lm_head is not None and int(self.t2d.sum()) == self.config.draft_vocab_size
+
+    def set_draft_vocab(self, token_ids: Tensor, target_lm_head: nn.Module) -> None:
+        """Choose the draft vocabulary: ``token_ids`` [N] distinct target ids (any order; kept
+        ascending, so draft id i maps to the i-th smallest). The head becomes the target head's
+        rows of those tokens (frozen, as the full head is); ``d2t[i]`` = target id - i (vLLM's
+        offsets: target = i + d2t[i]), ``t2d`` [V] marks the chosen ids."""
+        n, vocab = self.config.draft_vocab_size, self.config.vocab_size
+        ids = torch.unique(token_ids.detach().long().cpu())
+        if self.lm_head is None or ids.numel() != n or ids.numel() != token_ids.numel():
+            raise ValueError(f"set_draft_vocab: need {n} distinct token ids (draft_vocab_size), "
+                             f"got {token_ids.numel()} ({ids.numel()} distinct)")
+        if int(ids[0]) < 0 or int(ids[-1]) >= vocab:
+            raise ValueError(f"set_draft_vocab: token ids must be in [0, {vocab})")
+        with torch.no_grad():
+            weight = target_lm_head.weight
+            self.lm_head.weight.copy_(weight[ids.to(weight.device)].to(self.lm_head.weight))
+            self.d2t.copy_(ids - torch.arange(n))
+            self.t2d.zero_()
+            self.t2d[ids.to(self.t2d.device)] = True
+
+    def draft_token_ids(self) -> Tensor:
+        """The target id of every draft id [N] (``i + d2t[i]``)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def head(self, target_lm_head: nn.Module) -> nn.Module:
+        """The head the unary logits come from: the target's, or the drafter's own [N, H] one."""
+        return target_lm_head if self.lm_head is None else self.lm_head
+
+    def to_draft_ids(self, target_ids: Tensor) -> Tensor:
+        """Target ids (any shape, negatives kept) -> draft ids; -1 where the token is outside
+        the draft vocabulary (it can never be drafted). Identity without a draft vocabulary."""
+        if self.lm_head is None:
+            return target_ids
+        table = torch.cumsum(self.t2d.long(), 0) - 1  # draft id of every in-vocab target id
+        table = torch.where(self.t2d, table, torch.full_like(table, -1))
+        safe = target_ids.clamp(min=0)
+        return torch.where(target_ids >= 0, table[safe], target_ids)
 
     def init_mask_embedding(self, embed_tokens: nn.Embedding) -> None:
         """Start the learned mask embedding from the target's row of ``mask_token_id`` (a
@@ -200,9 +250,17 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ tokens from hidden states
     def unary_logits(self, hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:
-        """``lm_head(hidden) * output_multiplier``, tanh-softcapped if configured: [x, V]."""
-        return scale_logits(lm_head(hidden_xh), self.config.output_multiplier,
-                            self.config.final_logit_softcapping)
+        """``lm_head(hidden) * output_multiplier``, tanh-softcapped if configured: [x, V] over
+        the TARGET vocabulary. With a draft vocabulary the drafter's own head gives [x, N] and
+        every other token gets -inf, as vLLM's ``compute_logits`` scatters them."""
+        if self.lm_head is None:
+            return scale_logits(lm_head(hidden_xh), self.config.output_multiplier,
+                                self.config.final_logit_softcapping)
+        logits = scale_logits(self.lm_head(hidden_xh.to(self.lm_head.weight.dtype)),
+                              self.config.output_multiplier, self.config.final_logit_softcapping)
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.draft_token_ids()] = logits
+        return full
 
     def _selector(self) -> CandidateSelector:
         if self.candidate_selector is None:

@@ -102,6 +102,13 @@ class DFlashModule(L.LightningModule):
         self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,
                                          self.val_temperatures, "the training data",
                                          self.selector_settings.needs_distribution)
+        if drafter.config.has_draft_vocab and self.teacher_kind not in ("none", "dense"):
+            raise ValueError(
+                f"drafter.draft_vocab_size={drafter.config.draft_vocab_size} with a top-k capture "
+                "(capture.distribution_topk): its ids span the target's whole vocabulary, so the "
+                "teacher cannot be restricted to the draft vocabulary; capture with "
+                "capture.distribution=[last_hidden] (or train online), or drop the "
+                "distribution loss (module.loss=ce)")
         self.teacher_softcap = getattr(target_head, "logit_softcap", None)
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler",
                                           "feature_source", "target_distribution"])
@@ -154,8 +161,12 @@ class DFlashModule(L.LightningModule):
              anchor_valid: Tensor) -> LossOutput:
         """The (local) weighted loss pieces of the drafted blocks ``hidden`` [Bt, N, B, H]:
         labels at the anchored slots, unary CE, and for DFlash 2 the selector term."""
-        hp, cfg, lm_head = self.hparams, self.drafter.config, self.target_head.lm_head
+        hp, cfg = self.hparams, self.drafter.config
+        lm_head = self.drafter.head(self.target_head.lm_head)
         targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
+        # a draft vocabulary: labels as draft ids; a token outside it (-1) is no valid slot:
+        # no loss (nothing can raise it) and, in the greedy tau, a miss (it is never drafted)
+        targets = self.drafter.to_draft_ids(targets)
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size)
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
         temperatures = () if self.training else tuple(self.val_temperatures)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.runinfo import latest_config, record_paths, write_run_info
 from dflash_lab.train.checks import check_loss_data, check_train_config
+from dflash_lab.train.draft_vocab import prepare_draft_vocab, write_record
 from dflash_lab.train.resume import check_resume_config, resolve_ckpt_path
 
 __all__ = ["build_components", "export_run", "resolve_ckpt_path", "train"]
@@ -66,14 +67,21 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
     data.prepare_data()
     data.setup("fit")  # reads and validates the data now, before any long work
     check_loss_data(cfg.module, data)
-    module = instantiate(cfg.module, drafter=drafter, target_head=target.pieces(),
+    pieces = target.pieces()
+    record = prepare_draft_vocab(drafter, data.train_set, pieces.lm_head,
+                                 str(cfg.module.get("label_source", "target_argmax")))
+    if record is not None:
+        log.info("draft vocabulary: %d of %d tokens (%s), covering %s of the training labels",
+                 record["draft_vocab_size"], record["vocab_size"], record["counted"],
+                 f"{record['coverage']:.1%}" if "coverage" in record else "n/a")
+    module = instantiate(cfg.module, drafter=drafter, target_head=pieces,
                          feature_source=data.feature_source(),
                          target_distribution=data.target_distribution())
     logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     return {"target": target, "drafter": drafter, "data": data, "module": module,
-            "trainer": trainer, "logger": logger}
+            "trainer": trainer, "logger": logger, "draft_vocab": record}
 
 
 def check_export_plan(cfg: DictConfig, drafter, target) -> None:
@@ -144,6 +152,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.export.enabled:
         check_export_plan(cfg, parts["drafter"], parts["target"])
     write_run_info(out_dir, cfg, target=parts["target"].identity(), resumed_from=ckpt)
+    write_record(out_dir, parts["draft_vocab"])
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]
     if hasattr(trainer.checkpoint_callback, "target_identity"):  # DFlashCheckpoint
         trainer.checkpoint_callback.target_identity = parts["target"].identity()

@@ -94,6 +94,8 @@ class HFView:
     sliding_window: int | None
     is_causal: Any  #: top-level value, None when absent
     dflash: dict[str, Any]
+    #: top-level ``draft_vocab_size`` when below ``vocab_size`` (a reduced draft vocabulary)
+    draft_vocab_size: int | None = None
 
 
 def hf_view(config: dict[str, Any]) -> HFView:
@@ -106,8 +108,10 @@ def hf_view(config: dict[str, Any]) -> HFView:
         first = config.get("max_window_layers", QWEN3_DEFAULT_MAX_WINDOW_LAYERS)
         layer_types = [SLIDING if window is not None and i >= first else FULL
                        for i in range(num_layers)]
+    draft = config.get("draft_vocab_size")
+    reduced = draft if draft is not None and draft != config.get("vocab_size") else None
     return HFView(num_layers, list(layer_types), window, config.get("is_causal"),
-                  dict(config.get("dflash_config") or {}))
+                  dict(config.get("dflash_config") or {}), reduced)
 
 
 def architecture_of(target: dict[str, Any] | None,

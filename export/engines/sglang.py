@@ -112,6 +112,13 @@ def _dropped(view: HFView, artifacts: Artifacts, release: Release) -> list[str]:
                           " unless dflash_config.attention_sink_bias is true") + ")")
     if view.dflash.get("use_swa"):
         dropped.append("dflash_config.use_swa (not read: only layer_types decides sliding)")
+    if view.draft_vocab_size is not None:
+        dropped.append(f"draft_vocab_size={view.draft_vocab_size} with its lm_head and d2t "
+                       "(SGLang drafts every DFlash drafter through the target's lm_head over "
+                       "the whole vocabulary, speculative/dflash_worker_v2.py "
+                       "_DflashDraftSampler: tokens the drafter was never trained over would be "
+                       "drafted); fix: export with --engine vllm, or train with "
+                       "drafter.draft_vocab_size=null for SGLang")
     return dropped
 
 
