@@ -40,7 +40,7 @@ _SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
                 "block_size", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
                 "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
                 "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
-                "output_multiplier", "final_logit_softcapping")
+                "output_multiplier", "final_logit_softcapping", "draft_vocab_size")
 
 
 @dataclass
@@ -141,7 +141,8 @@ def _logits(config: DrafterConfig, state: dict[str, Tensor],
     from dflash_lab.model.drafter import DFlashDrafter
 
     drafter = DFlashDrafter(config, backend="sdpa").float().eval()
-    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                             for k, v in state.items()}, strict=True)
     cache = drafter.new_cache()
     drafter.extend_context(cache, probe["feats"])
     hidden = drafter.draft(cache, probe["anchor"], probe["embed"]).float()
@@ -155,9 +156,14 @@ def _logits(config: DrafterConfig, state: dict[str, Tensor],
 
 
 def _rel(a: list[Tensor], b: list[Tensor]) -> float:
-    """Worst relative max difference over the compared outputs."""
-    return max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-12))
-               for x, y in zip(a, b, strict=True))
+    """Worst relative max difference over the compared outputs. Equal entries differ by 0
+    (the -inf a draft vocabulary gives every other token); the scale is the finite max."""
+    def one(x: Tensor, y: Tensor) -> float:
+        diff = torch.where(x == y, torch.zeros_like(x), (x - y).abs())
+        scale = y[y.isfinite()].abs().max() if bool(y.isfinite().any()) else y.new_ones(())
+        return float(diff.max() / scale.clamp(min=1e-12))
+
+    return max(one(x, y) for x, y in zip(a, b, strict=True))
 
 
 def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,

@@ -17,7 +17,7 @@ from tests.doubles import tiny_drafter_config
 IDS = torch.tensor([0, 3, 5, 17, 40, 41, 42, 60, 90, 95])  # N = 10 of V = 97
 
 
-def _drafter(n=len(IDS)):
+def _drafter(n=10):
     torch.manual_seed(0)
     drafter = DFlashDrafter(tiny_drafter_config(draft_vocab_size=n))
     head = nn.Linear(48, 97, bias=False)
@@ -101,3 +101,16 @@ def test_counting_picks_the_most_frequent_labels_stably():
     assert what == "conversation tokens" and counts.tolist() == [0, 1, 2, 2, 1, 0, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="not this target's"):
         count_label_tokens(items, 6, "target_argmax")
+
+
+def test_a_top_k_teacher_is_refused_naming_the_capture_option():
+    from dflash_lab.train.module import DFlashModule
+
+    drafter, head = _drafter()
+    pieces = nn.Module()
+    pieces.embed_tokens, pieces.lm_head = nn.Embedding(97, 48), head
+    with pytest.raises(ValueError, match=r"top-k capture.*capture.distribution=\[last_hidden\]"):
+        DFlashModule(drafter, pieces, torch.optim.AdamW, loss={"kl": 1.0},
+                     target_distribution={"last_hidden": False, "topk": 8})
+    DFlashModule(drafter, pieces, torch.optim.AdamW, loss={"kl": 1.0},
+                 target_distribution={"last_hidden": True, "topk": 0})
