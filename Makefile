@@ -90,7 +90,8 @@ compare-speculators: prepare-smollm2 speculators-venv
 # comparison needs speculators 0.9.0 in its own venv (it pins its own transformers); the
 # regeneration benchmark starts vLLM's server from .venv-vllm.
 SPEC_VENV ?= .venv-speculators
-BENCHMARKS ?= attention train_step peer_speculators draft_latency capture loss_memory regenerate
+BENCHMARKS ?= attention train_step peer_speculators draft_latency capture loss_memory regenerate \
+              loss_cost draft_vocab
 
 $(SPEC_VENV)/.installed: constraints.txt
 	$(PY) -m venv $(SPEC_VENV)

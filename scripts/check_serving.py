@@ -101,6 +101,10 @@ DRAFTERS = [
              "drafter.sliding_window=16", "drafter.is_causal=false",
              "drafter.learned_mask_embedding=true", "drafter.attention_sink_bias=true"],
             epochs=2),
+    # issue 27 item 5: the drafter's own head over 256 of the tiny target's 768 tokens; vLLM
+    # sizes its lm_head from draft_vocab_size and scatters the logits by d2t
+    Drafter("draft_vocab", "2 x full attention, bidirectional, draft vocabulary 256 of 768",
+            ["drafter.draft_vocab_size=256"], epochs=3),
 ]
 
 

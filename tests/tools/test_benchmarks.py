@@ -13,6 +13,7 @@ from benchmarks import (
     attention,
     capture,
     draft_latency,
+    draft_vocab,
     loss_cost,
     loss_memory,
     peer_speculators,
@@ -45,6 +46,14 @@ def test_loss_cost_benchmark_times_every_loss_against_ce(tmp_path):
     rows = {r["loss"]: r for r in rec["rows"]}
     assert set(rows) == {"ce", "kl", "kl_top64", "accept"} and rows["ce"]["time_vs_ce"] == 1.0
     assert all(r["step_ms"] > 0 for r in rows.values())
+
+
+def test_draft_vocab_benchmark_times_each_draft_vocabulary_against_the_full_one(tmp_path):
+    rec = _run(draft_vocab, tmp_path, "--vocabs", "smollm2")
+    rows = {r["draft_vocab"]: r for r in rec["rows"]}
+    assert set(rows) == {"64", "128", "256", "full"}
+    assert rows["full"]["draft_vs_full"] == 1.0 and rows["full"]["train_vs_full"] == 1.0
+    assert all(r["draft_ms"] > 0 and r["train_ms"] > 0 for r in rows.values())
 
 
 def test_train_step_benchmark_times_dflash1_and_dflash2_interleaved(tmp_path):
