@@ -36,7 +36,14 @@ def test_draft_vocab_trains_exports_for_vllm_reads_back_and_decodes_losslessly(
     ckpt = torch.load(result["best_checkpoint"], map_location="cpu", weights_only=True)
     assert torch.equal(ckpt["state_dict"]["drafter.d2t"], drafter.d2t.cpu())
     assert load_drafter(result["best_checkpoint"]).drafter.draft_vocab_set
-    assert inspect_dir(out, engine="vllm") is not None
+    inspected = inspect_dir(out, engine="vllm")
+    assert inspected.problems == [], inspected.text
+    # a warm start keeps the source's vocabulary instead of recounting
+    warm = {**STEPS, "export.enabled": False, "drafter.init_from": result["output_dir"]}
+    again = train(_compose(_tiny_overrides(tmp_path / "warm", tiny_target_dir, rows=32, **warm)))
+    kept = json.loads((Path(again["output_dir"]) / "draft_vocab.json").read_text())
+    assert kept["counted"] == "kept from drafter.init_from"
+    assert kept["token_ids"] == record["token_ids"]
     for temperature in (0.0, 1.0):
         report = tmp_path / f"eval_T{temperature}"
         args = ["target=hf", f"target.name_or_path={tiny_target_dir}", f"drafter.path={out}",
