@@ -58,6 +58,10 @@ STACKED = {
 
 #: Parameters the drafter shares with the target (never in the export).
 SHARED_WITH_TARGET = ("model.embed_tokens.weight", "lm_head.weight")
+#: vLLM parameter -> exported tensor, where the names differ (a draft vocabulary's offsets)
+RENAMED = {"draft_id_to_target_id": "d2t"}
+#: exported tensors vLLM's DFlash loader skips by design (``if "t2d" in name: continue``)
+SKIPPED_BY_VLLM = ("t2d",)
 
 
 def context_knorm_kernel_ok() -> bool:
@@ -113,12 +117,13 @@ def audit_params(model, export_dir: str) -> dict:
         mask = torch.load(mask_file, weights_only=True)
         exported["mask_embedding"] = mask["embedding"] if isinstance(mask, dict) else mask
     inner = model.model
-    used, missing, different, shared = set(), [], [], []
+    used, missing, different, shared = set(SKIPPED_BY_VLLM) & set(exported), [], [], []
     for name, param in model.named_parameters():
-        if name in SHARED_WITH_TARGET:
+        own_head = name == "lm_head.weight" and name in exported  # a draft vocabulary's head
+        if name in SHARED_WITH_TARGET and not own_head:
             shared.append(name)
             continue
-        key = name.removeprefix("model.")
+        key = RENAMED.get(name, name.removeprefix("model."))
         module, _, leaf = key.rpartition(".")
         parts = next((p for s, p in STACKED.items() if module.endswith(s)), None)
         keys = [f"{module.rpartition('.')[0]}.{p}.{leaf}" for p in parts] if parts else [key]
