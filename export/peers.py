@@ -46,6 +46,8 @@ from dflash_lab.model.config import (
 SPECFORGE_STATE = "training_state.pt"
 SPECULATORS_KEYS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                     "verifier_norm.weight", "t2d", "d2t")  #: verifier-owned, never the drafter's
+#: with a reduced draft vocabulary these belong to the drafter (docs/draft_vocab.md)
+DRAFT_VOCAB_KEYS = ("lm_head.weight", "t2d", "d2t")
 _QWEN3_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
                 "max_position_embeddings", "attention_bias")
@@ -123,11 +125,7 @@ def _rope(tl: dict[str, Any], file: Path) -> dict[str, Any]:
 
 
 def _refuse_speculators_features(d: dict[str, Any], tl: dict[str, Any], file: Path) -> None:
-    vocab, hidden = tl.get("vocab_size"), tl.get("hidden_size")
-    if d.get("draft_vocab_size", vocab) != vocab:
-        raise ValueError(f"{file}: draft_vocab_size={d['draft_vocab_size']} differs from the "
-                         f"target vocab {vocab} (a reduced draft vocabulary with its own "
-                         "lm_head); DFlash drafters here use the target's full LM head")
+    hidden = tl.get("hidden_size")
     if d.get("target_hidden_size") not in (None, hidden):
         raise ValueError(f"{file}: target_hidden_size={d['target_hidden_size']} differs from "
                          f"hidden_size={hidden}; the drafter must have the target's width")
@@ -161,6 +159,8 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
                   variant=DFLASH2 if kind == "dflash2" else DFLASH1)
     if kind == "dflash2":
         fields.update({k: int(d[k]) for k in _DFLASH2_FIELDS})
+    if d.get("draft_vocab_size") is not None:  # a reduced one: lm_head [N, H], d2t and t2d
+        fields["draft_vocab_size"] = int(d["draft_vocab_size"])
     notes = [f"speculators aux_hidden_state_layer_ids {list(aux)} read as target_layer_ids "
              f"{ids} (speculators counts hidden_states: i+1)",
              f"num_target_layers not recorded; assumed {max(ids) + 1} (training and eval use "
@@ -179,7 +179,9 @@ def load_speculators_dir(path: Path):
 
     file = path / CONFIG_FILE
     config, notes = speculators_config(json.loads(file.read_text()), file)
-    state = {k: v for k, v in load_weights(path).items() if k not in SPECULATORS_KEYS}
+    own = DRAFT_VOCAB_KEYS if config.has_draft_vocab else ()  # then the drafter's, not theirs
+    state = {k: v for k, v in load_weights(path).items()
+             if k not in SPECULATORS_KEYS or k in own}
     validate_state_dict(state, config, str(path / WEIGHTS_FILE))
     return Source(config, state, "serving", f"speculators directory {path}", notes, reads=[path],
                   depth_recorded=False,

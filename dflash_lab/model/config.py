@@ -272,7 +272,7 @@ class DrafterConfig:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size:
             self._fail("draft_vocab_size", n, f"must be an integer in [1, vocab_size="
                        f"{self.vocab_size}], or null for the target's whole vocabulary")
-        if self.variant == DFLASH2:
+        if self.variant == DFLASH2 and n < self.vocab_size:
             self._fail("draft_vocab_size", n, "DFlash 2's candidate selector scores candidates "
                        "over the target's whole vocabulary (its codebooks are vocabulary-sized): "
                        "set drafter.draft_vocab_size=null, or train a DFlash 1 drafter "

@@ -229,8 +229,26 @@ def test_speculators_directory_from_its_documented_keys(tiny_target, tmp_path, v
     assert exported["dflash_config"]["target_layer_ids"] == [1, 3, 5]
 
 
+def test_a_speculators_draft_vocabulary_reads_back_with_its_head_and_maps(tiny_target, tmp_path):
+    """speculators' reduced draft vocabulary: its lm_head [N, H], d2t offsets and t2d are the
+    drafter's (they are the verifier's only without one); a broken map is refused."""
+    config = tiny_source_config(tiny_target)
+    ids = torch.arange(0, config.vocab_size, 3)[:100]
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    state = {**random_state(config), "lm_head.weight": torch.randn(100, config.hidden_size),
+             "d2t": ids - torch.arange(100), "t2d": t2d}
+    d = {**speculators_dict(config), "draft_vocab_size": 100}
+    drafter = warm(tiny_target, write_speculators_dir(tmp_path / "spec", d, state))
+    assert drafter.config.draft_vocab_size == 100 and drafter.draft_vocab_set
+    assert torch.equal(drafter.draft_token_ids(), ids)
+    assert torch.equal(drafter.lm_head.weight, state["lm_head.weight"])
+    broken = {**state, "d2t": torch.zeros(100, dtype=torch.long)}
+    with pytest.raises(ValueError, match="d2t and t2d do not name the same 100"):
+        warm(tiny_target, write_speculators_dir(tmp_path / "bad", d, broken))
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("draft_vocab_size", 100, "draft_vocab_size=100"),
     ("aux_hidden_state_layer_ids", [0, 2, 4], r"aux_hidden_state_layer_ids=\[0, 2, 4\]"),
     ("sample_from_anchor", True, "sample_from_anchor"),
     ("mask_token_id", None, "mask_token_id is null"),
