@@ -68,6 +68,7 @@ from dflash_lab.export.weights import (
     WEIGHTS_FILE,
     cast,
     dflash2_shapes,
+    draft_vocab_problems,
     expected_shapes,
     has_weights,
     save_weights,
@@ -433,14 +434,18 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectRe
     if trained is not None:
         for reading in readings.values():
             problems += [f.message for f in mismatches(trained, reading, block, "warn")]
+    vocab_lines: list[str] = []
     if declared.config is not None and not config_only:
         problems += tensor_problems(declared.config, weight_shapes(path))
+        vocab_lines, vocab_problems = draft_vocab_problems(path, declared.config)
+        problems += vocab_problems
     unchecked = unchecked_without_weights(declared.config, path) if config_only else []
     lines = [f"# {path}", "", f"block_size={block}; rule sets: "
              + ", ".join(f"{r.name} ({'current' if r.current else 'older'})"
                          for r in RULE_SETS if r.name in readings), ""]
     lines += layer_table(trained, readings, block)
     lines += _layout_lines(declared, readings, block, config_only)
+    lines += ["", *vocab_lines] if vocab_lines else []
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
     if unchecked:

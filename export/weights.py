@@ -229,6 +229,27 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def draft_vocab_problems(path: Path, config: DrafterConfig) -> tuple[list[str], list[str]]:
+    """(lines, problems) of a directory's draft vocabulary for ``--inspect``: N of V, and
+    whether ``d2t`` / ``t2d`` name the same ids (:func:`check_draft_vocab`)."""
+    if not config.has_draft_vocab:
+        return [], []
+    lines = [f"draft vocabulary: {config.draft_vocab_size} of {config.vocab_size} target tokens "
+             "(the drafter's own lm_head; vLLM scatters its logits by d2t)"]
+    names = set(weight_names(path))
+    if not {"d2t", "t2d"} <= names:
+        return lines, []  # the shape check names the missing tensors
+    state = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in ("d2t", "t2d") if k in f.keys()})  # noqa: SIM118
+    try:
+        check_draft_vocab(state, config, str(path / WEIGHTS_FILE))
+    except ValueError as err:
+        return lines, [str(err)]
+    return lines, []
+
+
 def weight_names(path: Path) -> list[str]:
     """Tensor names without loading the tensors (cheap, for --inspect)."""
     return list(_header(path))

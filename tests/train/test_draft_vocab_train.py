@@ -4,12 +4,14 @@ losslessly; SGLang, which drafts through the target's own head, is refused at st
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
+from safetensors.torch import load_file, save_file
 
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.export.api import inspect_dir
@@ -38,6 +40,13 @@ def test_draft_vocab_trains_exports_for_vllm_reads_back_and_decodes_losslessly(
     assert load_drafter(result["best_checkpoint"]).drafter.draft_vocab_set
     inspected = inspect_dir(out, engine="vllm")
     assert inspected.problems == [], inspected.text
+    assert f"draft vocabulary: 64 of {config['vocab_size']} target tokens" in inspected.text
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    save_file({**weights, "d2t": torch.zeros_like(weights["d2t"])},
+              str(broken / "model.safetensors"))
+    assert any("d2t and t2d do not name" in p for p in inspect_dir(broken, "vllm").problems)
     # a warm start keeps the source's vocabulary instead of recounting
     warm = {**STEPS, "export.enabled": False, "drafter.init_from": result["output_dir"]}
     again = train(_compose(_tiny_overrides(tmp_path / "warm", tiny_target_dir, rows=32, **warm)))
