@@ -253,11 +253,12 @@ class DFlashDrafter(nn.Module):
         """``lm_head(hidden) * output_multiplier``, tanh-softcapped if configured: [x, V] over
         the TARGET vocabulary. With a draft vocabulary the drafter's own head gives [x, N] and
         every other token gets -inf, as vLLM's ``compute_logits`` scatters them."""
+        if self.lm_head is not None:  # the drafter's own head, in the drafter's dtype
+            hidden_xh = hidden_xh.to(self.lm_head.weight.dtype)
+        logits = scale_logits(self.head(lm_head)(hidden_xh), self.config.output_multiplier,
+                              self.config.final_logit_softcapping)
         if self.lm_head is None:
-            return scale_logits(lm_head(hidden_xh), self.config.output_multiplier,
-                                self.config.final_logit_softcapping)
-        logits = scale_logits(self.lm_head(hidden_xh.to(self.lm_head.weight.dtype)),
-                              self.config.output_multiplier, self.config.final_logit_softcapping)
+            return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         full[..., self.draft_token_ids()] = logits
         return full
