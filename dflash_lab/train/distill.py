@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -166,8 +166,9 @@ class Teacher:
 
 @dataclass
 class Buckets:
-    """Both distributions of a chunk over the same buckets: every token (dense: B = V) or the
-    teacher's K ids plus the tail (sparse: B = K + 1, the tail last). Each [B, m] fp32."""
+    """Both distributions of a chunk over the same buckets: a slice of the vocabulary (dense:
+    one bucket per token) or the teacher's K ids plus the tail (sparse: K + 1, the tail last).
+    Each [B, m] fp32."""
 
     p: Tensor
     logp: Tensor
@@ -182,25 +183,26 @@ def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
     return logits_vm
 
 
-def dense_buckets(teacher_logits_vm: Tensor, q_vm: Tensor, logq_vm: Tensor,
-                  temperature: float) -> Buckets:
-    """Token buckets: p = softmax(teacher / T) over the vocabulary."""
-    scaled = teacher_logits_vm if temperature == 1.0 else teacher_logits_vm / temperature
-    logp = torch.log_softmax(scaled, dim=0)
-    return Buckets(logp.exp(), logp, q_vm, logq_vm)
-
-
-def sparse_buckets(teacher: Teacher, q_vm: Tensor) -> Buckets:
-    """K + 1 buckets: the teacher's top-k ids and the tail (the mass of every other token)."""
-    ids_km = teacher.top_ids_mk.t().long()
+def sparse_buckets(teacher: Teacher, logq_km: Tensor) -> Buckets:
+    """K + 1 buckets: the teacher's top-k ids and the tail (the mass of every other token).
+    ``logq_km``: the drafter's log-probabilities of the K ids [K, m]."""
     logp_k = teacher.top_logprobs_mk.t().float()
-    p_k = logp_k.exp()
+    p_k, q_k = logp_k.exp(), logq_km.exp()
     p_tail = (1.0 - p_k.sum(0, keepdim=True)).clamp(min=0.0)
-    q_k = q_vm.gather(0, ids_km)
     q_tail = (1.0 - q_k.sum(0, keepdim=True)).clamp(min=0.0)
     p, q = torch.cat([p_k, p_tail]), torch.cat([q_k, q_tail])
     logp = torch.cat([logp_k, p_tail.clamp(min=TINY).log()])
-    return Buckets(p, logp, q, q.clamp(min=TINY).log())
+    return Buckets(p, logp, q, torch.cat([logq_km, q_tail.clamp(min=TINY).log()]))
+
+
+# ------------------------------------------------------------------------------ the losses
+# Every loss is a function of a few sums over the buckets (``SUMS``: each a sum of per-bucket
+# terms, so a pass over vocabulary slices adds them up), and its ``h = q dL/dq`` of a bucket is
+# a function of that bucket and those totals. A :class:`Term` says which sums it reads, its
+# value [m] from their totals, and its h [B, m] on any set of buckets given the totals.
+def _logm(b: Buckets) -> Tensor:
+    """log m, m = (p + q) / 2 (JSD's midpoint)."""
+    return torch.logaddexp(b.logp, b.logq) - math.log(2.0)
 
 
 def overlap(b: Buckets) -> Tensor:
@@ -208,130 +210,90 @@ def overlap(b: Buckets) -> Tensor:
     return torch.minimum(b.p, b.q).sum(0)
 
 
-# ------------------------------------------------------------------------------ the losses
-def kl(b: Buckets, **_) -> tuple[Tensor, Tensor]:
-    """KL(p || q) [m] and h = q dKL/dq = -p."""
-    value = (b.p * (b.logp - b.logq)).sum(0)
-    return value, -b.p
+SUMS = {
+    "kl": lambda b: (b.p * (b.logp - b.logq)).sum(0),  # KL(p || q)
+    "rkl": lambda b: (b.q * (b.logq - b.logp)).sum(0),  # KL(q || p)
+    "jsd": lambda b: 0.5 * ((b.p * (b.logp - _logm(b))).sum(0)
+                            + (b.q * (b.logq - _logm(b))).sum(0)),
+    "overlap": overlap,  # alpha = sum min(p, q)
+}
 
 
-def rkl(b: Buckets, **_) -> tuple[Tensor, Tensor]:
-    """KL(q || p) [m] and h = q (log q - log p + 1)."""
-    diff = b.logq - b.logp
-    return (b.q * diff).sum(0), b.q * (diff + 1.0)
-
-
-def jsd(b: Buckets, **_) -> tuple[Tensor, Tensor]:
-    """Jensen-Shannon divergence [m] and h = q * 0.5 log(q / m), m = (p + q) / 2."""
-    logm = torch.logaddexp(b.logp, b.logq) - math.log(2.0)
-    value = 0.5 * ((b.p * (b.logp - logm)).sum(0) + (b.q * (b.logq - logm)).sum(0))
-    return value, 0.5 * b.q * (b.logq - logm)
-
-
-def _below(b: Buckets) -> Tensor:
+def below(b: Buckets) -> Tensor:
     """h of -sum min(p, q): -q where q < p (where they tie, torch.minimum's backward splits the
     gradient in half; ties of float probabilities do not occur in practice)."""
     return -(b.q * (b.q < b.p))
 
 
-def tv(b: Buckets, **_) -> tuple[Tensor, Tensor]:
-    """TV = 1 - sum min(p, q) [m] and h = -q [q < p]."""
-    return 1.0 - overlap(b), _below(b)
+def _nla_factor(alpha: Tensor) -> Tensor:
+    """d(-log max(alpha, eps)) / d(-alpha): 1 / alpha, 0 where the clamp holds."""
+    return (alpha >= NLA_EPS) / alpha.clamp(min=NLA_EPS)
 
 
-def nla(b: Buckets, **_) -> tuple[Tensor, Tensor]:
-    """-log max(alpha, 1e-5) [m] and h = -q [q < p] / alpha (0 where the clamp holds)."""
-    alpha = overlap(b)
-    value = -alpha.clamp(min=NLA_EPS).log()
-    return value, _below(b) * ((alpha >= NLA_EPS) / alpha.clamp(min=NLA_EPS))
+def _lam(alpha: Tensor, eta: float) -> Tensor:
+    """lk_hybrid's blend lam = exp(-eta alpha), alpha detached (it sets the mix only)."""
+    return torch.exp(-eta * alpha)
 
 
-def lk_hybrid(b: Buckets, *, lk_eta: float = 3.0, **_) -> tuple[Tensor, Tensor]:
-    """lam KL + (1 - lam) TV with lam = exp(-eta alpha), alpha detached (the blend only)."""
-    lam = torch.exp(-lk_eta * overlap(b))
-    kl_value, kl_h = kl(b)
-    tv_value, tv_h = tv(b)
-    return lam * kl_value + (1.0 - lam) * tv_value, lam * kl_h + (1.0 - lam) * tv_h
+@dataclass(frozen=True)
+class Term:
+    """One per-slot loss: ``needs`` (names of ``SUMS``), ``value(totals, eta)`` [m] and
+    ``h(buckets, totals, eta)`` [B, m] = q dL/dq of those buckets (finite where q underflows);
+    ``h_reads_totals``: h needs the totals (so a pass must gather them first)."""
+
+    needs: tuple[str, ...]
+    value: Callable[[dict, float], Tensor]
+    h: Callable[[Buckets, dict, float], Tensor]
+    h_reads_totals: bool = False
 
 
-LOSSES = {"kl": kl, "rkl": rkl, "jsd": jsd, "tv": tv, "nla": nla, "lk_hybrid": lk_hybrid}
+LOSSES = {
+    # KL(p || q); h = q dKL/dq = -p
+    "kl": Term(("kl",), lambda s, e: s["kl"], lambda b, s, e: -b.p),
+    # KL(q || p); h = q (log q - log p + 1)
+    "rkl": Term(("rkl",), lambda s, e: s["rkl"], lambda b, s, e: b.q * (b.logq - b.logp + 1.0)),
+    # JSD; h = q * 0.5 log(q / m)
+    "jsd": Term(("jsd",), lambda s, e: s["jsd"], lambda b, s, e: 0.5 * b.q * (b.logq - _logm(b))),
+    # TV = 1 - alpha; h = -q [q < p]
+    "tv": Term(("overlap",), lambda s, e: 1.0 - s["overlap"], lambda b, s, e: below(b)),
+    # NLA = -log max(alpha, 1e-5); h = -q [q < p] / alpha
+    "nla": Term(("overlap",), lambda s, e: -s["overlap"].clamp(min=NLA_EPS).log(),
+                lambda b, s, e: below(b) * _nla_factor(s["overlap"]), h_reads_totals=True),
+    # lam KL + (1 - lam) TV
+    "lk_hybrid": Term(
+        ("kl", "overlap"),
+        lambda s, e: (_lam(s["overlap"], e) * s["kl"]
+                      + (1.0 - _lam(s["overlap"], e)) * (1.0 - s["overlap"])),
+        lambda b, s, e: (_lam(s["overlap"], e) * -b.p
+                         + (1.0 - _lam(s["overlap"], e)) * below(b)), h_reads_totals=True),
+}
 
 
-def logit_gradient(h_bm: Tensor, q_vm: Tensor, ids_km: Tensor | None = None) -> Tensor:
-    """dL/dz [V, m] from ``h = q dL/dq`` over the buckets: ``q_v (g_bucket(v) - sum_b h_b)``.
-
-    Dense (``ids_km`` None): ``h - q sum(h)``. Sparse: a tail token's g is the tail bucket's,
-    ``h_tail / q_tail``; the K ids take their own h.
-    """
-    total_m = h_bm.sum(0)
-    if ids_km is None:
-        return h_bm - q_vm * total_m
-    h_k, h_tail = h_bm[:-1], h_bm[-1]
-    q_tail = (1.0 - q_vm.gather(0, ids_km).sum(0)).clamp(min=TINY)
-    grad_vm = q_vm * (h_tail / q_tail - total_m)
-    grad_vm.scatter_(0, ids_km, h_k - q_vm.gather(0, ids_km) * total_m)
-    return grad_vm
+def sums_needed(spec: LossSpec) -> tuple[str, ...]:
+    """The ``SUMS`` the spec's distribution terms read at T_label (in a fixed order)."""
+    names = {n for name, _ in spec.slot_terms if name != "ce" for n in LOSSES[name].needs}
+    return tuple(n for n in SUMS if n in names)
 
 
-@dataclass
-class ChunkTerms:
-    """What the distribution part of one chunk gives: the mixed per-slot value [m] (sum over
-    terms of weight x value, without ce), each term's value [C, m], the overlap at T_label [m]
-    (the D-PACE confidence of a distribution loss), and dL/dz [V, m] when asked."""
-
-    value_m: Tensor
-    terms_cm: Tensor
-    overlap_m: Tensor
-    grad_vm: Tensor | None = None
-    extra: dict[str, Tensor] = field(default_factory=dict)
+def term_values(spec: LossSpec, totals: dict, like_m: Tensor) -> tuple[Tensor, Tensor]:
+    """Each distribution term's value [C, m] and their weighted mix [m] (no ce; zeros like
+    ``like_m`` when the spec has no distribution term)."""
+    named = [(LOSSES[n].value(totals, spec.lk_eta), w) for n, w in spec.slot_terms if n != "ce"]
+    if not named:
+        return like_m.new_zeros(0, like_m.shape[0]), torch.zeros_like(like_m)
+    return torch.stack([v for v, _ in named]), sum(w * v for v, w in named)
 
 
-def distribution_terms(spec: LossSpec, teacher: Teacher, teacher_logits_vm: Tensor | None,
-                       q_vm: Tensor, logq_vm: Tensor, want_grad: bool,
-                       need_overlap: bool = True) -> ChunkTerms:
-    """The distribution terms of ``spec`` (no ce, no accept) for one chunk, over the buckets;
-    ``need_overlap``: also sum min(p, q) (D-PACE's confidence; zeros otherwise: two passes over
-    the chunk saved)."""
-    b = (dense_buckets(teacher_logits_vm, q_vm, logq_vm, spec.label_temperature)
-         if teacher.dense else sparse_buckets(teacher, q_vm))
-    values, h_total = [], None
+def term_h(spec: LossSpec, b: Buckets, totals: dict) -> Tensor | None:
+    """h = q dL/dq [B, m] of the weighted mix of the distribution terms on buckets ``b``."""
+    out = None
     for name, weight in spec.slot_terms:
         if name == "ce":
             continue
-        value, h = LOSSES[name](b, lk_eta=spec.lk_eta)
-        values.append(value)
-        if want_grad:
-            h = h if weight == 1.0 else h.mul_(weight)
-            h_total = h if h_total is None else h_total.add_(h)
-    weights = [w for n, w in spec.slot_terms if n != "ce"]
-    terms = torch.stack(values) if values else q_vm.new_zeros(0, q_vm.shape[1])
-    mixed = sum(w * v for w, v in zip(weights, values)) if values else q_vm.new_zeros(
-        q_vm.shape[1])
-    grad = None
-    if want_grad and h_total is not None:
-        ids = None if teacher.dense else teacher.top_ids_mk.t().long()
-        grad = logit_gradient(h_total, q_vm, ids)
-    return ChunkTerms(mixed, terms, overlap(b) if need_overlap else q_vm.new_zeros(
-        q_vm.shape[1]), grad)
-
-
-def tempered_overlap(teacher: Teacher, teacher_logits_vm: Tensor | None, logits_vm: Tensor,
-                     temperature: float, want_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """alpha = sum min(p_T, q_T) [m] at serving temperature T > 0 and d(alpha)/dz [V, m].
-
-    Sparse teachers hold T = 1 only (their tail cannot be re-tempered): refused elsewhere.
-    """
-    logq = torch.log_softmax(logits_vm if temperature == 1.0 else logits_vm / temperature,
-                             dim=0)
-    q = logq.exp()
-    b = (dense_buckets(teacher_logits_vm, q, logq, temperature) if teacher.dense
-         else sparse_buckets(teacher, q))
-    alpha = overlap(b)
-    if not want_grad:
-        return alpha, None
-    h = -_below(b)  # h of +sum min
-    ids = None if teacher.dense else teacher.top_ids_mk.t().long()
-    return alpha, logit_gradient(h, q, ids) / temperature
+        h = LOSSES[name].h(b, totals, spec.lk_eta)
+        h = h if weight == 1.0 else h * weight
+        out = h if out is None else out.add_(h)
+    return out
 
 
 # ------------------------------------------------------------------------------ acceptance

@@ -5,9 +5,18 @@
 projects the drafter's hidden states (and, for a dense teacher, the target's final-normed last
 hidden states) through the frozen target head, computes every term of the spec, the label CE
 and correctness, the overlaps at the asked temperatures and the unary top-K, and the gradient to
-the drafter's hidden states right there (dL/dz from :mod:`dflash_lab.train.distill`, then one
-matmul with the head weight). Nothing [M, V] is held: a chunk's rows are chosen so that its
-``DISTILL_BUFFERS`` fp32 [V, m] buffers fit the bytes the CE pass would use for the same rows.
+the drafter's hidden states right there (dL/dz from the terms of
+:mod:`dflash_lab.train.distill`, then one matmul with the head weight). Nothing [M, V] is held:
+a chunk's rows are chosen so that its :func:`distill_buffers` fp32 [V, m] buffers fit the bytes
+the CE pass would use for the same rows.
+
+Why the passes look the way they do: at the SmolLM2 shape the cost is the vocabulary matmuls,
+and a matmul over few rows is slow (on 2 CPU cores [V, 28] runs at half the speed per row of
+[V, 224]), so the fewer [V, m] buffers a chunk needs, the more rows it takes. Each chunk keeps
+at most the drafter's logits, a dense teacher's logits and accept's gradient; everything
+elementwise (softmaxes at each temperature, the loss sums, h, dL/dz) walks the vocabulary in
+``VOCAB_SLICES`` slices with small temporaries, and the gradients are written over the logits
+they came from (docs/benchmarks.md, section 6b).
 
 Shape legend: M rows (valid slots), H hidden, V vocab, K top-k, m rows of a chunk, T the number
 of asked temperatures. Vocab-major chunks ``x_vm`` [V, m] as in the CE pass.
@@ -15,20 +24,27 @@ of asked temperatures. Vocab-major chunks ``x_vm`` [V, m] as in the CE pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from dflash_lab.model.dflash2 import vocab_topk
 from dflash_lab.train.distill import (
+    LOSSES,
+    SUMS,
+    TINY,
+    Buckets,
     LossSpec,
     Teacher,
-    distribution_terms,
+    below,
     expected_accepted,
     on_slots,
+    sparse_buckets,
+    sums_needed,
     teacher_logits,
-    tempered_overlap,
+    term_h,
+    term_values,
 )
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
@@ -41,9 +57,19 @@ from dflash_lab.train.loss import (
     slot_weights,
 )
 
-#: fp32 [V, m] buffers a chunk holds at once (logits, log q, q, teacher logits, log p, p, h,
-#: dL/dz): rows per chunk = the CE pass's rows for this M // this.
-DISTILL_BUFFERS = 8
+#: Every pass over a chunk walks the vocabulary in this many slices: its elementwise work
+#: (softmaxes at each temperature, the loss sums, h, dL/dz) runs on [V / VOCAB_SLICES, m]
+#: temporaries (cache-sized), never on more [V, m] buffers than :func:`distill_buffers` counts.
+VOCAB_SLICES = 32
+
+
+def distill_buffers(spec: LossSpec, dense: bool) -> int:
+    """fp32 [V, m] buffers a chunk holds at once, where the CE pass holds one (the logits): the
+    drafter's logits (a sparse teacher's dL/dz is written over them), a dense teacher's logits
+    (over which h, then dL/dz, is written) and the accept objective's own dL/dz. The slice
+    temporaries (a few [V / VOCAB_SLICES, m]) and the head-dtype product before its fp32 cast
+    (as in the CE pass) come on top. Rows per chunk: the CE pass's rows over this."""
+    return 1 + int(dense) + int(bool(spec.accept_weight))
 
 
 @dataclass
@@ -56,8 +82,7 @@ class DistillPass:
     whether the label attains the max. ``overlap``: sum min(p, q) at T_label (the D-PACE
     confidence; zeros unless ``need_overlap``). ``terms`` [C, M]: each distribution term's
     value. ``overlaps`` [T, M]: the acceptance probability at each asked temperature (0: the
-    greedy match). ``top_values`` /
-    ``top_ids`` [M, K]: the unary top-K when asked.
+    greedy match). ``top_values`` / ``top_ids`` [M, K]: the unary top-K when asked.
     """
 
     loss: Tensor
@@ -69,35 +94,116 @@ class DistillPass:
     overlaps: Tensor | None = None
     top_values: Tensor | None = None
     top_ids: Tensor | None = None
-    extra: dict[str, Tensor] = field(default_factory=dict)
 
 
-def _ce_terms(logits_vm: Tensor, labels_m: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """log q [V, m], q [V, m], label CE [m] and correctness [m] of scaled logits."""
-    logq_vm = torch.log_softmax(logits_vm, dim=0)
-    q_vm = logq_vm.exp()
-    ce_m = -logq_vm.gather(0, labels_m[None])[0]
-    correct_m = logits_vm.gather(0, labels_m[None])[0] >= logits_vm.amax(dim=0)
-    return logq_vm, q_vm, ce_m, correct_m
+class _Side:
+    """One distribution's logits [V, m] fp32 (the drafter's scaled unary logits or a dense
+    teacher's), their column max, and their log-normaliser per temperature (one slice pass
+    each, cached): log-probabilities of any vocabulary slice without a [V, m] softmax."""
+
+    def __init__(self, x_vm: Tensor):
+        self.x, self.max, self._lse = x_vm, x_vm.amax(dim=0), {}
+        step = -(-x_vm.shape[0] // VOCAB_SLICES)
+        self.slices = [slice(i, i + step) for i in range(0, x_vm.shape[0], step)]
+
+    def lse(self, temp: float) -> Tensor:
+        """log sum_v exp(x_v / temp) [m]."""
+        if temp not in self._lse:
+            total = 0.0
+            for s in self.slices:
+                shifted = self.x[s] - self.max
+                total = total + (shifted if temp == 1.0 else shifted.div_(temp)).exp_().sum(0)
+            self._lse[temp] = self.max / temp + total.log()
+        return self._lse[temp]
+
+    def logprobs(self, rows, temp: float) -> Tensor:
+        """log softmax(x / temp) of some rows (a slice, or gathered [K, m] values)."""
+        x = self.x[rows] if isinstance(rows, slice) else rows
+        return (x if temp == 1.0 else x / temp) - self.lse(temp)
 
 
-def _accept(spec: LossSpec, teacher: Teacher, t_vm, logits_vm, q_vm, labels_m, want_grad):
-    """alpha [m] at the accept temperature and d(alpha)/dz: T = 0 takes the smooth greedy
-    surrogate q(y) (d q_y / dz = q_y (onehot - q))."""
-    if spec.accept_temperature > 0:
-        return tempered_overlap(teacher, t_vm, logits_vm, spec.accept_temperature, want_grad)
-    q_y = q_vm.gather(0, labels_m[None])[0]
-    if not want_grad:
-        return q_y, None
-    grad = -q_vm * q_y
-    grad.scatter_add_(0, labels_m[None], q_y[None])
-    return q_y, grad
+@dataclass
+class _Chunk:
+    """What the passes of one chunk share: the drafter side ``z``, the dense teacher side ``t``
+    (None for a sparse teacher), the sparse teacher, the labels and their scaled logits."""
+
+    z: _Side
+    t: _Side | None
+    teacher: Teacher
+    labels_m: Tensor
+    picked_m: Tensor
+
+    def buckets(self, rows: slice | None, key: tuple[float, float]) -> Buckets:
+        """p at the teacher's temperature, q at the drafter's (``key``), over a vocabulary
+        slice (dense) or the teacher's K + 1 buckets (sparse, ``rows`` None, T = 1)."""
+        tp, tq = key
+        if self.t is None:
+            ids_km = self.teacher.top_ids_mk.t().long()
+            return sparse_buckets(self.teacher, self.z.logprobs(self.z.x.gather(0, ids_km), tq))
+        logp, logq = self.t.logprobs(rows, tp), self.z.logprobs(rows, tq)
+        return Buckets(logp.exp(), logp, logq.exp(), logq)
+
+    def parts(self):
+        """The vocabulary slices a pass walks (one pass over the K + 1 sparse buckets)."""
+        return self.z.slices if self.t is not None else [None]
 
 
-def _greedy_overlap(logits_vm: Tensor, t_vm: Tensor | None, teacher: Teacher) -> Tensor:
+def _sweep(chunk: _Chunk, spec: LossSpec, needs: dict, jobs: list, totals: dict | None = None):
+    """One walk over the chunk's vocabulary slices (or its K + 1 sparse buckets), building each
+    slice's buckets once per temperature pair for both of its jobs:
+
+    - the totals [m] of the sums ``needs`` names, ``{(T_teacher, T_drafter): {name: total}}``;
+    - for each job ``(name, key, into)`` ("loss" or "accept"), its h = q dL/dq: dense, each
+      slice's h is written into ``into`` (after every read of that slice's logits) and its
+      column sum returned as ``hsums[name]``; sparse, ``hsums[name]`` is
+      ``h_tail / q_tail - sum(h)`` (a tail token's dL/dz is q_v times it) and
+      ``hsums[name + "_ids"]`` the K ids' own dL/dz, ``h_k - q_k sum(h)``.
+
+    h that reads totals (nla, lk_hybrid) takes them from ``totals`` (a second sweep); any other
+    h runs in the sweep that gathers the totals."""
+    new, hsums = {key: {} for key in needs}, {}
+    for rows in chunk.parts():
+        built = {}
+        for key, names in needs.items():
+            b = built[key] = chunk.buckets(rows, key)
+            for name in names:
+                part = SUMS[name](b)
+                new[key][name] = part if name not in new[key] else new[key][name] + part
+        stored = []
+        for name, key, into in jobs:
+            b = built[key] if key in built else built.setdefault(key, chunk.buckets(rows, key))
+            h = term_h(spec, b, (totals or new)[key]) if name == "loss" else -below(b)
+            total = h.sum(0)
+            if rows is None:
+                hsums[name] = h[-1] / b.q[-1].clamp(min=TINY) - total
+                hsums[name + "_ids"] = h[:-1] - b.q[:-1] * total
+                continue
+            hsums[name] = total if name not in hsums else hsums[name] + total
+            stored.append((into, h))
+        for into, h in stored:
+            into[rows] = h
+    return new, hsums
+
+
+def _needs(spec: LossSpec, temperatures, need_overlap: bool) -> dict:
+    """Which sums each temperature pair needs: the terms' (and D-PACE's overlap) at
+    (T_label, 1), the overlap at each serving temperature (T, T) > 0."""
+    needs = {}
+    label = set(sums_needed(spec)) | ({"overlap"} if need_overlap else set())
+    if label:
+        needs[(spec.label_temperature, 1.0)] = label
+    served = [*temperatures, *([spec.accept_temperature] if spec.accept_weight else [])]
+    for t in served:
+        if t > 0:
+            needs.setdefault((t, t), set()).add("overlap")
+    return needs
+
+
+def _greedy_overlap(chunk: _Chunk) -> Tensor:
     """T = 0: a slot is accepted when the drafter's argmax is the target's argmax [m] (0/1)."""
-    draft = logits_vm.argmax(0)
-    target = t_vm.argmax(0) if teacher.dense else teacher.top_ids_mk[:, 0].long()
+    draft = chunk.z.x.argmax(0)
+    target = (chunk.t.x.argmax(0) if chunk.t is not None
+              else chunk.teacher.top_ids_mk[:, 0].long())
     return (draft == target).float()
 
 
@@ -107,38 +213,87 @@ def _chunk(h_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, scale: LogitScale,
     """Every per-row output of one chunk, and (when ``want_grad``) the gradients of ``loss``
     and ``accept`` to the chunk's hidden states [m, H] (None when not asked)."""
     logits_vm = (weight_vh @ h_mh.t()).float()
-    deriv = None if scale.identity else scale.apply_(logits_vm)
+    if not scale.identity:
+        scale.apply_(logits_vm)
     tops = tuple(t.t() for t in vocab_topk(logits_vm, top_k, dim=0)) if top_k else None
-    logq_vm, q_vm, ce_m, correct_m = _ce_terms(logits_vm, labels_m)
-    t_vm = teacher_logits(teacher, weight_vh) if teacher.dense else None
-    dist = distribution_terms(spec, teacher, t_vm, q_vm, logq_vm, want_grad, need_overlap)
+    z = _Side(logits_vm)
+    picked = logits_vm.gather(0, labels_m[None])[0]
+    ce_m, correct_m = z.lse(1.0) - picked, picked >= z.max
+    t = _Side(teacher_logits(teacher, weight_vh)) if teacher.dense else None
+    chunk = _Chunk(z, t, teacher, labels_m, picked)
+    greedy = _greedy_overlap(chunk) if 0.0 in temperatures else None  # before h overwrites t
+    label, tau = (spec.label_temperature, 1.0), spec.accept_temperature
+    jobs, out, acc = [], None, None
+    if want_grad:
+        out = t.x if t is not None else z.x  # dL/dz is written over these logits
+        acc = torch.empty_like(z.x) if spec.accept_weight else None
+        jobs = ([("loss", label, out)] if any(n != "ce" for n, _ in spec.slot_terms) else []) + (
+            [("accept", (tau, tau), acc)] if spec.accept_weight and tau > 0 else [])
+    needs = _needs(spec, temperatures, need_overlap)
+    late = any(LOSSES[n].h_reads_totals for n, _ in spec.slot_terms if n != "ce")
+    totals, hsums = _sweep(chunk, spec, needs, [] if late else jobs)
+    if late and jobs:
+        hsums = _sweep(chunk, spec, {}, jobs, totals)[1]
+    terms_cm, dist_m = term_values(spec, totals.get(label, {}), ce_m)
     ce_weight = dict(spec.slot_terms).get("ce", 0.0)
-    loss_m = dist.value_m + ce_weight * ce_m
-    accept_m = accept_grad = None
+    accept_m = None
     if spec.accept_weight:
-        accept_m, accept_grad = _accept(spec, teacher, t_vm, logits_vm, q_vm, labels_m,
-                                        want_grad)
-    overlaps = [(_greedy_overlap(logits_vm, t_vm, teacher) if t == 0 else
-                 tempered_overlap(teacher, t_vm, logits_vm, t, False)[0]) for t in temperatures]
+        accept_m = (totals[(tau, tau)]["overlap"] if tau > 0  # T = 0: the surrogate q(y)
+                    else (picked - z.lse(1.0)).exp())
+    overlaps = [greedy if t == 0 else totals[(t, t)]["overlap"] for t in temperatures]
+    overlap_m = totals[label]["overlap"] if need_overlap else ce_m.new_zeros(ce_m.shape)
     grads = (None, None)
     if want_grad:
-        grad_vm = dist.grad_vm if dist.grad_vm is not None else torch.zeros_like(q_vm)
-        if ce_weight:
-            grad_vm = grad_vm.add_(ce_weight * q_vm)
-            grad_vm.scatter_add_(0, labels_m[None], q_vm.new_full((1, len(labels_m)),
-                                                                  -ce_weight))
-        grads = tuple(None if g is None else _to_hidden(g, deriv, weight_vh)
-                      for g in (grad_vm, accept_grad))
-    outs = (loss_m, ce_m, correct_m, dist.overlap_m, dist.terms_cm, accept_m,
+        grads = tuple(None if g is None else g.t().to(weight_vh.dtype) @ weight_vh
+                      for g in _logit_grads(chunk, spec, hsums, ce_weight, accept_m, scale,
+                                            out, acc))
+    outs = (dist_m + ce_weight * ce_m, ce_m, correct_m, overlap_m, terms_cm, accept_m,
             torch.stack(overlaps) if overlaps else None, *(tops or (None, None)))
     return outs, grads
 
 
-def _to_hidden(grad_vm: Tensor, deriv, weight_vh: Tensor) -> Tensor:
-    """dL/dh [m, H] from dL/dz [V, m]: through the logit scale, then the head weight."""
-    if deriv is not None:
-        grad_vm = grad_vm * deriv
-    return grad_vm.t().to(weight_vh.dtype) @ weight_vh
+def _logit_grads(chunk: _Chunk, spec: LossSpec, hsums: dict, ce_weight: float,
+                 accept_m: Tensor | None, scale: LogitScale, out: Tensor,
+                 acc: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """dL/dz and d(accept)/dz [V, m] of the chunk (z: the raw head logits, through the scale),
+    written over ``out`` (the teacher's logits, where h was stored, or a sparse teacher's
+    drafter logits) and into ``acc``. Every loss's ``dL/dz_v = q_v (g_v - sum_u q_u g_u)``
+    with g = dL/dq is ``h_v - q_v sum(h)`` in h = q g (:func:`_sweep` gathers h and its sum,
+    this walk writes dL/dz)."""
+    z, tau = chunk.z, spec.accept_temperature
+    dist, served = "loss" in hsums, spec.accept_weight and tau > 0
+    ids = None if chunk.t is not None else chunk.teacher.top_ids_mk.t().long()
+    at_ids = None if ids is None else z.x.gather(0, ids)  # before z is written over
+    for rows in z.slices:
+        zs = z.x[rows]
+        q1 = z.logprobs(rows, 1.0).exp_()
+        g = q1 * ce_weight if ce_weight else torch.zeros_like(q1)
+        if dist:  # dense: h was stored in ``out``; sparse: a tail token's g is the tail's
+            g = (g.add_(out[rows]).sub_(q1 * hsums["loss"]) if ids is None
+                 else g.add_(q1 * hsums["loss"]))
+        if acc is not None:
+            if not served:  # T = 0: d q_y / dz = q_y (onehot - q)
+                ga = -q1 * accept_m
+            else:
+                qa = q1 if tau == 1.0 else z.logprobs(rows, tau).exp_()
+                ga = (acc[rows] - qa * hsums["accept"] if ids is None
+                      else qa * hsums["accept"]).div_(tau)
+            acc[rows] = ga if scale.identity else ga.mul_(scale.derivative_at(zs))
+        out[rows] = g if scale.identity else g.mul_(scale.derivative_at(zs))
+    if ids is not None:  # the K ids take their own dL/dz (and the CE's share)
+        at_deriv = scale.derivative_at(at_ids)
+        if dist:
+            q_k = z.logprobs(at_ids, 1.0).exp_()
+            out.scatter_(0, ids, (hsums["loss_ids"] + ce_weight * q_k) * at_deriv)
+        if served:
+            acc.scatter_(0, ids, hsums["accept_ids"] / tau * at_deriv)
+    picked_deriv = scale.derivative_at(chunk.picked_m)
+    if ce_weight:
+        out.scatter_add_(0, chunk.labels_m[None],
+                         (torch.full_like(chunk.picked_m, -ce_weight) * picked_deriv)[None])
+    if acc is not None and not served:
+        acc.scatter_add_(0, chunk.labels_m[None], (accept_m * picked_deriv)[None])
+    return out, acc
 
 
 def _cat(parts: list, dim: int = 0):
@@ -187,11 +342,13 @@ class _FusedDistill(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None, None
 
 
-def distill_rows(num_rows: int, vocab_size: int, chunk_size: int | None,
-                 chunk_bytes: int) -> int:
-    """Rows per chunk: the CE pass's rows for these M rows, over ``DISTILL_BUFFERS``."""
+def distill_rows(num_rows: int, vocab_size: int, chunk_size: int | None, chunk_bytes: int,
+                 buffers: int) -> int:
+    """Rows per chunk: the CE pass's rows for these M rows, over the chunk's ``buffers``."""
     ce_rows = min(num_rows, ce_chunk_rows(vocab_size, chunk_size, chunk_bytes))
-    return max(1, ce_rows // DISTILL_BUFFERS)
+    rows = max(1, ce_rows // buffers)
+    chunks = -(-num_rows // rows)
+    return -(-num_rows // chunks)  # balanced: no last chunk of a few rows
 
 
 def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, spec: LossSpec,
@@ -215,7 +372,8 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
     temperatures = tuple(float(t) for t in temperatures)
     if hidden_mh.shape[0] == 0:
         return _empty(hidden_mh, labels_m, spec, top_k, temperatures)
-    rows = distill_rows(hidden_mh.shape[0], _vocab_size(lm_head), chunk_size, chunk_bytes)
+    rows = distill_rows(hidden_mh.shape[0], _vocab_size(lm_head), chunk_size, chunk_bytes,
+                        distill_buffers(spec, teacher.dense))
     if torch.is_grad_enabled() and hidden_mh.requires_grad:
         out = _FusedDistill.apply(hidden_mh, labels_m, weight, rows, scale, top_k, spec,
                                   teacher, temperatures, need_overlap)

@@ -190,6 +190,14 @@ class LogitScale:
         t.mul_(self.softcap)
         return deriv
 
+    def derivative_at(self, scaled: Tensor) -> Tensor | float:
+        """d(scaled)/d(raw) from the scaled logits themselves (any shape): the multiplier, or
+        ``m * (1 - (scaled / c)^2)`` under a softcap (tanh = scaled / c), so a pass that keeps
+        only the scaled logits needs no derivative buffer."""
+        if self.softcap is None:
+            return self.multiplier
+        return (scaled / self.softcap).square_().neg_().add_(1.0).mul_(self.multiplier)
+
 
 NO_SCALE = LogitScale()
 

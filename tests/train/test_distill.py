@@ -21,7 +21,7 @@ from dflash_lab.train.distill import (
     slot_teacher,
     teacher_kind,
 )
-from dflash_lab.train.distill_head import DISTILL_BUFFERS, distill_head_pass
+from dflash_lab.train.distill_head import distill_buffers, distill_head_pass
 from dflash_lab.train.loss import (
     BlockTargets,
     LogitScale,
@@ -76,8 +76,8 @@ def test_each_loss_and_its_gradient_equal_the_naive_full_logits_reference(name):
     weights = torch.rand(M)
     scale, cap, temp = LogitScale(1.3, 6.0), 5.0, 0.7  # drafter scale, target softcap, T_label
     spec = LossSpec.create({name: 1.0}, label_temperature=temp)
-    out, h1 = _ours(spec, head, h, Teacher(th, softcap=cap), y, chunk_size=8 * DISTILL_BUFFERS,
-                    scale=scale)
+    out, h1 = _ours(spec, head, h, Teacher(th, softcap=cap), y,
+                    chunk_size=8 * distill_buffers(spec, True), scale=scale)
     (weights * out.loss).sum().backward()
     h2 = h.clone().requires_grad_(True)
     t = torch.tanh((th @ head.weight.t()) / cap) * cap / temp
@@ -119,8 +119,9 @@ def test_the_unary_top_k_equals_the_ce_pass_s():
 def test_results_do_not_depend_on_the_chunking():
     head, h, th, y = _case(2)
     spec = LossSpec.create({"jsd": 1.0, "accept": 0.5})
+    buffers = distill_buffers(spec, True)
     runs = [_ours(spec, head, h, Teacher(th), y, chunk_size=c, temperatures=(1.0, 0.5))
-            for c in (DISTILL_BUFFERS, 7 * DISTILL_BUFFERS, 10**6)]
+            for c in (buffers, 7 * buffers, 10**6)]
     for out, _ in runs:
         (out.loss.sum() + out.accept.sum()).backward()
     first, h_first = runs[0]
@@ -252,7 +253,8 @@ def test_no_chunk_holds_more_than_the_ce_pass_would():
         out, hh = _ours(spec, head, h, Teacher(th), y, chunk_bytes=budget)
         (out.loss.sum() + out.accept.sum()).backward()
     ce_rows = budget // (997 * 4)
-    assert probe.max_bytes <= max(1, ce_rows // DISTILL_BUFFERS) * 997 * 4 + 1024
+    rows = max(1, ce_rows // distill_buffers(spec, True))
+    assert probe.max_bytes <= rows * 997 * 4 + 1024
     assert probe.max_bytes < 64 * 997 * 4 // 2  # never [M, V]
 
 
@@ -347,3 +349,58 @@ def test_every_loss_equals_speculators_eager_loss_on_the_same_tensors(tmp_path):
                                    rtol=1e-4, msg=name)
     assert json.dumps(sorted(theirs))  # every loss ran
     assert math.isfinite(float(theirs["nla"].sum()))
+
+
+def test_a_dense_mix_with_accept_softcap_and_temperatures_equals_the_naive_reference():
+    head, h, th, y = _case(10)
+    scale = LogitScale(1.3, 6.0)
+    spec = LossSpec.create({"ce": 0.2, "lk_hybrid": 1.0, "accept": 0.5}, label_temperature=0.8,
+                           accept_temperature=0.6)
+    out, h1 = _ours(spec, head, h, Teacher(th, softcap=5.0), y, chunk_size=11, scale=scale,
+                    temperatures=(0.0, 0.6, 1.0))
+    (out.loss.sum() + 0.5 * out.accept.sum()).backward()
+    h2 = h.clone().requires_grad_(True)
+    z, t = scale(h2 @ head.weight.t()), 5.0 * torch.tanh((th @ head.weight.t()) / 5.0)
+
+    def alpha(zz, temp=0.6):
+        return torch.minimum((zz / temp).softmax(-1), (t / temp).softmax(-1)).sum(-1)
+
+    ce = nn.functional.cross_entropy(z, y, reduction="none")
+    ref = 0.2 * ce + naive_loss("lk_hybrid", z, t / 0.8)
+    (ref.sum() + 0.5 * alpha(z).sum()).backward()
+    torch.testing.assert_close(out.loss, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.accept, alpha(z), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=2e-7, rtol=1e-4)
+    zd = z.detach()
+    assert out.overlaps[0].tolist() == (zd.argmax(-1) == t.argmax(-1)).float().tolist()
+    torch.testing.assert_close(out.overlaps[1], alpha(zd))
+    torch.testing.assert_close(out.overlaps[2], alpha(zd, 1.0))
+
+
+@pytest.mark.parametrize("accept_temperature", [0.0, 1.0])
+def test_a_topk_mix_with_accept_and_softcap_equals_the_naive_bucket_reference(
+        accept_temperature):
+    head, h, th, y = _case(11)
+    scale = LogitScale(1.3, 6.0)
+    logp_k, ids = (th @ head.weight.t()).log_softmax(-1).topk(6, dim=-1)
+    spec = LossSpec.create({"ce": 0.3, "kl": 0.7, "accept": 0.5},
+                           accept_temperature=accept_temperature)
+    out, h1 = _ours(spec, head, h, Teacher(None, ids, logp_k), y, chunk_size=10, scale=scale,
+                    temperatures=(0.0, 1.0))
+    (out.loss.sum() + 0.5 * out.accept.sum()).backward()
+    h2 = h.clone().requires_grad_(True)
+    z = scale(h2 @ head.weight.t())
+    q = z.softmax(-1)
+    p_k = logp_k.exp()
+    p = torch.cat([p_k, (1 - p_k.sum(-1, keepdim=True)).clamp(min=0)], -1)
+    qb = torch.cat([q.gather(-1, ids), 1 - q.gather(-1, ids).sum(-1, keepdim=True)], -1)
+    overlap = torch.minimum(p, qb).sum(-1)
+    alpha = overlap if accept_temperature else q.gather(-1, y[:, None])[:, 0]
+    ref = (0.3 * nn.functional.cross_entropy(z, y, reduction="none")
+           + 0.7 * naive_bucket_loss("kl", z, ids, logp_k))
+    (ref.sum() + 0.5 * alpha.sum()).backward()
+    torch.testing.assert_close(out.loss, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.accept, alpha, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=2e-7, rtol=1e-4)
+    assert out.overlaps[0].tolist() == (z.argmax(-1) == ids[:, 0]).float().tolist()
+    torch.testing.assert_close(out.overlaps[1], overlap.detach())
