@@ -20,8 +20,10 @@ which ``tests/train/test_distill.py`` checks ours against where its venv exists.
 
 Gradients without autograd over [rows, V]: every loss is a function of the probabilities q, so
 its gradient in the logits z is ``q_v (g_v - sum_u q_u g_u)`` with ``g = dL/dq``. Each loss here
-returns ``h = q * g`` (finite where q underflows, unlike g: KL's is ``-p``), and
-:func:`logit_gradient` turns it into dL/dz: ``h - q sum(h)``.
+is a :class:`Term`: the few column sums it reads (``SUMS``: sums over buckets, so a pass over
+vocabulary slices adds them up), its value from their totals, and ``h = q * g`` of any buckets
+(finite where q underflows, unlike g: KL's is ``-p``), from which the head pass
+(:mod:`dflash_lab.train.distill_head`) writes dL/dz = ``h - q sum(h)``.
 
 A teacher is either dense (the target's logits, computed per chunk from its final-normed last
 hidden state) or sparse (its top-k log-probabilities with the rest of the mass as one "tail"

@@ -42,10 +42,11 @@ def test_loss_memory_benchmark(tmp_path):
 
 
 def test_loss_cost_benchmark_times_every_loss_against_ce(tmp_path):
-    rec = _run(loss_cost, tmp_path, "--losses", "kl", "kl_top64", "accept")
+    rec = _run(loss_cost, tmp_path, "--losses", "kl", "kl_top64", "accept", "floor")
     rows = {r["loss"]: r for r in rec["rows"]}
-    assert set(rows) == {"ce", "kl", "kl_top64", "accept"} and rows["ce"]["time_vs_ce"] == 1.0
-    assert all(r["step_ms"] > 0 for r in rows.values())
+    assert set(rows) == {"ce", "kl", "kl_top64", "accept", "floor"}
+    assert rows["ce"]["time_vs_ce"] == 1.0 and rows["ce"]["peak_vs_ce"] == 1.0
+    assert all(r["step_ms"] > 0 and r["peak_mib"] >= 0 for r in rows.values())
 
 
 def test_draft_vocab_benchmark_times_each_draft_vocabulary_against_the_full_one(tmp_path):
