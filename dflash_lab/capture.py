@@ -26,6 +26,7 @@ from dflash_lab.errors import user_errors
 from dflash_lab.model.config import build_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.capture")
 #: Manifest counts sent to the logger when the capture completes.
@@ -84,7 +85,13 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
 
 
 def capture(cfg: DictConfig) -> dict[str, Any] | None:
-    """Run this process's part of the capture; returns the manifest once all shards exist."""
+    """Run this process's part of the capture; returns the manifest once all shards exist.
+    One capture writes an output directory at a time (:func:`writer_lock`, rank 0)."""
+    with writer_lock(cfg.capture.out_dir, what="capture.out_dir"):
+        return _capture(cfg)
+
+
+def _capture(cfg: DictConfig) -> dict[str, Any] | None:
     rank, world = rank_and_world()
     logger = make_logger(cfg.logger)
     target = instantiate(cfg.target)

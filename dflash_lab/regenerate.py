@@ -25,14 +25,21 @@ from dflash_lab.entry import log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.regenerate")
 
 
 def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
-    """Run this process's parts; returns the manifest once every part exists."""
-    rank, world = rank_and_world()
+    """Run this process's parts; returns the manifest once every part exists. One
+    regeneration writes an output directory at a time (:func:`writer_lock`, rank 0)."""
     settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
+    with writer_lock(settings.out_dir, what="regenerate.settings.out_dir"):
+        return _regenerate(cfg, settings)
+
+
+def _regenerate(cfg: DictConfig, settings: RegenerateSettings) -> dict[str, Any] | None:
+    rank, world = rank_and_world()
     server_settings = make_server_settings(cfg)
     if server_settings is not None and "head_only" in cfg.target \
             and not cfg.target.get("gguf_file"):

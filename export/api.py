@@ -35,6 +35,7 @@ from dflash_lab.export.engines import (
 from dflash_lab.export.engines.common import architecture_of, layouts_agree
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
 from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE, base_config
+from dflash_lab.export.integrity import CHECKSUMS_FILE, Verification, verify_dir, write_checksums
 from dflash_lab.export.outdir import (
     REPORT_FILE,
     SOURCE_PATH_KEY,
@@ -83,6 +84,7 @@ from dflash_lab.model.config import (
     LayerSpec,
 )
 from dflash_lab.paths import publish_dir, remove_path, temp_dir_beside
+from dflash_lab.writer_lock import writer_lock
 
 
 class ExportRefused(Exception):
@@ -193,7 +195,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                    target: dict[str, Any] | None = None, self_check: bool = True,
                    command: str | None = None, owner: str | Path | None = None,
                    sglang_version: str = DEFAULT_RELEASE,
-                   sglang_backend: str = "any") -> ExportResult:
+                   sglang_backend: str = "any", verify: bool = True) -> ExportResult:
     """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``.
 
     SGLang is checked for ``sglang_version`` and ``sglang_backend`` (its draft attention
@@ -204,7 +206,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     ``owner`` (the training run) only a previous export of a source inside it. Raises ValueError
     (bad input, or ``out_dir`` is or contains what the export reads), FileExistsError (exists:
     no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in
-    every case ``out_dir`` is left as it was.
+    every case ``out_dir`` is left as it was. ``verify``: a serving-directory source is checked
+    against its ``SHA256SUMS`` (export/integrity.py); the export writes its own.
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
@@ -213,7 +216,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     refuse_overlap(out_dir, named)
     if out_dir.exists() and not force:
         raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-    src = source if isinstance(source, Source) else load_source(source)
+    src = source if isinstance(source, Source) else load_source(source, verify)
     check_output_dir(out_dir, named + src.reads, force=force, owner=owner)  # + its checkpoint
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
@@ -225,20 +228,23 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     if refusals(findings):
         raise ExportRefused(findings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
-        remove_path(stale)
-    with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
-        raw = _write_dir(tmp, config, state, mask, dtype, src.target_identity)
-        checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
-                                          select_sglang(sglang_version, sglang_backend), arch)
-        files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
-        report = export_report(
-            header=_header(src, named, out_dir, engines, dtype, allow_lossy, command),
-            config=config, readings=readings, findings=findings, self_check=check_lines,
-            files=files + [REPORT_FILE])
-        (tmp / REPORT_FILE).write_text(report)
-        publish_modes(tmp)
-        _commit(tmp, out_dir, force)
+    with writer_lock(out_dir, what="OUT_DIR", beside=True, command=command):
+        for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
+            remove_path(stale)
+        with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
+            raw = _write_dir(tmp, config, state, mask, dtype, src.target_identity)
+            checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
+                                              select_sglang(sglang_version, sglang_backend),
+                                              arch)
+            files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
+            report = export_report(
+                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command),
+                config=config, readings=readings, findings=findings, self_check=check_lines,
+                files=files + [REPORT_FILE, CHECKSUMS_FILE])
+            (tmp / REPORT_FILE).write_text(report)
+            write_checksums(tmp)  # last: over every file above
+            publish_modes(tmp)
+            _commit(tmp, out_dir, force)
     return ExportResult(out_dir, findings, checks)
 
 
@@ -416,21 +422,26 @@ def _layout_lines(declared: _Declared, readings: dict[str, EngineReading], block
     return lines + as_trained_lines(declared.layers, readings, block)
 
 
-def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectResult:
+def inspect_dir(path: str | Path, engine: str | list[str] = "both",
+                verify: bool = True) -> InspectResult:
     """Per layer, how each rule set resolves a serving directory; the drafter's variant, conv,
     selector and scales, whether each rule set runs it as trained (third-party: as the importer
     resolves it); problems if any disagree, drop a feature, or the weights do not match the
     config. Without model.safetensors (a config.json alone) the layout is still classified and
-    the weight checks that were not made are listed in ``unchecked``."""
+    the weight checks that were not made are listed in ``unchecked``. ``verify``: check the
+    files against the export's ``SHA256SUMS`` first (a file that differs is a problem; a
+    directory without the record says it was not verified)."""
     path = Path(path)
-    d = read_config_json(path)
     config_only = not has_weights(path)
+    integrity = (verify_dir(path, absent_ok=(WEIGHTS_FILE,) if config_only else ()) if verify
+                 else Verification("skipped", []))
+    d = read_config_json(path)
     artifacts = _artifacts(path)
     readings = read_all(d, artifacts, parse_engines(engine))
     declared = _declared(d, path, artifacts)
     block = declared.config.block_size if declared.config else DEFAULT_BLOCK_SIZE
     trained = declared.layers if declared.assumed == OUR_SPEC else None
-    problems = declared.problems + _disagreement_lines(readings, block)
+    problems = integrity.problems + declared.problems + _disagreement_lines(readings, block)
     if trained is not None:
         for reading in readings.values():
             problems += [f.message for f in mismatches(trained, reading, block, "warn")]
@@ -440,7 +451,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both") -> InspectRe
         vocab_lines, vocab_problems = draft_vocab_problems(path, declared.config)
         problems += vocab_problems
     unchecked = unchecked_without_weights(declared.config, path) if config_only else []
-    lines = [f"# {path}", "", f"block_size={block}; rule sets: "
+    lines = [f"# {path}", "", f"files: {integrity.note}", "", f"block_size={block}; rule sets: "
              + ", ".join(f"{r.name} ({'current' if r.current else 'older'})"
                          for r in RULE_SETS if r.name in readings), ""]
     lines += layer_table(trained, readings, block)

@@ -14,11 +14,12 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
+from dflash_lab.export.integrity import CHECKSUMS_FILE
 from dflash_lab.export.weights import CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
 
 REPORT_FILE = "EXPORT_REPORT.md"
 #: every file an export writes; a previous export holds the first three and nothing but these
-EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE, MASK_FILE)
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE, MASK_FILE, CHECKSUMS_FILE)
 #: EXPORT_REPORT.md header key of the resolved source path (read back for ``owner``)
 SOURCE_PATH_KEY = "source path"
 

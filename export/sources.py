@@ -20,6 +20,7 @@ import torch
 from dflash_lab.export.engines import Artifacts, EngineReading, get_rule_set, read_all
 from dflash_lab.export.engines.common import layouts_agree
 from dflash_lab.export.engines.zlab import base_config
+from dflash_lab.export.integrity import checked
 from dflash_lab.export.weights import (
     CONFIG_FILE,
     MASK_FILE,
@@ -78,6 +79,7 @@ class ImportedDrafter(NamedTuple):
     mask_embedding: torch.Tensor | None
     assumed_rules: str  #: OUR_SPEC, or the engine rule set that resolved implicit causality
     disagreements: list[str]  #: rule sets reading a layer differently from the assumption
+    integrity: str = ""  #: what its SHA256SUMS check found (export/integrity.py)
 
 
 def _warn(msg: str) -> None:
@@ -219,8 +221,12 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
     return config, _disagreements(readings, rule_set.name, base.block_size)
 
 
-def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDrafter:
+def import_drafter(path: str | Path, assume: str | None = None,
+                   verify: bool = True) -> ImportedDrafter:
     """Read a serving directory into our config + weights.
+
+    ``verify``: check the files against the export's ``SHA256SUMS`` first (ValueError naming a
+    file that differs; a directory without the record is read and says so in ``integrity``).
 
     Our own exports carry the exact training spec and use it. Third-party (z-lab style)
     directories leave causality implicit: it is resolved by ``assume`` (default
@@ -231,6 +237,7 @@ def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDraft
     renamed to the serving names (listed in ``disagreements``: engines would not load them).
     """
     path = Path(path)
+    integrity = checked(path, verify).note
     d = read_config_json(path)
     artifacts = artifacts_of(path)
     if TRAINING_SPEC_KEY in d and assume is None:
@@ -251,13 +258,13 @@ def import_drafter(path: str | Path, assume: str | None = None) -> ImportedDraft
     validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
     if disagree:
         _warn(f"{path}: read with {assumed}; " + "; ".join(disagree))
-    return ImportedDrafter(config, state, mask, assumed, disagree)
+    return ImportedDrafter(config, state, mask, assumed, disagree, integrity)
 
 
-def load_serving_dir(path: str | Path, assume: str | None = None
+def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool = True
                      ) -> tuple[DrafterConfig, dict[str, torch.Tensor], torch.Tensor | None]:
     """``(config, state_dict, mask_embedding or None)`` of a serving directory."""
-    imported = import_drafter(path, assume)
+    imported = import_drafter(path, assume, verify)
     return imported.config, imported.state_dict, imported.mask_embedding
 
 
@@ -265,9 +272,11 @@ def is_serving_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and has_weights(path)
 
 
-def load_source(path: str | Path) -> Source:
+def load_source(path: str | Path, verify: bool = True) -> Source:
     """Dispatch on what SOURCE is: a .ckpt file, a serving directory (ours or z-lab's), a
-    training run dir, a speculators directory or a SpecForge checkpoint (export/peers.py)."""
+    training run dir, a speculators directory or a SpecForge checkpoint (export/peers.py).
+    ``verify``: a serving directory is checked against its ``SHA256SUMS``
+    (:func:`import_drafter`)."""
     from dflash_lab.export.peers import (
         is_speculators_dir,
         load_specforge_checkpoint,
@@ -283,8 +292,9 @@ def load_source(path: str | Path) -> Source:
     if is_speculators_dir(path):
         return load_speculators_dir(path)
     if is_serving_dir(path):
-        imported = import_drafter(path)
-        notes = [f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
+        imported = import_drafter(path, verify=verify)
+        notes = ([f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
+                 + [imported.integrity])
         d = read_config_json(path)
         identity = d.get(TARGET_IDENTITY_KEY)  # our exports record the training target
         return Source(imported.config, imported.state_dict, "serving",

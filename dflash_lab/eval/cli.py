@@ -25,6 +25,7 @@ from dflash_lab.eval.server_eval import run_server
 from dflash_lab.eval.suite import DATA_GROUP
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.eval")
 #: The command line as the user typed it (set by main; report.md shows it).
@@ -94,7 +95,13 @@ def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Run one evaluation from a composed config; writes everything into ``cfg.output_dir``."""
+    """Run one evaluation from a composed config; writes everything into ``cfg.output_dir``
+    (one evaluation at a time: :func:`writer_lock`)."""
+    with writer_lock(cfg.output_dir, what="output_dir"):
+        return _evaluate(cfg)
+
+
+def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     resolve_eval_target(cfg)
     logger = make_logger(cfg.logger)

@@ -112,7 +112,8 @@ def _load_pair(cfg, packed: bool = False):
     log.info("drafter attention backend: %s on %s", backend, target.device)
     loaded = load_drafter(cfg.drafter.path, backend=backend, device=target.device,
                           dtype=target.model.dtype, block_size=cfg.block_size,
-                          assume=cfg.drafter.assume)
+                          assume=cfg.drafter.assume,
+                          verify_checksums=bool(cfg.drafter.get("verify_checksums", True)))
     check_pair(loaded.drafter, target, loaded.depth_recorded)
     return target, loaded, backend
 

@@ -36,11 +36,12 @@ class LoadedDrafter:
 
 def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int | None = None,
-                 assume: str | None = None) -> LoadedDrafter:
+                 assume: str | None = None, verify_checksums: bool = True) -> LoadedDrafter:
     """Load a drafter from a checkpoint, run directory or serving directory.
 
     ``block_size`` (<= the trained one) sets the inference block; ``assume`` names the engine
-    rule set used to read a third-party serving directory (default: the exporter's).
+    rule set used to read a third-party serving directory (default: the exporter's);
+    ``verify_checksums``: a serving directory is checked against its ``SHA256SUMS`` first.
     """
     from dflash_lab.export.peers import is_speculators_dir
     from dflash_lab.export.sources import (
@@ -57,13 +58,14 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
                          "(.ckpt), a run directory, a serving directory (config.json + "
                          "model.safetensors), a speculators directory or a SpecForge checkpoint")
     if assume is not None and is_serving_dir(path) and not is_speculators_dir(path):
-        imported: ImportedDrafter = import_drafter(path, assume)
+        imported: ImportedDrafter = import_drafter(path, assume, verify_checksums)
         config, state = imported.config, imported.state_dict
         description = f"serving directory {path}"
-        notes = [f"causality resolved by {imported.assumed_rules}", *imported.disagreements]
+        notes = [f"causality resolved by {imported.assumed_rules}", *imported.disagreements,
+                 imported.integrity]
         depth_recorded = "num_target_layers" in read_config_json(path)
     else:
-        source = load_source(path)
+        source = load_source(path, verify_checksums)
         config, state = source.config, source.state_dict
         description, notes = source.description, list(source.notes)
         depth_recorded = source.depth_recorded

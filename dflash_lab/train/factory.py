@@ -105,13 +105,15 @@ def drafter_config_for_target(target, **fields: Any) -> DrafterConfig:
 
 
 def build_drafter(target, backend: str = "auto", init_from: str | None = None,
-                  **fields: Any) -> DFlashDrafter:
+                  verify_checksums: bool = True, **fields: Any) -> DFlashDrafter:
     """A freshly initialised drafter for a loaded target (Hydra entry of conf/drafter/*.yaml),
-    or, with ``init_from``, one holding a trained drafter's weights (train/warm_start.py)."""
+    or, with ``init_from``, one holding a trained drafter's weights (train/warm_start.py;
+    ``verify_checksums``: an export's SHA256SUMS is checked first)."""
     if init_from is not None:
         from dflash_lab.train.warm_start import warm_started_drafter
 
-        return warm_started_drafter(target, str(init_from), backend, fields)
+        return warm_started_drafter(target, str(init_from), backend, fields,
+                                    bool(verify_checksums))
     config = drafter_config_for_target(target, **fields)
     log.info("drafter layers: %s", config.layer_specs())
     return DFlashDrafter(config, backend=backend)

@@ -18,6 +18,7 @@ from dflash_lab.runinfo import latest_config, record_paths, write_run_info
 from dflash_lab.train.checks import check_loss_data, check_train_config
 from dflash_lab.train.draft_vocab import prepare_draft_vocab, write_record
 from dflash_lab.train.resume import check_resume_config, resolve_ckpt_path
+from dflash_lab.writer_lock import writer_lock
 
 __all__ = ["build_components", "export_run", "resolve_ckpt_path", "train"]
 
@@ -136,7 +137,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     Everything that can be refused is checked before the run directory's record is written
     (config.yaml / run_info.json, or config.N.yaml on a resume): a refused run leaves the
-    directory as it was."""
+    directory as it was. One run writes a run directory at a time (:func:`writer_lock`, the
+    global rank 0): a second ``dflash-train`` into it stops here naming the first."""
+    with writer_lock(cfg.paths.output_dir, what="paths.output_dir"):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
     if cfg.export.enabled:  # refuse an export.out_dir that the end-of-run export may not replace

@@ -38,7 +38,7 @@ WEIGHT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
                  "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
                  "conv_group_size", "selector_rank")
 #: Hydra keys of conf/drafter that are no DrafterConfig field.
-NOT_FIELDS = ("_target_", "backend", "init_from", "defaults")
+NOT_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults")
 
 
 def group_defaults(variant: str | None) -> dict[str, Any]:
@@ -161,9 +161,10 @@ def merged_config(source: DrafterConfig, overrides: dict[str, Any], num_target_l
                                _source=f"{where} (drafter.init_from)")
 
 
-def warm_started_drafter(target, init_from: str, backend: str,
-                         fields: dict[str, Any]) -> DFlashDrafter:
-    """A drafter holding the weights of ``init_from`` for the loaded ``target``."""
+def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str, Any],
+                         verify_checksums: bool = True) -> DFlashDrafter:
+    """A drafter holding the weights of ``init_from`` for the loaded ``target`` (an export is
+    checked against its ``SHA256SUMS`` unless ``verify_checksums`` is off)."""
     from dflash_lab.export.sources import load_source
     from dflash_lab.target.mask_token import resolve_mask_token_id
     from dflash_lab.train.factory import target_shape
@@ -173,7 +174,7 @@ def warm_started_drafter(target, init_from: str, backend: str,
         raise ValueError(f"drafter.init_from={where} does not exist; pass one of our .ckpt "
                          "files, run or export directories, a z-lab, speculators or SpecForge "
                          "drafter (docs/warm_start.md)")
-    source = load_source(where)
+    source = load_source(where, verify_checksums)
     shape = target_shape(target.model.config)
     check_target(source.config, shape, where, str(target.name_or_path))
     overrides, depth = explicit_overrides(fields), int(shape["num_target_layers"])

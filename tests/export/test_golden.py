@@ -15,6 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from dflash_lab.export import plan_export, serving_config
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
 from dflash_lab.train.factory import drafter_config_for_target
+from dflash_lab.train.warm_start import NOT_FIELDS
 from tests.stand_ins import config_target
 
 GOLDEN = Path(__file__).parent / "golden" / "export_config"
@@ -40,7 +41,7 @@ def _recipe_config(recipe, tmp_path, tiny_target_dir):
         target = tmp_path / "target"
         target.mkdir()
         (target / "config.json").write_text(json.dumps(BIG))
-    fields = {k: v for k, v in cfg.drafter.items() if k not in ("_target_", "backend")}
+    fields = {k: v for k, v in cfg.drafter.items() if k not in NOT_FIELDS}
     if fields["mask_token_id"] is None and target != tiny_target_dir:
         fields["mask_token_id"] = 7
     return drafter_config_for_target(config_target(target), **fields), cfg

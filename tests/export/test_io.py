@@ -57,7 +57,7 @@ def test_round_trip_bit_identical(tmp_path, layout, dtype):
     out = tmp_path / "out"
     export_drafter(src, out, engine="vllm", dtype=dtype)
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["config.json", "model.safetensors", "EXPORT_REPORT.md"]
+        ["config.json", "model.safetensors", "EXPORT_REPORT.md", "SHA256SUMS"]
         + (["mask_embedding.pt"] if layout == "mimo" else []))
     assert json.loads((out / "config.json").read_text()) == serving_config(src.config, dtype)
     config, state, mask = load_serving_dir(out)
