@@ -209,6 +209,7 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
     path = lock_path_for(directory, beside=beside)
     record = _record(directory, command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                      lease_s)
+    made = _missing_dirs(path.parent)
     acquire(directory, path, record, what)
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(path, record["token"], lease_s / 5, stop),
@@ -219,3 +220,24 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
     finally:
         stop.set()
         release(path, record["token"])
+        _remove_if_empty(made)
+
+
+def _missing_dirs(directory: Path) -> list[Path]:
+    """``directory`` and its ancestors that do not exist yet, innermost first."""
+    missing = []
+    for d in (directory, *directory.parents):
+        if d.exists():
+            break
+        missing.append(d)
+    return missing
+
+
+def _remove_if_empty(made: list[Path]) -> None:
+    """Remove the directories the lock created that are still empty (a command refused before
+    it wrote anything leaves no directory behind), innermost first."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            return
