@@ -7,11 +7,12 @@ the head in the pass), KL against a top-k teacher, and the accept objective; ``f
 step plus the dense teacher's projection alone (its slots' last hidden states through the head,
 no grad, in the dense pass's chunks): what any loss with a dense teacher costs at least. The
 steps of all losses run interleaved, their order rotating every round, so a load change on the
-machine hits every loss alike; each ratio is the median over rounds of (loss step / CE step) in the same
-round. Steps are timed under glibc's default allocator, as a training run has them; peak memory
-(each warm step's rise above the level before it) is taken in a pinned child process on CPU
-(``benchmarks/common.py``: the pinned allocator makes every large allocation page-fault, which
-would charge the slice temporaries of the distribution pass a cost training does not pay).
+machine hits every loss alike; each ratio is the median over rounds of (loss step / CE step) in
+the same round. Steps are timed under glibc's default allocator, as a training run has them;
+peak memory (each warm step's rise above the level before it) is taken in a pinned child
+process on CPU (``benchmarks/common.py``: the pinned allocator makes every large allocation
+page-fault, which would charge the slice temporaries of the distribution pass a cost training
+does not pay).
 Goals (at the SmolLM2 shape, ``--size cpu``): KL / TV / NLA steps within 1.15x of CE's time,
 peak memory within 1.1x.
 
