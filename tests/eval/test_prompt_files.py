@@ -7,10 +7,12 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import sys
 
 import datasets
 import pytest
 
+from dflash_lab.eval import cli
 from dflash_lab.eval import prompts as prompts_mod
 from dflash_lab.eval.prompts import load_rows
 from dflash_lab.eval.suite import load_items
@@ -143,3 +145,32 @@ def test_a_bad_line_of_the_human_eval_file_is_named(tmp_path, monkeypatch):
                                          "that line"):
         load_rows("human-eval")
 
+
+# ------------------------------------------------------------------ the command line
+def test_dflash_eval_on_a_malformed_jsonl_exits_2_with_one_error_line(tmp_path, monkeypatch,
+                                                                     capfd):
+    """The public command line: one ``error:`` line naming file and line, exit 2, no
+    traceback, found before the target and drafter load (neither exists here);
+    DFLASH_DEBUG=1 shows the traceback."""
+    bad = _jsonl(tmp_path, GOOD, GOOD, b'{"prompt": "x" "y"}')
+    argv = ["dflash-eval", "target=hf", f"target.name_or_path={tmp_path / 'no-target'}",
+            f"drafter.path={tmp_path / 'no-drafter'}", f"data.path={bad}",
+            f"output_dir={tmp_path / 'out'}", "target.device=cpu", "progress=false"]
+    for key in ("DFLASH_DEBUG", "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    err = capfd.readouterr().err
+    assert done.value.code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert re.fullmatch(rf"error: data.path='{re.escape(str(bad))}', line 3: malformed JSON "
+                        rf"\(Expecting ',' delimiter at column 16\); fix that line {JSONL_FIX}",
+                        errors[0]), errors[0]
+    assert "Traceback" not in err and "Failed to load JSON" not in err, err
+    monkeypatch.setenv("DFLASH_DEBUG", "1")
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises((SystemExit, ValueError)):
+        cli.main()
+    assert "Traceback" in capfd.readouterr().err
