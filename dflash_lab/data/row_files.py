@@ -48,7 +48,7 @@ def read_row_file(path: Path, name: str):
         with _quiet_builder_logs():
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # datasets/pyarrow raise many error types for bad files
-        raise read_error(path, name, err) from err
+        raise _read_error(path, name, err) from err
     if builder == "json" and not is_utf8(path):  # pyarrow replaces bad bytes silently
         raise _place_error(name, locate_json_error(path), path.suffix)
     if len(ds) == 0:
@@ -56,7 +56,7 @@ def read_row_file(path: Path, name: str):
     return ds
 
 
-def read_error(path: Path, name: str, err: BaseException) -> ValueError:
+def _read_error(path: Path, name: str, err: BaseException) -> ValueError:
     """The message for a file ``datasets`` failed to read: the line (JSON files), else "no
     rows" (an empty JSON list, a parquet table of 0 rows), else pyarrow's reason on one line."""
     builder, shape = LOCAL_BUILDERS[path.suffix], _SHAPES[path.suffix]
@@ -149,7 +149,7 @@ def _jsonl_error(data: bytes) -> str | None:
 def _json_line_error(raw: bytes) -> str | None:
     """Why one JSONL line is not a row (not UTF-8, not JSON, not an object), else None."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a BOM (of the first line), as datasets strips it
     except UnicodeDecodeError as err:
         return f"not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
     if not text.strip():
@@ -163,11 +163,11 @@ def _json_line_error(raw: bytes) -> str | None:
 
 def _json_document_error(data: bytes) -> str | None:
     """Why a whole .json file is not rows: its first byte that is not UTF-8 or its JSON error
-    (by line), a top level that is neither a list nor an object, or a list item that is not an
-    object (by row). An object is left to :func:`check_columns` (``datasets`` reads it as a
-    row)."""
+    (by line; a file of JSON lines line by line), a top level that is neither a list nor an
+    object, or a list item that is not an object (by row). An object is left to
+    :func:`check_columns` (``datasets`` reads it as a row)."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading BOM, as datasets strips it
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
@@ -175,6 +175,8 @@ def _json_document_error(data: bytes) -> str | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # one value per line: JSON lines, which datasets reads too
+            return _jsonl_error(data)
         return f"line {err.lineno}: malformed JSON ({err.msg} at column {err.colno})"
     if isinstance(value, dict):
         return None

@@ -56,12 +56,14 @@ def test_a_bad_jsonl_line_is_named_with_the_fix(tmp_path, line2, problem):
 
 
 def test_a_bad_json_file_is_named_by_line_or_row(tmp_path):
-    """A .json file is parsed whole: its JSON error has a line, an item that is not a row
-    object has a row."""
+    """A .json file is parsed whole: its JSON error has a line (JSON lines in a .json file:
+    line by line), an item that is not a row object has a row."""
     broken = tmp_path / "broken.json"
     broken.write_text('[\n  {"prompt": "a"},\n  {"prompt" "b"}\n]\n')
     _error(broken, r", line 3: malformed JSON \(Expecting ':' delimiter at column 13\); fix "
                    r"that line \(a .json file of rows is one JSON list of objects in UTF-8\)")
+    lines = _jsonl(tmp_path, GOOD, GOOD, b'{"prompt" "x"}', name="lines.json")
+    _error(lines, r", line 3: malformed JSON \(Expecting ':' delimiter at column 11\)")
     mixed = tmp_path / "mixed.json"
     mixed.write_text('[{"prompt": "a"}, 3]')
     _error(mixed, ", row 1: a JSON number, not an object; fix that row")
