@@ -100,6 +100,13 @@ def test_an_empty_file_is_named(tmp_path, name, body, problem):
     _error(path, problem)
 
 
+def test_an_unknown_format_is_named(tmp_path):
+    """CSV is not a prompt format: refused before any read, naming the formats that are."""
+    path = tmp_path / "prompts.csv"
+    path.write_text("prompt\ncount to five\n")
+    _error(path, r": unknown format '.csv'; use one of \['.json', '.jsonl', '.parquet'\]")
+
+
 # ------------------------------------------------------------------ parquet files
 def test_parquet_faults_are_one_line(tmp_path):
     """A parquet table of 0 rows, one without a prompt column, a damaged file (pyarrow's
