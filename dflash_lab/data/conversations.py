@@ -8,17 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_file
+
 log = logging.getLogger(__name__)
 
 #: Column :func:`load_conversations` adds: the row's number in the input file (before any
 #: shuffling), the id every bad-row report and skip record uses.
 INPUT_ROW = "input_row"
-_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _CONVERSATION_COLUMNS = ("messages", "conversations")
 
 
 def _looks_local(path: str) -> bool:
-    return Path(path).suffix in _LOCAL_BUILDERS or path.startswith((".", "/")) or "\\" in path
+    return Path(path).suffix in LOCAL_BUILDERS or path.startswith((".", "/")) or "\\" in path
 
 
 def load_conversations(path: str, *, split: str = "train", limit: int | None = None,
@@ -29,41 +30,27 @@ def load_conversations(path: str, *, split: str = "train", limit: int | None = N
     else is treated as a hub dataset id (needs network). Rows must carry ``messages`` (OpenAI) or
     ``conversations`` (ShareGPT). A column ``input_row`` (INPUT_ROW, replacing any of that name)
     keeps each row's number in the file, so reports name a row the user can find. Raises
-    ValueError for a missing file, an unknown format, an empty dataset or missing conversation
-    columns.
+    ValueError for a missing file, an unknown format, an empty dataset, missing conversation
+    columns, and (:func:`~dflash_lab.data.row_files.read_row_file`) a file line that is not
+    UTF-8, JSON or an object, or a file pyarrow cannot read.
     """
     import datasets
 
-    if _looks_local(path):
-        p = Path(path)
-        if not p.is_file():
+    local = Path(path) if _looks_local(path) else None
+    if local is not None:
+        if not local.is_file():
             raise ValueError(f"data file {path!r} does not exist; pass a local .jsonl/.json/"
                              ".parquet file or a hub dataset id")
-        builder = _LOCAL_BUILDERS.get(p.suffix)
-        if builder is None:
-            raise ValueError(f"data file {path!r}: unknown format {p.suffix!r}; use one of "
-                             f"{sorted(_LOCAL_BUILDERS)}")
-        if not p.read_bytes()[:4096].strip():
-            raise ValueError(f"data file {path!r} is empty; nothing to capture")
-        try:
-            ds = datasets.load_dataset(builder, data_files=str(p), split="train")
-        except Exception as err:  # datasets/pyarrow raise many error types for bad files
-            where = locate_json_error(p) if builder == "json" else None
-            if where is not None:
-                raise ValueError(f"data file {path!r}, {where}; fix that line (each line of a "
-                                 ".jsonl file is one JSON object in UTF-8)") from err
-            raise ValueError(f"data file {path!r} could not be read as {builder} ({err!r}); "
-                             "check the file format") from err
-        if builder == "json" and not is_utf8(p):  # pyarrow replaces bad bytes silently
-            raise ValueError(f"data file {path!r}, {locate_json_error(p)}; fix that line (each "
-                             "line of a .jsonl file is one JSON object in UTF-8)")
+        if local.suffix not in LOCAL_BUILDERS:
+            raise ValueError(f"data file {path!r}: unknown format {local.suffix!r}; use one of "
+                             f"{sorted(LOCAL_BUILDERS)}")
+        ds = read_row_file(local, f"data file {path!r}")
     else:
         ds = datasets.load_dataset(path, split=split)
     if len(ds) == 0:
         raise ValueError(f"data {path!r} is empty; nothing to capture")
-    if not any(c in ds.column_names for c in _CONVERSATION_COLUMNS):
-        raise ValueError(f"data {path!r} has columns {ds.column_names}; expected one of "
-                         f"{list(_CONVERSATION_COLUMNS)} (OpenAI messages or ShareGPT format)")
+    check_columns(ds, f"data {path!r}", _CONVERSATION_COLUMNS,
+                  "OpenAI messages or ShareGPT format", local)
     if INPUT_ROW in ds.column_names:
         ds = ds.remove_columns(INPUT_ROW)
     ds = ds.add_column(INPUT_ROW, list(range(len(ds))))
@@ -72,45 +59,6 @@ def load_conversations(path: str, *, split: str = "train", limit: int | None = N
     if limit is not None:
         ds = ds.select(range(min(int(limit), len(ds))))
     return ds
-
-
-def is_utf8(path: Path, chunk: int = 1 << 24) -> bool:
-    """Whether the whole file decodes as UTF-8 (read in 16 MiB chunks)."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with open(path, "rb") as f:
-            while block := f.read(chunk):
-                decoder.decode(block)
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def locate_json_error(path: Path) -> str | None:
-    """``line N: reason`` of the first line of a JSON/JSONL file that is not UTF-8 or not
-    valid JSON (a .json file is parsed whole: its error carries the line), else None. Only
-    called after ``datasets`` failed, whose pyarrow errors name neither file nor line."""
-    import json
-
-    data = path.read_bytes()
-    lines = [data] if path.suffix == ".json" else data.split(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            return (f"line {number}: not UTF-8 (byte {raw[err.start]:#04x} at column "
-                    f"{err.start + 1})")
-        if not text.strip():
-            continue
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as err:
-            line = err.lineno if path.suffix == ".json" else number
-            return f"line {line}: malformed JSON ({err.msg} at column {err.colno})"
-    return None
 
 
 # ------------------------------------------------------------------ tokenising rows, bad rows

