@@ -1,6 +1,6 @@
 """The one table of dtype names -> torch dtypes (target loading, capture shards, export).
 
-Imports only torch: export/ (no Lightning, no Hydra) reads it too.
+Imports only torch: dflash_lab.export (no Lightning, no Hydra) reads it too.
 """
 
 from __future__ import annotations

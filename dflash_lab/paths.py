@@ -3,7 +3,7 @@ and the one way outputs are written: under a temporary name beside the output, t
 onto it (files: :func:`atomic_path`, :func:`atomic_write_text`; directories: :func:`atomic_dir`,
 or its two steps :func:`temp_dir_beside` and :func:`publish_dir`).
 
-Imports only the standard library: export/ (no Lightning, no Hydra) may use it."""
+Imports only the standard library: dflash_lab.export (no Lightning, no Hydra) may use it."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
 # Made for the lent H200 machine (Python 3.12, torch 2.11 + triton, lightning, transformers; no
 # hydra-core, wandb, datasets or flash-attn, no network). Runs from the repository root with
 # PYTHONPATH=. and, where the package is not installed yet, an editable install without its
-# dependencies (offline, no build isolation), so `dflash_lab.export` (the top-level export/
-# folder mapped by pyproject's package-dir) imports too: the GPU tests and the benchmarks import
+# dependencies (offline, no build isolation), so the package imports from anywhere: the GPU tests
+# and the benchmarks import
 # none of hydra / wandb / datasets. pytest, when missing, is installed offline from outputs/gpu_wheels
 # (fill it here with `make gpu-wheels`). Carry outputs/gpu_wheels and outputs/tiny_target to the
 # device machine (the tiny target is rebuilt in about a minute if absent).

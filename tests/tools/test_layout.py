@@ -1,14 +1,10 @@
-"""The package layout: the exporter's source is the top-level export/ folder, and it installs and
-imports as ``dflash_lab.export`` (pyproject.toml's package-dir), never as a top-level ``export``;
-tests/ mirrors the package (one folder per part, packages all).
-
-Tests run from the repository root, where the folder itself is importable as ``export``: these
-checks catch a stray ``from export...`` that only works there, a package folder missing from
-pyproject's explicit list (it would be missing from the wheel), and an install that puts the
-repository root on sys.path."""
+"""The package layout: every package is a folder under dflash_lab/ (the exporter too:
+dflash_lab/export/, a plain subpackage, no package-dir mapping), found by pyproject's
+packages.find; tests/ mirrors the package (one folder per part, packages all); and an install
+puts no folder on sys.path (a module importable only from the repository root would break in a
+serving environment)."""
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,26 +12,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-#: folders holding the project's Python files (the venvs and outputs/ are not ours)
-CODE_DIRS = ("dflash_lab", "export", "tests", "scripts", "benchmarks", "recipes")
-TOP_LEVEL_EXPORT = re.compile(r"^\s*(from\s+export(\.|\s)|import\s+export\b)", re.MULTILINE)
 #: tests/ folders beside one per dflash_lab subpackage (docs/architecture.md, "Layout")
-OTHER_TEST_FOLDERS = {"export", "recipes", "tools"}
+OTHER_TEST_FOLDERS = {"recipes", "tools"}
 
 
-def _python_files() -> list[Path]:
-    files = [p for d in CODE_DIRS for p in sorted((REPO / d).rglob("*.py"))]
-    return files + sorted(REPO.glob("*.py"))
-
-
-def test_no_module_imports_the_top_level_export_package():
-    offenders = [f"{p.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}"
-                 for p in _python_files()
-                 for text in [p.read_text(encoding="utf-8")]
-                 for m in TOP_LEVEL_EXPORT.finditer(text)]
-    assert not offenders, (
-        "these lines import the exporter as the top-level `export` package, which only exists "
-        f"when the repository root is on sys.path: {offenders}; import dflash_lab.export instead")
+def test_the_exporter_is_a_plain_subpackage():
+    assert (REPO / "dflash_lab" / "export" / "__init__.py").is_file()
+    assert not (REPO / "export").exists(), (
+        "a top-level export/ folder is back: the exporter lives in dflash_lab/export/")
 
 
 def test_tests_mirror_the_package():
@@ -56,27 +40,17 @@ def test_tests_mirror_the_package():
                          "doubles import as tests.doubles, and file names may repeat by folder)")
 
 
-def _declared_packages() -> tuple[list[str], dict[str, str]]:
+def test_pyproject_finds_every_package_folder_and_maps_none():
     tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python >= 3.11")
+    from setuptools import find_packages
+
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return setuptools["packages"], setuptools["package-dir"]
-
-
-def _package_folders(root: str, name: str) -> set[str]:
-    """Dotted names of the packages (folders with __init__.py) under REPO/root, named name.*."""
-    return {".".join([name, *init.parent.relative_to(REPO / root).parts])
-            for init in (REPO / root).rglob("__init__.py")}
-
-
-def test_pyproject_lists_every_package_folder():
-    packages, package_dir = _declared_packages()
-    assert package_dir == {"dflash_lab.export": "export"}
-    on_disk = _package_folders("dflash_lab", "dflash_lab") | _package_folders("export",
-                                                                              "dflash_lab.export")
-    assert set(packages) == on_disk, (
-        f"pyproject.toml [tool.setuptools] packages differs from the package folders: missing "
-        f"{sorted(on_disk - set(packages))}, extra {sorted(set(packages) - on_disk)}; the list is "
-        "explicit (packages.find does not follow package-dir), so add or remove those names")
+    assert "package-dir" not in setuptools and "packages" in setuptools
+    include = setuptools["packages"]["find"]["include"]
+    found = set(find_packages(str(REPO), include=include))
+    on_disk = {".".join(init.parent.relative_to(REPO).parts)
+               for init in (REPO / "dflash_lab").rglob("__init__.py")}
+    assert found == on_disk and "dflash_lab.export.engines" in found
 
 
 def _run_outside_repo(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -86,7 +60,7 @@ def _run_outside_repo(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env=env)
 
 
-def test_installed_package_maps_dflash_lab_export_and_no_top_level_export(tmp_path):
+def test_the_installed_package_imports_outside_the_repository_and_adds_no_path(tmp_path):
     code = ("import importlib.util, dflash_lab.export, dflash_lab.export.engines; "
             "print(dflash_lab.export.__file__); print(importlib.util.find_spec('export'))")
     result = _run_outside_repo(code, tmp_path)
@@ -94,7 +68,7 @@ def test_installed_package_maps_dflash_lab_export_and_no_top_level_export(tmp_pa
         f"dflash_lab.export does not import outside the repository: {result.stderr[-2000:]}; "
         "reinstall with `.venv/bin/pip install -c constraints.txt -e . --no-deps`")
     where, top_level = result.stdout.splitlines()
-    assert Path(where).parts[-2:] == ("export", "__init__.py")
+    assert Path(where).parts[-3:] == ("dflash_lab", "export", "__init__.py")
     assert top_level == "None", (
         f"a top-level `export` module is importable outside the repository ({top_level}): the "
         "install puts the repository root on sys.path (editable 'compat' mode?) or another "
