@@ -23,13 +23,30 @@ def debugging() -> bool:
                                                                  "HYDRA_FULL_ERROR"))
 
 
+def reported(err: BaseException) -> ValueError | None:
+    """The user error behind ``err``: a ValueError itself, or the one Hydra's ``instantiate``
+    wrapped in an InstantiationException (a ``target.*`` value refused while the target is
+    built); None for anything else (a bug: its traceback is shown)."""
+    if isinstance(err, ValueError):
+        return err
+    try:
+        from hydra.errors import InstantiationException
+    except ImportError:  # the exporter runs without Hydra
+        return None
+    if isinstance(err, InstantiationException) and isinstance(err.__cause__, ValueError):
+        return err.__cause__
+    return None
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn a ValueError into ``error: ...`` on stderr and exit 2 (unless :func:`debugging`)."""
+    """Turn a user error (:func:`reported`) into ``error: ...`` on stderr and exit 2 (unless
+    :func:`debugging`)."""
     try:
         yield
-    except ValueError as err:
-        if debugging():
+    except Exception as err:
+        user = reported(err)
+        if user is None or debugging():
             raise
-        print(f"error: {err}\n(DFLASH_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"error: {user}\n(DFLASH_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
