@@ -61,7 +61,8 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (another user's live process counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -108,7 +109,7 @@ def abandoned(record: dict, path: Path, directory: Path, now: float | None = Non
         return f"it was taken for {record['directory']} (this directory is a copy)"
     pid, lease = record.get("pid"), float(record.get("lease_s") or LEASE_S)
     if record.get("host") == socket.gethostname() and isinstance(pid, int):
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return f"its process (pid {pid}) is gone"
         start = _process_start(pid)
         if record.get("pid_start") and start and start != record["pid_start"]:

@@ -29,18 +29,17 @@ from dflash_lab.eval.loop import (
     speculative_generate,
 )
 from dflash_lab.eval.offline_tau import feature_eval
-from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer, Proposer
 from dflash_lab.eval.records import ResponseRecord, record_from_generation
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
 from dflash_lab.eval.suite import (
     Item,
+    ask_every_turn,
     budget,
     data_configs,
     dataset_name,
     load_items,
-    template_kwargs,
 )
 from dflash_lab.eval.target_runner import TargetRunner
 from dflash_lab.target.chat import target_stop_ids
@@ -136,37 +135,28 @@ class _Collected:
     warm: bool = False  #: the untimed warm-up is still to do
 
 
-def _encode(tokenizer, messages, d, kwargs) -> list[int]:
-    ids = encode_prompt(tokenizer, messages, chat_template=d.chat_template,
-                        template_kwargs=kwargs)
-    return ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
-
-
 def _run_dataset(decoder: Decoder, tokenizer, d, items: list[Item], settings: DecodeSettings,
                  cfg, got: _Collected, on_prompt) -> None:
-    """Every item of one dataset; a multi-turn item's later turns follow the speculative
-    answers (decoded without special tokens, as the reference), one response per turn."""
-    name, kwargs = dataset_name(d), template_kwargs(tokenizer, d)
-    greedy = settings.temperature == 0
-    for item in tqdm(items, desc=f"dflash-eval {name}", unit="prompt", disable=not cfg.progress):
-        messages = list(item.messages)
-        for turn, followup in enumerate([None, *item.followups]):
-            if followup is not None:
-                messages.append({"role": "user", "content": followup})
-            ids = _encode(tokenizer, messages, d, kwargs)
-            if got.warm:
-                decoder.warm(ids, settings)
-                got.warm = False
-            spec, base = decoder.respond(ids, settings, len(got.spec))
-            if on_prompt is not None:
-                on_prompt(len(got.spec), spec)
-            got.records.append(record_from_generation(name, item.index, turn, spec, base, greedy))
-            got.spec.append(spec)
-            got.ids.append(ids)
-            if base is not None:
-                got.base.append(base)
-            answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": answer})
+    """Every turn of one dataset through the local decoder (:func:`ask_every_turn`); a later
+    turn follows the speculative answer, decoded without special tokens (as the reference)."""
+    name, greedy = dataset_name(d), settings.temperature == 0
+
+    def respond(item: Item, turn: int, ids: list[int]) -> str:
+        if got.warm:
+            decoder.warm(ids, settings)
+            got.warm = False
+        spec, base = decoder.respond(ids, settings, len(got.spec))
+        if on_prompt is not None:
+            on_prompt(len(got.spec), spec)
+        got.records.append(record_from_generation(name, item.index, turn, spec, base, greedy))
+        got.spec.append(spec)
+        got.ids.append(ids)
+        if base is not None:
+            got.base.append(base)
+        return tokenizer.decode(spec.output_ids, skip_special_tokens=True)
+
+    ask_every_turn(items, tokenizer, d, respond, desc=f"dflash-eval {name}",
+                   progress=cfg.progress)
 
 
 def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None,

@@ -89,38 +89,29 @@ def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> di
     return report
 
 
-def _serve_dataset(client: EngineClient, tokenizer, d, max_new: int, stops: tuple[int, ...],
-                   cfg, got: _Served, on_prompt) -> None:
-    """Every item of one data config through the engine, as the local loop runs them
-    (:func:`dflash_lab.eval.evaluate.run_generate`): a multi-turn item's later turns follow the
-    engine's answers, one response per turn."""
-    from tqdm import tqdm
+def _serve_dataset(client: EngineClient, tokenizer, d, items, max_new: int,
+                   stops: tuple[int, ...], cfg, got: _Served, on_prompt) -> None:
+    """Every turn of one data config through the engine, the local loop's turns
+    (:func:`~dflash_lab.eval.suite.ask_every_turn`): a later turn follows the engine's answer."""
+    from dflash_lab.eval.suite import ask_every_turn, dataset_name
 
-    from dflash_lab.eval.prompts import encode_prompt
-    from dflash_lab.eval.suite import dataset_name, load_items, template_kwargs
+    name = dataset_name(d)
 
-    name, kwargs = dataset_name(d), template_kwargs(tokenizer, d)
-    for item in tqdm(load_items(d, cfg.num_prompts), desc=f"dflash-eval server {name}",
-                     unit="prompt", disable=not cfg.progress):
-        messages = list(item.messages)
-        for turn, followup in enumerate([None, *item.followups]):
-            if followup is not None:
-                messages.append({"role": "user", "content": followup})
-            ids = encode_prompt(tokenizer, messages, chat_template=d.chat_template,
-                                template_kwargs=kwargs)
-            ids = ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
-            if got.warm:  # untimed; its rounds fall outside every measured counter delta
-                client.generate(ids, _sampling(cfg, stops, 0, 8))
-                got.warm = False
-            resp = client.generate(ids, _sampling(cfg, stops, len(got.responses), max_new))
-            if on_prompt is not None:
-                on_prompt(len(got.responses), resp)
-            got.responses.append(resp)
-            got.records.append(resp.to_record(name, item.index, turn))
-            got.ids.append(ids)
-            answer = (tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-                      if resp.output_ids is not None else resp.text or "")
-            messages.append({"role": "assistant", "content": answer})
+    def respond(item, turn: int, ids: list[int]) -> str:
+        if got.warm:  # untimed; its rounds fall outside every measured counter delta
+            client.generate(ids, _sampling(cfg, stops, 0, 8))
+            got.warm = False
+        resp = client.generate(ids, _sampling(cfg, stops, len(got.responses), max_new))
+        if on_prompt is not None:
+            on_prompt(len(got.responses), resp)
+        got.responses.append(resp)
+        got.records.append(resp.to_record(name, item.index, turn))
+        got.ids.append(ids)
+        return (tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+                if resp.output_ids is not None else resp.text or "")
+
+    ask_every_turn(items, tokenizer, d, respond, desc=f"dflash-eval server {name}",
+                   progress=cfg.progress)
 
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:
@@ -130,19 +121,21 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     """
     from hydra.utils import instantiate
 
-    from dflash_lab.eval.suite import budget, data_configs, dataset_name
+    from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items
     from dflash_lab.target.chat import target_stop_ids
 
     settings = engine_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
+    items = [load_items(d, cfg.num_prompts) for d in configs]  # a bad file: before the engine
     target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     got = _Served(warm=bool(cfg.warmup))
     with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
         info = client.connect()
-        for d, max_new in zip(configs, budgets):
-            _serve_dataset(client, target.tokenizer, d, max_new, stops, cfg, got, on_prompt)
+        for d, its, max_new in zip(configs, items, budgets):
+            _serve_dataset(client, target.tokenizer, d, its, max_new, stops, cfg, got,
+                           on_prompt)
     names = [dataset_name(d) for d in configs]
     record = {"backend": "server", "engine": settings.engine, "url": settings.url,
               "served_model": info["model"], "served_root": info["root"],

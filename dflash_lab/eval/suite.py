@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_file, row_place
-from dflash_lab.eval.prompts import load_rows, row_messages, row_where, set_fields
+from dflash_lab.eval.prompts import encode_prompt, load_rows, row_messages, row_where, set_fields
 from dflash_lab.paths import CONF_DIR
 
 log = logging.getLogger("dflash_lab.eval")
@@ -202,3 +203,34 @@ def budget(cfg, d) -> int:
     if int(value) < 1:
         raise ValueError(f"max_new_tokens={value}: must be >= 1")
     return int(value)
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, Any]], d, kwargs: dict[str, Any]) -> list[int]:
+    """A turn's prompt as the data config renders it: the chat template (with ``kwargs``, from
+    :func:`template_kwargs`) or plain text, then the ``max_prompt_tokens`` tail if set."""
+    ids = encode_prompt(tokenizer, messages, chat_template=d.chat_template,
+                        template_kwargs=kwargs)
+    return ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
+
+
+#: ``respond(item, turn, prompt_ids) -> answer text``: one backend's answer to one turn.
+Respond = Callable[[Item, int, list[int]], str]
+
+
+def ask_every_turn(items: list[Item], tokenizer, d, respond: Respond, *, desc: str,
+                   progress: bool = True) -> None:
+    """Ask every turn of every item in order, the one prompt loop of both eval backends (the
+    local decoder and an engine's server): turn 0 is the item's messages; each later turn adds
+    the item's follow-up to the conversation so far, whose assistant messages are the answers
+    ``respond`` gave (the speculative or served answer, not the dataset's), so a multi-turn
+    score follows what was actually generated."""
+    from tqdm import tqdm
+
+    kwargs = template_kwargs(tokenizer, d)
+    for item in tqdm(items, desc=desc, unit="prompt", disable=not progress):
+        messages = list(item.messages)
+        for turn, followup in enumerate([None, *item.followups]):
+            if followup is not None:
+                messages.append({"role": "user", "content": followup})
+            answer = respond(item, turn, prompt_ids(tokenizer, messages, d, kwargs))
+            messages.append({"role": "assistant", "content": answer})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dflash_lab.export.integrity import CHECKSUMS_FILE
 from dflash_lab.export.weights import CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
+from dflash_lab.writer_lock import pid_alive
 
 REPORT_FILE = "EXPORT_REPORT.md"
 #: every file an export writes; a previous export holds the first three and nothing but these
@@ -108,16 +109,6 @@ def check_output_dir(out_dir: str | Path, reads: Iterable[str | Path], *, force:
 # once the process is gone.
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def stale_temp_dirs(out_dir: Path) -> list[Path]:
     """Temporary export directories beside ``out_dir`` left by a killed export on this host:
     the pid in the name is not running, and they hold only files an export writes."""
@@ -125,7 +116,7 @@ def stale_temp_dirs(out_dir: Path) -> list[Path]:
     found = []
     for path in out_dir.parent.glob(f".{out_dir.name}.tmp-{host}-*"):
         pid = path.name[len(f".{out_dir.name}.tmp-{host}-"):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         if path.is_dir() and not path.is_symlink() and all(
                 e.name in EXPORT_FILES and e.is_file() for e in path.iterdir()):
