@@ -288,7 +288,10 @@ class DFlashModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        """``module.optimizer`` over the drafter's trainable parameters, passed with their
+        names (every torch optimizer takes ``(name, parameter)`` pairs; Muon's split reads
+        them: dflash_lab/train/optim.py)."""
+        params = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
             return optimizer
