@@ -106,7 +106,6 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     resolve_eval_target(cfg)
     logger = make_logger(cfg.logger)
     out_dir = Path(cfg.output_dir)
-    write_run_info(out_dir, cfg, mode=cfg.mode)
     on_prompt = None
     if logger is not None:
         def on_prompt(i, gen):
@@ -120,6 +119,9 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     else:
         report = run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg)
     report["command"] = COMMAND or shlex.join(sys.argv)
+    # the record with the report: an eval refused at start-up (a bad prompt file, a missing
+    # target) leaves no files behind
+    write_run_info(out_dir, cfg, mode=cfg.mode)
     path = write_report(report, out_dir)
     log.info("tau_mean=%s speedup=%s lossless=%s -> %s", report.get("tau_mean"),
              report.get("speedup"), report.get("lossless"), path)

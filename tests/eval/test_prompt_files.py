@@ -178,6 +178,8 @@ def test_dflash_eval_on_a_malformed_jsonl_exits_2_with_one_error_line(tmp_path, 
                         rf"\(Expecting ',' delimiter at column 16\); fix that line {JSONL_FIX}",
                         errors[0]), errors[0]
     assert "Traceback" not in err and "Failed to load JSON" not in err, err
+    out = tmp_path / "out"
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())  # nothing written
     monkeypatch.setenv("DFLASH_DEBUG", "1")
     monkeypatch.setattr(sys, "argv", list(argv))
     with pytest.raises((SystemExit, ValueError)):
