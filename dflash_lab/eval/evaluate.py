@@ -30,7 +30,7 @@ from dflash_lab.eval.loop import (
 )
 from dflash_lab.eval.offline_tau import feature_eval
 from dflash_lab.eval.proposer import DFlashProposer, Proposer
-from dflash_lab.eval.records import ResponseRecord, record_from_generation
+from dflash_lab.eval.records import ResponseRecord, context_buckets, record_from_generation
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
 from dflash_lab.eval.suite import (
@@ -108,6 +108,7 @@ def _settings_record(cfg, target, block_size: int, trained: int, description: st
         "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
         "stop_token_ids": list(stop_ids), "backend": backend, "device": str(target.device),
         "dtype": cfg.target.dtype, "baseline": cfg.baseline,
+        "context_buckets": context_buckets(cfg),
     }
 
 
@@ -148,7 +149,8 @@ def _run_dataset(decoder: Decoder, tokenizer, d, items: list[Item], settings: De
         spec, base = decoder.respond(ids, settings, len(got.spec))
         if on_prompt is not None:
             on_prompt(len(got.spec), spec)
-        got.records.append(record_from_generation(name, item.index, turn, spec, base, greedy))
+        got.records.append(record_from_generation(name, item.index, turn, spec, base, greedy,
+                                                  prompt_tokens=len(ids)))
         got.spec.append(spec)
         got.ids.append(ids)
         if base is not None:

@@ -20,6 +20,7 @@ speculative TPOT (decode only, TTFT apart).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class ResponseRecord:
     baseline_ttft_s: float | None = None
     baseline_tpot_s: float | None = None
     lossless: bool | None = None  #: T = 0 with a baseline: output == baseline output
+    prompt_tokens: int | None = None  #: the turn's prompt length (its context before round 1)
 
     def __post_init__(self):
         if self.acceptance_lengths is not None:
@@ -66,9 +68,10 @@ def _tpot(gen) -> float | None:
 
 
 def record_from_generation(dataset: str, index: int, turn: int, spec, base=None,
-                           greedy: bool = True) -> ResponseRecord:
+                           greedy: bool = True, prompt_tokens: int | None = None
+                           ) -> ResponseRecord:
     """The record of one offline response (``spec``/``base``: loop Generations)."""
-    return ResponseRecord(
+    return ResponseRecord(prompt_tokens=prompt_tokens,
         dataset=dataset, index=index, turn=turn, num_output_tokens=len(spec.output_ids),
         acceptance_lengths=list(spec.acceptance_lengths), ttft_s=spec.ttft_seconds,
         tpot_s=_tpot(spec), baseline_ttft_s=None if base is None else base.ttft_seconds,
@@ -139,3 +142,53 @@ def per_dataset(records: list[ResponseRecord], block_size: int) -> dict[str, dic
     """{dataset: summarize(its records)} in first-seen order."""
     names = list(dict.fromkeys(r.dataset for r in records))
     return {n: summarize([r for r in records if r.dataset == n], block_size) for n in names}
+
+
+#: Context-length bucket edges (tokens) of ``dflash-eval``'s acceptance by context length.
+CONTEXT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def _bucket_name(edges: tuple[int, ...], i: int) -> str:
+    lo = 0 if i == 0 else edges[i - 1]
+    return f"{lo}-{edges[i] - 1}" if i < len(edges) else f">={lo}"
+
+
+def tau_by_context(records: list[ResponseRecord], edges=CONTEXT_BUCKETS) -> list[dict[str, Any]]:
+    """Acceptance by context length: each verify round counted in the bucket of the context the
+    drafter read (the turn's prompt + the tokens committed before the round). A record with
+    totals only (an engine's server) counts its rounds at its prompt length (``basis``
+    responses: coarser); records without ``prompt_tokens`` are left out. One row per bucket
+    that holds a round: bucket, rounds, tokens, tau (tokens per round), basis."""
+    edges = tuple(sorted(int(e) for e in edges))
+    rows = [{"rounds": 0, "tokens": 0, "bases": set()} for _ in range(len(edges) + 1)]
+
+    def add(context: int, rounds: int, tokens: int, basis: str) -> None:
+        row = rows[bisect.bisect_right(edges, context)]
+        row["rounds"] += rounds
+        row["tokens"] += tokens
+        row["bases"].add(basis)
+
+    for r in records:
+        if r.prompt_tokens is None:
+            continue
+        if r.acceptance_lengths is not None:
+            context = r.prompt_tokens
+            for n in r.acceptance_lengths:
+                add(context, 1, n, "rounds")
+                context += n
+        elif r.num_rounds:
+            add(r.prompt_tokens, r.num_rounds, r.num_round_tokens or 0, "responses")
+    return [{"context": _bucket_name(edges, i), "rounds": row["rounds"], "tokens": row["tokens"],
+             "tau": row["tokens"] / row["rounds"], "basis": "+".join(sorted(row["bases"]))}
+            for i, row in enumerate(rows) if row["rounds"]]
+
+
+def context_buckets(cfg) -> list[int]:
+    """``context_buckets`` of an eval config: increasing positive token counts (ValueError
+    naming the setting otherwise; default :data:`CONTEXT_BUCKETS`)."""
+    given = cfg.get("context_buckets")
+    edges = list(CONTEXT_BUCKETS) if given is None else [int(e) for e in given]
+    if not edges or any(e < 1 for e in edges) or edges != sorted(set(edges)):
+        raise ValueError(f"context_buckets={list(given)}: give increasing token counts >= 1, "
+                         "e.g. [1024, 4096, 16384] (conf/eval.yaml)")
+    return edges

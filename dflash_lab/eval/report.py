@@ -17,12 +17,14 @@ from typing import Any
 
 from dflash_lab.eval.loop import Generation
 from dflash_lab.eval.records import (
+    CONTEXT_BUCKETS,
     ResponseRecord,
     histogram,
     per_dataset,
     per_position_acceptance,
     record_from_generation,
     summarize,
+    tau_by_context,
 )
 from dflash_lab.paths import atomic_write_text
 
@@ -71,13 +73,16 @@ def _rate(gens: list[Generation]) -> float | None:
     return sum(len(g.output_ids) for g in gens) / seconds if seconds > 0 else None
 
 
-def records_report(records: list[ResponseRecord], block_size: int) -> dict[str, Any]:
+def records_report(records: list[ResponseRecord], block_size: int,
+                   buckets: list[int] | None = None) -> dict[str, Any]:
     """The fields every backend fills from its response records: both taus, TTFT/TPOT and the
-    decode speedup over all responses, one row per dataset, and the records themselves."""
+    decode speedup over all responses, one row per dataset, acceptance by context length
+    (``buckets``: edges, default :data:`CONTEXT_BUCKETS`), and the records themselves."""
     overall = summarize(records, block_size)
     keys = ("tau_macro", "tau_pooled", "ttft_ms", "tpot_ms", "baseline_ttft_ms",
             "baseline_tpot_ms", "decode_speedup")
     return {**{k: overall[k] for k in keys}, "datasets": per_dataset(records, block_size),
+            "tau_by_context": tau_by_context(records, buckets or CONTEXT_BUCKETS),
             "records": [r.to_dict() for r in records]}
 
 
@@ -97,7 +102,7 @@ def generation_report(spec: list[Generation], baseline: list[Generation] | None,
                    enumerate(zip(spec, baseline or [None] * len(spec)))]
     report: dict[str, Any] = {"mode": "generate"}
     report.update(acceptance_summary([g.acceptance_lengths for g in spec], block_size))
-    report.update(records_report(records, block_size))
+    report.update(records_report(records, block_size, settings.get("context_buckets")))
     if settings.get("variant") == "dflash2":
         report["selector_tau_mean"] = report["tau_mean"]
         report.update(unary_summary(spec, block_size))
@@ -209,8 +214,20 @@ def markdown(report: dict[str, Any]) -> str:
               "|---" * s["block_size"] + "|"]
     lines += [f"| {name} | " + " | ".join(_fmt(v, 2) for v in report[key]) + " |"
               for name, key in _curves(report)]
+    lines += _context_section(report.get("tau_by_context"))
     lines += ["", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _context_section(rows: list[dict[str, Any]] | None) -> list[str]:
+    """The acceptance-by-context-length table (nothing when no record knew its prompt)."""
+    if not rows:
+        return []
+    lines = ["", "Acceptance by context length (tokens the drafter read: prompt + committed so "
+                 "far; basis `responses`: an engine's totals, counted at the prompt length):", "",
+             "| context | rounds | tau | basis |", "|---|---|---|---|"]
+    return lines + [f"| {r['context']} | {r['rounds']} | {_fmt(r['tau'])} | {r['basis']} |"
+                    for r in rows]
 
 
 def _curves(report: dict[str, Any]) -> list[tuple[str, str]]:

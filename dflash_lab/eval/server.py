@@ -140,11 +140,13 @@ class ServerResponse:
             return None
         return (self.seconds - self.ttft_s) / self.num_output_tokens
 
-    def to_record(self, dataset: str, index: int, turn: int = 0) -> ResponseRecord:
+    def to_record(self, dataset: str, index: int, turn: int = 0,
+                  prompt_tokens: int | None = None) -> ResponseRecord:
         """The report's per-response record: totals only (engines give no per-round lengths);
         round tokens = output tokens - 1 (the first comes from the prefill), its tau
         :attr:`tau`."""
         return ResponseRecord(dataset=dataset, index=index, turn=turn,
+                              prompt_tokens=prompt_tokens,
                               num_output_tokens=self.num_output_tokens, num_rounds=self.rounds,
                               num_round_tokens=max(self.num_output_tokens - 1, 0)
                               if self.rounds else 0,

@@ -71,7 +71,8 @@ def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> di
     """report.json for ``backend=server``: the offline report's fields from the response
     records (both tau conventions from the tokens kept per round, TTFT, TPOT, one row per
     dataset; ``tau_mean`` = the pooled tau, as offline), the engine's own curves and tau."""
-    report: dict[str, Any] = {"mode": "server", **records_report(got.records, block_size)}
+    report: dict[str, Any] = {"mode": "server", **records_report(
+        got.records, block_size, settings.get("context_buckets"))}
     report["tau_mean"] = report["tau_pooled"]
     report.update(_engine_curves(got.responses, block_size))
     for name, row in report["datasets"].items():
@@ -105,7 +106,7 @@ def _serve_dataset(client: EngineClient, tokenizer, d, items, max_new: int,
         if on_prompt is not None:
             on_prompt(len(got.responses), resp)
         got.responses.append(resp)
-        got.records.append(resp.to_record(name, item.index, turn))
+        got.records.append(resp.to_record(name, item.index, turn, prompt_tokens=len(ids)))
         got.ids.append(ids)
         return (tokenizer.decode(resp.output_ids, skip_special_tokens=True)
                 if resp.output_ids is not None else resp.text or "")
@@ -121,6 +122,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     """
     from hydra.utils import instantiate
 
+    from dflash_lab.eval.records import context_buckets
     from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items
     from dflash_lab.target.chat import target_stop_ids
 
@@ -148,7 +150,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
               "sampling": "engine" if cfg.temperature > 0 else "greedy",
               "chat_template": configs[0].chat_template,
               "enable_thinking": configs[0].get("enable_thinking"),
-              "stop_token_ids": list(stops)}
+              "stop_token_ids": list(stops), "context_buckets": context_buckets(cfg)}
     return server_report(got, info["block_size"], record)
 
 

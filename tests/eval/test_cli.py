@@ -150,6 +150,11 @@ def test_cli_generate_with_zlab_serving_dir(tiny_target_dir, drafter, prompts_fi
     assert "vllm" in " ".join(report["settings"]["drafter_notes"])  # causality rule recorded
     assert len(report["outputs"]) == len(report["prompt_ids"]) == 3
     assert len(report["per_position_acceptance"]) == 3
+    by_context = report["tau_by_context"]  # short prompts: every round in the first bucket
+    assert [r["context"] for r in by_context] == ["0-1023"] and by_context[0]["basis"] == "rounds"
+    assert by_context[0]["rounds"] == report["num_rounds"]
+    assert by_context[0]["tau"] == pytest.approx(report["tau_pooled"])
+    assert "Acceptance by context length" in (out / "report.md").read_text()
     for name in ("report.md", "acceptance_histogram.png", "per_position_acceptance.png",
                  "config.yaml", "run_info.json"):
         assert (out / name).is_file(), name
