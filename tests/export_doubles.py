@@ -114,3 +114,18 @@ def write_muse_dir(path: Path, seed: int = 0, **overrides: Any):
             p.copy_(1.0 + noise if name.endswith("norm.weight") or "norm_enc" in name else noise)
     model.save_pretrained(path)
     return model.eval()
+
+
+def muse_for(target, **overrides: Any) -> dict[str, Any]:
+    """MuseGlimmerAssistantConfig keywords of a drafter for the built-in tiny target (hidden 64,
+    8 layers; its MASK token), the released layout (every layer sliding, W=16)."""
+    return {**MUSE, "hidden_size": target.model.config.hidden_size, "head_dim": 16,
+            "intermediate_size": 96, "target_layer_ids": [1, 3, 5],
+            "mask_token_id": target.token_id("<|mask|>"), **overrides}
+
+
+def muse_state(model) -> dict[str, torch.Tensor]:
+    """The owners' model's tensors under our names (what the import must produce)."""
+    renames = {"encoder.fc.weight": "fc.weight",
+               "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+    return {renames.get(k, k): v for k, v in model.state_dict().items()}

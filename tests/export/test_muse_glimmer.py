@@ -17,7 +17,7 @@ from dflash_lab.export.engines import read_all
 from dflash_lab.export.engines.common import NO_ARTIFACTS, LayerReading
 from dflash_lab.export.sources import load_source
 from dflash_lab.model.config import LayerSpec
-from tests.export_doubles import write_muse_dir
+from tests.export_doubles import muse_state, write_muse_dir
 
 pytest.importorskip("transformers.models.muse_glimmer_assistant")
 
@@ -66,9 +66,8 @@ def test_tensor_names_are_mapped_to_ours(muse):
     state = import_drafter(path).state_dict
     assert torch.equal(state["fc.weight"], theirs["encoder.fc.weight"])
     assert torch.equal(state["hidden_norm.weight"], theirs["encoder.output_norm_enc.weight"])
-    assert not any(k.startswith("encoder.") for k in state)
-    assert len(state) == len(theirs)
-    assert all(torch.equal(state[k], theirs[k]) for k in state if k in theirs)
+    assert state.keys() == muse_state(model).keys()
+    assert all(torch.equal(state[k], v) for k, v in muse_state(model).items())
 
 
 def test_load_source_records_what_the_format_leaves_out(muse):
@@ -156,9 +155,7 @@ def test_reexport_round_trips_bit_identical(muse, tmp_path):
     export_drafter(path, out, dtype="float32", engine="vllm")
     saved = load_file(str(out / "model.safetensors"))
     assert saved.keys() == import_drafter(path).state_dict.keys()
-    renamed = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight":
-               "hidden_norm.weight"}
-    theirs = {renamed.get(k, k): v for k, v in model.state_dict().items()}
+    theirs = muse_state(model)
     assert all(torch.equal(saved[k], theirs[k]) for k in saved)
     back = import_drafter(out)
     assert back.assumed_rules == "dflash_lab training spec"
