@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
+from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
 from dflash_lab.export.engines import read_all
 from dflash_lab.export.engines.common import NO_ARTIFACTS, LayerReading
 from dflash_lab.export.sources import load_source
@@ -170,3 +171,18 @@ def test_reexport_takes_the_targets_vocabulary(muse, tmp_path):
     target = {"hidden_size": 32, "vocab_size": 300, "num_hidden_layers": 6}
     export_drafter(muse[0], tmp_path / "ours", dtype="float32", engine="vllm", target=target)
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["vocab_size"] == 300
+
+
+def test_command_line_inspect_and_export(muse, tmp_path, capsys):
+    """dflash-export --inspect DIR and dflash-export DIR OUT: SGLang's trtllm_mha backend runs
+    the bidirectional sliding layers block-anchored, so the default (every SGLang draft backend)
+    refuses; naming the backend exports, and --target gives the vocabulary."""
+    path = muse[0]
+    assert main(["--inspect", str(path)]) == EXIT_REFUSED
+    assert "sglang==0.5.23+trtllm_mha runs 'W=16 bidir block-end'" in capsys.readouterr().out
+    assert main([str(path), str(tmp_path / "a"), "--dtype", "float32"]) == EXIT_REFUSED
+    (tmp_path / "target.json").write_text(json.dumps(
+        {"hidden_size": 32, "vocab_size": 300, "num_hidden_layers": 6}))
+    assert main([str(path), str(tmp_path / "b"), "--dtype", "float32", "--target",
+                 str(tmp_path / "target.json"), "--sglang-attention-backend", "fa3"]) == EXIT_OK
+    assert import_drafter(tmp_path / "b").config.vocab_size == 300
