@@ -91,3 +91,41 @@ def zlab_config(style: str) -> dict[str, Any]:
                "attention_sink_bias": True}
         return {**common, "dflash_config": dfc}
     raise ValueError(style)
+
+
+#: A tiny Muse Glimmer assistant: the released layout (every layer sliding, bidirectional) at
+#: the sizes of BASE; keywords of transformers' MuseGlimmerAssistantConfig.
+MUSE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, target_layer_ids=[1, 3], mask_token_id=7,
+            block_size=4, sliding_window=16, max_position_embeddings=512)
+
+
+def write_muse_dir(path: Path, seed: int = 0, **overrides: Any):
+    """A Muse Glimmer directory written by its owners' code: transformers'
+    ``MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(...)).save_pretrained`` with seeded
+    random weights (norms around 1). Returns the model (eval mode) for reference forwards."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    model = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(**{**MUSE, **overrides}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.1
+            p.copy_(1.0 + noise if name.endswith("norm.weight") or "norm_enc" in name else noise)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def muse_for(target, **overrides: Any) -> dict[str, Any]:
+    """MuseGlimmerAssistantConfig keywords of a drafter for the built-in tiny target (hidden 64,
+    8 layers; its MASK token), the released layout (every layer sliding, W=16)."""
+    return {**MUSE, "hidden_size": target.model.config.hidden_size, "head_dim": 16,
+            "intermediate_size": 96, "target_layer_ids": [1, 3, 5],
+            "mask_token_id": target.token_id("<|mask|>"), **overrides}
+
+
+def muse_state(model) -> dict[str, torch.Tensor]:
+    """The owners' model's tensors under our names (what the import must produce)."""
+    renames = {"encoder.fc.weight": "fc.weight",
+               "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+    return {renames.get(k, k): v for k, v in model.state_dict().items()}

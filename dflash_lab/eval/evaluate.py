@@ -120,7 +120,8 @@ def _load_pair(cfg, packed: bool = False):
     loaded = load_drafter(cfg.drafter.path, backend=backend, device=target.device,
                           dtype=target.model.dtype, block_size=cfg.block_size,
                           assume=cfg.drafter.assume,
-                          verify_checksums=bool(cfg.drafter.get("verify_checksums", True)))
+                          verify_checksums=bool(cfg.drafter.get("verify_checksums", True)),
+                          target_vocab_size=target.vocab_size)
     check_pair(loaded.drafter, target, loaded.depth_recorded)
     return target, loaded, backend
 

@@ -36,12 +36,14 @@ class LoadedDrafter:
 
 def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int | None = None,
-                 assume: str | None = None, verify_checksums: bool = True) -> LoadedDrafter:
+                 assume: str | None = None, verify_checksums: bool = True,
+                 target_vocab_size: int | None = None) -> LoadedDrafter:
     """Load a drafter from a checkpoint, run directory or serving directory.
 
     ``block_size`` (<= the trained one) sets the inference block; ``assume`` names the engine
     rule set used to read a third-party serving directory (default: the exporter's);
-    ``verify_checksums``: a serving directory is checked against its ``SHA256SUMS`` first.
+    ``verify_checksums``: a serving directory is checked against its ``SHA256SUMS`` first;
+    ``target_vocab_size``: the vocabulary taken when the format records none (Muse Glimmer).
     """
     from dflash_lab.export.peers import is_speculators_dir
     from dflash_lab.export.sources import (
@@ -50,6 +52,7 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
         is_serving_dir,
         load_source,
         read_config_json,
+        with_target_vocab,
     )
 
     path = Path(path)
@@ -62,13 +65,15 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
         config, state = imported.config, imported.state_dict
         description = f"serving directory {path}"
         notes = [f"causality resolved by {imported.assumed_rules}", *imported.disagreements,
-                 imported.integrity]
+                 *imported.format_notes, imported.integrity]
         depth_recorded = "num_target_layers" in read_config_json(path)
+        vocab_recorded = imported.vocab_recorded
     else:
         source = load_source(path, verify_checksums)
         config, state = source.config, source.state_dict
         description, notes = source.description, list(source.notes)
-        depth_recorded = source.depth_recorded
+        depth_recorded, vocab_recorded = source.depth_recorded, source.vocab_recorded
+    config = with_target_vocab(config, target_vocab_size, vocab_recorded)
     trained = config.block_size
     if block_size is not None and block_size != trained:
         _check_block_size(block_size, config.block_size)

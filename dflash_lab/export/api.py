@@ -6,6 +6,7 @@ self-checked, then renamed into place, so a refusal or a crash never leaves a pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dflash_lab.export.checks import (
     check_target,
     mismatches,
     refusals,
+    target_vocab_size,
 )
 from dflash_lab.export.engines import (
     ENGINES,
@@ -33,8 +35,9 @@ from dflash_lab.export.engines import (
     select_sglang,
 )
 from dflash_lab.export.engines.common import architecture_of, layouts_agree
+from dflash_lab.export.engines.muse import is_muse, our_names
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
-from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE, base_config
+from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE
 from dflash_lab.export.integrity import CHECKSUMS_FILE, Verification, verify_dir, write_checksums
 from dflash_lab.export.outdir import (
     REPORT_FILE,
@@ -60,6 +63,8 @@ from dflash_lab.export.sources import (
     load_source,
     read_config_json,
     resolve_third_party,
+    third_party_base,
+    with_target_vocab,
 )
 from dflash_lab.export.weights import (
     CONFIG_FILE,
@@ -218,6 +223,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
     src = source if isinstance(source, Source) else load_source(source, verify)
     check_output_dir(out_dir, named + src.reads, force=force, owner=owner)  # + its checkpoint
+    src = dataclasses.replace(src, config=with_target_vocab(  # Muse Glimmer: the --target's
+        src.config, target_vocab_size(target), src.vocab_recorded))
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
@@ -354,7 +361,8 @@ def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
     ours = TRAINING_SPEC_KEY in d
     assumed = OUR_SPEC if ours else DEFAULT_ASSUMED_RULES
     try:
-        config = DrafterConfig.from_dict(d, source=source) if ours else base_config(d, source)
+        config = (DrafterConfig.from_dict(d, source=source) if ours
+                  else third_party_base(d, source))
     except ValueError as err:
         return _Declared(None, None, assumed, [f"config.json cannot be read as a drafter: {err}"])
     if ours:
@@ -447,7 +455,8 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
             problems += [f.message for f in mismatches(trained, reading, block, "warn")]
     vocab_lines: list[str] = []
     if declared.config is not None and not config_only:
-        problems += tensor_problems(declared.config, weight_shapes(path))
+        shapes = weight_shapes(path)
+        problems += tensor_problems(declared.config, our_names(shapes) if is_muse(d) else shapes)
         vocab_lines, vocab_problems = draft_vocab_problems(path, declared.config)
         problems += vocab_problems
     unchecked = unchecked_without_weights(declared.config, path) if config_only else []

@@ -139,6 +139,14 @@ def _target_text_config(target: dict[str, Any]) -> dict[str, Any]:
     return target.get("text_config") or target
 
 
+def target_vocab_size(target: dict[str, Any] | None) -> int | None:
+    """The target's vocabulary size from its config.json dict (None when unknown)."""
+    if target is None:
+        return None
+    vocab = _target_text_config(target).get("vocab_size", target.get("vocab_size"))
+    return None if vocab is None else int(vocab)
+
+
 def check_target(config: DrafterConfig, target: dict[str, Any] | None,
                  source: str = "target config") -> list[Finding]:
     """Hidden size, vocab size and target layer ids must fit the target (not lossy-allowable)."""

@@ -19,8 +19,11 @@ import torch
 
 from dflash_lab.export.engines import Artifacts, EngineReading, get_rule_set, read_all
 from dflash_lab.export.engines.common import layouts_agree
+from dflash_lab.export.engines.muse import is_muse, our_names, owners_window_note
 from dflash_lab.export.engines.zlab import base_config
 from dflash_lab.export.integrity import checked
+from dflash_lab.export.muse_glimmer import base_config as muse_base_config
+from dflash_lab.export.muse_glimmer import format_notes as muse_format_notes
 from dflash_lab.export.weights import (
     CONFIG_FILE,
     MASK_FILE,
@@ -69,6 +72,9 @@ class Source:
     #: Where our mask runs these weights differently from their trainer's (read from the
     #: format; the warm start reports them with the override contradictions).
     mask_differences: list[str] = field(default_factory=list)
+    #: False when the format records no vocabulary (Muse Glimmer): ``config.vocab_size`` is a
+    #: placeholder the consumer replaces with the target's (:func:`with_target_vocab`)
+    vocab_recorded: bool = True
 
 
 class ImportedDrafter(NamedTuple):
@@ -80,6 +86,8 @@ class ImportedDrafter(NamedTuple):
     assumed_rules: str  #: OUR_SPEC, or the engine rule set that resolved implicit causality
     disagreements: list[str]  #: rule sets reading a layer differently from the assumption
     integrity: str = ""  #: what its SHA256SUMS check found (export/integrity.py)
+    vocab_recorded: bool = True  #: False: ``config.vocab_size`` is a placeholder (Muse Glimmer)
+    format_notes: tuple[str, ...] = ()  #: what the import assumed the format does not record
 
 
 def _warn(msg: str) -> None:
@@ -201,6 +209,21 @@ def _disagreements(readings: dict[str, EngineReading], chosen: str,
             if name != chosen and not layouts_agree(r.layers, ref, block_size)]
 
 
+def third_party_base(d: dict[str, Any], source: str) -> DrafterConfig:
+    """The fields of a third-party config.json on a placeholder layout: z-lab's reading, or
+    the Muse Glimmer format's (export/muse_glimmer.py)."""
+    return muse_base_config(d, source) if is_muse(d) else base_config(d, source)
+
+
+def with_target_vocab(config: DrafterConfig, vocab_size: int | None,
+                      recorded: bool) -> DrafterConfig:
+    """``config`` with the target's vocabulary when its format records none (Muse Glimmer);
+    unchanged when it records one or no target is known."""
+    if recorded or vocab_size is None or vocab_size == config.vocab_size:
+        return config
+    return dataclasses.replace(config, vocab_size=int(vocab_size))
+
+
 def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
                         assume: str) -> tuple[DrafterConfig, list[str]]:
     """A third-party config.json as rule set ``assume`` runs it (z-lab's reading for every other
@@ -212,7 +235,7 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
     if not reading.loads:
         raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
                          "rule set (assume=...)")
-    base = base_config(d, str(path / CONFIG_FILE))
+    base = third_party_base(d, str(path / CONFIG_FILE))
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(
         base, reading,
@@ -232,9 +255,11 @@ def import_drafter(path: str | Path, assume: str | None = None,
     directories leave causality implicit: it is resolved by ``assume`` (default
     ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in ``config._source``, and
     rule sets that would read the directory differently are listed in ``disagreements``.
-    Everything else (variant, conv, selector, the three scales) is read as z-lab's loader reads
-    it; DFlash 2 codebooks saved as ``...codebook.weight`` (z-lab ``save_pretrained``) are
-    renamed to the serving names (listed in ``disagreements``: engines would not load them).
+    A Muse Glimmer directory (export/muse_glimmer.py) is read the same way, its tensors renamed
+    to ours and what its format does not record listed in ``format_notes``. Everything else
+    (variant, conv, selector, the three scales) is read as z-lab's loader reads it; DFlash 2
+    codebooks saved as ``...codebook.weight`` (z-lab ``save_pretrained``) are renamed to the
+    serving names (listed in ``disagreements``: engines would not load them).
     """
     path = Path(path)
     integrity = checked(path, verify).note
@@ -247,6 +272,9 @@ def import_drafter(path: str | Path, assume: str | None = None,
         assumed = assume or DEFAULT_ASSUMED_RULES
         config, disagree = resolve_third_party(d, path, artifacts, assumed)
     state, renamed = serving_names(load_weights(path))
+    muse = is_muse(d) and TRAINING_SPEC_KEY not in d
+    if muse:  # encoder.fc / encoder.output_norm_enc -> fc / hidden_norm
+        state = our_names(state)
     if renamed:
         disagree = disagree + [f"tensors {renamed} renamed without '.weight' (vLLM refuses "
                                "those names, SGLang skips them)"]
@@ -258,7 +286,9 @@ def import_drafter(path: str | Path, assume: str | None = None,
     validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
     if disagree:
         _warn(f"{path}: read with {assumed}; " + "; ".join(disagree))
-    return ImportedDrafter(config, state, mask, assumed, disagree, integrity)
+    notes = tuple(muse_format_notes(d)) if muse else ()
+    return ImportedDrafter(config, state, mask, assumed, disagree, integrity,
+                           vocab_recorded="vocab_size" in d, format_notes=notes)
 
 
 def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool = True
@@ -294,13 +324,17 @@ def load_source(path: str | Path, verify: bool = True) -> Source:
     if is_serving_dir(path):
         imported = import_drafter(path, verify=verify)
         notes = ([f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
-                 + [imported.integrity])
+                 + list(imported.format_notes) + [imported.integrity])
         d = read_config_json(path)
         identity = d.get(TARGET_IDENTITY_KEY)  # our exports record the training target
-        return Source(imported.config, imported.state_dict, "serving",
-                      f"serving directory {path}", notes, reads=[path],
+        muse_window = owners_window_note(d) if is_muse(d) else None
+        kind = "Muse Glimmer directory" if is_muse(d) else "serving directory"
+        return Source(imported.config, imported.state_dict, "serving", f"{kind} {path}", notes,
+                      reads=[path],
                       target_identity=identity if isinstance(identity, dict) else None,
-                      depth_recorded="num_target_layers" in d)
+                      depth_recorded="num_target_layers" in d,
+                      mask_differences=[muse_window] if muse_window else [],
+                      vocab_recorded=imported.vocab_recorded)
     if (path / "checkpoints").is_dir():
         ckpt, why = resolve_run_dir(path)
         source = load_checkpoint(ckpt)

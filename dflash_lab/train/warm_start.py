@@ -8,6 +8,7 @@ line) overrides it. An override that changes what the trained weights compute (a
 between sliding and full or causal and bidirectional, another window, block size, target layer ids,
 MASK id, RoPE or logit scales) is logged as one warning listing each; one that changes the
 tensor shapes, or a source built for another target (hidden or vocab size), is a ValueError.
+A format that records no vocabulary (Muse Glimmer) takes the target's.
 A source recorded for a target of another depth is refused too unless ``target_layer_ids`` is
 overridden (:func:`check_depth`); one trained on other target weights of the same shapes (a
 fine-tune of the target) is a warning naming both fingerprints (:func:`other_target_weights`).
@@ -165,7 +166,7 @@ def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str,
                          verify_checksums: bool = True) -> DFlashDrafter:
     """A drafter holding the weights of ``init_from`` for the loaded ``target`` (an export is
     checked against its ``SHA256SUMS`` unless ``verify_checksums`` is off)."""
-    from dflash_lab.export.sources import load_source
+    from dflash_lab.export.sources import load_source, with_target_vocab
     from dflash_lab.target.mask_token import resolve_mask_token_id
     from dflash_lab.train.factory import target_shape
 
@@ -176,6 +177,8 @@ def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str,
                          "drafter (docs/warm_start.md)")
     source = load_source(where, verify_checksums)
     shape = target_shape(target.model.config)
+    source = dataclasses.replace(source, config=with_target_vocab(  # Muse Glimmer records none
+        source.config, shape["vocab_size"], source.vocab_recorded))
     check_target(source.config, shape, where, str(target.name_or_path))
     overrides, depth = explicit_overrides(fields), int(shape["num_target_layers"])
     changed = check_depth(source, depth, overrides, where)

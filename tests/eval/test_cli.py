@@ -23,6 +23,7 @@ from tests.eval_doubles import (
     write_checkpoint,
     write_serving_dir,
 )
+from tests.export_doubles import muse_for, write_muse_dir
 
 ISSUE_FIELDS = ("tau_mean", "tau_per_prompt", "acceptance_lengths", "per_position_acceptance",
                 "lossless", "tokens_per_second", "baseline_tokens_per_second", "speedup",
@@ -159,6 +160,39 @@ def test_cli_generate_with_zlab_serving_dir(tiny_target_dir, drafter, prompts_fi
                  "config.yaml", "run_info.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "run_info.json").read_text())["argv"] == argv
+
+
+def test_muse_glimmer_dir_takes_the_targets_vocabulary(tiny_target, tmp_path):
+    """The format records no vocab_size: the eval takes the target's (check_pair then passes);
+    without a target the placeholder (vLLM's default) does not fit the tiny target."""
+    pytest.importorskip("transformers.models.muse_glimmer_assistant")
+    path = tmp_path / "muse"
+    write_muse_dir(path, **muse_for(tiny_target))
+    loaded = load_drafter(path, target_vocab_size=tiny_target.vocab_size)
+    assert loaded.drafter.config.vocab_size == tiny_target.vocab_size
+    assert loaded.depth_recorded is False and loaded.trained_block_size == 4
+    check_pair(loaded.drafter, tiny_target, loaded.depth_recorded)
+    with pytest.raises(ValueError, match="vocab_size=202048 but the target has"):
+        check_pair(load_drafter(path).drafter, tiny_target)
+
+
+def test_cli_generate_with_muse_glimmer_dir(tiny_target_dir, tiny_target, prompts_file,
+                                            tmp_path, monkeypatch):
+    """dflash-eval drafter.path=<Muse Glimmer directory>: greedy stays lossless and the report
+    records how the directory was read."""
+    pytest.importorskip("transformers.models.muse_glimmer_assistant")
+    write_muse_dir(tmp_path / "muse", **muse_for(tiny_target))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
+        f"drafter.path={tmp_path / 'muse'}", f"data.path={prompts_file}", f"output_dir={out}",
+        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
+    cli.main()
+    report = json.loads((out / "report.json").read_text())
+    assert report["lossless"] is True and report["settings"]["trained_block_size"] == 4
+    assert report["settings"]["drafter_source"].startswith("Muse Glimmer directory")
+    notes = " ".join(report["settings"]["drafter_notes"])
+    assert "causality resolved by vllm-main-v2" in notes and "no vocab_size" in notes
 
 
 def test_sampling_run_logs_to_the_csv_logger(tiny_target_dir, drafter, prompts_file, tmp_path):

@@ -23,11 +23,18 @@ from safetensors.torch import load_file, save_file
 
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.export import export_drafter
-from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig
+from dflash_lab.model.config import FULL, SLIDING, TRAINING_SPEC_KEY, DrafterConfig, LayerSpec
 from dflash_lab.paths import REPO_ROOT
 from dflash_lab.train.factory import build_drafter
 from dflash_lab.train.warm_start import group_defaults
-from tests.export_doubles import random_state, write_checkpoint, write_zlab_dir
+from tests.export_doubles import (
+    muse_for,
+    muse_state,
+    random_state,
+    write_checkpoint,
+    write_muse_dir,
+    write_zlab_dir,
+)
 
 SPEC_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
 ZLAB_PYTHON = REPO_ROOT / ".venv-dflash" / "bin" / "python"
@@ -135,6 +142,32 @@ def test_zlab_directory_starts_the_drafter(tiny_target, tmp_path, variant):
     assert drafter.config.variant == variant and drafter.config.block_size == 4
     assert drafter.config.causal_flags == [False, False]  # z-lab: full layers bidirectional
     assert_same_weights(drafter, state)
+
+
+def test_muse_glimmer_directory_starts_the_drafter(tiny_target, tmp_path):
+    """A directory written by transformers' MuseGlimmerAssistantModel: the warm-started drafter
+    holds its weights, takes the target's vocabulary (the format records none) and computes what
+    the owners' forward computes on the same block and context (window not reached: 9 context
+    positions + 4 slots <= W=16)."""
+    pytest.importorskip("transformers.models.muse_glimmer_assistant")
+    model = write_muse_dir(tmp_path / "muse", **muse_for(tiny_target))
+    drafter = warm(tiny_target, tmp_path / "muse").eval()
+    assert drafter.config.vocab_size == tiny_target.vocab_size != 202048
+    assert drafter.config.layer_specs() == [LayerSpec(16, False)] * 2
+    assert drafter.config.rope_theta == 500000.0 and drafter.config.rms_norm_eps == 1e-5
+    assert_same_weights(drafter, muse_state(model))
+    pieces, mask = tiny_target.pieces(), drafter.config.mask_token_id
+    feats = torch.randn(1, 9, 3 * 64, generator=torch.Generator().manual_seed(3))
+    cache = drafter.new_cache()
+    drafter.extend_context(cache, feats)
+    ours = drafter.draft(cache, torch.tensor([11]), pieces.embed_tokens)
+    with torch.no_grad():
+        theirs = model(noise_embeds=pieces.embed_tokens(torch.tensor([[11, mask, mask, mask]])),
+                       context_hidden_states=feats,
+                       position_ids=torch.arange(9 + 4)[None]).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pieces.lm_head(ours), pieces.lm_head(theirs), rtol=1e-5,
+                               atol=1e-5)
 
 
 _ZLAB_WRITER = """

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_lab.export.engines import sglang, vllm
+from dflash_lab.export.engines import muse, sglang, vllm
 from dflash_lab.export.engines.common import Artifacts, EngineReading, LayerReading
 
 
@@ -104,8 +104,18 @@ def get_rule_set(name: str) -> RuleSet:
 
 def read_all(config: dict[str, Any], artifacts: Artifacts,
              engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
-    """Every selected rule set's reading of one config, keyed by rule-set name."""
-    return {r.name: r.read(config, artifacts) for r in rule_sets_for(engines)}
+    """Every selected rule set's reading of one config, keyed by rule-set name. A Muse Glimmer
+    config is read through each engine's own config class for it (engines/muse.py)."""
+    return {r.name: _read(r, config, artifacts) for r in rule_sets_for(engines)}
+
+
+def _read(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> EngineReading:
+    if not muse.is_muse(config):
+        return rule_set.read(config, artifacts)
+    reading = rule_set.read(muse.engine_view(config, rule_set.engine), artifacts)
+    reading.notes.append(muse.ENGINE_NOTES[rule_set.engine]
+                         + ("" if rule_set.current else "; assumed for this older release"))
+    return reading
 
 
 __all__ = ["RULE_SETS", "ENGINES", "SGLANG_BACKENDS", "RuleSet", "Artifacts", "EngineReading",
