@@ -291,14 +291,22 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def product_optimizer(params) -> torch.optim.Optimizer:
-    """The optimizer ``conf/module/default.yaml`` configures, built without Hydra (the GPU
+    """The optimizer ``conf/module/default.yaml`` selects (its ``optimizer`` defaults group,
+    ``conf/module/optimizer/<choice>.yaml``), built without Hydra (the GPU
     machine has none), so benchmarks time what a training run steps (fused AdamW)."""
     import yaml
 
     from dflash_lab.paths import CONF_DIR
 
-    path = CONF_DIR / "module" / "default.yaml"
-    spec = dict(yaml.safe_load(path.read_text())["optimizer"])
+    module_path = CONF_DIR / "module" / "default.yaml"
+    defaults = yaml.safe_load(module_path.read_text()).get("defaults", [])
+    choice = next((d["optimizer"] for d in defaults if isinstance(d, dict) and "optimizer" in d),
+                  None)
+    if choice is None:
+        raise ValueError(f"{module_path}: no `optimizer:` entry in its defaults list; "
+                         "benchmarks/common.py reads the optimizer group from there")
+    path = CONF_DIR / "module" / "optimizer" / f"{choice}.yaml"
+    spec = dict(yaml.safe_load(path.read_text()))
     target = spec.pop("_target_")
     spec.pop("_partial_", None)
     if target != "torch.optim.AdamW":
