@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.export import muse_glimmer
 from dflash_lab.export.checks import (
     Finding,
     apply_allow_lossy,
@@ -35,7 +36,7 @@ from dflash_lab.export.engines import (
     select_sglang,
 )
 from dflash_lab.export.engines.common import architecture_of, layouts_agree
-from dflash_lab.export.engines.muse import is_muse, our_names
+from dflash_lab.export.engines.muse import is_muse, muse_names, our_names
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
 from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE
 from dflash_lab.export.integrity import CHECKSUMS_FILE, Verification, verify_dir, write_checksums
@@ -112,6 +113,11 @@ class ExportResult:
     self_check: list[SelfCheckResult] = field(default_factory=list)
 
 
+OURS = "dflash-lab"
+#: ``--format``: our serving layout (default) or the Muse Glimmer assistant's (muse_glimmer.py)
+FORMATS = (OURS, muse_glimmer.FORMAT)
+
+
 def parse_engines(engine: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     """``both`` | ``vllm`` | ``sglang`` (or a list of engine names)."""
     if isinstance(engine, str):
@@ -129,11 +135,13 @@ def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
 def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict | None = None,
                 allow_lossy: bool = False, sglang_version: str = DEFAULT_RELEASE,
                 sglang_backend: str = "any", target_architecture: str | None = None,
+                raw: dict[str, Any] | None = None,
                 ) -> tuple[dict[str, EngineReading], list[Finding]]:
     """Readings of every rule set (for the report) and the findings for the targeted engines
     (SGLang: the release and draft attention backend of :func:`select_sglang`). The target's
-    class is ``target_architecture``, else ``architectures[0]`` of ``target``."""
-    raw = config.to_dict()
+    class is ``target_architecture``, else ``architectures[0]`` of ``target``. ``raw``: the
+    config.json to be written (default: ours, ``config.to_dict()``)."""
+    raw = config.to_dict() if raw is None else raw
     artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias,
                           target_architecture=target_architecture or architecture_of(target))
     readings = read_all(raw, artifacts)
@@ -157,9 +165,11 @@ def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
 
 
 def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[str, ...],
-            dtype: str, allow_lossy: bool, command: str | None) -> dict[str, str]:
+            dtype: str, allow_lossy: bool, command: str | None,
+            raw: dict[str, Any]) -> dict[str, str]:
     """Report header; the resolved source path is read back to recognise a run's own export."""
     return {
+        **(muse_glimmer.report_header(raw) if is_muse(raw) else {"format": OURS}),
         "source": src.description,
         **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
         "output": str(out_dir), "engines targeted": ", ".join(engines),
@@ -181,17 +191,29 @@ def exported_identity(identity: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: identity[k] for k in EXPORTED_IDENTITY if identity.get(k) is not None} or None
 
 
-def _write_dir(tmp: Path, config: DrafterConfig, state: dict, mask: torch.Tensor | None,
-               dtype: str, target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
+def format_config(fmt: str, config: DrafterConfig, dtype: str,
+                  target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
+    """The config.json of format ``fmt`` (ValueError: the Muse Glimmer format cannot carry the
+    drafter, naming what and the fix)."""
+    recorded = exported_identity(target_identity)
+    if fmt == muse_glimmer.FORMAT:
+        muse_glimmer.check_exportable(config, config._source)
+        return muse_glimmer.serving_config(config, dtype, vocab_known=vocab_known,
+                                           target_identity=recorded)
     raw = serving_config(config, dtype)
-    if (recorded := exported_identity(target_identity)) is not None:
+    if recorded is not None:
         raw[TARGET_IDENTITY_KEY] = recorded
+    return raw
+
+
+def _write_dir(tmp: Path, raw: dict[str, Any], state: dict, mask: torch.Tensor | None,
+               dtype: str, mask_token_id: int) -> None:
+    """config.json and the weights, named as the format of ``raw`` names them."""
     (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
     torch_dtype = DTYPES[dtype]
-    save_weights(tmp, cast(state, torch_dtype),
+    save_weights(tmp, cast(muse_names(state) if is_muse(raw) else state, torch_dtype),
                  mask.detach().to(torch_dtype).contiguous() if mask is not None else None,
-                 config.mask_token_id)
-    return raw
+                 mask_token_id)
 
 
 def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
@@ -200,7 +222,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                    target: dict[str, Any] | None = None, self_check: bool = True,
                    command: str | None = None, owner: str | Path | None = None,
                    sglang_version: str = DEFAULT_RELEASE,
-                   sglang_backend: str = "any", verify: bool = True) -> ExportResult:
+                   sglang_backend: str = "any", verify: bool = True,
+                   format: str = OURS) -> ExportResult:
     """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``.
 
     SGLang is checked for ``sglang_version`` and ``sglang_backend`` (its draft attention
@@ -212,11 +235,16 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     (bad input, or ``out_dir`` is or contains what the export reads), FileExistsError (exists:
     no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in
     every case ``out_dir`` is left as it was. ``verify``: a serving-directory source is checked
-    against its ``SHA256SUMS`` (export/integrity.py); the export writes its own.
+    against its ``SHA256SUMS`` (export/integrity.py); the export writes its own. ``format``:
+    ``dflash-lab`` (ours) or ``muse-glimmer`` (the Muse Glimmer assistant layout; ValueError
+    naming what it cannot carry: DFlash 2, a draft vocabulary, a learned mask, sinks, scales,
+    causal layers).
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
         raise ValueError(f"dtype '{dtype}' is not one of {list(DTYPES)}")
+    if format not in FORMATS:
+        raise ValueError(f"format '{format}' is not one of {list(FORMATS)}")
     named = [] if isinstance(source, Source) else [source]
     refuse_overlap(out_dir, named)
     if out_dir.exists() and not force:
@@ -228,10 +256,13 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
+    raw = format_config(format, dataclasses.replace(config, _source=src.description), dtype,
+                        src.target_identity,
+                        vocab_known=src.vocab_recorded or target_vocab_size(target) is not None)
     arch = architecture_of(target, src.target_identity)
     readings, findings = plan_export(config, engines, target=target, allow_lossy=allow_lossy,
                                      sglang_version=sglang_version, sglang_backend=sglang_backend,
-                                     target_architecture=arch)
+                                     target_architecture=arch, raw=raw)
     if refusals(findings):
         raise ExportRefused(findings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -239,13 +270,13 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
             remove_path(stale)
         with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
-            raw = _write_dir(tmp, config, state, mask, dtype, src.target_identity)
+            _write_dir(tmp, raw, state, mask, dtype, config.mask_token_id)
             checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
                                               select_sglang(sglang_version, sglang_backend),
                                               arch)
             files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
             report = export_report(
-                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command),
+                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command, raw),
                 config=config, readings=readings, findings=findings, self_check=check_lines,
                 files=files + [REPORT_FILE, CHECKSUMS_FILE])
             (tmp / REPORT_FILE).write_text(report)
@@ -466,6 +497,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
     lines += layer_table(trained, readings, block)
     lines += _layout_lines(declared, readings, block, config_only)
     lines += ["", *vocab_lines] if vocab_lines else []
+    lines += muse_glimmer.inspect_lines(d) if declared.config is not None else []
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
     if unchecked:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.export.api import (
+    FORMATS,
     OK,
+    OURS,
     UNCHECKED,
     ExportRefused,
     SelfCheckFailed,
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "for the layout; exit 5 when the weight checks could not be made)")
     p.add_argument("--engine", choices=["both", "vllm", "sglang"], default="both")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--format", choices=list(FORMATS), default=OURS,
+                   help="layout of OUT_DIR: ours (default), or the Muse Glimmer assistant's "
+                        "(MuseGlimmerAssistantModel; refused for what it cannot carry)")
     p.add_argument("--sglang-version", choices=list(SGLANG_RELEASES), default=DEFAULT_RELEASE,
                    help="SGLang release the export must be right for (others only warn)")
     p.add_argument("--sglang-attention-backend", choices=list(SGLANG_BACKENDS), default="any",
@@ -122,7 +127,8 @@ def _export(args: argparse.Namespace, argv: list[str]) -> int:
         allow_lossy=args.allow_lossy, target=_read_target(args.target),
         self_check=not args.no_self_check,
         sglang_version=args.sglang_version, sglang_backend=args.sglang_attention_backend,
-        command=shlex.join(["dflash-export", *argv]), verify=not args.no_verify)
+        command=shlex.join(["dflash-export", *argv]), verify=not args.no_verify,
+        format=args.format)
     for finding in result.findings:
         if finding.severity == WARN:
             print(f"dflash-export: warning: {finding.message}", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""Read the Muse Glimmer assistant format's config.json into our DrafterConfig.
+"""Read the Muse Glimmer assistant format's config.json into our DrafterConfig, and write one
+(``dflash-export --format muse-glimmer``: :func:`serving_config`, refusing what
+:func:`export_problems` names).
 
 The format and how each engine reads it: :mod:`dflash_lab.export.engines.muse`. Like a z-lab
 directory, its layer layout is left to the engine; the importer resolves it with a named rule
@@ -7,8 +9,8 @@ set (``sources.resolve_third_party``). Every key is read or refused by name:
 - read: the shape keys, ``rope_parameters``, ``max_position_embeddings`` (owners' default
   131072), the flat ``block_size`` / ``mask_token_id`` / ``target_layer_ids``, and the layout
   keys the rule sets read (``layer_types``, ``sliding_window``, ``is_causal``,
-  ``use_sliding_window``); ``vocab_size`` and ``num_target_layers`` when a file has them (the
-  owners' class writes neither);
+  ``use_sliding_window``); ``vocab_size``, ``num_target_layers`` and our export's
+  ``dflash_lab_target`` when a file has them (the owners' class writes none of them);
 - required: the keys whose default differs between the owners' class and vLLM's
   Qwen3Config-based one (:data:`REQUIRED`; ``save_pretrained`` writes them all);
 - refused: ``dflash_config`` (not in the format; vLLM merges it, SGLang ignores it),
@@ -24,9 +26,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_lab.export.engines.muse import VLLM_DEFAULT_VOCAB, owners_window_note
+from dflash_lab.export.engines.muse import (
+    ARCHITECTURE,
+    MODEL_TYPE,
+    VLLM_DEFAULT_VOCAB,
+    is_muse,
+    owners_window_note,
+)
 from dflash_lab.model.config import (
+    FULL,
     HF_BOOKKEEPING_KEYS,
+    SCALE_DEFAULTS,
+    SLIDING,
+    TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY,
     DrafterConfig,
     reject_unknown_keys,
     shape_fields,
@@ -38,7 +51,8 @@ REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attent
             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters",
             "layer_types", "block_size", "mask_token_id", "target_layer_ids")
 READ = frozenset(REQUIRED) | {"max_position_embeddings", "sliding_window", "is_causal",
-                              "use_sliding_window", "vocab_size", "num_target_layers"}
+                              "use_sliding_window", "vocab_size", "num_target_layers",
+                              TARGET_IDENTITY_KEY}
 #: key -> (the only value the drafter implements, why)
 FIXED = {"hidden_act": ("silu", "the drafter's MLP is SwiGLU (SGLang accepts only silu)"),
          "attention_bias": (False, "MuseGlimmerAssistantAttention has no q/k/v/o bias")}
@@ -107,3 +121,119 @@ def format_notes(d: dict[str, Any]) -> list[str]:
                      "(training and eval use the loaded target's depth)")
     window = owners_window_note(d)
     return notes + ([window] if window else [])
+
+
+
+# ---------------------------------------------------------------------------- export
+FORMAT = "muse-glimmer"  #: ``dflash-export --format`` value
+#: What to do instead when the format cannot carry a drafter.
+_FIX = ("export it in dflash-lab's own format instead (omit --format muse-glimmer; vLLM and "
+        "SGLang serve that format)")
+
+
+def export_problems(config: DrafterConfig) -> list[str]:
+    """What the drafter has that the Muse Glimmer format cannot carry (empty: exportable).
+
+    The format is what ``MuseGlimmerAssistantModel`` computes: DFlash 1, SwiGLU, no bias, the
+    target's embedding row for MASK, no sinks, no logit scales, every layer bidirectional."""
+    out = []
+    if config.is_dflash2:
+        out.append("DFlash 2 (variant=dflash2: conv and candidate selector): "
+                   "MuseGlimmerAssistantModel has neither module")
+    if config.has_draft_vocab:
+        out.append(f"a draft vocabulary (draft_vocab_size={config.draft_vocab_size}, own lm_head, "
+                   "d2t/t2d): the format has no vocabulary-sized tensor, the head is the target's")
+    if config.learned_mask_embedding:
+        out.append("a learned mask embedding: the owners' class embeds MASK slots with the "
+                   "target's embedding row and reads no mask_embedding.pt")
+    if config.attention_sink_bias:
+        out.append("attention sinks (attention_sink_bias): MuseGlimmerAssistantAttention has no "
+                   "sink logits")
+    if config.attention_bias:
+        out.append("attention_bias=True: MuseGlimmerAssistantAttention has no q/k/v/o bias")
+    scales = [f"{k}={getattr(config, k)}" for k, off in SCALE_DEFAULTS.items()
+              if getattr(config, k) != off]
+    if scales:
+        out.append(f"logit/embedding scales ({', '.join(scales)}): the format has no such keys")
+    return out + _causality_problems(config)
+
+
+def _causality_problems(config: DrafterConfig) -> list[str]:
+    causal = [i for i, spec in enumerate(config.layer_specs()) if spec.causal]
+    if not causal:
+        return []
+    if len(causal) < config.num_hidden_layers:
+        return [f"per-layer causality (layers {causal} causal, the others bidirectional): the "
+                "format has no per-layer key (vLLM 0.32 reads bool(is_causal), SGLang one "
+                "is_causal for every layer) and the owners' class runs every layer "
+                "bidirectional"]
+    return [f"causal layers {causal}: MuseGlimmerAssistantAttention runs every layer "
+            "bidirectional (is_causal = False in its code; a config.json is_causal reaches "
+            "vLLM and SGLang only), so the format's owner would run another drafter"]
+
+
+def check_exportable(config: DrafterConfig, source: str) -> None:
+    """ValueError naming every feature the format cannot carry, and the fix."""
+    problems = export_problems(config)
+    if problems:
+        raise ValueError(f"{source}: cannot be exported --format {FORMAT}: the format cannot "
+                         "carry " + "; ".join(problems) + f". Fix: {_FIX}")
+
+
+def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = True,
+                   target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json in the Muse Glimmer layout, for a drafter :func:`export_problems` accepts.
+
+    The keys ``MuseGlimmerAssistantConfig.save_pretrained`` writes (flat DFlash keys, every
+    key :data:`REQUIRED` names), plus what makes every engine read it as trained: an explicit
+    ``is_causal`` False (SGLang's class default and vLLM's ``dflash_config.causal`` agree, but
+    neither then depends on a default), ``use_sliding_window`` (vLLM's Qwen3Config drops the
+    window without it), ``vocab_size`` when known (vLLM would assume 202048) and
+    ``num_target_layers``. ``sliding_window`` is the trained W, the engines' convention
+    (|q - k| < W): the owners' class keeps one key more per side (:func:`owners_window_note`);
+    no layer sliding, it is left out (the owners' class refuses null). bos/eos/pad are null:
+    the owners' defaults are the Muse Glimmer target's ids, not this target's."""
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling:
+        scaling = config.rope_scaling
+        rope.update(rope_type=scaling.get("rope_type", scaling.get("type")),
+                    factor=scaling["factor"])
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0,
+        "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "layer_types": [SLIDING if s.window is not None else FULL for s in config.layer_specs()],
+        "use_sliding_window": config.any_sliding, "is_causal": False,
+        "block_size": config.block_size, "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "num_target_layers": config.num_target_layers,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": dtype,
+    }
+    if config.any_sliding:
+        out["sliding_window"] = config.sliding_window
+    if vocab_known:
+        out["vocab_size"] = config.vocab_size
+    if target_identity:
+        out[TARGET_IDENTITY_KEY] = target_identity
+    return out
+
+
+def inspect_lines(d: dict[str, Any]) -> list[str]:
+    """``--inspect`` of a Muse Glimmer directory: what its format leaves out, and where the
+    owners' class runs it otherwise than the engines (notes, not problems: the engines serve
+    it). Empty for any other directory."""
+    notes = format_notes(d) if is_muse(d) and TRAINING_SPEC_KEY not in d else []
+    return ["", "Muse Glimmer format notes:"] + [f"- {n}" for n in notes] if notes else []
+
+
+def report_header(raw: dict[str, Any]) -> dict[str, str]:
+    """EXPORT_REPORT.md header lines of a ``--format muse-glimmer`` export."""
+    notes = format_notes(raw)
+    return {"format": f"{FORMAT} ({ARCHITECTURE})",
+            **({"format notes": "; ".join(notes)} if notes else {})}
+

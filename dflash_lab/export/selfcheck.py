@@ -26,14 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash_lab.export.engines import RuleSet
+from dflash_lab.export.engines import RuleSet, read_with
 from dflash_lab.export.engines.common import Artifacts
-from dflash_lab.export.engines.zlab import base_config
-from dflash_lab.export.sources import config_from_reading
+from dflash_lab.export.engines.muse import is_muse, our_names
+from dflash_lab.export.sources import config_from_reading, third_party_base
 from dflash_lab.export.weights import MASK_KEY, load_mask_file, load_weights
 from dflash_lab.model.config import DrafterConfig
 
 CONFIG_TOL = 1e-4
+MUSE_HOW = ("Muse Glimmer config.json read through each engine's config class for it "
+            "(engines/muse.py) and dflash-lab's importer; tensors renamed to ours")
 DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 _SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "mask_token_id", "target_layer_ids",
@@ -168,17 +170,19 @@ def _rel(a: list[Tensor], b: list[Tensor]) -> float:
 
 def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
                    artifacts: Artifacts) -> tuple[DrafterConfig, dict[str, Tensor]] | None:
-    """The drafter one engine would build from the directory, or None if it refuses to load."""
-    reading = rule_set.read(view, artifacts)
+    """The drafter one engine would build from the directory, or None if it refuses to load.
+    A Muse Glimmer directory is read as the importer reads it (its own fields, each engine's
+    config class, the tensors renamed to ours)."""
+    reading = read_with(rule_set, view, artifacts)
     if not reading.loads:
         return None
-    base = base_config(view, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
+    base = third_party_base(view, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(
         base, reading, artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
         base.attention_sink_bias and (is_vllm or reading.serves_sinks))
     config = dataclasses.replace(config, **reading.overrides)
-    state = load_weights(out_dir)
+    state = _exported_weights(out_dir, is_muse(view))
     if not config.attention_sink_bias:
         state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}
     if config.learned_mask_embedding:
@@ -186,9 +190,15 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
     return config, state
 
 
-def _exported_for_source(out_dir: Path, config: DrafterConfig) -> dict[str, Tensor]:
-    """Every exported tensor (safetensors + mask file), arranged for the source config."""
+def _exported_weights(out_dir: Path, muse: bool) -> dict[str, Tensor]:
+    """model.safetensors under our tensor names."""
     state = load_weights(out_dir)
+    return our_names(state) if muse else state
+
+
+def _exported_for_source(out_dir: Path, config: DrafterConfig, muse: bool) -> dict[str, Tensor]:
+    """Every exported tensor (safetensors + mask file), arranged for the source config."""
+    state = _exported_weights(out_dir, muse)
     if config.learned_mask_embedding:
         state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)
     return state
@@ -216,11 +226,15 @@ def _engine_groups(out_dir: Path, view: dict[str, Any], rule_sets: list[RuleSet]
 def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: DrafterConfig,
                    source_state: dict[str, Tensor], rule_sets: list[RuleSet],
                    artifacts: Artifacts, dtype: torch.dtype) -> tuple[list[SelfCheckResult], str]:
-    """Compare the source drafter with every distinct engine view of ``out_dir``."""
-    view, how = qwen3_config_view(raw_config)
+    """Compare the source drafter with every distinct engine view of ``out_dir``. A Muse Glimmer
+    config.json is read by each engine's config class for it (engines/muse.py), not Qwen3Config
+    directly."""
+    muse = is_muse(raw_config)
+    view, how = (raw_config, MUSE_HOW) if muse else qwen3_config_view(raw_config)
     probe = _probe(source_config)
     reference = _logits(source_config, source_state, probe)
-    same_weights = _logits(source_config, _exported_for_source(out_dir, source_config), probe)
+    same_weights = _logits(source_config, _exported_for_source(out_dir, source_config, muse),
+                           probe)
     results = []
     for config, state, names in _engine_groups(out_dir, view, rule_sets, artifacts):
         got = _logits(config, state, probe)

@@ -106,10 +106,11 @@ def read_all(config: dict[str, Any], artifacts: Artifacts,
              engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
     """Every selected rule set's reading of one config, keyed by rule-set name. A Muse Glimmer
     config is read through each engine's own config class for it (engines/muse.py)."""
-    return {r.name: _read(r, config, artifacts) for r in rule_sets_for(engines)}
+    return {r.name: read_with(r, config, artifacts) for r in rule_sets_for(engines)}
 
 
-def _read(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> EngineReading:
+def read_with(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> EngineReading:
+    """One rule set's reading (a Muse Glimmer config through its engine's config class)."""
     if not muse.is_muse(config):
         return rule_set.read(config, artifacts)
     reading = rule_set.read(muse.engine_view(config, rule_set.engine), artifacts)
@@ -119,4 +120,5 @@ def _read(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> En
 
 
 __all__ = ["RULE_SETS", "ENGINES", "SGLANG_BACKENDS", "RuleSet", "Artifacts", "EngineReading",
-           "LayerReading", "rule_sets_for", "get_rule_set", "read_all", "select_sglang"]
+           "LayerReading", "rule_sets_for", "get_rule_set", "read_all", "read_with",
+           "select_sglang"]

@@ -87,15 +87,24 @@ def engine_view(config: dict[str, Any], engine: str) -> dict[str, Any]:
     return vllm_view(config) if engine == "vllm" else sglang_view(config)
 
 
-def our_names(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Muse Glimmer tensor names (``encoder.fc.weight``...) -> ours (``fc.weight``...)."""
+def _renamed(tensors: dict[str, Any], prefixes: dict[str, str]) -> dict[str, Any]:
     out = {}
     for name, value in tensors.items():
-        for theirs, ours in RENAMES.items():
-            if name.startswith(theirs):
-                name = ours + name[len(theirs):]
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
         out[name] = value
     return out
+
+
+def our_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Muse Glimmer tensor names (``encoder.fc.weight``...) -> ours (``fc.weight``...)."""
+    return _renamed(tensors, RENAMES)
+
+
+def muse_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Our tensor names -> the Muse Glimmer format's (what its ``save_pretrained`` writes)."""
+    return _renamed(tensors, {ours: theirs for theirs, ours in RENAMES.items()})
 
 
 def owners_window_note(config: dict[str, Any]) -> str | None:
