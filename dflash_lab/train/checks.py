@@ -121,8 +121,18 @@ def check_writable(cfg: DictConfig) -> None:
                          "callbacks.checkpoint.dirpath elsewhere")
 
 
+def check_export(cfg: DictConfig) -> None:
+    """Every key and value of the ``export:`` section is an export setting
+    (dflash_lab/export/options.py: the dflash-export options of the same names)."""
+    from dflash_lab.export.options import check_section
+
+    check_section(OmegaConf.to_container(cfg.export, resolve=False),
+                  "the export section (conf/train.yaml, the recipe, the command line)")
+
+
 def check_train_config(cfg: DictConfig) -> None:
     """Every start-up check of a training config (before any model or data is loaded)."""
     check_module(cfg)
+    check_export(cfg)
     check_data(cfg)
     check_writable(cfg)

@@ -33,11 +33,10 @@ def export_run(cfg: DictConfig, run_dir: Path) -> str:
     Replaces only an earlier export of this run (``owner``), never other files: train() checks
     ``export.out_dir`` the same way at start-up, so a bad one is refused before training."""
     from dflash_lab.export import export_drafter
+    from dflash_lab.export.options import export_kwargs
 
-    result = export_drafter(run_dir, cfg.export.out_dir, engine=cfg.export.engine,
-                            dtype=cfg.export.dtype, force=True, owner=run_dir,
-                            sglang_version=cfg.export.get("sglang_version", "0.5.23"),
-                            sglang_backend=cfg.export.get("sglang_attention_backend", "any"))
+    result = export_drafter(run_dir, cfg.export.out_dir, force=True, owner=run_dir,
+                            **export_kwargs(export_section(cfg)))
     log.info("exported the best checkpoint to %s", result.out_dir)
     return str(result.out_dir)
 
@@ -83,16 +82,26 @@ def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     failing after training: same rules, same target class as ``dflash-export`` applies."""
     from dflash_lab.export.api import ExportRefused, parse_engines, plan_export
     from dflash_lab.export.checks import refusals
+    from dflash_lab.export.muse_glimmer import FORMAT as MUSE
+    from dflash_lab.export.muse_glimmer import check_exportable
+    from dflash_lab.export.options import export_kwargs
 
+    opts = export_kwargs(export_section(cfg))
+    if opts["format"] == MUSE:  # what that layout cannot carry, refused before training
+        check_exportable(drafter.config, f"the drafter of this run (export.format={MUSE})")
     _, findings = plan_export(
-        drafter.config, parse_engines(cfg.export.engine),
-        sglang_version=str(cfg.export.get("sglang_version", "0.5.23")),
-        sglang_backend=cfg.export.get("sglang_attention_backend", "any"),
+        drafter.config, parse_engines(opts["engine"]), sglang_version=opts["sglang_version"],
+        sglang_backend=opts["sglang_backend"],
         target_architecture=target.identity().get("architecture"))
-    if refusals(findings):
+    if refusals(findings) and not opts["allow_lossy"]:
         raise ValueError(f"{ExportRefused(findings)}\nthe end-of-run export (export.engine="
                          f"{cfg.export.engine}) would be refused: set export.engine to the "
                          "engines that serve this drafter, or export.enabled=false")
+
+
+def export_section(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.export`` as plain data (the keys of dflash_lab/export/options.py)."""
+    return OmegaConf.to_container(cfg.export, resolve=True)
 
 
 def check_resume(cfg: DictConfig, out_dir: Path, ckpt: str | None) -> None:

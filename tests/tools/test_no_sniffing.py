@@ -67,10 +67,10 @@ def sniffing(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, "compares a type or class name"))
             elif any(_mentions_config_target(s) for s in sides):
                 found.append((node.lineno, "compares a config's _target_"))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in _NAME_MATCH and (
-                    _mentions_config_target(node.func.value) or _names_a_type(node.func.value)):
-                found.append((node.lineno, f"matches a class name with .{node.func.attr}()"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _NAME_MATCH and (_mentions_config_target(node.func.value)
+                                                     or _names_a_type(node.func.value))):
+            found.append((node.lineno, f"matches a class name with .{node.func.attr}()"))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id == "hasattr":
                 found.append((node.lineno, "hasattr(): declare the attribute or method instead"))
