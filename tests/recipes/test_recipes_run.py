@@ -160,7 +160,9 @@ def _tiny(cfg) -> bool:
 
 
 def _online(cfg) -> bool:
-    return cfg.data._target_.endswith("OnlineDataModule")
+    from dflash_lab.train.checks import data_class
+
+    return data_class(cfg.data).runs_target
 
 
 def check_the_recipe_is_what_trained(cfg, export_dir: Path, target) -> None:
