@@ -163,3 +163,20 @@ def test_the_end_of_run_export_takes_every_option_of_the_section(monkeypatch, tm
     assert seen["self_check"] is False and seen["sglang_backend"] == "fa3"
     assert seen["dtype"] == "float32" and seen["force"] is True
     assert seen["out_dir"] == f"{tmp_path}/export"
+
+
+def test_the_start_up_export_plan_follows_allow_lossy_and_format():
+    """dflash-train's start-up check applies the section as the end-of-run export will: a
+    lossy refusal passes with export.allow_lossy=true; export.format=muse-glimmer refuses what
+    that layout cannot carry (the mimo layout's sinks) before training."""
+    from dflash_lab.train.run import check_export_plan
+
+    drafter = SimpleNamespace(config=make_config("mimo"))
+    target = SimpleNamespace(identity=lambda: {"architecture": None})
+    with pytest.raises(ValueError, match="end-of-run export"):
+        check_export_plan(_compose_train(), drafter, target)
+    check_export_plan(_compose_train("export.allow_lossy=true"), drafter, target)
+    with pytest.raises(ValueError, match="export.format=muse-glimmer.*cannot be exported"):
+        check_export_plan(_compose_train("export.format=muse-glimmer", "export.engine=vllm"),
+                          drafter, target)
+    check_export_plan(_compose_train("export.engine=vllm"), drafter, target)
