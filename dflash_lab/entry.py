@@ -2,7 +2,8 @@
 
 - The experiment logger outside Lightning: dflash-capture, dflash-regenerate and dflash-eval
   instantiate the same ``logger`` group as dflash-train (a Lightning logger, or none) and log
-  through the generic Lightning logger calls, so wandb and csv both work.
+  through the generic Lightning logger calls, so wandb and csv both work; what only wandb
+  does (tables, images, finishing the run) is :class:`dflash_lab.train.callbacks.WandbRun`'s.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None
 
 
 def close_logger(logger) -> None:
-    """Flush and close: csv writes its files; a wandb run is finished (offline: on disk)."""
+    """Flush and close: csv writes its files; a wandb run is finished (offline: on disk) by
+    :class:`~dflash_lab.train.callbacks.WandbRun`, where the wandb-specific work lives."""
+    from dflash_lab.train.callbacks import WandbRun
+
     logger.save()
     logger.finalize("success")
-    if type(logger).__name__ == "WandbLogger":
-        logger.experiment.finish()
+    WandbRun.finish(logger)

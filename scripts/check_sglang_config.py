@@ -174,7 +174,7 @@ def _label(layer: list) -> str:
 def verdict(config: DrafterConfig, arch: str, result: dict[str, Any],
             refused: dict[str, list[str]]) -> dict[str, Any]:
     """PASS when SGLang reads the export as trained, or the exporter refuses SGLang for it under
-    EVERY ``--sglang-attention-backend`` choice (``refused``: choice -> the exporter's refusal
+    EVERY ``--sglang_attention_backend`` choice (``refused``: choice -> the exporter's refusal
     messages, empty = it exports for SGLang with that choice)."""
     want = trained(config)
     got, problems = sglang_reading(result, shipped_mask=config.learned_mask_embedding)
@@ -185,7 +185,7 @@ def verdict(config: DrafterConfig, arch: str, result: dict[str, Any],
               "attention backend (not config-level; the exporter's rule sets model it)"]
              if bidir_sliding else [])
     if accepted:
-        notes.append(f"exporter exports for SGLang with --sglang-attention-backend {accepted}")
+        notes.append(f"exporter exports for SGLang with --sglang_attention_backend {accepted}")
     ok = not lines or not accepted
     if not lines:
         status = "as trained" + ("" if accepted else " at config level; exporter refuses")

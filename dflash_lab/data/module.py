@@ -23,7 +23,7 @@ import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -134,7 +134,34 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 class BlockDataModule(L.LightningDataModule):
-    """Split, collate and loaders shared by the online and offline modules."""
+    """Split, collate and loaders shared by the online and offline modules.
+
+    What ``dflash-train`` needs to know about a data module is declared here, on the class, so
+    the entry code asks the configured class (``hydra.utils.get_class(cfg.data._target_)``)
+    instead of matching its name: :attr:`runs_target`, :meth:`drafter_inputs`,
+    :meth:`check_config` and :meth:`sequence_limit`.
+    """
+
+    #: The module computes features with the whole in-process target (online data), so the
+    #: run cannot load only the target's head (``target.head_only=true``).
+    runs_target: ClassVar[bool] = False
+
+    @classmethod
+    def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:
+        """Constructor arguments taken from the drafter's config (a ``DrafterConfig``), besides
+        ``target``: what the data is built for or checked against."""
+        return {"target_layer_ids": list(drafter_config.target_layer_ids)}
+
+    @classmethod
+    def check_config(cls, data_cfg: Any) -> None:
+        """Start-up check of the ``data.*`` config before anything loads (ValueError naming
+        the key and the fix); nothing to check here."""
+
+    @classmethod
+    def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
+        """(longest sequence this data gives, the setting that bounds it) from the ``data.*``
+        config, before instantiation; ``(None, "")`` when not known."""
+        return None, ""
 
     def __init__(self, batch_size: int = 8, val_fraction: float = 0.05,
                  max_val_samples: int | None = 256, seed: int = 0, num_workers: int = 0,
@@ -249,6 +276,14 @@ class OnlineDataModule(BlockDataModule):
     and drops it; ``error`` stops at the first (as ``capture.bad_rows``).
     """
 
+    runs_target: ClassVar[bool] = True
+
+    @classmethod
+    def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
+        """Conversations are cut to ``data.max_length`` tokens."""
+        limit = data_cfg.get("max_length")
+        return (int(limit) if limit is not None else None), "data.max_length"
+
     def __init__(self, conversations: str, target: Any, target_layer_ids: Sequence[int], *,
                  max_length: int = 2048, num_samples: int | None = None,
                  last_turn_only: bool = False, enable_thinking: bool | None = None,
@@ -327,6 +362,29 @@ class OfflineDataModule(BlockDataModule):
     target whose config, tokenizer and weights fingerprint must match the capture
     (``allow_other_target_weights``: accept another checkpoint's features, same config).
     """
+
+    @classmethod
+    def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:
+        """The capture is checked against the drafter's layer ids, hidden and vocab size."""
+        return {**super().drafter_inputs(drafter_config),
+                "hidden_size": drafter_config.hidden_size,
+                "vocab_size": drafter_config.vocab_size}
+
+    @classmethod
+    def check_config(cls, data_cfg: Any) -> None:
+        """``data.path`` is set (``???`` in conf/data/offline.yaml)."""
+        if not data_cfg.get("path"):
+            raise ValueError("data.path is not set: data=offline reads a capture directory; "
+                             "pass data.path=DIR (the dflash-capture out_dir holding "
+                             "manifest.json)")
+
+    @classmethod
+    def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
+        """The capture's ``max_length``, read from its manifest."""
+        from dflash_lab.data.shards import read_manifest
+
+        return read_manifest(data_cfg.path).get("max_length"), (
+            f"{data_cfg.path}/manifest.json max_length (the capture's capture.max_length)")
 
     def __init__(self, path: str, *, target_layer_ids: Sequence[int] | None = None,
                  hidden_size: int | None = None, vocab_size: int | None = None,

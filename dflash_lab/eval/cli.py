@@ -25,6 +25,7 @@ from dflash_lab.eval.server_eval import run_server
 from dflash_lab.eval.suite import DATA_GROUP
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.train.callbacks import WandbRun
 from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.eval")
@@ -72,8 +73,9 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -> None:
-    """Scalars under ``eval/``, the per-position curve ``eval/acc_posT`` and (loggers that take
-    images: wandb) the plots; then the logger is closed."""
+    """Scalars under ``eval/``, the per-position curve ``eval/acc_posT`` and (wandb:
+    :class:`~dflash_lab.train.callbacks.WandbRun`) the plots and the suite's table; then the
+    logger is closed."""
     metrics = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     for t, v in enumerate(report["per_position_acceptance"], start=1):
         if v is not None:
@@ -83,14 +85,14 @@ def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -
         for name, row in datasets.items():
             metrics.update({f"eval/{name}/{k}": v for k, v in row.items()
                             if isinstance(v, (int, float))})
-    if len(datasets) > 1 and hasattr(logger, "log_table"):  # wandb: the table itself
+    if len(datasets) > 1:  # wandb also gets the table itself
         columns = ["dataset", *(k for k, v in next(iter(datasets.values())).items()
                                 if not isinstance(v, list))]
-        logger.log_table(key="eval/datasets", columns=columns,
-                         data=[[n, *(row[c] for c in columns[1:])] for n, row in datasets.items()])
-    if hasattr(logger, "log_image"):
-        for plot in report.get("plots", []):
-            logger.log_image(key=f"eval/{Path(plot).stem}", images=[str(out_dir / plot)])
+        WandbRun.log_table(logger, key="eval/datasets", columns=columns,
+                           data=[[n, *(row[c] for c in columns[1:])]
+                                 for n, row in datasets.items()])
+    WandbRun.log_images(logger, {f"eval/{Path(plot).stem}": str(out_dir / plot)
+                                 for plot in report.get("plots", [])})
     log_final(logger, cfg, metrics)
 
 

@@ -290,7 +290,7 @@ def _self_check(tmp: Path, raw: dict[str, Any], src: Source, engines: tuple[str,
                 dtype: str, enabled: bool, table: tuple = RULE_SETS,
                 arch: str | None = None) -> tuple[list[SelfCheckResult], list[str]]:
     if not enabled:
-        return [], ["- SKIPPED (--no-self-check): the export was not reloaded and compared"]
+        return [], ["- SKIPPED (--no-self_check): the export was not reloaded and compared"]
     current = [r for r in rule_sets_for(engines, table) if r.current]
     artifacts = Artifacts(src.config.learned_mask_embedding, src.config.attention_sink_bias,
                           target_architecture=arch)

@@ -1,6 +1,6 @@
 """Decide whether an export is safe: compare what each engine will run with what was trained.
 
-A finding is a refusal (the export stops, unless ``--allow-lossy`` and the finding is lossy) or a
+A finding is a refusal (the export stops, unless ``--allow_lossy`` and the finding is lossy) or a
 warning (written to EXPORT_REPORT.md and stderr). Every message names the layer, the rule set,
 what the engine would do and what to change.
 """
@@ -26,7 +26,7 @@ class Finding:
     message: str
     rule_set: str | None = None
     layer: int | None = None
-    lossy: bool = True  #: --allow-lossy may downgrade a lossy refusal to a warning
+    lossy: bool = True  #: --allow_lossy may downgrade a lossy refusal to a warning
 
 
 def spec_label(spec: LayerSpec) -> str:
@@ -47,12 +47,12 @@ def _advice(spec: LayerSpec, reading: LayerReading, block_size: int) -> str:
     same_kind = spec.window == reading.window and spec.causal == reading.causal
     if spec.window is not None and same_kind and reading.bidir_window == END_ANCHORED:
         return ("serve SGLang with --speculative-draft-attention-backend fa3, fa4, triton or "
-                "flashinfer and export with --sglang-attention-backend set to it, or make the "
+                "flashinfer and export with --sglang_attention_backend set to it, or make the "
                 "sliding layers causal, or export with --engine vllm")
     if spec.window is not None and same_kind:
         return (f"train with sliding_window >= block_size ({block_size}) or make the sliding "
                 "layers causal, or serve SGLang with --speculative-draft-attention-backend fa3, "
-                "fa4 or triton (symmetric window) and export with --sglang-attention-backend set "
+                "fa4 or triton (symmetric window) and export with --sglang_attention_backend set "
                 "to it, or export with --engine vllm (symmetric window, as trained)")
     if spec.window != reading.window:
         return ("check layer_types / sliding_window / dflash_config.swa_window_size in "
@@ -184,7 +184,7 @@ def apply_allow_lossy(findings: list[Finding], allow_lossy: bool) -> list[Findin
     for f in findings:
         if f.severity == REFUSE and f.lossy:
             f.severity = WARN
-            f.message = "ALLOWED LOSSY (--allow-lossy): " + f.message
+            f.message = "ALLOWED LOSSY (--allow_lossy): " + f.message
     return findings
 
 

@@ -6,6 +6,10 @@ OUT_DIR is or contains SOURCE); 3 refused by the engine rules (or --inspect foun
 self-check failed; 5 --inspect found no problem in config.json but could not make the weight
 checks (DIR has no model.safetensors: sinks, mask embedding, DFlash 2 tensors, shapes). Nothing
 is written unless the exit code is 0.
+
+The export settings are the options ``--KEY`` named after the Hydra ``export.KEY`` they equal
+(dflash_lab/export/options.py; the former dashed spellings still work, with a note);
+``--recipe NAME`` / ``recipe=NAME`` takes a recipe's export section, which options override.
 """
 
 from __future__ import annotations
@@ -18,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.export.api import (
-    FORMATS,
     OK,
-    OURS,
     UNCHECKED,
     ExportRefused,
     SelfCheckFailed,
@@ -28,11 +30,14 @@ from dflash_lab.export.api import (
     inspect_dir,
 )
 from dflash_lab.export.checks import WARN
-from dflash_lab.export.engines import SGLANG_BACKENDS
-from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
-from dflash_lab.export.engines.sglang import RELEASES as SGLANG_RELEASES
+from dflash_lab.export.options import (
+    add_export_options,
+    export_kwargs,
+    recipe_export_section,
+    resolve_options,
+)
 from dflash_lab.export.sources import Source, load_source
-from dflash_lab.export.weights import CONFIG_FILE, DTYPES
+from dflash_lab.export.weights import CONFIG_FILE
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK, EXIT_UNCHECKED = 0, 2, 3, 4, 5
 
@@ -47,29 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inspect", metavar="DIR",
                    help="print how each engine reads DIR and exit (config.json alone is enough "
                         "for the layout; exit 5 when the weight checks could not be made)")
-    p.add_argument("--engine", choices=["both", "vllm", "sglang"], default="both")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--format", choices=list(FORMATS), default=OURS,
-                   help="layout of OUT_DIR: ours (default), or the Muse Glimmer assistant's "
-                        "(MuseGlimmerAssistantModel; refused for what it cannot carry)")
-    p.add_argument("--sglang-version", choices=list(SGLANG_RELEASES), default=DEFAULT_RELEASE,
-                   help="SGLang release the export must be right for (others only warn)")
-    p.add_argument("--sglang-attention-backend", choices=list(SGLANG_BACKENDS), default="any",
-                   help="SGLang draft attention backend you will serve with "
-                        "(--speculative-draft-attention-backend); any = every one read")
+    p.add_argument("--recipe", metavar="NAME",
+                   help="take the export settings from recipe NAME's export section (as "
+                        "dflash-train recipe=NAME composes it; also spelled recipe=NAME); "
+                        "options given here override it")
+    add_export_options(p)
     p.add_argument("--force", action="store_true",
                    help="replace an existing OUT_DIR if it is empty or a previous export "
                         "(never a directory holding other files, SOURCE or its checkpoint)")
-    p.add_argument("--allow-lossy", action="store_true",
-                   help="turn engine-rule refusals into loud warnings recorded in the report")
     p.add_argument("--target", metavar="PATH",
                    help="target model dir, hub id (HF cache), config.json or .gguf file: check "
                         "hidden/vocab size and layer ids")
     p.add_argument("--allow-other-target-weights", action="store_true",
                    help="export although --target's weights fingerprint differs from the one "
                         "the training checkpoint recorded")
-    p.add_argument("--no-self-check", action="store_true",
-                   help="skip reloading the export and comparing logits (recorded in the report)")
     p.add_argument("--no-verify", action="store_true",
                    help="read a serving directory (SOURCE, or --inspect's) without checking it "
                         "against its SHA256SUMS: for a directory edited on purpose")
@@ -93,8 +89,8 @@ def _read_target(path: str | None) -> dict[str, Any] | None:
         raise ValueError(f"--target {path}: cannot read {file} ({err})") from err
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    result = inspect_dir(args.inspect, args.engine, verify=not args.no_verify)
+def _inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+    result = inspect_dir(args.inspect, opts["engine"], verify=not args.no_verify)
     print(result.text)
     return {OK: EXIT_OK, UNCHECKED: EXIT_UNCHECKED}.get(result.status, EXIT_REFUSED)
 
@@ -118,17 +114,14 @@ def _check_target_weights(src: Source, target: str | None, allow: bool) -> None:
                          "--allow-other-target-weights to export anyway")
 
 
-def _export(args: argparse.Namespace, argv: list[str]) -> int:
+def _export(args: argparse.Namespace, opts: dict[str, Any], argv: list[str]) -> int:
     if args.target is not None:
         _check_target_weights(load_source(args.source, not args.no_verify), args.target,
                               args.allow_other_target_weights)
     result = export_drafter(
-        args.source, args.out_dir, engine=args.engine, dtype=args.dtype, force=args.force,
-        allow_lossy=args.allow_lossy, target=_read_target(args.target),
-        self_check=not args.no_self_check,
-        sglang_version=args.sglang_version, sglang_backend=args.sglang_attention_backend,
+        args.source, args.out_dir, force=args.force, target=_read_target(args.target),
         command=shlex.join(["dflash-export", *argv]), verify=not args.no_verify,
-        format=args.format)
+        **export_kwargs(opts, "dflash-export"))
     for finding in result.findings:
         if finding.severity == WARN:
             print(f"dflash-export: warning: {finding.message}", file=sys.stderr)
@@ -139,11 +132,15 @@ def _export(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # recipe=NAME, as dflash-train and the other commands spell it, is --recipe NAME
+    args = parser.parse_args([t for a in argv for t in (
+        ["--recipe", a.removeprefix("recipe=")] if a.startswith("recipe=") else [a])])
     if args.inspect is None and (args.source is None or args.out_dir is None):
         parser.error("give SOURCE and OUT_DIR, or --inspect DIR")
     try:
-        return _inspect(args) if args.inspect else _export(args, argv)
+        section = recipe_export_section(args.recipe) if args.recipe else None
+        opts = resolve_options(args, section, f"recipe {args.recipe}")
+        return _inspect(args, opts) if args.inspect else _export(args, opts, argv)
     except ExportRefused as err:
         print(f"dflash-export: {err}", file=sys.stderr)
         return EXIT_REFUSED

@@ -1,4 +1,5 @@
-"""Checkpointing that also records the best checkpoint where the exporter looks for it.
+"""The training run's callbacks: checkpointing that also records the best checkpoint where the
+exporter looks for it; the target's identity in every checkpoint; and wandb's part of a run.
 
 Every checkpoint is written atomically (temporary file in the same directory, fsync, rename)
 with a ``<name>.sha256`` sidecar; the previous ``last.ckpt`` is kept as ``last.prev.ckpt``, so a
@@ -6,6 +7,9 @@ full disk or a kill mid-write never leaves a resume point that cannot be read
 (:func:`dflash_lab.train.resume.resume_checkpoint` checks and falls back). Paths in the
 callback's saved state are rebased onto the directory the run is in now, so a moved or copied
 run directory resumes, saves and picks its best checkpoint inside itself.
+
+Logger-specific work lives here, not in the entry code: :class:`WandbRun` is the one place that
+knows a logger is wandb's (the entry points call the generic Lightning logger API and it).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 from weakref import proxy
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 
 from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
@@ -45,14 +50,6 @@ class DFlashCheckpoint(ModelCheckpoint):
             raise ValueError(f"callbacks.checkpoint.last_every_n_steps={last_every_n_steps}: "
                              "must be >= 1, or null to write last.ckpt only at validation")
         self.last_every_n_steps = last_every_n_steps
-
-    #: ``Target.identity()`` of the run's target, saved in every checkpoint as
-    #: ``checkpoint["dflash_target"]`` (plain data: weights_only loads it), set by train().
-    target_identity: dict[str, Any] | None = None
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        if self.target_identity is not None:
-            checkpoint[TARGET_KEY] = self.target_identity
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Rebase the saved paths (absolute, in the directory the checkpoint was written in)
@@ -123,6 +120,77 @@ class DFlashCheckpoint(ModelCheckpoint):
                   "val/tau": float(score) if score is not None else None}
         target = Path(self.dirpath) / BEST_FILE
         atomic_write_text(target, json.dumps(record, indent=2) + "\n")
+
+
+class RecordTarget(Callback):
+    """Saves ``Target.identity()`` of the run's target in every checkpoint the run writes, as
+    ``checkpoint["dflash_target"]`` (plain data: weights_only loads it); the exporter and warm
+    start compare a ``--target``'s weights fingerprint with it. Added by dflash-train itself
+    (``build_components``): every run records its target, whatever the callbacks config."""
+
+    def __init__(self, target_identity: dict[str, Any]):
+        self.target_identity = dict(target_identity)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        checkpoint[TARGET_KEY] = self.target_identity
+
+
+class RunEndCallback(Callback):
+    """A callback with work for when the whole training run is over: after the last validation
+    and the end-of-run export, which no Lightning hook follows.
+    :func:`dflash_lab.train.run.train` calls :meth:`on_run_end` of each one the trainer has."""
+
+    def on_run_end(self, trainer, result: dict[str, Any]) -> None:
+        """``result``: what ``train()`` returns (``export_dir`` when the run exported)."""
+
+
+class WandbRun(RunEndCallback):
+    """wandb's part of a run, for the loggers among those given that are ``WandbLogger`` (any
+    other logger: nothing): the end-of-run export logged as the model artifact
+    ``artifact_name``, tables and images, and finishing the run at the very end so metrics and
+    artifacts are flushed (offline: to disk; Lightning's ``finalize`` runs after every stage and
+    leaves the run open). dflash-train has it as ``callbacks.wandb`` (conf/callbacks/);
+    dflash-capture, dflash-regenerate and dflash-eval, which have no trainer, call the class
+    methods with their logger (dflash_lab/entry.py, eval/cli.py)."""
+
+    def __init__(self, artifact_name: str = "drafter"):
+        self.artifact_name = artifact_name
+
+    @staticmethod
+    def runs(loggers) -> list[WandbLogger]:
+        """The wandb loggers among ``loggers`` (a list, one logger, or None)."""
+        loggers = loggers if isinstance(loggers, list | tuple) else [loggers]
+        return [lg for lg in loggers if isinstance(lg, WandbLogger)]
+
+    @classmethod
+    def log_table(cls, loggers, key: str, columns: list[str], data: list[list[Any]]) -> None:
+        for logger in cls.runs(loggers):
+            logger.log_table(key=key, columns=columns, data=data)
+
+    @classmethod
+    def log_images(cls, loggers, images: dict[str, str]) -> None:
+        """``images``: {key: image file}."""
+        for logger in cls.runs(loggers):
+            for key, path in images.items():
+                logger.log_image(key=key, images=[path])
+
+    @classmethod
+    def finish(cls, loggers) -> None:
+        """Finish each wandb run: flush metrics and artifacts (offline: to disk)."""
+        for logger in cls.runs(loggers):
+            logger.experiment.finish()
+
+    def on_run_end(self, trainer, result: dict[str, Any]) -> None:
+        if not trainer.is_global_zero:
+            return
+        for logger in self.runs(trainer.loggers):
+            if result.get("export_dir"):
+                import wandb
+
+                artifact = wandb.Artifact(self.artifact_name, type="model")
+                artifact.add_dir(str(result["export_dir"]))
+                logger.experiment.log_artifact(artifact)
+        self.finish(trainer.loggers)
 
 
 def check_same_start_step(trainer, device: torch.device) -> None:

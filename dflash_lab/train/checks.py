@@ -57,24 +57,33 @@ def check_loss_data(module_cfg, data) -> None:
                  "module.selector.target=distribution" if soft else None)
 
 
-def _sequence_limit(cfg: DictConfig) -> tuple[int | None, str]:
-    """(longest sequence the data gives, where that limit is set)."""
-    if cfg.data._target_.endswith("OnlineDataModule"):
-        return cfg.data.get("max_length"), "data.max_length"
-    from dflash_lab.data.shards import read_manifest
+def data_class(data_cfg: DictConfig) -> type:
+    """The data module class ``data._target_`` names (not instantiated): what the run needs to
+    know about its data before loading anything is declared on it (``BlockDataModule``)."""
+    from hydra.utils import get_class
 
-    return read_manifest(cfg.data.path).get("max_length"), f"{cfg.data.path}/manifest.json " \
-        "max_length (the capture's capture.max_length)"
+    from dflash_lab.data.module import BlockDataModule
+
+    name = data_cfg.get("_target_")
+    try:
+        cls = get_class(str(name))
+    except Exception as err:  # hydra raises ImportError or ValueError, wrapped differently
+        raise ValueError(f"data._target_={name!r} does not import ({err}): use data=online or "
+                         "data=offline (conf/data/), or a BlockDataModule subclass") from err
+    if not (isinstance(cls, type) and issubclass(cls, BlockDataModule)):
+        raise ValueError(f"data._target_={name!r} is not a data module of dflash_lab.data.module "
+                         "(a BlockDataModule subclass declares what dflash-train needs): use "
+                         "data=online or data=offline (conf/data/)")
+    return cls
 
 
 def check_data(cfg: DictConfig) -> None:
-    """``data=offline`` has ``data.path``; ``drafter.block_size`` fits the sequences."""
-    offline = not cfg.data._target_.endswith("OnlineDataModule")
-    if offline and (OmegaConf.is_missing(cfg.data, "path") or not cfg.data.get("path")):
-        raise ValueError("data.path is not set: data=offline reads a capture directory; pass "
-                         "data.path=DIR (the dflash-capture out_dir holding manifest.json)")
+    """The data module's own config check (``data=offline`` has ``data.path``);
+    ``drafter.block_size`` fits the sequences."""
+    cls = data_class(cfg.data)
+    cls.check_config(cfg.data)
     block = cfg.drafter.get("block_size")
-    limit, where = _sequence_limit(cfg)
+    limit, where = cls.sequence_limit(cfg.data)
     if block is not None and limit is not None and int(block) > int(limit):
         raise ValueError(f"drafter.block_size={block} is longer than the sequences "
                          f"({where}={limit}): no block fits; lower drafter.block_size or "
@@ -112,8 +121,18 @@ def check_writable(cfg: DictConfig) -> None:
                          "callbacks.checkpoint.dirpath elsewhere")
 
 
+def check_export(cfg: DictConfig) -> None:
+    """Every key and value of the ``export:`` section is an export setting
+    (dflash_lab/export/options.py: the dflash-export options of the same names)."""
+    from dflash_lab.export.options import check_section
+
+    check_section(OmegaConf.to_container(cfg.export, resolve=False),
+                  "the export section (conf/train.yaml, the recipe, the command line)")
+
+
 def check_train_config(cfg: DictConfig) -> None:
     """Every start-up check of a training config (before any model or data is loaded)."""
     check_module(cfg)
+    check_export(cfg)
     check_data(cfg)
     check_writable(cfg)

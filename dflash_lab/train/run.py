@@ -15,7 +15,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.runinfo import latest_config, record_paths, write_run_info
-from dflash_lab.train.checks import check_loss_data, check_train_config
+from dflash_lab.train.callbacks import RecordTarget, RunEndCallback
+from dflash_lab.train.checks import check_loss_data, check_train_config, data_class
 from dflash_lab.train.draft_vocab import prepare_draft_vocab, write_record
 from dflash_lab.train.resume import check_resume_config, resolve_ckpt_path
 from dflash_lab.writer_lock import writer_lock
@@ -25,24 +26,18 @@ __all__ = ["build_components", "export_run", "resolve_ckpt_path", "train"]
 log = logging.getLogger("dflash_lab.train")
 
 
-def export_run(cfg: DictConfig, run_dir: Path, logger: Any) -> str:
-    """Export the run's best checkpoint; log it as a wandb artifact when wandb is the logger.
+def export_run(cfg: DictConfig, run_dir: Path) -> str:
+    """Export the run's best checkpoint (logging it anywhere is the callbacks' work:
+    ``WandbRun.on_run_end``).
 
     Replaces only an earlier export of this run (``owner``), never other files: train() checks
     ``export.out_dir`` the same way at start-up, so a bad one is refused before training."""
     from dflash_lab.export import export_drafter
+    from dflash_lab.export.options import export_kwargs
 
-    result = export_drafter(run_dir, cfg.export.out_dir, engine=cfg.export.engine,
-                            dtype=cfg.export.dtype, force=True, owner=run_dir,
-                            sglang_version=cfg.export.get("sglang_version", "0.5.23"),
-                            sglang_backend=cfg.export.get("sglang_attention_backend", "any"))
+    result = export_drafter(run_dir, cfg.export.out_dir, force=True, owner=run_dir,
+                            **export_kwargs(export_section(cfg)))
     log.info("exported the best checkpoint to %s", result.out_dir)
-    if type(logger).__name__ == "WandbLogger":
-        import wandb
-
-        artifact = wandb.Artifact(f"drafter-{cfg.run_name}", type="model")
-        artifact.add_dir(str(result.out_dir))
-        logger.experiment.log_artifact(artifact)
     return str(result.out_dir)
 
 
@@ -54,17 +49,12 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
     target = instantiate(cfg.target)
     drafter = instantiate(cfg.drafter, _partial_=True)(target=target)
     dc = drafter.config
-    make_data = instantiate(cfg.data, _partial_=True)
-    online = cfg.data._target_.endswith("OnlineDataModule")
-    if online and target.head_only:
+    data_cls = data_class(cfg.data)
+    if data_cls.runs_target and target.head_only:
         raise ValueError("target.head_only=true loads only the embedding, norm and LM head, but "
-                         "online data runs the whole target: use data=offline (a capture) or "
-                         "target.head_only=false")
-    if online:
-        data = make_data(target=target, target_layer_ids=dc.target_layer_ids)
-    else:
-        data = make_data(target=target, target_layer_ids=dc.target_layer_ids,
-                         hidden_size=dc.hidden_size, vocab_size=dc.vocab_size)
+                         f"online data ({cfg.data._target_}) runs the whole target: use "
+                         "data=offline (a capture) or target.head_only=false")
+    data = instantiate(cfg.data, _partial_=True)(target=target, **data_cls.drafter_inputs(dc))
     data.prepare_data()
     data.setup("fit")  # reads and validates the data now, before any long work
     check_loss_data(cfg.module, data)
@@ -80,6 +70,7 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
                          target_distribution=data.target_distribution())
     logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    callbacks.append(RecordTarget(target.identity()))
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     return {"target": target, "drafter": drafter, "data": data, "module": module,
             "trainer": trainer, "logger": logger, "draft_vocab": record}
@@ -91,16 +82,26 @@ def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     failing after training: same rules, same target class as ``dflash-export`` applies."""
     from dflash_lab.export.api import ExportRefused, parse_engines, plan_export
     from dflash_lab.export.checks import refusals
+    from dflash_lab.export.muse_glimmer import FORMAT as MUSE
+    from dflash_lab.export.muse_glimmer import check_exportable
+    from dflash_lab.export.options import export_kwargs
 
+    opts = export_kwargs(export_section(cfg))
+    if opts["format"] == MUSE:  # what that layout cannot carry, refused before training
+        check_exportable(drafter.config, f"the drafter of this run (export.format={MUSE})")
     _, findings = plan_export(
-        drafter.config, parse_engines(cfg.export.engine),
-        sglang_version=str(cfg.export.get("sglang_version", "0.5.23")),
-        sglang_backend=cfg.export.get("sglang_attention_backend", "any"),
+        drafter.config, parse_engines(opts["engine"]), sglang_version=opts["sglang_version"],
+        sglang_backend=opts["sglang_backend"],
         target_architecture=target.identity().get("architecture"))
-    if refusals(findings):
+    if refusals(findings) and not opts["allow_lossy"]:
         raise ValueError(f"{ExportRefused(findings)}\nthe end-of-run export (export.engine="
                          f"{cfg.export.engine}) would be refused: set export.engine to the "
                          "engines that serve this drafter, or export.enabled=false")
+
+
+def export_section(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.export`` as plain data (the keys of dflash_lab/export/options.py)."""
+    return OmegaConf.to_container(cfg.export, resolve=True)
 
 
 def check_resume(cfg: DictConfig, out_dir: Path, ckpt: str | None) -> None:
@@ -161,8 +162,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     write_run_info(out_dir, cfg, target=parts["target"].identity(), resumed_from=ckpt)
     write_record(out_dir, parts["draft_vocab"])
     trainer, module, data = parts["trainer"], parts["module"], parts["data"]
-    if hasattr(trainer.checkpoint_callback, "target_identity"):  # DFlashCheckpoint
-        trainer.checkpoint_callback.target_identity = parts["target"].identity()
     if parts["logger"]:
         parts["logger"].log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     before = None
@@ -182,9 +181,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     result = {"val_tau_before": before, "val_tau_after": after, "best_checkpoint": best,
               "output_dir": str(out_dir.absolute())}
     if cfg.export.enabled and trainer.is_global_zero:
-        result["export_dir"] = export_run(cfg, out_dir, parts["logger"])
-    if type(parts["logger"]).__name__ == "WandbLogger" and trainer.is_global_zero:
-        parts["logger"].experiment.finish()  # flush metrics and artifacts (offline: to disk)
+        result["export_dir"] = export_run(cfg, out_dir)
+    for callback in trainer.callbacks:  # e.g. WandbRun: the export as an artifact, then finish
+        if isinstance(callback, RunEndCallback):
+            callback.on_run_end(trainer, result)
     if trainer.is_global_zero:
         skipped = "n/a (resumed)" if ckpt is not None else "n/a (not measured)"
         before_txt = f"{before:.3f}" if before is not None else skipped

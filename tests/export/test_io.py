@@ -312,7 +312,7 @@ def test_cli_export_and_exit_codes(tmp_path, capsys):
     assert "trtllm_mha" in capsys.readouterr().err and not out.exists()
     assert main([str(ckpt), str(out), "--engine", "vllm", "--dtype", "float32"]) == EXIT_OK
     assert main([str(ckpt), str(out), "--engine", "vllm"]) == EXIT_USAGE  # exists, no --force
-    assert main([str(ckpt), str(out), "--allow-lossy", "--force"]) == EXIT_OK
+    assert main([str(ckpt), str(out), "--allow_lossy", "--force"]) == EXIT_OK
     assert "ALLOWED LOSSY" in (out / "EXPORT_REPORT.md").read_text()
     assert main([str(tmp_path / "nothing"), str(tmp_path / "o2")]) == EXIT_USAGE
 

@@ -235,13 +235,13 @@ def test_command_line_format_option(checkpoint, tmp_path, capsys):
     ckpt = checkpoint[0]
     out = tmp_path / "muse"
     assert main([str(ckpt), str(out), "--format", "muse-glimmer", "--dtype", "float32",
-                 "--sglang-attention-backend", "fa3"]) == EXIT_OK
+                 "--sglang_attention_backend", "fa3"]) == EXIT_OK
     report = (out / "EXPORT_REPORT.md").read_text()
     assert "muse-glimmer (MuseGlimmerAssistantModel)" in report
     assert "-> ok" in report and "MISMATCH" not in report
     assert json.loads((out / "config.json").read_text())["model_type"] == "muse_glimmer_assistant"
     # the default format is still ours
     assert main([str(ckpt), str(tmp_path / "ours"), "--dtype", "float32",
-                 "--sglang-attention-backend", "fa3"]) == EXIT_OK
+                 "--sglang_attention_backend", "fa3"]) == EXIT_OK
     assert "dflash_lab_training_spec" in json.loads((tmp_path / "ours" / "config.json")
                                                     .read_text())

@@ -184,5 +184,5 @@ def test_command_line_inspect_and_export(muse, tmp_path, capsys):
     (tmp_path / "target.json").write_text(json.dumps(
         {"hidden_size": 32, "vocab_size": 300, "num_hidden_layers": 6}))
     assert main([str(path), str(tmp_path / "b"), "--dtype", "float32", "--target",
-                 str(tmp_path / "target.json"), "--sglang-attention-backend", "fa3"]) == EXIT_OK
+                 str(tmp_path / "target.json"), "--sglang_attention_backend", "fa3"]) == EXIT_OK
     assert import_drafter(tmp_path / "b").config.vocab_size == 300

@@ -141,7 +141,7 @@ def test_cli_refusals_name_both_paths_and_exit_2(runs, tmp_path, capsys):
     assert main([str(runs), str(tmp_path / "mine"), "--force"]) == EXIT_USAGE
     assert (tmp_path / "mine" / "thesis.tex").is_file()
     assert main([str(runs), str(tmp_path / "exp"), "--dtype", "float32"]) == EXIT_OK
-    assert main([str(runs), str(tmp_path / "exp"), "--force", "--no-self-check"]) == EXIT_OK
+    assert main([str(runs), str(tmp_path / "exp"), "--force", "--no-self_check"]) == EXIT_OK
     assert recorded_source(tmp_path / "exp") == runs.resolve()
 
 
@@ -191,11 +191,11 @@ def test_training_end_export_replaces_its_previous_export(runs):
 
     cfg = OmegaConf.create({"export": {"out_dir": str(runs / "export"), "engine": "vllm",
                                        "dtype": "float32"}, "run_name": "t"})
-    assert Path(export_run(cfg, runs, logger=False)).is_dir()
+    assert Path(export_run(cfg, runs)).is_dir()
     os.utime(runs / "export" / "config.json", (0, 0))
-    export_run(cfg, runs, logger=False)  # resume of the same run: its own export is replaced
+    export_run(cfg, runs)  # resume of the same run: its own export is replaced
     assert (runs / "export" / "config.json").stat().st_mtime > 0
     cfg.export.out_dir = str(runs.parent)
     with pytest.raises(ValueError, match="own source"):
-        export_run(cfg, runs, logger=False)
+        export_run(cfg, runs)
     assert (runs.parent / "b" / "checkpoints" / "last.ckpt").is_file()

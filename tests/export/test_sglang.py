@@ -117,13 +117,13 @@ def test_mask_files_sglang_cannot_merge_are_refused_on_inspect(tmp_path, saved, 
 def test_cli_targets_an_sglang_release_and_backend(tmp_path, capsys):
     config = make_config("mimo")
     ckpt = write_checkpoint(tmp_path / "run.ckpt", config, random_state(config))
-    common = ["--engine", "sglang", "--dtype", "float32", "--no-self-check"]
+    common = ["--engine", "sglang", "--dtype", "float32", "--no-self_check"]
     assert main([str(ckpt), str(tmp_path / "a"), *common,
-                 "--sglang-attention-backend", "triton"]) == EXIT_OK
-    assert main([str(ckpt), str(tmp_path / "b"), *common, "--sglang-attention-backend", "triton",
-                 "--sglang-version", "#34524"]) == EXIT_REFUSED
+                 "--sglang_attention_backend", "triton"]) == EXIT_OK
+    assert main([str(ckpt), str(tmp_path / "b"), *common, "--sglang_attention_backend", "triton",
+                 "--sglang_version", "#34524"]) == EXIT_REFUSED
     assert "sglang#34524 silently drops mask_embedding.pt" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--sglang-version '0.4'"):
+    with pytest.raises(ValueError, match="--sglang_version '0.4'"):
         select_sglang("0.4")
 
 
@@ -172,7 +172,7 @@ def test_all_sliding_bidirectional_window_covering_the_block():
     bad = refusals(plan_export(config, ("sglang",))[1])
     assert bad and {f.rule_set for f in bad} == {TRT}
     warned = plan_export(config, ("sglang",), sglang_backend="fa3")[1]
-    assert any(f.severity == WARN and f.rule_set == TRT and "--sglang-attention-backend fa3"
+    assert any(f.severity == WARN and f.rule_set == TRT and "--sglang_attention_backend fa3"
                in f.message for f in warned)
 
 

@@ -160,7 +160,9 @@ def _tiny(cfg) -> bool:
 
 
 def _online(cfg) -> bool:
-    return cfg.data._target_.endswith("OnlineDataModule")
+    from dflash_lab.train.checks import data_class
+
+    return data_class(cfg.data).runs_target
 
 
 def check_the_recipe_is_what_trained(cfg, export_dir: Path, target) -> None:
@@ -204,16 +206,13 @@ def run_eval_command(cfg, drafter_dir: Path, name: str) -> dict:
     return report
 
 
-def export_command(cfg, run_dir: Path, name: str) -> Path:
-    """``dflash-export RUN_DIR OUT_DIR --engine E --target T`` with the recipe's engine and
-    SGLang release/draft backend (the command its comment documents)."""
+def export_command(recipe: str, run_dir: Path, name: str) -> Path:
+    """``dflash-export RUN_DIR OUT_DIR --recipe R --target T``: the recipe's export section
+    (engine, dtype, SGLang release and draft backend) drives the export, as documented."""
     from dflash_lab.export.cli import main as export_main
 
     out = Path("outputs/export")
-    rc = export_main([str(run_dir), str(out), "--engine", cfg.export.engine, "--dtype",
-                      cfg.export.dtype, "--target", name, "--sglang-version",
-                      str(cfg.export.sglang_version), "--sglang-attention-backend",
-                      cfg.export.sglang_attention_backend])
+    rc = export_main([str(run_dir), str(out), "--recipe", recipe, "--target", name])
     assert rc == 0, f"dflash-export refused the trained drafter (exit {rc}); see stderr"
     return out
 
@@ -259,7 +258,7 @@ def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
                       map_location="cpu")["global_step"] == 2
     assert result["val_tau_after"] >= 1.0
     drafter_dir = (Path(result["export_dir"]) if cfg.export.enabled
-                   else export_command(cfg, run_dir, name or cfg.target.path))
+                   else export_command(recipe, run_dir, name or cfg.target.path))
     check_the_recipe_is_what_trained(cfg, drafter_dir, _tokenizer_owner(cfg))
     run_eval_command(cfg, drafter_dir, name or "tiny")
 

@@ -72,7 +72,7 @@ def test_a_disagreement_passes_only_if_the_exporter_refuses_every_backend_choice
     result = fake_result(config)
     result["draft"]["value"]["block_size"] = 16
     assert csc.verdict(config, "Qwen3ForCausalLM", result, REFUSES)["ok"]
-    fa3_only = dict(REFUSES, fa3=[])  # `--sglang-attention-backend fa3` would export it
+    fa3_only = dict(REFUSES, fa3=[])  # `--sglang_attention_backend fa3` would export it
     v = csc.verdict(config, "Qwen3ForCausalLM", result, fa3_only)
     assert not v["ok"] and "['fa3']" in v["status"]
 

@@ -27,7 +27,7 @@ class RuleSet:
     source: str  #: where the rule comes from
     #: why a non-current rule set only warns (appended to its findings)
     why_not_current: str = ""
-    release: str = ""  #: SGLang: the ``--sglang-version`` value it models
+    release: str = ""  #: SGLang: the ``--sglang_version`` value it models
     backends: tuple[str, ...] = ()  #: SGLang: the draft attention backends it models
 
 
@@ -63,9 +63,9 @@ def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
     """``rule_sets`` with SGLang's ``current`` flags set for the targeted release and draft
     attention backend (``any`` = every backend the release was read for must run it)."""
     if release not in sglang.RELEASES:
-        raise ValueError(f"--sglang-version {release!r}: use one of {list(sglang.RELEASES)}")
+        raise ValueError(f"--sglang_version {release!r}: use one of {list(sglang.RELEASES)}")
     if backend not in SGLANG_BACKENDS:
-        raise ValueError(f"--sglang-attention-backend {backend!r}: use one of "
+        raise ValueError(f"--sglang_attention_backend {backend!r}: use one of "
                          f"{list(SGLANG_BACKENDS)}")
     out = []
     for r in rule_sets:
@@ -74,9 +74,9 @@ def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
             continue
         other_backend = r.release == release and backend != "any" and r.backends \
             and backend not in r.backends
-        why = (f"draft backend {'/'.join(r.backends)}; the export targets --sglang-attention-"
+        why = (f"draft backend {'/'.join(r.backends)}; the export targets --sglang_attention_"
                f"backend {backend}" if other_backend else
-               f"SGLang {r.release}; the export targets SGLang {release} (--sglang-version)")
+               f"SGLang {r.release}; the export targets SGLang {release} (--sglang_version)")
         current = r.release == release and not other_backend
         out.append(dataclasses.replace(r, current=current, why_not_current="" if current
                                        else why))

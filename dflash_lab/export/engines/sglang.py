@@ -51,7 +51,7 @@ from dflash_lab.export.engines.variant import declared_scales, drop_scale, sglan
 class Release:
     """What one SGLang release does with the parts of a DFlash export that changed over time."""
 
-    name: str  #: the ``--sglang-version`` value
+    name: str  #: the ``--sglang_version`` value
     source: str  #: where the rules were read
     causal_era: str  #: "after-34524" | "between" | "before-34262"
     plain_sinks: bool  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
