@@ -66,7 +66,7 @@ REFUSED_TYPES = {
 #: Types whose ``original_max_position_embeddings`` transformers' Qwen3Config fills in from
 #: ``max_position_embeddings`` when absent (standardize_rope_params); we write it explicitly.
 NEEDS_ORIGINAL = ("yarn", "llama3")
-_FIX = ("use one of " + ", ".join(ROPE_TYPES) + " (docs/rope.md), or null for plain RoPE")
+_FIX = ("use one of " + ", ".join(ROPE_TYPES) + " (docs/export.md, RoPE), or null for plain RoPE")
 
 
 def rope_type_of(scaling: dict[str, Any] | None) -> str:
