@@ -31,8 +31,8 @@ Refused, by name: ``longrope`` (engines build a position-dependent table: vLLM 0
 switches every position to ``long_factor`` once the sequence passes it; no one table equals
 both), any other type, keys a type does not read (``partial_rotary_factor``: the drafter rotates
 the whole head; vLLM would rotate part of it), and per-layer-type (nested) parameters: vLLM 0.32
-raises TypeError building such a drafter (``get_rope`` hashes the nested dicts) and SGLang 0.5.23
-ValueError ("Unknown RoPE scaling type"), so a drafter has one RoPE for all its layers.
+and SGLang 0.5.23 both raise TypeError building such a drafter (their ``get_rope`` caches hash
+the nested dicts), so a drafter has one RoPE for all its layers.
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def normalize_scaling(scaling: dict[str, Any] | None, *, rope_theta: float,
         raise ValueError(f"{where}: invalid rope_scaling={scaling!r}: {why}")
 
     if is_nested(scaling):
-        fail(f"per-layer-type RoPE ({sorted(scaling)}) cannot be served: vLLM 0.32 raises "
-             "TypeError building the drafter (get_rope hashes the nested dicts) and SGLang 0.5.23 "
-             "raises ValueError ('Unknown RoPE scaling type'); give the drafter one RoPE (the "
-             "target's full_attention entry is what dflash-train takes)")
+        fail(f"per-layer-type RoPE ({sorted(scaling)}) cannot be served: vLLM 0.32 and SGLang "
+             "0.5.23 both raise TypeError building the drafter (their get_rope caches hash the "
+             "nested dicts); give the drafter one RoPE (the target's full_attention entry is "
+             "what dflash-train takes)")
     legacy = scaling.pop("type", None)
     kind = scaling.pop("rope_type", legacy)
     if legacy is not None and kind != legacy:
