@@ -122,7 +122,7 @@ def test_normalized_scaling_is_explicit_and_stable():
     ({"rope_type": "ntk", "factor": 2.0}, "'ntk' is not supported"),
     ({"full_attention": {"rope_type": "default", "rope_theta": 1e6},
       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-     "per-layer-type RoPE .* vLLM 0.32 raises TypeError"),
+     "per-layer-type RoPE .* vLLM 0.32 and SGLang 0.5.23 both raise TypeError"),
     ({"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5},
      r"keys \['partial_rotary_factor'\] are not read for rope_type 'yarn'"),
     ({"rope_type": "dynamic", "factor": 2.0, "alpha": 3.0}, r"keys \['alpha'\]"),
