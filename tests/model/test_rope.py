@@ -138,3 +138,21 @@ def test_unsupported_rope_is_refused_by_name(scaling, hint):
     with pytest.raises(ValueError, match="test_rope: invalid rope_scaling") as err:
         _drafter_config(scaling)
     assert re.search(hint, str(err.value)), str(err.value)
+
+
+def test_scaled_rope_round_trips_through_config_json_and_rope_parameters():
+    """Our config.json (checkpoints hold the same dict) reads back equal; a transformers 5
+    ``rope_parameters``-only file gives the same RoPE; a ``rope_scaling`` contradicting it is an
+    error (the engines' Qwen3Config would read rope_scaling)."""
+    cfg = _drafter_config(CASES["yarn_all_keys"])
+    d = cfg.to_dict()
+    assert d["rope_scaling"] == cfg.rope_scaling and d["max_position_embeddings"] == MAX_POS
+    assert DrafterConfig.from_dict(d, source="x") == cfg
+    params = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
+    params["rope_parameters"] = {"rope_theta": THETA, **cfg.rope_scaling}
+    assert DrafterConfig.from_dict(params, source="x") == cfg
+    both = dict(d, rope_parameters={"rope_theta": THETA, **cfg.rope_scaling})
+    assert DrafterConfig.from_dict(both, source="x") == cfg  # agreeing copies are fine
+    both["rope_parameters"] = {"rope_theta": THETA, "rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_scaling=.* disagrees with rope_parameters"):
+        DrafterConfig.from_dict(both, source="x")
