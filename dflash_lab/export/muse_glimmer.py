@@ -193,11 +193,8 @@ def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = Tru
     (|q - k| < W): the owners' class keeps one key more per side (:func:`owners_window_note`);
     no layer sliding, it is left out (the owners' class refuses null). bos/eos/pad are null:
     the owners' defaults are the Muse Glimmer target's ids, not this target's."""
-    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling:
-        scaling = config.rope_scaling
-        rope.update(rope_type=scaling.get("rope_type", scaling.get("type")),
-                    factor=scaling["factor"])
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default",
+            **(config.rope_scaling or {})}  # every key the drafter's RoPE reads (model/rope.py)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,

@@ -42,6 +42,7 @@ from dflash_lab.model.config import (
     DrafterConfig,
     build_target_layer_ids,
 )
+from dflash_lab.model.rope import is_nested
 
 SPECFORGE_STATE = "training_state.pt"
 SPECULATORS_KEYS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
@@ -109,18 +110,14 @@ def speculators_window_difference(window: int, block_size: int, causal: bool) ->
     return text + f" per block ({ctx + blk} of {seen} pairs speculators trained with)"
 
 
-def _rope(tl: dict[str, Any], file: Path) -> dict[str, Any]:
-    """rope_theta (+ a linear scaling) from transformers 5 ``rope_parameters`` or the older
-    top-level ``rope_theta`` / ``rope_scaling``."""
-    params = tl.get("rope_parameters") or tl.get("rope_scaling") or {}
-    theta = params.get("rope_theta", tl.get("rope_theta"))
+def _rope(tl: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta (+ the scaling, whole: DrafterConfig validates it, model/rope.py) from
+    transformers 5 ``rope_parameters`` or the older top-level ``rope_theta`` / ``rope_scaling``."""
+    params = dict(tl.get("rope_parameters") or tl.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", tl.get("rope_theta"))
     out: dict[str, Any] = {} if theta is None else {"rope_theta": float(theta)}
-    kind = params.get("rope_type", "default")
-    if kind == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(params["factor"])}
-    elif kind != "default":
-        raise ValueError(f"{file}: transformer_layer_config.rope_parameters.rope_type={kind!r} "
-                         "is not supported by the drafter (default or linear only)")
+    if params.get("rope_type", params.get("type", "default")) != "default" or is_nested(params):
+        out["rope_scaling"] = params
     return out
 
 
@@ -153,7 +150,7 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
                          "names)")
     ids = [int(i) - 1 for i in aux]  # speculators i+1 -> z-lab i (output of decoder layer i)
     fields: dict[str, Any] = {k: tl[k] for k in _QWEN3_SHAPE if tl.get(k) is not None}
-    fields.update(_rope(tl, file), **_speculators_layout(d, tl, kind))
+    fields.update(_rope(tl), **_speculators_layout(d, tl, kind))
     fields.update(mask_token_id=int(d["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=ids, num_target_layers=max(ids) + 1,
                   variant=DFLASH2 if kind == "dflash2" else DFLASH1)
@@ -243,7 +240,7 @@ def specforge_config(d: dict[str, Any], file: Path) -> DrafterConfig:
     n = int(d["num_hidden_layers"])
     ids = dfc.get("target_layer_ids") or build_target_layer_ids(int(d["num_target_layers"]), n)
     fields = {k: d[k] for k in _QWEN3_SHAPE if d.get(k) is not None}
-    fields.update(_rope(d, file), **_specforge_layout(d),
+    fields.update(_rope(d), **_specforge_layout(d),
                   mask_token_id=int(dfc["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=list(ids),
                   num_target_layers=int(d.get("num_target_layers") or max(ids) + 1))

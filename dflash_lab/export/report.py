@@ -6,6 +6,7 @@ from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.export.checks import REFUSE, Finding, layer_matches, spec_label
 from dflash_lab.export.engines import EngineReading
 from dflash_lab.model.config import SCALE_DEFAULTS, DrafterConfig
+from dflash_lab.model.rope import describe
 
 
 def layer_table(specs: list[LayerSpec] | None, readings: dict[str, EngineReading],
@@ -57,7 +58,9 @@ def drafter_lines(config: DrafterConfig) -> list[str]:
     scales = {k: getattr(config, k) for k, off in SCALE_DEFAULTS.items()
               if getattr(config, k) != off}
     return lines + ["- scales: " + (", ".join(f"{k}={v}" for k, v in scales.items())
-                                    if scales else "all off")]
+                                    if scales else "all off"),
+                    f"- RoPE: {describe(config.rope_theta, config.rope_scaling)} (max positions "
+                    f"{config.max_position_embeddings})"]
 
 
 def as_trained_lines(specs: list[LayerSpec], readings: dict[str, EngineReading],
@@ -74,6 +77,7 @@ def as_trained_lines(specs: list[LayerSpec], readings: dict[str, EngineReading],
                    if not layer_matches(s, got, block_size)]
             why = f"runs layers {bad} differently" if bad else ""
         lines.append(f"- {name}: " + (f"NO, {why}" if why else "yes"))
+        lines += [f"  - RoPE: {reading.rope}"] if reading.rope else []
         lines += [f"  - {note}" for note in reading.notes]
     return lines
 

@@ -32,6 +32,7 @@ from dflash_lab.export.engines.muse import is_muse, our_names
 from dflash_lab.export.sources import config_from_reading, third_party_base
 from dflash_lab.export.weights import MASK_KEY, load_mask_file, load_weights
 from dflash_lab.model.config import DrafterConfig
+from dflash_lab.model.rope import is_nested, rope_type_of
 
 CONFIG_TOL = 1e-4
 MUSE_HOW = ("Muse Glimmer config.json read through each engine's config class for it "
@@ -81,7 +82,10 @@ def qwen3_config_view(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
                 "attention_bias", "vocab_size", "layer_types", "sliding_window",
                 "use_sliding_window"):
         out[key] = getattr(q, key)
-    out["rope_theta"], out["rope_scaling"] = _rope_from(q)
+    theta, out["rope_scaling"] = _rope_from(q)
+    out.pop("rope_parameters", None)  # folded into rope_theta / rope_scaling above
+    if theta is not None:
+        out["rope_theta"] = theta
     out["is_causal"] = getattr(q, "is_causal", None)
     out["dflash_config"] = getattr(q, "dflash_config", None)
     if out["is_causal"] is None:
@@ -89,18 +93,17 @@ def qwen3_config_view(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return out, "config.json parsed by transformers Qwen3Config"
 
 
-def _rope_from(q: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from transformers 5 ``rope_parameters`` or 4.x ``rope_theta/_scaling``."""
+def _rope_from(q: Any) -> tuple[float | None, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 5 ``rope_parameters`` (every key it holds: the engines
+    read them all) or 4.x ``rope_theta`` / ``rope_scaling``; a per-layer-type dict is returned
+    whole (no engine loads it, and DrafterConfig refuses it by name)."""
     params = getattr(q, "rope_parameters", None)
     if params is None:
-        theta, scaling = q.rope_theta, q.rope_scaling
-    else:
-        theta = params["rope_theta"]
-        scaling = params if params.get("rope_type", "default") != "default" else None
-    if not scaling:
-        return theta, None
-    return theta, {"rope_type": scaling.get("rope_type", scaling.get("type")),
-                   "factor": scaling["factor"]}
+        return q.rope_theta, q.rope_scaling
+    if is_nested(params):
+        return None, dict(params)
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return params["rope_theta"], scaling if rope_type_of(scaling) != "default" else None
 
 
 def same_drafter(a: DrafterConfig, b: DrafterConfig) -> bool:

@@ -19,18 +19,20 @@ import difflib
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
+from dflash_lab.model.rope import ROPE_TYPES, is_nested, normalize_scaling
 
 log = logging.getLogger(__name__)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ROPE_TYPES  #: model/rope.py defines them and what each computes
 
 DFLASH1 = "dflash1"
 DFLASH2 = "dflash2"
@@ -122,8 +124,10 @@ class DrafterConfig:
     block_size: int = 16  #: B: anchor + (B-1) MASK slots drafted in one pass
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    #: None = plain RoPE; else one of model/rope.py's types with the keys it reads (normalized:
+    #: ``rope_type`` spelling, yarn/llama3 ``original_max_position_embeddings`` explicit)
     rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 40960
+    max_position_embeddings: int = 40960  #: the target's; yarn/llama3 default original length
     attention_bias: bool = False
     #: one of "full_attention" / "sliding_attention" per layer; None = all full
     layer_types: list[str] | None = None
@@ -162,8 +166,9 @@ class DrafterConfig:
         # Plain Python containers, whatever came in (e.g. OmegaConf ListConfig from Hydra).
         if self.is_causal is not None and not isinstance(self.is_causal, bool):
             self.is_causal = [bool(c) for c in self.is_causal]
-        if self.rope_scaling is not None:
-            self.rope_scaling = dict(self.rope_scaling)
+        if self.rope_scaling is not None:  # nested mappings too (Hydra DictConfig)
+            self.rope_scaling = {k: dict(v) if isinstance(v, Mapping) else v
+                                 for k, v in dict(self.rope_scaling).items()}
         if self.variant == DFLASH2:
             for key, default in DFLASH2_DEFAULTS.items():
                 if getattr(self, key) is None:
@@ -231,15 +236,12 @@ class DrafterConfig:
                        f"a per-layer list needs {n} entries; or give one bool for all layers")
 
     def _validate_rope(self) -> None:
-        if self.rope_scaling is None:
-            return
-        rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            self._fail("rope_scaling", self.rope_scaling,
-                       f"rope_type '{rope_type}' is not supported; use one of "
-                       f"{list(SUPPORTED_ROPE_TYPES)} or null")
-        if rope_type == "linear" and float(self.rope_scaling.get("factor", 0)) <= 0:
-            self._fail("rope_scaling", self.rope_scaling, "linear scaling needs factor > 0")
+        """model/rope.py's rules; the normalized dict replaces the given one."""
+        if not _positive_number(self.rope_theta):
+            self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
+        self.rope_scaling = normalize_scaling(
+            self.rope_scaling, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, where=self._source)
 
     def _validate_variant(self) -> None:
         if self.variant not in VARIANTS:
@@ -523,19 +525,38 @@ def shape_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _rope_kwargs(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """rope_theta / rope_scaling from the legacy keys or transformers 5's ``rope_parameters``."""
+    """rope_theta / rope_scaling from transformers 5's ``rope_parameters`` where the legacy keys
+    do not say them. As transformers' Qwen3Config (which both engines parse config.json with),
+    a non-null ``rope_scaling`` wins; a ``rope_parameters`` saying something else is an error.
+    A per-layer-type (nested) dict is passed on whole: DrafterConfig refuses it, naming why."""
     params = d.get("rope_parameters")
     if not params:
         return {}
     params = dict(params)
+    if is_nested(params):
+        return {} if d.get("rope_scaling") is not None else {"rope_scaling": params}
     theta = params.pop("rope_theta", None)
     if theta is not None and d.get("rope_theta") not in (None, theta):
         raise ValueError(f"{source}: rope_theta={d['rope_theta']} disagrees with "
                          f"rope_parameters.rope_theta={theta}; keep one")
     out: dict[str, Any] = {} if theta is None else {"rope_theta": theta}
-    if params.get("rope_type", "default") != "default" and d.get("rope_scaling") is None:
-        out["rope_scaling"] = params
+    scaling = params if params.get("rope_type", params.get("type", "default")) != "default" \
+        else None
+    legacy = d.get("rope_scaling")
+    if legacy is None:
+        return {**out, "rope_scaling": scaling} if scaling else out
+    if scaling is not None and _normalized(dict(legacy), d, source) != _normalized(
+            scaling, d, source):
+        raise ValueError(f"{source}: rope_scaling={legacy} disagrees with rope_parameters="
+                         f"{d['rope_parameters']} (the engines' Qwen3Config reads rope_scaling); "
+                         "keep one")
     return out
+
+
+def _normalized(scaling: dict[str, Any], d: dict[str, Any], source: str) -> Any:
+    theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1.0)
+    return normalize_scaling(scaling, rope_theta=theta, where=source,
+                             max_position_embeddings=d.get("max_position_embeddings", 40960))
 
 
 def _our_block_size(d: dict[str, Any], dfc: dict[str, Any], source: str) -> int:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
+from dflash_lab.model.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -35,22 +36,28 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables for arbitrary absolute positions (HF Qwen3 half-rotation convention)."""
+    """RoPE tables for arbitrary absolute positions (HF Qwen3 half-rotation convention).
+
+    inv_freq and the cos/sin scale (YaRN's attention factor, else 1) come from model/rope.py,
+    which defines every rope_type the drafter accepts as the engines compute it; the scale
+    multiplies cos and sin as in transformers' ``Qwen3RotaryEmbedding``. Positions are absolute
+    and need no cache: a table entry is computed for any position, beyond
+    ``max_position_embeddings`` too.
+    """
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
-        scaling = config.rope_scaling or {}
-        if scaling.get("rope_type", scaling.get("type")) == "linear":
-            inv_freq = inv_freq / float(scaling["factor"])
+        inv_freq, self.attention_scaling = rope_tables(
+            config.rope_theta, config.head_dim, config.rope_scaling,
+            config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [..., L] long -> (cos, sin) each [..., L, D] in ``dtype``."""
-        freqs = positions.float()[..., None] * self.inv_freq
+        """positions [..., L] long -> (cos, sin) each [..., L, D] in ``dtype`` (fp32 math)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x_bhld: Tensor, cos_sin: tuple[Tensor, Tensor]) -> Tensor:

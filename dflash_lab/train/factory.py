@@ -18,6 +18,7 @@ from typing import Any
 
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.model.rope import PARAMETERS, REFUSED_TYPES, is_nested
 from dflash_lab.target.loader import text_config
 from dflash_lab.target.mask_token import resolve_mask_token_id
 
@@ -33,33 +34,70 @@ _FROM_TARGET = {
 }
 
 
-def target_rope(config) -> dict[str, Any]:
-    """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` (and a linear
-    ``rope_scaling``), or {} when the target declares none.
+def _flat_rope_parameters(config) -> dict[str, Any]:
+    """The target's RoPE as one flat dict (``rope_type``, ``rope_theta``, scaling keys).
 
-    transformers >= 5 keeps RoPE in ``rope_parameters``: flat (``{"rope_type", "rope_theta"}``)
-    or, for targets with per-layer-type RoPE (Gemma 3: 1e4 on sliding, 1e6 on full layers),
-    nested by layer type. The drafter has one RoPE for all its layers (it attends over the
-    whole context), so a nested config gives the ``full_attention`` entry. Scaling types other
-    than linear (llama3, yarn) describe the target's long-context extension; the drafter then
-    uses plain RoPE at the same theta (logged), which is what the engines build from our export.
+    transformers >= 5 keeps RoPE in ``rope_parameters``: flat, or for targets with per-layer-type
+    RoPE (Gemma 3: 1e4 on sliding, 1e6 on full layers) nested by layer type. The drafter has one
+    RoPE for all its layers (it attends over the whole context; engines serve no nested RoPE,
+    model/rope.py), so a nested config gives its ``full_attention`` entry. transformers 4.x
+    configs have ``rope_theta`` + ``rope_scaling``.
     """
-    params = getattr(config, "rope_parameters", None) or {}
-    if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", None))
+    if is_nested(params):
         chosen = "full_attention" if "full_attention" in params else sorted(params)[0]
         log.info("target RoPE is per layer type %s; the drafter uses the %s entry %s",
                  sorted(params), chosen, params[chosen])
         params = params[chosen]
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    params = dict(params)
+    if "original_max_position_embeddings" not in params and getattr(
+            config, "original_max_position_embeddings", None):  # Phi-3 keeps it at the top
+        params["original_max_position_embeddings"] = config.original_max_position_embeddings
+    return params
+
+
+def target_rope(config) -> dict[str, Any]:
+    """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` and, for a
+    scaled target, its ``rope_scaling`` as the engines will apply it to the drafter; {} when the
+    target declares no RoPE.
+
+    linear, yarn and llama3 are copied with the keys model/rope.py reads (yarn/llama3 with an
+    explicit ``original_max_position_embeddings``, the target's pre-training length; transformers
+    fills in ``max_position_embeddings``); the drafter then encodes every position as the target
+    does, past the original length too. Keys a type does not read (``partial_rotary_factor``:
+    the drafter rotates its whole head; M-RoPE sections: the drafter sees 1-D positions) are
+    dropped (logged). ``dynamic`` gives plain RoPE at the same theta: it is what vLLM runs for a
+    dynamic drafter and transformers for every sequence up to max_position_embeddings, and
+    SGLang reads plain RoPE identically while it bakes another base into a dynamic one
+    (model/rope.py). Other types (longrope, Gemma 4's proportional, ...) are not implemented:
+    the drafter uses plain RoPE at the same theta (a warning); the export writes what it trained.
+    """
+    params = _flat_rope_parameters(config)
+    theta = params.pop("rope_theta", None)
     if theta is None:
         return {}
     out: dict[str, Any] = {"rope_theta": float(theta)}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(params["factor"])}
-    elif rope_type != "default":
-        log.info("target RoPE type %r is not applied to the drafter: it uses plain RoPE with "
-                 "theta %s", rope_type, theta)
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type in ("default", "dynamic"):
+        if rope_type == "dynamic":
+            log.info("target RoPE is dynamic NTK %s: the drafter uses plain RoPE at theta %s, "
+                     "what vLLM precomputes for it (and transformers up to "
+                     "max_position_embeddings)", params, theta)
+        return out
+    if rope_type not in PARAMETERS:
+        log.warning("target RoPE type %r is not implemented for the drafter (%s): it uses plain "
+                    "RoPE with theta %s", rope_type,
+                    REFUSED_TYPES.get(rope_type, "no engine rule read for it"), theta)
+        return out
+    required, optional = PARAMETERS[rope_type]
+    kept = {k: params[k] for k in required + optional if params.get(k) is not None}
+    if dropped := sorted(set(params) - set(kept)):
+        log.info("target RoPE %s: the drafter does not read %s (it rotates the whole head "
+                 "over 1-D positions)", rope_type, dropped)
+    out["rope_scaling"] = {"rope_type": rope_type, **kept}
     return out
 
 

@@ -115,7 +115,7 @@ def test_our_block_size_copies_must_agree():
     ({"num_key_value_heads": 3}, "num_key_value_heads", "must divide num_attention_heads"),
     ({"is_causal": [True]}, "is_causal", "per-layer list"),
     ({"block_size": 1}, "block_size", ">= 2"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "rope_scaling", "not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4}}, "rope_scaling", "not supported"),
 ])
 def test_validation_errors_name_key_and_fix(override, key, hint):
     with pytest.raises(ValueError, match=key) as err:

@@ -95,10 +95,39 @@ def test_rope_per_layer_type_takes_the_full_attention_entry():
     llama = LlamaConfig(max_position_embeddings=16384, rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192})
-    assert target_rope(llama) == {"rope_theta": 500000.0}
+    assert target_rope(llama) == {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}}
     linear = LlamaConfig(rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert target_rope(linear) == {"rope_theta": 1e4,
                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+
+
+def test_scaled_target_rope_is_taken_as_the_engines_apply_it(caplog):
+    """yarn keeps every key it reads (the target's original length explicit, not the drafter's
+    max_position_embeddings that transformers would fill in); dynamic gives plain RoPE (what
+    vLLM precomputes); partial rotary is dropped; longrope is not implemented: plain RoPE,
+    warned by name."""
+    from transformers import Phi3Config, Qwen3Config
+
+    yarn = Qwen3Config(max_position_embeddings=131072, rope_theta=1e6, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32, "attention_factor": 1.2})
+    assert target_rope(yarn) == {"rope_theta": 1e6, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32, "attention_factor": 1.2}}
+    dynamic = Qwen3Config(rope_theta=1e4, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert target_rope(dynamic) == {"rope_theta": 1e4}
+    partial = Qwen3Config(rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                        "partial_rotary_factor": 0.5})
+    assert target_rope(partial)["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    phi = Phi3Config(hidden_size=64, num_attention_heads=2, rope_theta=1e4,
+                     max_position_embeddings=4096, original_max_position_embeddings=1024,
+                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                   "long_factor": [2.0] * 16})
+    with caplog.at_level("WARNING", logger="dflash_lab.train.factory"):
+        assert target_rope(phi) == {"rope_theta": 1e4}
+    assert "'longrope' is not implemented" in caplog.text
 
 
 def test_drafter_for_a_gemma3_target_gets_its_shape_and_rope():

@@ -76,6 +76,8 @@ class EngineReading:
     #: drafter config fields the engine runs with another value than config.json declares
     #: (a dropped scale runs as "off"); the self-check builds the engine's drafter with them
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: the drafter's rotary as the engine builds it, in words (export/engines/rope.py)
+    rope: str = ""
     #: the engine runs the shipped learned mask embedding / sink logits (vLLM always does)
     serves_learned_mask: bool = False
     serves_sinks: bool = False

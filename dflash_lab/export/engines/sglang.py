@@ -22,7 +22,8 @@ every release since PR #34524 except where a :class:`Release` field says otherwi
 How a bidirectional (ENCODER_ONLY) sliding layer's window is bounded depends on the draft attention
 backend (``--speculative-draft-attention-backend``; by default the target's backend when it is a
 DFlash draft backend, else flashinfer): see :data:`BACKENDS`. DFlash 2 and the scales:
-:mod:`dflash_lab.export.engines.variant`.
+:mod:`dflash_lab.export.engines.variant`. RoPE (``get_rope_config`` into ``get_rope``):
+:mod:`dflash_lab.export.engines.rope`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from dflash_lab.export.engines.common import (
     LayerReading,
     hf_view,
 )
+from dflash_lab.export.engines.rope import apply_rope
 from dflash_lab.export.engines.variant import declared_scales, drop_scale, sglang_variant
 
 
@@ -221,6 +223,8 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release
     sglang_variant(config, artifacts, reading, current=rel.dflash2)
     if not reading.refusal:
         _embedding_scale(config, artifacts, reading)
+    if not reading.refusal:
+        apply_rope(reading, config, "sglang")
     if reading.serves_learned_mask:
         reading.refusal = reading.refusal or _MASK_FORM_REFUSAL.get(artifacts.mask_file_form)
     reading.refusal = reading.refusal or _sinks_refusal(view, rel, backend)

