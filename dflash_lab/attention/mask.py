@@ -128,11 +128,15 @@ def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
     q_idx = torch.arange(layout.num_queries, device=dev)[:, None]
     kv_idx = torch.arange(layout.num_keys, device=dev)[None, :]
 
-    def one_row(anchors_n: Tensor, starts_n: Tensor) -> Tensor:
+    def one_row(anchors_n: Tensor, starts_n: Tensor | None = None) -> Tensor:
+        if starts_n is None:
+            return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec)
         return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec,
                        starts_n)
 
-    return torch.vmap(one_row)(layout.anchors_bn, layout.starts_bn())[:, None]
+    if layout.doc_starts_bn is None:
+        return torch.vmap(one_row)(layout.anchors_bn)[:, None]
+    return torch.vmap(one_row)(layout.anchors_bn, layout.doc_starts_bn)[:, None]
 
 
 def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):

@@ -68,11 +68,16 @@ def _sequence_limit(cfg: DictConfig) -> tuple[int | None, str]:
 
 
 def check_data(cfg: DictConfig) -> None:
-    """``data=offline`` has ``data.path``; ``drafter.block_size`` fits the sequences."""
+    """``data=offline`` has ``data.path``; ``data.pack`` has its row length;
+    ``drafter.block_size`` fits the sequences."""
     offline = not cfg.data._target_.endswith("OnlineDataModule")
     if offline and (OmegaConf.is_missing(cfg.data, "path") or not cfg.data.get("path")):
         raise ValueError("data.path is not set: data=offline reads a capture directory; pass "
                          "data.path=DIR (the dflash-capture out_dir holding manifest.json)")
+    if cfg.data.get("pack") and cfg.data.get("max_tokens_per_row") is None:
+        raise ValueError("data.pack=true needs data.max_tokens_per_row (tokens per packed row, "
+                         "e.g. data.max_tokens_per_row=2048): documents are packed whole up to "
+                         "that length")
     block = cfg.drafter.get("block_size")
     limit, where = _sequence_limit(cfg)
     if block is not None and limit is not None and int(block) > int(limit):

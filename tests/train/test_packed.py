@@ -198,3 +198,31 @@ def test_rope_positions_restart_at_every_document():
     assert ctx[0].tolist() == list(range(9)) + list(range(14))
     assert ctx[1].tolist() == list(range(6)) + list(range(11)) + list(range(6))  # pads: a run
     assert blk.view(2, -1, cfg.block_size)[0, :, 0].tolist() == [2, 4, 7, 2, 4, 12]
+
+
+# ----------------------------------------------------------------------------- dflash-train
+def test_dflash_train_with_data_pack_trains_packed_rows(tiny_target_dir, tmp_path, monkeypatch):
+    """``dflash-train recipe=tiny_cpu data.pack=true data.max_tokens_per_row=384``: the steps
+    see packed rows (several documents, document_ids) and the run trains and validates."""
+    from dflash_lab.train.run import train
+    from tests.train.test_train import _compose, _tiny_overrides
+
+    seen = []
+    real = DFlashModule.step
+    monkeypatch.setattr(DFlashModule, "step", lambda self, batch, g: seen.append(
+        batch["document_ids"].max(dim=1).values.tolist()) or real(self, batch, g))
+    cfg = _compose(_tiny_overrides(tmp_path, tiny_target_dir, rows=48, **{
+        "data.pack": True, "data.max_tokens_per_row": 384, "data.batch_size": 2,
+        "trainer.max_steps": 3, "validate_before_fit": False}))
+    result = train(cfg)
+    assert len(seen) >= 3 and max(max(s) for s in seen) >= 1  # rows of >= 2 documents
+    assert result["val_tau_after"] >= 1.0
+
+
+def test_data_pack_without_a_row_length_is_refused_at_start_up(tiny_target_dir, tmp_path):
+    from dflash_lab.train.checks import check_train_config
+    from tests.train.test_train import _compose, _tiny_overrides
+
+    cfg = _compose(_tiny_overrides(tmp_path, tiny_target_dir, **{"data.pack": True}))
+    with pytest.raises(ValueError, match="data.pack=true needs data.max_tokens_per_row"):
+        check_train_config(cfg)
