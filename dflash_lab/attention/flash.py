@@ -3,7 +3,9 @@
 With keys = [context ; block] and the B queries being the last B keys, flash-attn's bottom-right
 aligned causal flag and (left, right) window express the DFlash predicate exactly
 (:func:`dflash_lab.attention.mask.flash_window_args`). The packed training layout (many blocks
-sharing one context) is not expressible as a flash window: use ``flex`` there.
+sharing one context) is not expressible as a flash window: use ``flex`` there. Neither is a
+context of several packed documents (``BlockLayout.doc_starts_bn`` after 0): the window cannot
+start at a document boundary, so such a layout is refused, never attended across documents.
 flash-attn is imported lazily (the ``gpu`` extra); sinks use its returned log-sum-exp.
 """
 
@@ -46,7 +48,8 @@ class FlashBackend:
         if not is_inference_layout(layout):
             raise ValueError(
                 "attention backend 'flash' supports the inference layout only (one block per "
-                "sequence anchored right after its context); use 'flex' for packed training")
+                "sequence anchored right after its context, one document per row); use 'flex' "
+                "for packed training and for packed documents (data.pack=true)")
         return flash_window_args(spec)
 
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,

@@ -9,9 +9,18 @@ Layout of one attention call (training and inference share it):
 
 Key visibility for a layer with window ``W`` (or None) and causality ``causal``:
 
-- context key p:   ``p < a_j`` (strictly before the anchor) and, if windowed, ``(a_j+t) - p <= W-1``
+- context key p:   ``p < a_j`` (strictly before the anchor), ``p >= d_j`` (same document) and,
+  if windowed, ``(a_j+t) - p <= W-1``
 - block key (k,u): ``k == j`` and, if causal, ``u <= t``; if windowed ``|t - u| <= W-1``
   (engines use a symmetric window (W-1, W-1) for bidirectional sliding layers).
+
+Packed rows (several documents per row, ``data.pack``): ``d_j`` is the first position of the
+document holding anchor ``a_j`` (0 for an unpacked row). Documents are contiguous and ``p < a_j``,
+so ``p >= d_j`` is exactly "p is in the anchor's document": no context key crosses a document
+boundary. Block keys need no document rule (a block sees only its own slots), and a block's RoPE
+positions restart per document (:meth:`BlockLayout.positions_bq`), so a packed block computes
+what the same block computes in an unpacked row of its document alone. The window is a
+difference of positions, the same in row and document coordinates.
 
 Padding needs no extra rule: the context of a row is bounded by its anchor, so context slots past a
 sequence's true length are never visible as long as anchors point inside the sequence. Padded
@@ -44,14 +53,17 @@ class LayerSpec(NamedTuple):
 class BlockLayout:
     """Where the blocks of one attention call sit.
 
-    anchors_bn: [Bt, N] long, absolute anchor positions (sorted ascending per row for speed).
+    anchors_bn: [Bt, N] long, anchor positions in the row (sorted ascending per row for speed).
     num_context: S, the number of context key slots (padded length of the context).
     block_size: B.
+    doc_starts_bn: [Bt, N] long, the row position where each anchor's document starts (packed
+      rows); None = every row is one document starting at 0.
     """
 
     anchors_bn: Tensor
     num_context: int
     block_size: int
+    doc_starts_bn: Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -65,18 +77,26 @@ class BlockLayout:
     def num_keys(self) -> int:
         return self.num_context + self.num_queries
 
+    def starts_bn(self) -> Tensor:
+        """Document start of every anchor [Bt, N] (zeros for unpacked rows)."""
+        if self.doc_starts_bn is None:
+            return torch.zeros_like(self.anchors_bn)
+        return self.doc_starts_bn
+
     def positions_bq(self) -> Tensor:
-        """Absolute positions of the block slots, [Bt, N*B]."""
+        """RoPE positions of the block slots, [Bt, N*B]: ``a_j - d_j + t``, the slot's position
+        inside its document (the absolute position for an unpacked row)."""
         offs = torch.arange(self.block_size, device=self.anchors_bn.device)
-        return (self.anchors_bn[:, :, None] + offs).flatten(1)
+        return (self.anchors_bn - self.starts_bn())[:, :, None].add(offs).flatten(1)
 
 
 def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int,
-            block_size: int, spec: LayerSpec) -> Tensor:
+            block_size: int, spec: LayerSpec, starts_b_n: Tensor | None = None) -> Tensor:
     """The predicate. Broadcasting index tensors in, bool out.
 
     ``anchors_b_n`` is the anchor row [N] of the batch element the indices belong to (indexed
-    with the block index ``q_idx // block_size``); :func:`dense_mask` maps it over the rows with
+    with the block index ``q_idx // block_size``); ``starts_b_n`` [N] the start of each anchor's
+    document (None: 0, an unpacked row). :func:`dense_mask` maps them over the rows with
     ``torch.vmap``, flex calls it per element.
     """
     j = q_idx // block_size
@@ -86,6 +106,8 @@ def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int
     blk = (kv_idx - num_context).clamp(min=0)
     k, u = blk // block_size, blk % block_size
     ctx_ok = kv_idx < anchor
+    if starts_b_n is not None:
+        ctx_ok = ctx_ok & (kv_idx >= starts_b_n[j])  # same document as the anchor
     blk_ok = k == j
     if spec.causal:
         blk_ok = blk_ok & (u <= t)
@@ -106,20 +128,46 @@ def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
     q_idx = torch.arange(layout.num_queries, device=dev)[:, None]
     kv_idx = torch.arange(layout.num_keys, device=dev)[None, :]
 
-    def one_row(anchors_n: Tensor) -> Tensor:
-        return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec)
+    def one_row(anchors_n: Tensor, starts_n: Tensor | None = None) -> Tensor:
+        if starts_n is None:
+            return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec)
+        return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec,
+                       starts_n)
 
-    return torch.vmap(one_row)(layout.anchors_bn)[:, None]
+    if layout.doc_starts_bn is None:
+        return torch.vmap(one_row)(layout.anchors_bn)[:, None]
+    return torch.vmap(one_row)(layout.anchors_bn, layout.doc_starts_bn)[:, None]
 
 
 def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):
     """A flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` over the same predicate."""
     anchors_bn, num_context, block_size = layout.anchors_bn, layout.num_context, layout.block_size
+    starts_bn = layout.doc_starts_bn
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec)
+    if starts_bn is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec,
+                           starts_bn[b])
 
     return mask_mod
+
+
+def document_starts(document_ids_bs: Tensor) -> Tensor:
+    """Row position where the document of each position starts [Bt, S] long.
+
+    ``document_ids_bs`` [Bt, S]: a packed row's document index per token (contiguous runs;
+    padding is one more run). A run starts wherever the id changes; ``cummax`` carries the
+    latest start to the right. ``arange(S) - starts`` is each token's position in its document
+    (the RoPE position, restarting at 0 like an unpacked row).
+    """
+    s = document_ids_bs.shape[1]
+    pos = torch.arange(s, device=document_ids_bs.device).expand_as(document_ids_bs)
+    new = torch.ones_like(document_ids_bs, dtype=torch.bool)
+    new[:, 1:] = document_ids_bs[:, 1:] != document_ids_bs[:, :-1]
+    return torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
 
 
 def flash_window_args(spec: LayerSpec) -> tuple[tuple[int, int], bool]:
@@ -136,5 +184,8 @@ def flash_window_args(spec: LayerSpec) -> tuple[tuple[int, int], bool]:
 
 
 def is_inference_layout(layout: BlockLayout) -> bool:
-    """True when every row has one block anchored right after its full context (a == S)."""
-    return layout.num_blocks == 1 and bool((layout.anchors_bn == layout.num_context).all())
+    """True when every row has one block anchored right after its full context (a == S) and the
+    context is one document (no packed document start after 0)."""
+    one_doc = layout.doc_starts_bn is None or not bool(layout.doc_starts_bn.any())
+    return (layout.num_blocks == 1 and one_doc
+            and bool((layout.anchors_bn == layout.num_context).all()))

@@ -8,12 +8,14 @@ Every batch carries (rows right-padded to the longest row, Bt x S):
   step (``DFlashModule.target_features``).
 Anchors are sampled by the training module per step (see dflash_lab/train/anchors.py), so padding
 never needs a mask of its own: no anchor points into it and no context past an anchor is seen.
+Packed rows (``pack=True``, dflash_lab/data/packing.py) hold several whole documents up to
+``max_tokens_per_row`` and add document_ids [Bt, S] long (-1 on padding).
 
 - :class:`OnlineDataModule` tokenises conversations; its ``feature_source()`` is the frozen
   target, which the training step runs on each batch (on the training device, no grad).
 - :class:`OfflineDataModule` reads captured shards (``dflash-capture``).
-Both hold out a deterministic validation split and shuffle with a per-epoch seeded sampler, so a
-run resumed from an end-of-epoch (or validation) checkpoint sees the same batches.
+Both hold out a deterministic validation split (of documents) and shuffle with a per-epoch seeded
+sampler (of samples, or of packed rows), so a resumed run sees the same batches.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 log = logging.getLogger(__name__)
 
 PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0,
-              "target_last_hidden": 0.0, "target_top_ids": 0, "target_top_logprobs": 0.0}
+              "target_last_hidden": 0.0, "target_top_ids": 0, "target_top_logprobs": 0.0,
+              "document_ids": -1}
 
 
 def pad_collate(samples: Sequence[dict[str, Tensor]],
@@ -140,6 +143,10 @@ class BlockDataModule(L.LightningDataModule):
     the entry code asks the configured class (``hydra.utils.get_class(cfg.data._target_)``)
     instead of matching its name: :attr:`runs_target`, :meth:`drafter_inputs`,
     :meth:`check_config` and :meth:`sequence_limit`.
+
+    ``pack``: serve packed rows of whole documents, each row up to ``max_tokens_per_row``
+    tokens (``batch_size`` then counts rows); ``train_set`` / ``val_set`` stay the documents,
+    ``train_rows`` / ``val_rows`` are what the loaders serve (the same sets when unpacked).
     """
 
     #: The module computes features with the whole in-process target (online data), so the
@@ -165,19 +172,23 @@ class BlockDataModule(L.LightningDataModule):
 
     def __init__(self, batch_size: int = 8, val_fraction: float = 0.05,
                  max_val_samples: int | None = 256, seed: int = 0, num_workers: int = 0,
-                 pad_to_multiple_of: int = 1):
+                 pad_to_multiple_of: int = 1, pack: bool = False,
+                 max_tokens_per_row: int | None = None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size={batch_size}: must be >= 1")
         if pad_to_multiple_of < 1:
             raise ValueError(f"data.pad_to_multiple_of={pad_to_multiple_of}: must be >= 1 "
                              "(1 = pad to the longest sample of each batch)")
+        self.pack, self.max_tokens_per_row = _check_pack(pack, max_tokens_per_row)
         self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
         self.seed, self.num_workers = seed, num_workers
         self.pad_to_multiple_of = pad_to_multiple_of
         self._resume: dict[str, int] | None = None
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.train_rows: Dataset | None = None
+        self.val_rows: Dataset | None = None
 
     def load_samples(self) -> Dataset:
         """All samples (dicts of per-sample tensors); subclasses implement it."""
@@ -204,6 +215,20 @@ class BlockDataModule(L.LightningDataModule):
         train_idx, val_idx = split_indices(len(samples), self.val_fraction, self.seed,
                                            self.max_val)
         self.train_set, self.val_set = Subset(samples, train_idx), Subset(samples, val_idx)
+        self.train_rows, self.val_rows = self.train_set, self.val_set
+        if self.pack:
+            from dflash_lab.data.packing import pack
+
+            where = self.describe()
+            self.train_rows = pack(self.train_set, self.max_tokens_per_row, PAD_VALUES, where,
+                                   self.seed)
+            self.val_rows = pack(self.val_set, self.max_tokens_per_row, PAD_VALUES, where, None)
+            log.info("packed %d training documents into %d rows of <= %d tokens (%.1f%% of "
+                     "their tokens real); %d validation documents into %d rows",
+                     len(self.train_set), len(self.train_rows), self.max_tokens_per_row,
+                     100.0 * self.train_rows.num_tokens()
+                     / (len(self.train_rows) * self.max_tokens_per_row),
+                     len(self.val_set), len(self.val_rows))
 
     def _loader(self, dataset: Dataset, sampler: Sampler | None) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
@@ -221,11 +246,11 @@ class BlockDataModule(L.LightningDataModule):
                 "module's sampler already gives each rank its share (and resumes inside an "
                 "epoch); set trainer.use_distributed_sampler=false (trainer=ddp, ddp_cpu and "
                 "fsdp do)")
-        sampler = EpochShuffleSampler(len(self.train_set), self.seed)
+        sampler = EpochShuffleSampler(len(self.train_rows), self.seed)
         if self._resume:
             sampler.resume_at(self._resume["epoch"], self._resume["samples_done"])
             self._resume = None
-        return self._loader(self.train_set, sampler)
+        return self._loader(self.train_rows, sampler)
 
     # Mid-epoch resume. Lightning restores the loop counters from a checkpoint but restarts the
     # loader at the top of its epoch, which would serve the epoch's first batches again (and,
@@ -235,8 +260,8 @@ class BlockDataModule(L.LightningDataModule):
     # The data module's state, not the loader's: Lightning restores it before configure_optimizers
     # (whose estimated_stepping_batches builds the train loader), loader states only after.
     def state_dict(self) -> dict[str, int]:
-        """{"epoch", "samples_done"} of the training data: samples of that epoch's order that all
-        ranks together have consumed; empty outside a fit."""
+        """{"epoch", "samples_done"} of the training data: samples (packed rows with ``pack``)
+        of that epoch's order that all ranks together have consumed; empty outside a fit."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return {}
@@ -250,7 +275,20 @@ class BlockDataModule(L.LightningDataModule):
         self._resume = dict(state_dict) if state_dict else None
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, None)
+        return self._loader(self.val_rows, None)
+
+
+def _check_pack(pack: bool, max_tokens_per_row: int | None) -> tuple[bool, int | None]:
+    """``data.pack`` is a bool and, when true, ``data.max_tokens_per_row`` a row length >= 2."""
+    if not isinstance(pack, bool):
+        raise ValueError(f"data.pack={pack!r}: must be true or false")
+    if not pack:
+        return False, max_tokens_per_row
+    if max_tokens_per_row is None or int(max_tokens_per_row) < 2:
+        raise ValueError(f"data.pack=true needs data.max_tokens_per_row (tokens per packed "
+                         f"row, >= 2; got {max_tokens_per_row!r}): e.g. the capture's "
+                         "max_length or a multiple of it")
+    return True, int(max_tokens_per_row)
 
 
 class _TokenizedConversations(Dataset):
@@ -262,6 +300,10 @@ class _TokenizedConversations(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         return self.items[i]
+
+    def lengths(self) -> list[int]:
+        """Tokens of every item (what packing plans rows by)."""
+        return [int(it["input_ids"].shape[0]) for it in self.items]
 
 
 class OnlineDataModule(BlockDataModule):

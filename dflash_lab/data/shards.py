@@ -374,6 +374,10 @@ class ShardDataset(Dataset):
             "sample_id": int(f.get_slice("sample_ids")[local:local + 1][0]),
         }
 
+    def lengths(self) -> list[int]:
+        """Tokens of every sample, from the shard offsets (no sample is read)."""
+        return [end - start for _, _, start, end in self._index]
+
     def tokens(self, k: int) -> dict[str, Any]:
         """Item k's token columns only (``input_ids``, ``loss_mask``, ``target_argmax``): what
         counting the training tokens needs, without reading the hidden states."""

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_lab.attention.base import AttentionBackend, get_backend
-from dflash_lab.attention.mask import BlockLayout
+from dflash_lab.attention.mask import BlockLayout, document_starts
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv, scale_logits
 from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding
@@ -209,17 +209,26 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ training path
     def forward(self, target_hidden_bsf: Tensor, input_ids_bs: Tensor, anchors_bn: Tensor,
-                embed_tokens: nn.Module) -> Tensor:
+                embed_tokens: nn.Module, document_ids_bs: Tensor | None = None) -> Tensor:
         """Packed training forward.
 
         target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S], anchors_bn [Bt, N] (sorted anchor
         positions; padded entries may repeat a valid anchor and must be excluded from the loss).
+        document_ids_bs [Bt, S]: packed rows (``data.pack``), the document of each token; each
+        document then gets RoPE positions from 0 and only its own context (attention/mask.py),
+        i.e. exactly what it gets alone in an unpacked row. None: one document per row.
         Returns hidden [Bt, N, B, H]; slot t of block j predicts the token at anchors[j] + t.
         """
         bt, s, _ = target_hidden_bsf.shape
-        layout = BlockLayout(anchors_bn, s, self.config.block_size)
         ctx = self.fuse(target_hidden_bsf)
-        ctx_cs = self.rotary(torch.arange(s, device=ctx.device), ctx.dtype)
+        positions = torch.arange(s, device=ctx.device)
+        starts_bn = None
+        if document_ids_bs is not None:
+            starts_bs = document_starts(document_ids_bs)
+            positions = positions - starts_bs  # [Bt, S]: restart at each document
+            starts_bn = starts_bs.gather(1, anchors_bn)
+        layout = BlockLayout(anchors_bn, s, self.config.block_size, doc_starts_bn=starts_bn)
+        ctx_cs = self.rotary(positions, ctx.dtype)
         ctx_kv = [layer.self_attn.kv(ctx, ctx_cs) for layer in self.layers]
         x = self.block_inputs(input_ids_bs.gather(1, anchors_bn), embed_tokens)
         blk_cs = self.rotary(layout.positions_bq(), x.dtype)

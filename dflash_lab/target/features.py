@@ -139,9 +139,49 @@ class OnlineFeatures:
     def __init__(self, model, target_layer_ids: list[int]):
         self.model, self.target_layer_ids = model, list(target_layer_ids)
 
-    def __call__(self, input_ids_bs: torch.Tensor) -> TargetFeatures:
+    def __call__(self, input_ids_bs: torch.Tensor,
+                 document_ids_bs: torch.Tensor | None = None) -> TargetFeatures:
+        """Features of a batch; packed rows (``document_ids_bs`` [Bt, S], -1 on padding) run
+        the target on each document alone (:func:`per_document_features`)."""
         device = input_ids_bs.device
         if self.model.device != device and getattr(self.model, "hf_device_map", None) is None:
             self.model.to(device)
         with torch.autocast(device.type, enabled=False):
-            return extract_features(self.model, input_ids_bs, self.target_layer_ids)
+            if document_ids_bs is None:
+                return extract_features(self.model, input_ids_bs, self.target_layer_ids)
+            return per_document_features(self.model, input_ids_bs, document_ids_bs,
+                                         self.target_layer_ids)
+
+
+@torch.no_grad()
+def per_document_features(model, input_ids_bs: torch.Tensor, document_ids_bs: torch.Tensor,
+                          target_layer_ids: list[int]) -> TargetFeatures:
+    """Target features of packed rows, each document computed ALONE: the documents are cut out
+    (one right-padded row each), run through :func:`extract_features` and put back in place.
+
+    A causal target run over the packed row would let a document attend to the ones before it;
+    alone, its features are exactly those of the unpacked run. Padding positions get zeros.
+    """
+    spans = []  # (row, start, length) of every document
+    for row in range(input_ids_bs.shape[0]):
+        ids, counts = torch.unique_consecutive(document_ids_bs[row], return_counts=True)
+        start = 0
+        for doc, count in zip(ids.tolist(), counts.tolist()):
+            if doc >= 0:
+                spans.append((row, start, count))
+            start += count
+    longest = max(length for _, _, length in spans)
+    docs_dl = input_ids_bs.new_zeros(len(spans), longest)
+    for i, (row, start, length) in enumerate(spans):
+        docs_dl[i, :length] = input_ids_bs[row, start:start + length]
+    alone = extract_features(model, docs_dl, target_layer_ids)
+
+    def place(per_doc: torch.Tensor | None) -> torch.Tensor | None:
+        if per_doc is None:
+            return None
+        out = per_doc.new_zeros(*input_ids_bs.shape, *per_doc.shape[2:])
+        for i, (row, start, length) in enumerate(spans):
+            out[row, start:start + length] = per_doc[i, :length]
+        return out
+
+    return TargetFeatures(*(place(t) for t in alone))

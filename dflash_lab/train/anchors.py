@@ -5,6 +5,12 @@ mask (the block must predict at least one supervised token). Per sequence we dra
 them without replacement, SORTED (sorted anchors keep the flex BlockMask sparse), freshly for
 every step from a generator seeded by (seed, step, rank) so runs and resumes are reproducible.
 
+Packed rows (``data.pack``, ``document_ids`` [Bt, S] in the batch): the density is per DOCUMENT,
+as it is per sequence today: each document gets ``min(num_anchors, its candidates)`` anchors,
+uniform without replacement, exactly the number and distribution it gets alone in an unpacked
+row; p and p+1 must also be in the same document (a document's last position never qualifies,
+as a row's last position never does). A row of k documents thus has up to k * num_anchors.
+
 Shape legend: Bt batch, S sequence length, N anchors per row.
 """
 
@@ -14,17 +20,21 @@ import torch
 from torch import Tensor
 
 
-def anchor_candidates(loss_mask_bs: Tensor) -> Tensor:
-    """Bool [Bt, S]: ``loss_mask[p] and loss_mask[p+1]`` (the last position never qualifies)."""
+def anchor_candidates(loss_mask_bs: Tensor, document_ids_bs: Tensor | None = None) -> Tensor:
+    """Bool [Bt, S]: ``loss_mask[p] and loss_mask[p+1]`` (the last position never qualifies);
+    with ``document_ids_bs`` also ``doc[p] == doc[p+1]`` (nor does a document's last one)."""
     lm = loss_mask_bs.bool()
     ok = torch.zeros_like(lm)
     ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    if document_ids_bs is not None:
+        ok[:, :-1] &= document_ids_bs[:, :-1] == document_ids_bs[:, 1:]
     return ok
 
 
 def sample_anchors(loss_mask_bs: Tensor, num_anchors: int, generator: torch.Generator,
-                   ) -> tuple[Tensor, Tensor]:
-    """Draw up to ``num_anchors`` sorted anchors per row.
+                   document_ids_bs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Draw up to ``num_anchors`` sorted anchors per row (per document of a packed row, when
+    ``document_ids_bs`` [Bt, S] is given: :func:`sample_document_anchors`).
 
     Returns (anchors_bn long [Bt, N], valid_bn bool [Bt, N]) with N = min(num_anchors, most
     candidates in any row). Padding entries repeat the row's last anchor (0 when the row has none)
@@ -32,6 +42,8 @@ def sample_anchors(loss_mask_bs: Tensor, num_anchors: int, generator: torch.Gene
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors={num_anchors}: must be >= 1")
+    if document_ids_bs is not None:
+        return sample_document_anchors(loss_mask_bs, document_ids_bs, num_anchors, generator)
     cand = anchor_candidates(loss_mask_bs).cpu()
     # Random keys, -1 for non-candidates: top-k picks a uniform sample without replacement.
     keys = torch.rand(cand.shape, generator=generator).masked_fill(~cand, -1.0)
@@ -41,6 +53,36 @@ def sample_anchors(loss_mask_bs: Tensor, num_anchors: int, generator: torch.Gene
     picked = torch.where(valid, picked, torch.full_like(picked, -1))
     order = torch.where(valid, picked, torch.full_like(picked, cand.shape[1])).argsort(dim=1)
     picked, valid = picked.gather(1, order), valid.gather(1, order)
+    last = torch.where(valid, picked, torch.zeros_like(picked)).max(dim=1, keepdim=True).values
+    anchors = torch.where(valid, picked, last)
+    return anchors.to(loss_mask_bs.device), valid.to(loss_mask_bs.device)
+
+
+def sample_document_anchors(loss_mask_bs: Tensor, document_ids_bs: Tensor, num_anchors: int,
+                            generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Up to ``num_anchors`` anchors per document of packed rows, sorted per row; same return
+    contract as :func:`sample_anchors` (N = the most anchors any row got).
+
+    One random key per position; sorting each row by (document, key descending) lines every
+    document's candidates up best-first, and a candidate is picked when its rank inside its
+    document is below ``num_anchors``: a uniform sample without replacement per document.
+    """
+    cand = anchor_candidates(loss_mask_bs, document_ids_bs).cpu()
+    docs = document_ids_bs.cpu().long()
+    keys = torch.rand(cand.shape, generator=generator, dtype=torch.float64)
+    keys = keys.masked_fill(~cand, -1.0)  # in [-1, 1): a non-candidate ranks after its document
+    order = (docs.double() * 4.0 - keys).argsort(dim=1, stable=True)
+    sorted_docs = docs.gather(1, order)
+    pos = torch.arange(cand.shape[1]).expand_as(docs)
+    first = torch.ones_like(cand)
+    first[:, 1:] = sorted_docs[:, 1:] != sorted_docs[:, :-1]
+    group_start = torch.where(first, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    rank = torch.empty_like(pos).scatter_(1, order, pos - group_start)
+    picked_bs = cand & (rank < num_anchors)
+    n = max(1, int(picked_bs.sum(1).max()))
+    seq = cand.shape[1]
+    picked = torch.where(picked_bs, pos, torch.full_like(pos, seq)).sort(dim=1).values[:, :n]
+    valid = picked < seq
     last = torch.where(valid, picked, torch.zeros_like(picked)).max(dim=1, keepdim=True).values
     anchors = torch.where(valid, picked, last)
     return anchors.to(loss_mask_bs.device), valid.to(loss_mask_bs.device)

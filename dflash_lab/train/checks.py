@@ -79,9 +79,13 @@ def data_class(data_cfg: DictConfig) -> type:
 
 def check_data(cfg: DictConfig) -> None:
     """The data module's own config check (``data=offline`` has ``data.path``);
-    ``drafter.block_size`` fits the sequences."""
+    ``data.pack`` has its row length; ``drafter.block_size`` fits the sequences."""
     cls = data_class(cfg.data)
     cls.check_config(cfg.data)
+    if cfg.data.get("pack") and cfg.data.get("max_tokens_per_row") is None:
+        raise ValueError("data.pack=true needs data.max_tokens_per_row (tokens per packed row, "
+                         "e.g. data.max_tokens_per_row=2048): documents are packed whole up to "
+                         "that length")
     block = cfg.drafter.get("block_size")
     limit, where = cls.sequence_limit(cfg.data)
     if block is not None and limit is not None and int(block) > int(limit):

@@ -110,9 +110,12 @@ class BlockTargets:
 
 
 def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
-                  anchor_valid_bn: Tensor, block_size: int) -> BlockTargets:
+                  anchor_valid_bn: Tensor, block_size: int,
+                  document_ids_bs: Tensor | None = None) -> BlockTargets:
     """Gather labels only at anchored positions; a slot counts when t >= 1, a + t < S, the
-    position is in the loss mask, and its block is a real (not padding) anchor."""
+    position is in the loss mask, and its block is a real (not padding) anchor. Packed rows
+    (``document_ids_bs`` [Bt, S]): also when a + t is in the anchor's document, so a slot past
+    its document's end gets no loss, as a slot past an unpacked row's end gets none."""
     seq = targets_bs.shape[1]
     pos = anchors_bn[..., None] + torch.arange(block_size, device=anchors_bn.device)
     inside = pos < seq
@@ -121,6 +124,10 @@ def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
     in_mask = loss_mask_bs.bool().gather(1, flat).view_as(pos)
     slot = torch.arange(block_size, device=pos.device) >= 1
     valid = inside & in_mask & slot & anchor_valid_bn[..., None] & (labels >= 0)
+    if document_ids_bs is not None:
+        same_doc = document_ids_bs.gather(1, flat).view_as(pos) == document_ids_bs.gather(
+            1, anchors_bn)[..., None]
+        valid = valid & same_doc
     return BlockTargets(labels, valid)
 
 

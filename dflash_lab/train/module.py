@@ -15,7 +15,10 @@ logged (loss, per-slot accuracy, exact acceptance tau). A DFlash 2 drafter's obj
 
 Batch contract (from the data module), Bt rows padded to S:
   input_ids [Bt, S], loss_mask [Bt, S] (0 on padding); from a capture, or added by step 1:
-  hidden [Bt, S, F] target features, target_argmax [Bt, S] (the target's greedy next token).
+  hidden [Bt, S, F] target features, target_argmax [Bt, S] (the target's greedy next token);
+  packed rows (``data.pack``) add document_ids [Bt, S] (document of each token, -1 on padding):
+  anchors are drawn per document, RoPE positions and context restart per document, and no slot
+  is supervised across a document end, so each document trains exactly as it does unpacked.
 """
 
 from __future__ import annotations
@@ -144,18 +147,21 @@ class DFlashModule(L.LightningModule):
             raise ValueError("this batch has no 'hidden' target features and the module has no "
                              "feature_source: use a capture (data=offline) or online data, "
                              "whose data module gives the target as feature_source")
-        feats = self.feature_source(batch["input_ids"])
+        docs = batch.get("document_ids")
+        feats = (self.feature_source(batch["input_ids"]) if docs is None
+                 else self.feature_source(batch["input_ids"], document_ids_bs=docs))
         return {**batch, "hidden": feats.hidden_bsf, "target_argmax": feats.argmax_bs,
                 "target_last_hidden": feats.last_bsh}
 
     def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator):
         """Sorted anchors [Bt, N] and their validity for this batch."""
-        return sample_anchors(batch["loss_mask"], self.hparams.num_anchors, generator)
+        return sample_anchors(batch["loss_mask"], self.hparams.num_anchors, generator,
+                              batch.get("document_ids"))
 
     def draft(self, batch: dict[str, Tensor], anchors: Tensor) -> Tensor:
         """The drafter's hidden states [Bt, N, B, H] for the blocks anchored at ``anchors``."""
         return self.drafter(batch["hidden"], batch["input_ids"], anchors,
-                            self.target_head.embed_tokens)
+                            self.target_head.embed_tokens, batch.get("document_ids"))
 
     def loss(self, batch: dict[str, Tensor], hidden: Tensor, anchors: Tensor,
              anchor_valid: Tensor) -> LossOutput:
@@ -167,7 +173,8 @@ class DFlashModule(L.LightningModule):
         # a draft vocabulary: labels as draft ids; a token outside it (-1) is no valid slot:
         # no loss (nothing can raise it) and, in the greedy tau, a miss (it is never drafted)
         targets = self.drafter.to_draft_ids(targets)
-        tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size)
+        tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size,
+                            batch.get("document_ids"))
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
         temperatures = () if self.training else tuple(self.val_temperatures)
         selector_soft = self.selector_settings.target == "distribution"

@@ -43,6 +43,10 @@ def _inputs(layout, hq=4, hkv=2, d=8, seed=0, requires_grad=True):
 
 
 TRAIN_LAYOUT = BlockLayout(torch.tensor([[2, 5, 6, 11], [0, 3, 9, 9]]), 14, 4)
+#: The same anchors in packed rows: row 0 holds documents [0, 6) and [6, 14), row 1 [0, 4) and
+#: [4, 14) (doc_starts_bn: the start of each anchor's document).
+PACKED_LAYOUT = BlockLayout(TRAIN_LAYOUT.anchors_bn, 14, 4,
+                            doc_starts_bn=torch.tensor([[0, 0, 6, 6], [0, 0, 4, 4]]))
 
 
 @pytest.mark.parametrize("key_tiles", [1, 3, 4], ids=lambda n: f"tiles{n}")
@@ -121,14 +125,15 @@ def test_compiled_callers_get_one_dense_sdpa_call():
 
 @pytest.mark.parametrize("use_sink", [False, True])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_flex_matches_sdpa_forward_on_cpu(spec, use_sink):
-    q, k, v, sink = (t.float() for t in _inputs(TRAIN_LAYOUT, requires_grad=False))
+@pytest.mark.parametrize("layout", [TRAIN_LAYOUT, PACKED_LAYOUT], ids=["rows", "packed"])
+def test_flex_matches_sdpa_forward_on_cpu(spec, use_sink, layout):
+    q, k, v, sink = (t.float() for t in _inputs(layout, requires_grad=False))
     sink_h = sink if use_sink else None
     outs = {}
     for name in ("sdpa", "flex"):
         backend = get_backend(name)
         with torch.no_grad():
-            outs[name] = backend.attend(q, k, v, backend.prepare(TRAIN_LAYOUT, spec), scale=0.3,
+            outs[name] = backend.attend(q, k, v, backend.prepare(layout, spec), scale=0.3,
                                         sink_h=sink_h)
     torch.testing.assert_close(outs["flex"], outs["sdpa"], atol=2e-5, rtol=1e-4)
 
@@ -164,6 +169,15 @@ def test_flash_refuses_the_packed_training_layout():
         get_backend("flash", packed=False).prepare(TRAIN_LAYOUT, LayerSpec(None, False))
 
 
+def test_flash_refuses_a_context_of_packed_documents():
+    """One block after its context, but the context holds two documents: a flash window would
+    attend across the boundary, so prepare refuses instead (the mask would hide 0..3)."""
+    layout = BlockLayout(torch.tensor([[9]]), 9, 4, doc_starts_bn=torch.tensor([[4]]))
+    assert not dense_mask(layout, LayerSpec(None, False))[0, 0, :, :4].any()
+    with pytest.raises(ValueError, match="packed documents"):
+        get_backend("flash", packed=False).prepare(layout, LayerSpec(None, False))
+
+
 def test_missing_flash_attn_names_the_gpu_extra(monkeypatch):
     if flash_module.flash_attn_available():
         pytest.skip("flash-attn is installed here")
@@ -187,8 +201,10 @@ def test_unknown_backend_and_auto_on_cpu(caplog):
 @requires_cuda
 @pytest.mark.parametrize("use_sink", [False, True])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_flex_backward_on_gpu_matches_sdpa(spec, use_sink):
-    layout = BlockLayout(TRAIN_LAYOUT.anchors_bn.cuda(), 14, 4)
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_flex_backward_on_gpu_matches_sdpa(spec, use_sink, packed):
+    starts = PACKED_LAYOUT.doc_starts_bn.cuda() if packed else None
+    layout = BlockLayout(TRAIN_LAYOUT.anchors_bn.cuda(), 14, 4, doc_starts_bn=starts)
     q, k, v, sink = (t.float().cuda().detach().requires_grad_() for t in _inputs(layout))
     sink_h = sink if use_sink else None
     results = {}
@@ -215,3 +231,17 @@ def test_real_flash_attn_matches_sdpa(spec):
         outs[name] = backend.attend(q, k, v, backend.prepare(layout, spec), scale=0.3,
                                     sink_h=sink.float())
     torch.testing.assert_close(outs["flash"].float(), outs["sdpa"].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("key_tiles", [1, 3], ids=lambda n: f"tiles{n}")
+@pytest.mark.parametrize("spec", [LayerSpec(None, False), LayerSpec(3, True)], ids=str)
+def test_sdpa_matches_eager_on_packed_documents(spec, key_tiles):
+    """The reference backend over packed rows: its key tiles are read off the packed mask."""
+    q, k, v, sink = _inputs(PACKED_LAYOUT)
+    backend = SdpaBackend(key_tiles=key_tiles, min_pairs=0)
+    out = backend.attend(q, k, v, backend.prepare(PACKED_LAYOUT, spec), scale=0.3, sink_h=sink)
+    ref = eager_attention(q, k, v, dense_mask(PACKED_LAYOUT, spec), 0.3, sink)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]),
+                    torch.autograd.grad(ref.sum(), [q, k, v])):
+        torch.testing.assert_close(a, b)

@@ -7,6 +7,7 @@ from dflash_lab.attention.mask import (
     BlockLayout,
     LayerSpec,
     dense_mask,
+    document_starts,
     flash_window_args,
     is_inference_layout,
 )
@@ -107,3 +108,56 @@ def test_flash_window_args_convention():
     assert flash_window_args(LayerSpec(None, False)) == ((-1, -1), False)
     assert flash_window_args(LayerSpec(2048, True)) == ((2047, 0), True)
     assert flash_window_args(LayerSpec(2048, False)) == ((2047, 2047), False)
+
+
+# Packed rows: documents [0, 5) and [5, 12) in row 0, one document [0, 9) and padding in row 1.
+DOC_IDS = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [-1] * 3])
+
+
+def test_document_starts_and_positions_restart_per_document():
+    starts = document_starts(DOC_IDS)
+    assert starts.tolist() == [[0] * 5 + [5] * 7, [0] * 9 + [9] * 3]
+    positions = torch.arange(12) - starts
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
+def test_packed_context_never_crosses_a_document_boundary(spec):
+    """Brute force: a context key is visible iff the unpacked rule holds AND it lies in the
+    anchor's document; block keys are unchanged."""
+    anchors = torch.tensor([[2, 4, 5, 7, 11], [1, 3, 6, 8, 8]])
+    starts = document_starts(DOC_IDS)
+    packed = BlockLayout(anchors, 12, 4, doc_starts_bn=starts.gather(1, anchors))
+    plain = dense_mask(BlockLayout(anchors, 12, 4), spec)
+    mask = dense_mask(packed, spec)
+    for row in range(2):
+        for q in range(packed.num_queries):
+            a = int(anchors[row, q // 4])
+            same_doc = DOC_IDS[row, :12] == DOC_IDS[row, a]
+            assert torch.equal(mask[row, 0, q, :12], plain[row, 0, q, :12] & same_doc)
+            assert torch.equal(mask[row, 0, q, 12:], plain[row, 0, q, 12:])
+    # the first anchor of document 1 (position 5) sees no context at all, as an unpacked row's
+    # anchor at 0 would; its own block keeps the softmax row non-empty
+    assert not mask[0, 0, 8:12, :12].any() and mask.sum(-1).min() > 0
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
+def test_packed_document_sees_what_it_sees_alone(spec):
+    """Document 1 of row 0 (positions 5..11) packed behind document 0 gives the same mask over
+    its own context as the document alone in an unpacked row (positions shifted by 5)."""
+    anchors = torch.tensor([[5, 7, 9]])
+    starts = document_starts(DOC_IDS[:1])
+    packed = BlockLayout(anchors, 12, 4, doc_starts_bn=starts.gather(1, anchors))
+    alone = BlockLayout(anchors - 5, 7, 4)
+    got, want = dense_mask(packed, spec)[0, 0], dense_mask(alone, spec)[0, 0]
+    assert torch.equal(got[:, 5:12], want[:, :7]) and not got[:, :5].any()
+    assert torch.equal(got[:, 12:], want[:, 7:])
+    assert torch.equal(packed.positions_bq(), alone.positions_bq())
+
+
+def test_a_packed_context_is_no_inference_layout():
+    """flash's window cannot start at a document boundary: such layouts are not for flash."""
+    one = BlockLayout(torch.tensor([[9]]), 9, 4, doc_starts_bn=torch.tensor([[0]]))
+    assert is_inference_layout(one)
+    assert not is_inference_layout(BlockLayout(torch.tensor([[9]]), 9, 4,
+                                               doc_starts_bn=torch.tensor([[4]])))

@@ -23,10 +23,12 @@ class _Recorder(L.LightningModule):
         super().__init__()
         self.early_loader = early_loader
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[tuple[int, list[int]]] = []
+        self.seen: list[tuple[int, list]] = []
 
     def training_step(self, batch, batch_idx):
-        self.seen.append((self.current_epoch, batch["input_ids"][:, 0].tolist()))
+        rows = batch["input_ids"].tolist() if "document_ids" in batch else (
+            batch["input_ids"][:, 0].tolist())  # packed rows: every document of each row
+        self.seen.append((self.current_epoch, rows))
         return (self.w * batch["input_ids"].float()).sum()
 
     def validation_step(self, batch, batch_idx):
@@ -48,9 +50,10 @@ class _Kill(L.Callback):
             raise _Killed  # the run dies here: nothing is saved on the way out
 
 
-def _fit(ckpt_dir, workers, every, kill=False, resume=None, early_loader=False):
+def _fit(ckpt_dir, workers, every, kill=False, resume=None, early_loader=False, pack=False):
+    packing = {"pack": True, "max_tokens_per_row": 2} if pack else {}
     data = _Numbers(batch_size=4, val_fraction=0.2, max_val_samples=5, seed=1,
-                    num_workers=workers)
+                    num_workers=workers, **packing)
     callbacks = [DFlashCheckpoint(dirpath=ckpt_dir, monitor=None, save_top_k=0, save_last=True,
                                   last_every_n_steps=every)]
     if kill:
@@ -83,6 +86,21 @@ def test_resumed_run_serves_the_same_batches_as_the_uninterrupted_one(tmp_path, 
     assert state["global_step"] == resumed_step
     got = _fit(tmp_path / "kill", workers, every, resume=str(tmp_path / "kill/last.ckpt"),
                early_loader=early_loader)
+    assert got == want[resumed_step:]
+
+
+@pytest.mark.parametrize(("every", "resumed_step"), [(5, 5), (4, 4), (3, 6)],
+                         ids=["mid-epoch", "mid-epoch-first-batch", "epoch-end"])
+def test_a_packed_run_resumes_exactly_too(tmp_path, every, resumed_step):
+    """data.pack: 20 one-token documents in 10 rows of 2, 3 batches of rows per epoch; the
+    resumed run serves the uninterrupted run's remaining rows (same plan from the data seed)."""
+    want = _fit(tmp_path / "ref", 0, every, pack=True)
+    assert len(want) == 9 and all(len(row) == 2 for _, rows in want for row in rows)
+    killed = _fit(tmp_path / "kill", 0, every, kill=True, pack=True)
+    assert len(killed) == 7
+    state = torch.load(tmp_path / "kill/last.ckpt", weights_only=False)
+    assert state["global_step"] == resumed_step
+    got = _fit(tmp_path / "kill", 0, every, resume=str(tmp_path / "kill/last.ckpt"), pack=True)
     assert got == want[resumed_step:]
 
 

@@ -16,6 +16,7 @@ from benchmarks import (
     draft_vocab,
     loss_cost,
     loss_memory,
+    packing,
     peer_speculators,
     regenerate,
     train_step,
@@ -67,6 +68,16 @@ def test_train_step_benchmark_times_dflash1_and_dflash2_interleaved(tmp_path):
     assert two["trainable_params"] > one["trainable_params"]
     assert rec["ratios"]["dflash2 / dflash1 step, median of paired steps (eager/sdpa)"] > 0
     assert len(rec["step_s"]["eager/sdpa"]["dflash2"]) == 1
+
+
+def test_packing_benchmark_reports_padding_and_throughput_side_by_side(tmp_path):
+    rec = _run(packing, tmp_path, "--lengths", "lognormal", "--limit", "40",
+                "--median", "16")
+    by = {r["layout"]: r for r in rec["rows"]}
+    assert set(by) == {"padded", "packed"} and all(r["tokens/s"] > 0 for r in by.values())
+    assert by["packed"]["padding_share"] < by["padded"]["padding_share"]
+    assert by["packed"]["batches/epoch"] < by["padded"]["batches/epoch"]
+    assert rec["ratios"]["packed / padded tokens/s"] > 0
 
 
 def test_train_step_dflash2_step_trains_the_selector():

@@ -1,0 +1,122 @@
+"""Packed rows (``data.pack``): several whole documents per row, up to ``max_tokens_per_row``.
+
+A document is one sample of the data module (a captured or tokenised conversation). Packing
+never splits a document and never lets one see another: the row carries ``document_ids`` [L]
+(the document index of each token inside the row, 0, 1, ...), from which the training step
+restarts RoPE positions, confines the context of every block to its anchor's document
+(attention/mask.py), draws anchors per document (train/anchors.py) and stops supervision at a
+document's end (train/loss.py). A packed row therefore trains each of its documents exactly as
+an unpacked row of that document alone would.
+
+The plan (which documents share a row) is made ONCE per data module, by greedy first-fit over a
+permutation seeded by ``data.seed``: deterministic, so a resumed run rebuilds the same rows. The
+per-epoch shuffle then permutes the ROWS (``EpochShuffleSampler``), so the number of rows, the
+loader length and the resume position (rows consumed) are exactly as for unpacked samples.
+Documents keep their row partners across epochs; within a row they cannot interact, so that
+only changes which documents share a batch.
+
+Shape legend: L tokens of a packed row (<= max_tokens_per_row), F feature width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, Subset
+
+
+def sample_lengths(dataset: Dataset) -> list[int]:
+    """Token count of every sample, without reading features where the dataset can tell:
+    a ``lengths()`` method (captured shards, tokenised conversations), through ``Subset``."""
+    if isinstance(dataset, Subset):
+        inner = sample_lengths(dataset.dataset)
+        return [inner[i] for i in dataset.indices]
+    if hasattr(dataset, "lengths"):
+        return list(dataset.lengths())
+    return [int(dataset[i]["input_ids"].shape[0]) for i in range(len(dataset))]
+
+
+def first_fit(lengths: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
+    """Greedy first-fit: documents in ``order`` go into the first row with room for them.
+
+    Returns rows of document indices (each row's total length <= ``capacity``; every length
+    must be <= capacity). A max segment tree over the rows' free space finds the leftmost row
+    that fits in O(log n), so packing 100k documents takes a second, not minutes; rows not yet
+    opened have the full capacity, so "no open row fits" opens the next one.
+    """
+    size = 1 << max(0, (len(order) - 1).bit_length())
+    free = [0] * size + [capacity] * size  # leaves at [size, 2 size)
+    for i in range(size - 1, 0, -1):
+        free[i] = max(free[2 * i], free[2 * i + 1])
+    rows: list[list[int]] = []
+    for doc in order:
+        need = lengths[doc]
+        node = 1
+        while node < size:  # leftmost leaf with free >= need
+            node = 2 * node if free[2 * node] >= need else 2 * node + 1
+        row = node - size
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(doc)
+        free[node] -= need
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return rows
+
+
+def check_fits(lengths: Sequence[int], capacity: int, where: str) -> None:
+    """ValueError naming the longest document when one exceeds ``capacity``: packing refuses
+    rather than truncates (capture and tokenisation already cut documents at their
+    ``max_length``; cutting again here would silently drop supervised tokens)."""
+    longest = max(lengths, default=0)
+    if longest > capacity:
+        k = list(lengths).index(longest)
+        raise ValueError(
+            f"data.max_tokens_per_row={capacity}: {where} holds a document of {longest} tokens "
+            f"(sample {k}); packing never splits a document: set data.max_tokens_per_row >= "
+            f"{longest}, or cut documents shorter (capture.max_length, data.max_length)")
+
+
+class PackedRows(Dataset):
+    """Rows of whole documents of ``dataset``: item r concatenates the documents ``rows[r]``.
+
+    Item: every per-token tensor of the documents (``keys`` present in them), concatenated
+    ([L] or [L, F]), plus ``document_ids`` [L] long (0 for the row's first document, 1, ...).
+    """
+
+    def __init__(self, dataset: Dataset, rows: list[list[int]], keys: Sequence[str]):
+        self.dataset, self.rows, self.keys = dataset, rows, tuple(keys)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, r: int) -> dict[str, Tensor]:
+        docs = [self.dataset[k] for k in self.rows[r]]
+        row = {key: torch.cat([d[key] for d in docs]) for key in self.keys if key in docs[0]}
+        row["document_ids"] = torch.cat([torch.full((d["input_ids"].shape[0],), i,
+                                                    dtype=torch.long)
+                                         for i, d in enumerate(docs)])
+        return row
+
+    def num_tokens(self) -> int:
+        """Real tokens over all rows (the padding share's numerator is the rest)."""
+        lengths = sample_lengths(self.dataset)
+        return sum(lengths[k] for row in self.rows for k in row)
+
+
+def pack(dataset: Dataset, capacity: int, keys: Sequence[str], where: str,
+         seed: int | None) -> PackedRows:
+    """The packed rows of ``dataset``: first-fit over a ``seed``-ed permutation (None: the
+    dataset's order, as for validation). Refuses a document longer than ``capacity``."""
+    lengths = sample_lengths(dataset)
+    check_fits(lengths, capacity, where)
+    order = list(range(len(lengths)))
+    if seed is not None:
+        # the stream "epoch -1" of the epoch sampler's seeds: distinct from every epoch's order
+        g = torch.Generator().manual_seed((seed * 100_003 - 1) % 2**63)
+        order = torch.randperm(len(lengths), generator=g).tolist()
+    return PackedRows(dataset, first_fit(lengths, order, capacity), keys)
