@@ -17,14 +17,21 @@ from dflash_lab.data.module import (
 LAYERS = [1, 3, 5]
 
 
-def test_online_batches_equal_offline_batches_from_a_capture(tiny_target, tmp_path):
+def capture_demo(target, tmp_path):
+    """12 demo conversations written to tmp_path/conv.jsonl and captured by ``target`` at
+    LAYERS (float32, 64 tokens) into tmp_path/cap: (the jsonl path, the capture path)."""
     rows = [{"messages": c} for c in demo_conversations(12, seed=11)]
     jsonl = tmp_path / "conv.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = CaptureSettings(out_dir=str(tmp_path / "cap"), target_layer_ids=LAYERS,
                                max_length=64, hidden_dtype="float32", shard_size=5,
                                batch_size=3)
-    run_capture(tiny_target, rows, settings, {"path": str(jsonl)}, progress=False)
+    run_capture(target, rows, settings, {"path": str(jsonl)}, progress=False)
+    return jsonl, tmp_path / "cap"
+
+
+def test_online_batches_equal_offline_batches_from_a_capture(tiny_target, tmp_path):
+    jsonl, _ = capture_demo(tiny_target, tmp_path)
     common = dict(target=tiny_target, target_layer_ids=LAYERS, batch_size=4, val_fraction=0.25,
                   seed=3)
     offline = OfflineDataModule(str(tmp_path / "cap"), hidden_size=64, vocab_size=768,

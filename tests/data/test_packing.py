@@ -1,15 +1,13 @@
 """Packed rows (data.pack): the first-fit plan, the refusals, and packed batches from a capture
 equal to packed online batches whose features the target computes per document."""
 
-import json
 
 import pytest
 import torch
 
-from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.module import BlockDataModule, OfflineDataModule, OnlineDataModule
 from dflash_lab.data.packing import PackedRows, first_fit, pack
+from tests.data.test_module import capture_demo
 
 LAYERS = [1, 3, 5]
 
@@ -103,13 +101,7 @@ def test_packed_rows_concatenate_documents_with_their_ids():
 def test_online_packed_batches_equal_captured_packed_batches(tiny_target, tmp_path):
     """The online target runs each document of a packed row alone: its features equal the
     capture's (which ran each conversation alone) in the same packed layout."""
-    rows = [{"messages": c} for c in demo_conversations(12, seed=11)]
-    jsonl = tmp_path / "conv.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    settings = CaptureSettings(out_dir=str(tmp_path / "cap"), target_layer_ids=LAYERS,
-                               max_length=64, hidden_dtype="float32", shard_size=5,
-                               batch_size=3)
-    run_capture(tiny_target, rows, settings, {"path": str(jsonl)}, progress=False)
+    jsonl, _ = capture_demo(tiny_target, tmp_path)
     common = dict(target=tiny_target, target_layer_ids=LAYERS, batch_size=2, val_fraction=0.25,
                   seed=3, pack=True, max_tokens_per_row=160)
     offline = OfflineDataModule(str(tmp_path / "cap"), hidden_size=64, vocab_size=768,

@@ -110,19 +110,29 @@ def _common(p: dict[str, Any], kind: str) -> RopeReading | None:
     return None
 
 
+def _engine_reading(config: dict[str, Any], cache: str
+                    ) -> tuple[dict[str, Any], str, RopeReading | None]:
+    """(rope parameters, rope_type, the reading when both engines read it alike) of a
+    config.json: a per-layer-type dict is refused the way both engines fail on it (``cache``:
+    how this engine's get_rope caches), default/linear/llama3 are :func:`_common`; None
+    leaves the engine-specific types to the caller."""
+    p, nested = hf_rope_parameters(config)
+    if nested:
+        return p, "", RopeReading(0.0, None, refusal="raises TypeError (unhashable type: "
+                                  f"'dict'): get_rope {cache} and a per-layer-type dict holds "
+                                  "dicts")
+    kind = p["rope_type"]
+    return p, kind, _common(p, kind)
+
+
 _YARN_RAMP = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
 
 
 def vllm_rope(config: dict[str, Any]) -> RopeReading:
     """vLLM 0.32's rotary for the drafter (module docstring)."""
-    p, nested = hf_rope_parameters(config)
-    if nested:
-        return RopeReading(0.0, None, refusal="raises TypeError (unhashable type: 'dict'): "
-                           "get_rope caches on rope_parameters' items and a per-layer-type dict "
-                           "holds dicts")
-    kind = p["rope_type"]
-    if (common := _common(p, kind)) is not None:
-        return common
+    p, kind, early = _engine_reading(config, "caches on rope_parameters' items")
+    if early is not None:
+        return early
     theta = float(p["rope_theta"])
     if kind == "dynamic" and "alpha" not in p:
         ratio = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS) / p.get(
@@ -156,14 +166,9 @@ def _sglang_yarn(p: dict[str, Any], theta: float) -> RopeReading:
 
 def sglang_rope(config: dict[str, Any]) -> RopeReading:
     """SGLang 0.5.23's rotary for the drafter (module docstring)."""
-    p, nested = hf_rope_parameters(config)
-    if nested:
-        return RopeReading(0.0, None, refusal="raises TypeError (unhashable type: 'dict'): "
-                           "get_rope keys its cache on rope_scaling's items and a per-layer-type "
-                           "dict holds dicts")
-    kind = p["rope_type"]
-    if (common := _common(p, kind)) is not None:
-        return common
+    p, kind, early = _engine_reading(config, "keys its cache on rope_scaling's items")
+    if early is not None:
+        return early
     theta = float(p["rope_theta"])
     if kind == "dynamic" and "alpha" not in p:
         return RopeReading(_dynamic_base(theta, p["factor"], p["factor"], _head_dim(config)),
