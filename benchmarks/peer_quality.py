@@ -102,7 +102,7 @@ def schedule_lrs(cfg, num_steps: int) -> list[float]:
     from hydra.utils import instantiate
 
     param = torch.nn.Parameter(torch.zeros(1))
-    opt = instantiate(cfg.module.optimizer)([param])
+    opt = instantiate(cfg.module.optimizer)([("weight", param)])  # named, as configure_optimizers
     sched = instantiate(cfg.module.scheduler)(opt, total_steps=num_steps)
     lrs = []
     for _ in range(num_steps):

@@ -73,9 +73,21 @@ line, or by ``--verifier-logits``:
 What is matched to ours: the batches (same samples, same order, same steps, whatever the seed),
 the anchor budget (``num_anchors_per_sequence x sequences`` per packed batch), gamma, the DFlash 2
 conv and selector shape (the plan's drafter: our conf/drafter/dflash2.yaml, which are also their
-defaults), AdamW with our lr, betas and weight decay, the lr of every step, float32 (their trainer
-autocasts to bfloat16 on GPU). The seed is the comparison's (``--seed``, default 0; their CLI's
-default is 42).
+defaults), float32 (their trainer autocasts to bfloat16 on GPU). The seed is the comparison's
+(``--seed``, default 0; their CLI's default is 42).
+
+The optimizer (``--optimizer``):
+
+- ``default`` (the default): their trainer's own, at their CLI's unmodified defaults
+  (speculators 0.9.0 ``OptimizerArgs`` / ``SchedulerArgs``, read from their schema at run time):
+  their ``build_optimizers`` (Muon on the 2-D weight matrices with ``match_rms_adamw``, AdamW on
+  the rest, lr 1e-3 for both groups, weight decay 0.1 / 0.01) and one linear schedule per
+  optimizer with their warmup of 1% of the steps (their ``_resolve_scheduler_steps`` with
+  ``max_steps`` = the plan's steps, as ``--max-steps`` gives it), stepped after every optimizer
+  step as their ``Trainer.train_epoch`` steps it.
+- ``plan``: the controlled setting of the earlier runs: AdamW with our lr, betas and weight decay,
+  and the lr of our schedule at every step (the plan's), so that only model, loss and weighting
+  differ.
 """
 
 from __future__ import annotations
@@ -97,6 +109,9 @@ POINT_MASS_LOGIT = 1.0e4
 #: Their DFlash 2 conv and selector fields, as the plan's drafter names them (ours and theirs
 #: use the same names).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+#: ``--optimizer``: ``default`` is their trainer's own at their defaults, ``plan`` our AdamW.
+OPTIMIZERS = ("default", "plan")
 
 #: ``--verifier-logits``: ``auto`` picks ``real`` when the capture holds ``target_last_hidden``.
 VERIFIER_LOGITS = ("auto", "real", "point-mass")
@@ -298,6 +313,55 @@ class Shards:
         return {k: f.get_slice(k)[a:b] for k in self.keys}
 
 
+def their_default_optimizer_args() -> dict:
+    """Their CLI's optimizer and scheduler defaults (``OptimizerArgs()`` and ``SchedulerArgs()``
+    of their schema, unset ``muon_lr`` resolved to ``lr`` as their ``TrainConfig`` does)."""
+    from speculators.train.config.schema import OptimizerArgs, SchedulerArgs
+
+    args = {**OptimizerArgs().model_dump(), **SchedulerArgs().model_dump()}
+    if args["muon_lr"] is None:
+        args["muon_lr"] = args["lr"]
+    return args
+
+
+def build_optimizer(model, plan: dict, which: str):
+    """(optimizers, schedulers, record) for ``--optimizer`` (module docstring). ``plan``: one
+    AdamW at our settings and no scheduler (the loop sets each step's lr from the plan);
+    ``default``: their ``build_optimizers`` and one schedule per optimizer, as their
+    ``Trainer.setup_optimizer`` builds them, over ``plan["num_steps"]`` steps."""
+    if which == "plan":
+        o = plan["optimizer"]
+        params = [q for q in model.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]),
+                                weight_decay=o["weight_decay"])
+        return [opt], [], {"name": "plan", "adamw": o}
+    from types import SimpleNamespace
+
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import (
+        _resolve_scheduler_steps,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    args = their_default_optimizer_args()
+    cfg = SimpleNamespace(**args, num_epochs=1, max_steps=plan["num_steps"])
+    opts = build_optimizers(model, cfg)
+    if args["scheduler_type"] == "none":
+        return opts, [], {"name": "default", **args}
+    warmup, total = _resolve_scheduler_steps(cfg, plan["num_steps"])
+    if args["scheduler_type"] == "linear":
+        scheds = [get_linear_schedule_with_warmup(o, num_warmup_steps=warmup,
+                                                  num_training_steps=total) for o in opts]
+    else:
+        scheds = [get_cosine_schedule_with_warmup(
+            o, num_warmup_steps=warmup, num_training_steps=total,
+            num_cycles=args["scheduler_num_cosine_cycles"]) for o in opts]
+    names = [type(o).__name__ for o in opts]
+    return opts, scheds, {"name": "default", "optimizers": names, "warmup_steps": warmup,
+                          "total_steps": total, **args}
+
+
 def pack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Their collator's layout: one row [1, T] of the samples back to back.
 
@@ -345,6 +409,10 @@ def main(argv: list[str] | None = None) -> None:
                         "fixed-exp-decay for dflash2)")
     p.add_argument("--seed", type=int, default=0,
                    help="their set_seed before the model is built: init and anchor sampling")
+    p.add_argument("--optimizer", default="default", choices=list(OPTIMIZERS),
+                   help="default: their trainer's optimizer and schedule at their CLI's defaults "
+                        "(Muon + AdamW, lr 1e-3, linear with 1%% warmup); plan: our AdamW and "
+                        "the plan's lr at every step")
     p.add_argument("--verifier-logits", default="auto", choices=list(VERIFIER_LOGITS),
                    help="auto: real when the capture holds target_last_hidden, else point-mass")
     a = p.parse_args(argv)
@@ -357,16 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(a.target, plan, a.seed, a.variant, mode)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
-    o = plan["optimizer"]
-    opt = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]),
-                            weight_decay=o["weight_decay"])
+    opts, scheds, opt_info = build_optimizer(model, plan, a.optimizer)
     kwargs = trainer_kwargs(model, plan, loss_fn, weighting)
     shards = Shards(plan["capture"], SAMPLE_KEYS + (("target_last_hidden",) if mode == "real"
                                                     else ()))
     info = {"variant": a.variant, "trainable_params": sum(q.numel() for q in params),
             "loss_fn": loss_fn, "weighting": weighting, "max_anchors": kwargs["max_anchors"],
             "steps": plan["num_steps"], "seed": a.seed, "verifier_logits": mode,
-            "ours_trainable_params": plan["drafter"]["trainable_params"]}
+            "ours_trainable_params": plan["drafter"]["trainable_params"], "optimizer": opt_info}
     if mode == "real":  # before any step: a mismatched head must not train anything
         first = [shards.sample(*r) for r in plan["steps"][0]["rows"]]
         cat = {k: torch.cat([s[k] for s in first]) for k in first[0]}
@@ -380,16 +446,22 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         for step, entry in enumerate(plan["steps"]):
             batch = pack([shards.sample(*r) for r in entry["rows"]])
-            for g in opt.param_groups:  # the lr of this step in our schedule
-                g["lr"] = entry["lr"]
+            if not scheds:  # --optimizer plan: the lr of this step in our schedule
+                for g in opts[0].param_groups:
+                    g["lr"] = entry["lr"]
+            lr = opts[0].param_groups[0]["lr"]
             _, loss, metrics = model(**batch, **kwargs)
-            opt.zero_grad()
+            for o in opts:
+                o.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), plan["gradient_clip_val"])
-            opt.step()
+            for o in opts:
+                o.step()
+            for sc in scheds:
+                sc.step()
             done = step + 1
             seconds = time.time() - t0
-            log.write(f"{done}\t{float(loss.detach()):.5f}\t{entry['lr']:.3e}\t{seconds:.1f}\n")
+            log.write(f"{done}\t{float(loss.detach()):.5f}\t{lr:.3e}\t{seconds:.1f}\n")
             log.flush()
             if done % 10 == 0:
                 print(f"step {done}/{plan['num_steps']} loss {float(loss.detach()):.4f} "

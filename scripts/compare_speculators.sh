@@ -83,7 +83,11 @@
 # conversations `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's
 # greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist]_s$STEPS), PLOT_DIR
 # (docs/img), SPEC_PY (.venv-speculators/bin/python; make speculators-venv). A bad knob exits 2
-# naming it before any work. Logs in $OUT/logs/, times in $OUT/times.tsv. Needs `make
+# naming it before any work. OPTIMIZER (muon: each side at its Muon: theirs at their trainer's
+# unmodified defaults, `speculators_train.py --optimizer default`, Muon + AdamW at lr 1e-3 with
+# their linear schedule; ours with module/optimizer=muon; OUT and our runs named _muon | adamw:
+# the controlled setting of the runs before it, both sides on our AdamW and our lr at every
+# step, `--optimizer plan`, no suffix). Logs in $OUT/logs/, times in $OUT/times.tsv. Needs `make
 # prepare-smollm2` first (target and data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -147,9 +151,16 @@ elif [[ $OUR_LOSS == ce ]]; then
 else
   LSLUG=$(loss_slug "$OUR_LOSS") || { echo "$LSLUG"; exit 2; }
 fi
+OPTIMIZER=${OPTIMIZER:-muon}
+case $OPTIMIZER in  # MSUF names OUT and our runs of a Muon run
+  muon) MSUF=_muon; OPT_SET=(module/optimizer=muon); THEIR_OPTIMIZER=default ;;
+  adamw) MSUF=; OPT_SET=(); THEIR_OPTIMIZER=plan ;;
+  *) echo "OPTIMIZER=$OPTIMIZER: expected muon (each side's Muon, theirs at their defaults) or" \
+          "adamw (both sides on our AdamW and lr schedule)"; exit 2 ;;
+esac
 POLICY=${POLICY:-off}
 SUFFIX=$(policy_suffix "$POLICY") || exit 2
-NAME=compare_speculators${SUFFIX}${DSUF}  # OUT's and our runs' common prefix
+NAME=compare_speculators${SUFFIX}${DSUF}${MSUF}  # OUT's and our runs' common prefix
 OUT=${OUT:-outputs/${NAME}_s$STEPS}
 TARGET=outputs/smollm2_target
 DATA=outputs/data/sharegpt
@@ -167,7 +178,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # on the plan's batches.
 BASE_ARGS=(recipe=smollm2_sharegpt_cpu data.path="$CAPTURE"
            trainer.max_epochs=1000 trainer.max_steps="$STEPS" export.enabled=false
-           ${VARIANT_SET[@]+"${VARIANT_SET[@]}"} ${OUR_SET[@]+"${OUR_SET[@]}"})
+           ${VARIANT_SET[@]+"${VARIANT_SET[@]}"} ${OUR_SET[@]+"${OUR_SET[@]}"}
+           ${OPT_SET[@]+"${OPT_SET[@]}"})
 
 use_seed() {  # use_seed N: the names and arguments of every per-seed stage at seed N
   SEED=$1
@@ -235,7 +247,7 @@ train_theirs() {
   fi
   "$SPEC_PY" benchmarks/speculators_train.py --plan "$PLAN" --target "$TARGET" \
     --out "$THEIRS" --save-every "$EVAL_EVERY" --variant "$VARIANT" \
-    --weighting "$THEIR_WEIGHTING" --seed "$SEED"
+    --weighting "$THEIR_WEIGHTING" --seed "$SEED" --optimizer "$THEIR_OPTIMIZER"
 }
 
 curves() {

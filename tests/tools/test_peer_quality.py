@@ -220,7 +220,7 @@ def test_their_dflash2_trains_the_plan_and_both_sides_curves_score_dflash2(
     done = subprocess.run(
         [str(SPEC_PYTHON), str(REPO_ROOT / "benchmarks" / "speculators_train.py"), "--plan",
          str(tmp_path / "plan.json"), "--target", str(tiny_target_dir), "--out", str(theirs),
-         "--save-every", "2", "--variant", "dflash2"],
+         "--save-every", "2", "--variant", "dflash2", "--optimizer", "plan"],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -230,6 +230,9 @@ def test_their_dflash2_trains_the_plan_and_both_sides_curves_score_dflash2(
     log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
     assert [int(r[0]) for r in log] == [1, 2, 3]
     assert all(0 < float(r[1]) < 100 for r in log)
+    # --optimizer plan: our AdamW at the plan's lr of every step
+    assert [float(r[2]) for r in log] == [float(f"{e['lr']:.3e}") for e in plan["steps"]]
+    assert run["optimizer"]["name"] == "plan"
     assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]
     for step in (2, 3):
         loaded = load_drafter(theirs / f"step-{step}")
@@ -258,16 +261,26 @@ def script_paths(tmp_path, **env) -> dict[str, str]:
     return dict(line.split("=", 1) for line in done.stdout.splitlines())
 
 
+def test_muon_by_default_names_its_runs_and_adamw_keeps_the_earlier_names(tmp_path):
+    out = str(tmp_path / "cmp")
+    muon = script_paths(tmp_path, DISTRIBUTION="last_hidden", STEPS="160")
+    assert muon["run.0"] == "outputs/runs/compare_speculators_dist_muon_ours_s160"
+    assert muon["theirs.0"] == f"{out}/theirs_dpace"  # OUT itself is named _muon by default
+    assert script_paths(tmp_path, OUT="")["out"] == "outputs/compare_speculators_muon_s200"
+    adamw = script_paths(tmp_path, DISTRIBUTION="last_hidden", STEPS="160", OPTIMIZER="adamw")
+    assert adamw["run.0"] == "outputs/runs/compare_speculators_dist_ours_s160"
+
+
 def test_seed_0_keeps_todays_names_and_every_seed_gets_its_own(tmp_path):
     out = str(tmp_path / "cmp")
-    one = script_paths(tmp_path)  # the defaults: issue 20's single-seed names
+    one = script_paths(tmp_path, OPTIMIZER="adamw")  # issue 20's single-seed names
     assert one["capture"] == "outputs/capture/smollm2_sharegpt_n320"
     assert one["run.0"] == "outputs/runs/compare_speculators_ours_s200"
     assert (one["theirs.0"], one["curves.0"]) == (f"{out}/theirs_dpace", f"{out}/curves_dpace.tsv")
     assert (one["eval_ours.0"], one["eval_theirs.0"]) == (f"{out}/eval_ours",
                                                           f"{out}/eval_theirs_dpace")
     assert one["stage_train_ours.0"] == "train_ours" and "run_loss.0" not in one
-    got = script_paths(tmp_path, SEEDS="0 1 2", DISTRIBUTION="last_hidden")
+    got = script_paths(tmp_path, SEEDS="0 1 2", DISTRIBUTION="last_hidden", OPTIMIZER="adamw")
     assert got["capture"] == "outputs/capture/smollm2_sharegpt_n320_dist"  # never mixed
     assert got["heldout"] == "outputs/capture/smollm2_sharegpt_heldout_n32_dist"
     assert got["run_loss.0"] == "outputs/runs/compare_speculators_dist_ours_loss-kl1.0_s200"
@@ -282,13 +295,14 @@ def test_seed_0_keeps_todays_names_and_every_seed_gets_its_own(tmp_path):
     assert got["stage_train_theirs.1"] == "train_theirs_dpace_seed1"
     assert got["eval_theirs_T1.1"] == f"{out}/eval_theirs_dpace_seed1_T1"
     two = script_paths(tmp_path, SEEDS="3", VARIANT="dflash2", DISTRIBUTION="last_hidden",
-                       OUR_LOSS="{ce: 0.1, tv: 0.9}")
+                       OUR_LOSS="{ce: 0.1, tv: 0.9}", OPTIMIZER="adamw")
     assert two["run_loss.3"] == (
         "outputs/runs/compare_speculators_dist_ours_loss-ce0.1_tv0.9_dflash2_s200_seed3")
 
 
 @pytest.mark.parametrize("env,named", [
     ({"SEEDS": "0 one"}, "SEEDS=0 one"), ({"SEEDS": "1 1"}, "SEEDS=1 1"),
+    ({"OPTIMIZER": "sgd"}, "OPTIMIZER=sgd"),
     ({"SEEDS": " "}, "SEEDS="),
     ({"DISTRIBUTION": "topk"}, "DISTRIBUTION=topk"),
     ({"OUR_LOSS": "{kl: 1.0}"}, "OUR_LOSS={kl: 1.0}"),  # an argmax-only capture cannot
@@ -588,3 +602,18 @@ def test_their_trainer_picks_real_logits_by_itself_and_records_it(real_logits_ru
     assert agree["positions"] > 0 and agree["fraction"] > 0.9
     assert (theirs / "step-2" / "config.json").is_file()
     assert found["argmax_mode"] == "point-mass" and "point mass" in found["argmax_log"]
+
+
+@pytest.mark.slow
+def test_their_side_runs_their_default_optimizer_and_schedule(real_logits_run):
+    """--optimizer default (the default): their build_optimizers at their CLI's defaults, Muon
+    on the 2-D weights and AdamW on the rest, both at lr 1e-3, and their linear schedule over
+    the plan's 2 steps (warmup 2 // 100 = 0): lr 1e-3, then 5e-4."""
+    _, theirs = real_logits_run
+    opt = json.loads((theirs / "run.json").read_text())["optimizer"]
+    assert opt["name"] == "default" and opt["optimizers"] == ["Muon", "AdamW"]
+    assert (opt["optimizer"], opt["lr"], opt["muon_lr"]) == ("muon", 1e-3, 1e-3)
+    assert (opt["muon_adjust_lr_fn"], opt["scheduler_type"]) == ("match_rms_adamw", "linear")
+    assert (opt["warmup_steps"], opt["total_steps"]) == (0, 2)
+    log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
+    assert [float(r[2]) for r in log] == [1e-3, 5e-4]
