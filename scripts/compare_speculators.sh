@@ -81,7 +81,7 @@
 # compare_speculators_ours_dpace_s$STEPS, whose stages and files carry the suffix _ours-dpace:
 # train_ours, curves, eval_ours, table), POLICY (off: ShareGPT's own answers | on: the
 # conversations `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's
-# greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist]_s$STEPS), PLOT_DIR
+# greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist][_muon]_s$STEPS), PLOT_DIR
 # (docs/img), SPEC_PY (.venv-speculators/bin/python; make speculators-venv). A bad knob exits 2
 # naming it before any work. OPTIMIZER (muon: each side at its Muon: theirs at their trainer's
 # unmodified defaults, `speculators_train.py --optimizer default`, Muon + AdamW at lr 1e-3 with
