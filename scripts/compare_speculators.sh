@@ -7,7 +7,7 @@
 # the target's real logits (their default losses at last measured as they are) and our side adds
 # an arm trained with a distribution loss (OUR_LOSS). SEEDS="0 1 2" runs every arm at each seed.
 # Usage: scripts/compare_speculators.sh [STAGE ...]   (default: every stage, in order)
-#   stages: capture plan train_ours train_ours_loss train_theirs curves eval table
+#   stages: capture plan train_ours train_ours_loss train_theirs curves eval table archive
 #           (args / args_loss: print our arms' overrides; paths: the directories the knobs select)
 #   capture       train capture (NUM_CONVERSATIONS rows of train.jsonl, the recipe's settings)
 #                 and a held-out capture (NUM_HELDOUT rows of heldout.jsonl): the learning
@@ -39,7 +39,12 @@
 #                 our importer) and served by vLLM (.venv-vllm, make vllm-venv) on the exact
 #                 prompt ids of its T=0 eval report, round for round (= serve_ours
 #                 serve_ours_loss serve_theirs; not in the default stages: run it after eval)
-#   table         always reruns: $OUT/summary_W.md (+ .json): per arm, mean, std and min..max
+#   archive       always reruns: every seed's table inputs (the curves TSV, each arm's T=0 and
+#                 T=1 report.json, the plan, the held-out manifest) copied to ARCHIVE with OUT's
+#                 layout and a provenance.json (knobs, git SHA): commit it, outputs/ is not kept
+#                 between machines (benchmarks/run_archive.py)
+#   table         always reruns (a file OUT lacks is read from ARCHIVE, so seeds run on other
+#                 machines combine; plans that differ from the archived one are refused): $OUT/summary_W.md (+ .json): per arm, mean, std and min..max
 #                 over SEEDS of held-out tau at T=0, held-out expected tau at T=1, decoding tau at
 #                 T=0 and T=1 and losslessness, each of our arms against theirs (separated or
 #                 within the seed spread), the mean learning curves; the plot
@@ -82,8 +87,8 @@
 # train_ours, curves, eval_ours, table), POLICY (off: ShareGPT's own answers | on: the
 # conversations `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's
 # greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist][_muon]_s$STEPS), PLOT_DIR
-# (docs/img), SPEC_PY (.venv-speculators/bin/python; make speculators-venv). A bad knob exits 2
-# naming it before any work. OPTIMIZER (muon: each side at its Muon: theirs at their trainer's
+# (docs/img), ARCHIVE (docs/runs/<OUT's last part>), SPEC_PY (.venv-speculators/bin/python;
+# make speculators-venv). A bad knob exits 2 naming it before any work. OPTIMIZER (muon: each side at its Muon: theirs at their trainer's
 # unmodified defaults, `speculators_train.py --optimizer default`, Muon + AdamW at lr 1e-3 with
 # their linear schedule; ours with module/optimizer=muon; OUT and our runs named _muon | adamw:
 # the controlled setting of the runs before it, both sides on our AdamW and our lr at every
@@ -167,6 +172,7 @@ DATA=outputs/data/sharegpt
 REGEN=${REGEN:-outputs/regenerated/smollm2_sharegpt}
 CAPTURE=outputs/capture/smollm2_sharegpt${SUFFIX}_n$NUM_CONVERSATIONS$DSUF
 HELDOUT=outputs/capture/smollm2_sharegpt_heldout_n$NUM_HELDOUT$DSUF
+ARCHIVE=${ARCHIVE:-docs/runs/${OUT##*/}}  # the committed copy of what table reads (archive)
 TW=${VSUF}_$THEIR_WEIGHTING  # their side's suffix: variant, then weighting
 PLAN=$OUT/plan$VSUF.json
 TITLE="SmolLM2-135M + ShareGPT${SUFFIX:+ (on-policy)}, ${TITLE_VARIANT}3 layers, B=8"
@@ -282,21 +288,56 @@ eval_both() {  # eval_both NAME DRAFTER: the T=0 and T=1 evals, each its own sta
   stage "eval_$1_T1" mark evaluate "$1_T1" "$2" "${T1_SET[@]}"
 }
 
-table() {  # every arm over every seed; the plot into PLOT_DIR
-  local runs=() s
+table_files() {  # table_files ARM: what table reads of ARM (ours, loss, theirs) at this seed
+  local name
+  case $1 in ours) name=$OURS_NAME ;; loss) name=$LOSS_NAME ;; theirs) name=$THEIRS_NAME ;; esac
+  printf '%s\n' "$CURVES" "$OUT/eval_$name/report.json" "$OUT/eval_${name}_T1/report.json"
+}
+
+seed_arms() {  # the arms of every seed: ours, loss (with OUR_LOSS), theirs
+  echo ours; [[ -z $LSLUG ]] || echo loss; echo theirs
+}
+
+archive() {  # every seed's table inputs into ARCHIVE (committed; outputs/ is not kept)
+  local files=("$PLAN") s arm
   for s in "${SEED_LIST[@]}"; do
     use_seed "$s"
-    runs+=(--run "ours ce" ours "$SEED" "$CURVES" "$OUT/eval_$OURS_NAME/report.json"
-           "$OUT/eval_${OURS_NAME}_T1/report.json")
-    if [[ -n $LSLUG ]]; then
-      runs+=(--run "ours $OUR_LOSS" "ours-$LSLUG" "$SEED" "$CURVES"
-             "$OUT/eval_$LOSS_NAME/report.json" "$OUT/eval_${LOSS_NAME}_T1/report.json")
-    fi
-    runs+=(--run speculators speculators "$SEED" "$CURVES"
-           "$OUT/eval_$THEIRS_NAME/report.json" "$OUT/eval_${THEIRS_NAME}_T1/report.json")
+    for arm in $(seed_arms); do mapfile -t -O "${#files[@]}" files < <(table_files "$arm"); done
+  done
+  "$BIN/python" -m benchmarks.run_archive save --out "$OUT" --archive "$ARCHIVE" \
+    --heldout "$HELDOUT" --knob "SEEDS=$SEEDS" --knob "STEPS=$STEPS" \
+    --knob "EVAL_EVERY=$EVAL_EVERY" --knob "NUM_CONVERSATIONS=$NUM_CONVERSATIONS" \
+    --knob "NUM_HELDOUT=$NUM_HELDOUT" --knob "NUM_PROMPTS=$NUM_PROMPTS" \
+    --knob "MAX_NEW_TOKENS=$MAX_NEW_TOKENS" --knob "CURVE_ANCHORS=$CURVE_ANCHORS" \
+    --knob "VARIANT=$VARIANT" --knob "DISTRIBUTION=${DISTRIBUTION}" --knob "OUR_LOSS=$OUR_LOSS" \
+    --knob "OPTIMIZER=$OPTIMIZER" --knob "POLICY=$POLICY" \
+    --knob "THEIR_WEIGHTING=$THEIR_WEIGHTING" --knob "OUR_WEIGHTING=$OUR_WEIGHTING" \
+    "${files[@]}"
+}
+
+kept() {  # kept PATH: PATH, or its archived copy when OUT lacks it (a seed of another machine)
+  local copy=$ARCHIVE/${1#"$OUT"/}
+  if [[ ! -e $1 && -e $copy ]]; then echo "$copy"; else echo "$1"; fi
+}
+
+table() {  # every arm over every seed (OUT's files, else ARCHIVE's); the plot into PLOT_DIR
+  local runs=() s arm f files heldout=$HELDOUT
+  [[ -e $HELDOUT/manifest.json ]] || heldout=$ARCHIVE/heldout
+  "$BIN/python" -m benchmarks.run_archive check-plans "$PLAN" "$ARCHIVE/${PLAN#"$OUT"/}"
+  for s in "${SEED_LIST[@]}"; do
+    use_seed "$s"
+    for arm in $(seed_arms); do
+      files=()
+      while read -r f; do files+=("$(kept "$f")"); done < <(table_files "$arm")
+      case $arm in
+        ours)   runs+=(--run "ours ce" ours "$SEED" "${files[@]}") ;;
+        loss)   runs+=(--run "ours $OUR_LOSS" "ours-$LSLUG" "$SEED" "${files[@]}") ;;
+        theirs) runs+=(--run speculators speculators "$SEED" "${files[@]}") ;;
+      esac
+    done
   done
   mkdir -p "$PLOT_DIR"
-  "$BIN/python" -m benchmarks.peer_quality summary --step "$STEPS" --heldout "$HELDOUT" \
+  "$BIN/python" -m benchmarks.peer_quality summary --step "$STEPS" --heldout "$heldout" \
     --variant "$VARIANT" "${runs[@]}" --out "$OUT/summary$TW$OSUF.md" \
     --json "$OUT/summary$TW$OSUF.json" \
     --plot "$PLOT_DIR/${NAME}_tau$TW$OSUF.png" --title "$TITLE"
@@ -321,7 +362,7 @@ no_loss_arm() { echo "== $1: no distribution-loss arm (OUR_LOSS=none)"; }
 
 paths() {  # the directories and stage marks the knobs select, one KEY=VALUE a line
   local s
-  printf '%s\n' "out=$OUT" "capture=$CAPTURE" "heldout=$HELDOUT" "plan=$PLAN"
+  printf '%s\n' "out=$OUT" "capture=$CAPTURE" "heldout=$HELDOUT" "plan=$PLAN" "archive=$ARCHIVE"
   for s in "${SEED_LIST[@]}"; do
     use_seed "$s"
     printf '%s\n' "run.$SEED=$RUN" "theirs.$SEED=$THEIRS" "curves.$SEED=$CURVES" \
@@ -379,18 +420,19 @@ run_stage() {
     eval)         every_seed eval_ours eval_ours_loss eval_theirs ;;
     serve)        every_seed serve_ours serve_ours_loss serve_theirs ;;
     table)        stage "table$TW$OSUF" - table ;;
+    archive)      stage "archive$TW$OSUF" - archive ;;
     args)         printf '%s\n' "${OUR_ARGS[@]}" ;;  # our CE arm's dflash-train overrides
     args_loss)    [[ -n $LSLUG ]] || { echo "args_loss: OUR_LOSS=none"; exit 2; }
                   printf '%s\n' "${LOSS_ARGS[@]}" ;;  # our distribution-loss arm's
     paths)        paths ;;
     *) echo "unknown stage $1 (capture plan train_ours train_ours_loss train_theirs curves" \
             "eval eval_ours eval_ours_loss eval_theirs serve serve_ours serve_ours_loss" \
-            "serve_theirs table args args_loss paths)"
+            "serve_theirs table archive args args_loss paths)"
        exit 2 ;;
   esac
 }
 
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(capture plan train_ours train_ours_loss train_theirs curves
-                                     eval table)
+                                     eval table archive)
 for s in "${STAGES[@]}"; do run_stage "$s"; done
