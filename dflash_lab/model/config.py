@@ -153,6 +153,10 @@ class DrafterConfig:
     #: data (docs/draft_vocab.md): its own frozen [N, H] head (the target's rows of those
     #: tokens) and the d2t / t2d maps vLLM reads; None = the target's whole vocabulary
     draft_vocab_size: int | None = None
+    #: False (DFlash): slot 0 holds the anchor and predicts nothing, slot t >= 1 predicts the
+    #: token at a + t (B-1 drafts). True (DSpark / speculators' ``sample_from_anchor``): slot k
+    #: predicts the token at a + k + 1 (B drafts). :meth:`label_shift` is the one definition.
+    sample_from_anchor: bool = False
     _source: str = field(default="<DrafterConfig>", repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
@@ -201,6 +205,7 @@ class DrafterConfig:
         self._validate_layers()
         self._validate_rope()
         self._validate_variant()
+        self._validate_sample_from_anchor()
         self._validate_draft_vocab()
         self._validate_scales()
 
@@ -242,6 +247,15 @@ class DrafterConfig:
         self.rope_scaling = normalize_scaling(
             self.rope_scaling, rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings, where=self._source)
+
+    def _validate_sample_from_anchor(self) -> None:
+        if not isinstance(self.sample_from_anchor, bool):
+            self._fail("sample_from_anchor", self.sample_from_anchor, "must be true or false")
+        if self.sample_from_anchor and self.variant == DFLASH2:
+            self._fail("sample_from_anchor", True,
+                       "is not implemented for variant='dflash2' (the selector's predecessor "
+                       "tokens assume an anchor slot that predicts nothing); use "
+                       "variant='dflash1' or sample_from_anchor=false")
 
     def _validate_variant(self) -> None:
         if self.variant not in VARIANTS:
@@ -311,6 +325,22 @@ class DrafterConfig:
         ]
 
     @property
+    def label_shift(self) -> int:
+        """Slot k of the block anchored at a predicts the token at ``a + k + label_shift``:
+        0 for DFlash (slot 0 is the anchor), 1 with :attr:`sample_from_anchor`."""
+        return int(self.sample_from_anchor)
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The first slot that drafts a token: 1 for DFlash, 0 with :attr:`sample_from_anchor`."""
+        return 1 - self.label_shift
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens one block drafts: B-1 for DFlash, B with :attr:`sample_from_anchor`."""
+        return self.block_size - self.first_draft_slot
+
+    @property
     def is_dflash2(self) -> bool:
         """DFlash 2: convs around every sublayer and the candidate selector."""
         return self.variant == DFLASH2
@@ -364,6 +394,8 @@ class DrafterConfig:
             "target_layer_ids": list(self.target_layer_ids),
             "block_size": self.block_size,
             "attention_sink_bias": self.attention_sink_bias,
+            # always explicit: engines default it differently (vLLM false, llama.cpp true)
+            "sample_from_anchor": self.sample_from_anchor,
         }
         if self.is_dflash2:
             dflash.update({k: getattr(self, k) for k in DFLASH2_DEFAULTS})
@@ -462,7 +494,7 @@ OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
 }
 OUR_DFLASH_KEYS = frozenset(
     {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size",
-     "attention_sink_bias", *VARIANT_KEYS}
+     "attention_sink_bias", "sample_from_anchor", *VARIANT_KEYS}
 )
 _SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding"})
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -596,5 +628,6 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
         sliding_window=d.get("sliding_window"), is_causal=spec.get("is_causal"),
         learned_mask_embedding=bool(spec.get("learned_mask_embedding", False)),
         attention_sink_bias=bool(dfc.get("attention_sink_bias", False)),
+        sample_from_anchor=bool(dfc.get("sample_from_anchor", False)),
         draft_vocab_size=d.get("draft_vocab_size"))
     return cls(_source=source, **kwargs)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from dflash_lab.model.dflash2 import scale_logits
+from dflash_lab.train.loss import slot_positions
 
 #: Per-slot losses over the target distribution (``ce`` uses the label only).
 DISTRIBUTION_LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid")
@@ -299,10 +300,11 @@ def term_h(spec: LossSpec, b: Buckets, totals: dict) -> Tensor | None:
 
 
 # ------------------------------------------------------------------------------ acceptance
-def chain(alpha_bnp: Tensor, valid_bnp: Tensor) -> Tensor:
-    """P_t = prod over slots 1..t of alpha (an invalid slot ends the chain) [Bt, N, B-1]."""
-    a = torch.where(valid_bnp[..., 1:], alpha_bnp[..., 1:], torch.zeros_like(alpha_bnp[..., 1:]))
-    return torch.cumprod(a, dim=-1)
+def chain(alpha_bnp: Tensor, valid_bnp: Tensor, first_slot: int = 1) -> Tensor:
+    """P_t = prod over slots first_slot..t of alpha (an invalid slot ends the chain)
+    [Bt, N, B - first_slot] (``first_slot`` 0 with sample_from_anchor)."""
+    a_bnp, ok_bnp = alpha_bnp[..., first_slot:], valid_bnp[..., first_slot:]
+    return torch.cumprod(torch.where(ok_bnp, a_bnp, torch.zeros_like(a_bnp)), dim=-1)
 
 
 def on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
@@ -311,7 +313,8 @@ def on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
     return values_m.new_zeros(valid_bnp.shape).masked_scatter(valid_bnp, values_m)
 
 
-def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
+def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tensor,
+                      first_slot: int = 1) -> Tensor:
     """Expected number of accepted drafts of each real block [K]: sum_t P_t.
 
     With per-slot acceptance probabilities alpha_t (rejection sampling: sum min(p_t, q_t)) the
@@ -320,7 +323,7 @@ def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tens
     Differentiable in alpha (the ``accept`` objective); at alpha in {0, 1} it is the greedy count
     of :func:`~dflash_lab.train.loss.acceptance_lengths` minus one.
     """
-    return chain(alpha_bnp, valid_bnp).sum(-1)[block_valid_bn]
+    return chain(alpha_bnp, valid_bnp, first_slot).sum(-1)[block_valid_bn]
 
 
 # ------------------------------------------------------------------------------ wiring
@@ -359,16 +362,17 @@ def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where:
 
 
 def slot_teacher(kind: str, batch: Mapping[str, Tensor], anchors_bn: Tensor,
-                 valid_bnp: Tensor, softcap: float | None) -> Teacher | None:
+                 valid_bnp: Tensor, softcap: float | None, label_shift: int = 0) -> Teacher | None:
     """The teacher of the valid slots (row-major order) of a batch.
 
-    Slot t of the block anchored at a predicts the token at a + t, which the target
-    distributes after reading positions <= a + t - 1: the teacher of the slot is the target's
-    output at position a + t - 1 (the argmax labels' alignment, loss.py ``token_targets``).
+    Slot t of the block anchored at a predicts the token at p = a + t + label_shift
+    (loss.py ``slot_positions``), which the target distributes after reading positions
+    <= p - 1: the teacher of the slot is the target's output at position p - 1 (the argmax
+    labels' alignment, loss.py ``token_targets``).
     """
     if kind == "none":
         return None
-    pos_bnp = anchors_bn[..., None] + torch.arange(valid_bnp.shape[-1], device=anchors_bn.device)
+    pos_bnp = slot_positions(anchors_bn, valid_bnp.shape[-1], label_shift)
     rows_m = valid_bnp.nonzero(as_tuple=True)[0]
     before_m = (pos_bnp - 1)[valid_bnp]
     if kind == "dense":

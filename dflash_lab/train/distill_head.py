@@ -417,23 +417,24 @@ def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_b
                              chunk_size=chunk_size, chunk_bytes=chunk_bytes, scale=scale,
                              top_k=top_k, temperatures=tuple(temperatures), need_overlap=dpace)
     nll = head.ce if not spec.needs_distribution else -head.overlap.clamp(min=1e-30).log()
-    w = slot_weights(sel, nll, gamma, weighting, dpace_alpha)
+    first = targets.first_slot
+    w = slot_weights(sel, nll, gamma, weighting, dpace_alpha, first)
     correct = torch.zeros_like(sel)
     correct[sel] = head.correct
     out = LossOutput((w * head.loss).sum(), w.sum(), correct, sel, block_valid_bn,
-                     head.top_values, head.top_ids)
+                     head.top_values, head.top_ids, first_slot=first)
     names = [n for n, _ in spec.slot_terms if n != "ce"]
     out.term_sums = {n: (w * head.terms[i]).sum().detach() for i, n in enumerate(names)}
     if "ce" in dict(spec.slot_terms):
         out.term_sums["ce"] = (w * head.ce).sum().detach()
     blocks = block_valid_bn if block_valid_bn is not None else sel.any(-1)
     if spec.accept_weight:
-        accepted = expected_accepted(on_slots(head.accept, sel), sel, blocks)
+        accepted = expected_accepted(on_slots(head.accept, sel), sel, blocks, first)
         out.accept_sum, out.accept_count = -accepted.sum(), sel.new_tensor(
             accepted.numel(), dtype=torch.float32)
     if temperatures:
         out.overlaps = {t: head.overlaps[i] for i, t in enumerate(temperatures)}
         out.expected_taus = {t: 1.0 + expected_accepted(on_slots(head.overlaps[i], sel), sel,
-                                                          blocks).detach()
+                                                          blocks, first).detach()
                              for i, t in enumerate(temperatures)}
     return out

@@ -1,9 +1,13 @@
 """DFlash training loss and the exact greedy-acceptance metrics (dflash.md section 2).
 
 Label alignment (the classic bug is an off-by-one here): slot t of the block anchored at a
-predicts the token AT position a + t. ``token_targets[p]`` is that token for every position p:
-with target-argmax labels it is ``target_argmax[p - 1]`` (the target's choice for position p,
-made after reading positions <= p-1); with dataset labels it is ``input_ids[p]``.
+predicts the token AT position a + t (DFlash: slot 0 is the anchor and predicts nothing). With
+``drafter.sample_from_anchor`` slot t predicts the token at a + t + 1 (slot 0 drafts too): the
+one definition is :func:`slot_positions` with the config's ``label_shift`` (0 or 1) and
+``first_draft_slot`` (1 or 0); the loss, the metrics, the teacher and the eval all go through
+it. ``token_targets[p]`` is the token position p should hold: with target-argmax labels it is
+``target_argmax[p - 1]`` (the target's choice for position p, made after reading positions
+<= p-1); with dataset labels it is ``input_ids[p]``.
 
 Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, V vocab, M selected slots.
 Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p`` a position in a block.
@@ -44,12 +48,21 @@ def token_targets(input_ids_bs: Tensor, target_argmax_bs: Tensor | None,
     return out
 
 
-def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
-    """[B]: 0 for slot 0 (the anchor), ``exp(-(t-1)/gamma)`` for t >= 1."""
+def slot_positions(anchors_bn: Tensor, block_size: int, label_shift: int = 0) -> Tensor:
+    """[Bt, N, B]: the position whose token slot t of the block anchored at a predicts,
+    ``a + t + label_shift`` (``DrafterConfig.label_shift``: 0 DFlash, 1 sample_from_anchor)."""
+    offsets = torch.arange(block_size, device=anchors_bn.device) + int(label_shift)
+    return anchors_bn[..., None] + offsets
+
+
+def position_weights(block_size: int, gamma: float, device=None, first_slot: int = 1) -> Tensor:
+    """[B]: 0 before ``first_slot`` (DFlash: slot 0, the anchor), ``exp(-(t-first)/gamma)``
+    from it (``first_slot`` 0 with sample_from_anchor: slot 0 weighs 1)."""
     if gamma <= 0:
         raise ValueError(f"loss gamma={gamma}: must be > 0 (recipes: 7 for B=16, 5 for B=10)")
     t = torch.arange(block_size, device=device, dtype=torch.float32)
-    return torch.where(t >= 1, torch.exp(-(t - 1) / gamma), torch.zeros_like(t))
+    return torch.where(t >= first_slot, torch.exp(-(t - first_slot) / gamma),
+                       torch.zeros_like(t))
 
 
 #: ``module.position_weighting``: how the loss weights the slots t >= 1 of a block.
@@ -89,12 +102,14 @@ def dpace_weights(ce_bnp: Tensor, valid_bnp: Tensor, alpha: float) -> Tensor:
 
 
 def slot_weights(valid_bnp: Tensor, ce_m: Tensor, gamma: float, weighting: str = "exp_decay",
-                 dpace_alpha: float = 0.5) -> Tensor:
+                 dpace_alpha: float = 0.5, first_slot: int = 1) -> Tensor:
     """Weights [M] of the M valid slots (``valid_bnp`` [Bt, N, B] in row-major order) whose CE
-    is ``ce_m`` [M]: :func:`position_weights` (exp_decay) or :func:`dpace_weights` (dpace)."""
+    is ``ce_m`` [M]: :func:`position_weights` (exp_decay, decaying from ``first_slot``) or
+    :func:`dpace_weights` (dpace: slots before ``first_slot`` are never valid)."""
     check_position_weighting(weighting, dpace_alpha)
     if weighting == "exp_decay":
-        return position_weights(valid_bnp.shape[-1], gamma, valid_bnp.device).expand_as(
+        return position_weights(valid_bnp.shape[-1], gamma, valid_bnp.device,
+                                first_slot).expand_as(
             valid_bnp)[valid_bnp]
     ce_bnp = torch.zeros(valid_bnp.shape, dtype=torch.float32, device=valid_bnp.device)
     ce_bnp[valid_bnp] = ce_m.detach().float()
@@ -107,28 +122,32 @@ class BlockTargets:
 
     labels: Tensor
     valid: Tensor
+    #: the first slot that drafts (1 DFlash, 0 sample_from_anchor): metrics count from it
+    first_slot: int = 1
 
 
 def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
                   anchor_valid_bn: Tensor, block_size: int,
-                  document_ids_bs: Tensor | None = None) -> BlockTargets:
-    """Gather labels only at anchored positions; a slot counts when t >= 1, a + t < S, the
-    position is in the loss mask, and its block is a real (not padding) anchor. Packed rows
-    (``document_ids_bs`` [Bt, S]): also when a + t is in the anchor's document, so a slot past
+                  document_ids_bs: Tensor | None = None, label_shift: int = 0) -> BlockTargets:
+    """Gather labels only at anchored positions; slot t predicts position
+    p = :func:`slot_positions` (a + t + ``label_shift``) and counts when t >= 1 - label_shift,
+    p < S, p is in the loss mask, and its block is a real (not padding) anchor. Packed rows
+    (``document_ids_bs`` [Bt, S]): also when p is in the anchor's document, so a slot past
     its document's end gets no loss, as a slot past an unpacked row's end gets none."""
     seq = targets_bs.shape[1]
-    pos = anchors_bn[..., None] + torch.arange(block_size, device=anchors_bn.device)
+    first = 1 - int(label_shift)
+    pos = slot_positions(anchors_bn, block_size, label_shift)
     inside = pos < seq
     flat = pos.clamp(max=seq - 1).flatten(1)
     labels = targets_bs.gather(1, flat).view_as(pos)
     in_mask = loss_mask_bs.bool().gather(1, flat).view_as(pos)
-    slot = torch.arange(block_size, device=pos.device) >= 1
+    slot = torch.arange(block_size, device=pos.device) >= first
     valid = inside & in_mask & slot & anchor_valid_bn[..., None] & (labels >= 0)
     if document_ids_bs is not None:
         same_doc = document_ids_bs.gather(1, flat).view_as(pos) == document_ids_bs.gather(
             1, anchors_bn)[..., None]
         valid = valid & same_doc
-    return BlockTargets(labels, valid)
+    return BlockTargets(labels, valid, first)
 
 
 def ce_chunk_rows(vocab_size: int, chunk_size: int | None = None,
@@ -420,6 +439,8 @@ class LossOutput:
     term_sums: dict[str, Tensor] | None = None
     #: the acceptance probability of every valid slot at each asked temperature (T -> [M])
     overlaps: dict[float, Tensor] | None = None
+    #: the first drafting slot (BlockTargets.first_slot): acceptance counts from it
+    first_slot: int = 1
 
 
 def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
@@ -448,11 +469,11 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     sel = targets.valid
     head = chunked_head_pass(hidden_bnph[sel], targets.labels[sel], lm_head, chunk_size,
                              chunk_bytes, scale=scale, top_k=top_k)
-    w = slot_weights(sel, head.ce, gamma, weighting, dpace_alpha)
+    w = slot_weights(sel, head.ce, gamma, weighting, dpace_alpha, targets.first_slot)
     correct = torch.zeros_like(sel)
     correct[sel] = head.correct
     return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,
-                      head.top_values, head.top_ids)
+                      head.top_values, head.top_ids, first_slot=targets.first_slot)
 
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,
@@ -470,17 +491,20 @@ def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: i
     return weighted_sum * world_size / total.clamp(min=1e-8)
 
 
-def acceptance_lengths(correct_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
-    """Exact greedy acceptance per real block [K]: 1 + number of leading correct slots t >= 1.
+def acceptance_lengths(correct_bnp: Tensor, block_valid_bn: Tensor, first_slot: int = 1) -> Tensor:
+    """Exact greedy acceptance per real block [K]: 1 + number of leading correct slots
+    t >= ``first_slot`` (1 DFlash; 0 sample_from_anchor, whose slot 0 drafts).
 
     An invalid slot (past the sequence or outside the loss mask) ends the run like a miss.
     """
-    run = correct_bnp[..., 1:].long().cumprod(dim=-1).sum(-1)
+    run = correct_bnp[..., first_slot:].long().cumprod(dim=-1).sum(-1)
     return (1 + run)[block_valid_bn].float()
 
 
 def per_position_accuracy(out: LossOutput) -> list[float]:
-    """Accuracy of slot t over valid slots, t = 1..B-1 (NaN where a slot never occurs)."""
+    """Accuracy of the d-th drafted token over valid slots, d = 1..B-1 (DFlash: slot d) or
+    1..B (sample_from_anchor: slot d - 1); NaN where a slot never occurs."""
     num = out.correct.sum(dim=(0, 1)).float()
     den = out.valid.sum(dim=(0, 1)).float()
-    return [(num[t] / den[t]).item() if den[t] > 0 else math.nan for t in range(1, num.shape[0])]
+    return [(num[t] / den[t]).item() if den[t] > 0 else math.nan
+            for t in range(out.first_slot, num.shape[0])]

@@ -174,13 +174,14 @@ class DFlashModule(L.LightningModule):
         # no loss (nothing can raise it) and, in the greedy tau, a miss (it is never drafted)
         targets = self.drafter.to_draft_ids(targets)
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size,
-                            batch.get("document_ids"))
+                            batch.get("document_ids"), cfg.label_shift)
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
         temperatures = () if self.training else tuple(self.val_temperatures)
         selector_soft = self.selector_settings.target == "distribution"
         kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures
                                      or selector_soft) else "none"
-        teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap)
+        teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap,
+                               cfg.label_shift)
         out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
                           hp.ce_chunk_bytes, scale=self.logit_scale,
                           top_k=cfg.selector_top_k if cfg.is_dflash2 else 0, **weighting,
@@ -223,7 +224,7 @@ class DFlashModule(L.LightningModule):
         bs = batch["input_ids"].shape[0]
         local_mean = out.weighted_sum.detach() / out.weight_sum.clamp(min=1e-8)
         local_mean = self._log_terms(out, local_mean, "train", bs)
-        taus = acceptance_lengths(out.correct, out.block_valid)
+        taus = acceptance_lengths(out.correct, out.block_valid, out.first_slot)
         if out.selector is not None:
             local_mean = self._log_selector_train(out, local_mean, taus, bs)
             taus = acceptance_lengths(out.selector.walk_correct, out.block_valid)
@@ -260,7 +261,8 @@ class DFlashModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, step_generator(self.hparams.val_seed, batch_idx,
                                               self.global_rank))
-        self._val_taus.append(acceptance_lengths(out.correct, out.block_valid).cpu())
+        self._val_taus.append(acceptance_lengths(out.correct, out.block_valid,
+                                                 out.first_slot).cpu())
         for t, taus in (out.expected_taus or {}).items():  # DFlash 2: the unary path's
             key = f"val/unary_tau_T{t:g}" if out.selector is not None else f"val/tau_T{t:g}"
             self._val_expected.setdefault(key, []).append(taus.cpu())

@@ -88,7 +88,7 @@ def contradictions(old: DrafterConfig, new: DrafterConfig) -> list[str]:
     out = _layer_changes(old, new)
     for key in ("block_size", "target_layer_ids", "mask_token_id", "rope_theta", "rope_scaling",
                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-                "selector_top_k", "rms_norm_eps"):
+                "selector_top_k", "rms_norm_eps", "sample_from_anchor"):
         if getattr(old, key) != getattr(new, key):
             out.append(f"{key} {getattr(old, key)} -> {getattr(new, key)}")
     return out
