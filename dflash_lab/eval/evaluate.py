@@ -29,7 +29,7 @@ from dflash_lab.eval.loop import (
     speculative_generate,
 )
 from dflash_lab.eval.offline_tau import feature_eval
-from dflash_lab.eval.proposer import DFlashProposer, Proposer
+from dflash_lab.eval.proposer import DFlashProposer, Proposer, max_drafts
 from dflash_lab.eval.records import ResponseRecord, context_buckets, record_from_generation
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
@@ -183,8 +183,9 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
                               loaded.description, loaded.notes, stops, backend,
                               loaded.drafter.config.variant)
     record.update(_data_record(cfg, configs, budgets))
+    # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
     return generation_report(got.spec, got.base if cfg.baseline else None, got.ids,
-                             proposer.block_size, record, records=got.records)
+                             max_drafts(proposer) + 1, record, records=got.records)
 
 
 def _data_record(cfg, configs, budgets) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dflash_lab.eval.proposer import Proposer, draft_block
+from dflash_lab.eval.proposer import Proposer, draft_block, max_drafts
 from dflash_lab.eval.sampling import leading_matches, verify
 from dflash_lab.eval.target_runner import TargetRunner
 
@@ -125,7 +125,7 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt_ids: l
         anchor_pos = target.length  # = len(prompt) + len(out) - 1 = proposer.context_length
         assert anchor_pos == proposer.context_length, "target and drafter contexts diverged"
         t0 = clock()
-        num_drafts = min(proposer.block_size - 1, settings.max_new_tokens - len(out))
+        num_drafts = min(max_drafts(proposer), settings.max_new_tokens - len(out))
         draft = draft_block(proposer, out[-1], num_drafts, settings.temperature,
                             settings.sampling, generator)
         drafts = draft.tokens

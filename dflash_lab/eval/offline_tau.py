@@ -87,12 +87,14 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
     valid = torch.ones_like(anchors, dtype=torch.bool)
     hidden = drafter(sample["hidden"][None].to(device), ids, anchors, pieces.embed_tokens)
     targets = token_targets(ids, sample["target_argmax"][None].to(device), "target_argmax")
-    tgt = block_targets(targets, mask, anchors, valid, drafter.config.block_size)
+    cfg = drafter.config
+    tgt = block_targets(targets, mask, anchors, valid, cfg.block_size, label_shift=cfg.label_shift)
     rows = {k: v[None].to(device) for k, v in sample.items() if k.startswith("target_")}
     out = dflash_loss(hidden.to(pieces.lm_head.weight.dtype), tgt, pieces.lm_head, _GAMMA,
                       block_valid_bn=valid, temperatures=temperatures,
                       teacher=slot_teacher(teacher, rows, anchors, tgt.valid,
-                                           getattr(pieces, "logit_softcap", None)))
+                                           getattr(pieces, "logit_softcap", None),
+                                           cfg.label_shift))
     return hidden, ids.gather(1, anchors), tgt, out
 
 
@@ -146,12 +148,13 @@ def chained_rounds(loss_mask_s: Tensor, anchors_n: Tensor, taus_n: Tensor) -> li
 class _Pool:
     """Per-block acceptance lengths and per-slot flags of one drafting path."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_slot: int = 1) -> None:
+        self.first_slot = first_slot  #: DrafterConfig.first_draft_slot
         self.taus: list[Tensor] = []
         self.correct: list[Tensor] = []
 
     def add(self, correct_bnp: Tensor, block_valid_bn: Tensor) -> Tensor:
-        taus = acceptance_lengths(correct_bnp, block_valid_bn).cpu()
+        taus = acceptance_lengths(correct_bnp, block_valid_bn, self.first_slot).cpu()
         self.taus.append(taus)
         self.correct.append(correct_bnp[0].cpu())
         return taus
@@ -160,11 +163,12 @@ class _Pool:
         return [int(t) for t in torch.cat(self.taus).tolist()] if self.taus else []
 
 
-def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int) -> list[float | None]:
+def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int,
+              first_slot: int = 1) -> list[float | None]:
     empty = torch.zeros(1, 0, b, dtype=torch.bool)
     pooled = LossOutput(torch.zeros(()), torch.zeros(()),
                         torch.cat(correct)[None] if correct else empty,
-                        torch.cat(valid)[None] if valid else empty)
+                        torch.cat(valid)[None] if valid else empty, first_slot=first_slot)
     return [None if math.isnan(a) else a for a in per_position_accuracy(pooled)]
 
 
@@ -229,8 +233,9 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
     expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
     dflash2 = drafter.config.is_dflash2
-    paths = {name: _Pool() for name in (("selector", "unary", "oracle") if dflash2
-                                         else ("unary",))}
+    first = drafter.config.first_draft_slot
+    paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if dflash2
+                                              else ("unary",))}
     valid: list[Tensor] = []
     chained: list[int] = []
     for k in tqdm(range(count), desc="features", unit="sample", disable=not progress):
@@ -247,14 +252,15 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
     b = drafter.config.block_size
     served = paths["selector" if dflash2 else "unary"]
     lengths = served.lengths()
-    summary = acceptance_summary([lengths], b)
+    # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
+    summary = acceptance_summary([lengths], drafter.config.num_draft_tokens + 1)
     report = {
         "mode": "features",
         "tau_mean": summary["tau_mean"],
         "tau_chained": sum(chained) / len(chained) if chained else None,
         "num_chained_rounds": len(chained),
         "per_position_acceptance": summary["per_position_acceptance"],
-        "per_position_accuracy": _accuracy(served.correct, valid, b),
+        "per_position_accuracy": _accuracy(served.correct, valid, b, first),
         "acceptance_histogram": summary["acceptance_histogram"],
         "num_samples": count,
         "num_blocks": len(lengths),

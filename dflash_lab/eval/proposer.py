@@ -56,6 +56,12 @@ class Proposer(Protocol):
         """Draft logits [B-1, V] for positions C+1..C+B-1 given the anchor at position C."""
 
 
+def max_drafts(proposer: Proposer) -> int:
+    """Drafts one round may ask of ``proposer``: its ``num_draft_tokens`` (B with
+    sample_from_anchor, whose slot 0 drafts), else B-1."""
+    return int(getattr(proposer, "num_draft_tokens", proposer.block_size - 1))
+
+
 def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature: float,
                 mode: str, generator: torch.Generator | None) -> Draft:
     """``num_drafts`` (<= B-1) drafts from any proposer: its own ``draft`` when it has one,
@@ -77,7 +83,8 @@ class DFlashProposer:
     budget) runs a block of just that many slots, as z-lab's ``dflash_generate`` does: with
     bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
     one. DFlash 2 drafts with the candidate selector
-    (:func:`~dflash_lab.eval.sampling.selector_draft`).
+    (:func:`~dflash_lab.eval.sampling.selector_draft`). A ``sample_from_anchor`` drafter drafts
+    from every slot, slot 0 included: B drafts per round (``num_draft_tokens``).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module,
@@ -100,6 +107,9 @@ class DFlashProposer:
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.block_size = block_size
+        #: the first drafting slot (DrafterConfig.first_draft_slot: 1, or 0 sample_from_anchor)
+        self.first_slot = drafter.config.first_draft_slot
+        self.num_draft_tokens = block_size - self.first_slot
         self.cache = drafter.new_cache()
 
     @property
@@ -132,21 +142,24 @@ class DFlashProposer:
 
     @torch.no_grad()
     def propose(self, anchor_id: int) -> Tensor:
-        """Unary draft logits [B-1, V] (a DFlash 2 drafter's selector re-ranks their top-K)."""
-        return self._unary(self._hidden(anchor_id, self.block_size)[1:])
+        """Unary draft logits [num_draft_tokens, V] (B-1; B with sample_from_anchor; a DFlash 2
+        drafter's selector re-ranks their top-K)."""
+        return self._unary(self._hidden(anchor_id, self.block_size)[self.first_slot:])
 
     @torch.no_grad()
     def draft(self, anchor_id: int, num_drafts: int, temperature: float, mode: str,
               generator: torch.Generator | None) -> Draft:
-        """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (see the class doc).
+        """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (``num_drafts`` with
+        sample_from_anchor, at least 2; see the class doc).
 
         A DFlash 2 conv with more taps than a short tail block can run (``_min_slots``) gets
         the shortest block it runs on and keeps its first drafts (z-lab's loop fails there).
         """
-        if not 1 <= num_drafts < self.block_size:
-            raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.block_size - 1}]")
-        num_slots = max(num_drafts + 1, _min_slots(self.drafter))
-        hidden_kh = self._hidden(anchor_id, num_slots)[1:num_drafts + 1]
+        first = self.first_slot
+        if not 1 <= num_drafts <= self.num_draft_tokens:
+            raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
+        num_slots = max(num_drafts + first, _min_slots(self.drafter))
+        hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
         selector = self.drafter.candidate_selector
         if selector is None:
