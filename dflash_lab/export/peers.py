@@ -126,10 +126,6 @@ def _refuse_speculators_features(d: dict[str, Any], tl: dict[str, Any], file: Pa
     if d.get("target_hidden_size") not in (None, hidden):
         raise ValueError(f"{file}: target_hidden_size={d['target_hidden_size']} differs from "
                          f"hidden_size={hidden}; the drafter must have the target's width")
-    if d.get("sample_from_anchor"):
-        raise ValueError(f"{file}: sample_from_anchor=true (the anchor slot predicts a token); "
-                         "DFlash drafters here and the engines' DFlash loaders draft slots "
-                         "1.. only")
     if d.get("mask_token_id") is None:
         raise ValueError(f"{file}: mask_token_id is null; set it in config.json to the MASK id "
                          "the drafter was trained with")
@@ -153,7 +149,10 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
     fields.update(_rope(tl), **_speculators_layout(d, tl, kind))
     fields.update(mask_token_id=int(d["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=ids, num_target_layers=max(ids) + 1,
-                  variant=DFLASH2 if kind == "dflash2" else DFLASH1)
+                  variant=DFLASH2 if kind == "dflash2" else DFLASH1,
+                  # speculators 0.9.0 models/dflash/config.py: absent = false (every slot of
+                  # the block predicts when true: slot k -> the token at anchor + k + 1)
+                  sample_from_anchor=bool(d.get("sample_from_anchor") or False))
     if kind == "dflash2":
         fields.update({k: int(d[k]) for k in _DFLASH2_FIELDS})
     if d.get("draft_vocab_size") is not None:  # a reduced one: lm_head [N, H], d2t and t2d

@@ -55,6 +55,9 @@ def drafter_lines(config: DrafterConfig) -> list[str]:
                  f"{config.selector_top_k} (full vocabulary {config.vocab_size})"]
     else:
         lines = ["- variant: dflash1 (DFlashDraftModel)"]
+    if config.sample_from_anchor:
+        lines.append(f"- sample_from_anchor: true (slot k predicts the token at anchor + k + 1: "
+                     f"{config.num_draft_tokens} drafts per block)")
     scales = {k: getattr(config, k) for k, off in SCALE_DEFAULTS.items()
               if getattr(config, k) != off}
     return lines + ["- scales: " + (", ".join(f"{k}={v}" for k, v in scales.items())

@@ -43,7 +43,8 @@ _SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
                 "block_size", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
                 "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
                 "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
-                "output_multiplier", "final_logit_softcapping", "draft_vocab_size")
+                "output_multiplier", "final_logit_softcapping", "draft_vocab_size",
+                "sample_from_anchor")
 
 
 @dataclass

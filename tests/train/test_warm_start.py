@@ -262,6 +262,21 @@ def test_speculators_directory_from_its_documented_keys(tiny_target, tmp_path, v
     assert exported["dflash_config"]["target_layer_ids"] == [1, 3, 5]
 
 
+def test_a_speculators_sample_from_anchor_directory_is_read_with_it(tiny_target, tmp_path):
+    """speculators' ``sample_from_anchor: true`` (slot k predicts anchor + k + 1) is read, not
+    refused: the warm start, dflash-eval and the export keep it."""
+    config = tiny_source_config(tiny_target)
+    state = random_state(config)
+    d = {**speculators_dict(config), "sample_from_anchor": True}
+    sdir = write_speculators_dir(tmp_path / "spec", d, state)
+    drafter = warm(tiny_target, sdir)
+    assert drafter.config.sample_from_anchor and drafter.config.num_draft_tokens == 4
+    assert_same_weights(drafter, state)
+    assert load_drafter(sdir).drafter.config.sample_from_anchor
+    assert not warm(tiny_target, write_speculators_dir(
+        tmp_path / "plain", speculators_dict(config), state)).config.sample_from_anchor
+
+
 def test_a_speculators_draft_vocabulary_reads_back_with_its_head_and_maps(tiny_target, tmp_path):
     """speculators' reduced draft vocabulary: its lm_head [N, H], d2t offsets and t2d are the
     drafter's (they are the verifier's only without one); a broken map is refused."""
@@ -283,7 +298,6 @@ def test_a_speculators_draft_vocabulary_reads_back_with_its_head_and_maps(tiny_t
 
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("aux_hidden_state_layer_ids", [0, 2, 4], r"aux_hidden_state_layer_ids=\[0, 2, 4\]"),
-    ("sample_from_anchor", True, "sample_from_anchor"),
     ("mask_token_id", None, "mask_token_id is null"),
 ])
 def test_speculators_features_we_cannot_run_are_refused(tiny_target, tmp_path, key, value,

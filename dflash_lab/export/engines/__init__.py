@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_lab.export.engines import muse, sglang, vllm
+from dflash_lab.export.engines import anchor, muse, sglang, vllm
 from dflash_lab.export.engines.common import Artifacts, EngineReading, LayerReading
 
 
@@ -112,7 +112,7 @@ def read_all(config: dict[str, Any], artifacts: Artifacts,
 def read_with(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> EngineReading:
     """One rule set's reading (a Muse Glimmer config through its engine's config class)."""
     if not muse.is_muse(config):
-        return rule_set.read(config, artifacts)
+        return anchor.apply(rule_set.read(config, artifacts), config)
     reading = rule_set.read(muse.engine_view(config, rule_set.engine), artifacts)
     reading.notes.append(muse.ENGINE_NOTES[rule_set.engine]
                          + ("" if rule_set.current else "; assumed for this older release"))
