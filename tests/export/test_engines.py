@@ -29,7 +29,8 @@ def test_config_json_keys_zlab_default():
     assert d["is_causal"] is False
     assert d["block_size"] == 4 and d["num_target_layers"] == 6
     assert d["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 2, 3],
-                                  "block_size": 4, "attention_sink_bias": False, "causal": False}
+                                  "block_size": 4, "attention_sink_bias": False, "causal": False,
+                                  "sample_from_anchor": False}  # always explicit
     assert "embed_tokens" not in str(d) and "lm_head" not in str(d)
 
 

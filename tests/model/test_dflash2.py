@@ -64,8 +64,9 @@ def test_serving_dict_round_trip_in_zlab_flat_layout(layout, features):
 
 def test_dflash1_serving_dict_is_unchanged_by_the_new_fields():
     d = tiny_drafter_config().to_dict()
+    # sample_from_anchor is a DFlash 1 key, always written (engines default it differently)
     assert set(d["dflash_config"]) == {"mask_token_id", "target_layer_ids", "block_size",
-                                       "attention_sink_bias", "causal"}
+                                       "attention_sink_bias", "causal", "sample_from_anchor"}
 
 
 def _v2_dict(**dflash_extra):
