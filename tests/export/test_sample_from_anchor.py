@@ -34,6 +34,16 @@ def test_vllm_v2_refuses_true_and_the_others_drop_it():
             assert any("sample_from_anchor=true" in item for item in reading.dropped)
 
 
+def test_a_third_party_config_is_read_with_its_key():
+    from dflash_lab.export.engines.zlab import base_config
+    from tests.export_doubles import zlab_config
+
+    d = zlab_config("qwen3_8b")
+    assert not base_config(d, "z-lab").sample_from_anchor
+    d["dflash_config"]["sample_from_anchor"] = True
+    assert base_config(d, "z-lab").sample_from_anchor
+
+
 def test_the_export_plan_refuses_true_unless_lossy_is_allowed():
     config = make_config("zlab_default", sample_from_anchor=True)
     for engine in ("vllm", "sglang"):

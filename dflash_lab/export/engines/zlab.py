@@ -102,6 +102,8 @@ def drafter_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
         raise ValueError(f"{source}: {err}") from err
     fields["mask_token_id"] = dfc["mask_token_id"]
     fields["attention_sink_bias"] = bool(dfc.get("attention_sink_bias", False))
+    # vLLM's key (absent = false; its speculators converter copies speculators' value here)
+    fields["sample_from_anchor"] = bool(dfc.get("sample_from_anchor", False))
     if d.get("draft_vocab_size") is not None:  # vLLM sizes the draft head and d2t from it
         fields["draft_vocab_size"] = d["draft_vocab_size"]
     return fields
