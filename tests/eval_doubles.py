@@ -76,6 +76,7 @@ class RecordingProposer:
         self.inner = inner
         self.steer = steer
         self.block_size = inner.block_size
+        self.num_draft_tokens = getattr(inner, "num_draft_tokens", inner.block_size - 1)
         self.rounds: list[tuple[int, int, Tensor]] = []
 
     @property

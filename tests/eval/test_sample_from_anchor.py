@@ -11,7 +11,7 @@ from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer, max_drafts
 from dflash_lab.eval.target_runner import TargetRunner
-from tests.eval_doubles import tiny_drafter_for
+from tests.eval_doubles import RecordingProposer, tiny_drafter_for
 
 B = 4
 
@@ -69,3 +69,39 @@ def test_a_perfect_anchor_drafter_reaches_b_plus_one(tiny_target, drafter, promp
                                 proposer, prompt, DecodeSettings(max_new_tokens=n))
     assert spec.acceptance_lengths == [B + 1] * rounds
     assert spec.output_ids == seq[len(prompt):len(prompt) + n]
+
+
+def test_a_trained_anchor_drafter_decodes_losslessly_and_features_mode_replays_its_rounds(
+        tiny_target):
+    """Briefly trained with sample_from_anchor: greedy decoding equals the target's own, and
+    the feature simulator on each round's anchor gives that round's acceptance length (tau =
+    1 + leading correct slots from slot 0; at most B + 1)."""
+    from dflash_lab.eval.offline_tau import feature_eval, score_blocks
+    from dflash_lab.train.loss import acceptance_lengths
+    from tests.eval.test_trained import B as TRAINED_B
+    from tests.eval.test_trained import _as_capture, quick_train
+
+    drafter = quick_train(tiny_target, sample_from_anchor=True)
+    pieces = tiny_target.pieces()
+    settings = DecodeSettings(max_new_tokens=40)
+    lengths, samples = [], []
+    for conv in demo_conversations(4, seed=41):
+        prompt = encode_prompt(tiny_target.tokenizer, conv[:1])
+        rec = RecordingProposer(DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head))
+        gen = speculative_generate(TargetRunner(tiny_target.model,
+                                                drafter.config.target_layer_ids),
+                                   rec, prompt, settings)
+        assert gen.output_ids == baseline_generate(TargetRunner(tiny_target.model), prompt,
+                                                   settings).output_ids
+        sample = _as_capture(tiny_target, drafter, prompt, gen.output_ids)
+        samples.append(sample)
+        anchors = torch.tensor([c for c, _, _ in rec.rounds[:-1]])
+        if anchors.numel():
+            out = score_blocks(drafter, pieces, sample, anchors)
+            simulated = acceptance_lengths(out.correct, out.block_valid, out.first_slot)
+            assert simulated.long().tolist() == gen.acceptance_lengths[:-1]
+        lengths += gen.acceptance_lengths
+    assert sum(lengths) / len(lengths) > 1.5 and max(lengths) <= TRAINED_B + 1
+    feat = feature_eval(drafter, pieces, samples, progress=False)
+    assert feat["num_chained_rounds"] == len(lengths)
+    assert len(feat["acceptance_histogram"]) == TRAINED_B + 1

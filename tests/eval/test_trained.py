@@ -43,9 +43,10 @@ TAU_MEAN_TOLERANCE = 0.5
 
 
 
-def quick_train(target, steps: int = 200, seed: int = 0):
-    """A drafter trained briefly with the DFlash loss on target-argmax labels."""
-    drafter = tiny_drafter_for(target, block_size=B, seed=seed)
+def quick_train(target, steps: int = 200, seed: int = 0, **overrides):
+    """A drafter trained briefly with the DFlash loss on target-argmax labels (``overrides``:
+    drafter config fields, e.g. ``sample_from_anchor=True``)."""
+    drafter = tiny_drafter_for(target, block_size=B, seed=seed, **overrides)
     ids = drafter.config.target_layer_ids
     samples = []
     for conv in demo_conversations(96, seed=3):
@@ -63,7 +64,8 @@ def quick_train(target, steps: int = 200, seed: int = 0):
         anchors, valid = sample_anchors(batch["loss_mask"], 32, step_generator(seed, step))
         hidden = drafter(batch["hidden"], batch["input_ids"], anchors, pieces.embed_tokens)
         labels = token_targets(batch["input_ids"], batch["target_argmax"], "target_argmax")
-        tgt = block_targets(labels, batch["loss_mask"], anchors, valid, B)
+        tgt = block_targets(labels, batch["loss_mask"], anchors, valid, B,
+                            label_shift=drafter.config.label_shift)
         out = dflash_loss(hidden, tgt, pieces.lm_head, 4.0, block_valid_bn=valid)
         opt.zero_grad()
         (out.weighted_sum / out.weight_sum).backward()
