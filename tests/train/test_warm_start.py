@@ -275,6 +275,10 @@ def test_a_speculators_sample_from_anchor_directory_is_read_with_it(tiny_target,
     assert load_drafter(sdir).drafter.config.sample_from_anchor
     assert not warm(tiny_target, write_speculators_dir(
         tmp_path / "plain", speculators_dict(config), state)).config.sample_from_anchor
+    v2 = tiny_source_config(tiny_target, **V2)
+    d2 = {**speculators_dict(v2), "sample_from_anchor": True}
+    with pytest.raises(ValueError, match="sample_from_anchor.*variant='dflash2'"):
+        warm(tiny_target, write_speculators_dir(tmp_path / "v2", d2, random_state(v2)))
 
 
 def test_a_speculators_draft_vocabulary_reads_back_with_its_head_and_maps(tiny_target, tmp_path):
