@@ -109,3 +109,27 @@ def test_the_field_round_trips_and_dflash2_is_refused():
         tiny_drafter_config(sample_from_anchor=True, variant="dflash2")
     with pytest.raises(ValueError, match="must be true or false"):
         tiny_drafter_config(sample_from_anchor="yes")
+
+
+_DECAY = """
+import json, sys, torch
+from speculators.losses.utils import dflash_loss_decay
+pos = torch.arange(int(sys.argv[1]))
+print(json.dumps({str(flag): dflash_loss_decay(pos, float(sys.argv[2]), flag).tolist()
+                  for flag in (False, True)}))
+"""
+
+
+def test_position_weights_equal_speculators_own_decay():
+    """Both alignments against speculators 0.9.0's ``dflash_loss_decay`` run in its venv."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    python = Path(__file__).resolve().parents[2] / ".venv-speculators" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("needs .venv-speculators (make speculators-venv): speculators 0.9.0")
+    out = json.loads(subprocess.run([str(python), "-c", _DECAY, "6", "4.0"], check=True,
+                                    capture_output=True, text=True).stdout)
+    assert position_weights(6, 4.0).tolist() == pytest.approx(out["False"])
+    assert position_weights(6, 4.0, first_slot=0).tolist() == pytest.approx(out["True"])
