@@ -87,7 +87,8 @@
 # train_ours, curves, eval_ours, table), POLICY (off: ShareGPT's own answers | on: the
 # conversations `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's
 # greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist][_muon]_s$STEPS), PLOT_DIR
-# (docs/img), ARCHIVE (docs/runs/<OUT's last part>), SPEC_PY (.venv-speculators/bin/python;
+# (docs/img), ARMS (the arms `table` and `archive` read at every seed: "ours loss theirs" by default;
+# e.g. ARMS="loss theirs" for a table of the arms a session finished), ARCHIVE (docs/runs/<OUT's last part>), SPEC_PY (.venv-speculators/bin/python;
 # make speculators-venv). A bad knob exits 2 naming it before any work. OPTIMIZER (muon: each side at its Muon: theirs at their trainer's
 # unmodified defaults, `speculators_train.py --optimizer default`, Muon + AdamW at lr 1e-3 with
 # their linear schedule; ours with module/optimizer=muon; OUT and our runs named _muon | adamw:
@@ -108,6 +109,10 @@ NUM_PROMPTS=${NUM_PROMPTS:-16}
 CURVE_ANCHORS=${CURVE_ANCHORS:-64}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
 SEEDS=${SEEDS:-0}
+ARMS=${ARMS:-ours loss theirs}
+for arm in $ARMS; do
+  case $arm in ours|loss|theirs) ;; *) echo "ARMS=$ARMS: $arm is not an arm (ours loss theirs)"; exit 2 ;; esac
+done
 PLOT_DIR=${PLOT_DIR:-docs/img}
 VARIANT=${VARIANT:-dflash1}
 case $VARIANT in  # VSUF names every file, directory and stage of a DFlash 2 run
@@ -294,8 +299,9 @@ table_files() {  # table_files ARM: what table reads of ARM (ours, loss, theirs)
   printf '%s\n' "$CURVES" "$OUT/eval_$name/report.json" "$OUT/eval_${name}_T1/report.json"
 }
 
-seed_arms() {  # the arms of every seed: ours, loss (with OUR_LOSS), theirs
-  echo ours; [[ -z $LSLUG ]] || echo loss; echo theirs
+seed_arms() {  # the arms of every seed that ARMS names: ours, loss (with OUR_LOSS), theirs
+  local arm
+  for arm in $ARMS; do [[ $arm == loss && -z $LSLUG ]] || echo "$arm"; done
 }
 
 archive() {  # every seed's table inputs into ARCHIVE (committed; outputs/ is not kept)

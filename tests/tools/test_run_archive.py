@@ -74,9 +74,9 @@ def _paths(env):
     return dict(line.split("=", 1) for line in done.stdout.splitlines())
 
 
-def test_table_reads_archived_seeds_when_outputs_are_gone(tmp_path):
-    """Two seeds archived from an OUT that is then deleted: the table stage still gives both
-    seeds' numbers, read from ARCHIVE."""
+def _archive_two_seeds(tmp_path):
+    """Two seeds of ours and theirs archived from an OUT whose files are then deleted: the
+    script's env and the archive directory."""
     out, arch = tmp_path / "cmp", tmp_path / "arch"
     env = {**os.environ, "OUT": str(out), "ARCHIVE": str(arch), "PLOT_DIR": str(tmp_path),
            "SEEDS": "0 1", "DISTRIBUTION": "last_hidden", "OUR_LOSS": "none", "STEPS": "4"}
@@ -102,8 +102,36 @@ def test_table_reads_archived_seeds_when_outputs_are_gone(tmp_path):
     save(out, arch, _heldout(tmp_path), files, {})
     for f in files:
         f.unlink()
-    done = subprocess.run([str(SCRIPT), "table"], capture_output=True, text=True, timeout=120,
+    return env, arch
+
+
+def _table(env):
+    return subprocess.run([str(SCRIPT), "table"], capture_output=True, text=True, timeout=120,
                           env=env)
+
+
+def test_table_reads_archived_seeds_when_outputs_are_gone(tmp_path):
+    """Two seeds archived from an OUT that is then deleted: the table stage still gives both
+    seeds' numbers, read from ARCHIVE."""
+    env, _ = _archive_two_seeds(tmp_path)
+    done = _table(env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1.320 ± 0.028 [1.300..1.340]" in done.stdout  # ours held out, both seeds
     assert "Missing inputs" not in done.stdout
+
+
+def test_arms_selects_what_table_reads(tmp_path):
+    """ARMS names the arms table (and archive) read: with our arm's reports gone, the default
+    table lists them as missing, ARMS=theirs reads none of them; an unknown arm exits 2."""
+    env, arch = _archive_two_seeds(tmp_path)
+    for d in arch.glob("eval_ours*"):
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    assert "Missing inputs" in _table(env).stdout
+    done = _table({**env, "ARMS": "theirs"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Missing inputs" not in done.stdout
+    assert "speculators" in done.stdout and "ours ce" not in done.stdout
+    bad = _table({**env, "ARMS": "ours mine"})
+    assert bad.returncode == 2 and "mine is not an arm" in bad.stdout
