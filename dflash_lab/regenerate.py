@@ -19,12 +19,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import rank_and_world
-from dflash_lab.data.completion_server import ServerSettings, open_server
 from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings, run_regenerate
 from dflash_lab.entry import log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.serving.completions import open_server
+from dflash_lab.serving.settings import ServerSettings, server_settings
 from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.regenerate")
@@ -73,10 +74,10 @@ def make_server_settings(cfg: DictConfig) -> ServerSettings | None:
     backend = cfg.regenerate.backend
     if backend not in ("hf", "server"):
         raise ValueError(f"regenerate.backend={backend!r}: use hf (generate here) or server "
-                         "(a running vLLM/SGLang server, see regenerate.server)")
+                         "(a running vLLM/SGLang server, see server.* in conf/server/default.yaml)")
     if backend == "hf":
         return None
-    return ServerSettings(**OmegaConf.to_container(cfg.regenerate.server))
+    return server_settings(cfg.server)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")

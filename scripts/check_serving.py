@@ -54,7 +54,7 @@ from benchmarks.vllm_server import (  # noqa: E402
     vllm_command,
     vllm_server,
 )
-from dflash_lab.data.server_launch import launched_server  # noqa: E402
+from dflash_lab.serving.launch import launched_server  # noqa: E402
 
 OUT = ROOT / "outputs" / "check_serving"
 VENV_BIN = Path(sys.executable).parent
@@ -286,7 +286,7 @@ def regenerate_both(target: Path) -> dict:
     run([*common, f"regenerate.settings.out_dir={out['hf']}"], OUT / "logs" / "regen_hf.log")
     with vllm_server(target, OUT / "logs" / "regen_vllm_server.log", max_model_len=1024) as url:
         run([*common, f"regenerate.settings.out_dir={out['server']}", "regenerate.backend=server",
-             f"regenerate.server.url={url}"], OUT / "logs" / "regen_server.log")
+             f"server.url={url}"], OUT / "logs" / "regen_server.log")
     rows = {k: (v / "conversations.jsonl").read_text().splitlines() for k, v in out.items()}
     same = sum(a == b for a, b in zip(rows["hf"], rows["server"]))
     return {"rows": len(rows["hf"]), "identical": same,

@@ -95,7 +95,7 @@ regenerate() {
     batch=64  # requests in flight; fp32 + eager keep vLLM's greedy text equal to generate's
     local cmd=".venv-vllm/bin/python,-m,vllm.entrypoints.openai.api_server,--model,$TARGET"
     cmd+=",--dtype,float32,--enforce-eager,--port,'{port}',--max-model-len,640"
-    server=(regenerate.backend=server "regenerate.server.launch=[$cmd]")
+    server=(regenerate.backend=server "server.launch=[$cmd]")
   fi
   VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
   "$BIN/dflash-regenerate" target=hf target.name_or_path="$TARGET" target.dtype=float32 \

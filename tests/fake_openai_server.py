@@ -2,7 +2,7 @@
 prompts) answered by a transformers model one request at a time, with vLLM's semantics for
 stops, text and token counts, and hooks to inject failures and delays.
 
-Speculative decoding, as the engines report it (``FakeEngine.spec``, tests/eval/test_server.py):
+Speculative decoding, as the engines report it (``FakeEngine.spec``, tests/serving/test_engine.py):
 the output is the target's own, split into verify rounds that accept ``spec.pattern[r]`` drafts
 in turn (the first token comes from the prefill, a round keeps min(accepted + 1, tokens left)).
 As vLLM, the rounds go to Prometheus counters on ``/metrics`` in vLLM 0.32's exact text format
@@ -12,8 +12,8 @@ the budget; as SGLang, ``/generate`` (``input_ids``) answers with ``meta_info``
 (``spec_verify_ct``, ``spec_accept_length`` = completion_tokens / spec_verify_ct). Both stream
 as server-sent events when asked.
 
-Imported by tests/data/test_regenerate_server.py and tests/eval/test_server.py; also runnable, so
-``regenerate.server.launch`` / ``server.launch`` can start it as a server process:
+Imported by tests/serving/test_completions.py and tests/serving/test_engine.py; also runnable, so
+``server.launch`` (dflash-regenerate and dflash-eval) can start it as a server process:
 
     python tests/fake_openai_server.py --target DIR --port PORT [--spec-pattern 3,1,7]
 """

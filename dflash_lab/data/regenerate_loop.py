@@ -4,8 +4,8 @@ DFlash trains on conversations whose assistant turns the target itself wrote (df
 2): the drafter then learns the distribution it will be asked to predict when serving. Turns are
 regenerated in order, each conditioned on the REGENERATED history, with the target's chat
 template, greedy by default (seeded sampling optional), by one of two backends: ``generate``
-here on a left-padded batch, or a running vLLM/SGLang server (:mod:`.completion_server`), which
-gets the same token ids and stop tokens.
+here on a left-padded batch, or a running vLLM/SGLang server
+(:mod:`dflash_lab.serving.completions`), which gets the same token ids and stop tokens.
 
 Output (``out_dir``): ``part-XXXXX.jsonl`` files of ``part_size`` input rows, each written to a
 temporary name and renamed (a part that exists is complete: the unit of resume and of the
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from dflash_lab.data.completion_server import CompletionServer
 from dflash_lab.data.conversations import check_bad_rows_mode, input_row
 from dflash_lab.paths import atomic_path, atomic_write_text
+from dflash_lab.serving.completions import CompletionServer
 from dflash_lab.target.chat import (
     BadConversation,
     check_conversation,

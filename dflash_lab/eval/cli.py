@@ -20,11 +20,11 @@ from dflash_lab.errors import user_errors
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
 from dflash_lab.eval.report import write_report
-from dflash_lab.eval.server import BACKENDS
 from dflash_lab.eval.server_eval import run_server
 from dflash_lab.eval.suite import DATA_GROUP
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.serving.engine import BACKENDS
 from dflash_lab.train.callbacks import WandbRun
 from dflash_lab.writer_lock import writer_lock
 

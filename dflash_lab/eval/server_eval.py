@@ -2,7 +2,7 @@
 by response as the local loop runs them, into the same records and report fields.
 
 The client, what each engine reports and the tokens-per-round convention are in
-:mod:`dflash_lab.eval.server`; this module walks the data (one data option or a suite,
+:mod:`dflash_lab.serving.engine`; this module walks the data (one data option or a suite,
 MT-Bench's second turn after the engine's first answer), the untimed warm-up, and builds
 report.json (:func:`dflash_lab.eval.report.records_report` plus the engine's own curves).
 """
@@ -15,26 +15,13 @@ from typing import Any
 
 from dflash_lab.eval.records import ResponseRecord
 from dflash_lab.eval.report import records_report
-from dflash_lab.eval.server import (
+from dflash_lab.serving.engine import (
     EngineClient,
-    EngineSettings,
     Sampling,
     ServerResponse,
     open_engine,
 )
-
-
-def engine_settings(server_cfg) -> EngineSettings:
-    """conf/eval.yaml ``server:`` -> EngineSettings; an unknown key is refused by name."""
-    from omegaconf import OmegaConf
-
-    given = OmegaConf.to_container(server_cfg, resolve=True) if server_cfg is not None else {}
-    known = set(EngineSettings.__dataclass_fields__)
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ValueError(f"server.{unknown[0]} is not a server option (conf/eval.yaml); the "
-                         f"options are {sorted(known)}")
-    return EngineSettings(**given)
+from dflash_lab.serving.settings import server_settings
 
 
 def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str, Any]:
@@ -126,7 +113,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items
     from dflash_lab.target.chat import target_stop_ids
 
-    settings = engine_settings(cfg.get("server"))
+    settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
     items = [load_items(d, cfg.num_prompts) for d in configs]  # a bad file: before the engine

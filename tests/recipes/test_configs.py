@@ -110,6 +110,7 @@ def test_entry_points_share_the_train_groups():
     train = set(entry_groups("train"))
     for entry in ("capture", "regenerate", "eval"):
         own = {"conversations"} | ({"eval_data"} if entry == "eval" else set())
+        own |= {"server"} if entry in ("regenerate", "eval") else set()
         assert {"target", "logger"} <= set(entry_groups(entry)) <= train | own
     for entry in ("capture", "regenerate"):
         assert entry_groups(entry)["conversations"] == "data"
@@ -121,12 +122,14 @@ def test_settings_dataclasses_are_all_configurable():
     from dataclasses import fields
 
     from dflash_lab.data.capture_loop import CaptureSettings
-    from dflash_lab.data.completion_server import ServerSettings
     from dflash_lab.data.regenerate_loop import RegenerateSettings
+    from dflash_lab.serving.settings import ServerSettings
 
     block = yaml.safe_load((CONF_DIR / "regenerate.yaml").read_text())["regenerate"]
-    for cls, keys in ((RegenerateSettings, block["settings"]), (ServerSettings, block["server"])):
+    server = yaml.safe_load((CONF_DIR / "server" / "default.yaml").read_text())
+    for cls, keys in ((RegenerateSettings, block["settings"]), (ServerSettings, server)):
         assert {f.name for f in fields(cls)} == set(keys), cls.__name__
+    assert "server" not in block  # one server group, shared with dflash-eval
     capture = yaml.safe_load((CONF_DIR / "capture.yaml").read_text())["capture"]
     assert {f.name for f in fields(CaptureSettings)} <= set(capture)  # + num_layers, progress
 
@@ -165,6 +168,12 @@ def check_target(cfg, package, *, tiny_target_dir, **_):
 def check_logger(cfg, package, **_):
     logger = make_logger(cfg.logger)
     assert (logger is None) == (cfg.logger._target_ is None)
+
+
+def check_server(cfg, package, **_):
+    from dflash_lab.serving.settings import server_settings
+
+    assert server_settings(cfg[package]).url.startswith("http")
 
 
 def check_conversations(cfg, package, *, tmp_path, **_):
@@ -254,5 +263,23 @@ def check_eval_data(cfg, package, **_):
 
 
 CHECKS = {"target": check_target, "logger": check_logger, "conversations": check_conversations,
+          "server": check_server,
           "eval_data": check_eval_data, "data": check_data, "recipe": check_recipe, **dict.fromkeys(
               ("drafter", "module", "trainer", "callbacks", "paths"), check_train_part)}
+
+
+def test_one_server_group_for_regenerate_and_eval():
+    """dflash-regenerate and dflash-eval compose the same ``server`` group: one override name
+    (server.url=...) reaches both, and each builds the one ServerSettings from it."""
+    from dflash_lab.serving.settings import ServerSettings, server_settings
+
+    got = {}
+    for name in ("regenerate", "eval"):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=name, overrides=["server.url=http://h:9/v1",
+                                                       "server.retries=5"])
+        got[name] = server_settings(cfg.server)
+    assert got["regenerate"] == got["eval"] == ServerSettings(url="http://h:9/v1", retries=5)
+    with pytest.raises(ValueError, match=r"server.nope is not a server option"):
+        server_settings({"nope": 1})

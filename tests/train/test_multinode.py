@@ -16,7 +16,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dflash_lab.data.server_launch import free_port
 from dflash_lab.data.shards import read_manifest, write_json_atomic
 from dflash_lab.launch import (
     Launch,
@@ -27,6 +26,7 @@ from dflash_lab.launch import (
 )
 from dflash_lab.paths import REPO_ROOT
 from dflash_lab.runinfo import RUN_INFO_FILE, write_run_info
+from dflash_lab.serving.launch import free_port
 from dflash_lab.train.callbacks import check_same_start_step
 from dflash_lab.train.cli import RUN_NAME_ENV, check_launch, share_run_name
 from tests.train.test_train import SUBPROCESS_PYTHONPATH, _compose, _losses, _tiny_overrides

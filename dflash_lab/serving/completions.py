@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import urllib.error
 import urllib.request
@@ -40,49 +39,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.data.server_launch import PORT, launched_server
-from dflash_lab.server_http import (
+from dflash_lab.serving.http import (
     CONNECTION_ERRORS,
     error_detail,
     json_request,
     pick_served_model,
 )
+from dflash_lab.serving.launch import launched_server
+from dflash_lab.serving.settings import ServerSettings
 
 log = logging.getLogger("dflash_lab.regenerate")
 
 #: HTTP statuses worth retrying: rate limiting and server-side failures.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """Where the server is and how to talk to it (conf/regenerate.yaml ``regenerate.server``)."""
-
-    url: str = "http://localhost:8000/v1"  # base of the OpenAI-compatible API (ends in /v1)
-    model: str | None = None  # served model id; None: the server's only model
-    timeout_s: float = 600.0  # per request
-    retries: int = 3          # extra attempts after a transient failure (backoff 1, 2, 4 s ...)
-    api_key_env: str | None = None  # name of an environment variable holding a bearer token
-    launch: list[str] | None = None  # start this server command ({port} filled) for the run
-    start_timeout_s: float = 1800.0  # launch: how long the server may take to be ready
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"regenerate.server.url={self.url!r} is not an http(s) URL; pass "
-                             "the API base, e.g. http://localhost:8000/v1")
-        if self.timeout_s <= 0 or self.retries < 0:
-            raise ValueError(f"regenerate.server: timeout_s={self.timeout_s} (> 0), "
-                             f"retries={self.retries} (>= 0)")
-        if self.launch is not None and not any(PORT in str(a) for a in self.launch):
-            raise ValueError(f"regenerate.server.launch={list(self.launch)!r} must contain "
-                             f"{PORT} where the server takes its port, e.g. [vllm, serve, "
-                             "/models/X, --port, '{port}']")
-        if self.start_timeout_s <= 0:
-            raise ValueError(f"regenerate.server.start_timeout_s={self.start_timeout_s} must "
-                             "be > 0")
-        if self.api_key_env and self.api_key_env not in os.environ:
-            raise ValueError(f"regenerate.server.api_key_env={self.api_key_env!r}: that "
-                             "environment variable is not set")
 
 
 @dataclass(frozen=True)
@@ -132,7 +101,7 @@ class CompletionServer:
         raise ServerError(
             f"{self.base}{path} failed {s.retries + 1} times (last: {last}). Is the server up? "
             "e.g. `vllm serve TARGET_DIR --port 8000` or `python -m sglang.launch_server "
-            "--model-path TARGET_DIR --port 8000`, then regenerate.server.url="
+            "--model-path TARGET_DIR --port 8000`, then server.url="
             "http://HOST:PORT/v1. Finished parts are kept: rerun the same command to resume.")
 
     # -- API -----------------------------------------------------------------------------------
@@ -143,7 +112,7 @@ class CompletionServer:
         and max_model_len (None otherwise).
         """
         card = pick_served_model(self._request("/models").get("data") or [], self.model,
-                                 self.base, "regenerate.server.model", ServerError)
+                                 self.base, "server.model", ServerError)
         self.model = card.get("id")
         max_model_len = card.get("max_model_len")
         if max_model_len is not None and max_length > max_model_len:
@@ -200,9 +169,9 @@ def open_server(settings: ServerSettings, log_path: Path, world_size: int = 1
         yield CompletionServer(settings)
         return
     if world_size > 1:
-        raise ValueError("regenerate.server.launch starts one server per process; with "
+        raise ValueError("server.launch starts one server per process; with "
                          f"WORLD_SIZE={world_size} start the server yourself and pass "
-                         "regenerate.server.url")
+                         "server.url")
     with launched_server(list(settings.launch), log_path,
                          start_timeout_s=settings.start_timeout_s) as url:
         log.info("server ready at %s (its output: %s)", url, log_path)

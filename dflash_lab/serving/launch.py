@@ -1,6 +1,6 @@
 """Start an OpenAI-compatible server for the length of a ``with`` block, then stop it.
 
-``dflash-regenerate regenerate.backend=server regenerate.server.launch=[...]`` runs the given
+``dflash-regenerate regenerate.backend=server server.launch=[...]`` runs the given
 command (any engine: ``vllm serve DIR --port {port}``, ``python -m sglang.launch_server
 --model-path DIR --port {port}``, a Python from another venv) on a free local port that
 replaces ``{port}``, waits until ``/v1/models`` answers, regenerates, and stops the server
@@ -55,7 +55,7 @@ def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float
     when the server exits or is not ready within ``start_timeout_s``.
     """
     if not command or not any(PORT in str(part) for part in command):
-        raise ValueError(f"regenerate.server.launch={list(command)!r} must contain {PORT} where "
+        raise ValueError(f"server.launch={list(command)!r} must contain {PORT} where "
                          "the server takes its port, e.g. [vllm, serve, /models/X, --port, "
                          "'{port}']")
     port = free_port()

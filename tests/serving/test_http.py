@@ -1,4 +1,4 @@
-"""The HTTP pieces both clients of a served model use (dflash_lab.server_http)."""
+"""The HTTP pieces both clients of a served model use (dflash_lab.serving.http)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash_lab.server_http import json_request, pick_served_model
+from dflash_lab.serving.http import json_request, pick_served_model
 
 MODELS = [{"id": "target", "root": "/models/t", "max_model_len": 4096},
           {"id": "other", "root": "/models/o"}]
@@ -24,8 +24,8 @@ def test_an_unpicked_or_unserved_model_raises_naming_the_setting():
         pass
 
     with pytest.raises(Refused, match=r"http://h/v1 serves \['target', 'other'\]: set "
-                                      r"regenerate.server.model to one of them"):
-        pick_served_model(MODELS, None, "http://h/v1", "regenerate.server.model", Refused)
+                                      r"server.model to one of them"):
+        pick_served_model(MODELS, None, "http://h/v1", "server.model", Refused)
     with pytest.raises(Refused, match=r"does not serve server.model='nope'; it serves"):
         pick_served_model(MODELS, "nope", "http://h/v1", "server.model", Refused)
     with pytest.raises(Refused, match=r"serves \[\]"):

@@ -1,4 +1,4 @@
-"""dflash-eval backend=server (dflash_lab/eval/server.py) against tests/fake_openai_server.py:
+"""dflash-eval backend=server (dflash_lab/serving/engine.py) against tests/fake_openai_server.py:
 the prompts go as the local eval's token ids; vLLM's acceptance is the per-request delta of its
 /metrics counters (vLLM 0.32's exact Prometheus text), SGLang's the meta_info of /generate;
 both tau conventions, TTFT/TPOT, and the errors (server down, no speculative decoding).
@@ -15,18 +15,18 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.data.server_launch import free_port
 from dflash_lab.eval import cli
 from dflash_lab.eval.prompts import load_prompts
-from dflash_lab.eval.server import (
+from dflash_lab.paths import CONF_DIR
+from dflash_lab.serving.engine import (
     EngineClient,
     EngineError,
-    EngineSettings,
     Sampling,
     histogram_from_positions,
     parse_vllm_metrics,
 )
-from dflash_lab.paths import CONF_DIR
+from dflash_lab.serving.launch import free_port
+from dflash_lab.serving.settings import ServerSettings
 from dflash_lab.target.chat import target_stop_ids
 from tests.fake_openai_server import MODEL_ID, SCRIPT, FakeEngine, FakeSpec, handler
 
@@ -124,7 +124,7 @@ def test_missing_spec_counters_say_the_server_runs_without_speculation(tiny_targ
     httpd, url = _serve(engine)
     try:
         with pytest.raises(EngineError, match="not started with speculative decoding") as err:
-            EngineClient(EngineSettings(url=url)).connect()
+            EngineClient(ServerSettings(url=url)).connect()
         assert url.removesuffix("/v1") + "/metrics" in str(err.value)
     finally:
         httpd.shutdown()
@@ -134,17 +134,17 @@ def test_missing_spec_counters_say_the_server_runs_without_speculation(tiny_targ
 def test_server_down_names_the_url():
     url = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(EngineError, match="could not reach") as err:
-        EngineClient(EngineSettings(url=url)).connect()
+        EngineClient(ServerSettings(url=url)).connect()
     assert f"{url}/models" in str(err.value) and "server.url" in str(err.value)
 
 
 def test_settings_refuse_unknown_engine_and_bad_url():
     with pytest.raises(ValueError, match="server.engine='tgi'"):
-        EngineSettings(engine="tgi")
+        ServerSettings(engine="tgi")
     with pytest.raises(ValueError, match="server.url='localhost:8000'"):
-        EngineSettings(url="localhost:8000")
+        ServerSettings(url="localhost:8000")
     with pytest.raises(ValueError, match=r"\{port\}"):
-        EngineSettings(launch=["vllm", "serve", "/m"])
+        ServerSettings(launch=["vllm", "serve", "/m"])
 
 
 # ------------------------------------------------------------------ the command line, vLLM
@@ -196,14 +196,14 @@ def test_sampled_requests_carry_seed_plus_index(tiny_target, tiny_target_dir, sp
 def test_block_size_follows_vllms_convention(spec_engine):
     """vLLM's num_speculative_tokens is B - 1: its 7 per-position counters mean B = 8."""
     _, url = spec_engine
-    assert EngineClient(EngineSettings(url=url, block_size=8)).connect()["block_size"] == 8
+    assert EngineClient(ServerSettings(url=url, block_size=8)).connect()["block_size"] == 8
     with pytest.raises(EngineError, match="server.block_size=7 but .* B=8"):
-        EngineClient(EngineSettings(url=url, block_size=7)).connect()
+        EngineClient(ServerSettings(url=url, block_size=7)).connect()
 
 
 def test_non_streaming_has_no_ttft(spec_engine, tiny_target):
     engine, url = spec_engine
-    client = EngineClient(EngineSettings(url=url, stream=False))
+    client = EngineClient(ServerSettings(url=url, stream=False))
     client.connect()
     resp = client.generate([1, 2, 3], Sampling(12, 0.0, (), ignore_eos=True))
     assert resp.num_output_tokens == 12 and resp.rounds == len(FakeSpec(8, PATTERN).rounds(12))
@@ -216,7 +216,7 @@ def test_non_streaming_has_no_ttft(spec_engine, tiny_target):
 def test_sglang_meta_info(tiny_target, spec_engine, stream, cumulative):
     engine, url = spec_engine
     engine.sglang_cumulative_ids = cumulative
-    client = EngineClient(EngineSettings(engine="sglang", url=url, stream=stream))
+    client = EngineClient(ServerSettings(engine="sglang", url=url, stream=stream))
     assert client.connect()["block_size"] == 8  # /get_server_info speculative_num_draft_tokens
     resp = client.generate([5, 6, 7], Sampling(10, 0.0, (), ignore_eos=True))
     rounds = FakeSpec(8, PATTERN).rounds(10)
@@ -231,7 +231,7 @@ def test_sglang_meta_info(tiny_target, spec_engine, stream, cumulative):
 def test_sglang_without_speculation_is_refused(tiny_target):
     httpd, url = _serve(FakeEngine(tiny_target))
     try:
-        client = EngineClient(EngineSettings(engine="sglang", url=url, block_size=8))
+        client = EngineClient(ServerSettings(engine="sglang", url=url, block_size=8))
         client.connect()
         with pytest.raises(EngineError, match="spec_verify_ct: the server was not started"):
             client.generate([5, 6], Sampling(4, 0.0, ()))

@@ -3,7 +3,7 @@ engine (vLLM or SGLang) instead of this package's own loop.
 
 The prompts are the same token ids the local eval decodes (same loader, chat template, stop
 tokens); each goes to the engine as token ids, one request at a time, with every sampling field
-explicit (as :mod:`dflash_lab.data.completion_server` does for regeneration). What comes back
+explicit (as :mod:`dflash_lab.serving.completions` does for regeneration). What comes back
 per response (:class:`ServerResponse`):
 
 * **vLLM** (``/v1/completions``, ``prompt`` = the id list): vLLM has no per-request acceptance
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 import urllib.error
@@ -45,17 +44,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.data.server_launch import PORT, launched_server
 from dflash_lab.eval.records import ResponseRecord
-from dflash_lab.server_http import (
+from dflash_lab.serving.http import (
     CONNECTION_ERRORS,
     error_detail,
     json_request,
     pick_served_model,
 )
+from dflash_lab.serving.launch import launched_server
+from dflash_lab.serving.settings import ServerSettings
 
 log = logging.getLogger(__name__)
-ENGINES = ("vllm", "sglang")
 BACKENDS = ("local", "server")
 #: vLLM's speculative-decoding counters (Prometheus names without ``_total``).
 VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
@@ -68,47 +67,6 @@ _POSITION = re.compile(r'position="(\d+)"')
 
 class EngineError(ValueError):
     """The engine is unreachable, refused a request, or does not report acceptance."""
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """conf/eval.yaml ``server:`` (used with ``backend=server``)."""
-
-    engine: str = "vllm"  # vllm | sglang
-    url: str = "http://localhost:8000/v1"  # the OpenAI-compatible API base (ends in /v1)
-    model: str | None = None  # served model id; None: the server's only model
-    timeout_s: float = 600.0  # per request
-    api_key_env: str | None = None  # environment variable holding a bearer token
-    launch: list[str] | None = None  # start this command ({port} filled) for the run
-    start_timeout_s: float = 1800.0  # launch: how long the server may take to be ready
-    stream: bool = True  # stream the answer: TTFT and TPOT (else only the total time)
-    block_size: int | None = None  # B; None: vLLM's /metrics positions + 1, SGLang's server info
-    settle_s: float = 2.0  # vLLM: wait at most this long for the counters to stop moving
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"server.engine={self.engine!r} (conf/eval.yaml): use one of "
-                             f"{list(ENGINES)}")
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"server.url={self.url!r} is not an http(s) URL: pass the API base, "
-                             "e.g. server.url=http://localhost:8000/v1")
-        if self.launch is not None and not any(PORT in str(a) for a in self.launch):
-            raise ValueError(f"server.launch={list(self.launch)!r} must contain {PORT} where the "
-                             "server takes its port, e.g. [vllm, serve, DIR, --port, '{port}']")
-        if self.timeout_s <= 0 or self.start_timeout_s <= 0 or self.settle_s < 0:
-            raise ValueError(f"server: timeout_s={self.timeout_s}, start_timeout_s="
-                             f"{self.start_timeout_s} must be > 0, settle_s={self.settle_s} >= 0")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"server.block_size={self.block_size}: must be >= 2 (or null)")
-        if self.api_key_env and self.api_key_env not in os.environ:
-            raise ValueError(f"server.api_key_env={self.api_key_env!r}: that environment "
-                             "variable is not set")
-
-    @property
-    def root(self) -> str:
-        """The server's root URL (``/metrics``, SGLang's ``/generate``): url without ``/v1``."""
-        base = self.url.rstrip("/")
-        return base[:-3] if base.endswith("/v1") else base
 
 
 @dataclass
@@ -233,7 +191,7 @@ def _sse_events(resp) -> Iterator[dict[str, Any]]:
 class EngineClient:
     """Client of one served model; one request at a time (the vLLM counters need it)."""
 
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.base = settings.url.rstrip("/")
         self.model = settings.model
@@ -408,7 +366,7 @@ def _sglang_response(last: dict[str, Any] | None, pieces: list[list[int]], secon
 
 
 @contextmanager
-def open_engine(settings: EngineSettings, log_path: Path) -> Iterator[EngineClient]:
+def open_engine(settings: ServerSettings, log_path: Path) -> Iterator[EngineClient]:
     """A client of the server at ``settings.url``, or of one started for the block with
     ``settings.launch`` (its output in ``log_path``) and stopped after it."""
     if settings.launch is None:

@@ -13,8 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import dflash_lab.data.completion_server as cs
-from dflash_lab.data.completion_server import CompletionServer, ServerError, ServerSettings
+import dflash_lab.serving.completions as cs
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.regenerate_loop import (
     MERGED_FILE,
@@ -23,6 +22,8 @@ from dflash_lab.data.regenerate_loop import (
     run_regenerate,
 )
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.serving.completions import CompletionServer, ServerError
+from dflash_lab.serving.settings import ServerSettings
 from dflash_lab.target.chat import render_prompt, target_stop_ids
 from tests.fake_openai_server import MODEL_ID, SCRIPT, FakeEngine, handler
 
@@ -162,11 +163,11 @@ def test_a_failure_surfaces_without_waiting_for_slow_requests(served):
 
 
 def test_an_unreachable_server_says_how_to_start_one(monkeypatch):
-    from dflash_lab.data.server_launch import free_port
+    from dflash_lab.serving.launch import free_port
 
     monkeypatch.setattr(cs.time, "sleep", lambda s: None)
     port = free_port()  # a port nobody listens on
-    with pytest.raises(ServerError, match=r"vllm serve TARGET_DIR.*regenerate.server.url"):
+    with pytest.raises(ServerError, match=r"vllm serve TARGET_DIR.*server.url"):
         _server(f"http://127.0.0.1:{port}/v1", retries=1).connect(max_length=64)
 
 
@@ -179,9 +180,9 @@ def test_model_choice_and_context_length_are_checked_before_any_generation(tiny_
         run_regenerate(tiny_target, _data(1), s, {"path": "demo"}, progress=False,
                        server=_server(url))
     engine.models = [MODEL_ID, "other"]
-    with pytest.raises(ServerError, match="serves .*'other'.*set regenerate.server.model"):
+    with pytest.raises(ServerError, match="serves .*'other'.*set server.model"):
         _server(url).connect(max_length=64)
-    with pytest.raises(ServerError, match="does not serve regenerate.server.model='nope'"):
+    with pytest.raises(ServerError, match="does not serve server.model='nope'"):
         _server(url, model="nope").connect(max_length=64)
     assert _server(url, model="other").connect(max_length=64)["model"] == "other"
     assert engine.requests == [] and not (tmp_path / "x").exists()
@@ -197,7 +198,7 @@ def test_a_resume_must_keep_the_backend(tiny_target, served, tmp_path):
 
 
 def test_bad_server_settings_name_the_key(monkeypatch):
-    with pytest.raises(ValueError, match="regenerate.server.url='localhost:8000'"):
+    with pytest.raises(ValueError, match="server.url='localhost:8000'"):
         ServerSettings(url="localhost:8000")
     with pytest.raises(ValueError, match="retries=-1"):
         ServerSettings(retries=-1)
@@ -221,7 +222,7 @@ def test_cli_backend_server_loads_the_target_head_only(tiny_target_dir, served, 
     _, url = served
     cfg = _compose(tmp_path, "target=hf", f"target.name_or_path={tiny_target_dir}",
                    "target.dtype=float32", "target.device=cpu", "regenerate.backend=server",
-                   f"regenerate.server.url={url}")
+                   f"server.url={url}")
     manifest = regenerate(cfg)
     assert cfg.target.head_only is True  # weights of the decoder layers were never read
     assert manifest["num_conversations"] == 3 and manifest["server"]["model"] == MODEL_ID
@@ -237,8 +238,8 @@ def test_cli_launches_the_server_for_the_run_and_stops_it(tiny_target_dir, tmp_p
 
     cfg = _compose(tmp_path, "target=hf", f"target.name_or_path={tiny_target_dir}",
                    "target.dtype=float32", "target.device=cpu", "regenerate.backend=server",
-                   f"regenerate.server.launch=[{sys.executable},{SCRIPT},--target,"
-                   f"{tiny_target_dir},--port,'{{port}}']", "regenerate.server.start_timeout_s=120")
+                   f"server.launch=[{sys.executable},{SCRIPT},--target,"
+                   f"{tiny_target_dir},--port,'{{port}}']", "server.start_timeout_s=120")
     manifest = regenerate(cfg)
     assert manifest["num_conversations"] == 3 and manifest["server"]["model"] == MODEL_ID
     log = (tmp_path / "out" / "server.log").read_text()
@@ -250,7 +251,7 @@ def test_cli_launches_the_server_for_the_run_and_stops_it(tiny_target_dir, tmp_p
 def test_a_launched_server_that_dies_shows_its_log(tmp_path):
     import sys
 
-    from dflash_lab.data.completion_server import open_server
+    from dflash_lab.serving.completions import open_server
 
     settings = ServerSettings(launch=[sys.executable, "-c",
                                       "import sys; print('no model at port {port}'); sys.exit(3)"])
