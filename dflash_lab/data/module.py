@@ -403,6 +403,10 @@ class OfflineDataModule(BlockDataModule):
     the drafter expects (a mismatch is refused naming both values); ``target``: optional loaded
     target whose config, tokenizer and weights fingerprint must match the capture
     (``allow_other_target_weights``: accept another checkpoint's features, same config).
+    ``format``: ``auto`` (by the files in ``path``), ``dflash_lab`` or ``speculators`` (a
+    speculators prepare-data directory with generate-offline-data states:
+    :mod:`dflash_lab.data.speculators_data`; ``speculators_layer_ids`` the ids their vLLM server
+    extracted, ``hidden_states_path`` their ``--output`` when not ``path/hidden_states``).
     """
 
     @classmethod
@@ -422,16 +426,25 @@ class OfflineDataModule(BlockDataModule):
 
     @classmethod
     def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
-        """The capture's ``max_length``, read from its manifest."""
+        """The capture's ``max_length``, read from its manifest (speculators data: its longest
+        row, from the prepare-data ``seq_len`` column)."""
         from dflash_lab.data.shards import read_manifest
+        from dflash_lab.data.speculators_data import detect_format
 
+        if detect_format(data_cfg.path, data_cfg.get("format", "auto")) == "speculators":
+            from datasets import load_from_disk
+
+            lengths = load_from_disk(str(data_cfg.path)).with_format(None)["seq_len"]
+            return max(lengths, default=0), f"the longest row of {data_cfg.path} (seq_len)"
         return read_manifest(data_cfg.path).get("max_length"), (
             f"{data_cfg.path}/manifest.json max_length (the capture's capture.max_length)")
 
     def __init__(self, path: str, *, target_layer_ids: Sequence[int] | None = None,
                  hidden_size: int | None = None, vocab_size: int | None = None,
                  target: Any = None, verify_checksums: bool | str = "first_use",
-                 allow_other_target_weights: bool = False, **kw: Any):
+                 allow_other_target_weights: bool = False, format: str = "auto",
+                 speculators_layer_ids: Sequence[int] | None = None,
+                 hidden_states_path: str | None = None, **kw: Any):
         if not path or not isinstance(path, (str, Path)):
             raise ValueError(f"data.path={path!r}: data=offline reads a capture directory; set "
                              "data.path=DIR (the dflash-capture out_dir holding manifest.json)")
@@ -442,10 +455,25 @@ class OfflineDataModule(BlockDataModule):
                        "target": target.identity() if target is not None else None,
                        "allow_other_weights": allow_other_target_weights}
         self.verify_checksums = verify_checksums
+        self.format, self.target = format, target
+        self.speculators = {"layer_ids": speculators_layer_ids,
+                            "hidden_states_path": hidden_states_path}
 
     def load_samples(self) -> Dataset:
         from dflash_lab.data.shards import ShardDataset
+        from dflash_lab.data.speculators_data import (
+            SpeculatorsDataset,
+            detect_format,
+            read_layer_ids,
+        )
 
+        if detect_format(self.path, self.format) == "speculators":
+            self.samples = SpeculatorsDataset(
+                self.path, target=self.target, target_layer_ids=self.expect["target_layer_ids"],
+                layer_ids=read_layer_ids(self.speculators["layer_ids"]),
+                hidden_states_path=self.speculators["hidden_states_path"],
+                hidden_size=self.expect["hidden_size"], vocab_size=self.expect["vocab_size"])
+            return self.samples
         self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
                                     **self.expect)
         return self.samples
