@@ -23,19 +23,26 @@ from pathlib import Path
 from typing import Any
 
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dflash_lab.paths import CONF_DIR, atomic_write_text, remove_path
+from dflash_lab.pipeline_args import (
+    capture_layers,
+    compose,
+    export_options,
+    is_offline,
+    option_args,
+    stage_config,
+    target_args,
+    target_location,
+)
 from dflash_lab.runinfo import git_sha
 
 STAGES = ("capture", "train", "export", "eval")
 #: The Python module each stage runs (``python -m MODULE ARGS``).
 MODULES = {"capture": "dflash_lab.capture", "train": "dflash_lab.train.cli",
            "export": "dflash_lab.export.cli", "eval": "dflash_lab.eval.cli"}
-#: Target keys that belong to one stage (capture may run bfloat16, eval float32, train
-#: head-only): every other key of train's target section is passed to capture and eval.
-STAGE_TARGET_KEYS = ("_target_", "dtype", "device", "head_only")
 USAGE = ("usage: dflash-lab run recipe=NAME [stages=[capture,train,export,eval]] "
          "[force=[STAGE,...]] [root=DIR] [STAGE:OVERRIDE ...] [OVERRIDE ...]")
 
@@ -98,83 +105,6 @@ def _check_names(what: str, names: list[str], valid) -> None:
         raise ValueError(f"{what}={names}: unknown stage {bad[0]!r}; the stages are {list(valid)}")
 
 
-def compose(config_name: str, overrides: list[str]) -> DictConfig:
-    """``conf/<config_name>.yaml`` + overrides, as the stage's command composes it (Hydra's
-    choices kept under ``hydra``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=overrides,
-                                 return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def hydra_value(value: Any) -> str:
-    """``value`` in Hydra's override syntax (strings quoted only when they need it)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    text = str(value)
-    if isinstance(value, str) and any(c in text for c in " ,[]{}()='\"\\:$"):
-        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return text
-
-
-def target_args(train_cfg: DictConfig) -> list[str]:
-    """The train stage's target (group and identity keys) as capture / eval overrides: one
-    target for the whole pipeline."""
-    section = OmegaConf.to_container(train_cfg.target, resolve=True)
-    args = [f"target={train_cfg.hydra.runtime.choices.target}"]
-    return args + [f"target.{k}={hydra_value(v)}" for k, v in section.items()
-                   if k not in STAGE_TARGET_KEYS]
-
-
-def target_location(train_cfg: DictConfig) -> str:
-    """Where the target lives (a directory, hub id or GGUF file), for ``dflash-export --target``."""
-    target = train_cfg.target
-    where = target.get("name_or_path") or target.get("path")
-    gguf = target.get("gguf_file")
-    return str(Path(where) / gguf) if gguf else str(where)
-
-
-def export_options(section: dict[str, Any]) -> list[str]:
-    """cfg.export as ``dflash-export --KEY`` options (``enabled``/``out_dir`` are train's)."""
-    out = []
-    for key, value in section.items():
-        if key in ("enabled", "out_dir"):
-            continue
-        out.append(f"--{key}" if value is True else f"--no-{key}" if value is False
-                   else f"--{key}={value}")
-    return out
-
-
-def _prefixed(args: list[str]) -> list[str]:
-    """``export:dtype=X`` is accepted for ``export:--dtype=X``."""
-    return [a if a.startswith("-") else "--" + a for a in args]
-
-
-def _capture_layers(train_cfg: DictConfig) -> list[str]:
-    ids = train_cfg.drafter.target_layer_ids
-    if isinstance(ids, int):  # n evenly spread ids: the capture computes the same list
-        return ["capture.target_layer_ids=null", f"capture.num_layers={ids}"]
-    return [f"capture.target_layer_ids={hydra_value(list(ids))}"]
-
-
-def is_offline(train_cfg: DictConfig) -> bool:
-    """Does the recipe train on a capture (data=offline), so that capture is one of its stages."""
-    from dflash_lab.train.checks import data_class
-
-    return not data_class(train_cfg.data).runs_target
-
-
 def recipe_stages(req: Request, train_cfg: DictConfig) -> list[str]:
     """The stages the recipe runs (``pipeline.stages``, else all it can), checked."""
     offline = is_offline(train_cfg)
@@ -201,40 +131,27 @@ def plan(req: Request) -> list[Stage]:
     cfg = compose("train", train_args)
     steps = OmegaConf.to_container(cfg.pipeline, resolve=True)
     targets = target_args(cfg)
-    capture = targets + _capture_layers(cfg) + [f"capture.out_dir={root / 'capture'}",
+    capture = targets + capture_layers(cfg) + [f"capture.out_dir={root / 'capture'}",
                                                  *steps["capture"], *req.stage_args["capture"]]
     export = [str(root / "train"), str(root / "export"), "--force",
               f"--target={target_location(cfg)}",
               *export_options(OmegaConf.to_container(cfg.export, resolve=True)),
-              *_prefixed([*steps["export"], *req.stage_args["export"]])]
+              *option_args([*steps["export"], *req.stage_args["export"]])]
     evaluate = targets + [f"drafter.path={root / 'export'}", f"output_dir={root / 'eval'}",
                           *steps["eval"], *req.stage_args["eval"]]
     train_view = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
                   if k not in ("pipeline", "export", "hydra")}
     make = {
-        "capture": lambda: Stage("capture", capture, _config("capture", capture),
+        "capture": lambda: Stage("capture", capture, stage_config("capture", capture),
                                  [root / "capture" / "manifest.json"], root / "capture"),
         "train": lambda: Stage("train", train_args, train_view,
                                [root / "train" / "checkpoints" / "last.ckpt"], root / "train"),
         "export": lambda: Stage("export", export, export, [root / "export" / "config.json"],
                                 root / "export"),
-        "eval": lambda: Stage("eval", evaluate, _config("eval", evaluate),
+        "eval": lambda: Stage("eval", evaluate, stage_config("eval", evaluate),
                               [root / "eval" / "report.json"], root / "eval"),
     }
     return [make[name]() for name in recipe_stages(req, cfg)]
-
-
-def _config(name: str, args: list[str]) -> dict[str, Any]:
-    """The stage's composed config (unresolved: ``${now:...}`` stays stable), refused here when
-    a required value is missing, before anything runs."""
-    cfg = compose(name, args)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ValueError(f"the {name} stage needs {missing}: set them in the recipe's "
-                         f"pipeline.{name} list or on the command line ({name}:{missing[0]}=...)")
-    return OmegaConf.to_container(cfg, resolve=False)
 
 
 # ----------------------------------------------------------------------------- records and runs
