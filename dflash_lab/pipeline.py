@@ -31,6 +31,7 @@ from dflash_lab.pipeline_args import (
     capture_layers,
     compose,
     export_options,
+    hydra_value,
     is_offline,
     option_args,
     stage_config,
@@ -119,25 +120,31 @@ def recipe_stages(req: Request, train_cfg: DictConfig) -> list[str]:
     return [s for s in STAGES if s in listed]
 
 
+def _at(root: Path, stage: str) -> str:
+    """A stage's folder as a Hydra override value."""
+    return hydra_value(str(root / stage))
+
+
 def plan(req: Request) -> list[Stage]:
     """Every stage the recipe runs, with its arguments, composed config and outputs."""
     root = req.root
     train_args = [f"recipe={req.recipe}", *req.stage_args["train"]]
     first = compose("train", train_args)
     offline = is_offline(first)
-    derived = [f"paths.output_dir={root / 'train'}", "export.enabled=false"]
-    derived += [f"data.path={root / 'capture'}"] if offline else []
+    derived = [f"paths.output_dir={_at(root, 'train')}", "export.enabled=false"]
+    derived += [f"data.path={_at(root, 'capture')}"] if offline else []
     train_args += derived
     cfg = compose("train", train_args)
     steps = OmegaConf.to_container(cfg.pipeline, resolve=True)
     targets = target_args(cfg)
-    capture = targets + capture_layers(cfg) + [f"capture.out_dir={root / 'capture'}",
+    capture = targets + capture_layers(cfg) + [f"capture.out_dir={_at(root, 'capture')}",
                                                  *steps["capture"], *req.stage_args["capture"]]
     export = [str(root / "train"), str(root / "export"), "--force",
               f"--target={target_location(cfg)}",
               *export_options(OmegaConf.to_container(cfg.export, resolve=True)),
               *option_args([*steps["export"], *req.stage_args["export"]])]
-    evaluate = targets + [f"drafter.path={root / 'export'}", f"output_dir={root / 'eval'}",
+    evaluate = targets + [f"drafter.path={_at(root, 'export')}",
+                          f"output_dir={_at(root, 'eval')}",
                           *steps["eval"], *req.stage_args["eval"]]
     train_view = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
                   if k not in ("pipeline", "export", "hydra")}
