@@ -1,0 +1,298 @@
+"""``dflash-lab run recipe=NAME``: a recipe's stages (capture, train, export, eval) in order.
+
+Every stage is the existing command run as a subprocess (its own Hydra state and log), with its
+folder under one run root, so each finds the one before it: ``<root>/capture`` is train's
+``data.path``, ``<root>/train`` the export's source, ``<root>/export`` eval's ``drafter.path``.
+The stage settings come from the recipe (its ``pipeline:`` section, conf/train.yaml) and the
+command line (``eval:num_prompts=4``; unprefixed overrides go to train). A finished stage
+writes ``<root>/stages/<stage>.json``; a rerun skips it while its inputs (its composed config
+and the record of the stage before it) and outputs are unchanged, and a killed train stage
+resumes from its ``last.ckpt`` as ``dflash-train`` does (``ckpt_path=auto``). docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dflash_lab.paths import CONF_DIR, atomic_write_text, remove_path
+from dflash_lab.pipeline_args import (
+    capture_layers,
+    compose,
+    export_options,
+    hydra_value,
+    is_offline,
+    option_args,
+    stage_config,
+    target_args,
+    target_location,
+)
+from dflash_lab.runinfo import git_sha
+
+STAGES = ("capture", "train", "export", "eval")
+#: The Python module each stage runs (``python -m MODULE ARGS``).
+MODULES = {"capture": "dflash_lab.capture", "train": "dflash_lab.train.cli",
+           "export": "dflash_lab.export.cli", "eval": "dflash_lab.eval.cli"}
+USAGE = ("usage: dflash-lab run recipe=NAME [stages=[capture,train,export,eval]] "
+         "[force=[STAGE,...]] [root=DIR] [STAGE:OVERRIDE ...] [OVERRIDE ...]")
+
+
+@dataclass
+class Request:
+    """The parsed command line: ``stage_args[s]`` are the ``s:``-prefixed arguments."""
+
+    recipe: str
+    root: Path
+    stages: list[str] | None = None
+    force: list[str] = field(default_factory=list)
+    stage_args: dict[str, list[str]] = field(default_factory=lambda: {s: [] for s in STAGES})
+
+
+@dataclass
+class Stage:
+    """One stage as it will run: its command, the config it composes (hashed into ``inputs``),
+    the paths that must exist after it, and the folder it owns."""
+
+    name: str
+    args: list[str]
+    composed: Any
+    outputs: list[Path]
+    folder: Path
+
+
+def _names(value: str) -> list[str]:
+    return [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+
+
+def parse_args(argv: list[str]) -> Request:
+    """``run recipe=X ...`` -> :class:`Request`; a bad stage name raises naming the choices."""
+    if not argv or argv[0] != "run":
+        raise ValueError(f"expected the subcommand `run`, got {argv[:1] or 'nothing'}\n{USAGE}")
+    given = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:]
+             if a.split("=", 1)[0] in ("recipe", "root", "stages", "force") and "=" in a}
+    if not given.get("recipe"):  # an unknown name: Hydra's error lists the recipes
+        raise ValueError(f"give recipe=NAME (a file in {CONF_DIR / 'recipe'})\n{USAGE}")
+    req = Request(given["recipe"], Path(given.get("root") or f"outputs/pipeline/{given['recipe']}"))
+    req.stages = _names(given["stages"]) if "stages" in given else None
+    req.force = _names(given.get("force", ""))
+    for arg in argv[1:]:
+        key = arg.split("=", 1)[0]
+        if key in given:
+            continue
+        stage, sep, rest = arg.partition(":")
+        if sep and stage in STAGES and "=" not in stage:
+            req.stage_args[stage].append(rest)
+        else:
+            req.stage_args["train"].append(arg)
+    for what, names in (("stages", req.stages or []), ("force", req.force)):
+        _check_names(what, names, STAGES)
+    return req
+
+
+def _check_names(what: str, names: list[str], valid) -> None:
+    bad = [n for n in names if n not in valid]
+    if bad:
+        raise ValueError(f"{what}={names}: unknown stage {bad[0]!r}; the stages are {list(valid)}")
+
+
+def recipe_stages(req: Request, train_cfg: DictConfig) -> list[str]:
+    """The stages the recipe runs (``pipeline.stages``, else all it can), checked."""
+    offline = is_offline(train_cfg)
+    listed = train_cfg.pipeline.get("stages")
+    where = f"recipes/{req.recipe}.yaml pipeline.stages"
+    if listed is None:
+        return [s for s in STAGES if offline or s != "capture"]
+    _check_names(where, list(listed), STAGES)
+    if "capture" in listed and not offline:
+        raise ValueError(f"{where} lists capture, but the recipe trains on online data (no "
+                         "capture); remove it or use data=offline")
+    return [s for s in STAGES if s in listed]
+
+
+def _at(root: Path, stage: str) -> str:
+    """A stage's folder as a Hydra override value."""
+    return hydra_value(str(root / stage))
+
+
+def plan(req: Request) -> list[Stage]:
+    """Every stage the recipe runs, with its arguments, composed config and outputs."""
+    root = req.root
+    train_args = [f"recipe={req.recipe}", *req.stage_args["train"]]
+    first = compose("train", train_args)
+    offline = is_offline(first)
+    derived = [f"paths.output_dir={_at(root, 'train')}", "export.enabled=false"]
+    derived += [f"data.path={_at(root, 'capture')}"] if offline else []
+    train_args += derived
+    cfg = compose("train", train_args)
+    steps = OmegaConf.to_container(cfg.pipeline, resolve=True)
+    targets = target_args(cfg)
+    capture = targets + capture_layers(cfg) + [f"capture.out_dir={_at(root, 'capture')}",
+                                                 *steps["capture"], *req.stage_args["capture"]]
+    export = [str(root / "train"), str(root / "export"), "--force",
+              f"--target={target_location(cfg)}",
+              *export_options(OmegaConf.to_container(cfg.export, resolve=True)),
+              *option_args([*steps["export"], *req.stage_args["export"]])]
+    evaluate = targets + [f"drafter.path={_at(root, 'export')}",
+                          f"output_dir={_at(root, 'eval')}",
+                          *steps["eval"], *req.stage_args["eval"]]
+    train_view = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
+                  if k not in ("pipeline", "export", "hydra")}
+    make = {
+        "capture": lambda: Stage("capture", capture, stage_config("capture", capture),
+                                 [root / "capture" / "manifest.json"], root / "capture"),
+        "train": lambda: Stage("train", train_args, train_view,
+                               [root / "train" / "checkpoints" / "last.ckpt"], root / "train"),
+        "export": lambda: Stage("export", export, export, [root / "export" / "config.json"],
+                                root / "export"),
+        "eval": lambda: Stage("eval", evaluate, stage_config("eval", evaluate),
+                              [root / "eval" / "report.json"], root / "eval"),
+    }
+    return [make[name]() for name in recipe_stages(req, cfg)]
+
+
+# ----------------------------------------------------------------------------- records and runs
+
+def record_path(root: Path, stage: str) -> Path:
+    return root / "stages" / f"{stage}.json"
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def inputs_of(stage: Stage, before: Stage | None, root: Path) -> dict[str, Any]:
+    """What a stage's result depends on: its composed config and the record of the stage
+    before it (rewritten whenever that one reruns, so a rerun upstream reruns this one)."""
+    upstream = record_path(root, before.name) if before else None
+    return {"config": _digest(stage.composed),
+            "upstream": (_digest(upstream.read_text()) if upstream and upstream.is_file()
+                         else None)}
+
+
+def is_done(stage: Stage, inputs: dict[str, Any], root: Path) -> bool:
+    """A record with these inputs exists and every output it names is still there."""
+    path = record_path(root, stage.name)
+    if not path.is_file():
+        return False
+    record = json.loads(path.read_text())
+    return record.get("inputs") == inputs and all(Path(p).exists() for p in record["outputs"])
+
+
+def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Path) -> None:
+    """``<root>/stages/<stage>.json``, written (temp + rename) after the stage succeeded."""
+    missing = [str(p) for p in stage.outputs if not p.exists()]
+    if missing:
+        raise RuntimeError(f"the {stage.name} stage exited 0 but did not write {missing}")
+    command = [sys.executable, "-m", MODULES[stage.name], *stage.args]
+    record = {"stage": stage.name, "command": command, "inputs": inputs,
+              "outputs": [str(p) for p in stage.outputs],
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+              "seconds": round(time.time() - started, 1), "git_sha": git_sha()}
+    record_path(root, stage.name).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(record_path(root, stage.name), json.dumps(record, indent=2) + "\n")
+
+
+def set_aside(stage: Stage, root: Path) -> None:
+    """Before a stage reruns from scratch (changed inputs, or ``force``): drop its record and
+    move its folder to ``<folder>.prev`` (replacing an older one), so a new run never resumes
+    or mixes with the old outputs. Without a record the folder is a killed run's: kept, so that
+    train resumes from its last.ckpt and capture from its finished shards."""
+    record = record_path(root, stage.name)
+    if not record.is_file():
+        return
+    record.unlink()
+    if stage.folder.exists():
+        prev = stage.folder.with_name(stage.folder.name + ".prev")
+        if prev.exists():
+            remove_path(prev)
+        os.replace(stage.folder, prev)
+
+
+def run_stage(stage: Stage, log: Path) -> int:
+    """Run the stage's command, stdout and stderr appended to ``log``; its exit code."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", MODULES[stage.name], *stage.args]
+    with log.open("a") as f:
+        f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+        f.flush()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
+    """The stages to consider (``stages=``), refusing one the recipe does not run, and a stage
+    whose input folder is missing while the stage that writes it is not selected."""
+    names = [s.name for s in stages]
+    selected = req.stages if req.stages is not None else names
+    for what, chosen in (("stages", selected), ("force", req.force)):
+        bad = [n for n in chosen if n not in names]
+        if bad:
+            raise ValueError(f"{what}={chosen}: recipe {req.recipe} does not run the {bad[0]} "
+                             f"stage; its stages are {names}")
+    for i, stage in enumerate(stages):
+        before = stages[i - 1] if i else None
+        if stage.name in selected and before and before.name not in selected:
+            missing = [str(p) for p in before.outputs if not p.exists()]
+            if missing:
+                raise ValueError(f"the {stage.name} stage reads {missing[0]}, which the "
+                                 f"{before.name} stage writes: run it too "
+                                 f"(stages=[{before.name},{stage.name}])")
+    return stages
+
+
+def run(req: Request) -> int:
+    """Run (or skip) each selected stage in order; 0, or the exit code of the stage that
+    failed."""
+    stages = check_selection(req, plan(req))
+    selected = req.stages if req.stages is not None else [s.name for s in stages]
+    todo = [s for s in stages if s.name in selected]
+    for number, stage in enumerate(todo, 1):
+        before = stages[stages.index(stage) - 1] if stages.index(stage) else None
+        inputs = inputs_of(stage, before, req.root)
+        print(f"[{number}/{len(todo)}] {stage.name} ...", end=" ", flush=True)
+        if stage.name not in req.force and is_done(stage, inputs, req.root):
+            print(f"skipped (done: {record_path(req.root, stage.name)})", flush=True)
+            continue
+        set_aside(stage, req.root)  # a record here is stale (or forced): start afresh
+        started, log = time.time(), req.root / "logs" / f"{stage.name}.log"
+        code = run_stage(stage, log)
+        if code != 0:
+            print(f"failed (exit {code}) after {time.time() - started:.0f} s; log: {log}\n"
+                  f"{_tail(log)}", flush=True)
+            return code
+        write_record(stage, inputs, started, req.root)
+        print(f"done in {time.time() - started:.0f} s", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point (``dflash-lab``); exit 2 on a bad command line or recipe."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE + "\n" + __doc__)
+        return 0
+    try:
+        req = parse_args(argv)
+        return run(req)
+    except (ValueError, HydraException, OmegaConfBaseException) as err:
+        print(f"dflash-lab: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""``dflash-lab run recipe=X`` (dflash_lab/pipeline.py) on recipe tiny_cpu at toy size: the
+stages run in order under one root and record themselves; a rerun skips them all; a changed eval
+override reruns eval only; ``force`` and ``stages`` pick stages; a train stage interrupted after
+its checkpoint resumes from it; an offline recipe captures first and trains on that capture.
+
+The pipeline runs in-process (its stages are subprocesses, as for a user); the toy sizes are
+tests/recipes/test_recipes_run.py's, the built-in tiny target is the session's cached build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_lab.pipeline import main
+
+#: Toy sizes: unprefixed ones go to train (and, for target.*, to every stage), eval: to eval.
+TRAIN_TOY = ["trainer.max_steps=2", "trainer.max_epochs=1", "data.demo_rows=9",
+             "data.max_length=96", "data.batch_size=4", "validate_before_fit=false"]
+EVAL_TOY = ["eval:num_prompts=2", "eval:max_new_tokens=6", "eval:warmup=false",
+            "eval:progress=false"]
+ROOT = Path("outputs/pipeline/tiny_cpu")
+#: A tiny recipe on a capture (data=offline), found through hydra.searchpath: no shipped recipe
+#: trains the built-in tiny target offline.
+OFFLINE_RECIPE = """# @package _global_
+defaults:
+  - override /target: tiny
+  - override /data: offline
+  - override /trainer: cpu
+  - override /logger: none
+drafter: {backend: sdpa, num_hidden_layers: 1, block_size: 4, target_layer_ids: 3}
+data: {batch_size: 1, num_workers: 0}
+module: {num_anchors: 8}
+trainer: {max_steps: 2, max_epochs: 1}
+validate_before_fit: false
+pipeline:
+  stages: [capture, train]
+  capture: [data.demo_rows=3, capture.max_length=96, capture.batch_size=2, capture.shard_size=4]
+"""
+
+
+def run(capsys, tiny_target_dir, *args: str) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of ``dflash-lab run recipe=tiny_cpu`` at toy size."""
+    code = main(["run", "recipe=tiny_cpu", f"target.path={tiny_target_dir}", *TRAIN_TOY,
+                 *EVAL_TOY, *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def mtimes(root: Path) -> dict[str, float]:
+    """Modification time of every file under ``root``."""
+    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+def record(root: Path, stage: str) -> dict:
+    return json.loads((root / "stages" / f"{stage}.json").read_text())
+
+
+def progress(out: str) -> dict[str, str]:
+    """``{stage: "done" | "skipped" | "failed"}`` from the ``[i/n] stage ... word`` lines."""
+    lines = [ln.split() for ln in out.splitlines() if ln.startswith("[")]
+    return {words[1]: words[3] for words in lines if len(words) > 3}
+
+
+@pytest.mark.slow
+def test_tiny_cpu_runs_records_skips_and_reruns_what_changed(tmp_path, monkeypatch, capsys,
+                                                             tiny_target_dir):
+    monkeypatch.chdir(tmp_path)
+    code, out = run(capsys, tiny_target_dir)
+    assert code == 0, out
+    assert progress(out) == {"train": "done", "export": "done", "eval": "done"}
+    assert "[1/3] train ... done in" in out
+    for stage, output in (("train", "train/checkpoints/last.ckpt"),
+                          ("export", "export/config.json"), ("eval", "eval/report.json")):
+        rec = record(ROOT, stage)
+        assert rec["outputs"] == [str(ROOT / output)] and (ROOT / output).is_file()
+        assert rec["git_sha"] and rec["seconds"] > 0 and rec["inputs"]["config"]
+        assert (ROOT / "logs" / f"{stage}.log").is_file()
+    # the stages found each other under the root
+    assert f"drafter.path={ROOT / 'export'}" in record(ROOT, "eval")["command"]
+    assert str(ROOT / "train") in record(ROOT, "export")["command"]
+    report = json.loads((ROOT / "eval" / "report.json").read_text())
+    assert report["num_prompts"] == 2 and report["lossless"] is True
+
+    before = mtimes(ROOT)
+    code, out = run(capsys, tiny_target_dir)
+    assert code == 0 and progress(out) == dict.fromkeys(("train", "export", "eval"), "skipped")
+    assert mtimes(ROOT) == before, "a rerun with nothing changed rewrote files"
+
+    code, out = run(capsys, tiny_target_dir, "eval:max_new_tokens=4")
+    assert code == 0 and progress(out) == {"train": "skipped", "export": "skipped",
+                                           "eval": "done"}
+    after = mtimes(ROOT)
+    evals = ("eval", "eval.prev", "stages/eval.json", "logs/eval.log")
+    kept = [p for p in before if not str(Path(p).relative_to(ROOT)).startswith(evals)]
+    assert kept and all(after[p] == before[p] for p in kept), "eval's rerun touched another stage"
+    assert "max_new_tokens=4" in record(ROOT, "eval")["command"]
+    assert (ROOT / "eval.prev" / "report.json").is_file()  # the old result set aside, not mixed
+
+    code, out = run(capsys, tiny_target_dir, "eval:max_new_tokens=4", "force=[export]")
+    assert code == 0 and progress(out) == {"train": "skipped", "export": "done", "eval": "done"}
+
+    train_record = (ROOT / "stages" / "train.json").stat().st_mtime_ns
+    code, out = run(capsys, tiny_target_dir, "eval:max_new_tokens=4", "stages=[export]",
+                    "force=[export]")
+    assert code == 0 and progress(out) == {"export": "done"}  # eval not selected: not run
+    assert (ROOT / "stages" / "train.json").stat().st_mtime_ns == train_record
+    code, out = run(capsys, tiny_target_dir, "eval:max_new_tokens=4", "stages=[eval]")
+    assert code == 0 and progress(out) == {"eval": "done"}  # its export was rewritten
+
+
+@pytest.mark.slow
+def test_an_interrupted_train_stage_resumes_from_its_checkpoint(tmp_path, monkeypatch, capsys,
+                                                                tiny_target_dir):
+    """Killed after its first checkpoint (simulated: last.ckpt there, no record), the train
+    stage reruns ``dflash-train`` into the same folder, which resumes from last.ckpt."""
+    monkeypatch.chdir(tmp_path)
+    code, out = run(capsys, tiny_target_dir, "stages=[train]")
+    assert code == 0, out
+    last = ROOT / "train" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False, map_location="cpu")["global_step"] == 2
+    (ROOT / "stages" / "train.json").unlink()  # the state a kill after the checkpoint leaves
+
+    code, out = run(capsys, tiny_target_dir, "stages=[train]")
+    assert code == 0 and progress(out) == {"train": "done"}, out
+    log = (ROOT / "logs" / "train.log").read_text().split("\n=== ")[-1]  # the second run's
+    assert f"resuming from {last}" in log
+    assert f"Restored all states from the checkpoint at {last}" in log
+    assert "n/a (resumed)" in log  # dflash-train's own summary: not a fresh start
+    assert torch.load(last, weights_only=False, map_location="cpu")["global_step"] == 2
+    assert (ROOT / "stages" / "train.json").is_file()
+
+
+@pytest.mark.slow
+def test_an_offline_recipe_captures_first_and_trains_on_that_capture(tmp_path, monkeypatch,
+                                                                     capsys, tiny_target_dir):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "tiny_offline.yaml").write_text(OFFLINE_RECIPE)
+    code = main(["run", "recipe=tiny_offline", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                 f"target.path={tiny_target_dir}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    root = Path("outputs/pipeline/tiny_offline")
+    assert progress(out) == {"capture": "done", "train": "done"}
+    assert json.loads((root / "capture" / "manifest.json").read_text())["num_samples"] == 3
+    assert f"data.path={root / 'capture'}" in record(root, "train")["command"]
+    assert "capture.num_layers=3" in record(root, "capture")["command"]  # the drafter's layers
+    trained = (root / "train" / "config.yaml").read_text()
+    assert f"path: {root / 'capture'}" in trained
+
+
+@pytest.mark.parametrize("args,named", [
+    (["stages=[train,evel]"], ["'evel'", "['capture', 'train', 'export', 'eval']"]),
+    (["force=[bogus]"], ["'bogus'", "['capture', 'train', 'export', 'eval']"]),
+    # online data: no capture; the choices are the recipe's stages
+    (["stages=[capture]"], ["does not run the capture stage", "['train', 'export', 'eval']"]),
+    (["stages=[eval]"], ["export/config.json", "stages=[export,eval]"]),  # nothing exported yet
+])
+def test_a_stage_it_cannot_run_exits_2_naming_it_and_writes_nothing(args, named, tmp_path,
+                                                                     monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", "recipe=tiny_cpu", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert all(text in err for text in named), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_eval_setting_is_refused_before_any_stage(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "recipe=tiny_cpu", "pipeline.eval=[]"]) == 2  # no prompts for eval
+    assert "the eval stage needs ['data.path']" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stage_prefixes_route_overrides(tmp_path, monkeypatch):
+    from dflash_lab.pipeline import parse_args
+
+    req = parse_args(["run", "recipe=tiny_cpu", "module.gamma=5", "capture:capture.max_length=8",
+                      "export:--dtype=bfloat16", "eval:num_prompts=4", "root=R"])
+    assert req.root == Path("R") and req.stages is None
+    assert req.stage_args == {"train": ["module.gamma=5"], "capture": ["capture.max_length=8"],
+                              "export": ["--dtype=bfloat16"], "eval": ["num_prompts=4"]}
