@@ -1,16 +1,18 @@
-"""Every shipped recipe runs as written, at toy size (issue 14 part 7).
+"""Every shipped recipe runs as written, at toy size, through the pipeline command (issue 28).
 
 One test per file in recipes/ (globbed: a new recipe without a working smoke run fails). Each
-runs the commands its own comment documents (``dflash-capture ...`` for offline data, then
-``dflash-train recipe=NAME ...``), in a scratch working directory so their relative ``outputs/``
-paths stay inside it, through the real entry points (Hydra compose + ``capture()`` / ``train()``),
-then ``dflash-export``'s CLI and the README's ``dflash-eval`` command (``evaluate()``). The
+runs ``dflash-lab run recipe=NAME`` (``dflash_lab.pipeline``: capture for offline data, train,
+export and eval, each stage the real command as a subprocess, driven by the recipe's own
+``pipeline:`` block and ``export:`` section) in a scratch working directory so the relative
+``outputs/`` paths stay inside it, then checks the stage records, the trained drafter's settings
+against the recipe's and the eval report. The recipe's comment must give that command. The
 target is a tiny random model of the recipe's architecture with the real vocabulary and depth
 (so MASK ids such as 151669 and layer ids such as 61 mean what they mean on the real model),
-published under the recipe's own hub id in an offline HF cache.
+published under the recipe's own hub id in an offline HF cache (the env vars reach the stages).
 
-Only sizes change (rows, lengths, batch size, 2 optimizer steps = one epoch, the stand-in's
-width and DFlash 2's selector rank) and, for GPU recipes on a CPU machine,
+Only sizes change, as stage-prefixed overrides (rows, lengths, batch size, 2 optimizer steps =
+one epoch, the stand-in's width and DFlash 2's selector rank; the eval's prompts become a
+2-prompt file in place of a recipe's reference suite) and, for GPU recipes on a CPU machine,
 ``trainer.accelerator=cpu trainer.devices=1``; recipes that pick no logger get ``logger=none``
 instead of train.yaml's default offline wandb (start-up cost only). Everything else (hub id,
 head_only, offline data, pad_to_multiple_of, bf16-mixed, gamma, anchors, block size, layout,
@@ -58,23 +60,22 @@ OFFLINE_SIZES = ["data.batch_size=1"]  # 3 captured rows: 2 train (2 steps = 1 e
 CAPTURE_SIZES = ["data.limit=3", "capture.max_length=40", "capture.batch_size=2",
                  "capture.shard_size=4"]
 EVAL_SIZES = ["num_prompts=2", "max_new_tokens=6", "warmup=false", "progress=false"]
+#: The eval's prompts where a recipe names a reference suite (the hub) rather than a file.
+PROMPTS = "prompts.jsonl"
 
 
-def documented_commands(recipe: str) -> dict[str, list[str]]:
-    """``{"dflash-train": [...args], "dflash-capture": [...]}`` from the recipe's comment lines
-    (continuation backslashes joined); ``dflash-train`` lines before the last one (a run the
-    recipe starts from, ``drafter.init_from``) under ``"before"``."""
-    lines = [ln[1:].strip() for ln in (RECIPES_DIR / f"{recipe}.yaml").read_text().splitlines()
-             if ln.startswith("#")]
-    text = re.sub(r"\\\s*\n\s*", " ", "\n".join(lines))
-    found = {}
-    for line in text.splitlines():
-        if line.split(" ", 1)[0] in ("dflash-train", "dflash-capture"):
-            words = shlex.split(line.split(" # ")[0])
-            if words[0] in found and words[0] == "dflash-train":
-                found.setdefault("before", []).append(found[words[0]])
-            found[words[0]] = words[1:]
-    return found
+def check_documented(recipe: str) -> None:
+    """The recipe's comment gives the command that runs it."""
+    text = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    assert f"dflash-lab run recipe={recipe}" in text, (
+        f"recipes/{recipe}.yaml: its comment must give the command that runs it "
+        f"(`dflash-lab run recipe={recipe}`, docs/pipeline.md)")
+
+
+def _listed(steps: list[str], key: str) -> str | None:
+    """The value a stage list (``pipeline.capture`` / ``pipeline.eval``) gives ``key``."""
+    found = [v.split("=", 1)[1] for v in steps if v.split("=", 1)[0] == key]
+    return found[-1] if found else None
 
 
 def readme_eval_command() -> list[str]:
@@ -126,33 +127,50 @@ def publish_target(name: str, hub_cache: Path, tiny_target_dir: Path) -> Path:
                                   hidden_size=WIDTH, dtype=torch.bfloat16)
 
 
-def run_capture_command(args: list[str]) -> dict:
-    from dflash_lab.capture import capture
-
-    given = dict(a.split("=", 1) for a in args)
-    _conversations(Path(given["data.path"]))
-    manifest = capture(_compose("capture", args + CAPTURE_SIZES + ["capture.progress=false"]))
-    assert manifest is not None and manifest["num_samples"] == 3
-    return manifest
-
-
-def train_config(recipe_cfg, args: list[str], tiny_target_dir: Path):
-    """The documented train command + sizes (+ CPU for a GPU recipe without a GPU)."""
-    sizes = TRAIN_SIZES + (ONLINE_SIZES if _online(recipe_cfg) else OFFLINE_SIZES)
-    if recipe_cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
-        sizes += ["trainer.accelerator=cpu", "trainer.devices=1"]
-    if _tiny(recipe_cfg):  # the session's cached build of the built-in tiny target
-        sizes.append(f"target.path={tiny_target_dir}")
-    elif recipe_cfg.drafter.get("selector_rank"):
+def size_overrides(cfg, tiny_target_dir: Path) -> list[str]:
+    """The sizes of a smoke run, as ``dflash-lab run`` arguments (unprefixed: train, and
+    through it the target of every stage; ``capture:`` / ``eval:``: those stages)."""
+    args = TRAIN_SIZES + (ONLINE_SIZES if _online(cfg) else OFFLINE_SIZES)
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        args += ["trainer.accelerator=cpu", "trainer.devices=1"]
+    if _tiny(cfg):  # the session's cached build of the built-in tiny target
+        args.append(f"target.path={tiny_target_dir}")
+    elif cfg.drafter.get("selector_rank"):
         # A width, like the stand-in's hidden size: DFlash 2's codebooks are [vocab, rank] x 2
         # (248k x 256: 127M parameters whose AdamW state, checkpoints and export alone take
         # minutes on 2 cores); the conv, top-K and layout stay the recipe's.
-        sizes.append(f"drafter.selector_rank={SELECTOR_RANK}")
-    if recipe_cfg.logger.get("_target_", "").endswith("WandbLogger"):
+        args.append(f"drafter.selector_rank={SELECTOR_RANK}")
+    if cfg.logger.get("_target_", "").endswith("WandbLogger"):
         # conf/train.yaml's default, not a recipe choice: an offline wandb run costs ~10 s of
         # start-up per test on 2 cores (its service process); recipes that pick a logger keep it.
-        sizes.append("logger=none")
-    return _compose("train", args + sizes)
+        args.append("logger=none")
+    args += [f"capture:{a}" for a in CAPTURE_SIZES + ["capture.progress=false"]]
+    args += [f"eval:{a}" for a in EVAL_SIZES]
+    if _listed(list(cfg.pipeline.eval), "data.path") is None:  # a reference suite (the hub)
+        args += ["eval:suite=null", f"eval:data.path={PROMPTS}"]
+    return args
+
+
+def write_inputs(cfg) -> None:
+    """What the recipe's stages read that a user brings: the capture's conversations (the 3
+    shortest of 12 demo conversations) and the eval's prompt file."""
+    if not _online(cfg):
+        _conversations(Path(_listed(list(cfg.pipeline.capture), "data.path")))
+    prompts = [{"messages": c[:1]} for c in demo_conversations(2, seed=31)]
+    _write_jsonl(Path(PROMPTS), prompts)
+    listed = _listed(list(cfg.pipeline.eval), "data.path")
+    if listed and cfg.data.get("path") != "demo":  # a file the user brings (demo: train writes it)
+        _write_jsonl(Path(listed), prompts)
+
+
+def run_pipeline(recipe: str, args: list[str]) -> Path:
+    """``dflash-lab run recipe=NAME ARGS`` in this process (its stages are subprocesses); the
+    run root."""
+    from dflash_lab.pipeline import main as pipeline_main
+
+    rc = pipeline_main(["run", f"recipe={recipe}", *args])
+    assert rc == 0, f"dflash-lab run recipe={recipe} failed (exit {rc}): see its stage log above"
+    return Path("outputs/pipeline") / recipe
 
 
 def _tiny(cfg) -> bool:
@@ -189,32 +207,31 @@ def check_the_recipe_is_what_trained(cfg, export_dir: Path, target) -> None:
         assert trained["layer_types"] == list(cfg.drafter.layer_types)
 
 
-def run_eval_command(cfg, drafter_dir: Path, name: str) -> dict:
+def run_readme_eval_command(cfg, drafter_dir: Path) -> dict:
+    """The README's ``dflash-eval`` command on an export (the built-in tiny target)."""
     from dflash_lab.eval.cli import evaluate
 
-    prompts = Path("prompts.jsonl")
-    _write_jsonl(prompts, [{"messages": c[:1]} for c in demo_conversations(2, seed=31)])
-    args = [a.replace("TARGET", name).replace("DRAFTER", str(drafter_dir))
-            .replace("PROMPTS", str(prompts)).replace("OUT", "outputs/eval")
-            for a in readme_eval_command()]
-    if _tiny(cfg):
-        args = ["target=tiny", f"target.path={cfg.target.path}"] + [
-            a for a in args if not a.startswith(("target=", "target.name_or_path="))]
+    args = [a.replace("DRAFTER", str(drafter_dir)).replace("PROMPTS", PROMPTS)
+            .replace("OUT", "outputs/readme_eval") for a in readme_eval_command()]
+    args = ["target=tiny", f"target.path={cfg.target.path}"] + [
+        a for a in args if not a.startswith(("target=", "target.name_or_path="))]
     report = evaluate(_compose("eval", args + EVAL_SIZES))
-    assert report["num_prompts"] == 2 and report["tau_mean"] >= 1.0
-    assert report["lossless"] is True  # float32 target (the eval's default): exactly lossless
+    assert report["num_prompts"] == 2 and report["lossless"] is True
     return report
 
 
-def export_command(recipe: str, run_dir: Path, name: str) -> Path:
-    """``dflash-export RUN_DIR OUT_DIR --recipe R --target T``: the recipe's export section
-    (engine, dtype, SGLang release and draft backend) drives the export, as documented."""
-    from dflash_lab.export.cli import main as export_main
-
-    out = Path("outputs/export")
-    rc = export_main([str(run_dir), str(out), "--recipe", recipe, "--target", name])
-    assert rc == 0, f"dflash-export refused the trained drafter (exit {rc}); see stderr"
-    return out
+def check_the_pipeline_ran(cfg, root: Path) -> None:
+    """Every stage recorded itself; 2 optimizer steps; a lossless eval of 2 prompts."""
+    stages = (["capture"] if not _online(cfg) else []) + ["train", "export", "eval"]
+    for stage in stages:
+        record = json.loads((root / "stages" / f"{stage}.json").read_text())
+        assert all(Path(p).exists() for p in record["outputs"]), record
+    ckpt = torch.load(root / "train" / "checkpoints" / "last.ckpt", weights_only=False,
+                      map_location="cpu")
+    assert ckpt["global_step"] == 2
+    report = json.loads((root / "eval" / "report.json").read_text())
+    assert report["num_prompts"] == 2 and report["tau_mean"] >= 1.0
+    assert report["lossless"] is True  # float32 target (the eval's default): exactly lossless
 
 
 def _tokenizer_owner(cfg):
@@ -231,36 +248,31 @@ def _tokenizer_owner(cfg):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
                                 tiny_target_dir):
-    from dflash_lab.train.run import train
-
     monkeypatch.chdir(tmp_path)
-    commands = documented_commands(recipe)
-    train_args = commands.get("dflash-train")
-    assert train_args and train_args[0] == f"recipe={recipe}", (
-        f"recipes/{recipe}.yaml: its comment must give the command that runs it "
-        f"(`dflash-train recipe={recipe} ...`)")
+    check_documented(recipe)
     composed = _compose("train", [f"recipe={recipe}"])
     name = None
     if not _tiny(composed):
         name = composed.target.name_or_path
         publish_target(name, offline_hf_cache, tiny_target_dir)
-    if not _online(composed):
-        assert "dflash-capture" in commands, (
-            f"recipes/{recipe}.yaml trains on a capture: its comment must give the "
-            "dflash-capture command that makes it")
-        run_capture_command(commands["dflash-capture"])
-    for before in commands.get("before", []):  # the run this recipe starts from
-        train(train_config(_compose("train", before[:1]), before, tiny_target_dir))
-    cfg = train_config(composed, train_args, tiny_target_dir)
-    result = train(cfg)
-    run_dir = Path(result["output_dir"])
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False,
-                      map_location="cpu")["global_step"] == 2
-    assert result["val_tau_after"] >= 1.0
-    drafter_dir = (Path(result["export_dir"]) if cfg.export.enabled
-                   else export_command(recipe, run_dir, name or cfg.target.path))
-    check_the_recipe_is_what_trained(cfg, drafter_dir, _tokenizer_owner(cfg))
-    run_eval_command(cfg, drafter_dir, name or "tiny")
+    write_inputs(composed)
+    sizes = size_overrides(composed, tiny_target_dir)
+    source = composed.drafter.get("init_from")
+    if source:  # the pipeline whose export this recipe starts from (outputs/pipeline/NAME/export)
+        before = Path(source).parent.name
+        run_pipeline(before, ["stages=[train,export]",
+                              *size_overrides(_compose("train", [f"recipe={before}"]),
+                                              tiny_target_dir)])
+    root = run_pipeline(recipe, sizes)
+    cfg = _compose("train", [f"recipe={recipe}", *[a for a in sizes if ":" not in a]])
+    check_the_pipeline_ran(cfg, root)
+    check_the_recipe_is_what_trained(cfg, root / "export", _tokenizer_owner(cfg))
+    if recipe == "tiny_cpu":
+        run_readme_eval_command(cfg, root / "export")
+    # a rerun is a no-op: every stage is skipped on its record
+    records = {p.name: p.read_text() for p in (root / "stages").iterdir()}
+    run_pipeline(recipe, sizes)
+    assert {p.name: p.read_text() for p in (root / "stages").iterdir()} == records
 
 
 def test_gemma4_per_layer_head_dim_gives_the_drafter_the_global_one(tmp_path, tiny_target_dir):
