@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.data.capture_loop import CaptureSettings, build_plan, claim_dir, run_capture
-from dflash_lab.data.conversations import load_conversations
-from dflash_lab.data.demo_corpus import write_demo_jsonl
-from dflash_lab.entry import log_final, make_logger
+from dflash_lab.entry import check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
-from dflash_lab.model.config import build_target_layer_ids
+from dflash_lab.model.config import resolve_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 from dflash_lab.writer_lock import writer_lock
@@ -47,35 +45,12 @@ def rank_and_world() -> tuple[int, int]:
     return rank, world
 
 
-@dataclass
-class Conversations:
-    """The conversation rows of a run and where they came from (recorded in the manifest)."""
-
-    dataset: Any   # datasets.Dataset of rows with messages / conversations
-    source: dict[str, Any]
-
-
-def open_conversations(path: str, split: str = "train", limit: int | None = None,
-                       shuffle_seed: int | None = 0, demo_rows: int = 512, demo_seed: int = 1,
-                       demo_file: str = "outputs/demo/conversations.jsonl") -> Conversations:
-    """The ``_target_`` of conf/conversations/: load the rows (shuffled, then limited).
-
-    ``path=demo`` first writes ``demo_rows`` built-in demo conversations to ``demo_file``.
-    """
-    if path == "demo":
-        path = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
-    dataset = load_conversations(str(path), split=split, limit=limit, shuffle_seed=shuffle_seed)
-    source = {"path": str(path), "split": split, "limit": limit, "shuffle_seed": shuffle_seed}
-    return Conversations(dataset, source)
-
-
 def _settings(cfg: DictConfig, target) -> CaptureSettings:
     c = cfg.capture
-    ids = c.target_layer_ids
-    if ids is None:
-        ids = build_target_layer_ids(target.num_hidden_layers, c.num_layers)
+    ids = resolve_target_layer_ids(c.target_layer_ids, target.num_hidden_layers,
+                                   "capture.target_layer_ids")
     return CaptureSettings(
-        out_dir=str(c.out_dir), target_layer_ids=[int(i) for i in ids],
+        out_dir=str(c.out_dir), target_layer_ids=ids,
         max_length=c.max_length, hidden_dtype=c.hidden_dtype, shard_size=c.shard_size,
         last_turn_only=c.last_turn_only, enable_thinking=c.enable_thinking,
         batch_size=c.batch_size, verify_existing=c.verify_existing, bad_rows=c.bad_rows,
@@ -124,6 +99,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point (``dflash-capture``)."""
+    with user_errors():
+        check_renamed_keys(sys.argv[1:])
     _hydra_main()
 
 

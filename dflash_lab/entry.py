@@ -4,6 +4,8 @@
   instantiate the same ``logger`` group as dflash-train (a Lightning logger, or none) and log
   through the generic Lightning logger calls, so wandb and csv both work; what only wandb
   does (tables, images, finishing the run) is :class:`dflash_lab.train.callbacks.WandbRun`'s.
+- Renamed keys: one concept has one name in every command; the former names are refused
+  before Hydra with the new one (:func:`check_renamed_keys`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,30 @@ from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+#: Former command-line / recipe keys -> the one name every command now uses (issue 28).
+RENAMED_KEYS = {
+    "data.conversations": "data.path (the conversations file, hub id or demo, as in "
+                          "dflash-capture and dflash-regenerate)",
+    "data.num_samples": "data.limit (the first N conversations after shuffling, as in "
+                        "dflash-capture and dflash-regenerate)",
+    "capture.num_layers": "capture.target_layer_ids=N (an int N: N evenly spread ids, as "
+                          "drafter.target_layer_ids)",
+}
+
+
+def renamed_key_error(key: str, where: str) -> ValueError:
+    """The error for a former key ``key`` found in ``where`` (the command line, a recipe)."""
+    return ValueError(f"{key} ({where}) is a former name: use {RENAMED_KEYS[key]}")
+
+
+def check_renamed_keys(overrides: list[str]) -> None:
+    """Refuse a former key on the command line (Hydra's own message would not name the new
+    one)."""
+    for arg in overrides:
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if key in RENAMED_KEYS:
+            raise renamed_key_error(key, f"command line: {arg}")
 
 
 def make_logger(logger_cfg: DictConfig):

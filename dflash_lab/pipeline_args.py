@@ -81,10 +81,8 @@ def option_args(args: list[str]) -> list[str]:
 
 
 def capture_layers(train_cfg: DictConfig) -> list[str]:
-    ids = train_cfg.drafter.target_layer_ids
-    if isinstance(ids, int):  # n evenly spread ids: the capture computes the same list
-        return ["capture.target_layer_ids=null", f"capture.num_layers={ids}"]
-    return [f"capture.target_layer_ids={hydra_value(list(ids))}"]
+    ids = train_cfg.drafter.target_layer_ids  # an int n: the capture spreads the same n ids
+    return [f"capture.target_layer_ids={hydra_value(ids if isinstance(ids, int) else list(ids))}"]
 
 
 def is_offline(train_cfg: DictConfig) -> bool:

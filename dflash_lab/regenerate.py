@@ -10,6 +10,7 @@ result, ``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-tra
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import rank_and_world
 from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings, run_regenerate
-from dflash_lab.entry import log_final, make_logger
+from dflash_lab.entry import check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
@@ -89,6 +90,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point (``dflash-regenerate``)."""
+    with user_errors():
+        check_renamed_keys(sys.argv[1:])
     _hydra_main()
 
 

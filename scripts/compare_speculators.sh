@@ -214,7 +214,7 @@ mkdir -p "$OUT/logs"
 capture_one() {  # capture_one DATA_FILE LIMIT OUT_DIR: the recipe's capture settings
   "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
     data.path="$1" data.limit="$2" data.shuffle_seed=0 \
-    capture.max_length=512 capture.num_layers=5 capture.batch_size=4 capture.shard_size=32 \
+    capture.max_length=512 capture.target_layer_ids=5 capture.batch_size=4 capture.shard_size=32 \
     capture.out_dir="$3" ${CAP_SET[@]+"${CAP_SET[@]}"}
 }
 
@@ -225,7 +225,7 @@ capture() {
            "prepare regenerate"; return 2; }
     "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
       data.path="$REGEN/conversations.jsonl" data.limit="$NUM_CONVERSATIONS" \
-      data.shuffle_seed=null capture.max_length=512 capture.num_layers=5 capture.batch_size=4 \
+      data.shuffle_seed=null capture.max_length=512 capture.target_layer_ids=5 capture.batch_size=4 \
       capture.shard_size=32 capture.out_dir="$CAPTURE" ${CAP_SET[@]+"${CAP_SET[@]}"}
   else
     capture_one "$DATA/train.jsonl" "$NUM_CONVERSATIONS" "$CAPTURE"

@@ -112,7 +112,7 @@ capture() {
   [[ $POLICY == on ]] && source=(data.path="$REGEN/conversations.jsonl" data.shuffle_seed=null)
   "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
     "${source[@]}" \
-    capture.max_length=512 capture.num_layers=5 capture.batch_size=4 capture.shard_size=32 \
+    capture.max_length=512 capture.target_layer_ids=5 capture.batch_size=4 capture.shard_size=32 \
     capture.out_dir="$CAPTURE"
 }
 

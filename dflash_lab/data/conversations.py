@@ -136,3 +136,30 @@ def tokenize_rows(tokenizer, rows, first: int, *, source: str, bad_rows: str, se
 def _head(items: list[int], num: int = 10) -> str:
     shown = ", ".join(str(i) for i in items[:num])
     return shown + (f", ... ({len(items) - num} more)" if len(items) > num else "")
+
+
+@dataclass
+class Conversations:
+    """The conversation rows of a run and where they came from (recorded in the manifest)."""
+
+    dataset: Any   # datasets.Dataset of rows with messages / conversations
+    source: dict[str, Any]
+
+
+def open_conversations(path: str, split: str = "train", limit: int | None = None,
+                       shuffle_seed: int | None = 0, demo_rows: int = 512, demo_seed: int = 1,
+                       demo_file: str = "outputs/demo/conversations.jsonl") -> Conversations:
+    """The conversations every command reads, by one set of names (``data.path``, ``data.split``,
+    ``data.limit``, ``data.shuffle_seed``, ``data.demo_*``): the ``_target_`` of
+    conf/conversations/ (dflash-capture, dflash-regenerate) and what dflash-train's online data
+    opens. The rows are shuffled, then limited.
+
+    ``path=demo`` first writes ``demo_rows`` built-in demo conversations to ``demo_file``.
+    """
+    if path == "demo":
+        from dflash_lab.data.demo_corpus import write_demo_jsonl
+
+        path = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
+    dataset = load_conversations(str(path), split=split, limit=limit, shuffle_seed=shuffle_seed)
+    source = {"path": str(path), "split": split, "limit": limit, "shuffle_seed": shuffle_seed}
+    return Conversations(dataset, source)

@@ -326,32 +326,35 @@ class OnlineDataModule(BlockDataModule):
         limit = data_cfg.get("max_length")
         return (int(limit) if limit is not None else None), "data.max_length"
 
-    def __init__(self, conversations: str, target: Any, target_layer_ids: Sequence[int], *,
-                 max_length: int = 2048, num_samples: int | None = None,
-                 last_turn_only: bool = False, enable_thinking: bool | None = None,
-                 demo_rows: int = 512, demo_seed: int = 1,
+    def __init__(self, path: str, target: Any, target_layer_ids: Sequence[int], *,
+                 max_length: int = 2048, split: str = "train", limit: int | None = None,
+                 shuffle_seed: int | None = 0, last_turn_only: bool = False,
+                 enable_thinking: bool | None = None, demo_rows: int = 512, demo_seed: int = 1,
                  demo_file: str = "outputs/demo/train_conversations.jsonl",
-                 shuffle_seed: int | None = 0, bad_rows: str = "skip", **kw: Any):
+                 bad_rows: str = "skip", **kw: Any):
+        """``path``, ``split``, ``limit``, ``shuffle_seed``, ``demo_*``: the conversations by
+        the names dflash-capture and dflash-regenerate use (one reader:
+        :func:`~dflash_lab.data.conversations.open_conversations`)."""
         from dflash_lab.data.conversations import check_bad_rows_mode
+        from dflash_lab.entry import RENAMED_KEYS, renamed_key_error
 
+        for old in (k for k in kw if f"data.{k}" in RENAMED_KEYS):
+            raise renamed_key_error(f"data.{old}", "the data config of the recipe or command")
         super().__init__(**kw)
         self.bad_rows = check_bad_rows_mode(bad_rows, "data.bad_rows")
-        if conversations == "demo":  # the built-in demo conversations, written to a file
-            from dflash_lab.data.demo_corpus import write_demo_jsonl
-
-            conversations = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
-        self.conversations, self.target = conversations, target
+        self.opening = dict(path=path, split=split, limit=limit, shuffle_seed=shuffle_seed,
+                            demo_rows=demo_rows, demo_seed=demo_seed, demo_file=demo_file)
+        self.conversations, self.target = str(path), target
         self.target_layer_ids = list(target_layer_ids)
-        self.max_length, self.num_samples = max_length, num_samples
+        self.max_length = max_length
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
-        self.shuffle_seed = shuffle_seed
 
     def load_samples(self) -> Dataset:
-        from dflash_lab.data.conversations import load_conversations, tokenize_rows
+        from dflash_lab.data.conversations import open_conversations, tokenize_rows
         from dflash_lab.target.chat import find_turn_end, target_stop_ids
 
-        rows = load_conversations(self.conversations, limit=self.num_samples,
-                                  shuffle_seed=self.shuffle_seed)
+        opened = open_conversations(**self.opening)  # path=demo: written to demo_file first
+        rows, self.conversations = opened.dataset, opened.source["path"]
         turn_end = find_turn_end(self.target.tokenizer, target_stop_ids(self.target),
                                  self.enable_thinking)
         done = tokenize_rows(self.target.tokenizer, rows, 0, source=self.conversations,

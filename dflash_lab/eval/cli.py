@@ -15,7 +15,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from dflash_lab.entry import log_final, make_logger
+from dflash_lab.entry import check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
@@ -143,6 +143,7 @@ def main() -> None:
     global COMMAND
     with user_errors():
         check_old_spellings(sys.argv[1:])
+        check_renamed_keys(sys.argv[1:])
     COMMAND = shlex.join(["dflash-eval", *sys.argv[1:]])
     sys.argv[1:] = data_group_overrides(sys.argv[1:])
     _hydra_main()

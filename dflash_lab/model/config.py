@@ -70,6 +70,18 @@ HF_BOOKKEEPING_KEYS = frozenset(
 )
 
 
+def resolve_target_layer_ids(ids: Any, num_target_layers: int, key: str) -> list[int]:
+    """``target_layer_ids`` as every config spells it (``drafter.target_layer_ids``,
+    ``capture.target_layer_ids``): an int n = :func:`build_target_layer_ids` (L, n), or an
+    explicit list of ids; anything else is refused naming ``key``."""
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        return build_target_layer_ids(num_target_layers, ids)
+    if isinstance(ids, (list, tuple)) or (hasattr(ids, "__iter__") and not isinstance(ids, str)):
+        return [int(i) for i in ids]
+    raise ValueError(f"{key}={ids!r}: give an int n (n evenly spread target layers, e.g. 5) or "
+                     "an explicit list of layer ids (e.g. [1, 9, 17, 25, 33])")
+
+
 def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
     """Evenly spread target layer ids (z-lab convention) from layer 1 to layer L-3.
 
@@ -380,9 +392,10 @@ class DrafterConfig:
         if missing:
             raise ValueError(f"{source}: missing drafter keys {missing}; set them in the drafter "
                              "config (shape keys default to the target's)")
-        ids = kwargs.get("target_layer_ids")
-        if isinstance(ids, int):
-            kwargs["target_layer_ids"] = build_target_layer_ids(kwargs["num_target_layers"], ids)
+        if isinstance(kwargs.get("target_layer_ids"), int):
+            kwargs["target_layer_ids"] = resolve_target_layer_ids(
+                kwargs["target_layer_ids"], kwargs["num_target_layers"],
+                f"{source} target_layer_ids")
         return cls(_source=source, **kwargs)
 
     # ------------------------------------------------------------------ serving config.json

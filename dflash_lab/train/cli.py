@@ -7,11 +7,13 @@ Under torchrun or srun the launch is checked against the trainer config before a
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableMapping
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lab.entry import check_renamed_keys
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 
@@ -59,6 +61,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point (``dflash-train``)."""
+    with user_errors():
+        check_renamed_keys(sys.argv[1:])
     _hydra_main()
 
 

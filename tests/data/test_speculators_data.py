@@ -156,7 +156,7 @@ def test_dflash_train_trains_on_a_speculators_directory(tmp_path, spec_dir, tiny
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
-            "recipe=tiny_cpu", "data=offline", f"data.path={path}", "~data.conversations",
+            "recipe=tiny_cpu", "data=offline", f"data.path={path}",
             "~data.demo_rows", "~data.max_length",
             f"data.speculators_layer_ids=[{','.join(map(str, THEIR_IDS))}]",
             f"target.path={tiny_target_dir}", "drafter.target_layer_ids=[1,3,5,7]",

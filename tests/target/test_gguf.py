@@ -251,10 +251,10 @@ def test_online_training_from_a_gguf(ggufs, conversations, tmp_path, monkeypatch
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=train_args(
-            ggufs["plain"], run_dir, "data=online", f"data.conversations={conversations}"))
+            ggufs["plain"], run_dir, "data=online", f"data.path={conversations}"))
     with pytest.raises(ValueError, match=r"no chat template; set target\.chat_template="):
         train(cfg)
     run(train_main, "dflash-train",
         train_args(ggufs["plain"], run_dir, "target.chat_template=chatml", "data=online",
-                   f"data.conversations={conversations}", "data.max_length=128"), monkeypatch)
+                   f"data.path={conversations}", "data.max_length=128"), monkeypatch)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()

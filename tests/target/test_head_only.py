@@ -106,7 +106,7 @@ def test_offline_training_runs_on_a_head_only_target(tiny_target, tiny_target_di
     result = train(_compose(common + ["data=offline", f"data.path={tmp_path / 'cap'}"]))
     assert result["val_tau_after"] >= 1.0 and result["best_checkpoint"]
     with pytest.raises(ValueError, match=r"online data \(.*\) runs the whole target"):
-        build_components(_compose(common + ["data=online", "data.conversations=demo",
+        build_components(_compose(common + ["data=online", "data.path=demo",
                                             f"data.demo_file={tmp_path / 'demo.jsonl'}"]))
 
 

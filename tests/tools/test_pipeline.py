@@ -148,7 +148,7 @@ def test_an_offline_recipe_captures_first_and_trains_on_that_capture(tmp_path, m
     assert progress(out) == {"capture": "done", "train": "done"}
     assert json.loads((root / "capture" / "manifest.json").read_text())["num_samples"] == 3
     assert f"data.path={root / 'capture'}" in record(root, "train")["command"]
-    assert "capture.num_layers=3" in record(root, "capture")["command"]  # the drafter's layers
+    assert "capture.target_layer_ids=3" in record(root, "capture")["command"]  # the drafter's layers
     trained = (root / "train" / "config.yaml").read_text()
     assert f"path: {root / 'capture'}" in trained
 

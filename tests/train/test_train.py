@@ -279,7 +279,7 @@ def test_a_distribution_loss_trains_and_exports_online_and_offline(tiny_target_d
         run_capture(target, rows, CaptureSettings(str(tmp_path / name), [1, 3, 5], max_length=96,
                                                   shard_size=12, distribution=kinds),
                     {"path": "demo"}, progress=False)
-    offline = {**steps, "data": "offline", "data.num_workers": 0, "~data.conversations": None,
+    offline = {**steps, "data": "offline", "data.num_workers": 0,
                "~data.demo_rows": None, "~data.max_length": None}
     args = _tiny_overrides(tmp_path / "off", tiny_target_dir, **offline)
     args = [a.replace("=None", "") for a in args if not a.startswith(("data.demo_file",))]
