@@ -12,6 +12,17 @@ context prefix, so :meth:`SdpaBackend.prepare` cuts the N blocks into up to
 its queries can see (read off the dense mask itself, so the predicate stays the only rule).
 Each run is one SDPA call over its own keys: the same softmax rows without the masked-out
 columns, about half the attention work at that size (benchmarks/attention.py).
+
+Streaming (long rows): above :data:`STREAM_PAIRS` query-key pairs the dense mask itself is too
+big (Q = 16K queries x K = 48K keys is 768 MiB of booleans at a 32K-token row, and SDPA's
+[Bt, H, Q, K] scores are 4 x H times that), so :meth:`SdpaBackend.prepare` never builds it:
+it cuts the blocks into runs of about :data:`STREAM_QUERIES` queries and builds, per run, only
+:func:`~dflash_lab.attention.mask.mask_tile` over the keys that run can see at all
+(:func:`~dflash_lab.attention.mask.visible_key_ranges`). Memory is then bounded by the tile:
+for sliding layers a tile is about STREAM_QUERIES x (W + the run's anchor span + its slots),
+so a step grows linearly in tokens; a full-attention tile spans the context before its last
+anchor, so full layers stay quadratic (the scores SDPA keeps for backward), only without the
+dense mask. benchmarks/long_rows.py measures both.
 """
 
 from __future__ import annotations
@@ -22,10 +33,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_lab.attention.mask import BlockLayout, LayerSpec, dense_mask
+from dflash_lab.attention.mask import (
+    BlockLayout,
+    LayerSpec,
+    dense_mask,
+    mask_tile,
+    visible_key_ranges,
+)
 
 KEY_TILES = 4  # runs of consecutive blocks per call; 1 turns tiling off
 MIN_TILED_PAIRS = 1 << 16  # below this many query-key pairs, per-call overhead wins: one call
+#: Above this many query-key pairs (Q x K) prepare streams mask tiles and never builds the dense
+#: [Q, K] mask (2^25: a 2K-token row with 128 blocks of 8 stays dense).
+STREAM_PAIRS = 1 << 25
+STREAM_QUERIES = 512  # queries per streamed run (whole blocks; at least one block)
 
 
 @dataclass
@@ -41,11 +62,16 @@ class KeyTile:
 class SdpaBackend:
     name = "sdpa"
 
-    def __init__(self, key_tiles: int = KEY_TILES, min_pairs: int = MIN_TILED_PAIRS):
+    def __init__(self, key_tiles: int = KEY_TILES, min_pairs: int = MIN_TILED_PAIRS,
+                 stream_pairs: int = STREAM_PAIRS, stream_queries: int = STREAM_QUERIES):
         self.key_tiles, self.min_pairs = key_tiles, min_pairs
+        self.stream_pairs, self.stream_queries = stream_pairs, stream_queries
 
     def prepare(self, layout: BlockLayout, spec: LayerSpec) -> Tensor | list[KeyTile]:
-        """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks."""
+        """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks,
+        or streamed tiles (no dense mask) past ``stream_pairs``."""
+        if layout.num_queries * layout.num_keys > self.stream_pairs:
+            return self.stream(layout, spec)
         mask = dense_mask(layout, spec)
         tiles = min(self.key_tiles, layout.num_blocks)
         if tiles <= 1 or layout.num_queries * layout.num_keys < self.min_pairs:
@@ -57,6 +83,22 @@ class SdpaBackend:
             rows = mask[:, :, n0 * b:n1 * b]
             key_idx = rows.any(dim=2).any(dim=0).any(dim=0).nonzero().squeeze(1)
             out.append(KeyTile(n0 * b, n1 * b, key_idx, rows.index_select(-1, key_idx)))
+        return out
+
+    def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[KeyTile]:
+        """Tiles of runs of ``stream_queries // B`` blocks, each mask built over only the keys
+        the run can see (context range + its own slots); the dense mask is never built."""
+        b = layout.block_size
+        per_run = max(1, self.stream_queries // b)
+        dev = layout.anchors_bn.device
+        out = []
+        for n0 in range(0, layout.num_blocks, per_run):
+            n1 = min(n0 + per_run, layout.num_blocks)
+            ranges = visible_key_ranges(layout, spec, n0, n1)
+            key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
+            mask = torch.cat([mask_tile(layout, spec, n0 * b, n1 * b, k0, k1)
+                              for k0, k1 in ranges], dim=-1)
+            out.append(KeyTile(n0 * b, n1 * b, key_idx, mask))
         return out
 
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
