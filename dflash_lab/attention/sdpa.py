@@ -27,7 +27,7 @@ dense mask. benchmarks/long_rows.py measures both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,10 @@ MIN_TILED_PAIRS = 1 << 16  # below this many query-key pairs, per-call overhead 
 #: Above this many query-key pairs (Q x K) prepare streams mask tiles and never builds the dense
 #: [Q, K] mask (2^25: a 2K-token row with 128 blocks of 8 stays dense).
 STREAM_PAIRS = 1 << 25
-STREAM_QUERIES = 512  # queries per streamed run (whole blocks; at least one block)
+#: Queries per streamed run (whole blocks; at least one block). A run's keys are the union of
+#: its blocks' context (their anchors' span plus W - 1 for a window) and its slots, so shorter
+#: runs waste fewer masked-out pairs at the price of more SDPA calls.
+STREAM_QUERIES = 256
 
 
 @dataclass
@@ -57,15 +60,28 @@ class KeyTile:
     q1: int
     key_idx: Tensor
     mask: Tensor
+    _bias: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype) -> Tensor:
+        """The additive form of ``mask`` (0 / -inf) [Bt, 1, q1-q0, K'] in ``dtype``, built once
+        and shared by every layer of the forward: SDPA keeps a float mask for backward by
+        reference, while a bool mask is converted (and that copy kept) in every layer's call."""
+        if dtype not in self._bias:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 class SdpaBackend:
     name = "sdpa"
 
     def __init__(self, key_tiles: int = KEY_TILES, min_pairs: int = MIN_TILED_PAIRS,
-                 stream_pairs: int = STREAM_PAIRS, stream_queries: int = STREAM_QUERIES):
+                 stream_pairs: int | None = None, stream_queries: int = STREAM_QUERIES):
+        """``stream_pairs`` None: the module's :data:`STREAM_PAIRS` when built (benchmarks
+        raise that to measure the dense path)."""
         self.key_tiles, self.min_pairs = key_tiles, min_pairs
-        self.stream_pairs, self.stream_queries = stream_pairs, stream_queries
+        self.stream_pairs = STREAM_PAIRS if stream_pairs is None else stream_pairs
+        self.stream_queries = stream_queries
 
     def prepare(self, layout: BlockLayout, spec: LayerSpec) -> Tensor | list[KeyTile]:
         """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks,
@@ -108,19 +124,23 @@ class SdpaBackend:
             return _dense_attend(q_bhqd, k_bhkd, v_bhkd, prepared, scale, sink_h)
         return torch.cat([
             _dense_attend(q_bhqd[:, :, t.q0:t.q1], k_bhkd.index_select(2, t.key_idx),
-                          v_bhkd.index_select(2, t.key_idx), t.mask, scale, sink_h)
+                          v_bhkd.index_select(2, t.key_idx), t.bias(q_bhqd.dtype), scale,
+                          sink_h)
             for t in prepared], dim=2)
 
 
 def _dense_attend(q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor, mask: Tensor, scale: float,
                   sink_h: Tensor | None) -> Tensor:
-    """One SDPA call: queries [Bt, Hq, Q, D] over keys [Bt, Hkv, K, D] with mask [Bt, 1, Q, K]."""
+    """One SDPA call: queries [Bt, Hq, Q, D] over keys [Bt, Hkv, K, D] with mask [Bt, 1, Q, K]
+    (bool, True = attend, or additive in the queries' dtype)."""
     if sink_h is None:
         return F.scaled_dot_product_attention(
             q_bhqd, k_bhkd, v_bhkd, attn_mask=mask, scale=scale, enable_gqa=True)
     bt, hq, nq, _ = q_bhqd.shape
-    bias = torch.zeros(mask.shape, dtype=q_bhqd.dtype, device=q_bhqd.device)
-    bias = bias.masked_fill(~mask, float("-inf")).expand(bt, hq, nq, -1)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q_bhqd.dtype, device=q_bhqd.device).masked_fill(
+            ~mask, float("-inf"))
+    bias = mask.expand(bt, hq, nq, -1)
     sink_col = sink_h.to(q_bhqd.dtype).view(1, hq, 1, 1).expand(bt, hq, nq, 1)
     bias = torch.cat([bias, sink_col], dim=-1)  # [Bt, Hq, Q, K+1]
     zero_kv = k_bhkd.new_zeros(*k_bhkd.shape[:2], 1, k_bhkd.shape[-1])
