@@ -5,6 +5,12 @@ call (``key_tiles=1``): outputs and gradients of q, k, v and the sink logits, fo
 sliding layers, causal and bidirectional, unpacked and packed rows.
 """
 
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,3 +116,36 @@ def test_stream_threshold_picks_the_path():
                       torch.Tensor)
     assert isinstance(SdpaBackend(key_tiles=1, stream_pairs=pairs - 1).prepare(LONG_LAYOUT, spec),
                       list)
+
+
+# ---------------------------------------------------------------------------- a 32K-token row
+ROOT = Path(__file__).resolve().parents[2]
+LONG_ROW = 32768
+#: Peak resident-set growth allowed for one toy-shape training step on a 32K-token row with
+#: sliding layers (W = 256); measured ~250 MiB on the 2-core CPU machine (docs/benchmarks.md).
+PEAK_BOUND_MIB = 300
+
+
+def _step_peak(length: int, layers: str) -> dict:
+    """One training step (forward + chunked loss + backward) in a fresh pinned process."""
+    argv = [sys.executable, "-m", "benchmarks.long_rows", "--point", f"{length}:{layers}",
+            "--size", "toy", "--window", "256", "--device", "cpu", "--allocator", "pinned"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_32k_token_row_trains_in_bounded_memory_growing_linearly():
+    """The bound is below what the dense [Q, K] bool mask alone would take at this row (so the
+    test fails if the dense mask is built), and doubling the row at most about doubles the peak
+    (sliding layers: linear in tokens; the dense mask's growth would be 4x)."""
+    long_point, half_point = _step_peak(LONG_ROW, "sliding"), _step_peak(LONG_ROW // 2, "sliding")
+    queries = long_point["queries"]
+    dense_mask_mib = queries * (LONG_ROW + queries) / 2**20
+    assert dense_mask_mib > PEAK_BOUND_MIB
+    assert long_point["method"].startswith("cpu "), long_point["method"]  # a measured peak
+    assert math.isfinite(long_point["loss"])
+    assert long_point["peak_MiB"] < PEAK_BOUND_MIB, long_point
+    assert long_point["peak_MiB"] / half_point["peak_MiB"] < 2.3, (long_point, half_point)
