@@ -17,7 +17,7 @@ rows the sdpa backend streams mask tiles (attention/sdpa.py, ``STREAM_PAIRS``); 
 lifts the threshold to show what the dense mask costs where it still fits.
 
     python -m benchmarks.long_rows [--size cpu|toy] [--lengths 2048,4096,...]
-        [--layers full,sliding] [--window 2048] [--dense]
+        [--layers full,sliding] [--window 2048] [--dense] [--checkpointing]
 """
 
 from __future__ import annotations
@@ -70,15 +70,18 @@ def drafter_fields(size: str, layers: str, window: int) -> dict:
     raise SystemExit(f"--layers {layers!r}: use full | sliding")
 
 
-def build(size: str, length: int, layers: str, window: int, device: torch.device):
-    """(module, batch) for one point: the ``size`` drafter and one random row of ``length``."""
+def build(size: str, length: int, layers: str, window: int, device: torch.device,
+          checkpointing: bool = False):
+    """(module, batch) for one point: the ``size`` drafter and one random row of ``length``;
+    ``checkpointing``: recompute each draft layer in backward (module.activation_checkpointing)."""
     cfg = drafter_config(size, **drafter_fields(size, layers, window))
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, backend="sdpa").to(device)
     head = target_head(cfg, device, torch.float32)
     module = DFlashModule(drafter, head, None, gamma=4.0,
                           num_anchors=max(1, length // ANCHOR_STRIDE),
-                          ce_chunk_bytes=CE_CHUNK_MIB * 2**20).to(device)
+                          ce_chunk_bytes=CE_CHUNK_MIB * 2**20,
+                          activation_checkpointing=checkpointing).to(device)
     batch = training_batch(cfg, size, device, torch.float32, batch=1, seq_len=length)
     return module, batch
 
@@ -91,10 +94,10 @@ def train_step(module: DFlashModule, batch: dict) -> float:
     return loss.item()
 
 
-def measure_point(size: str, length: int, layers: str, window: int, device: torch.device
-                  ) -> dict:
+def measure_point(size: str, length: int, layers: str, window: int, device: torch.device,
+                  checkpointing: bool = False) -> dict:
     """The child's measurement: one step's peak above the level before it, and its seconds."""
-    module, batch = build(size, length, layers, window, device)
+    module, batch = build(size, length, layers, window, device, checkpointing)
     sync(device)
     t0 = time.perf_counter()
     with peak_memory(device) as pk:
@@ -112,6 +115,7 @@ def run_child(size: str, length: int, layers: str, args: argparse.Namespace) -> 
             "--size", size, "--window", str(args.window), "--device", args.device,
             "--allocator", "pinned"]
     argv += ["--dense"] if args.dense else []
+    argv += ["--checkpointing"] if args.checkpointing else []
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -140,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="longest row measured with full layers (quadratic)")
     p.add_argument("--dense", action="store_true",
                    help="never stream: the dense [Q, K] mask at every length")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="recompute each draft layer in backward (module.activation_checkpointing)")
     p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # LENGTH:LAYERS child mode
     args = p.parse_args(argv)
     args.size = args.size or "cpu"  # the cpu shape on CUDA too (resolve's default is paper)
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
         sdpa_module.STREAM_PAIRS = 1 << 62
     if args.point:
         length, layers = args.point.split(":")
-        print(json.dumps(measure_point(size, int(length), layers, args.window, device)))
+        print(json.dumps(measure_point(size, int(length), layers, args.window, device,
+                                       args.checkpointing)))
         return {}
     rows = []
     for layers in args.layers.split(","):
@@ -161,11 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(rows[-1]), flush=True)
     rows = with_ratios(rows)
     print(f"\n{size} shape, W = {args.window}, one anchor per {ANCHOR_STRIDE} tokens, "
-          f"{'dense masks' if args.dense else 'streamed mask tiles past STREAM_PAIRS'}")
+          f"{'dense masks' if args.dense else 'streamed mask tiles past STREAM_PAIRS'}"
+          f"{', activation checkpointing' if args.checkpointing else ''}")
     table(rows, ["layers", "tokens", "queries", "peak_MiB", "peak_x", "step_s", "time_x",
                  "error"])
     return report("long_rows", args, {"rows": rows, "size": size, "window": args.window,
-                                      "anchor_stride": ANCHOR_STRIDE, "dense": args.dense})
+                                      "anchor_stride": ANCHOR_STRIDE, "dense": args.dense,
+                                      "checkpointing": args.checkpointing})
 
 
 if __name__ == "__main__":
