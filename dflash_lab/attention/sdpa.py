@@ -21,8 +21,8 @@ it cuts the blocks into runs of about :data:`STREAM_QUERIES` queries and builds,
 (:func:`~dflash_lab.attention.mask.visible_key_ranges`). Memory is then bounded by the tile:
 for sliding layers a tile is about STREAM_QUERIES x (W + the run's anchor span + its slots),
 so a step grows linearly in tokens; a full-attention tile spans the context before its last
-anchor, so full layers stay quadratic (the scores SDPA keeps for backward), only without the
-dense mask. benchmarks/long_rows.py measures both.
+anchor, so full layers stay quadratic (the tiles' masks and each tile call's copy of its K/V,
+kept for backward), only without the dense mask. benchmarks/long_rows.py measures both.
 """
 
 from __future__ import annotations
