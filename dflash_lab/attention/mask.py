@@ -119,14 +119,22 @@ def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int
 
 
 def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
-    """Boolean mask [Bt, 1, Q, K] (True = attend) for SDPA-style backends.
+    """Boolean mask [Bt, 1, Q, K] (True = attend) for SDPA-style backends: the whole
+    :func:`mask_tile`. Quadratic in the row: long rows use tiles instead (sdpa's streaming)."""
+    return mask_tile(layout, spec, 0, layout.num_queries, 0, layout.num_keys)
 
-    One vectorised evaluation over all rows (``torch.vmap`` over the anchor rows, no Python loop
-    over rows or blocks); the batch-sized temporaries are booleans.
+
+def mask_tile(layout: BlockLayout, spec: LayerSpec, q0: int, q1: int, k0: int, k1: int
+              ) -> Tensor:
+    """Boolean mask [Bt, 1, q1-q0, k1-k0] of queries [q0, q1) x keys [k0, k1): equal to
+    ``dense_mask(layout, spec)[:, :, q0:q1, k0:k1]`` without building the rest.
+
+    One vectorised evaluation of :func:`visible` over all rows (``torch.vmap`` over the anchor
+    rows, no Python loop over rows or blocks); the batch-sized temporaries are booleans.
     """
     dev = layout.anchors_bn.device
-    q_idx = torch.arange(layout.num_queries, device=dev)[:, None]
-    kv_idx = torch.arange(layout.num_keys, device=dev)[None, :]
+    q_idx = torch.arange(q0, q1, device=dev)[:, None]
+    kv_idx = torch.arange(k0, k1, device=dev)[None, :]
 
     def one_row(anchors_n: Tensor, starts_n: Tensor | None = None) -> Tensor:
         if starts_n is None:
@@ -137,6 +145,27 @@ def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
     if layout.doc_starts_bn is None:
         return torch.vmap(one_row)(layout.anchors_bn)[:, None]
     return torch.vmap(one_row)(layout.anchors_bn, layout.doc_starts_bn)[:, None]
+
+
+def visible_key_ranges(layout: BlockLayout, spec: LayerSpec, n0: int, n1: int
+                       ) -> list[tuple[int, int]]:
+    """Key ranges ``[(k0, k1), ...]`` outside which blocks [n0, n1) see nothing, in any row.
+
+    The context part runs from the lowest first visible key of these blocks (their document
+    start, raised to ``a_j - (W-1)`` for a window: slot t = 0 reaches furthest back) to the last
+    anchor (context keys are ``p < a_j``); it is dropped when empty. The block part is the blocks'
+    own slots ``S + n0*B .. S + n1*B``. Inside the ranges :func:`mask_tile` decides per pair, so
+    this is a bound, not a second rule. For a sliding layer the context part is at most
+    ``W - 1`` plus the span of the run's anchors: tiles stay a fixed size as rows grow.
+    """
+    s, b = layout.num_context, layout.block_size
+    anchors = layout.anchors_bn[:, n0:n1]
+    first = layout.starts_bn()[:, n0:n1]
+    if spec.window is not None:
+        first = torch.maximum(first, anchors - (spec.window - 1))
+    c0, c1 = int(first.min().clamp(min=0)), int(anchors.max().clamp(max=s))
+    blocks = (s + n0 * b, s + n1 * b)
+    return [(c0, c1), blocks] if c1 > c0 else [blocks]
 
 
 def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):

@@ -12,20 +12,44 @@ context prefix, so :meth:`SdpaBackend.prepare` cuts the N blocks into up to
 its queries can see (read off the dense mask itself, so the predicate stays the only rule).
 Each run is one SDPA call over its own keys: the same softmax rows without the masked-out
 columns, about half the attention work at that size (benchmarks/attention.py).
+
+Streaming (long rows): above :data:`STREAM_PAIRS` query-key pairs the dense mask itself is too
+big (Q = 16K queries x K = 48K keys is 768 MiB of booleans at a 32K-token row, and SDPA's
+[Bt, H, Q, K] scores are 4 x H times that), so :meth:`SdpaBackend.prepare` never builds it:
+it cuts the blocks into runs of about :data:`STREAM_QUERIES` queries and builds, per run, only
+:func:`~dflash_lab.attention.mask.mask_tile` over the keys that run can see at all
+(:func:`~dflash_lab.attention.mask.visible_key_ranges`). Memory is then bounded by the tile:
+for sliding layers a tile is about STREAM_QUERIES x (W + the run's anchor span + its slots),
+so a step grows linearly in tokens; a full-attention tile spans the context before its last
+anchor, so full layers stay quadratic (the tiles' masks and each tile call's copy of its K/V,
+kept for backward), only without the dense mask. benchmarks/long_rows.py measures both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_lab.attention.mask import BlockLayout, LayerSpec, dense_mask
+from dflash_lab.attention.mask import (
+    BlockLayout,
+    LayerSpec,
+    dense_mask,
+    mask_tile,
+    visible_key_ranges,
+)
 
 KEY_TILES = 4  # runs of consecutive blocks per call; 1 turns tiling off
 MIN_TILED_PAIRS = 1 << 16  # below this many query-key pairs, per-call overhead wins: one call
+#: Above this many query-key pairs (Q x K) prepare streams mask tiles and never builds the dense
+#: [Q, K] mask (2^25: a 2K-token row with 128 blocks of 8 stays dense).
+STREAM_PAIRS = 1 << 25
+#: Queries per streamed run (whole blocks; at least one block). A run's keys are the union of
+#: its blocks' context (their anchors' span plus W - 1 for a window) and its slots, so shorter
+#: runs waste fewer masked-out pairs at the price of more SDPA calls.
+STREAM_QUERIES = 256
 
 
 @dataclass
@@ -36,16 +60,34 @@ class KeyTile:
     q1: int
     key_idx: Tensor
     mask: Tensor
+    _bias: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype) -> Tensor:
+        """The additive form of ``mask`` (0 / -inf) [Bt, 1, q1-q0, K'] in ``dtype``, built once
+        and shared by every layer of the forward: SDPA keeps a float mask for backward by
+        reference, while a bool mask is converted (and that copy kept) in every layer's call."""
+        if dtype not in self._bias:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 class SdpaBackend:
     name = "sdpa"
 
-    def __init__(self, key_tiles: int = KEY_TILES, min_pairs: int = MIN_TILED_PAIRS):
+    def __init__(self, key_tiles: int = KEY_TILES, min_pairs: int = MIN_TILED_PAIRS,
+                 stream_pairs: int | None = None, stream_queries: int = STREAM_QUERIES):
+        """``stream_pairs`` None: the module's :data:`STREAM_PAIRS` when built (benchmarks
+        raise that to measure the dense path)."""
         self.key_tiles, self.min_pairs = key_tiles, min_pairs
+        self.stream_pairs = STREAM_PAIRS if stream_pairs is None else stream_pairs
+        self.stream_queries = stream_queries
 
     def prepare(self, layout: BlockLayout, spec: LayerSpec) -> Tensor | list[KeyTile]:
-        """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks."""
+        """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks,
+        or streamed tiles (no dense mask) past ``stream_pairs``."""
+        if layout.num_queries * layout.num_keys > self.stream_pairs:
+            return self.stream(layout, spec)
         mask = dense_mask(layout, spec)
         tiles = min(self.key_tiles, layout.num_blocks)
         if tiles <= 1 or layout.num_queries * layout.num_keys < self.min_pairs:
@@ -59,6 +101,22 @@ class SdpaBackend:
             out.append(KeyTile(n0 * b, n1 * b, key_idx, rows.index_select(-1, key_idx)))
         return out
 
+    def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[KeyTile]:
+        """Tiles of runs of ``stream_queries // B`` blocks, each mask built over only the keys
+        the run can see (context range + its own slots); the dense mask is never built."""
+        b = layout.block_size
+        per_run = max(1, self.stream_queries // b)
+        dev = layout.anchors_bn.device
+        out = []
+        for n0 in range(0, layout.num_blocks, per_run):
+            n1 = min(n0 + per_run, layout.num_blocks)
+            ranges = visible_key_ranges(layout, spec, n0, n1)
+            key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
+            mask = torch.cat([mask_tile(layout, spec, n0 * b, n1 * b, k0, k1)
+                              for k0, k1 in ranges], dim=-1)
+            out.append(KeyTile(n0 * b, n1 * b, key_idx, mask))
+        return out
+
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
                prepared: Tensor | list[KeyTile], *, scale: float,
                sink_h: Tensor | None = None) -> Tensor:
@@ -66,19 +124,23 @@ class SdpaBackend:
             return _dense_attend(q_bhqd, k_bhkd, v_bhkd, prepared, scale, sink_h)
         return torch.cat([
             _dense_attend(q_bhqd[:, :, t.q0:t.q1], k_bhkd.index_select(2, t.key_idx),
-                          v_bhkd.index_select(2, t.key_idx), t.mask, scale, sink_h)
+                          v_bhkd.index_select(2, t.key_idx), t.bias(q_bhqd.dtype), scale,
+                          sink_h)
             for t in prepared], dim=2)
 
 
 def _dense_attend(q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor, mask: Tensor, scale: float,
                   sink_h: Tensor | None) -> Tensor:
-    """One SDPA call: queries [Bt, Hq, Q, D] over keys [Bt, Hkv, K, D] with mask [Bt, 1, Q, K]."""
+    """One SDPA call: queries [Bt, Hq, Q, D] over keys [Bt, Hkv, K, D] with mask [Bt, 1, Q, K]
+    (bool, True = attend, or additive in the queries' dtype)."""
     if sink_h is None:
         return F.scaled_dot_product_attention(
             q_bhqd, k_bhkd, v_bhkd, attn_mask=mask, scale=scale, enable_gqa=True)
     bt, hq, nq, _ = q_bhqd.shape
-    bias = torch.zeros(mask.shape, dtype=q_bhqd.dtype, device=q_bhqd.device)
-    bias = bias.masked_fill(~mask, float("-inf")).expand(bt, hq, nq, -1)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q_bhqd.dtype, device=q_bhqd.device).masked_fill(
+            ~mask, float("-inf"))
+    bias = mask.expand(bt, hq, nq, -1)
     sink_col = sink_h.to(q_bhqd.dtype).view(1, hq, 1, 1).expand(bt, hq, nq, 1)
     bias = torch.cat([bias, sink_col], dim=-1)  # [Bt, Hq, Q, K+1]
     zero_kv = k_bhkd.new_zeros(*k_bhkd.shape[:2], 1, k_bhkd.shape[-1])

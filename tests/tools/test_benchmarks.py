@@ -14,6 +14,7 @@ from benchmarks import (
     capture,
     draft_latency,
     draft_vocab,
+    long_rows,
     loss_cost,
     loss_memory,
     packing,
@@ -78,6 +79,15 @@ def test_packing_benchmark_reports_padding_and_throughput_side_by_side(tmp_path)
     assert by["packed"]["padding_share"] < by["padded"]["padding_share"]
     assert by["packed"]["batches/epoch"] < by["padded"]["batches/epoch"]
     assert rec["ratios"]["packed / padded tokens/s"] > 0
+
+
+def test_long_rows_benchmark_measures_each_point_in_its_own_process(tmp_path):
+    rec = _run(long_rows, tmp_path, "--lengths", "256,512", "--window", "64")
+    by = {(r["layers"], r["tokens"]): r for r in rec["rows"]}
+    assert set(by) == {(layers, n) for layers in ("full", "sliding") for n in (256, 512)}
+    assert all("error" not in r and r["step_s"] > 0 for r in rec["rows"]), rec["rows"]
+    assert by[("sliding", 512)]["queries"] == 2 * by[("sliding", 256)]["queries"]
+    assert by[("full", 512)]["peak_x"] > 0 and "peak_x" not in by[("full", 256)]
 
 
 def test_train_step_dflash2_step_trains_the_selector():
