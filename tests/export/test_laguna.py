@@ -49,8 +49,10 @@ def write_laguna_dir(path: Path, seed: int = 0, **config) -> Path:
     kwargs.update(config)
     LagunaConfig(**kwargs).save_pretrained(path)
     gen = torch.Generator().manual_seed(seed)
+    shapes = vllm_param_shapes(h=kwargs["hidden_size"],
+                               n_ids=len(kwargs["dflash_config"]["target_layer_ids"]))
     state = {k: torch.randn(s, generator=gen) * 0.1 + (1.0 if k.endswith("norm.weight") else 0)
-             for k, s in vllm_param_shapes().items()}
+             for k, s in shapes.items()}
     save_file(state, str(path / "model.safetensors"))
     return path
 
@@ -150,6 +152,35 @@ def test_export_round_trips_weights_and_outputs(laguna, tmp_path):
         drafter.extend_context(cache, hidden)
         outs.append(drafter.draft(cache, torch.tensor([3]), embed))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_init_from_warm_starts_the_tiny_targets_drafter_with_its_weights(tiny_target,
+                                                                         tmp_path):
+    """drafter.init_from= a Laguna directory sized for the tiny target (hidden 64, vocab 768):
+    the warm-started drafter holds the directory's weights and drafts as the import does."""
+    from dflash_lab.train.factory import build_drafter
+    from dflash_lab.train.warm_start import group_defaults
+
+    vocab, mask = tiny_target.vocab_size, tiny_target.token_id("<|mask|>")
+    path = write_laguna_dir(tmp_path / "laguna", hidden_size=64, vocab_size=vocab,
+                            draft_vocab_size=vocab, num_target_layers=8,
+                            dflash_config={"mask_token_id": mask, "target_layer_ids": [1, 3, 5]})
+    drafter = build_drafter(tiny_target, backend="sdpa", init_from=str(path),
+                            **group_defaults(None)).eval()
+    imported = import_drafter(path)
+    assert drafter.config.laguna_features == imported.config.laguna_features != {}
+    for k, v in imported.state_dict.items():
+        assert torch.equal(drafter.state_dict()[k].float(), v.float()), k
+    reference = DFlashDrafter(imported.config).eval()
+    reference.load_state_dict(imported.state_dict)
+    feats = torch.randn(1, 9, 3 * 64, generator=torch.Generator().manual_seed(3))
+    embed = tiny_target.pieces().embed_tokens
+    outs = []
+    for model in (drafter, reference):
+        cache = model.new_cache()
+        model.extend_context(cache, feats)
+        outs.append(model.draft(cache, torch.tensor([11]), embed))
+    torch.testing.assert_close(outs[0], outs[1])
 
 
 def test_laguna_features_are_refused_in_our_format(laguna, tmp_path):
