@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash_lab.export import muse_glimmer
+from dflash_lab.export import laguna, muse_glimmer
 from dflash_lab.export.checks import (
     Finding,
     apply_allow_lossy,
@@ -36,6 +36,8 @@ from dflash_lab.export.engines import (
     select_sglang,
 )
 from dflash_lab.export.engines.common import architecture_of, layouts_agree
+from dflash_lab.export.engines.laguna import is_laguna, laguna_names
+from dflash_lab.export.engines.laguna import our_names as laguna_our_names
 from dflash_lab.export.engines.muse import is_muse, muse_names, our_names
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
 from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE
@@ -115,7 +117,7 @@ class ExportResult:
 
 OURS = "dflash-lab"
 #: ``--format``: our serving layout (default) or the Muse Glimmer assistant's (muse_glimmer.py)
-FORMATS = (OURS, muse_glimmer.FORMAT)
+FORMATS = (OURS, muse_glimmer.FORMAT, laguna.FORMAT)  # laguna: export/laguna.py
 
 
 def parse_engines(engine: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -169,7 +171,8 @@ def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[
             raw: dict[str, Any]) -> dict[str, str]:
     """Report header; the resolved source path is read back to recognise a run's own export."""
     return {
-        **(muse_glimmer.report_header(raw) if is_muse(raw) else {"format": OURS}),
+        **(muse_glimmer.report_header(raw) if is_muse(raw) else
+           laguna.report_header(raw) if is_laguna(raw) else {"format": OURS}),
         "source": src.description,
         **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
         "output": str(out_dir), "engines targeted": ", ".join(engines),
@@ -200,6 +203,13 @@ def format_config(fmt: str, config: DrafterConfig, dtype: str,
         muse_glimmer.check_exportable(config, config._source)
         return muse_glimmer.serving_config(config, dtype, vocab_known=vocab_known,
                                            target_identity=recorded)
+    if fmt == laguna.FORMAT:
+        laguna.check_exportable(config, config._source)
+        return laguna.serving_config(config, dtype, target_identity=recorded)
+    if config.laguna_features:
+        raise ValueError(f"{config._source}: has the Laguna features {config.laguna_features}, "
+                         "which no engine reads from dflash-lab's own format; export it with "
+                         "--format laguna")
     raw = serving_config(config, dtype)
     if recorded is not None:
         raw[TARGET_IDENTITY_KEY] = recorded
@@ -211,7 +221,9 @@ def _write_dir(tmp: Path, raw: dict[str, Any], state: dict, mask: torch.Tensor |
     """config.json and the weights, named as the format of ``raw`` names them."""
     (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
     torch_dtype = DTYPES[dtype]
-    save_weights(tmp, cast(muse_names(state) if is_muse(raw) else state, torch_dtype),
+    named = muse_names(state) if is_muse(raw) else laguna_names(state) if is_laguna(raw) \
+        else state
+    save_weights(tmp, cast(named, torch_dtype),
                  mask.detach().to(torch_dtype).contiguous() if mask is not None else None,
                  mask_token_id)
 
@@ -487,7 +499,9 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
     vocab_lines: list[str] = []
     if declared.config is not None and not config_only:
         shapes = weight_shapes(path)
-        problems += tensor_problems(declared.config, our_names(shapes) if is_muse(d) else shapes)
+        ours = our_names(shapes) if is_muse(d) else laguna_our_names(shapes, d) \
+            if is_laguna(d) and TRAINING_SPEC_KEY not in d else shapes
+        problems += tensor_problems(declared.config, ours)
         vocab_lines, vocab_problems = draft_vocab_problems(path, declared.config)
         problems += vocab_problems
     unchecked = unchecked_without_weights(declared.config, path) if config_only else []
@@ -498,6 +512,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
     lines += _layout_lines(declared, readings, block, config_only)
     lines += ["", *vocab_lines] if vocab_lines else []
     lines += muse_glimmer.inspect_lines(d) if declared.config is not None else []
+    lines += laguna.inspect_lines(d) if declared.config is not None and is_laguna(d) else []
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
     if unchecked:

@@ -28,6 +28,8 @@ from torch import Tensor, nn
 
 from dflash_lab.export.engines import RuleSet, read_with
 from dflash_lab.export.engines.common import Artifacts
+from dflash_lab.export.engines.laguna import is_laguna
+from dflash_lab.export.engines.laguna import our_names as laguna_our_names
 from dflash_lab.export.engines.muse import is_muse, our_names
 from dflash_lab.export.sources import config_from_reading, third_party_base
 from dflash_lab.export.weights import MASK_KEY, load_mask_file, load_weights
@@ -37,6 +39,8 @@ from dflash_lab.model.rope import is_nested, rope_type_of
 CONFIG_TOL = 1e-4
 MUSE_HOW = ("Muse Glimmer config.json read through each engine's config class for it "
             "(engines/muse.py) and dflash-lab's importer; tensors renamed to ours")
+LAGUNA_HOW = ("Laguna config.json read through each engine's view of it (engines/laguna.py) "
+              "and dflash-lab's importer; fused qkv_proj split into ours")
 DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 _SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "mask_token_id", "target_layer_ids",
@@ -186,7 +190,7 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
         base, reading, artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
         base.attention_sink_bias and (is_vllm or reading.serves_sinks))
     config = dataclasses.replace(config, **reading.overrides)
-    state = _exported_weights(out_dir, is_muse(view))
+    state = _exported_weights(out_dir, view)
     if not config.attention_sink_bias:
         state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}
     if config.learned_mask_embedding:
@@ -194,15 +198,18 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
     return config, state
 
 
-def _exported_weights(out_dir: Path, muse: bool) -> dict[str, Tensor]:
-    """model.safetensors under our tensor names."""
+def _exported_weights(out_dir: Path, raw: dict[str, Any]) -> dict[str, Tensor]:
+    """model.safetensors under our tensor names (``raw``: the directory's config.json)."""
     state = load_weights(out_dir)
-    return our_names(state) if muse else state
+    if is_laguna(raw):
+        return laguna_our_names(state, raw)
+    return our_names(state) if is_muse(raw) else state
 
 
-def _exported_for_source(out_dir: Path, config: DrafterConfig, muse: bool) -> dict[str, Tensor]:
+def _exported_for_source(out_dir: Path, config: DrafterConfig, raw: dict[str, Any]
+                         ) -> dict[str, Tensor]:
     """Every exported tensor (safetensors + mask file), arranged for the source config."""
-    state = _exported_weights(out_dir, muse)
+    state = _exported_weights(out_dir, raw)
     if config.learned_mask_embedding:
         state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)
     return state
@@ -233,12 +240,14 @@ def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: Dra
     """Compare the source drafter with every distinct engine view of ``out_dir``. A Muse Glimmer
     config.json is read by each engine's config class for it (engines/muse.py), not Qwen3Config
     directly."""
-    muse = is_muse(raw_config)
-    view, how = (raw_config, MUSE_HOW) if muse else qwen3_config_view(raw_config)
+    if is_muse(raw_config) or is_laguna(raw_config):
+        view, how = raw_config, MUSE_HOW if is_muse(raw_config) else LAGUNA_HOW
+    else:
+        view, how = qwen3_config_view(raw_config)
     probe = _probe(source_config)
     reference = _logits(source_config, source_state, probe)
-    same_weights = _logits(source_config, _exported_for_source(out_dir, source_config, muse),
-                           probe)
+    same_weights = _logits(source_config,
+                           _exported_for_source(out_dir, source_config, raw_config), probe)
     results = []
     for config, state, names in _engine_groups(out_dir, view, rule_sets, artifacts):
         got = _logits(config, state, probe)

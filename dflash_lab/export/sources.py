@@ -19,9 +19,13 @@ import torch
 
 from dflash_lab.export.engines import Artifacts, EngineReading, get_rule_set, read_all
 from dflash_lab.export.engines.common import layouts_agree
+from dflash_lab.export.engines.laguna import is_laguna
+from dflash_lab.export.engines.laguna import our_names as laguna_our_names
 from dflash_lab.export.engines.muse import is_muse, our_names, owners_window_note
 from dflash_lab.export.engines.zlab import base_config
 from dflash_lab.export.integrity import checked
+from dflash_lab.export.laguna import base_config as laguna_base_config
+from dflash_lab.export.laguna import format_notes as laguna_format_notes
 from dflash_lab.export.muse_glimmer import base_config as muse_base_config
 from dflash_lab.export.muse_glimmer import format_notes as muse_format_notes
 from dflash_lab.export.weights import (
@@ -211,7 +215,10 @@ def _disagreements(readings: dict[str, EngineReading], chosen: str,
 
 def third_party_base(d: dict[str, Any], source: str) -> DrafterConfig:
     """The fields of a third-party config.json on a placeholder layout: z-lab's reading, or
-    the Muse Glimmer format's (export/muse_glimmer.py)."""
+    the Muse Glimmer format's (export/muse_glimmer.py), or the Laguna format's
+    (export/laguna.py)."""
+    if is_laguna(d):
+        return laguna_base_config(d, source)
     return muse_base_config(d, source) if is_muse(d) else base_config(d, source)
 
 
@@ -273,8 +280,11 @@ def import_drafter(path: str | Path, assume: str | None = None,
         config, disagree = resolve_third_party(d, path, artifacts, assumed)
     state, renamed = serving_names(load_weights(path))
     muse = is_muse(d) and TRAINING_SPEC_KEY not in d
+    laguna = is_laguna(d) and TRAINING_SPEC_KEY not in d
     if muse:  # encoder.fc / encoder.output_norm_enc -> fc / hidden_norm
         state = our_names(state)
+    if laguna:  # fused qkv_proj -> q/k/v
+        state = laguna_our_names(state, d)
     if renamed:
         disagree = disagree + [f"tensors {renamed} renamed without '.weight' (vLLM refuses "
                                "those names, SGLang skips them)"]
@@ -286,7 +296,8 @@ def import_drafter(path: str | Path, assume: str | None = None,
     validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
     if disagree:
         _warn(f"{path}: read with {assumed}; " + "; ".join(disagree))
-    notes = tuple(muse_format_notes(d)) if muse else ()
+    notes = tuple(muse_format_notes(d)) if muse else \
+        tuple(laguna_format_notes(d)) if laguna else ()
     return ImportedDrafter(config, state, mask, assumed, disagree, integrity,
                            vocab_recorded="vocab_size" in d, format_notes=notes)
 
@@ -328,7 +339,8 @@ def load_source(path: str | Path, verify: bool = True) -> Source:
         d = read_config_json(path)
         identity = d.get(TARGET_IDENTITY_KEY)  # our exports record the training target
         muse_window = owners_window_note(d) if is_muse(d) else None
-        kind = "Muse Glimmer directory" if is_muse(d) else "serving directory"
+        kind = "Muse Glimmer directory" if is_muse(d) else \
+            "Laguna directory" if is_laguna(d) else "serving directory"
         return Source(imported.config, imported.state_dict, "serving", f"{kind} {path}", notes,
                       reads=[path],
                       target_identity=identity if isinstance(identity, dict) else None,

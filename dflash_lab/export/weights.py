@@ -58,11 +58,18 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}self_attn.k_norm.weight"] = (d,)
         if config.attention_sink_bias:
             shapes[f"{p}{SINK_SUFFIX}"] = (config.num_attention_heads,)
+        if config.attention_gate is not None:  # Laguna's softplus output gate
+            per_dim = d if config.attention_gate == "per-element" else 1
+            gates = config.num_attention_heads * per_dim
+            shapes[f"{p}self_attn.g_proj.weight"] = (gates, h)
         shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
         shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
         shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
         shapes[f"{p}input_layernorm.weight"] = (h,)
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    if config.aux_hidden_norms:  # Laguna: one norm per target-layer slice before fc
+        shapes.update({f"aux_hidden_norms.{i}.weight": (h,)
+                       for i in range(len(config.target_layer_ids))})
     if config.is_dflash2:
         shapes.update(dflash2_shapes(config))
     if config.has_draft_vocab:  # the draft head and vLLM's id maps (docs/draft_vocab.md)

@@ -47,6 +47,13 @@ DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank
 #: Logit and embedding scales both variants honour; defaults mean "off" and are not written.
 SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
                   "final_logit_softcapping": None}
+#: The Laguna drafter features (vLLM's ``laguna_dflash.py``, export/laguna.py) and their "off"
+#: values: today's DFlash drafter. Recorded in our training spec only when one is on.
+LAGUNA_DEFAULTS = {"aux_hidden_norms": False, "context_input_norm": False,
+                   "attention_gate": None, "partial_rotary_factor": 1.0}
+#: ``attention_gate`` values: softplus(g_proj(x)) per head (broadcast over head_dim) or per
+#: (head, head_dim) channel, multiplying the attention output before ``o_proj``.
+ATTENTION_GATES = ("per-head", "per-element")
 
 #: Key under which our exporter records the exact per-layer spec the drafter was trained with,
 #: so ``dflash-export --inspect`` can compare it with what each engine will do.
@@ -169,6 +176,14 @@ class DrafterConfig:
     #: token at a + t (B-1 drafts). True (DSpark / speculators' ``sample_from_anchor``): slot k
     #: predicts the token at a + k + 1 (B drafts). :meth:`label_shift` is the one definition.
     sample_from_anchor: bool = False
+    #: Laguna (LAGUNA_DEFAULTS): one RMSNorm per target-layer slice of the features before fc
+    aux_hidden_norms: bool = False
+    #: Laguna: context K/V from each layer's ``input_layernorm`` of the fused context
+    context_input_norm: bool = False
+    #: Laguna: None (no gate) or one of ATTENTION_GATES (softplus output gate, ``g_proj``)
+    attention_gate: str | None = None
+    #: Laguna: RoPE rotates the first int(head_dim * factor) dims of each head (neox halves)
+    partial_rotary_factor: float = 1.0
     _source: str = field(default="<DrafterConfig>", repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
@@ -220,6 +235,31 @@ class DrafterConfig:
         self._validate_sample_from_anchor()
         self._validate_draft_vocab()
         self._validate_scales()
+        self._validate_laguna()
+
+    def _validate_laguna(self) -> None:
+        for key in ("aux_hidden_norms", "context_input_norm"):
+            if not isinstance(getattr(self, key), bool):
+                self._fail(key, getattr(self, key), "must be true or false")
+        if self.attention_gate is not None and self.attention_gate not in ATTENTION_GATES:
+            self._fail("attention_gate", self.attention_gate,
+                       f"must be null (no gate) or one of {list(ATTENTION_GATES)}")
+        factor = self.partial_rotary_factor
+        if not _positive_number(factor) or factor > 1 or int(self.head_dim * factor) % 2:
+            self._fail("partial_rotary_factor", factor,
+                       f"must be in (0, 1] with int(head_dim * factor) even (head_dim="
+                       f"{self.head_dim}): the rotated dims are split in two halves")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (vLLM's ``int(head_size * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def laguna_features(self) -> dict[str, Any]:
+        """The Laguna features that are on (empty for a plain DFlash drafter)."""
+        return {k: getattr(self, k) for k, off in LAGUNA_DEFAULTS.items()
+                if getattr(self, k) != off}
 
     def _validate_target_layers(self) -> None:
         ids = self.target_layer_ids
@@ -453,6 +493,8 @@ class DrafterConfig:
             "is_causal": self.is_causal,
             "learned_mask_embedding": self.learned_mask_embedding,
         }
+        if self.laguna_features:  # no engine reads these from our layout: export/laguna.py
+            out[TRAINING_SPEC_KEY]["laguna"] = self.laguna_features
         return out
 
     @classmethod
@@ -509,7 +551,8 @@ OUR_DFLASH_KEYS = frozenset(
     {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size",
      "attention_sink_bias", "sample_from_anchor", *VARIANT_KEYS}
 )
-_SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding"})
+_SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding",
+                        "laguna"})
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
              "vocab_size")
 
@@ -643,4 +686,8 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
         attention_sink_bias=bool(dfc.get("attention_sink_bias", False)),
         sample_from_anchor=bool(dfc.get("sample_from_anchor", False)),
         draft_vocab_size=d.get("draft_vocab_size"))
+    laguna = dict(spec.get("laguna") or {})
+    reject_unknown_keys(set(laguna), frozenset(LAGUNA_DEFAULTS), f"{TRAINING_SPEC_KEY}.laguna.",
+                        source)
+    kwargs.update(laguna)
     return cls(_source=source, **kwargs)

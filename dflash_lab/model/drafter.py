@@ -65,6 +65,10 @@ class DFlashDrafter(nn.Module):
         num_features = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(num_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Laguna: one RMSNorm per target-layer slice of the features, before fc
+        self.aux_hidden_norms = nn.ModuleList(
+            RMSNorm(config.hidden_size, config.rms_norm_eps) for _ in config.target_layer_ids
+        ) if config.aux_hidden_norms else None
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -173,7 +177,12 @@ class DFlashDrafter(nn.Module):
                 f"target features have width {target_hidden_bsf.shape[-1]}, the drafter expects "
                 f"{self.fc.in_features} = {len(self.config.target_layer_ids)} layers x "
                 f"{self.config.hidden_size}; check target_layer_ids and the target model")
-        return self.hidden_norm(self.fc(target_hidden_bsf.to(self.fc.weight.dtype)))
+        x_bsf = target_hidden_bsf.to(self.fc.weight.dtype)
+        if self.aux_hidden_norms is not None:  # vLLM's combine_hidden_states for Laguna
+            slices = x_bsf.chunk(len(self.aux_hidden_norms), dim=-1)
+            x_bsf = torch.cat([norm(s) for norm, s in zip(self.aux_hidden_norms, slices,
+                                                           strict=True)], dim=-1)
+        return self.hidden_norm(self.fc(x_bsf))
 
     def block_inputs(self, anchor_ids_bn: Tensor, embed_tokens: nn.Module) -> Tensor:
         """Block embeddings [Bt, N*B, H]: slot 0 = anchor token, slots 1.. = MASK."""
@@ -229,7 +238,7 @@ class DFlashDrafter(nn.Module):
             starts_bn = starts_bs.gather(1, anchors_bn)
         layout = BlockLayout(anchors_bn, s, self.config.block_size, doc_starts_bn=starts_bn)
         ctx_cs = self.rotary(positions, ctx.dtype)
-        ctx_kv = [layer.self_attn.kv(ctx, ctx_cs) for layer in self.layers]
+        ctx_kv = [layer.context_kv(ctx, ctx_cs) for layer in self.layers]
         x = self.block_inputs(input_ids_bs.gather(1, anchors_bn), embed_tokens)
         blk_cs = self.rotary(layout.positions_bq(), x.dtype)
         out = self._run_layers(x, layout, ctx_kv, blk_cs, packed=True)
@@ -246,7 +255,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.fuse(target_hidden_bnf)
         positions = torch.arange(start, start + ctx.shape[1], device=ctx.device)
         cs = self.rotary(positions, ctx.dtype)
-        new = [layer.self_attn.kv(ctx, cs) for layer in self.layers]
+        new = [layer.context_kv(ctx, cs) for layer in self.layers]
         if not cache.keys:
             cache.keys = [k for k, _ in new]
             cache.values = [v for _, v in new]

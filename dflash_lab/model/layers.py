@@ -47,8 +47,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
+        # partial rotary (Laguna): the tables cover the rotated dims only, as vLLM's get_rope
+        # computes inv_freq over rotary_dim = int(head_dim * partial_rotary_factor)
         inv_freq, self.attention_scaling = rope_tables(
-            config.rope_theta, config.head_dim, config.rope_scaling,
+            config.rope_theta, config.rotary_dim, config.rope_scaling,
             config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -61,11 +63,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x_bhld: Tensor, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
-    """Rotate x [Bt, heads, L, D] with cos/sin [L, D] or [Bt, L, D]."""
+    """Rotate x [Bt, heads, L, D] with cos/sin [L, R] or [Bt, L, R], R <= D: the first R dims
+    rotate in two halves (neox style), the other D - R pass through (partial rotary)."""
     cos, sin = (t.unsqueeze(-3) for t in cos_sin)
-    half = x_bhld.shape[-1] // 2
-    rotated = torch.cat([-x_bhld[..., half:], x_bhld[..., :half]], dim=-1)
-    return x_bhld * cos + rotated * sin
+    r = cos.shape[-1]
+    x_rot, x_pass = x_bhld[..., :r], x_bhld[..., r:]
+    half = r // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos + rotated * sin
+    return out if r == x_bhld.shape[-1] else torch.cat([out, x_pass], dim=-1)
 
 
 class DraftAttention(nn.Module):
@@ -87,6 +93,9 @@ class DraftAttention(nn.Module):
             self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads))
         else:
             self.attention_sink_bias = None
+        self.gate_per_head = config.attention_gate == "per-head"
+        self.g_proj = None if config.attention_gate is None else nn.Linear(
+            h, self.num_heads * (1 if self.gate_per_head else d), bias=False)
 
     def _heads(self, x_blh: Tensor, heads: int) -> Tensor:
         return x_blh.view(*x_blh.shape[:2], heads, self.head_dim).transpose(1, 2)
@@ -104,7 +113,16 @@ class DraftAttention(nn.Module):
         k = torch.cat([ctx_k.to(blk_k.dtype), blk_k], dim=2)
         v = torch.cat([ctx_v.to(blk_v.dtype), blk_v], dim=2)
         out = backend.attend(q, k, v, prepared, scale=self.scale, sink_h=self.attention_sink_bias)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return self.o_proj(self._gated(out.transpose(1, 2), x_bqh).flatten(2))
+
+    def _gated(self, out_bqhd: Tensor, x_bqh: Tensor) -> Tensor:
+        """Laguna's output gate: out [Bt, Q, Hq, D] * softplus(g_proj(x)) (fp32 softplus, as
+        vLLM's ``LagunaAttention``), one gate per head or per (head, dim); no gate: out."""
+        if self.g_proj is None:
+            return out_bqhd
+        gate = F.softplus(self.g_proj(x_bqh).float()).to(out_bqhd.dtype)
+        gate = gate[..., None] if self.gate_per_head else gate.view(out_bqhd.shape)
+        return out_bqhd * gate
 
 
 class SwiGLU(nn.Module):
@@ -127,7 +145,8 @@ def _conv(config: DrafterConfig) -> GroupedDynamicCausalConv | None:
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer. The context gets no input norm, no query and no MLP.
+    """Pre-norm decoder layer. The context gets no query and no MLP, and no input norm unless
+    ``config.context_input_norm`` (Laguna).
 
     DFlash 2: ``attention_conv`` / ``mlp_conv`` (None under DFlash 1) convolve each sublayer's
     normed input (``prepare``) and its output (``finish``) along the block slots.
@@ -141,6 +160,16 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention_conv = _conv(config)
         self.mlp_conv = _conv(config)
+        self.context_input_norm = config.context_input_norm
+
+    def context_kv(self, ctx_bsh: Tensor, cos_sin: tuple[Tensor, Tensor]
+                   ) -> tuple[Tensor, Tensor]:
+        """Context keys/values [Bt, Hkv, S, D] of the fused context [Bt, S, H]: straight from
+        it (DFlash), or through this layer's ``input_layernorm`` first (Laguna, whose vLLM
+        ``_project_context_kv`` norms the context with every layer's input norm)."""
+        if self.context_input_norm:
+            ctx_bsh = self.input_layernorm(ctx_bsh)
+        return self.self_attn.kv(ctx_bsh, cos_sin)
 
     @staticmethod
     def _sublayer(fn: Any, conv: GroupedDynamicCausalConv | None, normed_bqh: Tensor) -> Tensor:

@@ -29,8 +29,10 @@ Refused, by name: ``longrope`` (engines build a position-dependent table: vLLM 0
 ``Phi3LongRoPEScaledRotaryEmbedding`` uses ``short_factor`` below
 ``original_max_position_embeddings`` and ``long_factor`` above it within one request, transformers
 switches every position to ``long_factor`` once the sequence passes it; no one table equals
-both), any other type, keys a type does not read (``partial_rotary_factor``: the drafter rotates
-the whole head; vLLM would rotate part of it), and per-layer-type (nested) parameters: vLLM 0.32
+both), any other type, keys a type does not read (``partial_rotary_factor`` inside ``rope_scaling``:
+our qwen3-format drafter rotates the whole head there while vLLM would rotate part of it; a
+partial rotary is the separate ``DrafterConfig.partial_rotary_factor``, which only the Laguna
+format carries, export/laguna.py), and per-layer-type (nested) parameters: vLLM 0.32
 and SGLang 0.5.23 both raise TypeError building such a drafter (their ``get_rope`` caches hash
 the nested dicts), so a drafter has one RoPE for all its layers.
 """

