@@ -74,8 +74,8 @@ prepare-smollm2: $(SMOLLM2_DEPS)
 	$(VPY) -m dflash_lab.target.smollm2 --out-dir outputs/smollm2_target
 	$(VPY) -m dflash_lab.data.sharegpt --out-dir outputs/data/sharegpt
 
-e2e-smollm2: prepare-smollm2
-	scripts/e2e_smollm2.sh
+e2e-smollm2: prepare-smollm2  # every stage of recipes/smollm2_sharegpt_cpu.yaml (docs/pipeline.md)
+	$(VENV)/bin/dflash-lab run recipe=smollm2_sharegpt_cpu
 
 # Quality at equal budget (docs/results.md, "Side by side with speculators"): our trainer and
 # speculators 0.9.0's DFlash trainer on the same captured batches and optimizer steps, both

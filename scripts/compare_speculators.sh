@@ -85,8 +85,8 @@
 # module.position_weighting=dpace for both our arms, runs of their own,
 # compare_speculators_ours_dpace_s$STEPS, whose stages and files carry the suffix _ours-dpace:
 # train_ours, curves, eval_ours, table), POLICY (off: ShareGPT's own answers | on: the
-# conversations `POLICY=on scripts/e2e_smollm2.sh regenerate` wrote into REGEN, the target's
-# greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist][_muon]_s$STEPS), PLOT_DIR
+# conversations `dflash-lab run recipe=smollm2_sharegpt_cpu_onpolicy stages=[regenerate]` wrote into
+# REGEN, the target's greedy answers), OUT (outputs/compare_speculators[_onpolicy][_dist][_muon]_s$STEPS), PLOT_DIR
 # (docs/img), ARMS (the arms `table` and `archive` read at every seed: "ours loss theirs" by default;
 # e.g. ARMS="loss theirs" for a table of the arms a session finished), ARCHIVE (docs/runs/<OUT's last part>), SPEC_PY (.venv-speculators/bin/python;
 # make speculators-venv). A bad knob exits 2 naming it before any work. OPTIMIZER (muon: each side at its Muon: theirs at their trainer's
@@ -174,7 +174,7 @@ NAME=compare_speculators${SUFFIX}${DSUF}${MSUF}  # OUT's and our runs' common pr
 OUT=${OUT:-outputs/${NAME}_s$STEPS}
 TARGET=outputs/smollm2_target
 DATA=outputs/data/sharegpt
-REGEN=${REGEN:-outputs/regenerated/smollm2_sharegpt}
+REGEN=${REGEN:-outputs/pipeline/smollm2_sharegpt_cpu_onpolicy/regenerate}
 CAPTURE=outputs/capture/smollm2_sharegpt${SUFFIX}_n$NUM_CONVERSATIONS$DSUF
 HELDOUT=outputs/capture/smollm2_sharegpt_heldout_n$NUM_HELDOUT$DSUF
 ARCHIVE=${ARCHIVE:-docs/runs/${OUT##*/}}  # the committed copy of what table reads (archive)
@@ -219,10 +219,10 @@ capture_one() {  # capture_one DATA_FILE LIMIT OUT_DIR: the recipe's capture set
 }
 
 capture() {
-  if [[ $POLICY == on ]]; then  # the regenerated rows, in their file's order (as e2e_smollm2.sh)
+  if [[ $POLICY == on ]]; then  # the regenerated rows, in their file's order (as the pipeline)
     [[ -e $REGEN/conversations.jsonl ]] || {
-      echo "POLICY=on needs $REGEN/conversations.jsonl: POLICY=on scripts/e2e_smollm2.sh" \
-           "prepare regenerate"; return 2; }
+      echo "POLICY=on needs $REGEN/conversations.jsonl: make prepare-smollm2 && dflash-lab run" \
+           "recipe=smollm2_sharegpt_cpu_onpolicy stages=[regenerate]"; return 2; }
     "$BIN/dflash-capture" target=hf target.name_or_path="$TARGET" target.dtype=bfloat16 \
       data.path="$REGEN/conversations.jsonl" data.limit="$NUM_CONVERSATIONS" \
       data.shuffle_seed=null capture.max_length=512 capture.target_layer_ids=5 capture.batch_size=4 \

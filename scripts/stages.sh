@@ -1,4 +1,4 @@
-# Shared by the resumable CPU pipelines (scripts/e2e_smollm2.sh, scripts/compare_speculators.sh):
+# Shared by the resumable comparison pipeline (scripts/compare_speculators.sh):
 # `source scripts/stages.sh`, then set OUT before the first stage.
 
 # policy_suffix POLICY: the directory suffix of a data policy: "" for off (ShareGPT's own
