@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dflash_lab.export.engines.common import FULL, SLIDING
+from dflash_lab.export.engines.common import FULL, SLIDING, is_format
 
 ARCHITECTURE = "DFlashLagunaForCausalLM"
 #: vLLM's EAGLEConfig rewrites the target-style name to ARCHITECTURE for a dflash draft
@@ -45,8 +45,7 @@ ENGINE_NOTES = {
 
 def is_laguna(config: dict[str, Any]) -> bool:
     """A Laguna DFlash drafter config.json (by ``model_type`` or ``architectures``)."""
-    archs = config.get("architectures") or []
-    return config.get("model_type") == MODEL_TYPE or any(a in ARCHITECTURES for a in archs)
+    return is_format(config, MODEL_TYPE, ARCHITECTURES)
 
 
 def layer_types(config: dict[str, Any]) -> list[str]:

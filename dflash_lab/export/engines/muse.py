@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_lab.export.engines.common import FULL, SLIDING
+from dflash_lab.export.engines.common import FULL, SLIDING, is_format
 
 ARCHITECTURE = "MuseGlimmerAssistantModel"
 #: vLLM's registry also knows the "DFlash"-prefixed name EAGLEConfig rewrites it to
@@ -61,8 +61,7 @@ ENGINE_NOTES = {
 
 def is_muse(config: dict[str, Any]) -> bool:
     """A Muse Glimmer assistant config.json (by ``model_type`` or ``architectures``)."""
-    archs = config.get("architectures") or []
-    return config.get("model_type") == MODEL_TYPE or any(a in ARCHITECTURES for a in archs)
+    return is_format(config, MODEL_TYPE, ARCHITECTURES)
 
 
 def vllm_view(config: dict[str, Any]) -> dict[str, Any]:
