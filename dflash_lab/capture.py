@@ -45,6 +45,20 @@ def rank_and_world() -> tuple[int, int]:
     return rank, world
 
 
+def check_context(target, max_length: int) -> bool:
+    """Warn when ``capture.max_length`` passes the target's declared context: the capture still
+    runs (RoPE extrapolates) but features past that length are ones the target was never
+    trained to give, which a drafter then learns from. True when within the context."""
+    limit = target.max_position_embeddings
+    if limit is None or max_length <= limit:
+        return True
+    log.warning("capture.max_length=%d is beyond the target's max_position_embeddings=%d: rows "
+                "longer than %d tokens get features from positions the target never trained "
+                "on (extend its context, e.g. rope scaling, or lower capture.max_length)",
+                max_length, limit, limit)
+    return False
+
+
 def _settings(cfg: DictConfig, target) -> CaptureSettings:
     c = cfg.capture
     ids = resolve_target_layer_ids(c.target_layer_ids, target.num_hidden_layers,
@@ -72,6 +86,7 @@ def _capture(cfg: DictConfig) -> dict[str, Any] | None:
     target = instantiate(cfg.target)
     data = instantiate(cfg.data)
     settings = _settings(cfg, target)
+    check_context(target, settings.max_length)
     if rank == 0:  # refuse a directory captured with other settings before writing the record
         claim_dir(Path(settings.out_dir), build_plan(target, settings, len(data.dataset),
                                                       data.source))

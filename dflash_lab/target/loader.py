@@ -258,6 +258,12 @@ class Target:
         return int(text_config(self.model.config).vocab_size)
 
     @property
+    def max_position_embeddings(self) -> int | None:
+        """The context the target's config declares (None when it declares none)."""
+        value = getattr(text_config(self.model.config), "max_position_embeddings", None)
+        return int(value) if value is not None else None
+
+    @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 

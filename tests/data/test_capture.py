@@ -344,3 +344,16 @@ def test_a_bad_distribution_option_is_refused_naming_it(tiny_target, tmp_path):
         run_capture(tiny_target, ROWS[:4], _settings(tmp_path, distribution=("topk",),
                                                      distribution_topk=0), SOURCE,
                     progress=False)
+
+
+def test_a_max_length_past_the_targets_context_is_warned(tiny_target, caplog):
+    """capture.max_length beyond max_position_embeddings is named, not silently captured."""
+    import logging
+
+    from dflash_lab.capture import check_context
+
+    limit = tiny_target.max_position_embeddings
+    assert limit and check_context(tiny_target, limit)
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.capture"):
+        assert not check_context(tiny_target, limit + 1)
+    assert f"max_position_embeddings={limit}" in caplog.text
