@@ -131,14 +131,14 @@ def _compose(tmp_path, target_dir, **extra):
             "data.demo_file": str(tmp_path / "demo.jsonl"), "data.max_length": 96,
             "data.batch_size": 8, "data.val_fraction": 0.25, "logger": "csv",
             "trainer.log_every_n_steps": 1, "module.num_anchors": 8,
-            "callbacks.progress": "null", "trainer.max_epochs": 1, "export.enabled": "false"}
+            "callbacks.progress": "null", "trainer.max_epochs": 1}
     base.update(extra)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=[f"{k}={v}" for k, v in base.items()])
 
 
-def test_tiny_recipe_trains_logs_the_confidence_terms_and_exports(tiny_target_dir, tmp_path):
+def test_tiny_recipe_trains_and_logs_the_confidence_terms(tiny_target_dir, tmp_path):
     from dflash_lab.train.run import train
 
     result = train(_compose(tmp_path, tiny_target_dir))
