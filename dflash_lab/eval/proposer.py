@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from dflash_lab.eval.sampling import propose, selector_draft
+from dflash_lab.eval.sampling import markov_draft, propose, selector_draft
 from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
 
@@ -161,6 +161,10 @@ class DFlashProposer:
         num_slots = max(num_drafts + first, _min_slots(self.drafter))
         hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
+        if self.drafter.markov_head is not None:  # DSpark: the sequential Markov walk
+            tokens, q = markov_draft(self.drafter, hidden_kh, unary_kv, anchor_id, temperature,
+                                     mode, generator)
+            return Draft(tokens, q, unary_kv.argmax(-1))
         selector = self.drafter.candidate_selector
         if selector is None:
             return Draft(*propose(unary_kv, temperature, mode, generator))

@@ -143,6 +143,10 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     (SGLang: the release and draft attention backend of :func:`select_sglang`). The target's
     class is ``target_architecture``, else ``architectures[0]`` of ``target``. ``raw``: the
     config.json to be written (default: ours, ``config.to_dict()``)."""
+    if config.is_dspark:  # before any engine rule: those read DFlash layouts only
+        raise ValueError("a DSpark drafter (drafter.variant=dspark) has no serving export yet: "
+                         "docs/dspark.md 'vLLM checkpoint layout' is what it will write; train "
+                         "with export.enabled=false (the run's checkpoints keep the drafter)")
     raw = config.to_dict() if raw is None else raw
     artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias,
                           target_architecture=target_architecture or architecture_of(target))

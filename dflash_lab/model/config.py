@@ -36,14 +36,20 @@ SUPPORTED_ROPE_TYPES = ROPE_TYPES  #: model/rope.py defines them and what each c
 
 DFLASH1 = "dflash1"
 DFLASH2 = "dflash2"
-VARIANTS = (DFLASH1, DFLASH2)
+DSPARK = "dspark"
+VARIANTS = (DFLASH1, DFLASH2, DSPARK)
 #: The class name each variant is served under (config.json ``architectures``); z-lab's loader
 #: picks the drafter class from it.
-ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel",
+                 DSPARK: "Qwen3DSparkModel"}  # DSpark: vLLM's name (qwen3_dspark.py)
 #: DFlash 2 fields and their defaults when ``variant="dflash2"`` leaves them unset: the released
 #: Qwen3.8-27B-DFlash2 setting (dflash.md section 7).
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
                     "selector_top_k": 16}
+#: DSpark fields and their defaults when ``variant="dspark"`` leaves them unset: speculators
+#: 0.9.0's ``DSparkSpeculatorConfig`` defaults (model/dspark.py, docs/dspark.md).
+DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla",
+                   "enable_confidence_head": True, "confidence_head_with_markov": True}
 #: Logit and embedding scales both variants honour; defaults mean "off" and are not written.
 SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
                   "final_logit_softcapping": None}
@@ -164,6 +170,11 @@ class DrafterConfig:
     conv_group_size: int | None = None  #: channels sharing one dynamic tap (divides hidden_size)
     selector_rank: int | None = None  #: rank of the predecessor/successor codebooks
     selector_top_k: int | None = None  #: candidates per slot re-ranked by the selector
+    #: DSpark only (None otherwise; unset under dspark = DSPARK_DEFAULTS; model/dspark.py):
+    markov_rank: int | None = None  #: r of the Markov bias head; 0 = no Markov head
+    markov_head_type: str | None = None  #: vanilla | gated | rnn
+    enable_confidence_head: bool | None = None  #: the per-slot acceptance-probability head
+    confidence_head_with_markov: bool | None = None  #: its input is [h; markov_w1[prev]]
     #: Both variants: block input embeddings (raw target table rows) are multiplied by this
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0  #: unary logits = lm_head(h) * output_multiplier ...
@@ -200,10 +211,11 @@ class DrafterConfig:
         if self.rope_scaling is not None:  # nested mappings too (Hydra DictConfig)
             self.rope_scaling = {k: dict(v) if isinstance(v, Mapping) else v
                                  for k, v in dict(self.rope_scaling).items()}
-        if self.variant == DFLASH2:
-            for key, default in DFLASH2_DEFAULTS.items():
-                if getattr(self, key) is None:
-                    setattr(self, key, default)
+        for variant, defaults in ((DFLASH2, DFLASH2_DEFAULTS), (DSPARK, DSPARK_DEFAULTS)):
+            if self.variant == variant:
+                for key, default in defaults.items():
+                    if getattr(self, key) is None:
+                        setattr(self, key, default)
         self._validate()
         if self.draft_vocab_size == self.vocab_size:  # the whole vocabulary: nothing to map
             self.draft_vocab_size = None
@@ -312,11 +324,16 @@ class DrafterConfig:
     def _validate_variant(self) -> None:
         if self.variant not in VARIANTS:
             self._fail("variant", self.variant, f"must be one of {list(VARIANTS)}")
-        if self.variant == DFLASH1:
-            for key in DFLASH2_DEFAULTS:
-                if getattr(self, key) is not None:
-                    self._fail(key, getattr(self, key),
-                               "is a DFlash 2 field; set variant='dflash2' or remove it")
+        for variant, defaults, name in ((DFLASH2, DFLASH2_DEFAULTS, "a DFlash 2"),
+                                        (DSPARK, DSPARK_DEFAULTS, "a DSpark")):
+            if self.variant != variant:
+                for key in defaults:
+                    if getattr(self, key) is not None:
+                        self._fail(key, getattr(self, key),
+                                   f"is {name} field; set variant='{variant}' or remove it")
+        if self.variant == DSPARK:
+            self._validate_dspark()
+        if self.variant != DFLASH2:
             return
         for key in DFLASH2_DEFAULTS:
             if int(getattr(self, key)) < 1:
@@ -332,6 +349,28 @@ class DrafterConfig:
             self._fail("selector_top_k", self.selector_top_k,
                        f"must be <= vocab_size={self.vocab_size} (candidates come from the full "
                        "target vocabulary)")
+
+    def _validate_dspark(self) -> None:
+        from dflash_lab.model.dspark import MARKOV_HEAD_TYPES
+
+        rank = self.markov_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            self._fail("markov_rank", rank, "must be an integer >= 0 (0 = no Markov head)")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            self._fail("markov_head_type", self.markov_head_type,
+                       f"must be one of {list(MARKOV_HEAD_TYPES)}")
+        for key in ("enable_confidence_head", "confidence_head_with_markov"):
+            if not isinstance(getattr(self, key), bool):
+                self._fail(key, getattr(self, key), "must be true or false")
+        if self.enable_confidence_head and self.confidence_head_with_markov and rank == 0:
+            self._fail("confidence_head_with_markov", True,
+                       "needs markov_rank > 0 (its input is the Markov embedding); set it false "
+                       "or give a markov_rank")
+        for key, off in SCALE_DEFAULTS.items():
+            if getattr(self, key) != off:
+                self._fail(key, getattr(self, key), "is not implemented for variant='dspark' "
+                           "(vLLM scales the backbone logits and the Markov bias apart); "
+                           f"leave it at {off}")
 
     def _validate_draft_vocab(self) -> None:
         n = self.draft_vocab_size
@@ -393,6 +432,11 @@ class DrafterConfig:
         return self.block_size - self.first_draft_slot
 
     @property
+    def is_dspark(self) -> bool:
+        """DSpark: a Markov bias head and/or a confidence head on the DFlash 1 backbone."""
+        return self.variant == DSPARK
+
+    @property
     def is_dflash2(self) -> bool:
         """DFlash 2: convs around every sublayer and the candidate selector."""
         return self.variant == DFLASH2
@@ -452,6 +496,8 @@ class DrafterConfig:
         }
         if self.is_dflash2:
             dflash.update({k: getattr(self, k) for k in DFLASH2_DEFAULTS})
+        if self.is_dspark:
+            dflash.update({k: getattr(self, k) for k in DSPARK_DEFAULTS})
         dflash.update({k: getattr(self, k) for k, off in SCALE_DEFAULTS.items()
                        if getattr(self, k) != off})
         out: dict[str, Any] = {
@@ -540,7 +586,7 @@ SHAPE_KEYS = (
     "max_position_embeddings", "attention_bias", "num_target_layers",
 )
 #: Keys holding a variant field (DFlash 2) or a scale; ours writes them in ``dflash_config``.
-VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(SCALE_DEFAULTS)
+VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(DSPARK_DEFAULTS) + tuple(SCALE_DEFAULTS)
 #: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
 OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
     "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
@@ -590,6 +636,11 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     if len(found) != 1 or len(arch) != 1:
         raise ValueError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
                          f"one of {[[a] for a in ARCHITECTURES.values()]}")
+    has_spark_keys = sorted(k for k in DSPARK_DEFAULTS if k in dfc or k in d)
+    if found[0] != DSPARK and has_spark_keys:
+        raise ValueError(f"{source}: has the DSpark keys {has_spark_keys} but architectures="
+                         f"{arch}; set architectures to ['{ARCHITECTURES[DSPARK]}'] or remove "
+                         "them")
     if found[0] == DFLASH1 and has_v2_keys:
         raise ValueError(f"{source}: has the DFlash 2 keys {has_v2_keys} but architectures="
                          f"{arch}; set architectures to ['DFlash2DraftModel'] or remove them")

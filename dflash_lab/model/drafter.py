@@ -33,6 +33,7 @@ from dflash_lab.attention.base import AttentionBackend, get_backend
 from dflash_lab.attention.mask import BlockLayout, document_starts
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv, scale_logits
+from dflash_lab.model.dspark import ConfidenceHead, MarkovHead
 from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding
 
 
@@ -79,6 +80,7 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = CandidateSelector(
             config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k,
         ) if config.is_dflash2 else None
+        self.markov_head, self.confidence_head = self._dspark_heads(config)
         if config.has_draft_vocab:  # serving layout: lm_head.weight [N, H], d2t [N], t2d [V]
             n = config.draft_vocab_size
             self.lm_head = nn.Linear(config.hidden_size, n, bias=False).requires_grad_(False)
@@ -99,8 +101,31 @@ class DFlashDrafter(nn.Module):
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         # apply() visits children first: these re-initialise their own Linear afterwards
-        if isinstance(module, GroupedDynamicCausalConv | CandidateSelector):
+        if isinstance(module, GroupedDynamicCausalConv | CandidateSelector | MarkovHead
+                      | ConfidenceHead):
             module.reset_parameters()
+
+    @staticmethod
+    def _dspark_heads(config: DrafterConfig) -> tuple[MarkovHead | None, ConfidenceHead | None]:
+        """DSpark's Markov head (markov_rank > 0) and confidence head (model/dspark.py)."""
+        if not config.is_dspark:
+            return None, None
+        rank = config.markov_rank
+        markov = MarkovHead(config.hidden_size, config.vocab_size,
+                            config.draft_vocab_size or config.vocab_size, rank,
+                            config.markov_head_type) if rank > 0 else None
+        conf = ConfidenceHead(config.hidden_size, rank, config.confidence_head_with_markov) \
+            if config.enable_confidence_head else None
+        return markov, conf
+
+    def markov_bias_full(self, bias_xn: Tensor) -> Tensor:
+        """A Markov bias over the draft vocabulary [x, N] in the target vocabulary [x, V]
+        (0 outside the draft vocabulary, whose logits are -inf anyway)."""
+        if self.lm_head is None:
+            return bias_xn
+        full = bias_xn.new_zeros((*bias_xn.shape[:-1], self.config.vocab_size))
+        full[..., self.draft_token_ids()] = bias_xn
+        return full
 
     # ------------------------------------------------------------------ draft vocabulary
     @property
@@ -298,14 +323,20 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module) -> Tensor:
-        """Greedy draft tokens [Bt, B-1] from :meth:`draft`'s hidden [Bt, B, H]: the unary argmax
-        (DFlash 1) or the selector's left-to-right argmax walk from the anchor (DFlash 2)."""
-        unary = self.unary_logits(hidden_bph[:, 1:], lm_head)
+        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
+        unary argmax (DFlash 1), the selector's left-to-right argmax walk from the anchor
+        (DFlash 2) or the Markov head's (DSpark, :meth:`MarkovHead.walk`)."""
+        hidden_bph = hidden_bph[:, self.config.first_draft_slot:]
+        unary = self.unary_logits(hidden_bph, lm_head)
+        if self.markov_head is not None:
+            return torch.stack([self.markov_head.walk(
+                unary[i].float(), hidden_bph[i], int(anchor_ids_b[i]),
+                lambda z: z.argmax(-1), self.markov_bias_full)[0]
+                for i in range(unary.shape[0])])
         if self.candidate_selector is None:
             return unary.argmax(dim=-1)
         cand_unary, cand_ids = self.candidate_selector.candidates(unary)
-        return self.candidate_selector.walk(hidden_bph[:, 1:], cand_ids, cand_unary,
-                                            anchor_ids_b)[0]
+        return self.candidate_selector.walk(hidden_bph, cand_ids, cand_unary, anchor_ids_b)[0]
 
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchor_ids_b: Tensor, embed_tokens: nn.Module) -> Tensor:

@@ -441,6 +441,10 @@ class LossOutput:
     overlaps: dict[float, Tensor] | None = None
     #: the first drafting slot (BlockTargets.first_slot): acceptance counts from it
     first_slot: int = 1
+    #: the CE of every valid slot [M] (detached; the CE pass only): DSpark's confidence target
+    slot_ce: Tensor | None = None
+    #: DSpark's confidence term (:class:`dflash_lab.train.dspark.ConfidenceOutput`)
+    confidence: Any = None
 
 
 def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, gamma: float,
@@ -473,7 +477,8 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     correct = torch.zeros_like(sel)
     correct[sel] = head.correct
     return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,
-                      head.top_values, head.top_ids, first_slot=targets.first_slot)
+                      head.top_values, head.top_ids, first_slot=targets.first_slot,
+                      slot_ce=head.ce.detach())
 
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,

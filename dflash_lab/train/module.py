@@ -40,6 +40,7 @@ from dflash_lab.train.distill import (
     slot_teacher,
     teacher_kind,
 )
+from dflash_lab.train.dspark import confidence_loss, markov_inputs, markov_prev_ids
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     LABEL_SOURCES,
@@ -89,7 +90,8 @@ class DFlashModule(L.LightningModule):
                  lk_eta: float = 3.0, accept_temperature: float = 1.0,
                  val_temperatures: Sequence[float] | None = None,
                  feature_source: Callable[[Tensor], Any] | None = None,
-                 target_distribution: Mapping[str, Any] | None = None):
+                 target_distribution: Mapping[str, Any] | None = None,
+                 confidence_head_alpha: float = 1.0):
         super().__init__()
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
@@ -101,6 +103,7 @@ class DFlashModule(L.LightningModule):
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
         loss = loss if isinstance(loss, str) else {str(k): float(v) for k, v in loss.items()}
         self.loss_spec = LossSpec.create(loss, label_temperature, lk_eta, accept_temperature)
+        _check_dspark(drafter.config, self.loss_spec, confidence_head_alpha)
         self.val_temperatures = resolve_val_temperatures(val_temperatures, target_distribution)
         self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,
                                          self.val_temperatures, "the training data",
@@ -169,23 +172,32 @@ class DFlashModule(L.LightningModule):
         labels at the anchored slots, unary CE, and for DFlash 2 the selector term."""
         hp, cfg = self.hparams, self.drafter.config
         lm_head = self.drafter.head(self.target_head.lm_head)
-        targets = token_targets(batch["input_ids"], batch.get("target_argmax"), hp.label_source)
+        token_ids = token_targets(batch["input_ids"], batch.get("target_argmax"),
+                                  hp.label_source)
         # a draft vocabulary: labels as draft ids; a token outside it (-1) is no valid slot:
         # no loss (nothing can raise it) and, in the greedy tau, a miss (it is never drafted)
-        targets = self.drafter.to_draft_ids(targets)
+        targets = self.drafter.to_draft_ids(token_ids)
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size,
                             batch.get("document_ids"), cfg.label_shift)
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
-        temperatures = () if self.training else tuple(self.val_temperatures)
+        # DSpark: no val/tau_T (the distribution pass reads a plain Linear head, not [W | w2])
+        temperatures = () if self.training or cfg.is_dspark else tuple(self.val_temperatures)
         selector_soft = self.selector_settings.target == "distribution"
         kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures
                                      or selector_soft) else "none"
         teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap,
                                cfg.label_shift)
-        out = dflash_loss(hidden, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
+        head_in, emb = hidden, None
+        if cfg.is_dspark:  # the Markov bias joins the head: [h; f] @ [W_lm | markov_w2]
+            prev = markov_prev_ids(batch["input_ids"], token_ids, anchors, cfg.block_size,
+                                   cfg.label_shift)
+            head_in, lm_head, emb = markov_inputs(self.drafter, hidden, prev, lm_head)
+        out = dflash_loss(head_in, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
                           hp.ce_chunk_bytes, scale=self.logit_scale,
                           top_k=cfg.selector_top_k if cfg.is_dflash2 else 0, **weighting,
                           spec=self.loss_spec, teacher=teacher, temperatures=temperatures)
+        if cfg.is_dspark:
+            out.confidence = confidence_loss(self.drafter, hidden, emb, out, hp.gamma)
         if cfg.is_dflash2:
             out.selector = selector_loss(
                 self.drafter.candidate_selector, hidden, out, tgt,
@@ -210,6 +222,9 @@ class DFlashModule(L.LightningModule):
         if out.accept_sum is not None:  # the accept objective: normalised by the global blocks
             loss = loss + self.loss_spec.accept_weight * global_weighted_loss(
                 out.accept_sum, out.accept_count, world_size, all_reduce_sum)
+        if out.confidence is not None:  # DSpark: BCE per supervised slot (speculators' mean)
+            loss = loss + self.hparams.confidence_head_alpha * global_weighted_loss(
+                out.confidence.weighted_sum, out.confidence.count, world_size, all_reduce_sum)
         if out.selector is None:
             return loss
         sel = global_weighted_loss(out.selector.weighted_sum, out.selector.weight_sum,
@@ -244,6 +259,14 @@ class DFlashModule(L.LightningModule):
             accepted = -out.accept_sum.detach() / out.accept_count.clamp(min=1)
             self.log(f"{stage}/expected_accepted", accepted, batch_size=bs)
             local_mean = local_mean - self.loss_spec.accept_weight * accepted
+        conf = out.confidence
+        if conf is not None:  # DSpark: the confidence BCE and its calibration error
+            count = conf.count.clamp(min=1)
+            bce = conf.weighted_sum.detach() / count
+            self.log_dict({f"{stage}/confidence_loss": bce,
+                           f"{stage}/confidence_abs_error": conf.abs_error_sum / count},
+                          batch_size=bs)
+            local_mean = local_mean + self.hparams.confidence_head_alpha * bce
         return local_mean
 
     def _log_selector_train(self, out: LossOutput, unary_mean: Tensor, unary_taus: Tensor,
@@ -347,3 +370,14 @@ class DFlashModule(L.LightningModule):
             del state[key]
         checkpoint.setdefault("hyper_parameters", {})
         checkpoint["hyper_parameters"]["drafter_config"] = self.drafter.config.to_dict()
+
+
+def _check_dspark(config, spec: LossSpec, alpha: float) -> None:
+    """DSpark trains on the CE pass only (the distribution pass computes its gradient to the
+    hidden states alone, so markov_w2 would not learn); ``confidence_head_alpha`` >= 0."""
+    if not float(alpha) >= 0:
+        raise ValueError(f"module.confidence_head_alpha={alpha}: must be >= 0 (speculators: 1.0)")
+    if config.is_dspark and config.markov_rank and not spec.ce_only:
+        raise ValueError("module.loss: a DSpark drafter with a Markov head trains with "
+                         "module.loss=ce only (the distribution losses' fused pass does not "
+                         "train markov_w2); set module.loss=ce")

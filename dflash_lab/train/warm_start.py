@@ -37,16 +37,18 @@ log = logging.getLogger(__name__)
 WEIGHT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "intermediate_size", "vocab_size", "attention_bias",
                  "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
-                 "conv_group_size", "selector_rank")
+                 "conv_group_size", "selector_rank", "markov_rank", "markov_head_type",
+                 "enable_confidence_head", "confidence_head_with_markov")
 #: Hydra keys of conf/drafter that are no DrafterConfig field.
 NOT_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults")
 
 
 def group_defaults(variant: str | None) -> dict[str, Any]:
-    """The drafter fields as ``conf/drafter/default.yaml`` (+ ``dflash2.yaml``) set them."""
+    """The drafter fields as ``conf/drafter/default.yaml`` (+ ``dflash2.yaml`` / ``dspark.yaml``)
+    set them."""
     merged = OmegaConf.load(CONF_DIR / "drafter" / "default.yaml")
-    if variant == "dflash2":
-        merged = OmegaConf.merge(merged, OmegaConf.load(CONF_DIR / "drafter" / "dflash2.yaml"))
+    if variant in ("dflash2", "dspark"):
+        merged = OmegaConf.merge(merged, OmegaConf.load(CONF_DIR / "drafter" / f"{variant}.yaml"))
     out = OmegaConf.to_container(merged, resolve=True)
     return {k: v for k, v in out.items() if k not in NOT_FIELDS}
 
