@@ -113,7 +113,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-capture``)."""
+    """Console entry point (``dflash-capture``); ``recipe=NAME`` runs the recipe's capture stage
+    (:func:`dflash_lab.pipeline.stage_main`)."""
+    from dflash_lab.pipeline import names_a_recipe, stage_main
+
+    if names_a_recipe(sys.argv[1:]):
+        sys.exit(stage_main("capture", sys.argv[1:]))
     with user_errors():
         check_renamed_keys(sys.argv[1:])
     _hydra_main()

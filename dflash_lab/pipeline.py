@@ -329,6 +329,47 @@ def run(req: Request) -> int:
     return 0
 
 
+#: The stage commands that take ``recipe=NAME`` as "this stage of the recipe's pipeline"
+#: (dflash-train's ``recipe=`` is its own standalone run: ``dflash-lab run stages=[train]``).
+STAGE_COMMANDS = {"regenerate": "dflash-regenerate", "capture": "dflash-capture",
+                  "export": "dflash-export", "eval": "dflash-eval"}
+
+
+def names_a_recipe(argv: list[str]) -> bool:
+    return any(a.startswith("recipe=") for a in argv)
+
+
+def stage_request(stage: str, argv: list[str]) -> Request:
+    """``dflash-capture recipe=X [root=DIR] [OVERRIDE ...]`` -> the request ``dflash-lab run
+    recipe=X [root=DIR] stages=[capture] capture:OVERRIDE ...``: the same arguments, folders,
+    record and skip as the pipeline's stage. Export options are given bare
+    (``--dtype=bfloat16``); an argument already addressed to a stage (``train:KEY=VALUE``,
+    which the other stages' settings derive from) is passed as it is."""
+    if any(a.startswith(("stages=", "force=")) for a in argv):
+        raise ValueError(f"{STAGE_COMMANDS[stage]} recipe=NAME runs the {stage} stage only: "
+                         f"for stages=/force= use dflash-lab run\n{USAGE}")
+    mine = [a for a in argv if a.startswith(("recipe=", "root="))]
+    return parse_args(["run", *mine, f"stages=[{stage}]",
+                       *(a if _is_routed(a) else f"{stage}:{a}" for a in argv if a not in mine)])
+
+
+def _is_routed(arg: str) -> bool:
+    """``train:KEY=VALUE`` and the like: already addressed to a stage (the recipe's train config
+    is what every stage's settings derive from)."""
+    prefix, sep, _ = arg.partition(":")
+    return bool(sep) and "=" not in prefix and is_stage_name(prefix)
+
+
+def stage_main(stage: str, argv: list[str]) -> int:
+    """Entry of a stage command given ``recipe=NAME`` (:func:`stage_request`); exit 2 on a
+    bad command line or recipe, as ``dflash-lab``."""
+    try:
+        return run(stage_request(stage, argv))
+    except (ValueError, HydraException, OmegaConfBaseException) as err:
+        print(f"{STAGE_COMMANDS[stage]}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (``dflash-lab``); exit 2 on a bad command line or recipe."""
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -46,15 +46,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.vllm_server import VLLM_PYTHON, tiny_target, vllm_command, vllm_server
+from dflash_lab.serving.launch import launched_server
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # benchmarks.vllm_server (the server launcher)
-from benchmarks.vllm_server import (  # noqa: E402
-    VLLM_PYTHON,
-    tiny_target,
-    vllm_command,
-    vllm_server,
-)
-from dflash_lab.serving.launch import launched_server  # noqa: E402
 
 OUT = ROOT / "outputs" / "check_serving"
 VENV_BIN = Path(sys.executable).parent
@@ -357,11 +352,10 @@ def print_server_eval(res: dict) -> None:
 
 def dflash2_pieces() -> dict:
     """Stage 7: vLLM's qwen3_dflash2 pieces on a DFlash 2 export of ours (see the script)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import vllm_dflash2_pieces as pieces
+    from scripts import vllm_dflash2_pieces as pieces
 
     case = pieces.prepare_case(OUT / "dflash2_pieces")
-    run([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_dflash2_pieces.py"), str(case)],
+    run([str(VLLM_PYTHON), "-m", "scripts.vllm_dflash2_pieces", str(case)],
         OUT / "logs" / "dflash2_pieces.log")
     return pieces.compare_case(case)
 

@@ -34,19 +34,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from dflash_lab.export import plan_export, serving_config  # noqa: E402
-from dflash_lab.export.checks import refusals  # noqa: E402
-from dflash_lab.export.engines import SGLANG_BACKENDS  # noqa: E402
-from dflash_lab.model.config import DrafterConfig  # noqa: E402
-from dflash_lab.paths import atomic_write_text  # noqa: E402
+from dflash_lab.export import plan_export, serving_config
+from dflash_lab.export.checks import refusals
+from dflash_lab.export.engines import SGLANG_BACKENDS
+from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
+from dflash_lab.model.config import DrafterConfig
+from dflash_lab.paths import atomic_write_text
 
+ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "export" / "golden" / "export_config"
 WORKER = ROOT / "scripts" / "sglang_config_worker.py"
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 OUT = ROOT / "outputs" / "check_sglang_config"
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = DEFAULT_RELEASE  # the release the exporter's rules emulate (Makefile pin)
 
 #: recipe -> (golden layout it exports, the SGLang class of its target). The classes are the
 #: published checkpoints' ``architectures[0]`` (tests/tiny_archs.py builds each); the built-in

@@ -1,6 +1,6 @@
 """Serve one exported drafter with vLLM on the exact prompts of a dflash-eval report, and compare.
 
-    .venv/bin/python scripts/serve_compare.py --target DIR --drafter EXPORT_DIR \
+    .venv/bin/python -m scripts.serve_compare --target DIR --drafter EXPORT_DIR \
         --report EVAL_DIR/report.json --out OUT_DIR
 
 Uses the same vLLM side (scripts/vllm_serving_check.py in .venv-vllm) and the same checks as
@@ -16,8 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_serving import ROOT, VARIANTS, VLLM_PYTHON, compare  # noqa: E402
+from scripts.check_serving import ROOT, VARIANTS, VLLM_PYTHON, compare
 
 
 def main() -> int:

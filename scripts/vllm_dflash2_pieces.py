@@ -22,7 +22,7 @@ runner (the only runner without Triton), so ``VllmConfig._is_dflash_candidate_dr
 to False while the config is built; the model class is then instantiated directly.
 
 Two sides, one file:
-- ``.venv-vllm/bin/python scripts/vllm_dflash2_pieces.py CASE_DIR`` (vLLM side; needs no
+- ``.venv-vllm/bin/python -m scripts.vllm_dflash2_pieces CASE_DIR`` (vLLM side; needs no
   dflash_lab's dependencies: of dflash_lab it imports only the standard-library
   ``dflash_lab/paths.py``) reads ``CASE_DIR/{export,target,inputs.safetensors}`` and writes
   ``CASE_DIR/vllm_pieces.safetensors`` + ``vllm_pieces.json``;
@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
-from dflash_lab.paths import atomic_path, atomic_write_text  # noqa: E402 (standard library only)
+from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
 
 NUM_REQUESTS = 2  #: requests in the conv rows (rows = NUM_REQUESTS * block_size)
 SHARED = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")  #: target's

@@ -14,10 +14,10 @@ line ("context k_norm fix applied in pid N") to the server log. Used by ``make c
 import os
 import runpy
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_serving_check import context_knorm_kernel_ok, fix_context_knorm  # noqa: E402
+# run as a file, so Python puts its folder (scripts/) first on the import path, in the spawned
+# engine core too
+from vllm_serving_check import context_knorm_kernel_ok, fix_context_knorm
 
 if not context_knorm_kernel_ok():
     fix_context_knorm()

@@ -3,7 +3,7 @@
 Usage (inside ``.venv-dflash``, built by ``make dflash-venv``; of dflash_lab it imports only the
 standard-library ``dflash_lab/paths.py``, for the write-then-rename)::
 
-    .venv-dflash/bin/python scripts/zlab_generate.py --target TARGET_DIR --prompts PROMPTS.json \
+    .venv-dflash/bin/python -m scripts.zlab_generate --target TARGET_DIR --prompts PROMPTS.json \
         --max-new-tokens N [--stop-token-ids ID ...] [--block-size B] --out OUT.json DRAFTER ...
 
 TARGET_DIR: a Hugging Face causal LM directory (the tests use the built-in tiny target).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,8 +31,7 @@ from dflash.benchmark import stop_token_ids
 from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
-from dflash_lab.paths import atomic_write_text  # noqa: E402 (standard library only)
+from dflash_lab.paths import atomic_write_text  # standard library only
 
 zlab._cuda_time = time.perf_counter  # the released loop synchronises CUDA for its timings
 torch.set_num_threads(1)  # tiny models: threads only contend (CI boxes are small)

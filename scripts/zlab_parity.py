@@ -3,7 +3,7 @@
 Usage (inside ``.venv-dflash``, built by ``make dflash-venv``; of dflash_lab it imports only the
 standard-library ``dflash_lab/paths.py``, for the write-then-rename)::
 
-    .venv-dflash/bin/python scripts/zlab_parity.py DIR [DIR ...]
+    .venv-dflash/bin/python -m scripts.zlab_parity DIR [DIR ...]
 
 DIR holds ``config.json`` + ``model.safetensors`` (a serving directory written by
 ``DrafterConfig.to_dict()`` and the drafter's ``state_dict()``) and ``inputs.safetensors``:
@@ -21,7 +21,6 @@ id; z-lab's top-k is unsorted).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -36,8 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
-from dflash_lab.paths import atomic_path  # noqa: E402 (standard library only)
+from dflash_lab.paths import atomic_path  # standard library only
 
 
 class StandInTarget(nn.Module):

@@ -129,8 +129,21 @@ def _export(args: argparse.Namespace, opts: dict[str, Any], argv: list[str]) -> 
     return EXIT_OK
 
 
+def recipe_stage_only(argv: list[str]) -> bool:
+    """``recipe=NAME`` without SOURCE and OUT_DIR (or --inspect): the recipe's export stage,
+    from its run root's train folder to its export folder (docs/pipeline.md). With paths,
+    ``recipe=`` only supplies the recipe's export section."""
+    positional = [a for a in argv if not a.startswith("-") and "=" not in a]
+    return (any(a.startswith("recipe=") for a in argv) and not positional
+            and not any(a.startswith("--inspect") for a in argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if recipe_stage_only(argv):  # dflash-export recipe=NAME [root=DIR] [--KEY ...]
+        from dflash_lab.pipeline import stage_main
+
+        return stage_main("export", argv)
     parser = build_parser()
     # recipe=NAME, as dflash-train and the other commands spell it, is --recipe NAME
     args = parser.parse_args([t for a in argv for t in (

@@ -361,11 +361,11 @@ def zlab_runs(tiny_target, tiny_target_dir, trained, prompts, tmp_path_factory):
     dirs = {name: _write_zlab_dir(d, root / name) for name, d in drafters.items()}
     (root / "prompts.json").write_text(json.dumps(prompts))
     proc = subprocess.run(
-        [str(ZLAB_PYTHON), str(REPO_ROOT / "scripts" / "zlab_generate.py"),
+        [str(ZLAB_PYTHON), "-m", "scripts.zlab_generate",
          "--target", str(tiny_target_dir), "--prompts", str(root / "prompts.json"),
          "--max-new-tokens", str(ZLAB_BUDGET), "--out", str(root / "zlab.json"),
          *(str(d) for d in dirs.values())],
-        capture_output=True, text=True, timeout=600, check=False)
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     theirs = json.loads((root / "zlab.json").read_text())
     stops = tuple(target_stop_ids(tiny_target))

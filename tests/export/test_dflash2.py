@@ -5,7 +5,6 @@ golden config.json, and vLLM's own qwen3_dflash2 pieces on our export."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -373,11 +372,9 @@ def test_dir_written_by_zlab_code_imports_and_reexports_losslessly(tmp_path):
 
 # ---------------------------------------------------------------------------- vLLM's own code
 def _pieces_module():
-    spec = importlib.util.spec_from_file_location("vllm_dflash2_pieces",
-                                                  REPO_ROOT / "scripts" / "vllm_dflash2_pieces.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts import vllm_dflash2_pieces
+
+    return vllm_dflash2_pieces
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (make vllm-venv)")
@@ -386,8 +383,8 @@ def test_vllm_qwen3_dflash2_pieces_match_ours(tmp_path):
     and selector lattice give our numbers (float32)."""
     pieces = _pieces_module()
     case = pieces.prepare_case(tmp_path / "case")
-    done = subprocess.run([str(VLLM_PYTHON), str(REPO_ROOT / "scripts" / "vllm_dflash2_pieces.py"),
-                           str(case)], capture_output=True, text=True, timeout=500)
+    done = subprocess.run([str(VLLM_PYTHON), "-m", "scripts.vllm_dflash2_pieces", str(case)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     result = pieces.compare_case(case)
     assert result["passed"], result

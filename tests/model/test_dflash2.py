@@ -333,8 +333,8 @@ def zlab_runs(tmp_path_factory):
         pytest.skip("needs .venv-dflash (make dflash-venv): z-lab's released dflash 0.1.0")
     root = tmp_path_factory.mktemp("zlab")
     ours = {name: _write_case(root / name, *case) for name, case in ZLAB_CASES.items()}
-    proc = subprocess.run([str(ZLAB_PYTHON), str(REPO_ROOT / "scripts" / "zlab_parity.py"),
-                           *(str(root / n) for n in ZLAB_CASES)],
+    proc = subprocess.run([str(ZLAB_PYTHON), "-m", "scripts.zlab_parity",
+                           *(str(root / n) for n in ZLAB_CASES)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {n: (ours[n], load_file(str(root / n / "zlab_outputs.safetensors")))

@@ -8,17 +8,12 @@ check when ``.venv-sglang`` exists (``make sglang-venv``).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 
 import pytest
 
 from dflash_lab.paths import REPO_ROOT
-
-SCRIPT = REPO_ROOT / "scripts" / "check_sglang_config.py"
-_spec = importlib.util.spec_from_file_location("check_sglang_config", SCRIPT)
-csc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(csc)
+from scripts import check_sglang_config as csc
 
 ACCEPTS = dict.fromkeys(("any", "fa3", "fa4", "triton", "flashinfer", "trtllm_mha"), [])
 REFUSES = {b: [f"refused for {b}"] for b in ACCEPTS}

@@ -5,6 +5,7 @@ puts no folder on sys.path (a module importable only from the repository root wo
 serving environment)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,21 @@ def test_exporter_imports_no_lightning_or_hydra(tmp_path):
     assert result.stdout.strip() == "[]", (
         f"importing the exporter pulls in {result.stdout.strip()}: it must stay importable "
         "without Lightning or Hydra (docs/export.md)")
+
+
+#: an edit of the import path in code (prose that names ``sys.path`` is fine)
+_PATH_EDIT = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend)\b|(\[[^\]]*\])?\s*[+]?=)")
+
+
+def test_no_code_edits_the_import_path():
+    """Drivers that import the repository's own folders run as modules from its root
+    (``python -m scripts.NAME``; scripts/__init__.py), the package imports as installed: no file
+    edits sys.path (issue 28)."""
+    offenders = [f"{path.relative_to(REPO)}:{n}"
+                 for folder in ("dflash_lab", "scripts", "benchmarks", "tests", "experiments")
+                 for path in sorted((REPO / folder).rglob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if _PATH_EDIT.search(line)]
+    assert not offenders, (
+        f"import-path edits at {offenders}: run the file as a module from the repository root "
+        "(`python -m scripts.NAME`, cwd=REPO_ROOT for a subprocess) instead")

@@ -477,8 +477,7 @@ _REAL_LOGITS_CHECK = r"""
 import contextlib, io, json, sys
 from pathlib import Path
 import torch
-sys.path.insert(0, sys.argv[6])
-import speculators_train as st
+from benchmarks import speculators_train as st  # run with the repository root as cwd
 from speculators.losses import resolve_loss_config
 from speculators.models.dflash.metrics import compute_metrics
 from transformers import AutoModelForCausalLM
@@ -560,9 +559,8 @@ def real_logits_run(tiny_target, tiny_target_dir, dist_capture, tiny_capture,
     (tmp / "plan.json").write_text(json.dumps(build_plan(args)))
     done = subprocess.run(
         [str(SPEC_PYTHON), "-c", _REAL_LOGITS_CHECK, str(tiny_target_dir), str(dist_capture),
-         str(tmp / "plan.json"), str(tiny_capture), str(tmp / "theirs"),
-         str(REPO_ROOT / "benchmarks")],
-        capture_output=True, text=True, timeout=600,
+         str(tmp / "plan.json"), str(tiny_capture), str(tmp / "theirs")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))

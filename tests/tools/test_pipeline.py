@@ -208,3 +208,68 @@ def test_stage_prefixes_route_overrides(tmp_path, monkeypatch):
     assert req.root == Path("R") and req.stages is None
     assert req.stage_args == {"train": ["module.gamma=5"], "capture": ["capture.max_length=8"],
                               "export": ["--dtype=bfloat16"], "eval": ["num_prompts=4"]}
+
+
+def test_a_stage_command_given_a_recipe_is_that_pipeline_stage():
+    """dflash-capture / -regenerate / -export / -eval recipe=X: `dflash-lab run recipe=X
+    stages=[S]` with the other arguments as S's overrides (train: ones passed through)."""
+    from dflash_lab.pipeline import stage_request
+
+    req = stage_request("eval", ["recipe=tiny_cpu", "num_prompts=4", "root=R",
+                                 "train:module.gamma=5"])
+    assert (req.recipe, req.root, req.stages) == ("tiny_cpu", Path("R"), ["eval"])
+    assert req.stage_args == {"eval": ["num_prompts=4"], "train": ["module.gamma=5"]}
+    req = stage_request("export", ["recipe=tiny_cpu", "--dtype=bfloat16"])
+    assert req.root == ROOT and req.stage_args == {"export": ["--dtype=bfloat16"]}
+    with pytest.raises(ValueError, match="runs the capture stage only"):
+        stage_request("capture", ["recipe=tiny_cpu", "stages=[train]"])
+
+
+@pytest.mark.parametrize("argv,stage_only", [
+    (["recipe=tiny_cpu"], True), (["recipe=tiny_cpu", "root=R", "--dtype=bfloat16"], True),
+    (["RUN", "OUT", "recipe=tiny_cpu"], False), (["--inspect", "DIR", "recipe=tiny_cpu"], False),
+    (["RUN", "OUT"], False)])
+def test_dflash_export_with_a_recipe_and_no_paths_is_the_export_stage(argv, stage_only):
+    from dflash_lab.export.cli import recipe_stage_only
+
+    assert recipe_stage_only(argv) is stage_only
+
+
+def test_dflash_capture_of_an_online_recipe_exits_2_naming_its_stages(tmp_path, monkeypatch,
+                                                                       capsys):
+    from dflash_lab import capture
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["dflash-capture", "recipe=tiny_cpu"])
+    with pytest.raises(SystemExit) as done:
+        capture.main()
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-capture: error:") and "['train', 'export', 'eval']" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_stage_commands_run_an_offline_recipe_stage_by_stage(tmp_path, monkeypatch, capsys,
+                                                            tiny_target_dir):
+    """dflash-capture recipe=X, then dflash-lab run: the capture is the pipeline's (same
+    folder, same record), so the pipeline skips it and trains on it."""
+    from dflash_lab import capture
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "tiny_offline.yaml").write_text(OFFLINE_RECIPE)
+    train = [f"train:hydra.searchpath=[file://{tmp_path / 'conf'}]",
+             f"train:target.path={tiny_target_dir}"]
+    monkeypatch.setattr("sys.argv", ["dflash-capture", "recipe=tiny_offline", *train])
+    with pytest.raises(SystemExit) as done:
+        capture.main()
+    out = capsys.readouterr().out
+    assert done.value.code == 0, out
+    assert progress(out) == {"capture": "done"}
+    root = Path("outputs/pipeline/tiny_offline")
+    assert (root / "capture" / "manifest.json").is_file() and record(root, "capture")
+    code = main(["run", "recipe=tiny_offline", *(a.removeprefix("train:") for a in train)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert progress(out) == {"capture": "skipped", "train": "done"}
