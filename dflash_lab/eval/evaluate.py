@@ -34,8 +34,8 @@ from dflash_lab.eval.records import ResponseRecord, context_buckets, record_from
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.sampling import check_sampling
 from dflash_lab.eval.suite import (
-    Item,
-    ask_every_turn,
+    Turn,
+    answer_every_prompt,
     budget,
     data_configs,
     dataset_name,
@@ -127,39 +127,32 @@ def _load_pair(cfg, packed: bool = False):
 
 
 @dataclass
-class _Collected:
-    """What a generate run gathers, response by response (every dataset, every turn)."""
+class LocalResponder:
+    """The local decoder as a :class:`~dflash_lab.eval.suite.Responder`: speculative decoding
+    (and the baseline) of each prompt; a later turn follows the speculative answer, decoded
+    without special tokens (as the reference)."""
 
-    records: list[ResponseRecord] = dc_field(default_factory=list)
+    decoder: Decoder
+    tokenizer: Any
+    settings: Callable[[int], DecodeSettings]  #: a prompt's budget -> its decode settings
+    greedy: bool
+    on_prompt: Callable[[int, Generation], None] | None = None
     spec: list[Generation] = dc_field(default_factory=list)
     base: list[Generation] = dc_field(default_factory=list)
-    ids: list[list[int]] = dc_field(default_factory=list)
-    warm: bool = False  #: the untimed warm-up is still to do
 
+    def warm(self, ids: list[int], max_new: int) -> None:
+        self.decoder.warm(ids, self.settings(max_new))
 
-def _run_dataset(decoder: Decoder, tokenizer, d, items: list[Item], settings: DecodeSettings,
-                 cfg, got: _Collected, on_prompt) -> None:
-    """Every turn of one dataset through the local decoder (:func:`ask_every_turn`); a later
-    turn follows the speculative answer, decoded without special tokens (as the reference)."""
-    name, greedy = dataset_name(d), settings.temperature == 0
-
-    def respond(item: Item, turn: int, ids: list[int]) -> str:
-        if got.warm:
-            decoder.warm(ids, settings)
-            got.warm = False
-        spec, base = decoder.respond(ids, settings, len(got.spec))
-        if on_prompt is not None:
-            on_prompt(len(got.spec), spec)
-        got.records.append(record_from_generation(name, item.index, turn, spec, base, greedy,
-                                                  prompt_tokens=len(ids)))
-        got.spec.append(spec)
-        got.ids.append(ids)
+    def respond(self, ids: list[int], max_new: int, where: Turn) -> tuple[ResponseRecord, str]:
+        spec, base = self.decoder.respond(ids, self.settings(max_new), len(self.spec))
+        if self.on_prompt is not None:
+            self.on_prompt(len(self.spec), spec)
+        self.spec.append(spec)
         if base is not None:
-            got.base.append(base)
-        return tokenizer.decode(spec.output_ids, skip_special_tokens=True)
-
-    ask_every_turn(items, tokenizer, d, respond, desc=f"dflash-eval {name}",
-                   progress=cfg.progress)
+            self.base.append(base)
+        record = record_from_generation(where.dataset, where.index, where.turn, spec, base,
+                                        self.greedy, prompt_tokens=len(ids))
+        return record, self.tokenizer.decode(spec.output_ids, skip_special_tokens=True)
 
 
 def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None,
@@ -175,17 +168,20 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     decoder = Decoder(target.model, proposer, loaded.drafter.config.target_layer_ids,
                       baseline=cfg.baseline, seed=cfg.seed)
-    got = _Collected(warm=bool(cfg.warmup))
-    for d, its, max_new in zip(configs, items, budgets):
-        settings = DecodeSettings(max_new, float(cfg.temperature), cfg.sampling, stops)
-        _run_dataset(decoder, target.tokenizer, d, its, settings, cfg, got, on_prompt)
+    responder = LocalResponder(
+        decoder, target.tokenizer,
+        lambda max_new: DecodeSettings(max_new, float(cfg.temperature), cfg.sampling, stops),
+        greedy=cfg.temperature == 0, on_prompt=on_prompt)
+    records, asked = answer_every_prompt(responder, target.tokenizer, configs, items, budgets,
+                                         warm=bool(cfg.warmup), progress=cfg.progress,
+                                         label="dflash-eval")
     record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
                               loaded.description, loaded.notes, stops, backend,
                               loaded.drafter.config.variant)
     record.update(_data_record(cfg, configs, budgets))
     # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
-    return generation_report(got.spec, got.base if cfg.baseline else None, got.ids,
-                             max_drafts(proposer) + 1, record, records=got.records)
+    return generation_report(responder.spec, responder.base if cfg.baseline else None, asked,
+                             max_drafts(proposer) + 1, record, records=records)
 
 
 def _data_record(cfg, configs, budgets) -> dict[str, Any]:

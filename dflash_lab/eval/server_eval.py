@@ -51,7 +51,6 @@ class _Served:
     responses: list[ServerResponse] = field(default_factory=list)
     records: list[ResponseRecord] = field(default_factory=list)
     ids: list[list[int]] = field(default_factory=list)
-    warm: bool = False  #: the untimed warm-up is still to do
 
 
 def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> dict[str, Any]:
@@ -77,29 +76,32 @@ def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> di
     return report
 
 
-def _serve_dataset(client: EngineClient, tokenizer, d, items, max_new: int,
-                   stops: tuple[int, ...], cfg, got: _Served, on_prompt) -> None:
-    """Every turn of one data config through the engine, the local loop's turns
-    (:func:`~dflash_lab.eval.suite.ask_every_turn`): a later turn follows the engine's answer."""
-    from dflash_lab.eval.suite import ask_every_turn, dataset_name
+@dataclass
+class EngineResponder:
+    """A serving engine's client as a :class:`~dflash_lab.eval.suite.Responder`: each prompt
+    is one request with the local eval's settings; a later turn follows the engine's answer."""
 
-    name = dataset_name(d)
+    client: EngineClient
+    tokenizer: Any
+    cfg: Any
+    stops: tuple[int, ...]
+    on_prompt: Any = None
+    responses: list[ServerResponse] = field(default_factory=list)
 
-    def respond(item, turn: int, ids: list[int]) -> str:
-        if got.warm:  # untimed; its rounds fall outside every measured counter delta
-            client.generate(ids, _sampling(cfg, stops, 0, 8))
-            got.warm = False
-        resp = client.generate(ids, _sampling(cfg, stops, len(got.responses), max_new))
-        if on_prompt is not None:
-            on_prompt(len(got.responses), resp)
-        got.responses.append(resp)
-        got.records.append(resp.to_record(name, item.index, turn, prompt_tokens=len(ids)))
-        got.ids.append(ids)
-        return (tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+    def warm(self, ids: list[int], max_new: int) -> None:
+        # untimed; its rounds fall outside every measured counter delta
+        self.client.generate(ids, _sampling(self.cfg, self.stops, 0, 8))
+
+    def respond(self, ids: list[int], max_new: int, where) -> tuple[ResponseRecord, str]:
+        resp = self.client.generate(ids, _sampling(self.cfg, self.stops, len(self.responses),
+                                                   max_new))
+        if self.on_prompt is not None:
+            self.on_prompt(len(self.responses), resp)
+        self.responses.append(resp)
+        text = (self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
                 if resp.output_ids is not None else resp.text or "")
-
-    ask_every_turn(items, tokenizer, d, respond, desc=f"dflash-eval server {name}",
-                   progress=cfg.progress)
+        return resp.to_record(where.dataset, where.index, where.turn,
+                              prompt_tokens=len(ids)), text
 
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:
@@ -110,7 +112,13 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from dflash_lab.eval.records import context_buckets
-    from dflash_lab.eval.suite import budget, data_configs, dataset_name, load_items
+    from dflash_lab.eval.suite import (
+        answer_every_prompt,
+        budget,
+        data_configs,
+        dataset_name,
+        load_items,
+    )
     from dflash_lab.target.chat import target_stop_ids
 
     settings = server_settings(cfg.get("server"))
@@ -119,12 +127,13 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     items = [load_items(d, cfg.num_prompts) for d in configs]  # a bad file: before the engine
     target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
-    got = _Served(warm=bool(cfg.warmup))
     with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
         info = client.connect()
-        for d, its, max_new in zip(configs, items, budgets):
-            _serve_dataset(client, target.tokenizer, d, its, max_new, stops, cfg, got,
-                           on_prompt)
+        responder = EngineResponder(client, target.tokenizer, cfg, stops, on_prompt)
+        records, asked = answer_every_prompt(responder, target.tokenizer, configs, items,
+                                             budgets, warm=bool(cfg.warmup),
+                                             progress=cfg.progress, label="dflash-eval server")
+    got = _Served(responder.responses, records, asked)
     names = [dataset_name(d) for d in configs]
     record = {"backend": "server", "engine": settings.engine, "url": settings.url,
               "served_model": info["model"], "served_root": info["root"],

@@ -23,13 +23,16 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omegaconf import OmegaConf
 
 from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_file, row_place
 from dflash_lab.eval.prompts import encode_prompt, load_rows, row_messages, row_where, set_fields
 from dflash_lab.paths import CONF_DIR
+
+if TYPE_CHECKING:
+    from dflash_lab.eval.records import ResponseRecord
 
 log = logging.getLogger("dflash_lab.eval")
 DATA_GROUP = "eval_data"  #: conf/eval_data/: the options of ``data=`` (placed at ``data``)
@@ -234,3 +237,48 @@ def ask_every_turn(items: list[Item], tokenizer, d, respond: Respond, *, desc: s
                 messages.append({"role": "user", "content": followup})
             answer = respond(item, turn, prompt_ids(tokenizer, messages, d, kwargs))
             messages.append({"role": "assistant", "content": answer})
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Where a prompt sits: its dataset, the item's index in it, the turn (0 = first)."""
+
+    dataset: str
+    index: int
+    turn: int
+
+
+class Responder(Protocol):
+    """What answers the prompts of a run: the local decoder (eval/evaluate.py) or a serving
+    engine's client (eval/server_eval.py). It keeps what it gathers for its own report."""
+
+    def warm(self, ids: list[int], max_new: int) -> None:
+        """An untimed answer before the first measured one (kernels, caches)."""
+
+    def respond(self, ids: list[int], max_new: int, where: Turn) -> tuple[ResponseRecord, str]:
+        """Answer one prompt (``ids``, at most ``max_new`` new tokens): its record and the
+        answer text a later turn follows."""
+
+
+def answer_every_prompt(responder: Responder, tokenizer, configs: list, items: list[list[Item]],
+                        budgets: list[int], *, warm: bool, progress: bool, label: str,
+                        ) -> tuple[list[ResponseRecord], list[list[int]]]:
+    """Every turn of every dataset through ``responder`` (:func:`ask_every_turn`), after one
+    untimed warm-up when ``warm``: the records and the prompt ids, in order."""
+    records: list[ResponseRecord] = []
+    asked: list[list[int]] = []
+    for d, its, max_new in zip(configs, items, budgets):
+        name = dataset_name(d)
+
+        def respond(item: Item, turn: int, ids: list[int], max_new=max_new, name=name) -> str:
+            nonlocal warm
+            if warm:
+                responder.warm(ids, max_new)
+                warm = False
+            record, text = responder.respond(ids, max_new, Turn(name, item.index, turn))
+            records.append(record)
+            asked.append(ids)
+            return text
+
+        ask_every_turn(its, tokenizer, d, respond, desc=f"{label} {name}", progress=progress)
+    return records, asked
