@@ -302,7 +302,7 @@ class Driver:
             return
         print(f"== {name}: {body.__name__} {' '.join(map(str, args))}".rstrip(), flush=True)
         t0 = time.monotonic()
-        with open(self.out / "logs" / f"{name}.log", "a") as self.log:
+        with open(self.out / "logs" / f"{name}.log", "ab") as self.log:
             try:
                 body(*args)
             finally:
@@ -320,18 +320,18 @@ class Driver:
     def say(self, text: str) -> None:
         print(text, flush=True)
         if self.log is not None:
-            self.log.write(text + "\n")
+            self.log.write(text.encode() + b"\n")
             self.log.flush()
 
     def sh(self, *argv) -> None:
-        """One command, its output on stdout and in the stage log; non-zero raises StageFailed."""
-        argv = [str(a) for a in argv]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            self.log.write(line)
+        """One command, its output (stdout and stderr, bytes as they come: progress bars stay
+        live) on stdout and in the stage log; non-zero raises StageFailed."""
+        proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        while chunk := proc.stdout.read1(1 << 16):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            self.log.write(chunk)
             self.log.flush()
         if (rc := proc.wait()) != 0:
             raise StageFailed(Path(self.log.name).stem, rc)
