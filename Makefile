@@ -80,11 +80,12 @@ e2e-smollm2: prepare-smollm2  # every stage of recipes/smollm2_sharegpt_cpu.yaml
 # Quality at equal budget (docs/results.md, "Side by side with speculators"): our trainer and
 # speculators 0.9.0's DFlash trainer on the same captured batches and optimizer steps, both
 # evaluated by dflash-eval; VARIANT=dflash2 compares the DFlash 2 drafters (ours against
-# speculators' dflash2). Knobs: scripts/compare_speculators.sh's header (STEPS, EVAL_EVERY, ...).
+# speculators' dflash2). Knobs: scripts/compare_speculators.yaml, as overrides in ARGS, e.g.
+# make compare-speculators ARGS='steps=160 seeds=[0,1,2] stages=[plan,train_ours]'.
 .PHONY: compare-speculators
 
 compare-speculators: prepare-smollm2 speculators-venv
-	scripts/compare_speculators.sh
+	$(VPY) -m scripts.compare_speculators spec_py=$(SPEC_VENV)/bin/python $(ARGS)
 
 # Benchmarks (docs/benchmarks.md): each prints ratios measured side by side in one run. The peer
 # comparison needs speculators 0.9.0 in its own venv (it pins its own transformers); the

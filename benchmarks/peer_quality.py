@@ -1,6 +1,6 @@
-"""Quality at equal budget (issues 20 and 27): our side of ``scripts/compare_speculators.sh``.
+"""Quality at equal budget (issues 20 and 27): our side of ``scripts/compare_speculators.py``.
 
-Four subcommands, each a stage of the script:
+Four subcommands, each a stage of the driver:
 
 - ``plan``: compose the training config exactly as ``dflash-train`` does (same overrides), build
   its data module and write ``plan.json``: for every optimizer step the samples our trainer's
@@ -403,7 +403,7 @@ def t1_reason(variant: str, heldout_holds: bool) -> str:
                 "DFlash 1 only; see decoding T=1)")
     if not heldout_holds:
         return ("n/a (needs a held-out capture with capture.distribution=[last_hidden]: "
-                "DISTRIBUTION=last_hidden)")
+                "distribution=last_hidden)")
     return "n/a (needs features-mode tau_T1 in the curves: rerun the curves stage)"
 
 

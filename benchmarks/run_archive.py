@@ -1,7 +1,7 @@
 """Keep a comparison's per-seed results past the machine that made them (issue 27).
 
 ``outputs/`` is not kept between sessions, while a three-seed comparison takes longer than one:
-the ``archive`` stage of ``scripts/compare_speculators.sh`` copies the small files its ``table``
+the ``archive`` stage of ``scripts/compare_speculators.py`` copies the small files its ``table``
 stage reads (each seed's learning-curve TSV and every arm's ``dflash-eval`` report.json at T = 0
 and T = 1, the plan, the held-out capture's manifest) into a committed folder
 (``docs/runs/<OUT's name>/``, the same relative paths as under OUT), and ``table`` reads a file

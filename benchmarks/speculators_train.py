@@ -1,5 +1,5 @@
 """speculators' side of the quality comparison (issues 20 and 27,
-``scripts/compare_speculators.sh``), run with the speculators venv's interpreter
+``python -m scripts.compare_speculators``), run with the speculators venv's interpreter
 (``.venv-speculators``): it must not import dflash_lab.
 
 Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default) or DFlash 2
@@ -161,7 +161,7 @@ def dflash2_fields(plan: dict) -> dict[str, int]:
     if variant != "dflash2":
         raise ValueError(f"--variant dflash2 but the plan's drafter is {variant!r}: write the "
                          "plan with our DFlash 2 overrides "
-                         "(VARIANT=dflash2 scripts/compare_speculators.sh plan)")
+                         "(python -m scripts.compare_speculators stages=[plan] variant=dflash2)")
     return {k: int(d[k]) for k in DFLASH2_FIELDS}
 
 
@@ -173,7 +173,8 @@ def capture_distribution(capture: str | Path) -> dict:
     path = Path(capture) / "manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: the plan's capture directory must hold a "
-                                "finished dflash-capture (scripts/compare_speculators.sh capture)")
+                                "finished dflash-capture "
+                                "(python -m scripts.compare_speculators stages=[capture])")
     found = json.loads(path.read_text()).get("distribution") or {}
     return {"last_hidden": bool(found.get("last_hidden", False)),
             "topk": int(found.get("topk", 0))}
@@ -189,7 +190,8 @@ def verifier_mode(capture: str | Path, requested: str = "auto") -> str:
     if requested == "real" and not held:
         raise ValueError(f"--verifier-logits real: the capture {capture} holds no "
                          "target_last_hidden; recapture with capture.distribution=[last_hidden] "
-                         "(DISTRIBUTION=last_hidden scripts/compare_speculators.sh capture)")
+                         "(python -m scripts.compare_speculators stages=[capture] "
+                         "distribution=last_hidden)")
     mode = requested if requested != "auto" else ("real" if held else "point-mass")
     if mode == "real":
         print(f"verifier logits: real, their verifier_lm_head (the target's own head) on the "

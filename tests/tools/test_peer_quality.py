@@ -1,8 +1,8 @@
 """Issue 20's and 27's side-by-side machinery (benchmarks/peer_quality.py,
-benchmarks/speculators_train.py, scripts/compare_speculators.sh): the plan holds exactly the
+benchmarks/speculators_train.py, scripts/compare_speculators.py): the plan holds exactly the
 batches a real Lightning loop serves our module, step by step across epochs; the packed batches
 are speculators' collator layout; the curve table pairs the sides by step; the one-hot verifier
-head makes speculators' CE label the stored argmax. DFlash 2 (``VARIANT=dflash2``): the script's
+head makes speculators' CE label the stored argmax. DFlash 2 (``variant=dflash2``): the driver's
 overrides compose our DFlash 2 drafter and plan the same batches; speculators' dflash2 trainer
 (its own venv) trains a tiny plan, and our importer reads its saves into DFlash 2 drafters whose
 held-out curve rows are computed beside ours. Issue 27: on a capture with
@@ -31,9 +31,9 @@ from benchmarks.peer_quality import (
 )
 from dflash_lab.data.module import BlockDataModule
 from dflash_lab.paths import REPO_ROOT
+from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
 
 SPEC_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
-SCRIPT = REPO_ROOT / "scripts" / "compare_speculators.sh"
 
 
 class _Numbers(BlockDataModule):
@@ -123,7 +123,7 @@ def test_their_loss_is_their_configs_default_per_variant():
     assert speculators_train.their_loss("dflash1", "fixed-exp-decay") == ("ce", "fixed-exp-decay")
     assert speculators_train.their_loss("dflash2", None) == ("kl_div", "fixed-exp-decay")
     assert speculators_train.their_loss("dflash2", "dpace") == ("ce", "dpace")  # dpace needs ce
-    with pytest.raises(ValueError, match="VARIANT=dflash2"):
+    with pytest.raises(ValueError, match="variant=dflash2"):
         speculators_train.dflash2_fields({"drafter": {"variant": "dflash1"}})
 
 
@@ -142,13 +142,10 @@ def test_curve_table_pairs_sides_by_step_and_checkpoints_sort(tmp_path):
 
 
 # ------------------------------------------------------------------------------ DFlash 2
-def script_overrides(variant: str, tmp_path, stage: str = "args", **env) -> list[str]:
-    """Our side's dflash-train overrides as scripts/compare_speculators.sh composes them
+def script_overrides(variant: str, tmp_path, stage: str = "args", **knobs) -> list[str]:
+    """Our side's dflash-train overrides as scripts/compare_speculators.py composes them
     (``stage`` args: the CE arm; args_loss: the distribution-loss arm), one per line."""
-    done = subprocess.run([str(SCRIPT), stage], capture_output=True, text=True, check=True,
-                          env={**os.environ, "VARIANT": variant, "OUT": str(tmp_path / "cmp"),
-                               **env})
-    return done.stdout.splitlines()
+    return driver_lines(tmp_path / "cmp", stage, variant=variant, **knobs)
 
 
 def on_tiny(overrides: list[str], target_dir, capture, mask_id: int, steps: int) -> list[str]:
@@ -249,38 +246,32 @@ def test_their_dflash2_trains_the_plan_and_both_sides_curves_score_dflash2(
 
 
 # ------------------------------------------------- issue 27: real logits, seeds, the summary
-def run_script(tmp_path, *stages, **env):
-    """scripts/compare_speculators.sh STAGES with ``env`` over ours (OUT in tmp_path)."""
-    return subprocess.run([str(SCRIPT), *stages], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OUT": str(tmp_path / "cmp"), **env})
-
-
-def script_paths(tmp_path, **env) -> dict[str, str]:
-    done = run_script(tmp_path, "paths", **env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return dict(line.split("=", 1) for line in done.stdout.splitlines())
+def script_paths(tmp_path, **knobs) -> dict[str, str]:
+    """The driver's ``paths`` with OUT in tmp_path (``out=None``: OUT's default)."""
+    out = knobs.pop("out", tmp_path / "cmp")
+    return driver_paths(out, **knobs)
 
 
 def test_muon_by_default_names_its_runs_and_adamw_keeps_the_earlier_names(tmp_path):
     out = str(tmp_path / "cmp")
-    muon = script_paths(tmp_path, DISTRIBUTION="last_hidden", STEPS="160")
+    muon = script_paths(tmp_path, distribution="last_hidden", steps="160")
     assert muon["run.0"] == "outputs/runs/compare_speculators_dist_muon_ours_s160"
     assert muon["theirs.0"] == f"{out}/theirs_dpace"  # OUT itself is named _muon by default
-    assert script_paths(tmp_path, OUT="")["out"] == "outputs/compare_speculators_muon_s200"
-    adamw = script_paths(tmp_path, DISTRIBUTION="last_hidden", STEPS="160", OPTIMIZER="adamw")
+    assert script_paths(tmp_path, out=None)["out"] == "outputs/compare_speculators_muon_s200"
+    adamw = script_paths(tmp_path, distribution="last_hidden", steps="160", optimizer="adamw")
     assert adamw["run.0"] == "outputs/runs/compare_speculators_dist_ours_s160"
 
 
 def test_seed_0_keeps_todays_names_and_every_seed_gets_its_own(tmp_path):
     out = str(tmp_path / "cmp")
-    one = script_paths(tmp_path, OPTIMIZER="adamw")  # issue 20's single-seed names
+    one = script_paths(tmp_path, optimizer="adamw")  # issue 20's single-seed names
     assert one["capture"] == "outputs/capture/smollm2_sharegpt_n320"
     assert one["run.0"] == "outputs/runs/compare_speculators_ours_s200"
     assert (one["theirs.0"], one["curves.0"]) == (f"{out}/theirs_dpace", f"{out}/curves_dpace.tsv")
     assert (one["eval_ours.0"], one["eval_theirs.0"]) == (f"{out}/eval_ours",
                                                           f"{out}/eval_theirs_dpace")
     assert one["stage_train_ours.0"] == "train_ours" and "run_loss.0" not in one
-    got = script_paths(tmp_path, SEEDS="0 1 2", DISTRIBUTION="last_hidden", OPTIMIZER="adamw")
+    got = script_paths(tmp_path, seeds="[0,1,2]", distribution="last_hidden", optimizer="adamw")
     assert got["capture"] == "outputs/capture/smollm2_sharegpt_n320_dist"  # never mixed
     assert got["heldout"] == "outputs/capture/smollm2_sharegpt_heldout_n32_dist"
     assert got["run_loss.0"] == "outputs/runs/compare_speculators_dist_ours_loss-kl1.0_s200"
@@ -294,26 +285,62 @@ def test_seed_0_keeps_todays_names_and_every_seed_gets_its_own(tmp_path):
     assert got["run.2"] == "outputs/runs/compare_speculators_dist_ours_s200_seed2"
     assert got["stage_train_theirs.1"] == "train_theirs_dpace_seed1"
     assert got["eval_theirs_T1.1"] == f"{out}/eval_theirs_dpace_seed1_T1"
-    two = script_paths(tmp_path, SEEDS="3", VARIANT="dflash2", DISTRIBUTION="last_hidden",
-                       OUR_LOSS="{ce: 0.1, tv: 0.9}", OPTIMIZER="adamw")
+    two = script_paths(tmp_path, seeds="[3]", variant="dflash2", distribution="last_hidden",
+                       our_loss="{ce: 0.1, tv: 0.9}", optimizer="adamw")
     assert two["run_loss.3"] == (
         "outputs/runs/compare_speculators_dist_ours_loss-ce0.1_tv0.9_dflash2_s200_seed3")
 
 
-@pytest.mark.parametrize("env,named", [
-    ({"SEEDS": "0 one"}, "SEEDS=0 one"), ({"SEEDS": "1 1"}, "SEEDS=1 1"),
-    ({"OPTIMIZER": "sgd"}, "OPTIMIZER=sgd"),
-    ({"SEEDS": " "}, "SEEDS="),
-    ({"DISTRIBUTION": "topk"}, "DISTRIBUTION=topk"),
-    ({"OUR_LOSS": "{kl: 1.0}"}, "OUR_LOSS={kl: 1.0}"),  # an argmax-only capture cannot
-    ({"DISTRIBUTION": "last_hidden", "OUR_LOSS": "{kl_div: 1.0}"}, "OUR_LOSS={kl_div: 1.0}"),
-    ({"DISTRIBUTION": "last_hidden", "OUR_LOSS": "kl=1"}, "OUR_LOSS=kl=1"),
-    ({"DISTRIBUTION": "last_hidden", "OUR_LOSS": "ce"}, "OUR_LOSS=ce")])
-def test_a_bad_knob_exits_2_naming_it_before_any_work(tmp_path, env, named):
-    done = run_script(tmp_path, "capture", **env)
+@pytest.mark.parametrize("knobs,named", [
+    ({"seeds": "[0,one]"}, "seeds=[0, 'one']"), ({"seeds": "[1,1]"}, "seeds=[1, 1]"),
+    ({"optimizer": "sgd"}, "optimizer=sgd"),
+    ({"seeds": "[]"}, "seeds=[]"),
+    ({"distribution": "topk"}, "distribution=topk"),
+    ({"our_loss": "{kl: 1.0}"}, "our_loss={kl: 1.0}"),  # an argmax-only capture cannot
+    ({"distribution": "last_hidden", "our_loss": "{kl_div: 1.0}"}, "our_loss={kl_div: 1.0}"),
+    ({"distribution": "last_hidden", "our_loss": "kl=1"}, "our_loss=kl=1"),
+    ({"distribution": "last_hidden", "our_loss": "ce"}, "our_loss=ce"),
+    ({"steps": "0"}, "steps=0"), ({"policy": "maybe"}, "policy=maybe"),
+    ({"variant": "dflash3"}, "variant=dflash3"), ({"arms": "[ours,mine]"}, "mine is not an arm"),
+    ({"stpes": "160"}, "stpes=160: not a knob")])
+def test_a_bad_knob_exits_2_naming_it_before_any_work(tmp_path, knobs, named):
+    done = run_driver(tmp_path / "cmp", "capture", **knobs)
     assert done.returncode == 2, done.stdout + done.stderr
     assert named in done.stdout
     assert not (tmp_path / "cmp").exists()
+
+
+def test_an_unknown_stage_is_refused_naming_it_and_the_stages(tmp_path):
+    done = run_driver(tmp_path / "cmp", "capture", "trian_ours")
+    assert done.returncode == 2
+    assert "unknown stage trian_ours" in done.stdout and "train_ours_loss" in done.stdout
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_failed_stage_is_not_marked_and_a_done_one_is_skipped(tmp_path):
+    """Resumability: a stage whose command fails leaves no done mark (a rerun redoes it) and
+    its log; a stage with a done mark is skipped, saying so."""
+    out = tmp_path / "cmp"
+    done = run_driver(out, "train_theirs", spec_py=str(tmp_path / "no_python"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "done already" not in done.stdout and "no_python missing" in done.stdout
+    assert not (out / "done" / "train_theirs_dpace").exists()
+    assert "no_python missing" in (out / "logs" / "train_theirs_dpace.log").read_text()
+    (out / "done").mkdir(exist_ok=True)
+    (out / "done" / "train_theirs_dpace").write_text("x\n")
+    (out / "done" / "plan").write_text("x\n")
+    again = run_driver(out, "plan", "train_theirs", spec_py=str(tmp_path / "no_python"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "== plan: done already" in again.stdout
+    assert "== train_theirs_dpace: done already" in again.stdout
+
+
+def test_loss_names_are_the_trainers(tmp_path):
+    """The driver's copy of the loss names (no torch import for a knob check) is the trainer's."""
+    from dflash_lab.train.distill import LOSS_NAMES
+    from scripts.compare_speculators import LOSS_NAMES as DRIVER_NAMES
+
+    assert tuple(DRIVER_NAMES) == tuple(LOSS_NAMES)
 
 
 def test_pack_gives_their_verifier_the_stored_last_hidden_state_in_real_mode(tmp_path):
@@ -456,8 +483,8 @@ def dist_capture(tiny_target, tmp_path_factory):
 def test_seeds_and_the_loss_arm_keep_the_plans_batches(tiny_target, tiny_target_dir,
                                                        dist_capture, tmp_path):
     mask = tiny_target.token_id("<|mask|>")
-    env = {"DISTRIBUTION": "last_hidden", "SEEDS": "2"}
-    base = build_plan(on_tiny(script_overrides("dflash1", tmp_path, DISTRIBUTION="last_hidden"),
+    env = {"distribution": "last_hidden", "seeds": "[2]"}
+    base = build_plan(on_tiny(script_overrides("dflash1", tmp_path, distribution="last_hidden"),
                               tiny_target_dir, dist_capture, mask, 3))
     ce2 = on_tiny(script_overrides("dflash1", tmp_path, **env), tiny_target_dir, dist_capture,
                   mask, 3)
@@ -554,7 +581,7 @@ def real_logits_run(tiny_target, tiny_target_dir, dist_capture, tiny_capture,
     if not SPEC_PYTHON.exists():
         pytest.skip("needs .venv-speculators (make speculators-venv): speculators 0.9.0")
     tmp = tmp_path_factory.mktemp("real_logits")
-    args = on_tiny(script_overrides("dflash1", tmp, DISTRIBUTION="last_hidden"), tiny_target_dir,
+    args = on_tiny(script_overrides("dflash1", tmp, distribution="last_hidden"), tiny_target_dir,
                    dist_capture, tiny_target.token_id("<|mask|>"), 2)
     (tmp / "plan.json").write_text(json.dumps(build_plan(args)))
     done = subprocess.run(

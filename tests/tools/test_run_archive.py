@@ -1,18 +1,15 @@
 """The comparison's archive (benchmarks/run_archive.py, the archive and table stages of
-scripts/compare_speculators.sh): seeds measured on a machine whose outputs/ is gone still reach
+scripts/compare_speculators.py): seeds measured on a machine whose outputs/ is gone still reach
 the table, only when they trained on the same batches, and a half archive is never written."""
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from benchmarks.run_archive import HELDOUT_DIR, PROVENANCE, check_plans, save
 from dflash_lab.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE
-from dflash_lab.paths import REPO_ROOT
-
-SCRIPT = REPO_ROOT / "scripts" / "compare_speculators.sh"
+from tests.tools.compare_driver import driver_paths, run_driver
 
 
 def _heldout(tmp_path):
@@ -67,20 +64,13 @@ def test_other_batches_never_combine(tmp_path):
     check_plans([tmp_path / "none.json", arch / "plan.json"])  # a fresh machine: no plan yet
 
 
-def _paths(env):
-    done = subprocess.run([str(SCRIPT), "paths"], capture_output=True, text=True, timeout=60,
-                          env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return dict(line.split("=", 1) for line in done.stdout.splitlines())
-
-
 def _archive_two_seeds(tmp_path):
     """Two seeds of ours and theirs archived from an OUT whose files are then deleted: the
-    script's env and the archive directory."""
+    driver's knobs (OUT included) and the archive directory."""
     out, arch = tmp_path / "cmp", tmp_path / "arch"
-    env = {**os.environ, "OUT": str(out), "ARCHIVE": str(arch), "PLOT_DIR": str(tmp_path),
-           "SEEDS": "0 1", "DISTRIBUTION": "last_hidden", "OUR_LOSS": "none", "STEPS": "4"}
-    got = _paths(env)
+    knobs = {"out": str(out), "archive": str(arch), "plot_dir": str(tmp_path), "seeds": "[0,1]",
+             "distribution": "last_hidden", "our_loss": "none", "steps": "4"}
+    got = driver_paths(None, **knobs)
     files = [_plan(out / "plan.json", [[0]])]
     for seed, (ours, theirs) in enumerate([(1.30, 1.20), (1.34, 1.22)]):
         curves = out / os.path.relpath(got[f"curves.{seed}"], out)
@@ -102,36 +92,35 @@ def _archive_two_seeds(tmp_path):
     save(out, arch, _heldout(tmp_path), files, {})
     for f in files:
         f.unlink()
-    return env, arch
+    return knobs, arch
 
 
-def _table(env):
-    return subprocess.run([str(SCRIPT), "table"], capture_output=True, text=True, timeout=120,
-                          env=env)
+def _table(knobs):
+    return run_driver(None, "table", timeout=120, **knobs)
 
 
 def test_table_reads_archived_seeds_when_outputs_are_gone(tmp_path):
     """Two seeds archived from an OUT that is then deleted: the table stage still gives both
-    seeds' numbers, read from ARCHIVE."""
-    env, _ = _archive_two_seeds(tmp_path)
-    done = _table(env)
+    seeds' numbers, read from the archive."""
+    knobs, _ = _archive_two_seeds(tmp_path)
+    done = _table(knobs)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1.320 ± 0.028 [1.300..1.340]" in done.stdout  # ours held out, both seeds
     assert "Missing inputs" not in done.stdout
 
 
 def test_arms_selects_what_table_reads(tmp_path):
-    """ARMS names the arms table (and archive) read: with our arm's reports gone, the default
-    table lists them as missing, ARMS=theirs reads none of them; an unknown arm exits 2."""
-    env, arch = _archive_two_seeds(tmp_path)
+    """arms names the arms table (and archive) read: with our arm's reports gone, the default
+    table lists them as missing, arms=[theirs] reads none of them; an unknown arm exits 2."""
+    knobs, arch = _archive_two_seeds(tmp_path)
     for d in arch.glob("eval_ours*"):
         for f in d.iterdir():
             f.unlink()
         d.rmdir()
-    assert "Missing inputs" in _table(env).stdout
-    done = _table({**env, "ARMS": "theirs"})
+    assert "Missing inputs" in _table(knobs).stdout
+    done = _table({**knobs, "arms": "[theirs]"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Missing inputs" not in done.stdout
     assert "speculators" in done.stdout and "ours ce" not in done.stdout
-    bad = _table({**env, "ARMS": "ours mine"})
+    bad = _table({**knobs, "arms": "[ours,mine]"})
     assert bad.returncode == 2 and "mine is not an arm" in bad.stdout

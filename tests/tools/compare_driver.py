@@ -1,0 +1,30 @@
+"""The comparison driver (scripts/compare_speculators.py) as a user runs it in the tests: a
+subprocess from the repository root, knobs as ``key=value`` overrides, OUT in a temp folder."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_lab.paths import REPO_ROOT
+
+
+def run_driver(out: Path | None, /, *stages: str, timeout: int = 60,
+               **knobs: str) -> subprocess.CompletedProcess:
+    """``python -m scripts.compare_speculators stages=[STAGES] out=OUT KEY=VALUE...``; ``out``
+    None leaves OUT at its default (the knobs' name)."""
+    argv = [sys.executable, "-m", "scripts.compare_speculators", f"stages=[{','.join(stages)}]"]
+    argv += [] if out is None else [f"out={out}"]
+    argv += [f"{k}={v}" for k, v in knobs.items()]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+def driver_lines(out: Path | None, stage: str, /, **knobs: str) -> list[str]:
+    """The stdout lines of a printing stage (args, args_loss, paths); it must succeed."""
+    done = run_driver(out, stage, **knobs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.splitlines()
+
+
+def driver_paths(out: Path | None, /, **knobs: str) -> dict[str, str]:
+    """The ``paths`` stage's KEY=VALUE lines as a dict."""
+    return dict(line.split("=", 1) for line in driver_lines(out, "paths", **knobs))
