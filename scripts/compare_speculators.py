@@ -430,7 +430,7 @@ class Driver:
             self.fail(f"serve {name} needs {report}: run the eval stage first")
         self.sh(self.tool("dflash-export"), drafter, f"{self.k.out}/export_{name}", "--dtype",
                 "float32", "--target", TARGET, "--force")
-        self.sh(sys.executable, "scripts/serve_compare.py", "--target", TARGET, "--drafter",
+        self.sh(sys.executable, "-m", "scripts.serve_compare", "--target", TARGET, "--drafter",
                 f"{self.k.out}/export_{name}", "--report", report, "--out",
                 f"{self.k.out}/vllm_{name}")
 
