@@ -109,18 +109,22 @@ def measure_point(size: str, length: int, layers: str, window: int, device: torc
             "peak_MiB": pk.mib, "step_s": sec, "loss": loss, "method": pk.method}
 
 
-def run_child(size: str, length: int, layers: str, args: argparse.Namespace) -> dict:
-    """One point in a fresh pinned process (its peak is not hidden by an earlier point's)."""
+def run_child(size: str, length: int, layers: str, args: argparse.Namespace,
+              keep_run_masks: bool = False) -> dict:
+    """One point in a fresh pinned process (its peak is not hidden by an earlier point's);
+    ``keep_run_masks`` rows are labelled ``LAYERS+kept``."""
     argv = [sys.executable, "-m", "benchmarks.long_rows", "--point", f"{length}:{layers}",
             "--size", size, "--window", str(args.window), "--device", args.device,
             "--allocator", "pinned"]
     argv += ["--dense"] if args.dense else []
     argv += ["--checkpointing"] if args.checkpointing else []
+    argv += ["--keep-run-masks"] if keep_run_masks else []
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=False)
+    label = layers + ("+kept" if keep_run_masks else "")
     if proc.returncode != 0:
-        return {"tokens": length, "layers": layers, "error": proc.stderr.strip()[-300:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"tokens": length, "layers": label, "error": proc.stderr.strip()[-300:]}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "layers": label}
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -144,6 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="longest row measured with full layers (quadratic)")
     p.add_argument("--dense", action="store_true",
                    help="never stream: the dense [Q, K] mask at every length")
+    p.add_argument("--keep-run-masks", action="store_true",
+                   help="streamed runs without their own checkpointing (sdpa STREAM_CHECKPOINT "
+                        "off: each run's mask, K/V gather and scores kept for backward)")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="every point twice, streamed runs checkpointed and kept (LAYERS+kept)")
     p.add_argument("--checkpointing", action="store_true",
                    help="recompute each draft layer in backward (module.activation_checkpointing)")
     p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # LENGTH:LAYERS child mode
@@ -154,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--size paper: this benchmark runs the cpu or toy shape")
     if args.dense:
         sdpa_module.STREAM_PAIRS = 1 << 62
+    if args.keep_run_masks:
+        sdpa_module.STREAM_CHECKPOINT = False
     if args.point:
         length, layers = args.point.split(":")
         print(json.dumps(measure_point(size, int(length), layers, args.window, device,
@@ -164,8 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
         for length in map(int, args.lengths.split(",")):
             if layers == "full" and length > args.full_max:
                 continue
-            rows.append(run_child(size, length, layers, args))
-            print(json.dumps(rows[-1]), flush=True)
+            for keep in ([False, True] if args.side_by_side else [args.keep_run_masks]):
+                rows.append(run_child(size, length, layers, args, keep))
+                print(json.dumps(rows[-1]), flush=True)
     rows = with_ratios(rows)
     print(f"\n{size} shape, W = {args.window}, one anchor per {ANCHOR_STRIDE} tokens, "
           f"{'dense masks' if args.dense else 'streamed mask tiles past STREAM_PAIRS'}"

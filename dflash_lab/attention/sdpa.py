@@ -18,11 +18,13 @@ big (Q = 16K queries x K = 48K keys is 768 MiB of booleans at a 32K-token row, a
 [Bt, H, Q, K] scores are 4 x H times that), so :meth:`SdpaBackend.prepare` never builds it:
 it cuts the blocks into runs of about :data:`STREAM_QUERIES` queries and builds, per run, only
 :func:`~dflash_lab.attention.mask.mask_tile` over the keys that run can see at all
-(:func:`~dflash_lab.attention.mask.visible_key_ranges`). Memory is then bounded by the tile:
-for sliding layers a tile is about STREAM_QUERIES x (W + the run's anchor span + its slots),
-so a step grows linearly in tokens; a full-attention tile spans the context before its last
-anchor, so full layers stay quadratic (the tiles' masks and each tile call's copy of its K/V,
-kept for backward), only without the dense mask. benchmarks/long_rows.py measures both.
+(:func:`~dflash_lab.attention.mask.visible_key_ranges`). A run's mask and its gathered K/V
+live only during its own call: each run is attended under activation checkpointing, so what
+backward keeps is the layer's q, k, v (linear in tokens) and each run rebuilds its mask and
+scores when its gradient is taken. For sliding layers a run is about STREAM_QUERIES x (W + the
+run's anchor span + its slots); a full-attention run spans the context before its last anchor,
+so full layers are still quadratic in work (every visible pair is scored, twice with the
+recompute) but no longer in memory. benchmarks/long_rows.py measures both.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from dflash_lab.attention.mask import (
     BlockLayout,
@@ -50,6 +53,9 @@ STREAM_PAIRS = 1 << 25
 #: its blocks' context (their anchors' span plus W - 1 for a window) and its slots, so shorter
 #: runs waste fewer masked-out pairs at the price of more SDPA calls.
 STREAM_QUERIES = 256
+#: Attend each streamed run under activation checkpointing (False: keep every run's mask, K/V
+#: gather and scores for backward, the former path; benchmarks/long_rows.py measures both).
+STREAM_CHECKPOINT = True
 
 
 @dataclass
@@ -70,6 +76,34 @@ class KeyTile:
             zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
             self._bias[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
         return self._bias[dtype]
+
+
+@dataclass
+class StreamTile:
+    """Queries [q0, q1) (blocks [n0, n1)) over the key ranges they can see; the mask is built
+    when the tile is attended, inside the checkpointed call (:func:`_attend_streamed`)."""
+
+    layout: BlockLayout
+    spec: LayerSpec
+    n0: int
+    n1: int
+
+    @property
+    def q0(self) -> int:
+        return self.n0 * self.layout.block_size
+
+    @property
+    def q1(self) -> int:
+        return self.n1 * self.layout.block_size
+
+    def keys_and_mask(self) -> tuple[Tensor, Tensor]:
+        """The visible key indices [K'] and the bool mask [Bt, 1, q1-q0, K'] over them."""
+        ranges = visible_key_ranges(self.layout, self.spec, self.n0, self.n1)
+        dev = self.layout.anchors_bn.device
+        key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
+        mask = torch.cat([mask_tile(self.layout, self.spec, self.q0, self.q1, k0, k1)
+                          for k0, k1 in ranges], dim=-1)
+        return key_idx, mask
 
 
 class SdpaBackend:
@@ -101,32 +135,44 @@ class SdpaBackend:
             out.append(KeyTile(n0 * b, n1 * b, key_idx, rows.index_select(-1, key_idx)))
         return out
 
-    def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[KeyTile]:
-        """Tiles of runs of ``stream_queries // B`` blocks, each mask built over only the keys
-        the run can see (context range + its own slots); the dense mask is never built."""
-        b = layout.block_size
-        per_run = max(1, self.stream_queries // b)
-        dev = layout.anchors_bn.device
-        out = []
-        for n0 in range(0, layout.num_blocks, per_run):
-            n1 = min(n0 + per_run, layout.num_blocks)
-            ranges = visible_key_ranges(layout, spec, n0, n1)
-            key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
-            mask = torch.cat([mask_tile(layout, spec, n0 * b, n1 * b, k0, k1)
-                              for k0, k1 in ranges], dim=-1)
-            out.append(KeyTile(n0 * b, n1 * b, key_idx, mask))
-        return out
+    def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[StreamTile]:
+        """Runs of ``stream_queries // B`` blocks, each attended over only the keys it can see
+        (context range + its own slots); neither the dense mask nor all runs' masks at once is
+        ever built."""
+        per_run = max(1, self.stream_queries // layout.block_size)
+        return [StreamTile(layout, spec, n0, min(n0 + per_run, layout.num_blocks))
+                for n0 in range(0, layout.num_blocks, per_run)]
 
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
-               prepared: Tensor | list[KeyTile], *, scale: float,
+               prepared: Tensor | list[KeyTile] | list[StreamTile], *, scale: float,
                sink_h: Tensor | None = None) -> Tensor:
         if isinstance(prepared, Tensor):
             return _dense_attend(q_bhqd, k_bhkd, v_bhkd, prepared, scale, sink_h)
+        if prepared and isinstance(prepared[0], StreamTile):
+            return torch.cat([_attend_streamed(t, q_bhqd, k_bhkd, v_bhkd, scale, sink_h)
+                              for t in prepared], dim=2)
         return torch.cat([
             _dense_attend(q_bhqd[:, :, t.q0:t.q1], k_bhkd.index_select(2, t.key_idx),
                           v_bhkd.index_select(2, t.key_idx), t.bias(q_bhqd.dtype), scale,
                           sink_h)
             for t in prepared], dim=2)
+
+
+def _attend_streamed(tile: StreamTile, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
+                     scale: float, sink_h: Tensor | None) -> Tensor:
+    """One streamed run [Bt, Hq, q1-q0, D]: under activation checkpointing when a gradient is
+    being recorded, so the run's mask, gathered K/V and scores are freed after its forward and
+    rebuilt for its backward (that is what keeps full layers linear in memory)."""
+    def run(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None) -> Tensor:
+        key_idx, mask = tile.keys_and_mask()
+        return _dense_attend(q[:, :, tile.q0:tile.q1], k.index_select(2, key_idx),
+                             v.index_select(2, key_idx), mask, scale, sink)
+
+    grads = STREAM_CHECKPOINT and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q_bhqd, k_bhkd, v_bhkd, sink_h))
+    if not grads:
+        return run(q_bhqd, k_bhkd, v_bhkd, sink_h)
+    return checkpoint(run, q_bhqd, k_bhkd, v_bhkd, sink_h, use_reentrant=False)
 
 
 def _dense_attend(q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor, mask: Tensor, scale: float,

@@ -108,6 +108,34 @@ def test_streamed_equals_dense_outputs_and_gradients(name, spec, use_sink, per_r
             torch.testing.assert_close(g, w)
 
 
+def _saved_bytes_of_streamed_call(monkeypatch, checkpointed: bool) -> tuple[int, int]:
+    """(bytes autograd keeps for backward of one streamed full-attention call, bytes of its
+    q, k, v): the saved tensors, counted by the saved-tensors hooks."""
+    monkeypatch.setattr(sdpa_module, "STREAM_CHECKPOINT", checkpointed)
+    layout, spec = LONG_LAYOUT, LayerSpec(None, False)
+    q, k, v, _ = _inputs(layout, hq=4, hkv=2)
+    stream = SdpaBackend(stream_pairs=0, stream_queries=layout.block_size)
+    tiles = stream.prepare(layout, spec)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stream.attend(q, k, v, tiles, scale=0.3)
+    return sum(seen.values()), sum(t.numel() * t.element_size() for t in (q, k, v))
+
+
+def test_streamed_runs_keep_only_q_k_v_for_backward(monkeypatch):
+    """Checkpointed runs: backward keeps the layer's q, k, v (linear in tokens), not each
+    run's mask, gathered K/V and scores (quadratic for full layers); without it, more."""
+    kept, qkv = _saved_bytes_of_streamed_call(monkeypatch, checkpointed=True)
+    assert kept <= qkv
+    former, _ = _saved_bytes_of_streamed_call(monkeypatch, checkpointed=False)
+    assert former > 2 * qkv
+
+
 def test_stream_threshold_picks_the_path():
     """Below stream_pairs the dense mask (one tensor) is returned; above it, tiles."""
     spec = LayerSpec(None, False)
