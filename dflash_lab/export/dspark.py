@@ -222,7 +222,8 @@ def config_of(d: dict[str, Any], source: str) -> DrafterConfig:
             **{k: getattr(config, k) for k in DSPARK_DEFAULTS}}
     wrong = {k: (view.get(k), v) for k, v in want.items() if view.get(k) != v}
     if wrong:
-        raise ValueError(f"{source}: vLLM's update_dspark reads {', '.join(f'{k}={a!r}' for k, (a, _) in wrong.items())} "
-                         f"but the recorded drafter has {', '.join(f'{k}={b!r}' for k, (_, b) in wrong.items())}; "
-                         "the file was edited: re-export it")
+        read = ", ".join(f"{k}={a!r}" for k, (a, _) in wrong.items())
+        recorded = ", ".join(f"{k}={b!r}" for k, (_, b) in wrong.items())
+        raise ValueError(f"{source}: vLLM's update_dspark reads {read} but the recorded drafter "
+                         f"has {recorded}; the file was edited: re-export it")
     return config
