@@ -131,3 +131,51 @@ def test_vllm_qwen3_dspark_reads_loads_and_computes_our_heads(tmp_path):
     result = pieces.compare_case(case)
     assert result["passed"], result
     assert set(result["diffs"]) == {"markov_embed", "markov_bias", "confidence"}
+
+
+# ---------------------------------------------------------------------------- eval, warm start
+def _tiny_export(tiny_target, path):
+    """A DSpark export for the built-in tiny target (hidden 64, vocab 768, 8 layers), trained
+    Markov head stand-in (random w2), sliding + full layers."""
+    from tests.train.test_warm_start import tiny_source_config
+
+    config = tiny_source_config(tiny_target, variant="dspark", markov_rank=8,
+                                markov_head_type="vanilla", enable_confidence_head=True,
+                                confidence_head_with_markov=True, sample_from_anchor=True)
+    gen = torch.Generator().manual_seed(5)
+    state = {k: torch.randn(shape, generator=gen) * 0.2
+             for k, shape in expected_shapes(config).items()}
+    export_drafter(Source(config, state, "checkpoint", "tiny dspark"), path, engine="vllm",
+                   dtype="float32")
+    return config, state
+
+
+def test_cli_eval_of_a_dspark_export_is_lossless(tiny_target, tiny_target_dir, tmp_path,
+                                                 monkeypatch):
+    import sys
+
+    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.eval import cli
+
+    _tiny_export(tiny_target, tmp_path / "export")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c}) + "\n"
+                               for c in demo_conversations(2, seed=21)))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
+        f"drafter.path={tmp_path / 'export'}", f"data.path={prompts}", f"output_dir={out}",
+        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
+    cli.main()
+    report = json.loads((out / "report.json").read_text())
+    assert report["lossless"] is True and report["tau_mean"] >= 1.0
+    assert report["settings"]["drafter_source"].startswith("DSpark directory")
+
+
+def test_warm_start_from_a_dspark_export_holds_its_drafter(tiny_target, tmp_path):
+    from tests.train.test_warm_start import assert_same_weights, warm
+
+    config, state = _tiny_export(tiny_target, tmp_path / "export")
+    drafter = warm(tiny_target, tmp_path / "export", variant="dspark")
+    assert drafter.config.to_dict() == config.to_dict()
+    assert_same_weights(drafter, state)
