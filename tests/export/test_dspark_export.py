@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash_lab.export import ExportRefused, export_drafter, inspect_dir
-from dflash_lab.export.dspark import update_dspark
+from dflash_lab.export.dspark import reading_lines, update_dspark
 from dflash_lab.export.sources import Source, load_source
 from dflash_lab.export.weights import expected_shapes
 from dflash_lab.model.drafter import DFlashDrafter
@@ -179,3 +179,34 @@ def test_warm_start_from_a_dspark_export_holds_its_drafter(tiny_target, tmp_path
     drafter = warm(tiny_target, tmp_path / "export", variant="dspark")
     assert drafter.config.to_dict() == config.to_dict()
     assert_same_weights(drafter, state)
+
+
+def test_a_speculators_dspark_directory_is_read_and_re_exported_explicitly(tiny_target, tmp_path):
+    """speculators 0.9.0's DSparkSpeculatorConfig layout (architectures DSparkSpeculator, the
+    DFlash keys plus the DSpark ones): absent keys take its defaults (sample_from_anchor true),
+    where vLLM's update_dspark defaults sample_from_anchor to false; re-export writes it."""
+    from tests.train.test_warm_start import (
+        speculators_dict,
+        tiny_source_config,
+        write_speculators_dir,
+    )
+
+    config = tiny_source_config(tiny_target, variant="dspark", markov_rank=8,
+                                markov_head_type="vanilla", enable_confidence_head=True,
+                                confidence_head_with_markov=False, sample_from_anchor=True)
+    d = speculators_dict(config)
+    d.update(architectures=["DSparkSpeculator"], speculators_model_type="dspark",
+             markov_rank=8, confidence_head_with_markov=False)
+    d.pop("sample_from_anchor")  # speculators' default: true
+    gen = torch.Generator().manual_seed(2)
+    state = {k: torch.randn(s, generator=gen) for k, s in expected_shapes(config).items()}
+    sdir = write_speculators_dir(tmp_path / "spec", d, state)
+    src = load_source(sdir)
+    assert src.config.is_dspark and src.config.sample_from_anchor is True
+    assert (src.config.markov_rank, src.config.confidence_head_with_markov) == (8, False)
+    assert src.config.target_layer_ids == [1, 3, 5]
+    assert all(torch.equal(src.state_dict[k], state[k]) for k in state)
+    assert "(vLLM's default; speculators' is true)" in "\n".join(reading_lines(d))
+    export_drafter(sdir, tmp_path / "out", engine="vllm", dtype="float32")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["sample_from_anchor"] is True and update_dspark(out)["dspark_bonus_anchor"] is False
