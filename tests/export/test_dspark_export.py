@@ -207,6 +207,9 @@ def test_a_speculators_dspark_directory_is_read_and_re_exported_explicitly(tiny_
     assert src.config.target_layer_ids == [1, 3, 5]
     assert all(torch.equal(src.state_dict[k], state[k]) for k in state)
     assert "(vLLM's default; speculators' is true)" in "\n".join(reading_lines(d))
+    problems = inspect_dir(sdir).problems  # vLLM would run it as false: one position off
+    assert any("vllm-main-v2 silently drops sample_from_anchor (absent" in p for p in problems)
     export_drafter(sdir, tmp_path / "out", engine="vllm", dtype="float32")
+    assert inspect_dir(tmp_path / "out").ok
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out["sample_from_anchor"] is True and update_dspark(out)["dspark_bonus_anchor"] is False

@@ -150,6 +150,9 @@ def _read_dspark(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts
     # no anchor rule (engines/anchor.py is DFlash's): the DSpark speculator runs either
     # setting (dspark_bonus_anchor = not sample_from_anchor)
     reading = rule_set.read(dspark.engine_view(config), artifacts)
+    if "sample_from_anchor" not in config:  # vLLM runs false; speculators' DSpark trains true
+        reading.dropped.append(dspark.ANCHOR_ABSENT)
+        reading.overrides["sample_from_anchor"] = False
     reading.notes.append("DSpark read through vLLM 0.32's SpeculatorsConfig + update_dspark "
                          "(Qwen3DSparkModel on DFlashQwen3Model)")
     return reading
