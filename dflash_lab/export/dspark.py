@@ -153,7 +153,8 @@ def update_dspark(d: dict[str, Any]) -> dict[str, Any]:
 def engine_view(d: dict[str, Any]) -> dict[str, Any]:
     """What the DFlash rule sets read (engines/vllm.py): vLLM's draft config, with the
     mask id and layer ids where DFlashQwen3Model looks (dflash_config first, else top level)
-    and ``sample_from_anchor`` in dflash_config for the anchor rule (engines/anchor.py)."""
+    and update_dspark's ``sample_from_anchor`` in dflash_config. (The DFlash anchor rule,
+    engines/anchor.py, is not applied: the DSpark speculator runs either setting.)"""
     view = update_dspark(d)
     dfc = dict(view.get("dflash_config") or {})
     dfc.setdefault("mask_token_id", view.get("mask_token_id"))
