@@ -15,6 +15,10 @@ Runs in the project venv (``.venv``); the vLLM side runs in ``.venv-vllm`` throu
 7. DFlash 2 pieces: vLLM cannot serve DFlash 2 on CPU, so ``scripts/vllm_dflash2_pieces.py``
    checks a tiny random DFlash 2 export against vLLM's own ``qwen3_dflash2`` code (every tensor
    loaded, CPU grouped conv, candidates and selector lattice; about 20 s of CPU);
+7b. DSpark pieces: vLLM serves DSpark only in its V2 GPU runner, so
+   ``scripts/vllm_dspark_pieces.py`` checks a tiny random DSpark export against vLLM's own
+   ``update_dspark`` and ``qwen3_dspark`` code (config read as trained, every tensor loaded,
+   Markov embedding / bias and confidence equal ours);
 8. server-eval: ``dflash-eval backend=server`` of the first drafter through vLLM's OpenAI-compatible
    server (k_norm fix applied by ``scripts/vllm_knorm_api_server.py``): acceptance from vLLM's
    ``/metrics`` counters per request must give stage 4's tau (``SERVER_TOLERANCE``) and outputs;
@@ -360,6 +364,17 @@ def dflash2_pieces() -> dict:
     return pieces.compare_case(case)
 
 
+def dspark_pieces() -> dict:
+    """Stage 7b: vLLM's update_dspark and qwen3_dspark on a DSpark export of ours."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import vllm_dspark_pieces as pieces
+
+    case = pieces.prepare_case(OUT / "dspark_pieces")
+    run([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_dspark_pieces.py"), str(case)],
+        OUT / "logs" / "dspark_pieces.log")
+    return pieces.compare_case(case)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fresh", action="store_true", help="delete outputs/check_serving first")
@@ -410,11 +425,15 @@ def main() -> int:
     t = time.perf_counter()
     pieces = dflash2_pieces()
     times["dflash2_pieces"] = time.perf_counter() - t
+    t = time.perf_counter()
+    spark = dspark_pieces()
+    times["dspark_pieces"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t0
     summary = {"passed": all(r["passed"] for r in rows) and mixed["passed"]
                and vres["baseline"]["engine_ok"] and regen["passed"] and pieces["passed"]
-               and served_eval["passed"],
+               and spark["passed"] and served_eval["passed"],
                "regenerate": regen, "server_eval": served_eval, "dflash2_pieces": pieces,
+               "dspark_pieces": spark,
                "vllm_version": vres["vllm_version"], "target": str(target),
                "num_prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
                "tolerances": {v: tol for v, (_, tol) in VARIANTS.items()}, "drafters": rows,
@@ -425,6 +444,10 @@ def main() -> int:
           + ("PASS" if pieces["passed"] else "FAIL: " + ", ".join(
               k for k, ok in pieces["checks"].items() if not ok))
           + f" (max rel diff {max(pieces['diffs'].values()):.1e})")
+    print(f"{'dspark: vLLM qwen3_dspark pieces':<30}{'':>37}  "
+          + ("PASS" if spark["passed"] else "FAIL: " + ", ".join(
+              k for k, ok in spark["checks"].items() if not ok))
+          + f" (max rel diff {max(spark['diffs'].values(), default=float('nan')):.1e})")
     print_server_eval(served_eval)
     print(f"\ncheck-serving: {'PASS' if summary['passed'] else 'FAIL'} "
           f"({times['total']:.0f} s; {OUT.relative_to(ROOT)}/summary.json)")

@@ -65,6 +65,11 @@ RECIPES: dict[str, tuple[str, str]] = {
     "qwen3.8_27b_dflash2": ("qwen3.8_27b_dflash2", "Qwen3_5ForConditionalGeneration"),
     "mimo_swa_sinks": ("mimo_swa_sinks", "MiMoV2FlashForCausalLM"),
 }
+#: recipes whose export SGLang cannot load, so the exporter refuses SGLang for them (checked by
+#: :func:`refused_rows` without the SGLang venv): recipe -> golden layout
+SGLANG_REFUSED: dict[str, str] = {
+    "tiny_cpu_dspark": "tiny_cpu_dspark",  # vLLM's speculators DSpark layout (export/dspark.py)
+}
 #: layouts checked besides the recipes: z-lab's DFlash 2 layout with all three scales
 EXTRA = {"zlab_layout_dflash2_scales": ("zlab_layout_dflash2_scales", "Qwen3ForCausalLM")}
 
@@ -72,16 +77,29 @@ EXTRA = {"zlab_layout_dflash2_scales": ("zlab_layout_dflash2_scales", "Qwen3ForC
 def exports(recipes_dir: Path = ROOT / "recipes") -> dict[str, tuple[DrafterConfig, str]]:
     """name -> (the drafter config its export writes, target class), every shipped recipe."""
     names = sorted(p.stem for p in recipes_dir.glob("*.yaml"))
-    missing = [n for n in names if n not in RECIPES]
+    missing = [n for n in names if n not in RECIPES and n not in SGLANG_REFUSED]
     if missing:
         raise ValueError(f"recipes {missing} (recipes/*.yaml) have no row in RECIPES of "
                          f"{Path(__file__).name}: add (golden layout, target class) for each")
-    rows = {n: RECIPES[n] for n in names} | EXTRA
+    rows = {n: RECIPES[n] for n in names if n in RECIPES} | EXTRA
     out = {}
     for name, (layout, arch) in rows.items():
         path = GOLDEN / f"{layout}.json"
         out[name] = (DrafterConfig.from_dict(json.loads(path.read_text()), source=str(path)),
                      arch)
+    return out
+
+
+def refused_rows() -> dict[str, list[str]]:
+    """recipe -> the exporter's SGLang refusals of its golden export (each must have one)."""
+    from dflash_lab.export.peers import speculators_config
+
+    out = {}
+    for name, layout in SGLANG_REFUSED.items():
+        path = GOLDEN / f"{layout}.json"
+        config, _ = speculators_config(json.loads(path.read_text()), path)
+        _, findings = plan_export(config, ("sglang",))
+        out[name] = [f.message for f in refusals(findings)]
     return out
 
 
@@ -276,9 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     worker = run_worker(items, args.sglang_python)
     verdicts = check_all(items, worker)
     print(report(verdicts))
+    refused = refused_rows()
+    for name, why in refused.items():
+        print(f"{'PASS' if why else 'FAIL'}  {name}: the exporter refuses SGLang: "
+              f"{why[0][:160] if why else 'NOT REFUSED'}")
     _write_json(args.out, {"sglang_version": worker["sglang_version"], "exports": verdicts,
                            "sglang_raw": worker["exports"]})
-    return 0 if all(v["ok"] for v in verdicts.values()) else 1
+    return 0 if all(v["ok"] for v in verdicts.values()) and all(refused.values()) else 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash_lab.export import laguna, muse_glimmer
+from dflash_lab.export import dspark, laguna, muse_glimmer
 from dflash_lab.export.checks import (
     Finding,
     apply_allow_lossy,
@@ -143,11 +143,11 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     (SGLang: the release and draft attention backend of :func:`select_sglang`). The target's
     class is ``target_architecture``, else ``architectures[0]`` of ``target``. ``raw``: the
     config.json to be written (default: ours, ``config.to_dict()``)."""
-    if config.is_dspark:  # before any engine rule: those read DFlash layouts only
-        raise ValueError("a DSpark drafter (drafter.variant=dspark) has no serving export yet: "
-                         "docs/dspark.md 'vLLM checkpoint layout' is what it will write; train "
-                         "with export.enabled=false (the run's checkpoints keep the drafter)")
-    raw = config.to_dict() if raw is None else raw
+    if config.is_dspark:  # before any engine rule: vLLM's Qwen3DSparkModel serves vanilla only
+        dspark.check_exportable(config, config._source)
+    if raw is None:
+        raw = dspark.serving_config(config, "bfloat16", None) if config.is_dspark \
+            else config.to_dict()
     artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias,
                           target_architecture=target_architecture or architecture_of(target))
     readings = read_all(raw, artifacts)
@@ -176,7 +176,9 @@ def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[
     """Report header; the resolved source path is read back to recognise a run's own export."""
     return {
         **(muse_glimmer.report_header(raw) if is_muse(raw) else
-           laguna.report_header(raw) if is_laguna(raw) else {"format": OURS}),
+           laguna.report_header(raw) if is_laguna(raw) else
+           {"format": "speculators dspark (vLLM 0.32 Qwen3DSparkModel)"} if dspark.is_dspark(raw)
+           else {"format": OURS}),
         "source": src.description,
         **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
         "output": str(out_dir), "engines targeted": ", ".join(engines),
@@ -203,6 +205,12 @@ def format_config(fmt: str, config: DrafterConfig, dtype: str,
     """The config.json of format ``fmt`` (ValueError: the Muse Glimmer format cannot carry the
     drafter, naming what and the fix)."""
     recorded = exported_identity(target_identity)
+    if config.is_dspark:  # one serving layout: vLLM's speculators-format DSpark
+        if fmt != OURS:
+            raise ValueError(f"{config._source}: a DSpark drafter exports only in vLLM's "
+                             f"speculators DSpark layout (export/dspark.py), not --format {fmt}")
+        dspark.check_exportable(config, config._source)
+        return dspark.serving_config(config, dtype, recorded)
     if fmt == muse_glimmer.FORMAT:
         muse_glimmer.check_exportable(config, config._source)
         return muse_glimmer.serving_config(config, dtype, vocab_known=vocab_known,
@@ -405,6 +413,8 @@ def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
     """Ours: the strict reader and the recorded training spec. Third-party: z-lab's reading of
     the fields and the layout resolved exactly as ``import_drafter`` resolves it."""
     source = str(path / CONFIG_FILE)
+    if dspark.is_dspark(d):  # speculators layout: ours carries the spec in its layer config
+        return _declared_dspark(d, path)
     ours = TRAINING_SPEC_KEY in d
     assumed = OUR_SPEC if ours else DEFAULT_ASSUMED_RULES
     try:
@@ -420,6 +430,20 @@ def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
         return _Declared(config, None, assumed, notes=[f"dflash-lab's importer cannot read it: "
                                                        f"{err}"])
     return _Declared(config, resolved.layer_specs(), assumed)
+
+
+def _declared_dspark(d: dict[str, Any], path: Path) -> _Declared:
+    """A speculators DSpark config.json, read as the importer reads it (export/peers.py
+    ``speculators_config``): ours exactly, a third-party one with speculators' defaults."""
+    from dflash_lab.export.peers import speculators_config
+
+    ours = TRAINING_SPEC_KEY in (d.get("transformer_layer_config") or {})
+    assumed = OUR_SPEC if ours else "speculators dspark (update_dspark)"
+    try:
+        config, notes = speculators_config(d, path / CONFIG_FILE)
+    except ValueError as err:
+        return _Declared(None, None, assumed, [f"config.json cannot be read as a drafter: {err}"])
+    return _Declared(config, config.layer_specs(), assumed, notes=notes)
 
 
 def _artifacts(path: Path) -> Artifacts:
@@ -517,6 +541,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
     lines += ["", *vocab_lines] if vocab_lines else []
     lines += muse_glimmer.inspect_lines(d) if declared.config is not None else []
     lines += laguna.inspect_lines(d) if declared.config is not None and is_laguna(d) else []
+    lines += dspark.reading_lines(d) if dspark.is_dspark(d) else []
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
     if unchecked:

@@ -33,12 +33,17 @@ from typing import Any
 
 import torch
 
+from dflash_lab.export import dspark
 from dflash_lab.export.weights import CONFIG_FILE, WEIGHTS_FILE, load_weights, validate_state_dict
 from dflash_lab.model.config import (
     DFLASH1,
     DFLASH2,
+    DSPARK,
+    DSPARK_DEFAULTS,
     FULL,
     SLIDING,
+    TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY,
     DrafterConfig,
     build_target_layer_ids,
 )
@@ -134,10 +139,13 @@ def _refuse_speculators_features(d: dict[str, Any], tl: dict[str, Any], file: Pa
 def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]]:
     """Our DrafterConfig of a speculators config.json dict, and notes on what was assumed."""
     kind = d.get("speculators_model_type")
-    if kind not in ("dflash", "dflash2"):
+    if kind not in ("dflash", "dflash2", "dspark"):
         raise ValueError(f"{file}: speculators_model_type={kind!r} is not a DFlash drafter "
-                         "(dflash or dflash2)")
+                         "(dflash, dflash2 or dspark)")
     tl = dict(d.get("transformer_layer_config") or {})
+    if kind == "dspark" and TRAINING_SPEC_KEY in tl:  # our export (export/dspark.py): exact
+        return dspark.config_of(d, str(file)), ["dflash-lab DSpark export: the recorded "
+                                                "drafter, checked against update_dspark"]
     _refuse_speculators_features(d, tl, file)
     aux = d.get("aux_hidden_state_layer_ids")
     if not aux or min(aux) < 1:
@@ -149,10 +157,13 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
     fields.update(_rope(tl), **_speculators_layout(d, tl, kind))
     fields.update(mask_token_id=int(d["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=ids, num_target_layers=max(ids) + 1,
-                  variant=DFLASH2 if kind == "dflash2" else DFLASH1,
+                  variant={"dflash2": DFLASH2, "dspark": DSPARK}.get(kind, DFLASH1),
                   # speculators 0.9.0 models/dflash/config.py: absent = false (every slot of
-                  # the block predicts when true: slot k -> the token at anchor + k + 1)
-                  sample_from_anchor=bool(d.get("sample_from_anchor") or False))
+                  # the block predicts when true: slot k -> the token at anchor + k + 1);
+                  # models/dspark/config.py: absent = true
+                  sample_from_anchor=bool(d.get("sample_from_anchor", kind == "dspark")))
+    if kind == "dspark":  # speculators' DSparkSpeculatorConfig defaults for absent keys
+        fields.update({k: d.get(k, v) for k, v in DSPARK_DEFAULTS.items()})
     if kind == "dflash2":
         fields.update({k: int(d[k]) for k in _DFLASH2_FIELDS})
     if d.get("draft_vocab_size") is not None:  # a reduced one: lm_head [N, H], d2t and t2d
@@ -168,17 +179,27 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
     return config, notes
 
 
-def load_speculators_dir(path: Path):
-    """A speculators DFlash / DFlash 2 directory as an export
-    :class:`~dflash_lab.export.sources.Source`."""
+def load_speculators_dir(path: Path, verify: bool = True):
+    """A speculators DFlash / DFlash 2 / DSpark directory as an export
+    :class:`~dflash_lab.export.sources.Source`. Our own DSpark export (export/dspark.py) is
+    checked against its ``SHA256SUMS`` (``verify``) and read exactly."""
+    from dflash_lab.export.integrity import checked
     from dflash_lab.export.sources import Source
 
     file = path / CONFIG_FILE
-    config, notes = speculators_config(json.loads(file.read_text()), file)
+    d = json.loads(file.read_text())
+    ours = dspark.is_dspark(d) and TRAINING_SPEC_KEY in (d.get("transformer_layer_config") or {})
+    integrity = [checked(path, verify).note] if ours else []
+    config, notes = speculators_config(d, file)
     own = DRAFT_VOCAB_KEYS if config.has_draft_vocab else ()  # then the drafter's, not theirs
     state = {k: v for k, v in load_weights(path).items()
              if k not in SPECULATORS_KEYS or k in own}
     validate_state_dict(state, config, str(path / WEIGHTS_FILE))
+    if ours:
+        identity = d.get(TARGET_IDENTITY_KEY)
+        return Source(config, state, "serving", f"DSpark directory {path}", notes + integrity,
+                      reads=[path], target_identity=identity if isinstance(identity, dict)
+                      else None, depth_recorded=True)
     return Source(config, state, "serving", f"speculators directory {path}", notes, reads=[path],
                   depth_recorded=False,
                   mask_differences=[n for n in notes if n.startswith("speculators' sliding")])

@@ -53,6 +53,12 @@ def drafter_lines(config: DrafterConfig) -> list[str]:
                  f"{config.conv_group_size} ({groups} groups) around every attention and MLP",
                  f"- selector: selector_rank={config.selector_rank}, selector_top_k="
                  f"{config.selector_top_k} (full vocabulary {config.vocab_size})"]
+    elif config.is_dspark:
+        conf = ("off" if not config.enable_confidence_head else
+                "[h; markov_w1[prev]]" if config.confidence_head_with_markov else "[h]")
+        lines = ["- variant: dspark (Qwen3DSparkModel: the DFlash 1 backbone + heads)",
+                 f"- Markov head: {config.markov_head_type}, markov_rank={config.markov_rank}; "
+                 f"confidence head: {conf}"]
     else:
         lines = ["- variant: dflash1 (DFlashDraftModel)"]
     if config.sample_from_anchor:

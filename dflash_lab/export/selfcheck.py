@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflash_lab.export import dspark
 from dflash_lab.export.engines import RuleSet, read_with
 from dflash_lab.export.engines.common import Artifacts
 from dflash_lab.export.engines.laguna import is_laguna
@@ -39,6 +40,8 @@ from dflash_lab.model.rope import is_nested, rope_type_of
 CONFIG_TOL = 1e-4
 MUSE_HOW = ("Muse Glimmer config.json read through each engine's config class for it "
             "(engines/muse.py) and dflash-lab's importer; tensors renamed to ours")
+DSPARK_HOW = ("speculators DSpark config.json read as vLLM 0.32's update_dspark maps it "
+              "(export/dspark.py); backbone logits, Markov bias and confidence compared")
 LAGUNA_HOW = ("Laguna config.json read through each engine's view of it (engines/laguna.py) "
               "and dflash-lab's importer; fused qkv_proj split into ours")
 DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -157,12 +160,28 @@ def _logits(config: DrafterConfig, state: dict[str, Tensor],
     drafter.extend_context(cache, probe["feats"])
     hidden = drafter.draft(cache, probe["anchor"], probe["embed"]).float()
     unary = drafter.unary_logits(hidden, lambda h: h @ probe["head"].T)
+    if drafter.markov_head is not None:  # DSpark: Markov bias and confidence on the probe
+        return [unary, *_dspark_outputs(drafter, hidden[0].float(), probe)]
     if drafter.candidate_selector is None:
         return [unary]
     selector = drafter.candidate_selector
     cand_unary, cand_ids = selector.candidates(unary[:, 1:])
     _, scores = selector.walk(hidden[:, 1:], cand_ids, cand_unary, probe["anchor"])
     return [unary, scores]
+
+
+def _dspark_outputs(drafter: Any, hidden_kh: Tensor, probe: dict[str, Any]) -> list[Tensor]:
+    """DSpark heads on the probe: Markov bias [B, N] for prev = (anchor, then random ids) and
+    the confidence logits [B] (model/dspark.py), so a head tensor lost or renamed fails."""
+    head, gen = drafter.markov_head, torch.Generator().manual_seed(1)
+    vocab = head.markov_w1.num_embeddings
+    prev = torch.cat([probe["anchor"], torch.randint(0, vocab, (hidden_kh.shape[0] - 1,),
+                                                     generator=gen)])
+    feats, emb = head.features(prev[None], hidden_kh[None])
+    out = [head.bias(feats)[0]]
+    if drafter.confidence_head is not None:
+        out.append(drafter.confidence_head(hidden_kh[None], emb)[0])
+    return out
 
 
 def _rel(a: list[Tensor], b: list[Tensor]) -> float:
@@ -184,7 +203,8 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
     reading = read_with(rule_set, view, artifacts)
     if not reading.loads:
         return None
-    base = third_party_base(view, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
+    flat = dspark.flat_config(view) if dspark.is_dspark(view) else view  # vLLM's draft config
+    base = third_party_base(flat, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(
         base, reading, artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
@@ -240,7 +260,9 @@ def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: Dra
     """Compare the source drafter with every distinct engine view of ``out_dir``. A Muse Glimmer
     config.json is read by each engine's config class for it (engines/muse.py), not Qwen3Config
     directly."""
-    if is_muse(raw_config) or is_laguna(raw_config):
+    if dspark.is_dspark(raw_config):  # read by each rule set through update_dspark
+        view, how = raw_config, DSPARK_HOW
+    elif is_muse(raw_config) or is_laguna(raw_config):
         view, how = raw_config, MUSE_HOW if is_muse(raw_config) else LAGUNA_HOW
     else:
         view, how = qwen3_config_view(raw_config)

@@ -331,7 +331,7 @@ def load_source(path: str | Path, verify: bool = True) -> Source:
     if path.is_file():
         return load_checkpoint(path)
     if is_speculators_dir(path):
-        return load_speculators_dir(path)
+        return load_speculators_dir(path, verify)
     if is_serving_dir(path):
         imported = import_drafter(path, verify=verify)
         notes = ([f"causality resolved by {imported.assumed_rules}"] + imported.disagreements

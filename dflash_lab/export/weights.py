@@ -72,6 +72,8 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
                        for i in range(len(config.target_layer_ids))})
     if config.is_dflash2:
         shapes.update(dflash2_shapes(config))
+    if config.is_dspark:
+        shapes.update(dspark_shapes(config))
     if config.has_draft_vocab:  # the draft head and vLLM's id maps (docs/draft_vocab.md)
         shapes.update({"lm_head.weight": (config.draft_vocab_size, h),
                        "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)})
@@ -95,6 +97,28 @@ def check_draft_vocab(state: dict[str, torch.Tensor], config: DrafterConfig, sou
         raise ValueError(f"{source}: d2t and t2d do not name the same {d2t.numel()} distinct "
                          f"target ids in [0, {config.vocab_size}); was the draft vocabulary "
                          "chosen (dflash-train sets it before training)? Re-export the drafter")
+
+
+def dspark_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The DSpark heads (model/dspark.py; speculators' and vLLM's names): Markov w1 [V, r],
+    w2 [N, r], gated gate_proj [r, H + r] + bias, rnn joint_proj [3r, 2r + H] + bias;
+    confidence proj [1, H (+ r)] + bias."""
+    h, r = config.hidden_size, config.markov_rank or 0
+    n = config.draft_vocab_size or config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if r:
+        shapes.update({"markov_head.markov_w1.weight": (config.vocab_size, r),
+                       "markov_head.markov_w2.weight": (n, r)})
+        extra = {"gated": ("gate_proj", (r, h + r)),
+                 "rnn": ("joint_proj", (3 * r, 2 * r + h))}.get(config.markov_head_type)
+        if extra is not None:
+            shapes[f"markov_head.{extra[0]}.weight"] = extra[1]
+            shapes[f"markov_head.{extra[0]}.bias"] = (extra[1][0],)
+    if config.enable_confidence_head:
+        width = h + (r if config.confidence_head_with_markov and r else 0)
+        shapes.update({"confidence_head.proj.weight": (1, width),
+                       "confidence_head.proj.bias": (1,)})
+    return shapes
 
 
 def dflash2_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:

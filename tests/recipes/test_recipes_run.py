@@ -211,6 +211,11 @@ def check_the_recipe_is_what_trained(cfg, export_dir: Path, target) -> None:
         kept = ("num_hidden_layers", "layer_types", "dflash_config")
         assert {k: trained[k] for k in kept} == {k: source[k] for k in kept}
         return
+    if trained.get("speculators_model_type") == "dspark":  # vLLM's layout (export/dspark.py)
+        for key in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                    "confidence_head_with_markov", "sample_from_anchor", "block_size"):
+            assert trained[key] == cfg.drafter[key], key
+        trained = trained["transformer_layer_config"]  # our full config, as for the others
     dc = trained.get("dflash_config", {})
     assert trained["num_hidden_layers"] == cfg.drafter.num_hidden_layers
     assert dc["block_size"] == cfg.drafter.block_size

@@ -126,7 +126,7 @@ def test_distribution_losses_and_negative_alpha_are_refused():
 
 # ----------------------------------------------------------------------------- Lightning
 def _compose(tmp_path, target_dir, **extra):
-    # the demo with a DSpark drafter (a recipe once the DSpark export exists: docs/dspark.md)
+    # the demo with a DSpark drafter (recipes/tiny_cpu_dspark.yaml runs the whole pipeline)
     base = {"recipe": "tiny_cpu", "drafter": "dspark", "drafter.markov_rank": 64,
             "drafter.markov_head_type": "vanilla", "module.confidence_head_alpha": 1.0,
             "export.enabled": "false", "paths.output_dir": str(tmp_path / "run"),
@@ -161,11 +161,13 @@ def test_tiny_recipe_trains_and_logs_the_confidence_terms(tiny_target_dir, tmp_p
     assert w2.abs().sum() > 0  # trained away from the identity init
 
 
-def test_a_dspark_run_with_an_export_is_refused_before_training(tiny_target_dir, tmp_path):
-    """No serving layout is written for DSpark yet: the end-of-run export is refused at
-    start-up naming the fix, not after training."""
+def test_a_dspark_run_exporting_for_sglang_is_refused_before_training(tiny_target_dir, tmp_path):
+    """SGLang cannot load vLLM's speculators DSpark layout (export/dspark.py): an end-of-run
+    export for both engines is refused at start-up naming SGLang and the fix, not after
+    training."""
     from dflash_lab.train.run import train
 
-    with pytest.raises(ValueError, match="no serving export yet.*export.enabled=false"):
-        train(_compose(tmp_path, tiny_target_dir, **{"export.enabled": "true"}))
+    with pytest.raises(ValueError, match="SGLang 0.5.23.*--engine vllm"):
+        train(_compose(tmp_path, tiny_target_dir, **{"export.enabled": "true",
+                                                      "export.engine": "both"}))
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_lab.export import dspark
 from dflash_lab.export.engines import anchor, laguna, muse, sglang, vllm
 from dflash_lab.export.engines.common import Artifacts, EngineReading, LayerReading
 
@@ -114,6 +115,8 @@ def read_with(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -
     class)."""
     if laguna.is_laguna(config):
         return _read_laguna(rule_set, config, artifacts)
+    if dspark.is_dspark(config):
+        return _read_dspark(rule_set, config, artifacts)
     if not muse.is_muse(config):
         return anchor.apply(rule_set.read(config, artifacts), config)
     reading = rule_set.read(muse.engine_view(config, rule_set.engine), artifacts)
@@ -132,6 +135,26 @@ def _read_laguna(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts
     reading = rule_set.read(laguna.engine_view(config, rule_set.engine), artifacts)
     reading.notes.append(laguna.ENGINE_NOTES[rule_set.engine]
                          + ("" if rule_set.current else "; assumed for this older release"))
+    return reading
+
+
+def _read_dspark(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts
+                 ) -> EngineReading:
+    """A speculators-format DSpark directory (export/dspark.py): vLLM 0.32's V2 runner reads
+    the layout from update_dspark's config; SGLang and vLLM's V1 runner cannot load it."""
+    refusal = (dspark.SGLANG_REFUSAL if rule_set.engine == "sglang" else
+               dspark.V1_REFUSAL if rule_set.name == "vllm-main-v1" else
+               None if rule_set.current else dspark.OLD_REFUSAL)
+    if refusal is not None:
+        return EngineReading(rule_set.name, None, refusal=refusal)
+    # no anchor rule (engines/anchor.py is DFlash's): the DSpark speculator runs either
+    # setting (dspark_bonus_anchor = not sample_from_anchor)
+    reading = rule_set.read(dspark.engine_view(config), artifacts)
+    if "sample_from_anchor" not in config:  # vLLM runs false; speculators' DSpark trains true
+        reading.dropped.append(dspark.ANCHOR_ABSENT)
+        reading.overrides["sample_from_anchor"] = False
+    reading.notes.append("DSpark read through vLLM 0.32's SpeculatorsConfig + update_dspark "
+                         "(Qwen3DSparkModel on DFlashQwen3Model)")
     return reading
 
 

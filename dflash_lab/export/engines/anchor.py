@@ -13,8 +13,9 @@ What each engine does with the key (read from the sources named):
   ("not supported for DFlash"). V1 runner (``vllm/v1/spec_decode/dflash.py``): never reads it
   and drafts slots 1..B-1. Its speculators converter
   (``vllm/transformers_utils/configs/speculators/algos.py``) copies a speculators
-  ``sample_from_anchor`` (absent = false) into ``dflash_config``. (Its DSpark path, another
-  model, defaults the key to true.) vLLM <= 0.26 is assumed to read it as main does (not checked).
+  ``sample_from_anchor`` (absent = false) into ``dflash_config``. (Its DSpark path,
+  ``update_dspark``, also defaults it to false but runs either setting: export/dspark.py.)
+  vLLM <= 0.26 is assumed to read it as main does (not checked).
 - SGLang: no DFlash reader of the key is modelled here (no SGLang source was available to check);
   assumed not read: it runs as false.
 - llama.cpp (not a modelled engine): reported to default to true (DeepSeek/DSpark convention);

