@@ -366,11 +366,10 @@ def dflash2_pieces() -> dict:
 
 def dspark_pieces() -> dict:
     """Stage 7b: vLLM's update_dspark and qwen3_dspark on a DSpark export of ours."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import vllm_dspark_pieces as pieces
+    from scripts import vllm_dspark_pieces as pieces
 
     case = pieces.prepare_case(OUT / "dspark_pieces")
-    run([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_dspark_pieces.py"), str(case)],
+    run([str(VLLM_PYTHON), "-m", "scripts.vllm_dspark_pieces", str(case)],
         OUT / "logs" / "dspark_pieces.log")
     return pieces.compare_case(case)
 

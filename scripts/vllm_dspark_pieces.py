@@ -24,7 +24,7 @@ runner without Triton), so ``VllmConfig._get_v1_model_runner_unsupported_feature
 to return nothing while the config is built; the model class is then instantiated directly.
 
 Two sides, one file (as scripts/vllm_dflash2_pieces.py):
-- ``.venv-vllm/bin/python scripts/vllm_dspark_pieces.py CASE_DIR`` (vLLM side; of dflash_lab it
+- ``.venv-vllm/bin/python -m scripts.vllm_dspark_pieces CASE_DIR`` (vLLM side; of dflash_lab it
   imports only the standard-library ``dflash_lab/paths.py``) reads
   ``CASE_DIR/{export,target,inputs.safetensors}`` and writes ``vllm_pieces.{safetensors,json}``;
 - :func:`prepare_case` and :func:`compare_case` (project venv) write the case and compare.
@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the venv's own packages
-from dflash_lab.paths import atomic_path, atomic_write_text  # noqa: E402 (standard library only)
+from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
 
 SHARED = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")  #: target's
 TOLERANCE = 1e-5  #: float32, relative to the largest magnitude of each output

@@ -4,7 +4,6 @@ config converter, loader and heads on it (scripts/vllm_dspark_pieces.py, with .v
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 
@@ -111,11 +110,9 @@ def test_sglang_and_what_vllm_cannot_serve_are_refused_by_name(tmp_path):
 
 
 def _pieces_module():
-    spec = importlib.util.spec_from_file_location("vllm_dspark_pieces",
-                                                  REPO_ROOT / "scripts" / "vllm_dspark_pieces.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts import vllm_dspark_pieces
+
+    return vllm_dspark_pieces
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (make vllm-venv)")
@@ -125,8 +122,8 @@ def test_vllm_qwen3_dspark_reads_loads_and_computes_our_heads(tmp_path):
     embedding, bias and confidence equal ours (float32)."""
     pieces = _pieces_module()
     case = pieces.prepare_case(tmp_path / "case")
-    done = subprocess.run([str(VLLM_PYTHON), str(REPO_ROOT / "scripts" / "vllm_dspark_pieces.py"),
-                           str(case)], capture_output=True, text=True, timeout=500)
+    done = subprocess.run([str(VLLM_PYTHON), "-m", "scripts.vllm_dspark_pieces", str(case)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     result = pieces.compare_case(case)
     assert result["passed"], result
