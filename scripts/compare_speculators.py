@@ -300,7 +300,8 @@ class Driver:
         if mark and done.exists():
             print(f"== {name}: done already ({done} exists), skipping", flush=True)
             return
-        print(f"== {name}: {body.__name__} {' '.join(map(str, args))}".rstrip(), flush=True)
+        shown = (f"seed={a.seed}" if isinstance(a, Seed) else str(a) for a in args)
+        print(f"== {name}: {body.__name__} {' '.join(shown)}".rstrip(), flush=True)
         t0 = time.monotonic()
         with open(self.out / "logs" / f"{name}.log", "ab") as self.log:
             try:
