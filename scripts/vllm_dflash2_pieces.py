@@ -34,87 +34,29 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
+from scripts.vllm_pieces import TOLERANCE, build, load_check, rel, vllm_config
 
 NUM_REQUESTS = 2  #: requests in the conv rows (rows = NUM_REQUESTS * block_size)
-SHARED = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")  #: target's
-TOLERANCE = 1e-5  #: float32, relative to the largest magnitude of each output
 
 
 # ---------------------------------------------------------------------------- vLLM side
 def _vllm_config(case: Path, num_speculative_tokens: int) -> Any:
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.config import VllmConfig
 
-    model = ModelConfig(model=str(case / "target"), dtype="float32", skip_tokenizer_init=True,
-                        enforce_eager=True, max_model_len=256)
-    parallel = ParallelConfig()
-    spec = SpeculativeConfig(target_model_config=model, target_parallel_config=parallel,
-                             model=str(case / "export"), method="dflash",
-                             num_speculative_tokens=num_speculative_tokens)
     VllmConfig._is_dflash_candidate_draft = lambda self: False  # V1-only validation, see top
-    return VllmConfig(model_config=model, speculative_config=spec, parallel_config=parallel,
-                      device_config=DeviceConfig("cpu"))
+    return vllm_config(case, "dflash", num_speculative_tokens)
 
 
 def _build(config: Any) -> torch.nn.Module:
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
 
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp()}")
-        initialize_model_parallel(1, 1)
-        return DFlash2Qwen3ForCausalLM(vllm_config=config)
-
-
-def _vllm_slice(params: dict[str, torch.Tensor], name: str, sizes: dict[str, int]) -> Any:
-    """Where vLLM keeps our tensor ``name``: stacked q/k/v and gate/up rows at TP=1."""
-    for ours, stacked, offset in (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", sizes["q"]),
-                                  ("v_proj", "qkv_proj", sizes["q"] + sizes["kv"]),
-                                  ("gate_proj", "gate_up_proj", 0),
-                                  ("up_proj", "gate_up_proj", sizes["inter"])):
-        if f".{ours}." in name:
-            full = params.get("model." + name.replace(ours, stacked))
-            return None if full is None else (full, offset)
-    full = params.get("model." + name)
-    return None if full is None else (full, 0)
-
-
-def _load_check(model: torch.nn.Module, config: Any, ours: dict[str, torch.Tensor],
-                cfg: dict) -> dict:
-    """(a): NaN-fill, load with vLLM's loader, then: unwritten draft params, unplaced tensors."""
-    from vllm.config import set_current_vllm_config
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for p in params.values():
-            p.fill_(float("nan"))
-        with set_current_vllm_config(config):
-            model.load_weights(iter(ours.items()))
-    d = cfg["head_dim"]
-    sizes = {"q": cfg["num_attention_heads"] * d, "kv": cfg["num_key_value_heads"] * d,
-             "inter": cfg["intermediate_size"]}
-    unplaced = []
-    for name, tensor in ours.items():
-        where = _vllm_slice(params, name, sizes)
-        if where is None:
-            unplaced.append(name)
-            continue
-        full, offset = where
-        got = full[offset: offset + tensor.shape[0]] if full.dim() == 2 and full.shape != \
-            tensor.shape else full
-        if got.shape != tensor.shape or not torch.equal(got, tensor):
-            unplaced.append(name)
-    unwritten = [n for n, p in params.items() if n not in SHARED and bool(p.isnan().any())]
-    return {"unwritten_vllm_params": unwritten, "unplaced_tensors": unplaced,
-            "num_tensors": len(ours), "num_vllm_params": len(params)}
+    return build(config, DFlash2Qwen3ForCausalLM)
 
 
 def _suffixed_error(model: torch.nn.Module, config: Any, ours: dict[str, torch.Tensor]) -> str:
@@ -163,7 +105,7 @@ def run_vllm(case: Path) -> None:
     # rewrites everything (a second model cannot be built in one process: vLLM registers
     # attention layer names globally)
     suffixed_error = _suffixed_error(model, config, ours)
-    report = _load_check(model, config, ours, cfg)
+    report = load_check(model, config, ours, cfg)
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     inputs = load_file(str(case / "inputs.safetensors"))
@@ -225,10 +167,6 @@ def prepare_case(case: Path, seed: int = 0) -> Path:
     return case
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
-
-
 @torch.no_grad()
 def our_pieces(case: Path) -> dict[str, torch.Tensor]:
     """The same pieces computed by dflash_lab's drafter loaded from the export."""
@@ -284,9 +222,9 @@ def compare_case(case: Path) -> dict[str, Any]:
     theirs = load_file(str(case / "vllm_pieces.safetensors"))
     report = json.loads((case / "vllm_pieces.json").read_text())
     ours = our_pieces(case)
-    diffs = {k: _rel(theirs[k], ours[k]) for k in theirs if k != "candidate_ids"}
+    diffs = {k: rel(theirs[k], ours[k]) for k in theirs if k != "candidate_ids"}
     tokens, rows = _walk_lattice(theirs["lattice"], theirs["candidate_ids"])
-    diffs["walk_scores"] = _rel(rows, ours["walk_scores"])
+    diffs["walk_scores"] = rel(rows, ours["walk_scores"])
     checks = {
         "every_tensor_loaded": not report["unwritten_vllm_params"]
         and not report["unplaced_tensors"],

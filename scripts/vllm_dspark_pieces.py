@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
+from scripts.vllm_pieces import TOLERANCE, build, load_check, rel, vllm_config
 
-SHARED = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")  #: target's
-TOLERANCE = 1e-5  #: float32, relative to the largest magnitude of each output
 NUM_ROWS = 6  #: rows of the head inputs
 #: the draft HF config attributes recorded from vLLM's reading
 READ_KEYS = ("architectures", "target_layer_ids", "eagle_aux_hidden_state_layer_ids",
@@ -67,78 +65,18 @@ def _config_reading(export: Path) -> dict[str, Any]:
 
 
 def _vllm_config(case: Path, num_speculative_tokens: int) -> Any:
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.config import VllmConfig
 
-    model = ModelConfig(model=str(case / "target"), dtype="float32", skip_tokenizer_init=True,
-                        enforce_eager=True, max_model_len=256)
-    parallel = ParallelConfig()
-    spec = SpeculativeConfig(target_model_config=model, target_parallel_config=parallel,
-                             model=str(case / "export"), method="dspark",
-                             num_speculative_tokens=num_speculative_tokens)
     # V1-only validation ("Model Runner V1 does not support: dspark speculative decoding"):
     # without Triton the V1 runner is the only one, so it is lifted to build the model alone
     VllmConfig._get_v1_model_runner_unsupported_features = lambda self: []
-    return VllmConfig(model_config=model, speculative_config=spec, parallel_config=parallel,
-                      device_config=DeviceConfig("cpu"))
+    return vllm_config(case, "dspark", num_speculative_tokens)
 
 
 def _build(config: Any) -> torch.nn.Module:
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp()}")
-        initialize_model_parallel(1, 1)
-        return Qwen3DSparkForCausalLM(vllm_config=config)
-
-
-def _vllm_slice(params: dict[str, torch.Tensor], name: str, sizes: dict[str, int]) -> Any:
-    """Where vLLM keeps our tensor ``name``: stacked q/k/v and gate/up rows at TP=1."""
-    for ours, stacked, offset in (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", sizes["q"]),
-                                  ("v_proj", "qkv_proj", sizes["q"] + sizes["kv"]),
-                                  ("gate_proj", "gate_up_proj", 0),
-                                  ("up_proj", "gate_up_proj", sizes["inter"])):
-        if f".{ours}." in name and not name.startswith("markov_head."):
-            full = params.get("model." + name.replace(ours, stacked))
-            return None if full is None else (full, offset)
-    full = params.get("model." + name)
-    return None if full is None else (full, 0)
-
-
-def _load_check(model: torch.nn.Module, config: Any, ours: dict[str, torch.Tensor],
-                cfg: dict) -> dict:
-    """(b): NaN-fill, load with vLLM's loader, then: unwritten draft params, unplaced tensors."""
-    from vllm.config import set_current_vllm_config
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for p in params.values():
-            if p.is_floating_point():
-                p.fill_(float("nan"))
-        with set_current_vllm_config(config):
-            model.load_weights(iter(ours.items()))
-    params = dict(model.named_parameters())  # the loader may drop an unused head
-    d = cfg["head_dim"]
-    sizes = {"q": cfg["num_attention_heads"] * d, "kv": cfg["num_key_value_heads"] * d,
-             "inter": cfg["intermediate_size"]}
-    unplaced = []
-    for name, tensor in ours.items():
-        where = _vllm_slice(params, name, sizes)
-        if where is None:
-            unplaced.append(name)
-            continue
-        full, offset = where
-        got = full[offset: offset + tensor.shape[0]] if full.dim() == 2 and full.shape != \
-            tensor.shape else full
-        if got.shape != tensor.shape or not torch.equal(got.to(tensor.dtype), tensor):
-            unplaced.append(name)
-    unwritten = [n for n, p in params.items() if n not in SHARED and p.is_floating_point()
-                 and bool(p.isnan().any())]
-    return {"unwritten_vllm_params": unwritten, "unplaced_tensors": unplaced,
-            "num_tensors": len(ours), "num_vllm_params": len(params),
-            "confidence_head_built": model.model.confidence_head is not None}
+    return build(config, Qwen3DSparkForCausalLM)
 
 
 @torch.no_grad()
@@ -161,7 +99,8 @@ def run_vllm(case: Path) -> None:
     ours = load_file(str(export / "model.safetensors"))
     config = _vllm_config(case, int(reading["speculative"]["num_speculative_tokens"]))
     model = _build(config)
-    report = {"config": reading, **_load_check(model, config, ours, cfg)}
+    report = {"config": reading, **load_check(model, config, ours, cfg)}
+    report["confidence_head_built"] = model.model.confidence_head is not None
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     process_weights_after_loading(model, config.speculative_config.draft_model_config,
@@ -213,10 +152,6 @@ def prepare_case(case: Path, seed: int = 0, sample_from_anchor: bool = True) -> 
     return case
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
-
-
 @torch.no_grad()
 def our_pieces(case: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """The same pieces computed by dflash_lab's drafter loaded from the export, and its config."""
@@ -258,7 +193,7 @@ def compare_case(case: Path) -> dict[str, Any]:
     config_diffs = {k: (read.get(k), v) for k, v in want.items() if read.get(k) != v}
     speculative = {"method": "dspark",
                    "num_speculative_tokens": config.num_draft_tokens}
-    diffs = {k: _rel(theirs[k], ours[k]) for k in ours if k in theirs}
+    diffs = {k: rel(theirs[k], ours[k]) for k in ours if k in theirs}
     checks = {
         "config_read_as_trained": not config_diffs,
         "speculative_config": read["speculative"] == speculative,
