@@ -194,3 +194,35 @@ def write_checkpoint(drafter: DFlashDrafter, path: str | Path) -> Path:
     torch.save({"state_dict": state,
                 "hyper_parameters": {"drafter_config": drafter.config.to_dict()}}, path)
     return path
+
+
+def cli_eval_report(monkeypatch, target_dir: str | Path, drafter_dir: str | Path,
+                    prompts: str | Path, out: str | Path) -> dict:
+    """``dflash-eval`` (the CLI entry point, in process) of ``drafter_dir`` on the first two
+    ``prompts`` with the hf target at ``target_dir``, 12 new tokens each: its report.json."""
+    import sys
+
+    from dflash_lab.eval import cli
+
+    monkeypatch.setattr(sys, "argv", [
+        "dflash-eval", "target=hf", f"target.name_or_path={target_dir}",
+        f"drafter.path={drafter_dir}", f"data.path={prompts}", f"output_dir={out}",
+        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
+    cli.main()
+    return json.loads((Path(out) / "report.json").read_text())
+
+
+def assert_lossless_greedy(target, proposer, layers, prompts, max_new_tokens: int,
+                           most: int) -> None:
+    """Speculative greedy decoding equals the target's own on every prompt, every round keeping
+    between 1 and ``most`` tokens."""
+    from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
+    from dflash_lab.eval.target_runner import TargetRunner
+
+    settings = DecodeSettings(max_new_tokens=max_new_tokens)
+    for prompt in prompts:
+        spec = speculative_generate(TargetRunner(target.model, layers), proposer, prompt,
+                                    settings)
+        base = baseline_generate(TargetRunner(target.model), prompt, settings)
+        assert spec.output_ids == base.output_ids
+        assert all(1 <= n <= most for n in spec.acceptance_lengths)

@@ -19,6 +19,7 @@ from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.prompts import encode_prompt, load_prompts, row_messages
 from dflash_lab.paths import CONF_DIR
 from tests.eval_doubles import (
+    cli_eval_report,
     tiny_drafter_for,
     write_checkpoint,
     write_serving_dir,
@@ -182,13 +183,8 @@ def test_cli_generate_with_muse_glimmer_dir(tiny_target_dir, tiny_target, prompt
     records how the directory was read."""
     pytest.importorskip("transformers.models.muse_glimmer_assistant")
     write_muse_dir(tmp_path / "muse", **muse_for(tiny_target))
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", [
-        "dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
-        f"drafter.path={tmp_path / 'muse'}", f"data.path={prompts_file}", f"output_dir={out}",
-        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
-    cli.main()
-    report = json.loads((out / "report.json").read_text())
+    report = cli_eval_report(monkeypatch, tiny_target_dir, tmp_path / "muse", prompts_file,
+                             tmp_path / "out")
     assert report["lossless"] is True and report["settings"]["trained_block_size"] == 4
     assert report["settings"]["drafter_source"].startswith("Muse Glimmer directory")
     notes = " ".join(report["settings"]["drafter_notes"])

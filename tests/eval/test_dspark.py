@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
-from dflash_lab.eval.target_runner import TargetRunner
-from tests.eval_doubles import tiny_drafter_for
+from tests.eval_doubles import assert_lossless_greedy, tiny_drafter_for
 
 B = 4
 
@@ -31,14 +29,8 @@ def test_dspark_walk_is_lossless_and_is_the_drafters_propose(tiny_target, prompt
             p.normal_(std=2.0)
     pieces = tiny_target.pieces()
     proposer = DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head)
-    layers = drafter.config.target_layer_ids
-    settings = DecodeSettings(max_new_tokens=20)
-    for prompt in prompts:
-        spec = speculative_generate(TargetRunner(tiny_target.model, layers), proposer, prompt,
-                                    settings)
-        base = baseline_generate(TargetRunner(tiny_target.model), prompt, settings)
-        assert spec.output_ids == base.output_ids
-        assert all(1 <= n <= B + 1 for n in spec.acceptance_lengths)
+    assert_lossless_greedy(tiny_target, proposer, drafter.config.target_layer_ids, prompts,
+                           20, B + 1)
     proposer.start(torch.randn(1, 3, drafter.fc.weight.shape[1]))
     walked = proposer.draft(5, B, 0.0, "greedy", None)
     hidden = drafter.draft(proposer.cache, torch.tensor([5]), pieces.embed_tokens)

@@ -11,7 +11,7 @@ from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer, max_drafts
 from dflash_lab.eval.target_runner import TargetRunner
-from tests.eval_doubles import RecordingProposer, tiny_drafter_for
+from tests.eval_doubles import RecordingProposer, assert_lossless_greedy, tiny_drafter_for
 
 B = 4
 
@@ -34,14 +34,8 @@ def _proposer(tiny_target, drafter):
 def test_an_anchor_drafter_proposes_b_tokens_and_is_lossless(tiny_target, drafter, prompts):
     proposer = _proposer(tiny_target, drafter)
     assert max_drafts(proposer) == B and proposer.first_slot == 0
-    settings = DecodeSettings(max_new_tokens=25)
-    layers = drafter.config.target_layer_ids
-    for prompt in prompts:
-        spec = speculative_generate(TargetRunner(tiny_target.model, layers), proposer, prompt,
-                                    settings)
-        base = baseline_generate(TargetRunner(tiny_target.model), prompt, settings)
-        assert spec.output_ids == base.output_ids
-        assert all(1 <= n <= B + 1 for n in spec.acceptance_lengths)
+    assert_lossless_greedy(tiny_target, proposer, drafter.config.target_layer_ids, prompts,
+                           25, B + 1)
     proposer.start(torch.zeros(1, 3, drafter.fc.weight.shape[1]))
     assert proposer.propose(5).shape[0] == B  # slot 0's output included
     assert proposer.draft(5, B, 0.0, "greedy", None).tokens.shape == (B,)

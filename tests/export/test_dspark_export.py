@@ -149,22 +149,15 @@ def _tiny_export(tiny_target, path):
 
 def test_cli_eval_of_a_dspark_export_is_lossless(tiny_target, tiny_target_dir, tmp_path,
                                                  monkeypatch):
-    import sys
-
     from dflash_lab.data.demo_corpus import demo_conversations
-    from dflash_lab.eval import cli
+    from tests.eval_doubles import cli_eval_report
 
     _tiny_export(tiny_target, tmp_path / "export")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": c}) + "\n"
                                for c in demo_conversations(2, seed=21)))
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", [
-        "dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
-        f"drafter.path={tmp_path / 'export'}", f"data.path={prompts}", f"output_dir={out}",
-        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
-    cli.main()
-    report = json.loads((out / "report.json").read_text())
+    report = cli_eval_report(monkeypatch, tiny_target_dir, tmp_path / "export", prompts,
+                             tmp_path / "out")
     assert report["lossless"] is True and report["tau_mean"] >= 1.0
     assert report["settings"]["drafter_source"].startswith("DSpark directory")
 

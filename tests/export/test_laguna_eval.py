@@ -4,12 +4,11 @@ lossless, tau is reported and the report records how the directory was read."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.eval import cli
+from tests.eval_doubles import cli_eval_report
 from tests.export.test_laguna import write_laguna_dir
 
 pytest.importorskip("transformers.models.laguna")
@@ -24,13 +23,7 @@ def test_cli_eval_of_a_laguna_dir_is_lossless(tiny_target_dir, tiny_target, tmp_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": c}) + "\n"
                                for c in demo_conversations(2, seed=21)))
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", [
-        "dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
-        f"drafter.path={path}", f"data.path={prompts}", f"output_dir={out}",
-        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
-    cli.main()
-    report = json.loads((out / "report.json").read_text())
+    report = cli_eval_report(monkeypatch, tiny_target_dir, path, prompts, tmp_path / "out")
     assert report["lossless"] is True and report["tau_mean"] >= 1.0
     assert report["settings"]["trained_block_size"] == 4
     assert report["settings"]["drafter_source"].startswith("Laguna directory")
