@@ -346,7 +346,7 @@ def training_batch(config, size: str, device: torch.device, dtype: torch.dtype, 
     g = torch.Generator().manual_seed(seed)
     bt = batch or SHAPES[size]["batch"]
     s = seq_len or SHAPES[size]["seq_len"]
-    f = len(config.target_layer_ids) * config.hidden_size
+    f = config.num_features
     return {
         "hidden": torch.randn(bt, s, f, generator=g).to(device, dtype),
         "input_ids": torch.randint(0, config.vocab_size - 1, (bt, s), generator=g).to(device),

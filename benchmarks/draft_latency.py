@@ -57,7 +57,7 @@ def draft_latency(size: str, device: torch.device, repeats: int) -> list[dict]:
 def _one_context(drafter: DFlashDrafter, head, c: int, repeats: int) -> dict:
     cfg, device = drafter.config, drafter.fc.weight.device
     dtype = drafter.fc.weight.dtype
-    f = len(cfg.target_layer_ids) * cfg.hidden_size
+    f = cfg.num_features
     feats = torch.randn(1, c + 1, f, device=device, dtype=dtype)
     ids = torch.randint(0, cfg.vocab_size - 1, (1, c + 1), device=device)
     cache = drafter.new_cache()

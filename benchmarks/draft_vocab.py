@@ -62,8 +62,8 @@ def _variants(size: str, device: torch.device, vocab: int, sizes: tuple[int, ...
 
 
 def _draft_step(drafter: DFlashDrafter, head, cfg, device: torch.device):
-    feats = torch.randn(1, CONTEXT, len(cfg.target_layer_ids) * cfg.hidden_size,
-                        device=device, dtype=next(drafter.parameters()).dtype)
+    feats = torch.randn(1, CONTEXT, cfg.num_features, device=device,
+                        dtype=next(drafter.parameters()).dtype)
     cache = drafter.new_cache()
     drafter.extend_context(cache, feats)
     anchor = torch.zeros(1, dtype=torch.long, device=device)

@@ -104,7 +104,7 @@ def make_batch(rows: list[list[int]], lengths: list[int], cfg, device, dtype,
     """The collated batch of these rows (random documents of the given lengths), through the
     data module's own PackedRows and pad_collate."""
     docs = {}
-    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    width = cfg.num_features
     for d in (d for row in rows for d in row):
         g = torch.Generator().manual_seed(d)
         n = lengths[d]

@@ -70,6 +70,7 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
         batch_size=c.batch_size, verify_existing=c.verify_existing, bad_rows=c.bad_rows,
         distribution=tuple(c.get("distribution") or ()),
         distribution_topk=int(c.get("distribution_topk", 64)),
+        target_hidden_size=c.get("target_hidden_size"),
     )
 
 

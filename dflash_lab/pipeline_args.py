@@ -82,7 +82,9 @@ def option_args(args: list[str]) -> list[str]:
 
 def capture_layers(train_cfg: DictConfig) -> list[str]:
     ids = train_cfg.drafter.target_layer_ids  # an int n: the capture spreads the same n ids
-    return [f"capture.target_layer_ids={hydra_value(ids if isinstance(ids, int) else list(ids))}"]
+    out = [f"capture.target_layer_ids={hydra_value(ids if isinstance(ids, int) else list(ids))}"]
+    width = train_cfg.drafter.get("target_hidden_size")
+    return out + ([f"capture.target_hidden_size={int(width)}"] if width is not None else [])
 
 
 def is_offline(train_cfg: DictConfig) -> bool:

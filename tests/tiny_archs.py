@@ -29,8 +29,11 @@ import torch
 #: (tests/target/test_archs.py runs each through every stage).
 ARCHITECTURES = {"gemma4": "gemma4_swa", "qwen3_5": "qwen3.6_27b_swa",
                  "mimo_v2_flash": "mimo_swa_sinks"}
-#: Every architecture with a builder (Qwen3 and Llama: the families the older recipes name).
-BUILDERS = (*ARCHITECTURES, "qwen3", "llama")
+#: Every architecture with a builder (Qwen3 and Llama: the families the older recipes name;
+#: DeepSeek-V4: a multi-stream target, hc_mult residual streams, tests/target/test_streams.py).
+BUILDERS = (*ARCHITECTURES, "qwen3", "llama", "deepseek_v4")
+#: Residual streams of the tiny DeepSeek-V4 (DeepSeek-V4-Flash/Pro's hc_mult).
+DEEPSEEK_V4_STREAMS = 4
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _VOCAB = 768  # the tiny target's vocabulary
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -77,6 +80,16 @@ def _config(arch: str, vocab: int, depth: int, width: int):
             "mimo_v2_flash", **dict(text, layer_types=_layer_types(arch, depth), sliding_window=8,
                                     n_routed_experts=4, moe_intermediate_size=32,
                                     num_experts_per_tok=2))
+    if arch == "deepseek_v4":
+        # transformers' own class at toy size: sliding attention and routed MoE on every layer
+        # (the compressed-attention layers need longer sequences than tests feed)
+        return AutoConfig.for_model(
+            "deepseek_v4", **dict(text, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+                                  o_groups=2, o_lora_rank=16, n_routed_experts=4,
+                                  n_shared_experts=1, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, hc_mult=DEEPSEEK_V4_STREAMS,
+                                  sliding_window=64, layer_types=["sliding_attention"] * depth,
+                                  mlp_layer_types=["moe"] * depth))
     if arch in ("qwen3", "llama"):
         # Qwen3-8B has its own LM head; SmolLM2 ties it to the embedding.
         return AutoConfig.for_model(arch, **text, tie_word_embeddings=arch == "llama")
@@ -90,7 +103,7 @@ def _model(arch: str, config) -> Any:
     name = {"gemma4": "Gemma4ForConditionalGeneration",
             "qwen3_5": "Qwen3_5ForConditionalGeneration",
             "mimo_v2_flash": "MiMoV2FlashForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "llama": "LlamaForCausalLM"}[arch]
+            "llama": "LlamaForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}[arch]
     return getattr(transformers, name)(config)
 
 

@@ -20,7 +20,12 @@ import torch
 from dflash_lab.data import shards
 from dflash_lab.data.conversations import TokenizedRows, check_bad_rows_mode, tokenize_rows
 from dflash_lab.target.chat import TurnEnd, find_turn_end, target_stop_ids
-from dflash_lab.target.features import check_target_layer_ids, extract_features
+from dflash_lab.target.features import (
+    check_feature_width,
+    check_layer_ids_for_streams,
+    check_target_layer_ids,
+    extract_features,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,10 @@ class CaptureSettings:
     #: their log-probabilities; the rest is one tail bucket). Empty: argmax labels only.
     distribution: tuple[str, ...] = ()
     distribution_topk: int = 64
+    #: width of one layer's features (recorded): null = the target's hidden size (a
+    #: multi-stream target: the mean of its streams, what vLLM and SGLang feed a drafter);
+    #: hc_mult * hidden_size = its flattened streams (target/features.py)
+    target_hidden_size: int | None = None
 
 
 def check_distribution(kinds, topk: int) -> tuple[str, ...]:
@@ -82,15 +91,20 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
         raise ValueError(f"hidden_dtype={settings.hidden_dtype!r}: use one of "
                          f"{sorted(shards.HIDDEN_DTYPES)}")
     check_target_layer_ids(settings.target_layer_ids, target.num_hidden_layers)
+    check_layer_ids_for_streams(target.model.config, settings.target_layer_ids)
+    width = check_feature_width(target.model.config, settings.target_hidden_size,
+                                "capture.target_hidden_size")
     check_bad_rows_mode(settings.bad_rows, "capture.bad_rows")
     ids = [int(i) for i in settings.target_layer_ids]
     identity = target.identity()
-    feature_dim = len(ids) * target.hidden_size
+    feature_dim = len(ids) * width
     kinds = check_distribution(settings.distribution, settings.distribution_topk)
     held = {"last_hidden": "last_hidden" in kinds,
             "topk": settings.distribution_topk if "topk" in kinds else 0}
     # recorded only when asked for: a capture from before the option resumes with its plan
     extra = {"distribution": held} if kinds else {}
+    if width != target.hidden_size:
+        extra["target_hidden_size"] = width
     per_token = shards.bytes_per_token(
         feature_dim, settings.hidden_dtype, topk=held["topk"],
         last_hidden_size=target.hidden_size if held["last_hidden"] else 0)
@@ -144,7 +158,8 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
         attn_bs[b, :lengths[b]] = 1
     topk = settings.distribution_topk if "topk" in settings.distribution else 0
     feats = extract_features(target.model, ids_bs, settings.target_layer_ids, attn_bs,
-                             out_device="cpu", topk=topk)
+                             out_device="cpu", topk=topk,
+                             target_hidden_size=settings.target_hidden_size)
     dtype = shards.HIDDEN_DTYPES[settings.hidden_dtype]
     keep_last = "last_hidden" in settings.distribution
 

@@ -331,10 +331,11 @@ class OnlineDataModule(BlockDataModule):
                  shuffle_seed: int | None = 0, last_turn_only: bool = False,
                  enable_thinking: bool | None = None, demo_rows: int = 512, demo_seed: int = 1,
                  demo_file: str = "outputs/demo/train_conversations.jsonl",
-                 bad_rows: str = "skip", **kw: Any):
+                 bad_rows: str = "skip", target_hidden_size: int | None = None, **kw: Any):
         """``path``, ``split``, ``limit``, ``shuffle_seed``, ``demo_*``: the conversations by
         the names dflash-capture and dflash-regenerate use (one reader:
-        :func:`~dflash_lab.data.conversations.open_conversations`)."""
+        :func:`~dflash_lab.data.conversations.open_conversations`). ``target_hidden_size``: the
+        drafter's per-layer feature width (None = the target's hidden size)."""
         from dflash_lab.data.conversations import check_bad_rows_mode
         from dflash_lab.entry import RENAMED_KEYS, renamed_key_error
 
@@ -346,6 +347,7 @@ class OnlineDataModule(BlockDataModule):
                             demo_rows=demo_rows, demo_seed=demo_seed, demo_file=demo_file)
         self.conversations, self.target = str(path), target
         self.target_layer_ids = list(target_layer_ids)
+        self.target_hidden_size = target_hidden_size
         self.max_length = max_length
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
 
@@ -378,7 +380,7 @@ class OnlineDataModule(BlockDataModule):
         step: online batches carry only ids and masks)."""
         from dflash_lab.target.features import OnlineFeatures
 
-        return OnlineFeatures(self.target.model, self.target_layer_ids)
+        return OnlineFeatures(self.target.model, self.target_layer_ids, self.target_hidden_size)
 
     def target_distribution(self) -> dict[str, Any]:
         """The in-process target gives its final-normed last hidden state with every batch."""
@@ -414,9 +416,11 @@ class OfflineDataModule(BlockDataModule):
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:
-        """The capture is checked against the drafter's layer ids, hidden and vocab size."""
+        """The capture is checked against the drafter's layer ids, hidden size, per-layer
+        feature width and vocab size."""
         return {**super().drafter_inputs(drafter_config),
                 "hidden_size": drafter_config.hidden_size,
+                "target_hidden_size": drafter_config.target_hidden_size,
                 "vocab_size": drafter_config.vocab_size}
 
     @classmethod
@@ -444,6 +448,7 @@ class OfflineDataModule(BlockDataModule):
 
     def __init__(self, path: str, *, target_layer_ids: Sequence[int] | None = None,
                  hidden_size: int | None = None, vocab_size: int | None = None,
+                 target_hidden_size: int | None = None,
                  target: Any = None, verify_checksums: bool | str = "first_use",
                  allow_other_target_weights: bool = False, format: str = "auto",
                  speculators_layer_ids: Sequence[int] | None = None,
@@ -455,6 +460,7 @@ class OfflineDataModule(BlockDataModule):
         self.path = path
         self.expect = {"target_layer_ids": list(target_layer_ids) if target_layer_ids else None,
                        "hidden_size": hidden_size, "vocab_size": vocab_size,
+                       "target_hidden_size": target_hidden_size,
                        "target": target.identity() if target is not None else None,
                        "allow_other_weights": allow_other_target_weights}
         self.verify_checksums = verify_checksums
@@ -475,7 +481,8 @@ class OfflineDataModule(BlockDataModule):
                 self.path, target=self.target, target_layer_ids=self.expect["target_layer_ids"],
                 layer_ids=read_layer_ids(self.speculators["layer_ids"]),
                 hidden_states_path=self.speculators["hidden_states_path"],
-                hidden_size=self.expect["hidden_size"], vocab_size=self.expect["vocab_size"])
+                hidden_size=self.expect["hidden_size"], vocab_size=self.expect["vocab_size"],
+                target_hidden_size=self.expect["target_hidden_size"])
             return self.samples
         self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
                                     **self.expect)

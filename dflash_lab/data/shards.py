@@ -241,7 +241,8 @@ def read_manifest(capture_dir: str | Path) -> dict[str, Any]:
 
 def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
                    target_layer_ids: list[int] | None = None, hidden_size: int | None = None,
-                   vocab_size: int | None = None, target: dict[str, Any] | None = None,
+                   vocab_size: int | None = None, target_hidden_size: int | None = None,
+                   target: dict[str, Any] | None = None,
                    allow_other_weights: bool = False) -> None:
     """Refuse a capture that does not match what the caller (e.g. a drafter) expects.
 
@@ -250,10 +251,11 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
     both values and the fix.
     """
     expected = {"target_layer_ids": target_layer_ids, "hidden_size": hidden_size,
-                "vocab_size": vocab_size}
+                "vocab_size": vocab_size, "target_hidden_size": target_hidden_size}
     actual = {"target_layer_ids": manifest["target_layer_ids"],
               "hidden_size": manifest["hidden_size"],
-              "vocab_size": manifest["target"]["vocab_size"]}
+              "vocab_size": manifest["target"]["vocab_size"],
+              "target_hidden_size": manifest_feature_width(manifest)}
     for key in ("config_hash", "tokenizer_hash"):
         if target is not None:
             expected[f"target.{key}"] = target[key]
@@ -267,6 +269,12 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
             )
     if target is not None:
         check_weights(manifest["target"], target, source, allow_other_weights)
+
+
+def manifest_feature_width(manifest: dict[str, Any]) -> int:
+    """Width of one layer's features in a capture: its ``target_hidden_size`` (recorded only
+    when it is not ``hidden_size``: the flattened streams of a multi-stream target)."""
+    return int(manifest.get("target_hidden_size", manifest["hidden_size"]))
 
 
 #: The override that accepts features of another checkpoint (same config and tokenizer).

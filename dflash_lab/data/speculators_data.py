@@ -156,7 +156,8 @@ class SpeculatorsDataset(Dataset):
 
     def __init__(self, path: str | Path, *, target: Any, target_layer_ids: list[int],
                  layer_ids: list[int] | None = None, hidden_states_path: str | Path | None = None,
-                 hidden_size: int | None = None, vocab_size: int | None = None, **_: Any):
+                 hidden_size: int | None = None, vocab_size: int | None = None,
+                 target_hidden_size: int | None = None, **_: Any):
         from datasets import load_from_disk
 
         if target_layer_ids is None:
@@ -169,8 +170,11 @@ class SpeculatorsDataset(Dataset):
         self.states_dir = Path(hidden_states_path) if hidden_states_path else (
             self.root / HIDDEN_STATES_DIR)
         L, H = target.num_hidden_layers, target.hidden_size
+        # their states are vLLM's aux hidden states: H wide per layer (a multi-stream target's
+        # stream mean), so a drafter reading flattened streams cannot train on them
         for name, want, have in (("hidden_size", hidden_size, H), ("vocab_size", vocab_size,
-                                                                   target.vocab_size)):
+                                                                   target.vocab_size),
+                                 ("target_hidden_size", target_hidden_size, H)):
             if want is not None and int(want) != int(have):
                 raise ValueError(f"{self.root}: the drafter expects {name}={want} but the target "
                                  f"has {have}; use the target the speculators data was made with")

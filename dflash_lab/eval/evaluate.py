@@ -53,9 +53,9 @@ class Decoder:
     that both see the same machine load. Response n samples with ``seed + n`` (T > 0)."""
 
     def __init__(self, model, proposer: Proposer, target_layer_ids: list[int], *,
-                 baseline: bool = True, seed: int = 0):
+                 baseline: bool = True, seed: int = 0, target_hidden_size: int | None = None):
         self.proposer, self.baseline, self.seed = proposer, baseline, seed
-        self.spec_target = TargetRunner(model, target_layer_ids)
+        self.spec_target = TargetRunner(model, target_layer_ids, target_hidden_size)
         self.base_target = TargetRunner(model, None)
 
     def _gen(self, seed: int) -> torch.Generator:
@@ -79,10 +79,12 @@ def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
                      prompts: list[list[int]], settings: DecodeSettings, *, baseline: bool = True,
                      seed: int = 0, warmup: bool = False, progress: bool = True,
                      on_prompt: Callable[[int, Generation], None] | None = None,
+                     target_hidden_size: int | None = None,
                      ) -> tuple[list[Generation], list[Generation] | None]:
     """Speculative generations (and baseline generations) for every prompt. ``warmup`` first
-    runs the first prompt untimed."""
-    decoder = Decoder(model, proposer, target_layer_ids, baseline=baseline, seed=seed)
+    runs the first prompt untimed; ``target_hidden_size``: the drafter's per-layer width."""
+    decoder = Decoder(model, proposer, target_layer_ids, baseline=baseline, seed=seed,
+                      target_hidden_size=target_hidden_size)
     if warmup and prompts:
         decoder.warm(prompts[0], settings)
     spec, base = [], ([] if baseline else None)
@@ -167,7 +169,8 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     decoder = Decoder(target.model, proposer, loaded.drafter.config.target_layer_ids,
-                      baseline=cfg.baseline, seed=cfg.seed)
+                      baseline=cfg.baseline, seed=cfg.seed,
+                      target_hidden_size=loaded.drafter.config.target_hidden_size)
     responder = LocalResponder(
         decoder, target.tokenizer,
         lambda max_new: DecodeSettings(max_new, float(cfg.temperature), cfg.sampling, stops),

@@ -17,7 +17,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dflash_lab.target.features import check_target_layer_ids, hf_hidden_state_indices
+from dflash_lab.target.features import (
+    check_feature_width,
+    check_layer_ids_for_streams,
+    check_target_layer_ids,
+    hf_hidden_state_indices,
+    layer_features,
+)
 from dflash_lab.target.loader import text_config
 
 
@@ -59,10 +65,14 @@ class TargetRunner:
     forward of accepted + 1 tokens per round, counted in the verify time).
     """
 
-    def __init__(self, model, target_layer_ids: list[int] | None = None):
+    def __init__(self, model, target_layer_ids: list[int] | None = None,
+                 target_hidden_size: int | None = None):
         if target_layer_ids is not None:
             check_target_layer_ids(target_layer_ids,
                                    int(text_config(model.config).num_hidden_layers))
+            check_layer_ids_for_streams(model.config, target_layer_ids)
+        #: per-layer feature width (None = H; multi-stream targets: features.layer_features)
+        self.width = check_feature_width(model.config, target_hidden_size, "target_hidden_size")
         self.model = model
         self.hidden_indices = (None if target_layer_ids is None
                                else hf_hidden_state_indices(target_layer_ids))
@@ -115,7 +125,7 @@ class TargetRunner:
             logits = logits[-1:]
         features = None
         if want_features:
-            features = torch.cat([out.hidden_states[i].to(self.device)
+            features = torch.cat([layer_features(out.hidden_states[i], self.width).to(self.device)
                                   for i in self.hidden_indices], dim=-1)
         return StepOutput(logits, features)
 

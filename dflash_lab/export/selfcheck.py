@@ -139,7 +139,7 @@ def _probe(config: DrafterConfig, seed: int = 0) -> dict[str, Any]:
     h = config.hidden_size
     anchor = torch.randint(0, config.vocab_size, (1,), generator=gen)
     return {
-        "feats": torch.randn(1, num_ctx, len(config.target_layer_ids) * h, generator=gen),
+        "feats": torch.randn(1, num_ctx, config.num_features, generator=gen),
         "anchor": anchor,
         "embed": _ProbeEmbedding([int(anchor), config.mask_token_id], h, gen),
         "head": torch.randn(max(min(config.vocab_size, 256), config.selector_top_k or 0), h,

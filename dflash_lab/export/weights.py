@@ -44,7 +44,7 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, \
         config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (h, len(config.target_layer_ids) * h),
+        "fc.weight": (h, config.num_features),
         "hidden_norm.weight": (h,), "norm.weight": (h,),
     }
     for i in range(config.num_hidden_layers):

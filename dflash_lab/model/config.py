@@ -133,7 +133,9 @@ class DrafterConfig:
     """Shape and attention layout of a DFlash drafter (Qwen3-style decoder layers).
 
     Shapes follow HF Qwen3 names. ``hidden_size`` must equal the target's hidden size because the
-    drafter shares the target's embedding and LM head.
+    drafter shares the target's embedding and LM head. ``target_hidden_size`` is the width of
+    one target layer's features (``fc`` reads len(target_layer_ids) of them): H, except for
+    the flattened streams of a multi-stream target (n*H; target/features.py).
     """
 
     hidden_size: int  #: = target hidden size H
@@ -195,12 +197,18 @@ class DrafterConfig:
     attention_gate: str | None = None
     #: Laguna: RoPE rotates the first int(head_dim * factor) dims of each head (neox halves)
     partial_rotary_factor: float = 1.0
+    #: width of one target layer's features, T: fc is [H, len(target_layer_ids) * T]; None =
+    #: hidden_size. A multi-stream target (``hc_mult`` = n) gives H (the streams' mean, what
+    #: vLLM and SGLang feed) or n*H (flattened streams); vLLM reads the top-level key
+    target_hidden_size: int | None = None
     _source: str = field(default="<DrafterConfig>", repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
         if self.layer_types is None:
             self.layer_types = [FULL] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
@@ -241,6 +249,7 @@ class DrafterConfig:
             self._fail("mask_token_id", self.mask_token_id,
                        f"must be in [0, vocab_size={self.vocab_size}); use the target's MASK id")
         self._validate_target_layers()
+        self._validate_target_width()
         self._validate_layers()
         self._validate_rope()
         self._validate_variant()
@@ -285,6 +294,22 @@ class DrafterConfig:
                        "(z-lab convention: id i = output of decoder layer i)")
         if len(set(ids)) != len(ids):
             self._fail("target_layer_ids", ids, "ids must be distinct")
+
+    def _validate_target_width(self) -> None:
+        width = self.target_hidden_size
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            self._fail("target_hidden_size", width,
+                       "must be a positive integer: the width of one target layer's features "
+                       "(null = hidden_size)")
+        if width != self.hidden_size and self.aux_hidden_norms:
+            self._fail("target_hidden_size", width,
+                       f"must equal hidden_size={self.hidden_size} with aux_hidden_norms: vLLM's "
+                       "laguna_dflash.py sizes fc and its norms from the target's hidden size")
+
+    @property
+    def num_features(self) -> int:
+        """fc's input width F = len(target_layer_ids) * target_hidden_size."""
+        return len(self.target_layer_ids) * self.target_hidden_size
 
     def _validate_layers(self) -> None:
         n = self.num_hidden_layers
@@ -529,6 +554,8 @@ class DrafterConfig:
             dflash["swa_window_size"] = self.sliding_window
         if self.has_draft_vocab:  # vLLM sizes the draft head and d2t from the top-level key
             out["draft_vocab_size"] = self.draft_vocab_size
+        if self.target_hidden_size != self.hidden_size:  # vLLM sizes fc from the top-level key
+            out["target_hidden_size"] = self.target_hidden_size
         if uniform is not None:
             out["is_causal"] = uniform
             dflash["causal"] = uniform
@@ -590,7 +617,7 @@ VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(DSPARK_DEFAULTS) + tuple(SCALE_DE
 #: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
 OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
     "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
-    TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY, "draft_vocab_size",
+    TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY, "draft_vocab_size", "target_hidden_size",
     "rope_parameters",  # transformers 5 re-saves rope_theta there
 }
 OUR_DFLASH_KEYS = frozenset(
@@ -736,7 +763,8 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
         learned_mask_embedding=bool(spec.get("learned_mask_embedding", False)),
         attention_sink_bias=bool(dfc.get("attention_sink_bias", False)),
         sample_from_anchor=bool(dfc.get("sample_from_anchor", False)),
-        draft_vocab_size=d.get("draft_vocab_size"))
+        draft_vocab_size=d.get("draft_vocab_size"),
+        target_hidden_size=d.get("target_hidden_size"))
     laguna = dict(spec.get("laguna") or {})
     reject_unknown_keys(set(laguna), frozenset(LAGUNA_DEFAULTS), f"{TRAINING_SPEC_KEY}.laguna.",
                         source)

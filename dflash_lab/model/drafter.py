@@ -63,8 +63,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         self.backend_name = backend
-        num_features = len(config.target_layer_ids) * config.hidden_size
-        self.fc = nn.Linear(num_features, config.hidden_size, bias=False)
+        self.fc = nn.Linear(config.num_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Laguna: one RMSNorm per target-layer slice of the features, before fc
         self.aux_hidden_norms = nn.ModuleList(
@@ -201,7 +200,8 @@ class DFlashDrafter(nn.Module):
             raise ValueError(
                 f"target features have width {target_hidden_bsf.shape[-1]}, the drafter expects "
                 f"{self.fc.in_features} = {len(self.config.target_layer_ids)} layers x "
-                f"{self.config.hidden_size}; check target_layer_ids and the target model")
+                f"{self.config.target_hidden_size} (target_hidden_size); check target_layer_ids "
+                "and the target model")
         x_bsf = target_hidden_bsf.to(self.fc.weight.dtype)
         if self.aux_hidden_norms is not None:  # vLLM's combine_hidden_states for Laguna
             slices = x_bsf.chunk(len(self.aux_hidden_norms), dim=-1)

@@ -1,8 +1,18 @@
 """Target feature extraction: THE function used by offline capture, online training and eval.
 
-Shape legend: Bt batch, S sequence length, H target hidden size, nL = len(target_layer_ids),
-F = nL*H concatenated features, V vocab (suffix letters: docs/architecture.md).
+Shape legend: Bt batch, S sequence length, H target hidden size, n streams of a multi-stream
+target (``hc_mult``), T the per-layer feature width the drafter reads (``target_hidden_size``:
+H, or n*H), nL = len(target_layer_ids), F = nL*T concatenated features, V vocab (suffix letters:
+docs/architecture.md).
 Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``.
+
+Multi-stream targets (hyper-connections: DeepSeek-V4's mHC, GLM-5-next, HY-V4; ``hc_mult`` = n)
+carry n residual streams: transformers returns their layer outputs as [Bt, S, n, H]. What a
+drafter reads of them is :func:`layer_features`, the one definition: the mean over the streams
+(T = H), as vLLM 0.32 (``aux_recon.mean(dim=1)`` in models/deepseek_v4, ``hc_contract`` in
+glm5next) and SGLang 0.5.23 (``mhc_stream_mean`` in deepseek_v4.py) hand them to an
+EAGLE-3 / DFlash / DSpark drafter, or the flattened streams (T = n*H, the layout of
+speculators' unmerged hc_mult pull request 524), which no engine release feeds a DFlash drafter.
 """
 
 from __future__ import annotations
@@ -58,6 +68,66 @@ def chunked_topk(lm_head: torch.nn.Module, normed_bsh: torch.Tensor, k: int,
     return ids.view(shape), logprobs.view(shape)
 
 
+def num_streams(config) -> int:
+    """n residual streams of a multi-stream target (``hc_mult``; Qwen4-exp: ``hc_count``), 1
+    for an ordinary one."""
+    text = text_config(config)
+    return int(getattr(text, "hc_mult", None) or getattr(text, "hc_count", None) or 1)
+
+
+def stream_widths(config) -> tuple[int, ...]:
+    """The per-layer feature widths a drafter of this target can read: (H,) for an ordinary
+    target; (H, n*H) for a multi-stream one (stream mean, flattened streams)."""
+    hidden, n = int(text_config(config).hidden_size), num_streams(config)
+    return (hidden,) if n == 1 else (hidden, n * hidden)
+
+
+def check_feature_width(config, target_hidden_size: int | None, where: str) -> int:
+    """``target_hidden_size`` (None = H) if this target can give it, else a ValueError naming
+    the widths it gives and the fix."""
+    widths = stream_widths(config)
+    width = widths[0] if target_hidden_size is None else int(target_hidden_size)
+    if width not in widths:
+        fix = ("the target's hidden_size" if len(widths) == 1 else
+               f"{widths[0]} (the mean of its {num_streams(config)} streams, what vLLM and "
+               f"SGLang feed a drafter) or {widths[1]} (the flattened streams)")
+        raise ValueError(f"{where}={width}: the target gives features {list(widths)} wide per "
+                         f"layer; use {fix}")
+    return width
+
+
+def check_layer_ids_for_streams(config, target_layer_ids: list[int]) -> None:
+    """Refuse the last layer's id on a multi-stream target: transformers ties
+    ``hidden_states[L]`` to the collapsed, normed final state (hc_head), not the streams the
+    engines average, so the feature would differ from what they feed."""
+    last = int(text_config(config).num_hidden_layers) - 1
+    if num_streams(config) > 1 and last in [int(i) for i in target_layer_ids]:
+        raise ValueError(f"target_layer_ids={list(target_layer_ids)}: id {last} (the last "
+                         "layer) of a multi-stream target has no stream output in transformers "
+                         "(hidden_states[-1] is the collapsed final state); pick ids below it")
+
+
+def layer_features(state: torch.Tensor, width: int) -> torch.Tensor:
+    """One target layer's output as a drafter reads it: [Bt, S, T = width].
+
+    ``state``: HF ``hidden_states[i + 1]``, [Bt, S, H] or, multi-stream, [Bt, S, n, H]; width H
+    takes the streams' mean (vLLM's and SGLang's feed), width n*H the flattened streams.
+    """
+    if state.dim() == 3:
+        if state.shape[-1] != width:
+            raise ValueError(f"target layer output is {state.shape[-1]} wide, the drafter reads "
+                             f"{width} (target_hidden_size): set it to {state.shape[-1]}")
+        return state
+    n, hidden = state.shape[-2], state.shape[-1]
+    if width == hidden:
+        return state.mean(dim=-2)
+    if width == n * hidden:
+        return state.flatten(-2)
+    raise ValueError(f"target layer output has {n} streams of {hidden}; the drafter reads "
+                     f"{width} (target_hidden_size): use {hidden} (stream mean) or {n * hidden} "
+                     "(flattened streams)")
+
+
 def hf_hidden_state_indices(target_layer_ids: list[int]) -> list[int]:
     """z-lab layer ids -> indices into HF ``output_hidden_states`` (= vLLM aux-layer ids)."""
     return [int(i) + 1 for i in target_layer_ids]
@@ -91,7 +161,7 @@ def chunked_argmax(lm_head: torch.nn.Module, normed_bsh: torch.Tensor,
 def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[int],
                      attention_mask_bs: torch.Tensor | None = None,
                      out_device: torch.device | str | None = None,
-                     topk: int = 0) -> TargetFeatures:
+                     topk: int = 0, target_hidden_size: int | None = None) -> TargetFeatures:
     """Run the frozen target once and return its features at every position.
 
     ``model``: an HF causal LM; ``input_ids_bs`` [Bt, S]; ``attention_mask_bs`` [Bt, S] (1 = real
@@ -101,9 +171,12 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
     ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
     return hidden states on several devices; they are gathered there). The final-normed last
     hidden state comes along (``last_bsh``, it costs nothing more); ``topk`` > 0 adds the
-    target's top-k next tokens and their log-probabilities.
+    target's top-k next tokens and their log-probabilities. ``target_hidden_size``: the per-layer
+    width (None = H; a multi-stream target: :func:`layer_features`).
     """
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
+    check_layer_ids_for_streams(model.config, target_layer_ids)
+    width = check_feature_width(model.config, target_hidden_size, "target_hidden_size")
     embed_device = model.get_input_embeddings().weight.device
     out_device = torch.device(out_device) if out_device is not None else input_ids_bs.device
     if attention_mask_bs is not None:
@@ -113,7 +186,8 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                                 use_cache=False)
     states = base_out.hidden_states
     hidden_bsf = torch.cat(
-        [states[i].to(out_device) for i in hf_hidden_state_indices(target_layer_ids)], dim=-1)
+        [layer_features(states[i], width).to(out_device)
+         for i in hf_hidden_state_indices(target_layer_ids)], dim=-1)
     lm_head = model.get_output_embeddings()
     last_bsh = base_out.last_hidden_state.to(lm_head.weight.device)
     argmax_bs = chunked_argmax(lm_head, last_bsh).to(out_device)
@@ -136,8 +210,10 @@ class OnlineFeatures:
     never in its checkpoints, never moved or cast by Lightning.
     """
 
-    def __init__(self, model, target_layer_ids: list[int]):
+    def __init__(self, model, target_layer_ids: list[int],
+                 target_hidden_size: int | None = None):
         self.model, self.target_layer_ids = model, list(target_layer_ids)
+        self.target_hidden_size = target_hidden_size  #: per-layer width (None = H)
 
     def __call__(self, input_ids_bs: torch.Tensor,
                  document_ids_bs: torch.Tensor | None = None) -> TargetFeatures:
@@ -148,14 +224,16 @@ class OnlineFeatures:
             self.model.to(device)
         with torch.autocast(device.type, enabled=False):
             if document_ids_bs is None:
-                return extract_features(self.model, input_ids_bs, self.target_layer_ids)
+                return extract_features(self.model, input_ids_bs, self.target_layer_ids,
+                                        target_hidden_size=self.target_hidden_size)
             return per_document_features(self.model, input_ids_bs, document_ids_bs,
-                                         self.target_layer_ids)
+                                         self.target_layer_ids, self.target_hidden_size)
 
 
 @torch.no_grad()
 def per_document_features(model, input_ids_bs: torch.Tensor, document_ids_bs: torch.Tensor,
-                          target_layer_ids: list[int]) -> TargetFeatures:
+                          target_layer_ids: list[int],
+                          target_hidden_size: int | None = None) -> TargetFeatures:
     """Target features of packed rows, each document computed ALONE: the documents are cut out
     (one right-padded row each), run through :func:`extract_features` and put back in place.
 
@@ -174,7 +252,8 @@ def per_document_features(model, input_ids_bs: torch.Tensor, document_ids_bs: to
     docs_dl = input_ids_bs.new_zeros(len(spans), longest)
     for i, (row, start, length) in enumerate(spans):
         docs_dl[i, :length] = input_ids_bs[row, start:start + length]
-    alone = extract_features(model, docs_dl, target_layer_ids)
+    alone = extract_features(model, docs_dl, target_layer_ids,
+                             target_hidden_size=target_hidden_size)
 
     def place(per_doc: torch.Tensor | None) -> torch.Tensor | None:
         if per_doc is None:

@@ -19,6 +19,7 @@ from typing import Any
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.model.rope import PARAMETERS, REFUSED_TYPES, is_nested
+from dflash_lab.target.features import check_feature_width, check_layer_ids_for_streams
 from dflash_lab.target.loader import text_config
 from dflash_lab.target.mask_token import resolve_mask_token_id
 
@@ -48,7 +49,9 @@ def _flat_rope_parameters(config) -> dict[str, Any]:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", None))
     if is_nested(params):
-        chosen = "full_attention" if "full_attention" in params else sorted(params)[0]
+        # DeepSeek-V4 names its attention RoPE "main" (its "compress" one rotates the
+        # compressed KV branches)
+        chosen = next((k for k in ("full_attention", "main") if k in params), sorted(params)[0])
         log.info("target RoPE is per layer type %s; the drafter uses the %s entry %s",
                  sorted(params), chosen, params[chosen])
         params = params[chosen]
@@ -138,8 +141,13 @@ def drafter_config_for_target(target, **fields: Any) -> DrafterConfig:
     fields["mask_token_id"] = resolve_mask_token_id(
         target.tokenizer, fields.get("mask_token_id"), vocab_size=int(fields["vocab_size"]),
         where=str(target.name_or_path))
-    return DrafterConfig.create(source=f"drafter config for target {target.name_or_path}",
-                                **fields)
+    # a multi-stream target gives two widths per layer (stream mean = H, flattened = n*H)
+    fields["target_hidden_size"] = check_feature_width(
+        target.model.config, fields.get("target_hidden_size"), "drafter.target_hidden_size")
+    config = DrafterConfig.create(source=f"drafter config for target {target.name_or_path}",
+                                  **fields)
+    check_layer_ids_for_streams(target.model.config, config.target_layer_ids)
+    return config
 
 
 def build_drafter(target, backend: str = "auto", init_from: str | None = None,
