@@ -114,7 +114,7 @@ def serving_config(config: DrafterConfig, dtype: str,
         **{k: getattr(config, k) for k in DSPARK_DEFAULTS},
         "sample_from_anchor": config.sample_from_anchor,  # update_dspark: absent = false
         "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
-        "target_hidden_size": config.hidden_size,
+        "target_hidden_size": config.target_hidden_size,  # fc: DFlashQwen3Model's rule
         "use_aux_hidden_state": True,
         "speculators_config": {
             "algorithm": KIND, "default_proposal_method": KIND,

@@ -126,11 +126,7 @@ def _rope(tl: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _refuse_speculators_features(d: dict[str, Any], tl: dict[str, Any], file: Path) -> None:
-    hidden = tl.get("hidden_size")
-    if d.get("target_hidden_size") not in (None, hidden):
-        raise ValueError(f"{file}: target_hidden_size={d['target_hidden_size']} differs from "
-                         f"hidden_size={hidden}; the drafter must have the target's width")
+def _refuse_speculators_features(d: dict[str, Any], file: Path) -> None:
     if d.get("mask_token_id") is None:
         raise ValueError(f"{file}: mask_token_id is null; set it in config.json to the MASK id "
                          "the drafter was trained with")
@@ -146,7 +142,7 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
     if kind == "dspark" and TRAINING_SPEC_KEY in tl:  # our export (export/dspark.py): exact
         return dspark.config_of(d, str(file)), ["dflash-lab DSpark export: the recorded "
                                                 "drafter, checked against update_dspark"]
-    _refuse_speculators_features(d, tl, file)
+    _refuse_speculators_features(d, file)
     aux = d.get("aux_hidden_state_layer_ids")
     if not aux or min(aux) < 1:
         raise ValueError(f"{file}: aux_hidden_state_layer_ids={aux}: need ids >= 1 (speculators "
@@ -168,6 +164,9 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
         fields.update({k: int(d[k]) for k in _DFLASH2_FIELDS})
     if d.get("draft_vocab_size") is not None:  # a reduced one: lm_head [N, H], d2t and t2d
         fields["draft_vocab_size"] = int(d["draft_vocab_size"])
+    # vLLM's update_dflash copies it beside hidden_size and sizes fc from it (qwen3_dflash.py);
+    # speculators 0.9.0 declares it but builds fc from hidden_size: the weights decide
+    fields["target_hidden_size"] = d.get("target_hidden_size")
     notes = [f"speculators aux_hidden_state_layer_ids {list(aux)} read as target_layer_ids "
              f"{ids} (speculators counts hidden_states: i+1)",
              f"num_target_layers not recorded; assumed {max(ids) + 1} (training and eval use "

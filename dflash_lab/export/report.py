@@ -61,6 +61,10 @@ def drafter_lines(config: DrafterConfig) -> list[str]:
                  f"confidence head: {conf}"]
     else:
         lines = ["- variant: dflash1 (DFlashDraftModel)"]
+    lines.append(f"- fc reads {len(config.target_layer_ids)} target layers x "
+                 f"{config.target_hidden_size} = {config.num_features}"
+                 + (" (target_hidden_size: a multi-stream target's flattened streams)"
+                    if config.target_hidden_size != config.hidden_size else ""))
     if config.sample_from_anchor:
         lines.append(f"- sample_from_anchor: true (slot k predicts the token at anchor + k + 1: "
                      f"{config.num_draft_tokens} drafts per block)")

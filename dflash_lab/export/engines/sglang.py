@@ -46,6 +46,7 @@ from dflash_lab.export.engines.common import (
     hf_view,
 )
 from dflash_lab.export.engines.rope import apply_rope
+from dflash_lab.export.engines.streams import sglang_width
 from dflash_lab.export.engines.variant import declared_scales, drop_scale, sglang_variant
 
 
@@ -221,6 +222,7 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release
                              "this layout: read as flashinfer")
         backend = "flashinfer"
     sglang_variant(config, artifacts, reading, current=rel.dflash2)
+    sglang_width(config, reading)
     if not reading.refusal:
         _embedding_scale(config, artifacts, reading)
     if not reading.refusal:

@@ -19,6 +19,7 @@ Sources (read from the released wheels, file ``vllm/model_executor/models/qwen3_
   ``dflash_config.attention_sink_bias`` is true.
 - DFlash 2 (``qwen3_dflash2.py``) and the three scales: :mod:`dflash_lab.export.engines.variant`.
 - RoPE (``get_rope`` from ``config.rope_parameters``): :mod:`dflash_lab.export.engines.rope`.
+- ``target_hidden_size`` (fc's input width): :mod:`dflash_lab.export.engines.streams`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dflash_lab.export.engines.common import (
     hf_view,
 )
 from dflash_lab.export.engines.rope import apply_rope
+from dflash_lab.export.engines.streams import vllm_width
 from dflash_lab.export.engines.variant import vllm_variant
 
 
@@ -83,6 +85,7 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
     vllm_variant(config, artifacts, reading, legacy=not honors_is_causal, runner=runner)
+    vllm_width(config, reading)
     if not reading.refusal:
         apply_rope(reading, config, "vllm")
     if reading.refusal:

@@ -106,6 +106,8 @@ def drafter_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     fields["sample_from_anchor"] = bool(dfc.get("sample_from_anchor", False))
     if d.get("draft_vocab_size") is not None:  # vLLM sizes the draft head and d2t from it
         fields["draft_vocab_size"] = d["draft_vocab_size"]
+    if d.get("target_hidden_size"):  # vLLM sizes fc from it (engines/streams.py)
+        fields["target_hidden_size"] = d["target_hidden_size"]
     return fields
 
 
