@@ -162,11 +162,27 @@ def check_target(config: DrafterConfig, target: dict[str, Any] | None,
                                f"{key}={want}: the drafter shares the target's embedding and LM "
                                "head; retrain for this target" + _full_vocab(config, key),
                                lossy=False))
+    out += _check_width(config, text, source)
     layers = text.get("num_hidden_layers")
     if layers is not None and max(config.target_layer_ids) >= int(layers):
         out.append(Finding(REFUSE, f"target_layer_ids {config.target_layer_ids} reach past the "
                            f"{layers} layers of {source}; retrain for this target", lossy=False))
     return out
+
+
+def _check_width(config: DrafterConfig, text: dict[str, Any], source: str) -> list[Finding]:
+    """target_hidden_size must be a width the target gives per layer: H, or for a multi-stream
+    target (hc_mult / hc_count = n streams) n*H (target/features.py)."""
+    hidden = text.get("hidden_size")
+    if hidden is None or int(hidden) != config.hidden_size:  # refused above already
+        return []
+    streams = int(text.get("hc_mult") or text.get("hc_count") or 1)
+    widths = {int(hidden), streams * int(hidden)}
+    if config.target_hidden_size in widths:
+        return []
+    return [Finding(REFUSE, f"drafter target_hidden_size={config.target_hidden_size} but "
+                    f"{source} gives features {sorted(widths)} wide per layer ({streams} "
+                    "stream(s)); retrain for this target", lossy=False)]
 
 
 def _full_vocab(config: DrafterConfig, key: str) -> str:
