@@ -116,6 +116,9 @@ def test_our_block_size_copies_must_agree():
     ({"is_causal": [True]}, "is_causal", "per-layer list"),
     ({"block_size": 1}, "block_size", ">= 2"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4}}, "rope_scaling", "not supported"),
+    ({"target_hidden_size": 0}, "target_hidden_size", "positive integer"),
+    ({"target_hidden_size": 192, "aux_hidden_norms": True}, "target_hidden_size",
+     "laguna_dflash.py"),
 ])
 def test_validation_errors_name_key_and_fix(override, key, hint):
     with pytest.raises(ValueError, match=key) as err:
@@ -161,3 +164,25 @@ def test_hydra_containers_become_plain_python():
     assert type(cfg.is_causal) is list and type(cfg.layer_types) is list
     assert type(cfg.rope_scaling) is dict
     json.dumps(cfg.to_dict())
+
+
+def test_target_hidden_size_defaults_to_hidden_and_sizes_fc():
+    """T (one target layer's feature width) defaults to H and is not written then; a
+    multi-stream target's flattened streams (T = 4 x 48) are written top level, where vLLM's
+    _get_dflash_fc_input_size reads them, and read back."""
+    import torch
+
+    from dflash_lab.model.drafter import DFlashDrafter
+
+    plain = tiny_drafter_config()
+    assert plain.target_hidden_size == 48 and plain.num_features == 3 * 48
+    assert "target_hidden_size" not in plain.to_dict()
+    wide = tiny_drafter_config(target_hidden_size=192)
+    d = json.loads(json.dumps(wide.to_dict()))
+    assert d["target_hidden_size"] == 192 and d["hidden_size"] == 48
+    assert DrafterConfig.from_dict(d) == wide
+    drafter = DFlashDrafter(wide)
+    assert drafter.fc.weight.shape == (48, 3 * 192)
+    assert drafter.fuse(torch.randn(1, 5, 3 * 192)).shape == (1, 5, 48)
+    with pytest.raises(ValueError, match=r"width 144, the drafter expects 576 = 3 layers x 192"):
+        drafter.fuse(torch.randn(1, 5, 3 * 48))
