@@ -236,8 +236,11 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
     """A third-party config.json as rule set ``assume`` runs it (z-lab's reading for every other
     field), and the rule sets that read it differently; ``--inspect`` resolves it the same way."""
     rule_set = get_rule_set(assume)
-    # the import renames z-lab's '.weight' codebooks, so no rule set should refuse over them
-    readings = read_all(d, dataclasses.replace(artifacts, suffixed_codebooks=False))
+    # the import renames z-lab's '.weight' codebooks, so no rule set should refuse over them;
+    # the layout does not depend on fc's width (target_hidden_size: engines/streams.py refuses
+    # the flattened streams at export and --inspect, not at import)
+    layout_only = {k: v for k, v in d.items() if k != "target_hidden_size"}
+    readings = read_all(layout_only, dataclasses.replace(artifacts, suffixed_codebooks=False))
     reading = readings[rule_set.name]
     if not reading.loads:
         raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "

@@ -37,16 +37,22 @@ def _shape(config: dict[str, Any], width: int) -> str:
     return f"[{config['hidden_size']}, {n} x {width}]"
 
 
-def vllm_width(config: dict[str, Any], reading: EngineReading) -> None:
+def vllm_width(config: dict[str, Any], reading: EngineReading, legacy: bool = False) -> None:
     """vLLM sizes fc from T but feeds H per layer: T != H loads and cannot run (a refusal like
-    the others, so ``--allow_lossy`` still writes the directory, loudly)."""
+    the others, so ``--allow_lossy`` still writes the directory, loudly). ``legacy``: vLLM <=
+    0.26, whose fc sizing was not read here; its targets feed H all the same."""
     width, hidden = declared_width(config), int(config["hidden_size"])
-    if width != hidden and not reading.refusal:
-        reading.refusal = (
-            f"loads, then fails at the first draft step: it builds fc {_shape(config, width)} "
-            f"from target_hidden_size={width}, but its targets feed {hidden} per layer (a "
-            "multi-stream target: the mean of its streams, models/deepseek_v4 "
-            "aux_recon.mean(dim=1)); train with target_hidden_size=hidden_size to serve")
+    if width == hidden or reading.refusal:
+        return
+    feed = (f"its targets feed {hidden} per layer (a multi-stream target: the mean of its "
+            "streams, models/deepseek_v4 aux_recon.mean(dim=1)); train with "
+            "target_hidden_size=hidden_size to serve")
+    if legacy:
+        reading.refusal = (f"cannot run the checkpoint's fc {_shape(config, width)} "
+                           f"(target_hidden_size={width}): {feed}")
+        return
+    reading.refusal = (f"loads, then fails at the first draft step: it builds fc "
+                       f"{_shape(config, width)} from target_hidden_size={width}, but {feed}")
 
 
 def sglang_width(config: dict[str, Any], reading: EngineReading) -> None:

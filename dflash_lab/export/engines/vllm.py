@@ -85,7 +85,7 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
     vllm_variant(config, artifacts, reading, legacy=not honors_is_causal, runner=runner)
-    vllm_width(config, reading)
+    vllm_width(config, reading, legacy=not honors_is_causal)
     if not reading.refusal:
         apply_rope(reading, config, "vllm")
     if reading.refusal:
