@@ -321,6 +321,12 @@ class OnlineDataModule(BlockDataModule):
     runs_target: ClassVar[bool] = True
 
     @classmethod
+    def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:
+        """The features are made for the drafter's layer ids and per-layer width."""
+        return {**super().drafter_inputs(drafter_config),
+                "target_hidden_size": drafter_config.target_hidden_size}
+
+    @classmethod
     def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
         """Conversations are cut to ``data.max_length`` tokens."""
         limit = data_cfg.get("max_length")
