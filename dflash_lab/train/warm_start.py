@@ -38,7 +38,7 @@ WEIGHT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
                  "head_dim", "intermediate_size", "vocab_size", "attention_bias",
                  "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
                  "conv_group_size", "selector_rank", "markov_rank", "markov_head_type",
-                 "enable_confidence_head", "confidence_head_with_markov")
+                 "enable_confidence_head", "confidence_head_with_markov", "target_hidden_size")
 #: Hydra keys of conf/drafter that are no DrafterConfig field.
 NOT_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults")
 
@@ -170,6 +170,7 @@ def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str,
     checked against its ``SHA256SUMS`` unless ``verify_checksums`` is off)."""
     from dflash_lab.export.sources import load_source, with_target_vocab
     from dflash_lab.target.mask_token import resolve_mask_token_id
+    from dflash_lab.target.features import check_feature_width, check_layer_ids_for_streams
     from dflash_lab.train.factory import target_shape
 
     where = str(init_from)
@@ -185,6 +186,10 @@ def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str,
     overrides, depth = explicit_overrides(fields), int(shape["num_target_layers"])
     changed = check_depth(source, depth, overrides, where)
     config = merged_config(source.config, overrides, depth, where)
+    # fc's width must be one the loaded target gives (H; a multi-stream target also n*H)
+    check_feature_width(target.model.config, config.target_hidden_size,
+                        f"{where}: target_hidden_size")
+    check_layer_ids_for_streams(target.model.config, config.target_layer_ids)
     resolve_mask_token_id(target.tokenizer, config.mask_token_id, vocab_size=config.vocab_size,
                           where=str(target.name_or_path))
     other_target_weights(source, target, where)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -114,3 +115,42 @@ def test_a_width_the_target_cannot_give_is_refused_at_start_up(ds, ds_dir, tmp_p
             "data=online", "data.path=demo", "data.demo_rows=8",
             f"data.demo_file={tmp_path / 'demo.jsonl'}"]))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_last_layer_id_is_refused_for_a_multi_stream_target(ds):
+    """transformers' hidden_states[-1] of DeepSeek-V4 is the collapsed final state, not the
+    streams the engines average: a drafter reading it would not match what they feed."""
+    from dflash_lab.train.factory import drafter_config_for_target
+
+    assert drafter_config_for_target(ds, target_layer_ids=LAYERS, num_hidden_layers=1,
+                                     mask_token_id=ds.token_id(MASK_TOKEN)).num_features == 2 * H
+    with pytest.raises(ValueError, match=r"id 5 \(the last layer\)"):
+        drafter_config_for_target(ds, target_layer_ids=[1, 5], num_hidden_layers=1,
+                                  mask_token_id=ds.token_id(MASK_TOKEN))
+
+
+def test_warm_start_from_a_flattened_streams_export(ds, tiny_target, tmp_path):
+    """drafter.init_from an export with target_hidden_size = n x H: the same config and weights
+    on the multi-stream target; refused on a one-stream target of the same width and vocab."""
+    from dflash_lab.export.api import export_drafter
+    from dflash_lab.export.sources import Source
+    from dflash_lab.export.weights import expected_shapes
+    from dflash_lab.train.factory import drafter_config_for_target
+    from tests.train.test_warm_start import assert_same_weights, warm
+
+    width = DEEPSEEK_V4_STREAMS * H
+    config = drafter_config_for_target(ds, target_layer_ids=LAYERS, num_hidden_layers=1,
+                                       block_size=4, target_hidden_size=width,
+                                       mask_token_id=ds.token_id(MASK_TOKEN))
+    gen = torch.Generator().manual_seed(2)
+    state = {k: torch.randn(shape, generator=gen) * 0.1
+             for k, shape in expected_shapes(config).items()}
+    export_drafter(Source(config, state, "checkpoint", "wide"), tmp_path / "export",
+                   dtype="float32", allow_lossy=True)
+    drafter = warm(ds, tmp_path / "export", target_layer_ids=LAYERS)
+    assert drafter.config.target_hidden_size == width and drafter.config.to_dict() == \
+        config.to_dict()
+    assert_same_weights(drafter, state)
+    assert tiny_target.hidden_size == H and tiny_target.vocab_size == ds.vocab_size
+    with pytest.raises(ValueError, match=r"target_hidden_size=256: the target gives .*\[64\]"):
+        warm(tiny_target, tmp_path / "export", target_layer_ids=LAYERS)
