@@ -122,6 +122,9 @@ def test_auto_detection_and_directories_that_are_neither(tmp_path, spec_dir):
                                      r".* check data.speculators_layer_ids"),
     ({"layer_ids": [2, 2, 8]}, r"need distinct ids in \[0, 8\]"),
     ({"hidden_size": 32}, r"the drafter expects hidden_size=32 but the target has 64"),
+    # their states are vLLM's aux hidden states: H per layer (a multi-stream target's mean)
+    ({"target_hidden_size": 256}, r"the drafter expects target_hidden_size=256 but the target "
+                                  r"has 64"),
     ({"hidden_states_path": "/nonexistent/hs"}, r"no hidden-states directory"),
 ])
 def test_what_cannot_be_used_is_refused_naming_the_field(spec_dir, tiny_target, kw, message):

@@ -273,3 +273,16 @@ def test_stage_commands_run_an_offline_recipe_stage_by_stage(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert code == 0, out
     assert progress(out) == {"capture": "skipped", "train": "done"}
+
+
+def test_the_capture_stage_reads_the_drafters_feature_width():
+    """A drafter of a multi-stream target's flattened streams gets a capture of that width."""
+    from omegaconf import OmegaConf
+
+    from dflash_lab.pipeline_args import capture_layers
+
+    plain = OmegaConf.create({"drafter": {"target_layer_ids": 3, "target_hidden_size": None}})
+    assert capture_layers(plain) == ["capture.target_layer_ids=3"]
+    wide = OmegaConf.create({"drafter": {"target_layer_ids": [1, 3], "target_hidden_size": 256}})
+    assert capture_layers(wide) == ["capture.target_layer_ids=[1,3]",
+                                    "capture.target_hidden_size=256"]
