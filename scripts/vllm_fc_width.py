@@ -1,12 +1,12 @@
-"""The width vLLM's own DFlash code gives a drafter's ``fc`` input, for a serving directory (and
+"""The width vLLM's own DFlash code gives a drafter's ``fc`` input, for serving directories (and
 what its speculators converter keeps of ``target_hidden_size``). vLLM side (.venv-vllm); imports
-nothing of dflash_lab. Prints one JSON line.
+nothing of dflash_lab. Prints one JSON line: {path: value} for every argument.
 
-    .venv-vllm/bin/python -m scripts.vllm_fc_width EXPORT_DIR [SPECULATORS_CONFIG_JSON]
+    .venv-vllm/bin/python -m scripts.vllm_fc_width PATH...
 
-``fc_input_size``: ``qwen3_dflash._get_dflash_fc_input_size`` on the directory's config as vLLM
-parses it (transformers ``AutoConfig``); ``speculators_target_hidden_size``: the value
-``update_dflash`` copies from a speculators config.json (null when none is given).
+A directory: ``qwen3_dflash._get_dflash_fc_input_size`` on its config as vLLM parses it
+(transformers ``AutoConfig``). A ``.json`` file (a speculators config.json): the
+``target_hidden_size`` that ``update_dflash`` copies from it (null when it copies none).
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ def speculators_width(config_json: str) -> int | None:
 
 
 def main(argv: list[str]) -> None:
-    out = {"fc_input_size": fc_input_size(argv[0]),
-           "speculators_target_hidden_size": speculators_width(argv[1]) if len(argv) > 1
-           else None}
-    print(json.dumps(out))
+    print(json.dumps({path: speculators_width(path) if path.endswith(".json")
+                      else fc_input_size(path) for path in argv}))
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def test_target_check_accepts_the_widths_a_multi_stream_target_gives():
 def test_vllm_sizes_fc_from_our_exported_target_hidden_size(tmp_path):
     """vLLM 0.32's own _get_dflash_fc_input_size on our exports: 3 x T, T from the written key
     (absent = hidden_size); its speculators converter keeps the key."""
-    widths = {}
+    paths = []
     for width in (H, WIDE):
         config = make_config("zlab_default", target_hidden_size=width)
         out = tmp_path / f"w{width}"
@@ -157,10 +157,9 @@ def test_vllm_sizes_fc_from_our_exported_target_hidden_size(tmp_path):
         spec = tmp_path / f"spec{width}.json"
         spec.write_text(json.dumps({"aux_hidden_state_layer_ids": [2, 3, 4],
                                     "mask_token_id": 7, "target_hidden_size": width}))
-        done = subprocess.run([str(VLLM_PYTHON), "-m", "scripts.vllm_fc_width", str(out),
-                               str(spec)], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        widths[width] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert widths[H] == {"fc_input_size": 3 * H, "speculators_target_hidden_size": H}
-    assert widths[WIDE] == {"fc_input_size": 3 * WIDE, "speculators_target_hidden_size": WIDE}
+        paths += [str(out), str(spec)]
+    done = subprocess.run([str(VLLM_PYTHON), "-m", "scripts.vllm_fc_width", *paths],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [got[p] for p in paths] == [3 * H, H, 3 * WIDE, WIDE]
