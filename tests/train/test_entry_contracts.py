@@ -17,7 +17,8 @@ from dflash_lab.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE
 from dflash_lab.train.callbacks import TARGET_KEY, RecordTarget, RunEndCallback, WandbRun
 from dflash_lab.train.checks import check_data, data_class
 
-DRAFTER = SimpleNamespace(target_layer_ids=(1, 3), hidden_size=64, vocab_size=768)
+DRAFTER = SimpleNamespace(target_layer_ids=(1, 3), hidden_size=64, vocab_size=768,
+                          target_hidden_size=64)
 
 
 class RenamedOnline(OnlineDataModule):
@@ -34,9 +35,12 @@ def test_each_data_module_declares_whether_it_runs_the_target():
 
 
 def test_drafter_inputs_are_what_each_constructor_checks_against():
-    assert OnlineDataModule.drafter_inputs(DRAFTER) == {"target_layer_ids": [1, 3]}
+    # target_hidden_size: the per-layer feature width (a multi-stream target: docs/targets.md)
+    assert OnlineDataModule.drafter_inputs(DRAFTER) == {"target_layer_ids": [1, 3],
+                                                        "target_hidden_size": 64}
     assert OfflineDataModule.drafter_inputs(DRAFTER) == {
-        "target_layer_ids": [1, 3], "hidden_size": 64, "vocab_size": 768}
+        "target_layer_ids": [1, 3], "hidden_size": 64, "target_hidden_size": 64,
+        "vocab_size": 768}
 
 
 def _capture(tmp_path, max_length):
