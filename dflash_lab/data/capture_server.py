@@ -133,8 +133,8 @@ def check_server(server, target, max_length: int) -> dict[str, Any]:
     card = server.connect(max_length, "capture.max_length")
     ids = target.tokenizer(PROBE_TEXT, add_special_tokens=True)["input_ids"]
     answer = server.hidden_states(ids)
-    f = served_features(answer.hidden_states, server.aux_layer_ids, server.aux_layer_ids[:1],
-                        target.pieces(), topk=5)
+    f = served_features(answer.hidden_states, server.aux_layer_ids,
+                        [server.aux_layer_ids[0] - 1], target.pieces(), topk=5)  # z-lab id
     top5 = [int(t) for t in f.top_ids_bsk[-1]]
     if answer.next_token is not None and answer.next_token not in top5:
         raise ValueError(
