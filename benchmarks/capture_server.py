@@ -85,7 +85,7 @@ def run(args) -> dict:
                         "seconds": sec, "tok/s": tokens / sec})
         t0 = time.perf_counter()
         with vllm_server(target.name_or_path, Path(tmp) / "vllm.log", python=args.vllm_python,
-                         max_model_len=args.max_length, kv_cache_gib=args.kv_cache_gib,
+                         max_model_len=args.max_length + 1, kv_cache_gib=args.kv_cache_gib,
                          extra=server_args(aux, Path(tmp) / "states")) as url:
             startup = time.perf_counter() - t0
             server = HiddenStatesServer(ServerSettings(url=url), aux, target.hidden_size)

@@ -125,12 +125,19 @@ PROBE_TEXT = "The capital of France is Paris. The capital of Italy is"
 
 
 def check_server(server, target, max_length: int) -> dict[str, Any]:
-    """Before any shard: the server serves one model that fits ``max_length``, answers with
+    """Before any shard: the server serves one model that fits ``max_length`` + 1 tokens (a
+    request generates one), answers with
     hidden states of the expected shape, and its own greedy token after a probe prompt is among
     the 5 likeliest labels computed here from its last layer (another layer set or another model
     fails this). Returns the engine identity the plan records: engine, engine_version,
     engine_model, engine_dtype (the served hidden states' dtype)."""
     card = server.connect(max_length, "capture.max_length")
+    if card["max_model_len"] is not None and max_length >= card["max_model_len"]:
+        # vLLM refuses a prompt that leaves no room for the one token each request generates
+        raise ValueError(f"capture.max_length={max_length} needs a server with max_model_len >= "
+                         f"{max_length + 1} (the prompt plus the one token a request generates); "
+                         f"it has {card['max_model_len']}: lower capture.max_length or restart "
+                         f"the server with --max-model-len {max_length + 1}")
     ids = target.tokenizer(PROBE_TEXT, add_special_tokens=True)["input_ids"]
     answer = server.hidden_states(ids)
     f = served_features(answer.hidden_states, server.aux_layer_ids,

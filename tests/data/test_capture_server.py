@@ -198,6 +198,15 @@ def test_a_server_without_the_connector_says_how_to_start_it(tiny_target, served
         check_server(_client(url), tiny_target, 256)
 
 
+def test_a_server_without_room_for_the_generated_token_is_refused(tiny_target, served):
+    engine, url = served
+    engine.max_model_len = 256  # a 256-token prompt leaves vLLM no room for max_tokens=1
+    with pytest.raises(ValueError, match=r"capture.max_length=256 needs a server with "
+                                         r"max_model_len >= 257.*--max-model-len 257"):
+        check_server(_client(url), tiny_target, 256)
+    assert check_server(_client(url), tiny_target, 255)["engine"] == "vllm"
+
+
 def test_a_server_extracting_other_layers_is_refused(tiny_target, served):
     engine, url = served
     engine.hidden_states = ([2, 5, 8], engine.hidden_states[1])  # 3 layers, 4 expected
