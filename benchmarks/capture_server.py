@@ -36,14 +36,17 @@ def capture_rows(target, rows, settings, server=None):
 
 
 def compare(local, served) -> dict:
-    """Largest |difference| of the features and the share of equal argmax labels."""
-    worst, equal, total = 0.0, 0, 0
+    """Largest |difference| of the features, the largest |feature| (the scale it is relative
+    to) and the share of equal argmax labels."""
+    worst, scale, equal, total = 0.0, 0.0, 0, 0
     for a, b in zip(local, served):
         assert a.sample_id == b.sample_id and a.input_ids.tolist() == b.input_ids.tolist()
         worst = max(worst, (a.hidden.float() - b.hidden.float()).abs().max().item())
+        scale = max(scale, a.hidden.float().abs().max().item())
         equal += int((a.target_argmax == b.target_argmax).sum())
         total += len(a.target_argmax)
-    return {"max_abs_diff": worst, "argmax_equal": equal, "tokens": total}
+    return {"max_abs_diff": worst, "max_abs_feature": scale, "argmax_equal": equal,
+            "tokens": total}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,7 +103,8 @@ def run(args) -> dict:
           f"max_length {args.max_length}, fp32 on CPU")
     table(results, ["backend", "tokens", "seconds", "tok/s"])
     print(f"server / local throughput: {ratio:.2f}x;  max |feature difference| "
-          f"{diff['max_abs_diff']:.2e};  argmax labels equal: {diff['argmax_equal']}/"
+          f"{diff['max_abs_diff']:.2e} (largest |feature| {diff['max_abs_feature']:.1f});  "
+          f"argmax labels equal: {diff['argmax_equal']}/"
           f"{diff['tokens']};  vLLM start-up (not counted): {startup:.0f} s")
     return report("capture_server", args, {
         "target": target.name_or_path, "data": what, "target_layer_ids": ids,

@@ -86,7 +86,7 @@ def count_argmax_check(server, ours: int, engine: int | None, row_id: int) -> No
     """Count (on ``server.argmax_checks``: [checked, differing]) whether the label computed
     here for the last prompt position equals the engine's greedy token there. A difference is
     logged: in float32 it means another layer or model; in bf16 it can be a near tie."""
-    checks = server.__dict__.setdefault("argmax_checks", [0, 0])
+    checks = server.argmax_checks
     if engine is None:
         return
     checks[0] += 1
@@ -160,6 +160,6 @@ def check_server(server, target, max_length: int) -> dict[str, Any]:
 
 def log_argmax_checks(server) -> None:
     """The run's count of labels that equal the engine's own greedy token at the last position."""
-    checked, differing = server.__dict__.get("argmax_checks", (0, 0))
+    checked, differing = server.argmax_checks
     log.info("labels vs the engine's own greedy token (last position of each prompt): %d of %d "
              "equal", checked - differing, checked)

@@ -126,7 +126,9 @@ class HiddenStatesServer(CompletionServer):
         super().__init__(settings)
         self.aux_layer_ids = [int(i) for i in aux_layer_ids]
         self.hidden_size = int(hidden_size)
-        self.engine_version: str | None = None
+        #: [labels checked, labels differing]: the label computed from the served last layer
+        #: vs the engine's own greedy token at each prompt's last position (capture_server.py)
+        self.argmax_checks = [0, 0]
 
     def version(self) -> str | None:
         """The engine's version (vLLM: ``GET /version``), None when it does not say."""

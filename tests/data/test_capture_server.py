@@ -149,8 +149,10 @@ def test_served_features_equal_the_in_process_capture(tiny_target, served, tmp_p
     here = run_capture(tiny_target, rows, _settings(tmp_path / "local"), {"path": "demo"},
                        progress=False)
     engine = {"engine": "vllm", "engine_version": "0.32.0"}
+    client = _client(url)
     there = run_capture(tiny_target, rows, _settings(tmp_path / "srv"), {"path": "demo"},
-                        progress=False, server=_client(url), engine=engine)
+                        progress=False, server=client, engine=engine)
+    assert client.argmax_checks == [6, 0]  # the engine's own greedy token = our last label
     assert there["num_tokens"] == here["num_tokens"] and there["num_samples"] == 6
     assert there["target"] == tiny_target.identity() | engine
     assert "engine" not in here["target"]
