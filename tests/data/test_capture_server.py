@@ -70,6 +70,19 @@ def test_served_features_equal_the_in_process_capture(tiny_target, hidden_states
         assert torch.equal(x["target_argmax"], y["target_argmax"])
 
 
+def test_a_resume_with_another_engine_version_is_refused(tiny_target, hidden_states_server,
+                                                        tmp_path):
+    """The engine is part of the plan's target identity: shards of vLLM 0.32.0 are not mixed
+    with another version's."""
+    _, url = hidden_states_server
+    rows, out = _rows(8), tmp_path / "srv"
+    run_capture(tiny_target, rows[:4], _settings(out), {"path": "demo"}, progress=False,
+                server=_client(url), engine={"engine": "vllm", "engine_version": "0.32.0"})
+    with pytest.raises(ValueError, match="captured with different settings"):
+        run_capture(tiny_target, rows[:4], _settings(out), {"path": "demo"}, progress=False,
+                    server=_client(url), engine={"engine": "vllm", "engine_version": "0.33.0"})
+
+
 def test_distribution_from_the_served_last_layer(tiny_target, hidden_states_server, tmp_path):
     """capture.distribution=[last_hidden, topk] works through the server: the final-normed last
     state and top-k equal the local ones."""

@@ -103,3 +103,15 @@ def test_reading_waits_for_the_writers_lock(tmp_path):
     with pytest.raises(ServerError, match="did not finish writing"):
         read_hidden_states(tmp_path / "x", wait_s=0.2)
     os.close(fd2)
+
+
+def test_launch_appends_the_extract_arguments_unless_the_command_has_them(tmp_path):
+    from dflash_lab.serving.hidden_states import _has_extract_args, open_hidden_states_server
+
+    assert _has_extract_args(["vllm", "serve", "M", "--speculative-config", "{}"])
+    assert _has_extract_args(["vllm", "serve", "M", "--speculative_config={}"])
+    assert not _has_extract_args(["vllm", "serve", "M", "--port", "{port}"])
+    launch = ServerSettings(launch=["vllm", "serve", "M", "--port", "{port}"])
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 start the server yourself"), \
+            open_hidden_states_server(launch, [8], 64, tmp_path / "s", tmp_path / "log", 2):
+        pass
