@@ -126,11 +126,11 @@ PROBE_TEXT = "The capital of France is Paris. The capital of Italy is"
 
 def check_server(server, target, max_length: int) -> dict[str, Any]:
     """Before any shard: the server serves one model that fits ``max_length`` + 1 tokens (a
-    request generates one), answers with
-    hidden states of the expected shape, and its own greedy token after a probe prompt is among
-    the 5 likeliest labels computed here from its last layer (another layer set or another model
-    fails this). Returns the engine identity the plan records: engine, engine_version,
-    engine_model, engine_dtype (the served hidden states' dtype)."""
+    request generates one), answers with hidden states of the expected shape, and its own greedy
+    token after a probe prompt is among the 5 likeliest labels computed here from its last layer
+    (another model or layer count fails this; vLLM does not report its layer ids, so a wrong
+    set of the right size may pass). Returns the engine identity the plan
+    records: engine, engine_version, engine_model, engine_dtype (the served states' dtype)."""
     card = server.connect(max_length, "capture.max_length")
     if card["max_model_len"] is not None and max_length >= card["max_model_len"]:
         # vLLM refuses a prompt that leaves no room for the one token each request generates

@@ -138,6 +138,30 @@ def test_a_server_extracting_other_layers_is_refused(tiny_target, hidden_states_
         check_server(_client(url), tiny_target, 256)
 
 
+def test_a_server_whose_greedy_token_disagrees_with_its_last_layer_is_refused(
+        tiny_target, hidden_states_server, monkeypatch):
+    """The engine's own greedy token after the probe is the target's least likely one (as
+    when it serves another model): the labels from its last layer do not rank it in the top 5."""
+    from dflash_lab.data.capture_server import PROBE_TEXT
+
+    engine, url = hidden_states_server
+    ids = tiny_target.tokenizer(PROBE_TEXT)["input_ids"]
+    with torch.no_grad():
+        worst = int(tiny_target.model(input_ids=torch.tensor([ids])).logits[0, -1].argmin())
+    honest = engine.complete
+
+    def other_model(body):
+        answer = honest(body)
+        answer["choices"][0]["token_ids"] = [worst]
+        return answer
+
+    monkeypatch.setattr(engine, "complete", other_model)
+    with pytest.raises(ValueError, match=rf"greedy token after the probe is {worst} but the "
+                                         r"labels from its last served layer \(aux id 8\).*"
+                                         r"another model than target.name_or_path"):
+        check_server(_client(url), tiny_target, 256)
+
+
 def test_an_unreachable_url_names_it_and_the_fix(tiny_target):
     from dflash_lab.serving.launch import free_port
 
