@@ -10,7 +10,7 @@ stopping is :func:`dflash_lab.serving.launch.launched_server`, as for
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,23 +32,29 @@ def tiny_target() -> Path:
 
 
 def vllm_command(model: str | Path, *, python: str | Path = VLLM_PYTHON,
-                 max_model_len: int = 2048, dtype: str = "float32") -> list[str]:
+                 max_model_len: int = 2048, dtype: str = "float32",
+                 extra: Sequence[str] = ()) -> list[str]:
     """The server command for ``model`` (a local HF directory), ``{port}`` left to fill. fp32
-    and eager mode by default: on CPU they keep greedy outputs equal to transformers'."""
+    and eager mode by default: on CPU they keep greedy outputs equal to transformers'.
+    ``extra``: more arguments (e.g. the hidden-states ones of
+    :func:`dflash_lab.serving.hidden_states.server_args`)."""
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1", "--port", PORT,
-            "--max-model-len", str(max_model_len), "--disable-uvicorn-access-log"]
+            "--max-model-len", str(max_model_len), "--disable-uvicorn-access-log", *extra]
 
 
 @contextmanager
 def vllm_server(model: str | Path, log: Path, *, python: str | Path = VLLM_PYTHON,
                 max_model_len: int = 2048, dtype: str = "float32", kv_cache_gib: int = 1,
-                start_timeout_s: float = 600.0) -> Iterator[str]:
+                start_timeout_s: float = 600.0, extra: Sequence[str] = ()) -> Iterator[str]:
     """Serve ``model`` on a free local port; yields the API base URL. Raises with the log's
-    tail if the server dies or is not ready within ``start_timeout_s``."""
+    tail if the server dies or is not ready within ``start_timeout_s``. This repository is on
+    the server's PYTHONPATH (vLLM imports our hidden-states connector from it)."""
     if not Path(python).exists():
         raise SystemExit(f"{python} missing: run `make vllm-venv` first")
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
-    command = vllm_command(model, python=python, max_model_len=max_model_len, dtype=dtype)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(ROOT)}
+    command = vllm_command(model, python=python, max_model_len=max_model_len, dtype=dtype,
+                           extra=extra)
     with launched_server(command, log, start_timeout_s=start_timeout_s, env=env) as url:
         yield url

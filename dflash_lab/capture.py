@@ -1,7 +1,9 @@
 """dflash-capture: run a frozen target over conversations and write feature shards.
 
 Thin entry point: Hydra config (conf/capture.yaml: groups target, conversations at ``data``,
-logger) -> target -> conversations -> run_capture -> the logger gets the manifest's counts.
+logger, server) -> target -> conversations -> run_capture, the target running here
+(``capture.backend=local``) or a vLLM server giving the hidden states (``server``,
+:mod:`dflash_lab.data.capture_server`) -> the logger gets the manifest's counts.
 Runs as one process or under ``torchrun`` (RANK / WORLD_SIZE split the shards; see
 docs/capture.md).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.data.capture_loop import CaptureSettings, build_plan, claim_dir, run_capture
+from dflash_lab.data.capture_server import (
+    check_server,
+    log_argmax_checks,
+    make_server_settings,
+    open_capture_server,
+)
 from dflash_lab.entry import check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.model.config import resolve_target_layer_ids
@@ -83,17 +92,28 @@ def capture(cfg: DictConfig) -> dict[str, Any] | None:
 
 def _capture(cfg: DictConfig) -> dict[str, Any] | None:
     rank, world = rank_and_world()
+    served = make_server_settings(cfg)
+    if served is not None and "head_only" in cfg.target and not cfg.target.get("gguf_file"):
+        # the engine runs the decoder: only the final norm and LM head (labels) are needed here
+        cfg.target.head_only = True
     logger = make_logger(cfg.logger)
     target = instantiate(cfg.target)
     data = instantiate(cfg.data)
     settings = _settings(cfg, target)
     check_context(target, settings.max_length)
-    if rank == 0:  # refuse a directory captured with other settings before writing the record
-        claim_dir(Path(settings.out_dir), build_plan(target, settings, len(data.dataset),
-                                                      data.source))
-        write_run_info(settings.out_dir, cfg, world_size=world)
-    manifest = run_capture(target, data.dataset, settings, data.source, rank=rank,
-                           world_size=world, progress=cfg.capture.progress)
+    serving = (nullcontext() if served is None else open_capture_server(
+        served, target, settings, world))
+    with serving as server:
+        engine = None if server is None else check_server(server, target, settings.max_length)
+        if rank == 0:  # refuse a directory captured with other settings before the record
+            claim_dir(Path(settings.out_dir), build_plan(target, settings, len(data.dataset),
+                                                          data.source, engine))
+            write_run_info(settings.out_dir, cfg, world_size=world)
+        manifest = run_capture(target, data.dataset, settings, data.source, rank=rank,
+                               world_size=world, progress=cfg.capture.progress, server=server,
+                               engine=engine)
+        if server is not None:
+            log_argmax_checks(server)
     out = Path(settings.out_dir).absolute()
     if manifest is not None:
         log.info("capture complete: %d samples, %d tokens (%d with loss), %d shards -> %s",

@@ -64,3 +64,27 @@ def offline_hf_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     return cache
+
+
+#: z-lab layer ids the stand-in hidden-states server serves on the 8-layer tiny target: vLLM aux
+#: ids [2, 5, 7] plus 8 (the last layer's output, for the labels)
+HIDDEN_STATES_LAYERS = [1, 4, 6]
+
+
+@pytest.fixture
+def hidden_states_server(tiny_target, tmp_path):
+    """(engine, url) of a stand-in vLLM with the hidden-states connector for
+    HIDDEN_STATES_LAYERS (tests/fake_openai_server.py), on a free local port."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from dflash_lab.serving.hidden_states import server_layer_ids
+    from tests.fake_openai_server import FakeEngine, handler
+
+    engine = FakeEngine(tiny_target)
+    engine.hidden_states = (server_layer_ids(HIDDEN_STATES_LAYERS, 8), tmp_path / "store")
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler(engine))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield engine, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()

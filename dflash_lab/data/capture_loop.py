@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dflash_lab.data import shards
+from dflash_lab.data.capture_server import server_capture_batch
 from dflash_lab.data.conversations import TokenizedRows, check_bad_rows_mode, tokenize_rows
 from dflash_lab.target.chat import TurnEnd, find_turn_end, target_stop_ids
 from dflash_lab.target.features import (
@@ -85,8 +86,10 @@ def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
 
 
 def build_plan(target, settings: CaptureSettings, num_rows: int,
-               source: dict[str, Any]) -> dict[str, Any]:
-    """The settings every rank and every resume must share (becomes part of the manifest)."""
+               source: dict[str, Any], engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings every rank and every resume must share (becomes part of the manifest).
+    ``engine`` ({"engine": "vllm", "engine_version": ..., ...}) joins the target identity when
+    a serving engine computed the hidden states; an in-process capture records none."""
     if settings.hidden_dtype not in shards.HIDDEN_DTYPES:
         raise ValueError(f"hidden_dtype={settings.hidden_dtype!r}: use one of "
                          f"{sorted(shards.HIDDEN_DTYPES)}")
@@ -96,7 +99,7 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
                                 "capture.target_hidden_size")
     check_bad_rows_mode(settings.bad_rows, "capture.bad_rows")
     ids = [int(i) for i in settings.target_layer_ids]
-    identity = target.identity()
+    identity = target.identity() | (engine or {})
     feature_dim = len(ids) * width
     kinds = check_distribution(settings.distribution, settings.distribution_topk)
     held = {"last_hidden": "last_hidden" in kinds,
@@ -177,11 +180,13 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
 
 
 def capture_shard(target, rows, index: int, settings: CaptureSettings, where: str = "data",
-                  turn_end: TurnEnd | None = None
+                  turn_end: TurnEnd | None = None, server=None
                   ) -> tuple[list[shards.CapturedSample], dict[str, Any]]:
     """Features of the rows of shard ``index`` (batched longest-first, returned in row order),
     and the shard record's report: ``bad_rows`` ({"row", "reason"}), ``zero_loss_rows`` and
-    per-sample loss-token ``min_loss_tokens`` / ``max_loss_tokens``."""
+    per-sample loss-token ``min_loss_tokens`` / ``max_loss_tokens``. With ``server`` (a
+    :class:`~dflash_lab.serving.hidden_states.HiddenStatesServer`) the hidden states come from
+    the serving engine and the target only supplies its final norm and LM head."""
     if turn_end is None:
         turn_end = find_turn_end(target.tokenizer, target_stop_ids(target),
                                  settings.enable_thinking)
@@ -190,7 +195,9 @@ def capture_shard(target, rows, index: int, settings: CaptureSettings, where: st
     todo = sorted(tokenized.samples, key=lambda item: -len(item[1].input_ids))  # less padding
     samples = []
     for start in range(0, len(todo), settings.batch_size):
-        samples.extend(_capture_batch(target, todo[start:start + settings.batch_size], settings))
+        batch = todo[start:start + settings.batch_size]
+        samples.extend(_capture_batch(target, batch, settings) if server is None else
+                       server_capture_batch(server, target.pieces(), batch, settings))
     loss = [int(tc.loss_mask.sum()) for _, tc in tokenized.samples]
     report = {"bad_rows": tokenized.bad_rows, "zero_loss_rows": tokenized.zero_loss_rows,
               "min_loss_tokens": min(loss, default=0), "max_loss_tokens": max(loss, default=0)}
@@ -198,14 +205,17 @@ def capture_shard(target, rows, index: int, settings: CaptureSettings, where: st
 
 
 def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, Any], *,
-                rank: int = 0, world_size: int = 1, progress: bool = True) -> dict | None:
+                rank: int = 0, world_size: int = 1, progress: bool = True, server=None,
+                engine: dict[str, Any] | None = None) -> dict | None:
     """Capture this rank's shards of ``dataset`` (rows with messages/conversations), skipping
     shards already finished; then merge the manifest if every shard is done (returned, else
-    None). An interrupted run loses at most the shard in flight."""
+    None). An interrupted run loses at most the shard in flight. ``server``: take the hidden
+    states from that engine (:func:`capture_shard`); ``engine`` (its name and version) is then
+    recorded in the plan's target identity (:func:`build_plan`)."""
     from tqdm.auto import tqdm
 
     out_dir = Path(settings.out_dir)
-    plan = build_plan(target, settings, len(dataset), source)
+    plan = build_plan(target, settings, len(dataset), source, engine)
     turn_end = find_turn_end(target.tokenizer, target_stop_ids(target), settings.enable_thinking)
     log.info("assistant turns end with %r (token id %s)", turn_end.text, turn_end.token_id)
     claim_dir(out_dir, plan)
@@ -220,7 +230,7 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
         lo = index * settings.shard_size
         rows = _slice(dataset, lo, lo + _rows_in(index, plan))
         samples, report = capture_shard(target, rows, index, settings,
-                                        str(source.get("path", "data")), turn_end)
+                                        str(source.get("path", "data")), turn_end, server)
         _check_plan_unchanged(out_dir, plan)
         shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"],
                            report=report)

@@ -105,8 +105,10 @@ class CompletionServer:
             "http://HOST:PORT/v1. Finished parts are kept: rerun the same command to resume.")
 
     # -- API -----------------------------------------------------------------------------------
-    def connect(self, max_length: int) -> dict[str, Any]:
-        """Pick the served model and check it can hold ``max_length`` tokens.
+    def connect(self, max_length: int,
+                setting: str = "regenerate.settings.max_length") -> dict[str, Any]:
+        """Pick the served model and check it can hold ``max_length`` tokens (``setting``: the
+        config key an error names).
 
         Returns the model id and, where the server says (vLLM and SGLang do), its root path
         and max_model_len (None otherwise).
@@ -116,7 +118,7 @@ class CompletionServer:
         self.model = card.get("id")
         max_model_len = card.get("max_model_len")
         if max_model_len is not None and max_length > max_model_len:
-            raise ValueError(f"regenerate.settings.max_length={max_length} exceeds the server's "
+            raise ValueError(f"{setting}={max_length} exceeds the server's "
                              f"max_model_len={max_model_len}: lower max_length or restart the "
                              "server with a larger --max-model-len / --context-length")
         return {"model": self.model, "root": card.get("root"), "max_model_len": max_model_len}

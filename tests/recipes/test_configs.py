@@ -110,7 +110,7 @@ def test_entry_points_share_the_train_groups():
     train = set(entry_groups("train"))
     for entry in ("capture", "regenerate", "eval"):
         own = {"conversations"} | ({"eval_data"} if entry == "eval" else set())
-        own |= {"server"} if entry in ("regenerate", "eval") else set()
+        own |= {"server"} if entry in ("capture", "regenerate", "eval") else set()
         assert {"target", "logger"} <= set(entry_groups(entry)) <= train | own
     for entry in ("capture", "regenerate"):
         assert entry_groups(entry)["conversations"] == "data"

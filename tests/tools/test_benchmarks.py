@@ -12,6 +12,7 @@ import torch
 from benchmarks import (
     attention,
     capture,
+    capture_server,
     draft_latency,
     draft_vocab,
     long_rows,
@@ -134,3 +135,15 @@ def test_regenerate_benchmark(tmp_path):
     assert json.loads(out.read_text())["benchmark"] == "regenerate"
     assert rec["identical"] == rec["conversations"] == 4
     assert all(r["tokens"] > 0 for r in rec["results"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_server.VLLM_PYTHON.exists(),
+                    reason="needs the vLLM venv .venv-vllm (make vllm-venv)")
+def test_capture_server_benchmark(tmp_path):
+    out = tmp_path / "capture_server.json"
+    rec = capture_server.main(["--size", "toy", "--rows", "4", "--max-length", "256",
+                               "--kv-cache-gib", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "capture_server"
+    assert rec["argmax_equal"] == rec["tokens"] > 0 and rec["max_abs_diff"] <= 1e-4
+    assert all(r["tokens"] == rec["tokens"] for r in rec["results"])
