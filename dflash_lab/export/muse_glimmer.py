@@ -131,15 +131,34 @@ _FIX = ("export it in dflash-lab's own format instead (omit --format muse-glimme
         "SGLang serve that format)")
 
 
+#: The DFlash 2 form of the Muse Glimmer assistant in released code: z-lab's checkpoint of that
+#: name ships z-lab's ``DFlash2DraftModel`` layout (``architectures: ["DFlash2DraftModel"]``,
+#: ``model_type: "qwen3"``, conv / selector / ``output_multiplier`` / ``final_logit_softcapping``
+#: in ``dflash_config``, every layer sliding and bidirectional), which z-lab's dflash 0.1.0
+#: ``DFlash2DraftModel`` (``config_class = Qwen3Config``) loads for the Muse-Glimmer-30B target
+#: and vLLM 0.32 serves as ``DFlash2DraftModel`` (``qwen3_dflash2``). transformers 5.25's
+#: ``muse_glimmer_assistant`` and vLLM's ``MuseGlimmerAssistantModel`` alias are DFlash 1 only.
+#: That layout is our own DFlash 2 export, so ``--format muse-glimmer`` writes it for a DFlash 2
+#: drafter and the import reads it as a z-lab directory.
+DFLASH2_RELEASE = "z-lab/Muse-Glimmer-30B-DFlash2"
+
+
+def dflash2_report_header() -> dict[str, str]:
+    """EXPORT_REPORT.md header line of ``--format muse-glimmer`` for a DFlash 2 drafter."""
+    return {"format": f"{FORMAT} DFlash 2 (DFlash2DraftModel, the layout of {DFLASH2_RELEASE}: "
+                      "z-lab's DFlash 2 layout, which is dflash-lab's own)"}
+
+
 def export_problems(config: DrafterConfig) -> list[str]:
     """What the drafter has that the Muse Glimmer format cannot carry (empty: exportable).
 
     The format is what ``MuseGlimmerAssistantModel`` computes: DFlash 1, SwiGLU, no bias, the
     target's embedding row for MASK, no sinks, no logit scales, every layer bidirectional."""
     out = []
-    if config.is_dflash2:
+    if config.is_dflash2:  # api.format_config writes DFLASH2_RELEASE's layout instead
         out.append("DFlash 2 (variant=dflash2: conv and candidate selector): "
-                   "MuseGlimmerAssistantModel has neither module")
+                   f"MuseGlimmerAssistantModel has neither module ({DFLASH2_RELEASE} ships "
+                   "z-lab's DFlash2DraftModel layout)")
     if config.has_draft_vocab:
         out.append(f"a draft vocabulary (draft_vocab_size={config.draft_vocab_size}, own lm_head, "
                    "d2t/t2d): the format has no vocabulary-sized tensor, the head is the target's")
