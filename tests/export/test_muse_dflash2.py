@@ -49,6 +49,13 @@ if mode == "write":
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
     model.save_pretrained(path)
+elif mode == "resave":  # z-lab's loader, then its save_pretrained, the release's names
+    from safetensors.torch import load_file, save_file
+    model = DFlash2DraftModel.from_pretrained(path, dtype=torch.float32)
+    model.save_pretrained(sys.argv[3])
+    weights = f"{sys.argv[3]}/model.safetensors"
+    save_file({k.removesuffix(".weight") if "_codebook" in k else k: v
+               for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
 else:  # read: z-lab's own loader, its state_dict back out
     from safetensors.torch import save_file
     model = DFlash2DraftModel.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
