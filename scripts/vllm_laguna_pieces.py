@@ -14,7 +14,7 @@ here around it. What runs, all of it vLLM's own code on CPU:
 (c) the pieces on fixed inputs: ``combine_hidden_states`` (per-slice ``aux_hidden_norms`` ->
     ``fc`` -> ``hidden_norm``), the context K/V of every layer (``_project_context_kv``: each
     layer's ``input_layernorm`` then the K/V rows of ``qkv_proj``; ``_normalize_context_k``; then
-    that layer's ``rotary_emb``, as ``precompute_and_store_context_kv`` applies it), and per
+    the fused ``ops.rotary_embedding`` call ``precompute_and_store_context_kv`` makes), and per
     layer ``LagunaAttention.forward`` on block rows with its attention kernel replaced by a fixed
     output (q/k/v after q_norm/k_norm and RoPE, the softplus gate, ``o_proj``), ``input_layernorm``,
     ``post_attention_layernorm``, the MLP, and the final ``norm``.
@@ -77,7 +77,8 @@ def _layer_reading(model: torch.nn.Module) -> list[dict[str, Any]]:
                     "rope_theta": float(attn.rotary_emb.base),
                     "is_neox_style": attn.rotary_emb.is_neox_style,
                     "gate_per_head": attn.gate_per_head, "gated": attn.g_proj is not None,
-                    "sliding_window": attn.sliding_window, "num_heads": attn.num_heads})
+                    "sliding_window": attn.sliding_window, "num_heads": attn.num_heads,
+                    "kernel_sliding_window": getattr(attn.attn, "sliding_window", None)})
     return out
 
 
@@ -107,12 +108,13 @@ def _context_kv(model: torch.nn.Module, context: torch.Tensor, positions: torch.
         all_k = inner._normalize_context_k(all_k)
     finally:
         ops.rms_norm = stock
-    ks = []
-    for i, layer in enumerate(inner.layers):
-        k = all_k[i].reshape(n, nkv * hd).clone()
-        _, k = layer.self_attn.rotary_emb.forward_native(positions, k.clone(), k)
-        ks.append(k)
-    return {"k": torch.stack(ks), "v": all_v.reshape(len(ks), n, nkv * hd)}
+    num_layers = inner._num_attn_layers
+    k_flat = all_k.reshape(num_layers * n, nkv * hd).contiguous()
+    # as precompute_and_store_context_kv: one fused RoPE call over every layer's keys
+    ops.rotary_embedding(positions.repeat(num_layers), k_flat, None, inner._rope_head_size,
+                         inner._rope_cos_sin_cache.to(k_flat.dtype), inner._rope_is_neox)
+    return {"k": k_flat.view(num_layers, n, nkv * hd),
+            "v": all_v.reshape(num_layers, n, nkv * hd)}
 
 
 class _FixedAttention(torch.nn.Module):
