@@ -284,7 +284,9 @@ def print_table(rows: list[dict], mixed: dict, regen: dict) -> None:
           + ("PASS" if regen["passed"] else "FAIL")
           + f": {regen['identical']}/{regen['rows']} conversations identical")
     print(f"\nvLLM tau: vLLM's per-step accepted counts cut like dflash-eval's rounds (tolerance "
-          f"{STOCK_TOLERANCE} stock, {EXACT_TOLERANCE} knorm-fix). vLLM raw: vLLM's own "
+          f"{STOCK_TOLERANCE} stock, {EXACT_TOLERANCE} knorm-fix; stock not compared for "
+          f"{[d.name for d in DRAFTERS if d.stock_tolerance == math.inf]}, which stock vLLM "
+          "computes otherwise: docs/serving.md). vLLM raw: vLLM's own "
           "1 + accepted/drafts (also counts drafts accepted past the token budget or the stop "
           "token). rounds =: rounds with the same acceptance length as dflash-eval.")
 
