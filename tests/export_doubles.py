@@ -129,3 +129,42 @@ def muse_state(model) -> dict[str, torch.Tensor]:
     renames = {"encoder.fc.weight": "fc.weight",
                "encoder.output_norm_enc.weight": "hidden_norm.weight"}
     return {renames.get(k, k): v for k, v in model.state_dict().items()}
+
+
+#: The config.json of z-lab/Muse-Glimmer-30B-DFlash2 (revision b54ffdd1, transformers 5.15.0), the
+#: released DFlash 2 Muse Glimmer drafter: z-lab's ``DFlash2DraftModel`` layout (model_type qwen3;
+#: z-lab's dflash 0.1.0 ``load_transformers_models`` picks that class from ``architectures``),
+#: every key as published but the sizes, which :func:`muse_dflash2_config` sets (published:
+#: hidden 6656, intermediate 19968, 5 layers, 32/8 heads of 128, vocab 202048, 52 target layers,
+#: ids [1, 13, 25, 37, 49], MASK 201818, window 2048, block 16).
+MUSE_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 200000, "is_causal": False,
+    "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2,
+                      "final_logit_softcapping": 20.0, "output_multiplier": 0.19611613513818404,
+                      "selector_rank": 256, "selector_top_k": 16},
+    "dtype": "bfloat16", "eos_token_id": 200001, "hidden_act": "silu",
+    "initializer_range": 0.02, "model_type": "qwen3", "pad_token_id": 200018,
+    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "tie_word_embeddings": False, "use_cache": False, "use_sliding_window": True,
+}
+
+
+def muse_dflash2_config(*, hidden_size: int, vocab_size: int, mask_token_id: int,
+                        target_layer_ids: list[int], num_target_layers: int,
+                        num_hidden_layers: int = 2, block_size: int = 4, sliding_window: int = 16,
+                        selector_rank: int = 8, selector_top_k: int = 4) -> dict[str, Any]:
+    """:data:`MUSE_DFLASH2` at the given sizes (4 heads of hidden/4... see the body): the
+    published keys and values otherwise, every layer sliding as published."""
+    heads, kv_heads = 4, 2
+    return {**MUSE_DFLASH2, "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_hidden_layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": hidden_size // heads,
+            "vocab_size": vocab_size, "num_target_layers": num_target_layers,
+            "max_position_embeddings": 131072, "max_window_layers": num_hidden_layers,
+            "layer_types": ["sliding_attention"] * num_hidden_layers,
+            "sliding_window": sliding_window,
+            "dflash_config": {**MUSE_DFLASH2["dflash_config"], "block_size": block_size,
+                              "mask_token_id": mask_token_id,
+                              "target_layer_ids": list(target_layer_ids),
+                              "selector_rank": selector_rank, "selector_top_k": selector_top_k}}

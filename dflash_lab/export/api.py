@@ -172,10 +172,11 @@ def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
 
 def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[str, ...],
             dtype: str, allow_lossy: bool, command: str | None,
-            raw: dict[str, Any]) -> dict[str, str]:
+            raw: dict[str, Any], fmt: str) -> dict[str, str]:
     """Report header; the resolved source path is read back to recognise a run's own export."""
     return {
         **(muse_glimmer.report_header(raw) if is_muse(raw) else
+           muse_glimmer.dflash2_report_header() if fmt == muse_glimmer.FORMAT else
            laguna.report_header(raw) if is_laguna(raw) else
            {"format": "speculators dspark (vLLM 0.32 Qwen3DSparkModel)"} if dspark.is_dspark(raw)
            else {"format": OURS}),
@@ -202,8 +203,10 @@ def exported_identity(identity: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def format_config(fmt: str, config: DrafterConfig, dtype: str,
                   target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
-    """The config.json of format ``fmt`` (ValueError: the Muse Glimmer format cannot carry the
-    drafter, naming what and the fix)."""
+    """The config.json of format ``fmt`` (ValueError: the format cannot carry the drafter,
+    naming what and the fix). ``muse-glimmer`` is the assistant's layout for DFlash 1 and, for
+    a DFlash 2 drafter, the layout its DFlash 2 form ships in: z-lab's ``DFlash2DraftModel``,
+    our own DFlash 2 layout (:data:`muse_glimmer.DFLASH2_RELEASE`)."""
     recorded = exported_identity(target_identity)
     if config.is_dspark:  # one serving layout: vLLM's speculators-format DSpark
         if fmt != OURS:
@@ -211,6 +214,8 @@ def format_config(fmt: str, config: DrafterConfig, dtype: str,
                              f"speculators DSpark layout (export/dspark.py), not --format {fmt}")
         dspark.check_exportable(config, config._source)
         return dspark.serving_config(config, dtype, recorded)
+    if fmt == muse_glimmer.FORMAT and config.is_dflash2:  # the released DFlash 2 Muse drafter:
+        fmt = OURS  # z-lab's DFlash2DraftModel layout, which is ours (muse_glimmer.DFLASH2_RELEASE)
     if fmt == muse_glimmer.FORMAT:
         muse_glimmer.check_exportable(config, config._source)
         return muse_glimmer.serving_config(config, dtype, vocab_known=vocab_known,
@@ -260,9 +265,10 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in
     every case ``out_dir`` is left as it was. ``verify``: a serving-directory source is checked
     against its ``SHA256SUMS`` (export/integrity.py); the export writes its own. ``format``:
-    ``dflash-lab`` (ours) or ``muse-glimmer`` (the Muse Glimmer assistant layout; ValueError
-    naming what it cannot carry: DFlash 2, a draft vocabulary, a learned mask, sinks, scales,
-    causal layers).
+    ``dflash-lab`` (ours), ``muse-glimmer`` (the Muse Glimmer assistant layout; ValueError
+    naming what it cannot carry: a draft vocabulary, a learned mask, sinks, scales, causal
+    layers; a DFlash 2 drafter is written in the layout of the released DFlash 2 Muse drafter,
+    z-lab's DFlash2DraftModel, which is ours) or ``laguna`` (export/laguna.py).
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
@@ -300,7 +306,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                                               arch)
             files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
             report = export_report(
-                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command, raw),
+                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command, raw,
+                               format),
                 config=config, readings=readings, findings=findings, self_check=check_lines,
                 files=files + [REPORT_FILE, CHECKSUMS_FILE])
             (tmp / REPORT_FILE).write_text(report)

@@ -50,9 +50,16 @@ from dflash_lab.model.config import (
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters",
             "layer_types", "block_size", "mask_token_id", "target_layer_ids")
+#: The target layers vLLM's runner captures (its convention: our id + 1). vLLM 0.32 reads this
+#: key first (``GPUModelRunner._get_eagle3_aux_layers_from_config``), else
+#: ``dflash_config.target_layer_ids``, which its ``MuseGlimmerAssistantConfig`` never has
+#: (``dflash_config = {"causal": False}``), else the target's EAGLE-3 default layers
+#: ``(2, L // 2, L - 3)``: without this key a Muse Glimmer draft gets the target layers it was
+#: trained on only by coincidence. Our export writes it; a file's value must match.
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 READ = frozenset(REQUIRED) | {"max_position_embeddings", "sliding_window", "is_causal",
                               "use_sliding_window", "vocab_size", "num_target_layers",
-                              TARGET_IDENTITY_KEY}
+                              TARGET_IDENTITY_KEY, AUX_KEY}
 #: key -> (the only value the drafter implements, why)
 FIXED = {"hidden_act": ("silu", "the drafter's MLP is SwiGLU (SGLang accepts only silu)"),
          "attention_bias": (False, "MuseGlimmerAssistantAttention has no q/k/v/o bias")}
@@ -100,6 +107,10 @@ def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
     if not isinstance(ids, list) or not ids:
         raise ValueError(f"{source}: target_layer_ids={ids!r}: need a non-empty list of target "
                          "layer ids (z-lab convention: the output of target layer i)")
+    if AUX_KEY in d and d[AUX_KEY] != [i + 1 for i in ids]:
+        raise ValueError(f"{source}: {AUX_KEY}={d[AUX_KEY]!r} (the layers vLLM captures) is not "
+                         f"target_layer_ids + 1 = {[i + 1 for i in ids]}: vLLM would feed the "
+                         "drafter other target layers; fix one of the two keys")
     fields.update(block_size=_int(d, "block_size", source),
                   mask_token_id=_int(d, "mask_token_id", source), target_layer_ids=ids)
     fields.setdefault("vocab_size", VLLM_DEFAULT_VOCAB)
@@ -119,8 +130,26 @@ def format_notes(d: dict[str, Any]) -> list[str]:
     if "num_target_layers" not in d:
         notes.append(f"num_target_layers not recorded; assumed {max(d['target_layer_ids']) + 1} "
                      "(training and eval use the loaded target's depth)")
+    aux = vllm_aux_note(d)
     window = owners_window_note(d)
-    return notes + ([window] if window else [])
+    return notes + ([aux] if aux else []) + ([window] if window else [])
+
+
+def vllm_aux_note(d: dict[str, Any]) -> str | None:
+    """Where vLLM 0.32 would feed the drafter other target layers (no :data:`AUX_KEY`)."""
+    if AUX_KEY in d:
+        return None
+    ids = [i + 1 for i in d["target_layer_ids"]]
+    depth = d.get("num_target_layers")
+    default = [2, depth // 2, depth - 3] if depth else None
+    if default == ids:
+        return None
+    got = (f"the target's EAGLE-3 default layers {default} (num_target_layers={depth})"
+           if default else "the target's EAGLE-3 default layers (2, L // 2, L - 3)")
+    return (f"no {AUX_KEY}: vLLM 0.32 captures {got} instead of the trained target_layer_ids + 1 "
+            f"= {ids} (its MuseGlimmerAssistantConfig sets dflash_config without "
+            "target_layer_ids); re-export with dflash-export --format muse-glimmer, which "
+            f"writes {AUX_KEY}")
 
 
 
@@ -131,15 +160,34 @@ _FIX = ("export it in dflash-lab's own format instead (omit --format muse-glimme
         "SGLang serve that format)")
 
 
+#: The DFlash 2 form of the Muse Glimmer assistant in released code: z-lab's checkpoint of that
+#: name ships z-lab's ``DFlash2DraftModel`` layout (``architectures: ["DFlash2DraftModel"]``,
+#: ``model_type: "qwen3"``, conv / selector / ``output_multiplier`` / ``final_logit_softcapping``
+#: in ``dflash_config``, every layer sliding and bidirectional), which z-lab's dflash 0.1.0
+#: ``DFlash2DraftModel`` (``config_class = Qwen3Config``) loads for the Muse-Glimmer-30B target
+#: and vLLM 0.32 serves as ``DFlash2DraftModel`` (``qwen3_dflash2``). transformers 5.25's
+#: ``muse_glimmer_assistant`` and vLLM's ``MuseGlimmerAssistantModel`` alias are DFlash 1 only.
+#: That layout is our own DFlash 2 export, so ``--format muse-glimmer`` writes it for a DFlash 2
+#: drafter and the import reads it as a z-lab directory.
+DFLASH2_RELEASE = "z-lab/Muse-Glimmer-30B-DFlash2"
+
+
+def dflash2_report_header() -> dict[str, str]:
+    """EXPORT_REPORT.md header line of ``--format muse-glimmer`` for a DFlash 2 drafter."""
+    return {"format": f"{FORMAT} DFlash 2 (DFlash2DraftModel, the layout of {DFLASH2_RELEASE}: "
+                      "z-lab's DFlash 2 layout, which is dflash-lab's own)"}
+
+
 def export_problems(config: DrafterConfig) -> list[str]:
     """What the drafter has that the Muse Glimmer format cannot carry (empty: exportable).
 
     The format is what ``MuseGlimmerAssistantModel`` computes: DFlash 1, SwiGLU, no bias, the
     target's embedding row for MASK, no sinks, no logit scales, every layer bidirectional."""
     out = []
-    if config.is_dflash2:
+    if config.is_dflash2:  # api.format_config writes DFLASH2_RELEASE's layout instead
         out.append("DFlash 2 (variant=dflash2: conv and candidate selector): "
-                   "MuseGlimmerAssistantModel has neither module")
+                   f"MuseGlimmerAssistantModel has neither module ({DFLASH2_RELEASE} ships "
+                   "z-lab's DFlash2DraftModel layout)")
     if config.has_draft_vocab:
         out.append(f"a draft vocabulary (draft_vocab_size={config.draft_vocab_size}, own lm_head, "
                    "d2t/t2d): the format has no vocabulary-sized tensor, the head is the target's")
@@ -189,7 +237,8 @@ def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = Tru
     ``is_causal`` False (SGLang's class default and vLLM's ``dflash_config.causal`` agree, but
     neither then depends on a default), ``use_sliding_window`` (vLLM's Qwen3Config drops the
     window without it), ``vocab_size`` when known (vLLM would assume 202048) and
-    ``num_target_layers``. ``sliding_window`` is the trained W, the engines' convention
+    ``num_target_layers``, :data:`AUX_KEY` (else vLLM captures other target layers).
+    ``sliding_window`` is the trained W, the engines' convention
     (|q - k| < W): the owners' class keeps one key more per side (:func:`owners_window_note`);
     no layer sliding, it is left out (the owners' class refuses null). bos/eos/pad are null:
     the owners' defaults are the Muse Glimmer target's ids, not this target's."""
@@ -208,6 +257,7 @@ def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = Tru
         "use_sliding_window": config.any_sliding, "is_causal": False,
         "block_size": config.block_size, "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.target_layer_ids),
+        AUX_KEY: [i + 1 for i in config.target_layer_ids],  # what vLLM's runner captures
         "num_target_layers": config.num_target_layers,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": dtype,
     }

@@ -79,20 +79,23 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
 def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     """Refuse at start-up a run whose end-of-run export the engine rules would refuse (e.g. a
     Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings), instead of
-    failing after training: same rules, same target class as ``dflash-export`` applies."""
-    from dflash_lab.export.api import ExportRefused, parse_engines, plan_export
+    failing after training: same rules, same target class as ``dflash-export`` applies, on the
+    config.json of ``export.format`` (which refuses what that layout cannot carry: a DFlash 2
+    drafter as a Muse Glimmer assistant, Laguna features in our own format, ...)."""
+    import dataclasses
+
+    from dflash_lab.export.api import ExportRefused, format_config, parse_engines, plan_export
     from dflash_lab.export.checks import refusals
-    from dflash_lab.export.muse_glimmer import FORMAT as MUSE
-    from dflash_lab.export.muse_glimmer import check_exportable
     from dflash_lab.export.options import export_kwargs
 
     opts = export_kwargs(export_section(cfg))
-    if opts["format"] == MUSE:  # what that layout cannot carry, refused before training
-        check_exportable(drafter.config, f"the drafter of this run (export.format={MUSE})")
+    where = f"the drafter of this run (export.format={opts['format']})"
+    raw = format_config(opts["format"], dataclasses.replace(drafter.config, _source=where),
+                        opts["dtype"], None, vocab_known=True)
     _, findings = plan_export(
         drafter.config, parse_engines(opts["engine"]), sglang_version=opts["sglang_version"],
         sglang_backend=opts["sglang_backend"],
-        target_architecture=target.identity().get("architecture"))
+        target_architecture=target.identity().get("architecture"), raw=raw)
     if refusals(findings) and not opts["allow_lossy"]:
         raise ValueError(f"{ExportRefused(findings)}\nthe end-of-run export (export.engine="
                          f"{cfg.export.engine}) would be refused: set export.engine to the "

@@ -38,7 +38,8 @@ WEIGHT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
                  "head_dim", "intermediate_size", "vocab_size", "attention_bias",
                  "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
                  "conv_group_size", "selector_rank", "markov_rank", "markov_head_type",
-                 "enable_confidence_head", "confidence_head_with_markov", "target_hidden_size")
+                 "enable_confidence_head", "confidence_head_with_markov", "target_hidden_size",
+                 "aux_hidden_norms", "attention_gate")  # Laguna: their norms / g_proj tensors
 #: Hydra keys of conf/drafter that are no DrafterConfig field.
 NOT_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults")
 
@@ -90,7 +91,8 @@ def contradictions(old: DrafterConfig, new: DrafterConfig) -> list[str]:
     out = _layer_changes(old, new)
     for key in ("block_size", "target_layer_ids", "mask_token_id", "rope_theta", "rope_scaling",
                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-                "selector_top_k", "rms_norm_eps", "sample_from_anchor"):
+                "selector_top_k", "rms_norm_eps", "sample_from_anchor", "context_input_norm",
+                "partial_rotary_factor"):
         if getattr(old, key) != getattr(new, key):
             out.append(f"{key} {getattr(old, key)} -> {getattr(new, key)}")
     return out

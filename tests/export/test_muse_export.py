@@ -245,3 +245,27 @@ def test_command_line_format_option(checkpoint, tmp_path, capsys):
                  "--sglang_attention_backend", "fa3"]) == EXIT_OK
     assert "dflash_lab_training_spec" in json.loads((tmp_path / "ours" / "config.json")
                                                     .read_text())
+
+
+# ---------------------------------------------------------------------------- vLLM's target layers
+def test_the_export_names_the_target_layers_vllm_must_capture(checkpoint, tmp_path):
+    """vLLM 0.32 captures ``eagle_aux_hidden_state_layer_ids`` (our ids + 1); without it, for
+    this format, the target's EAGLE-3 default (2, L // 2, L - 3): the export writes the key, a
+    file without it is noted where the default differs, and a wrong value is refused."""
+    out = exported(checkpoint[0], tmp_path / "muse")
+    raw = json.loads((out / "config.json").read_text())
+    ids = checkpoint[1].target_layer_ids
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ids]
+    assert not any("eagle_aux" in n for n in import_drafter(out).format_notes)
+    depth = raw["num_target_layers"]
+    assert [2, depth // 2, depth - 3] != [i + 1 for i in ids]  # the default would be wrong
+    del raw["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(raw))
+    notes = import_drafter(out, verify=False).format_notes
+    assert any(f"vLLM 0.32 captures the target's EAGLE-3 default layers "
+               f"{[2, depth // 2, depth - 3]}" in n for n in notes), notes
+    raw["eagle_aux_hidden_state_layer_ids"] = [i + 2 for i in ids]
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids=.* is not "
+                                         "target_layer_ids \\+ 1"):
+        import_drafter(out, verify=False)

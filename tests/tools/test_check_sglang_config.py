@@ -108,9 +108,9 @@ def test_check_all_refuses_another_sglang_version():
     result = fake_result(items["tiny_cpu"][0])
     worker = {"sglang_version": "0.5.20", "exports": {"tiny_cpu": result}}
     with pytest.raises(SystemExit, match="sglang 0.5.20"):
-        csc.check_all(items, worker, refusals_of=lambda c, a: ACCEPTS)
+        csc.check_all(items, worker, refusals_of=lambda c, a, n: ACCEPTS)
     worker["sglang_version"] = csc.SGLANG_VERSION
-    assert csc.check_all(items, copy.deepcopy(worker), refusals_of=lambda c, a: ACCEPTS)[
+    assert csc.check_all(items, copy.deepcopy(worker), refusals_of=lambda c, a, n: ACCEPTS)[
         "tiny_cpu"]["ok"]
 
 
@@ -148,3 +148,18 @@ def test_real_sglang_reads_every_recipe_as_trained_or_the_exporter_refuses(tmp_p
     summary = json.loads(out.read_text())
     assert summary["sglang_version"] == csc.SGLANG_VERSION
     assert set(summary["exports"]) == set(csc.exports())
+
+
+def test_the_muse_glimmer_rows_are_written_in_the_muse_glimmer_format():
+    """SGLang reads a Muse Glimmer export through its MuseGlimmerAssistantConfig (DFlash 1) or
+    as the released DFlash 2 Muse layout, DFlash2DraftModel: the rows write those files."""
+    items = csc.exports()
+    one, two = (csc.written(n, items[n][0]) for n in ("muse_glimmer_dflash1",
+                                                       "muse_glimmer_dflash2"))
+    assert (one["architectures"], one["model_type"]) == (["MuseGlimmerAssistantModel"],
+                                                         "muse_glimmer_assistant")
+    assert "dflash_config" not in one and one["is_causal"] is False
+    assert two["architectures"] == ["DFlash2DraftModel"]
+    assert two["dflash_config"]["output_multiplier"] == 0.19611613513818404
+    assert csc.trained(items["muse_glimmer_dflash1"][0], one["architectures"][0])[
+        "architecture"] == "MuseGlimmerAssistantModel"
