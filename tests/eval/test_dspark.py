@@ -42,6 +42,15 @@ def test_dspark_walk_is_lossless_and_is_the_drafters_propose(tiny_target, prompt
     torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(B))
 
 
+class _WalkRounds(DFlashProposer):
+    """A DFlashProposer that records each round's anchor position (its context length) where
+    the loop calls its own ``draft`` (the Markov walk)."""
+
+    def draft(self, anchor_id, *args):
+        self.anchors.append(self.context_length)
+        return super().draft(anchor_id, *args)
+
+
 def test_features_mode_replays_the_markov_walks_rounds(tiny_target):
     """dflash-eval mode=features (the comparison's held-out curves) scores a DSpark drafter
     with its Markov bias: on each greedy round's anchor it gives exactly the acceptance length
@@ -51,7 +60,6 @@ def test_features_mode_replays_the_markov_walks_rounds(tiny_target):
     from dflash_lab.eval.target_runner import TargetRunner
     from dflash_lab.train.loss import acceptance_lengths
     from tests.eval.test_trained import _as_capture, quick_train
-    from tests.eval_doubles import RecordingProposer
 
     drafter = quick_train(tiny_target, steps=120, sample_from_anchor=True, variant="dspark",
                           markov_rank=8)
@@ -63,13 +71,14 @@ def test_features_mode_replays_the_markov_walks_rounds(tiny_target):
     walked, unary, samples = [], [], []
     for conv in demo_conversations(4, seed=41):
         prompt = encode_prompt(tiny_target.tokenizer, conv[:1])
-        rec = RecordingProposer(DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head))
+        proposer = _WalkRounds(drafter, pieces.embed_tokens, pieces.lm_head)
+        proposer.anchors = []
         gen = speculative_generate(TargetRunner(tiny_target.model,
                                                 drafter.config.target_layer_ids),
-                                   rec, prompt, DecodeSettings(max_new_tokens=40))
+                                   proposer, prompt, DecodeSettings(max_new_tokens=40))
         sample = _as_capture(tiny_target, drafter, prompt, gen.output_ids)
         samples.append(sample)
-        anchors = torch.tensor([c for c, _, _ in rec.rounds[:-1]])
+        anchors = torch.tensor(proposer.anchors[:-1])
         if not anchors.numel():
             continue
         out = score_blocks(drafter, pieces, sample, anchors)
