@@ -2,11 +2,12 @@
 ``python -m scripts.compare_speculators``), run with the speculators venv's interpreter
 (``.venv-speculators``): it must not import dflash_lab.
 
-Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default) or DFlash 2
-drafter (``--variant dflash2``) on the batches of ``plan.json`` (``benchmarks/peer_quality.py
-plan``: the samples our trainer's loader serves at each optimizer step, and our schedule's lr at
-that step) and saves it with their ``save_pretrained`` every ``--save-every`` steps
-(``OUT/step-N/``; our importer reads those directories, both variants).
+Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default), DFlash 2
+drafter (``--variant dflash2``) or DSpark drafter (``--variant dspark``) on the batches of
+``plan.json`` (``benchmarks/peer_quality.py plan``: the samples our trainer's loader serves at
+each optimizer step, and our schedule's lr at that step) and saves it with their
+``save_pretrained`` every ``--save-every`` steps (``OUT/step-N/``; our importer reads those
+directories, every variant).
 
 What is theirs: the model and its construction (``create_transformer_layer_config`` and
 ``DFlashDraftModel.from_training_args`` / ``DFlash2DraftModel.from_training_args``, as their
@@ -35,6 +36,13 @@ Their defaults (speculators 0.9.0, ``speculators/train/config/schema.py``
   predecessors; the gold token = argmax of the verifier logits, swapped in for the K-th
   candidate when missing), the same position weights; their eager TV metric runs every step.
   ``--weighting dpace`` switches their loss to ``ce`` (their config refuses D-PACE without it).
+- DSpark (``dspark``): ``kl_div`` on the Markov-biased logits with ``fixed-exp-decay`` position
+  weights (their ``sample_from_anchor`` default true: slot k predicts anchor + k + 1), plus
+  ``confidence_head_alpha`` (their ``DSparkArgs`` default 1.0, read at run time) x the BCE of
+  their confidence head against 1 - TV(q, p), with the fixed decay; their Markov head's previous
+  tokens are the data tokens. The heads are built at the plan's fields (ours: their
+  ``DSparkSpeculatorConfig`` defaults, rank 256 vanilla); run.json records their defaults and
+  any field where the plan differs (``dspark_not_default``).
 - Either way the weighted per-slot loss is summed and divided by the count of valid slots (+1e-5),
   not by the weight sum as ours.
 
