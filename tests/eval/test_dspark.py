@@ -51,7 +51,6 @@ class _WalkRounds(DFlashProposer):
         return super().draft(anchor_id, *args)
 
 
-@pytest.mark.slow
 def test_features_mode_replays_the_markov_walks_rounds(tiny_target):
     """dflash-eval mode=features (the comparison's held-out curves) scores a DSpark drafter
     with its Markov bias: on each greedy round's anchor it gives exactly the acceptance length
