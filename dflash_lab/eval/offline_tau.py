@@ -26,6 +26,12 @@ from the anchor on, :meth:`~dflash_lab.model.dflash2.CandidateSelector.walk`) pi
 gets). Beside them: the unary argmax's tau, the oracle tau (a slot counts when its label is among
 the K candidates: the best any selector could do) and recall@K.
 
+DSpark drafters: slot t's logits carry the Markov bias of the token before its position, taken
+teacher-forced (the anchor, else the target's label there: ``train/dspark.py``
+``markov_prev_ids``, as training validates). Up to a block's first miss those are exactly the
+tokens the serving walk drafted, so the greedy acceptance length equals the walk's; the
+per-position accuracy past a miss is the teacher-forced one.
+
 Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
 K selector candidates, V vocab. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
 batch, ``p`` a position in a block.
@@ -45,6 +51,7 @@ from dflash_lab.eval.report import acceptance_summary
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.anchors import anchor_candidates, sample_anchors, step_generator
 from dflash_lab.train.distill import slot_teacher
+from dflash_lab.train.dspark import markov_inputs, markov_prev_ids
 from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,
@@ -90,7 +97,11 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
     cfg = drafter.config
     tgt = block_targets(targets, mask, anchors, valid, cfg.block_size, label_shift=cfg.label_shift)
     rows = {k: v[None].to(device) for k, v in sample.items() if k.startswith("target_")}
-    out = dflash_loss(hidden.to(pieces.lm_head.weight.dtype), tgt, pieces.lm_head, _GAMMA,
+    head_in, lm_head = hidden, pieces.lm_head
+    if drafter.markov_head is not None:  # DSpark: the Markov bias on teacher-forced tokens
+        prev = markov_prev_ids(ids, targets, anchors, cfg.block_size, cfg.label_shift)
+        head_in, lm_head, _ = markov_inputs(drafter, hidden, prev, lm_head)
+    out = dflash_loss(head_in.to(pieces.lm_head.weight.dtype), tgt, lm_head, _GAMMA,
                       block_valid_bn=valid, temperatures=temperatures,
                       teacher=slot_teacher(teacher, rows, anchors, tgt.valid,
                                            getattr(pieces, "logit_softcap", None),
@@ -220,13 +231,15 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
 
     held = distribution_of(getattr(dataset, "manifest", {}))  # a plain list: argmax only
     temps = resolve_val_temperatures(temperatures, held)
-    if drafter.config.is_dflash2 and temps:
+    walk = ("DFlash 2", "selector") if drafter.config.is_dflash2 else (
+        ("DSpark", "Markov walk") if drafter.config.is_dspark else None)
+    if walk and temps:
         if temperatures is not None:
             raise ValueError(f"features.temperatures={list(temperatures)}: the expected tau at "
-                             "T > 0 is measured for DFlash 1 drafters only (a DFlash 2 drafter "
-                             "samples from its selector); use generate mode with temperature=T")
-        log.warning("features mode: no tau_T1 for a DFlash 2 drafter (its selector path at "
-                    "T > 0 is measured by training's val/tau_T1 or by generate mode)")
+                             f"T > 0 is measured for DFlash 1 drafters only (a {walk[0]} drafter "
+                             f"samples from its {walk[1]}); use generate mode with temperature=T")
+        log.warning(f"features mode: no tau_T1 for a {walk[0]} drafter (its {walk[1]} at T > 0 "
+                    "is measured by generate mode)")
         temps = ()
     teacher = teacher_kind(LossSpec(), held, temps,
                            f"the capture {getattr(dataset, 'root', '(samples)')}")

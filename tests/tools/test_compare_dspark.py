@@ -1,0 +1,132 @@
+"""The DSpark arm of the comparison against speculators 0.9.0 (``variant=dspark``:
+scripts/compare_speculators.py, benchmarks/peer_quality.py, benchmarks/speculators_train.py):
+the driver names every file _dspark and composes our drafter=dspark with module.loss=ce, has no
+distribution-loss arm (refused by name), refuses to serve; the plan carries our DSpark heads on
+the DFlash 1 run's batches; their side resolves their DSpark defaults (kl_div, fixed-exp-decay)
+and refuses a plan of another variant; their trainer (its own venv, slow) trains a tiny plan
+whose saves our importer reads as DSpark drafters scored beside ours."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from benchmarks import speculators_train
+from benchmarks.peer_quality import build_plan, compose_train, curve_rows, t1_reason
+from dflash_lab.paths import REPO_ROOT
+from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
+from tests.tools.test_peer_quality import on_tiny, tiny_capture  # noqa: F401 (fixture)
+
+SPEC_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
+#: conf/drafter/dspark.yaml: speculators' DSparkSpeculatorConfig defaults
+DSPARK_HEADS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                "confidence_head_with_markov": True, "sample_from_anchor": True}
+
+
+def test_dspark_names_every_file_and_composes_our_dspark_drafter(tmp_path):
+    out = str(tmp_path / "cmp")
+    got = driver_paths(tmp_path / "cmp", variant="dspark", steps="40", seeds="[0,2]")
+    assert got["plan"] == f"{out}/plan_dspark.json"
+    assert got["run.0"] == "outputs/runs/compare_speculators_muon_ours_dspark_s40"
+    assert got["run.2"] == "outputs/runs/compare_speculators_muon_ours_dspark_s40_seed2"
+    # their default weighting for dspark is fixed-exp-decay (their TrainConfig)
+    assert got["theirs.0"] == f"{out}/theirs_dspark_fixed-exp-decay"
+    assert got["eval_ours_T1.2"] == f"{out}/eval_ours_dspark_seed2_T1"
+    assert got["stage_train_theirs.2"] == "train_theirs_dspark_fixed-exp-decay_seed2"
+    assert "run_loss.0" not in got
+    args = driver_lines(tmp_path / "cmp", "args", variant="dspark")
+    assert "drafter=dspark" in args and not any(a.startswith("module.loss") for a in args)
+    # with the target's distribution captured there is still no loss arm (DSpark trains CE)
+    dist = driver_paths(tmp_path / "cmp", variant="dspark", distribution="last_hidden")
+    assert "run_loss.0" not in dist and dist["capture"].endswith("_dist")
+
+
+@pytest.mark.parametrize("knobs", [{"our_loss": "{kl: 1.0}", "distribution": "last_hidden"},
+                                   {"our_loss": "tv", "distribution": "last_hidden"}])
+def test_dspark_refuses_a_distribution_loss_arm_by_name(tmp_path, knobs):
+    done = run_driver(tmp_path / "cmp", "capture", variant="dspark", **knobs)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "our DSpark drafter trains module.loss=ce only" in done.stdout
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_serve_refuses_dspark_saying_why(tmp_path):
+    done = run_driver(tmp_path / "out", "serve", variant="dspark")
+    assert done.returncode != 0
+    assert "cannot serve DSpark" in done.stdout and "V2 GPU runner" in done.stdout
+    assert not (tmp_path / "out" / "done").exists()
+
+
+def test_their_dspark_loss_and_fields_are_their_defaults_and_the_plans():
+    assert speculators_train.their_loss("dspark", None) == ("kl_div", "fixed-exp-decay")
+    assert speculators_train.their_loss("dspark", "dpace") == ("ce", "dpace")
+    with pytest.raises(ValueError, match="variant=dspark"):
+        speculators_train.dspark_fields({"drafter": {"variant": "dflash1"}})
+    plan = {"drafter": {"variant": "dspark", "num_hidden_layers": 3, **DSPARK_HEADS}}
+    assert speculators_train.dspark_fields(plan) == DSPARK_HEADS
+    assert "Markov walk" in t1_reason("dspark", heldout_holds=True)
+
+
+@pytest.fixture(scope="module")
+def dspark_plan(tiny_target, tiny_target_dir, tiny_capture, tmp_path_factory):  # noqa: F811
+    """(overrides, plan) of the driver's DSpark run on the tiny target, 3 steps (rank 16)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    args = on_tiny(driver_lines(tmp / "cmp", "args", variant="dspark"), tiny_target_dir,
+                   tiny_capture, tiny_target.token_id("<|mask|>"), 3)
+    return args + ["drafter.markov_rank=16"], build_plan(args + ["drafter.markov_rank=16"])
+
+
+def test_dspark_plan_carries_our_heads_on_the_dflash1_batches(
+        tiny_target, tiny_target_dir, tiny_capture, dspark_plan, tmp_path):  # noqa: F811
+    args, plan = dspark_plan
+    assert compose_train(args).module.loss == "ce"
+    assert plan["drafter"] == {**plan["drafter"], "variant": "dspark",
+                               **DSPARK_HEADS, "markov_rank": 16}
+    one = build_plan(on_tiny(driver_lines(tmp_path / "cmp", "args"), tiny_target_dir,
+                             tiny_capture, tiny_target.token_id("<|mask|>"), 3))
+    assert "markov_rank" not in one["drafter"]
+    assert plan["steps"] == one["steps"]  # same batches and lrs as the DFlash 1 run
+    assert plan["drafter"]["trainable_params"] > one["drafter"]["trainable_params"]
+
+
+@pytest.mark.skipif(not SPEC_PYTHON.exists(),
+                    reason="needs .venv-speculators (make speculators-venv): speculators 0.9.0")
+@pytest.mark.slow
+def test_their_dspark_trains_the_plan_and_both_sides_curves_score_dspark(
+        tiny_target, tiny_target_dir, tiny_capture, dspark_plan, tmp_path):  # noqa: F811
+    from hydra.utils import instantiate
+
+    from dflash_lab.eval.loading import load_drafter
+    from tests.export_doubles import write_checkpoint
+
+    args, plan = dspark_plan
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    theirs = tmp_path / "theirs"
+    done = subprocess.run(
+        [str(SPEC_PYTHON), str(REPO_ROOT / "benchmarks" / "speculators_train.py"), "--plan",
+         str(tmp_path / "plan.json"), "--target", str(tiny_target_dir), "--out", str(theirs),
+         "--save-every", "2", "--variant", "dspark"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((theirs / "run.json").read_text())
+    assert (run["variant"], run["loss_fn"], run["weighting"]) == (
+        "dspark", "kl_div", "fixed-exp-decay")
+    assert run["optimizer"]["name"] == "default"  # their Muon + AdamW at their defaults
+    assert run["dspark_defaults"]["confidence_head_alpha"] == 1.0
+    assert run["dspark_not_default"] == {"markov_rank": 16}  # the plan's rank, said so
+    log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
+    assert [int(r[0]) for r in log] == [1, 2, 3] and all(0 < float(r[1]) < 100 for r in log)
+    assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]
+    for step in (2, 3):
+        dc = load_drafter(theirs / f"step-{step}").drafter.config
+        assert dc.is_dspark and dc.markov_rank == 16 and dc.sample_from_anchor
+    ours = instantiate(compose_train(args).drafter, _partial_=True)(target=tiny_target)
+    write_checkpoint(tmp_path / "ours" / "step3.ckpt", ours.config, ours.state_dict())
+    rows = curve_rows(str(tiny_capture), str(tiny_target_dir), str(tmp_path / "ours"),
+                      str(theirs), num_anchors=4)
+    assert [(r["side"], r["step"]) for r in rows] == [
+        ("ours", 3), ("speculators", 2), ("speculators", 3)]
+    # sample_from_anchor: B drafts + the bonus
+    assert all(1.0 <= r["tau_mean"] <= 9 and r["num_blocks"] > 0 for r in rows)
