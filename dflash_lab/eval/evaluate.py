@@ -39,7 +39,8 @@ from dflash_lab.eval.suite import (
     budget,
     data_configs,
     dataset_name,
-    load_items,
+    items_before_target,
+    items_with_target,
 )
 from dflash_lab.eval.target_runner import TargetRunner
 from dflash_lab.target.chat import target_stop_ids
@@ -114,6 +115,12 @@ def _settings_record(cfg, target, block_size: int, trained: int, description: st
     }
 
 
+def max_positions(target) -> int | None:
+    """The target's ``max_position_embeddings`` (None when its config has none)."""
+    config = getattr(getattr(target, "model", None), "config", None)
+    return getattr(config, "max_position_embeddings", None)
+
+
 def _load_pair(cfg, packed: bool = False):
     """Target (the ``target`` group, completed by resolve_eval_target), drafter, backend."""
     target = instantiate(cfg.target)
@@ -163,8 +170,10 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     check_sampling(cfg.temperature, cfg.sampling)
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
-    items = [load_items(d, cfg.num_prompts) for d in configs]  # a bad file: before any loading
+    items = items_before_target(configs, cfg.num_prompts)  # a bad file: before any loading
     target, loaded, backend = _load_pair(cfg)
+    items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
+                              max_positions(target))
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()

@@ -148,7 +148,7 @@ def per_dataset(records: list[ResponseRecord], block_size: int) -> dict[str, dic
 CONTEXT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
-def _bucket_name(edges: tuple[int, ...], i: int) -> str:
+def bucket_name(edges: tuple[int, ...], i: int) -> str:
     lo = 0 if i == 0 else edges[i - 1]
     return f"{lo}-{edges[i] - 1}" if i < len(edges) else f">={lo}"
 
@@ -178,7 +178,7 @@ def tau_by_context(records: list[ResponseRecord], edges=CONTEXT_BUCKETS) -> list
                 context += n
         elif r.num_rounds:
             add(r.prompt_tokens, r.num_rounds, r.num_round_tokens or 0, "responses")
-    return [{"context": _bucket_name(edges, i), "rounds": row["rounds"], "tokens": row["tokens"],
+    return [{"context": bucket_name(edges, i), "rounds": row["rounds"], "tokens": row["tokens"],
              "tau": row["tokens"] / row["rounds"], "basis": "+".join(sorted(row["bases"]))}
             for i, row in enumerate(rows) if row["rounds"]]
 

@@ -117,15 +117,19 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
         budget,
         data_configs,
         dataset_name,
-        load_items,
+        items_before_target,
+        items_with_target,
     )
     from dflash_lab.target.chat import target_stop_ids
 
     settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
-    items = [load_items(d, cfg.num_prompts) for d in configs]  # a bad file: before the engine
+    items = items_before_target(configs, cfg.num_prompts)  # a bad file: before the engine
     target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
+    config = getattr(getattr(target, "model", None), "config", None)
+    items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
+                              getattr(config, "max_position_embeddings", None))
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
         info = client.connect()

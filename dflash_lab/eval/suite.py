@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from omegaconf import OmegaConf
 
 from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_file, row_place
+from dflash_lab.eval.long_prompts import KIND as LONG_KIND
+from dflash_lab.eval.long_prompts import build_long_chats, context_targets
 from dflash_lab.eval.prompts import encode_prompt, load_rows, row_messages, row_where, set_fields
 from dflash_lab.paths import CONF_DIR
 
@@ -157,6 +159,66 @@ def _reference_item(d, index: int, row: dict[str, Any]) -> Item:
     turns = row[d.field] if d.multi_turn else [row[d.field]]
     texts = [d.prompt_format.format(prompt=t) for t in turns]
     return Item(index, [{"role": "user", "content": texts[0]}], texts[1:])
+
+
+def is_long(d) -> bool:
+    """A long-context option (``kind: long_chat``, :mod:`dflash_lab.eval.long_prompts`): its
+    prompts are built to token lengths, so they need the target's tokenizer."""
+    return d.get("kind") == LONG_KIND
+
+
+def long_items(d, num_prompts: int | None, tokenizer) -> list[Item]:
+    """The long-context prompt set of ``d``: ``num_prompts`` chats of held-out conversations,
+    each rendered (as :func:`prompt_ids` renders it) to its target length."""
+    if num_prompts is None:
+        raise ValueError(f"data={dataset_name(d)} builds num_prompts prompts to spread lengths "
+                         "over [data.min_context, data.max_context]: give num_prompts=N")
+    path = str(d.path)
+    kwargs = template_kwargs(tokenizer, d)
+    targets = context_targets(int(num_prompts), int(d.min_context), int(d.max_context),
+                              str(d.get("spacing", "log")))
+    chats = build_long_chats(load_rows(path), row_where(path), tokenizer,
+                             lambda m: len(prompt_ids(tokenizer, m, d, kwargs)), targets,
+                             max_context=int(d.max_context), seed=int(d.shuffle_seed or 0))
+    for k, (msgs, used) in enumerate(chats):
+        log.info("%s prompt %d: target %d tokens, %d messages from rows %s", dataset_name(d), k,
+                 targets[k], len(msgs), used)
+    return [Item(k, msgs) for k, (msgs, _) in enumerate(chats)]
+
+
+def check_long_fits(d, max_new: int, max_positions: int | None) -> None:
+    """A long prompt set's longest prompt plus the answer must fit the target's positions."""
+    if max_positions is not None and int(d.max_context) + max_new > int(max_positions):
+        raise ValueError(f"data.max_context={d.max_context} + max_new_tokens={max_new} > the "
+                         f"target's max_position_embeddings={max_positions}; lower "
+                         "data.max_context (or max_new_tokens)")
+
+
+def items_before_target(configs: list, num_prompts: int | None) -> list[list[Item] | None]:
+    """Each data config's items, read before anything loads (a bad file stops the run first);
+    None for a long-context option, whose source is only read here (it needs the tokenizer:
+    :func:`items_with_target`)."""
+    out: list[list[Item] | None] = []
+    for d in configs:
+        if is_long(d):
+            load_rows(str(d.path))
+            out.append(None)
+        else:
+            out.append(load_items(d, num_prompts))
+    return out
+
+
+def items_with_target(configs: list, items: list[list[Item] | None], num_prompts: int | None,
+                      tokenizer, budgets: list[int], max_positions: int | None,
+                      ) -> list[list[Item]]:
+    """:func:`items_before_target`'s list completed with the long-context options' items."""
+    done = []
+    for d, its, max_new in zip(configs, items, budgets):
+        if its is None:
+            check_long_fits(d, max_new, max_positions)
+            its = long_items(d, num_prompts, tokenizer)
+        done.append(its)
+    return done
 
 
 def load_items(d, num_prompts: int | None) -> list[Item]:

@@ -252,12 +252,17 @@ def check_recipe(cfg, package, *, tiny_target_dir, big_target_dir, tmp_path, **_
 def check_eval_data(cfg, package, **_):
     """An eval dataset option: a file path, or a reference dataset's hub id, split, text field
     and a prompt format that takes it, with the reference budget."""
-    from dflash_lab.eval.suite import data_configs, is_reference
+    from dflash_lab.eval.long_prompts import context_targets
+    from dflash_lab.eval.suite import check_long_fits, data_configs, is_long, is_reference
 
     (d,) = data_configs(cfg)
     if is_reference(d):
         assert d.hub_id and d.split and d.field and d.max_new_tokens == 2048
         assert d.shuffle_seed == 42 and "x" in d.prompt_format.format(prompt="x")
+    elif is_long(d):  # a long-context set: valid lengths that fit SmolLM2's 8192 positions
+        assert len(context_targets(4, d.min_context, d.max_context, d.spacing)) == 4
+        check_long_fits(d, d.max_new_tokens, 8192)
+        assert cfg.max_new_tokens == d.max_new_tokens
     else:
         assert d.path and cfg.max_new_tokens == d.max_new_tokens
 

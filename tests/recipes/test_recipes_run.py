@@ -36,6 +36,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from dflash_lab.data.demo_corpus import demo_conversations
@@ -70,6 +71,8 @@ REGENERATE_SIZES = ["data.limit=3", "regenerate.settings.max_new_tokens=8",
                     # which the capture drops): sampled, it is text; the real recipe stays greedy
                     "regenerate.settings.temperature=1.0"]
 EVAL_SIZES = ["num_prompts=2", "max_new_tokens=6", "warmup=false", "progress=false"]
+#: A long-context eval (data=long_sharegpt): prompt lengths a few demo chats reach.
+LONG_EVAL_SIZES = ["data.min_context=24", "data.max_context=96"]
 #: The eval's prompts where a recipe names a reference suite (the hub) rather than a file.
 PROMPTS = "prompts.jsonl"
 
@@ -161,7 +164,9 @@ def size_overrides(cfg, tiny_target_dir: Path) -> list[str]:
     if cfg.pipeline.regenerate:  # the regenerated turns (prompt + 8 tokens) must fit
         args += [f"regenerate:{a}" for a in REGENERATE_SIZES] + ["capture:capture.max_length=96"]
     args += [f"eval:{a}" for a in EVAL_SIZES]
-    if _listed(list(cfg.pipeline.eval), "data.path") is None:  # a reference suite (the hub)
+    if _long_eval(cfg):  # long-context prompts built from the chats: lengths the stand-in fits
+        args += [f"eval:{a}" for a in LONG_EVAL_SIZES]
+    elif _listed(list(cfg.pipeline.eval), "data.path") is None:  # a reference suite (the hub)
         args += ["eval:suite=null", f"eval:data.path={PROMPTS}"]
     for name in cfg.pipeline.evals or {}:  # further evals (HumanEval, ...): the 2-prompt file
         args += [f"eval_{name}:{a}" for a in EVAL_SIZES]
@@ -179,7 +184,10 @@ def write_inputs(cfg) -> None:
     prompts = [{"messages": c[:1]} for c in demo_conversations(2, seed=31)]
     _write_jsonl(Path(PROMPTS), prompts)
     listed = _listed(list(cfg.pipeline.eval), "data.path")
-    if listed and cfg.data.get("path") != "demo":  # a file the user brings (demo: train writes it)
+    if listed and _long_eval(cfg):  # held-out chats, answers included, for the long prompts
+        _write_jsonl(Path(listed), [{"messages": c} for c in demo_conversations(12, seed=31)])
+    elif listed and cfg.data.get("path") != "demo":  # a file the user brings (demo: train
+        # writes it)
         _write_jsonl(Path(listed), prompts)
 
 
@@ -191,6 +199,16 @@ def run_pipeline(recipe: str, args: list[str]) -> Path:
     rc = pipeline_main(["run", f"recipe={recipe}", *args])
     assert rc == 0, f"dflash-lab run recipe={recipe} failed (exit {rc}): see its stage log above"
     return Path("outputs/pipeline") / recipe
+
+
+def _long_eval(cfg) -> bool:
+    """The recipe's eval builds long-context prompts (an eval_data option of kind long_chat)."""
+    from dflash_lab.eval.long_prompts import KIND
+
+    name = _listed(list(cfg.pipeline.eval), "eval_data@data")
+    if name is None:
+        return False
+    return OmegaConf.load(CONF_DIR / "eval_data" / f"{name}.yaml").get("kind") == KIND
 
 
 def _tiny(cfg) -> bool:
@@ -259,7 +277,9 @@ def check_the_pipeline_ran(cfg, root: Path) -> None:
     for name in (s for s in set(stages) if s.startswith("eval")):
         report = json.loads((root / name / "report.json").read_text())
         assert report["num_prompts"] == 2 and report["tau_mean"] >= 1.0
-        assert report["lossless"] is True  # float32 target (the eval's default): lossless
+        # float32 target (the eval's default): lossless; not measured without the baseline
+        baseline = _listed(list(cfg.pipeline.eval), "baseline") != "false"
+        assert report["lossless"] is (True if baseline else None)
 
 
 def _tokenizer_owner(cfg):
