@@ -161,15 +161,22 @@ def their_loss(variant: str, weighting: str | None) -> tuple[str, str]:
     return loss_fn, weighting
 
 
+def _plan_drafter(plan: dict, variant: str, name: str) -> dict:
+    """The plan's drafter section; ValueError when it is not a ``variant`` drafter's (``name``:
+    how the message names our overrides), since ours and theirs must be the same shape."""
+    d = plan["drafter"]
+    found = d.get("variant", "dflash1")
+    if found != variant:
+        raise ValueError(f"--variant {variant} but the plan's drafter is {found!r}: write the "
+                         f"plan with our {name} overrides "
+                         f"(python -m scripts.compare_speculators stages=[plan] variant={variant})")
+    return d
+
+
 def dflash2_fields(plan: dict) -> dict[str, int]:
     """The plan drafter's conv and selector fields; ValueError when the plan is a DFlash 1
     drafter's (ours and theirs must be the same shape)."""
-    d = plan["drafter"]
-    variant = d.get("variant", "dflash1")
-    if variant != "dflash2":
-        raise ValueError(f"--variant dflash2 but the plan's drafter is {variant!r}: write the "
-                         "plan with our DFlash 2 overrides "
-                         "(python -m scripts.compare_speculators stages=[plan] variant=dflash2)")
+    d = _plan_drafter(plan, "dflash2", "DFlash 2")
     return {k: int(d[k]) for k in DFLASH2_FIELDS}
 
 
@@ -222,12 +229,7 @@ DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head",
 def dspark_fields(plan: dict) -> dict:
     """The plan drafter's Markov, confidence and ``sample_from_anchor`` fields; ValueError when
     the plan is not a DSpark drafter's (ours and theirs must be the same shape)."""
-    d = plan["drafter"]
-    variant = d.get("variant", "dflash1")
-    if variant != "dspark":
-        raise ValueError(f"--variant dspark but the plan's drafter is {variant!r}: write the "
-                         "plan with our DSpark overrides "
-                         "(python -m scripts.compare_speculators stages=[plan] variant=dspark)")
+    d = _plan_drafter(plan, "dspark", "DSpark")
     return {k: d[k] for k in DSPARK_FIELDS}
 
 
