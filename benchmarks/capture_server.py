@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import report, table
-from benchmarks.regenerate import load_inputs
+from benchmarks.regenerate import add_input_args, load_inputs
 from benchmarks.vllm_server import VLLM_PYTHON, vllm_server
 
 
@@ -53,11 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=None, help="HF target directory (default: see above)")
-    p.add_argument("--data", default=None, help="conversations .jsonl (default: see above)")
-    p.add_argument("--size", default="cpu", choices=["toy", "cpu"],
-                   help="toy: tiny target, 16 demo rows (smoke test); cpu: SmolLM2 if prepared")
-    p.add_argument("--rows", type=int, default=None, help="conversations (default 48; toy 16)")
+    add_input_args(p)
     p.add_argument("--batch-size", type=int, default=8,
                    help="local: sequences per forward; server: requests in flight")
     p.add_argument("--max-length", type=int, default=512)

@@ -61,11 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=None, help="HF target directory (default: see above)")
-    p.add_argument("--data", default=None, help="conversations .jsonl (default: see above)")
-    p.add_argument("--size", default="cpu", choices=["toy", "cpu"],
-                   help="toy: tiny target, 16 demo rows (smoke test); cpu: SmolLM2 if prepared")
-    p.add_argument("--rows", type=int, default=None, help="conversations (default 48; toy 16)")
+    add_input_args(p)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-length", type=int, default=1024)
@@ -74,6 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     return run(args)
+
+
+def add_input_args(p) -> None:
+    """The options :func:`load_inputs` reads (--target, --data, --size, --rows), on the
+    argparse parser ``p`` of a benchmark that runs a target on conversations."""
+    p.add_argument("--target", default=None, help="HF target directory (default: see above)")
+    p.add_argument("--data", default=None, help="conversations .jsonl (default: see above)")
+    p.add_argument("--size", default="cpu", choices=["toy", "cpu"],
+                   help="toy: tiny target, 16 demo rows (smoke test); cpu: SmolLM2 if prepared")
+    p.add_argument("--rows", type=int, default=None, help="conversations (default 48; toy 16)")
 
 
 def load_inputs(args) -> tuple[object, list[dict], str]:
