@@ -196,6 +196,16 @@ def write_checkpoint(drafter: DFlashDrafter, path: str | Path) -> Path:
     return path
 
 
+def demo_prompts(path: Path, n: int = 2, seed: int = 21) -> Path:
+    """``n`` demo conversations (seed ``seed``) written to ``path`` as a prompts JSONL, one
+    ``{"messages": ...}`` row a line, for :func:`cli_eval_report`; returns ``path``."""
+    from dflash_lab.data.demo_corpus import demo_conversations
+
+    path.write_text("".join(json.dumps({"messages": c}) + "\n"
+                            for c in demo_conversations(n, seed=seed)))
+    return path
+
+
 def cli_eval_report(monkeypatch, target_dir: str | Path, drafter_dir: str | Path,
                     prompts: str | Path, out: str | Path) -> dict:
     """``dflash-eval`` (the CLI entry point, in process) of ``drafter_dir`` on the first two

@@ -149,13 +149,10 @@ def _tiny_export(tiny_target, path):
 
 def test_cli_eval_of_a_dspark_export_is_lossless(tiny_target, tiny_target_dir, tmp_path,
                                                  monkeypatch):
-    from dflash_lab.data.demo_corpus import demo_conversations
-    from tests.eval_doubles import cli_eval_report
+    from tests.eval_doubles import cli_eval_report, demo_prompts
 
     _tiny_export(tiny_target, tmp_path / "export")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": c}) + "\n"
-                               for c in demo_conversations(2, seed=21)))
+    prompts = demo_prompts(tmp_path / "prompts.jsonl")
     report = cli_eval_report(monkeypatch, tiny_target_dir, tmp_path / "export", prompts,
                              tmp_path / "out")
     assert report["lossless"] is True and report["tau_mean"] >= 1.0

@@ -23,12 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
 from dflash_lab.model.config import LayerSpec
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
-from tests.eval_doubles import cli_eval_report
+from tests.eval_doubles import cli_eval_report, demo_prompts
 from tests.export_doubles import MUSE_DFLASH2, muse_dflash2_config
 
 ZLAB_PYTHON = REPO_ROOT / ".venv-dflash" / "bin" / "python"
@@ -133,9 +132,7 @@ def test_inspect_shows_the_engines_that_serve_it_as_trained(muse2):
 
 
 def test_dflash_eval_is_lossless(muse2, tiny_target_dir, tmp_path, monkeypatch):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": c}) + "\n"
-                               for c in demo_conversations(2, seed=21)))
+    prompts = demo_prompts(tmp_path / "prompts.jsonl")
     report = cli_eval_report(monkeypatch, tiny_target_dir, muse2, prompts, tmp_path / "out")
     assert report["lossless"] is True and report["tau_mean"] >= 1.0
     assert report["settings"]["trained_block_size"] == 4
