@@ -33,14 +33,13 @@ Two sides, one file:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
-from scripts.vllm_pieces import TOLERANCE, build, load_check, rel, vllm_config
+from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, rel, vllm_config
 
 NUM_REQUESTS = 2  #: requests in the conv rows (rows = NUM_REQUESTS * block_size)
 
@@ -237,9 +236,7 @@ def compare_case(case: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: {sys.argv[0]} CASE_DIR  (run with .venv-vllm/bin/python)")
-    run_vllm(Path(sys.argv[1]))
+    cli(run_vllm)
 
 
 if __name__ == "__main__":

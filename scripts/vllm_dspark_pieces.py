@@ -33,14 +33,13 @@ Two sides, one file (as scripts/vllm_dflash2_pieces.py):
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
-from scripts.vllm_pieces import TOLERANCE, build, load_check, rel, vllm_config
+from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, our_drafter, rel, vllm_config
 
 NUM_ROWS = 6  #: rows of the head inputs
 #: the draft HF config attributes recorded from vLLM's reading
@@ -155,21 +154,13 @@ def prepare_case(case: Path, seed: int = 0, sample_from_anchor: bool = True) -> 
 @torch.no_grad()
 def our_pieces(case: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """The same pieces computed by dflash_lab's drafter loaded from the export, and its config."""
-    from safetensors.torch import load_file
-
-    from dflash_lab.export.sources import load_source
-    from dflash_lab.model.drafter import DFlashDrafter
-
-    source = load_source(case / "export")
-    drafter = DFlashDrafter(source.config).float().eval()
-    drafter.load_state_dict(source.state_dict, strict=True)
-    inputs = load_file(str(case / "inputs.safetensors"))
+    drafter, config, inputs = our_drafter(case)
     head = drafter.markov_head
     feats, emb = head.features(inputs["prev"][:, None], inputs["hidden"][:, None])
     out = {"markov_embed": emb[:, 0], "markov_bias": head.bias(feats)[:, 0]}
     if drafter.confidence_head is not None:
         out["confidence"] = torch.sigmoid(drafter.confidence_head(inputs["hidden"], emb[:, 0]))
-    return out, source.config
+    return out, config
 
 
 def compare_case(case: Path) -> dict[str, Any]:
@@ -207,9 +198,7 @@ def compare_case(case: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: {sys.argv[0]} CASE_DIR  (run with .venv-vllm/bin/python)")
-    run_vllm(Path(sys.argv[1]))
+    cli(run_vllm)
 
 
 if __name__ == "__main__":

@@ -39,14 +39,13 @@ Two sides, one file (as scripts/vllm_dflash2_pieces.py):
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
-from scripts.vllm_pieces import TOLERANCE, build, load_check, rel, vllm_config
+from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, our_drafter, rel, vllm_config
 
 NUM_CTX, NUM_ROWS = 5, 4  #: context positions, block rows
 FIRST_POSITION = 3  #: the context's first position (block rows follow it)
@@ -253,29 +252,21 @@ def _flat(x_bhld: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def our_pieces(case: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """The same pieces computed by dflash_lab's drafter loaded from the export, and its config."""
-    from safetensors.torch import load_file
-
-    from dflash_lab.export.sources import load_source
-    from dflash_lab.model.drafter import DFlashDrafter
-
-    source = load_source(case / "export")
-    drafter = DFlashDrafter(source.config).float().eval()
-    drafter.load_state_dict(source.state_dict, strict=True)
-    inputs = load_file(str(case / "inputs.safetensors"))
+    drafter, config, inputs = our_drafter(case)
     ctx = drafter.fuse(inputs["features"][None])
     ctx_cs = drafter.rotary(torch.arange(NUM_CTX) + FIRST_POSITION, ctx.dtype)
     blk_cs = drafter.rotary(torch.arange(NUM_ROWS) + FIRST_POSITION + NUM_CTX, ctx.dtype)
     x = inputs["rows"][None]
     out: dict[str, torch.Tensor] = {"context": ctx[0]}
     ks, vs = [], []
-    d, hq = source.config.head_dim, source.config.num_attention_heads
+    d, hq = config.head_dim, config.num_attention_heads
     for i, layer in enumerate(drafter.layers):
         k, v = layer.context_kv(ctx, ctx_cs)
         ks.append(_flat(k))
         vs.append(_flat(v))
         fixed = inputs["attn_out"][i].view(NUM_ROWS, hq, d).transpose(0, 1)[None]
         backend = _FixedBackend(fixed)
-        empty = x.new_zeros(1, source.config.num_key_value_heads, 0, d)
+        empty = x.new_zeros(1, config.num_key_value_heads, 0, d)
         out[f"layer{i}.attn"] = layer.self_attn(x, empty, empty, blk_cs, backend, None)[0]
         out.update({f"layer{i}.{n}": _flat(t) for n, t in backend.seen.items()})
         out[f"layer{i}.input_layernorm"] = layer.input_layernorm(x)[0]
@@ -283,7 +274,7 @@ def our_pieces(case: Path) -> tuple[dict[str, torch.Tensor], Any]:
         out[f"layer{i}.mlp"] = layer.mlp(x)[0]
     out["context_k"], out["context_v"] = torch.stack(ks), torch.stack(vs)
     out["norm"] = drafter.norm(x)[0]
-    return out, source.config
+    return out, config
 
 
 def compare_case(case: Path) -> dict[str, Any]:
@@ -324,9 +315,7 @@ def compare_case(case: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: {sys.argv[0]} CASE_DIR  (run with .venv-vllm/bin/python)")
-    run_vllm(Path(sys.argv[1]))
+    cli(run_vllm)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """What the piece-by-piece checks of our exports against vLLM's own model code share
 (scripts/vllm_dflash2_pieces.py, scripts/vllm_dspark_pieces.py): the draft's VllmConfig on CPU,
-building the model class without an engine, and the weight-load audit. vLLM side (.venv-vllm);
-imports nothing of dflash_lab.
+building the model class without an engine, the weight-load audit, the vLLM side's command line
+(.venv-vllm; imports nothing of dflash_lab), and loading our drafter from a case's export (project
+venv: dflash_lab is imported inside :func:`our_drafter` only).
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +100,25 @@ def load_check(model: torch.nn.Module, config: Any, ours: dict[str, torch.Tensor
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to the largest magnitude of ``b``."""
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
+
+
+def cli(run_vllm: Callable[[Path], None]) -> None:
+    """The vLLM side's entry point: ``python -m scripts.vllm_<x>_pieces CASE_DIR`` runs
+    ``run_vllm(CASE_DIR)``; any other argument count exits with the usage line."""
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: {sys.argv[0]} CASE_DIR  (run with .venv-vllm/bin/python)")
+    run_vllm(Path(sys.argv[1]))
+
+
+def our_drafter(case: Path) -> tuple[torch.nn.Module, Any, dict[str, torch.Tensor]]:
+    """(our drafter loaded from ``case/export`` in float32 eval mode, its config, the case's
+    fixed inputs): the project side of a pieces check (project venv)."""
+    from safetensors.torch import load_file
+
+    from dflash_lab.export.sources import load_source
+    from dflash_lab.model.drafter import DFlashDrafter
+
+    source = load_source(case / "export")
+    drafter = DFlashDrafter(source.config).float().eval()
+    drafter.load_state_dict(source.state_dict, strict=True)
+    return drafter, source.config, load_file(str(case / "inputs.safetensors"))
