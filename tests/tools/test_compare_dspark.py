@@ -6,17 +6,18 @@ the DFlash 1 run's batches; their side resolves their DSpark defaults (kl_div, f
 and refuses a plan of another variant; their trainer (its own venv, slow) trains a tiny plan
 whose saves our importer reads as DSpark drafters scored beside ours."""
 
-import json
-import os
-import subprocess
-
 import pytest
 
 from benchmarks import speculators_train
-from benchmarks.peer_quality import build_plan, compose_train, curve_rows, t1_reason
+from benchmarks.peer_quality import build_plan, compose_train, t1_reason
 from dflash_lab.paths import REPO_ROOT
 from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
-from tests.tools.test_peer_quality import on_tiny, tiny_capture  # noqa: F401 (fixture)
+from tests.tools.test_peer_quality import (  # noqa: F401 (tiny_capture: a fixture)
+    both_sides_rows,
+    on_tiny,
+    tiny_capture,
+    train_theirs,
+)
 
 SPEC_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
 #: conf/drafter/dspark.yaml: speculators' DSparkSpeculatorConfig defaults
@@ -95,22 +96,10 @@ def test_dspark_plan_carries_our_heads_on_the_dflash1_batches(
 @pytest.mark.slow
 def test_their_dspark_trains_the_plan_and_both_sides_curves_score_dspark(
         tiny_target, tiny_target_dir, tiny_capture, dspark_plan, tmp_path):  # noqa: F811
-    from hydra.utils import instantiate
-
     from dflash_lab.eval.loading import load_drafter
-    from tests.export_doubles import write_checkpoint
 
     args, plan = dspark_plan
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    theirs = tmp_path / "theirs"
-    done = subprocess.run(
-        [str(SPEC_PYTHON), str(REPO_ROOT / "benchmarks" / "speculators_train.py"), "--plan",
-         str(tmp_path / "plan.json"), "--target", str(tiny_target_dir), "--out", str(theirs),
-         "--save-every", "2", "--variant", "dspark"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = json.loads((theirs / "run.json").read_text())
+    theirs, run = train_theirs(plan, tiny_target_dir, tmp_path, "dspark")
     assert (run["variant"], run["loss_fn"], run["weighting"]) == (
         "dspark", "kl_div", "fixed-exp-decay")
     assert run["optimizer"]["name"] == "default"  # their Muon + AdamW at their defaults
@@ -122,11 +111,6 @@ def test_their_dspark_trains_the_plan_and_both_sides_curves_score_dspark(
     for step in (2, 3):
         dc = load_drafter(theirs / f"step-{step}").drafter.config
         assert dc.is_dspark and dc.markov_rank == 16 and dc.sample_from_anchor
-    ours = instantiate(compose_train(args).drafter, _partial_=True)(target=tiny_target)
-    write_checkpoint(tmp_path / "ours" / "step3.ckpt", ours.config, ours.state_dict())
-    rows = curve_rows(str(tiny_capture), str(tiny_target_dir), str(tmp_path / "ours"),
-                      str(theirs), num_anchors=4)
-    assert [(r["side"], r["step"]) for r in rows] == [
-        ("ours", 3), ("speculators", 2), ("speculators", 3)]
+    rows = both_sides_rows(args, tiny_target, tiny_target_dir, tiny_capture, theirs, tmp_path)
     # sample_from_anchor: B drafts + the bonus
     assert all(1.0 <= r["tau_mean"] <= 9 and r["num_blocks"] > 0 for r in rows)

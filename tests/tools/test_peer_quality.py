@@ -171,6 +171,38 @@ def tiny_capture(tiny_target, tmp_path_factory):
     return out
 
 
+def train_theirs(plan: dict, target_dir, tmp_path, variant: str, *extra: str) -> tuple:
+    """(out dir, its run.json) of speculators' trainer (benchmarks/speculators_train.py in
+    .venv-speculators) on ``plan`` for ``--variant VARIANT``, a save every 2 steps, offline,
+    one thread; ``extra``: more of its options. It must exit 0."""
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    theirs = tmp_path / "theirs"
+    done = subprocess.run(
+        [str(SPEC_PYTHON), str(REPO_ROOT / "benchmarks" / "speculators_train.py"), "--plan",
+         str(tmp_path / "plan.json"), "--target", str(target_dir), "--out", str(theirs),
+         "--save-every", "2", "--variant", variant, *extra],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return theirs, json.loads((theirs / "run.json").read_text())
+
+
+def both_sides_rows(args, target, target_dir, capture, theirs, tmp_path) -> list[dict]:
+    """The curve rows of our drafter composed from ``args`` (untrained, saved as our step-3
+    checkpoint) beside their saves in ``theirs`` (steps 2 and 3), paired in that order."""
+    from hydra.utils import instantiate
+
+    from tests.export_doubles import write_checkpoint
+
+    ours = instantiate(compose_train(args).drafter, _partial_=True)(target=target)
+    write_checkpoint(tmp_path / "ours" / "step3.ckpt", ours.config, ours.state_dict())
+    rows = curve_rows(str(capture), str(target_dir), str(tmp_path / "ours"), str(theirs),
+                      num_anchors=4)
+    assert [(r["side"], r["step"]) for r in rows] == [
+        ("ours", 3), ("speculators", 2), ("speculators", 3)]
+    return rows
+
+
 @pytest.fixture(scope="module")
 def dflash2_plan(tiny_target, tiny_target_dir, tiny_capture, tmp_path_factory):
     """(overrides, plan) of the script's DFlash 2 run on the tiny target, 3 steps."""
@@ -206,22 +238,10 @@ def test_dflash2_overrides_compose_our_dflash2_drafter_on_the_same_batches(
 @pytest.mark.slow
 def test_their_dflash2_trains_the_plan_and_both_sides_curves_score_dflash2(
         tiny_target, tiny_target_dir, tiny_capture, dflash2_plan, tmp_path):
-    from hydra.utils import instantiate
-
     from dflash_lab.eval.loading import load_drafter
-    from tests.export_doubles import write_checkpoint
 
     args, plan = dflash2_plan
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    theirs = tmp_path / "theirs"
-    done = subprocess.run(
-        [str(SPEC_PYTHON), str(REPO_ROOT / "benchmarks" / "speculators_train.py"), "--plan",
-         str(tmp_path / "plan.json"), "--target", str(tiny_target_dir), "--out", str(theirs),
-         "--save-every", "2", "--variant", "dflash2", "--optimizer", "plan"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = json.loads((theirs / "run.json").read_text())
+    theirs, run = train_theirs(plan, tiny_target_dir, tmp_path, "dflash2", "--optimizer", "plan")
     assert (run["variant"], run["loss_fn"], run["weighting"]) == (
         "dflash2", "kl_div", "fixed-exp-decay")
     log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
@@ -236,12 +256,7 @@ def test_their_dflash2_trains_the_plan_and_both_sides_curves_score_dflash2(
         assert loaded.drafter.config.is_dflash2
         assert loaded.drafter.config.selector_rank == 256
     # ours: a DFlash 2 drafter of the composed config, saved as our checkpoints are
-    ours = instantiate(compose_train(args).drafter, _partial_=True)(target=tiny_target)
-    write_checkpoint(tmp_path / "ours" / "step3.ckpt", ours.config, ours.state_dict())
-    rows = curve_rows(str(tiny_capture), str(tiny_target_dir), str(tmp_path / "ours"),
-                      str(theirs), num_anchors=4)
-    assert [(r["side"], r["step"]) for r in rows] == [
-        ("ours", 3), ("speculators", 2), ("speculators", 3)]
+    rows = both_sides_rows(args, tiny_target, tiny_target_dir, tiny_capture, theirs, tmp_path)
     assert all(1.0 <= r["tau_mean"] <= 8 and r["num_blocks"] > 0 for r in rows)
 
 
