@@ -38,8 +38,7 @@ from typing import Any
 
 import torch
 
-from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
-from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, rel, vllm_config
+from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, rel, vllm_config, write_pieces
 
 NUM_REQUESTS = 2  #: requests in the conv rows (rows = NUM_REQUESTS * block_size)
 
@@ -94,7 +93,7 @@ def _pieces(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict:
 
 def run_vllm(case: Path) -> None:
     """The vLLM side: writes ``vllm_pieces.safetensors`` and ``vllm_pieces.json``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     cfg = json.loads((case / "export" / "config.json").read_text())
     ours = load_file(str(case / "export" / "model.safetensors"))
@@ -116,13 +115,7 @@ def run_vllm(case: Path) -> None:
                                   torch.device("cpu"))
     pieces = _pieces(model, inputs)
     report["suffixed_codebooks_error"] = suffixed_error
-    import vllm
-
-    report["vllm_version"] = vllm.__version__
-    with atomic_path(case / "vllm_pieces.safetensors") as tmp:
-        save_file(pieces, str(tmp))
-    atomic_write_text(case / "vllm_pieces.json", json.dumps(report, indent=1))
-    print(json.dumps(report))
+    write_pieces(case, pieces, report)
 
 
 # ---------------------------------------------------------------------------- our side

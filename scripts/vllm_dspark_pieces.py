@@ -38,8 +38,16 @@ from typing import Any
 
 import torch
 
-from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
-from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, our_drafter, rel, vllm_config
+from scripts.vllm_pieces import (
+    TOLERANCE,
+    build,
+    cli,
+    load_check,
+    our_drafter,
+    rel,
+    vllm_config,
+    write_pieces,
+)
 
 NUM_ROWS = 6  #: rows of the head inputs
 #: the draft HF config attributes recorded from vLLM's reading
@@ -90,7 +98,7 @@ def _pieces(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict:
 
 def run_vllm(case: Path) -> None:
     """The vLLM side: writes ``vllm_pieces.safetensors`` and ``vllm_pieces.json``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     export = case / "export"
     reading = _config_reading(export)
@@ -105,13 +113,7 @@ def run_vllm(case: Path) -> None:
     process_weights_after_loading(model, config.speculative_config.draft_model_config,
                                   torch.device("cpu"))
     pieces = _pieces(model, load_file(str(case / "inputs.safetensors")))
-    import vllm
-
-    report["vllm_version"] = vllm.__version__
-    with atomic_path(case / "vllm_pieces.safetensors") as tmp:
-        save_file(pieces, str(tmp))
-    atomic_write_text(case / "vllm_pieces.json", json.dumps(report, indent=1))
-    print(json.dumps(report))
+    write_pieces(case, pieces, report)
 
 
 # ---------------------------------------------------------------------------- our side

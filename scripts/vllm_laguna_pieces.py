@@ -44,8 +44,16 @@ from typing import Any
 
 import torch
 
-from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
-from scripts.vllm_pieces import TOLERANCE, build, cli, load_check, our_drafter, rel, vllm_config
+from scripts.vllm_pieces import (
+    TOLERANCE,
+    build,
+    cli,
+    load_check,
+    our_drafter,
+    rel,
+    vllm_config,
+    write_pieces,
+)
 
 NUM_CTX, NUM_ROWS = 5, 4  #: context positions, block rows
 FIRST_POSITION = 3  #: the context's first position (block rows follow it)
@@ -155,7 +163,7 @@ def _pieces(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str
 
 def run_vllm(case: Path) -> None:
     """The vLLM side: writes ``vllm_pieces.safetensors`` and ``vllm_pieces.json``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from vllm import _custom_ops as ops
     from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM
 
@@ -177,13 +185,7 @@ def run_vllm(case: Path) -> None:
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None]
     report["stacked_rms_norm_kernel_ok"] = bool(torch.allclose(got, want, atol=1e-4))
     pieces = _pieces(model, load_file(str(case / "inputs.safetensors")))
-    import vllm
-
-    report["vllm_version"] = vllm.__version__
-    with atomic_path(case / "vllm_pieces.safetensors") as tmp:
-        save_file(pieces, str(tmp))
-    atomic_write_text(case / "vllm_pieces.json", json.dumps(report, indent=1))
-    print(json.dumps(report))
+    write_pieces(case, pieces, report)
 
 
 # ---------------------------------------------------------------------------- our side

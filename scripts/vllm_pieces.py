@@ -1,12 +1,14 @@
 """What the piece-by-piece checks of our exports against vLLM's own model code share
 (scripts/vllm_dflash2_pieces.py, scripts/vllm_dspark_pieces.py): the draft's VllmConfig on CPU,
-building the model class without an engine, the weight-load audit, the vLLM side's command line
-(.venv-vllm; imports nothing of dflash_lab), and loading our drafter from a case's export (project
+building the model class without an engine, the weight-load audit, writing the vLLM side's
+pieces and report, its command line (.venv-vllm; of dflash_lab it imports only the standard-library
+``dflash_lab/paths.py``), and loading our drafter from a case's export (project
 venv: dflash_lab is imported inside :func:`our_drafter` only).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from collections.abc import Callable
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dflash_lab.paths import atomic_path, atomic_write_text  # standard library only
 
 #: the target's tensors (the engine shares them with the draft): not checked as written
 SHARED = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")
@@ -100,6 +104,20 @@ def load_check(model: torch.nn.Module, config: Any, ours: dict[str, torch.Tensor
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to the largest magnitude of ``b``."""
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
+
+
+def write_pieces(case: Path, pieces: dict[str, torch.Tensor], report: dict) -> None:
+    """The vLLM side's outputs: ``pieces`` to ``case/vllm_pieces.safetensors`` and ``report``
+    (with the vLLM version added) to ``case/vllm_pieces.json``, each through a temporary path;
+    the report is printed too."""
+    import vllm
+    from safetensors.torch import save_file
+
+    report["vllm_version"] = vllm.__version__
+    with atomic_path(case / "vllm_pieces.safetensors") as tmp:
+        save_file(pieces, str(tmp))
+    atomic_write_text(case / "vllm_pieces.json", json.dumps(report, indent=1))
+    print(json.dumps(report))
 
 
 def cli(run_vllm: Callable[[Path], None]) -> None:
