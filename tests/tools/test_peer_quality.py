@@ -171,6 +171,17 @@ def tiny_capture(tiny_target, tmp_path_factory):
     return out
 
 
+def on_the_dflash1_batches(plan: dict, tmp_path, target, target_dir, capture) -> dict:
+    """The driver's DFlash 1 plan on the tiny target (3 steps), after asserting that ``plan``
+    (another variant's, same knobs) has its batches and lrs step by step and more trainable
+    parameters (the variant's own layers or heads)."""
+    one = build_plan(on_tiny(script_overrides("dflash1", tmp_path), target_dir, capture,
+                             target.token_id("<|mask|>"), 3))
+    assert plan["steps"] == one["steps"]  # same batches and lrs as the DFlash 1 run
+    assert plan["drafter"]["trainable_params"] > one["drafter"]["trainable_params"]
+    return one
+
+
 def train_theirs(plan: dict, target_dir, tmp_path, variant: str, *extra: str) -> tuple:
     """(out dir, its run.json) of speculators' trainer (benchmarks/speculators_train.py in
     .venv-speculators) on ``plan`` for ``--variant VARIANT``, a save every 2 steps, offline,
@@ -226,11 +237,8 @@ def test_dflash2_overrides_compose_our_dflash2_drafter_on_the_same_batches(
                 "selector_top_k": 16}  # conf/drafter/dflash2.yaml; speculators' defaults too
     assert {k: getattr(drafter.config, k) for k in released} == released
     assert plan["drafter"] == {**plan["drafter"], "variant": "dflash2", **released}
-    one = build_plan(on_tiny(script_overrides("dflash1", tmp_path), tiny_target_dir,
-                             tiny_capture, tiny_target.token_id("<|mask|>"), 3))
+    one = on_the_dflash1_batches(plan, tmp_path, tiny_target, tiny_target_dir, tiny_capture)
     assert one["drafter"]["variant"] == "dflash1" and "selector_rank" not in one["drafter"]
-    assert plan["steps"] == one["steps"]  # same batches and lrs as the DFlash 1 run
-    assert plan["drafter"]["trainable_params"] > one["drafter"]["trainable_params"]
 
 
 @pytest.mark.skipif(not SPEC_PYTHON.exists(),
