@@ -1,9 +1,9 @@
 """What the piece-by-piece checks of our exports against vLLM's own model code share
-(scripts/vllm_dflash2_pieces.py, scripts/vllm_dspark_pieces.py): the draft's VllmConfig on CPU,
-building the model class without an engine, the weight-load audit, writing the vLLM side's
-pieces and report, its command line (.venv-vllm; of dflash_lab it imports only the standard-library
-``dflash_lab/paths.py``), and loading our drafter from a case's export (project
-venv: dflash_lab is imported inside :func:`our_drafter` only).
+(scripts/vllm_dflash2_pieces.py, scripts/vllm_dspark_pieces.py, scripts/vllm_laguna_pieces.py):
+the draft's VllmConfig on CPU, building the model class without an engine, the weight-load
+audit, writing the vLLM side's pieces and report, and its command line (vLLM side, .venv-vllm: of
+dflash_lab it imports only the standard-library ``dflash_lab/paths.py``); and loading our drafter
+from a case's export (project venv: dflash_lab is imported inside :func:`our_drafter` only).
 """
 
 from __future__ import annotations
