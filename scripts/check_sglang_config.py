@@ -62,6 +62,8 @@ RECIPES: dict[str, tuple[str, str]] = {
     "qwen3_8b_b16": ("qwen3_8b_b16", "Qwen3ForCausalLM"),
     "smollm2_sharegpt_cpu": ("smollm2_sharegpt_cpu", "LlamaForCausalLM"),
     "smollm2_sharegpt_cpu_onpolicy": ("smollm2_sharegpt_cpu_onpolicy", "LlamaForCausalLM"),
+    "smollm2_ctxlen_full": ("smollm2_ctxlen_full", "LlamaForCausalLM"),
+    "smollm2_ctxlen_sliding": ("smollm2_ctxlen_sliding", "LlamaForCausalLM"),
     "gemma4_swa": ("gemma4_swa", "Gemma4ForConditionalGeneration"),
     "qwen3.6_27b_swa": ("qwen3.6_27b_swa", "Qwen3_5ForConditionalGeneration"),
     "qwen3.8_27b_dflash2": ("qwen3.8_27b_dflash2", "Qwen3_5ForConditionalGeneration"),
