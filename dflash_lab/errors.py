@@ -23,11 +23,14 @@ def debugging() -> bool:
                                                                  "HYDRA_FULL_ERROR"))
 
 
-def reported(err: BaseException) -> ValueError | None:
-    """The user error behind ``err``: a ValueError itself, or the one Hydra's ``instantiate``
-    wrapped in an InstantiationException (a ``target.*`` value refused while the target is
-    built); None for anything else (a bug: its traceback is shown)."""
-    if isinstance(err, ValueError):
+def reported(err: BaseException) -> Exception | None:
+    """The user error behind ``err``: a ValueError itself, a ServerError (a server unreachable
+    or refusing: its message names the URL and the fix), or the ValueError Hydra's
+    ``instantiate`` wrapped in an InstantiationException (a ``target.*`` value refused while
+    the target is built); None for anything else (a bug: its traceback is shown)."""
+    from dflash_lab.serving.completions import ServerError
+
+    if isinstance(err, (ValueError, ServerError)):
         return err
     try:
         from hydra.errors import InstantiationException

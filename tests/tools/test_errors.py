@@ -5,6 +5,7 @@ import pytest
 from hydra.errors import InstantiationException
 
 from dflash_lab.errors import USER_ERROR_EXIT, user_errors
+from dflash_lab.serving.completions import ServerError
 
 
 def _wrapped(message: str) -> InstantiationException:
@@ -39,3 +40,14 @@ def test_debugging_and_other_errors_keep_their_traceback(monkeypatch):
         raise InstantiationException("Error locating target 'nowhere.Thing'")
     with pytest.raises(KeyError), user_errors():
         raise KeyError("a bug")
+
+
+def test_an_unreachable_server_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as done, user_errors():
+        raise ServerError("http://localhost:9/v1/models failed 4 times. Is the server up?")
+    assert done.value.code == USER_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert err.startswith("error: http://localhost:9/v1/models failed 4 times.")
+    assert "Traceback" not in err
