@@ -226,7 +226,8 @@ def format_config(fmt: str, config: DrafterConfig, dtype: str,
     if config.laguna_features:
         raise ValueError(f"{config._source}: has the Laguna features {config.laguna_features}, "
                          "which no engine reads from dflash-lab's own format; export it with "
-                         "--format laguna")
+                         "--format laguna (dflash-export) or export.format=laguna (dflash-train"
+                         ", e.g. dflash-train drafter=laguna export.format=laguna)")
     raw = serving_config(config, dtype)
     if recorded is not None:
         raw[TARGET_IDENTITY_KEY] = recorded

@@ -62,7 +62,8 @@ def test_a_laguna_drafter_builds_for_the_target_and_its_export_plan_needs_format
     assert {"aux_hidden_norms.0.weight", "layers.1.self_attn.g_proj.weight"} <= names
     target = SimpleNamespace(identity=lambda: {"architecture": "Qwen3ForCausalLM"})
     check_export_plan(_compose(["drafter=laguna", "export.format=laguna"]), drafter, target)
-    with pytest.raises(ValueError, match="export it with --format laguna"):
+    with pytest.raises(ValueError, match=r"export it with --format laguna \(dflash-export\) "
+                                         r"or export.format=laguna \(dflash-train"):
         check_export_plan(_compose(["drafter=laguna"]), drafter, target)
 
 
