@@ -37,8 +37,17 @@ def export_run(cfg: DictConfig, run_dir: Path) -> str:
 
     result = export_drafter(run_dir, cfg.export.out_dir, force=True, owner=run_dir,
                             **export_kwargs(export_section(cfg)))
-    log.info("exported the best checkpoint to %s", result.out_dir)
+    which = ("the best checkpoint" if (run_dir / "checkpoints" / "best.json").exists()
+             else "the last checkpoint (no validation before the last step: no best one)")
+    log.info("exported %s to %s", which, result.out_dir)
     return str(result.out_dir)
+
+
+def best_line(best: str) -> str:
+    """The summary's checkpoint line; ``best`` is '' when no validation ran before the last
+    step (e.g. ``trainer.max_steps`` below the first validation), so no best one was kept."""
+    none = "none (no validation before the last step; last.ckpt is used)"
+    return f"best checkpoint: {best or none}"
 
 
 def build_components(cfg: DictConfig) -> dict[str, Any]:
@@ -192,6 +201,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         skipped = "n/a (resumed)" if ckpt is not None else "n/a (not measured)"
         before_txt = f"{before:.3f}" if before is not None else skipped
         print(f"\nval tau: {start} {before_txt} -> trained {after:.3f} (block size "
-              f"{parts['drafter'].config.block_size})\nbest checkpoint: {best}\n"
+              f"{parts['drafter'].config.block_size})\n{best_line(best)}\n"
               f"run directory: {result['output_dir']}")
     return result
