@@ -43,8 +43,9 @@ EXPORT_OPTIONS: tuple[ExportOption, ...] = (
                  "engines the export must serve correctly"),
     ExportOption("dtype", "dtype", "bfloat16", tuple(DTYPES), "dtype of the written weights"),
     ExportOption("format", "format", OURS, tuple(FORMATS),
-                 "layout of OUT_DIR: ours, or the Muse Glimmer assistant's "
-                 "(MuseGlimmerAssistantModel; refused for what it cannot carry)"),
+                 "layout of OUT_DIR: dflash-lab (ours), muse-glimmer (the Muse Glimmer "
+                 "assistant's MuseGlimmerAssistantModel) or laguna (DFlashLagunaForCausalLM, "
+                 "for drafter=laguna runs); refused for what the layout cannot carry"),
     ExportOption("sglang_version", "sglang_version", DEFAULT_RELEASE, tuple(SGLANG_RELEASES),
                  "SGLang release the export must be right for (others only warn)",
                  old=("--sglang-version", None)),

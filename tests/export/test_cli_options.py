@@ -53,6 +53,13 @@ def test_every_option_is_a_cli_option_of_its_key_and_an_export_drafter_argument(
         assert params[option.kwarg].default == option.default, option.key
 
 
+def test_the_format_help_names_every_format():
+    """--help once listed only ours and muse-glimmer after laguna joined FORMATS."""
+    (option,) = [o for o in EXPORT_OPTIONS if o.key == "format"]
+    for name in option.choices:
+        assert name in option.help, name
+
+
 @pytest.fixture
 def calls(monkeypatch, tmp_path):
     """export_drafter's keyword arguments, recorded instead of exporting."""
