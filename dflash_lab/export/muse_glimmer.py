@@ -199,6 +199,10 @@ def export_problems(config: DrafterConfig) -> list[str]:
                    "sink logits")
     if config.attention_bias:
         out.append("attention_bias=True: MuseGlimmerAssistantAttention has no q/k/v/o bias")
+    if config.laguna_features:  # drafter=laguna: only --format laguna carries them
+        out.append(f"the Laguna features {config.laguna_features}: the owners' class has no "
+                   "aux_hidden_norms, context norm, attention gate or partial RoPE (a "
+                   "drafter=laguna run exports with --format laguna)")
     scales = [f"{k}={getattr(config, k)}" for k, off in SCALE_DEFAULTS.items()
               if getattr(config, k) != off]
     if scales:
