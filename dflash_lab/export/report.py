@@ -45,7 +45,7 @@ def engine_notes(readings: dict[str, EngineReading]) -> list[str]:
 
 
 def drafter_lines(config: DrafterConfig) -> list[str]:
-    """The variant, its DFlash 2 modules and the scales, as one bullet each."""
+    """The variant, its DFlash 2 modules, Laguna features and the scales, one bullet each."""
     if config.is_dflash2:
         groups = config.hidden_size // config.conv_group_size
         lines = ["- variant: dflash2 (DFlash2DraftModel)",
@@ -65,6 +65,9 @@ def drafter_lines(config: DrafterConfig) -> list[str]:
                  f"{config.target_hidden_size} = {config.num_features}"
                  + (" (target_hidden_size: a multi-stream target's flattened streams)"
                     if config.target_hidden_size != config.hidden_size else ""))
+    if config.laguna_features:  # drafter=laguna / a Laguna import: what the engines must run
+        lines.append("- Laguna features: " + ", ".join(f"{k}={v}" for k, v in
+                                                       config.laguna_features.items()))
     if config.sample_from_anchor:
         lines.append(f"- sample_from_anchor: true (slot k predicts the token at anchor + k + 1: "
                      f"{config.num_draft_tokens} drafts per block)")

@@ -112,6 +112,7 @@ def test_inspect_reads_it_with_every_rule_set(laguna):
     assert any("Laguna format read through vLLM" in n for r in result.readings.values()
                for n in r.notes)
     assert all(r.loads for r in result.readings.values() if r.rule_set.startswith("sglang"))
+    assert "- Laguna features: aux_hidden_norms=True" in result.text  # the drafter's lines
 
 
 def test_mixed_layer_types_are_refused_by_vllm(laguna):
