@@ -131,18 +131,34 @@ def plot(rows: list[dict[str, Any]], names: tuple[str, str], path: Path) -> None
     tmp.replace(path)
 
 
+def read_report(path: Path) -> dict:
+    """A dflash-eval report.json; ValueError naming the path and the fix if unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such report; pass the report.json of a dflash-eval run "
+                         "(OUTPUT_DIR/report.json)") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err}); pass the report.json of a dflash-eval "
+                         "run") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs=2, type=Path, help="report.json of A, then of B")
-    parser.add_argument("--names", nargs=2, default=["A", "B"])
-    parser.add_argument("--buckets", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--samples", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, help="writes OUT.md and OUT.png")
+    parser.add_argument("--names", nargs=2, default=["A", "B"],
+                        help="labels of A and B in the table and plot (default: A B)")
+    parser.add_argument("--buckets", nargs="+", type=int, default=[1024, 2048, 4096, 8192],
+                        help="context bucket edges in tokens (default: 1024 2048 4096 8192)")
+    parser.add_argument("--samples", type=int, default=2000,
+                        help="bootstrap resamples of the prompts (default: 2000)")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="writes OUT.md, OUT.json and OUT.png")
     args = parser.parse_args(argv)
     edges = sorted(args.buckets)
     try:
-        a, b = (prompt_buckets(json.loads(p.read_text()), edges, str(p)) for p in args.reports)
+        a, b = (prompt_buckets(read_report(p), edges, str(p)) for p in args.reports)
         rows = compare(a, b, edges, samples=args.samples, seed=args.seed)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

@@ -59,3 +59,13 @@ def test_cli_writes_table_plot_and_refuses_mismatched_reports(tmp_path, capsys):
     b.write_text(json.dumps(_report(_records([(500, [2])]))))
     with pytest.raises(SystemExit, match="same prompt set"):
         main([str(a), str(b), "--out", str(tmp_path / "x")])
+
+
+def test_cli_refuses_a_missing_or_broken_report_naming_it(tmp_path):
+    a, bad = tmp_path / "a.json", tmp_path / "bad.json"
+    a.write_text(json.dumps(_report(_records([(500, [1, 2])]))))
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match=r"nope.json: no such report; pass the report.json"):
+        main([str(a), str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match=r"bad.json: not JSON"):
+        main([str(a), str(bad), "--out", str(tmp_path / "x")])
