@@ -88,7 +88,8 @@ def check_feature_width(config, target_hidden_size: int | None, where: str) -> i
     widths = stream_widths(config)
     width = widths[0] if target_hidden_size is None else int(target_hidden_size)
     if width not in widths:
-        fix = ("the target's hidden_size" if len(widths) == 1 else
+        fix = (f"{widths[0]}, the target's hidden_size (leave it unset: null is that width)"
+               if len(widths) == 1 else
                f"{widths[0]} (the mean of its {num_streams(config)} streams, what vLLM and "
                f"SGLang feed a drafter) or {widths[1]} (the flattened streams)")
         raise ValueError(f"{where}={width}: the target gives features {list(widths)} wide per "

@@ -135,3 +135,17 @@ def test_capture_records_the_width_and_training_data_checks_it(ds, width, tmp_pa
     other = N * H if width is None else H
     with pytest.raises(ValueError, match=f"target_hidden_size={per_layer}.*{other} was expected"):
         ShardDataset(tmp_path / "cap", target_layer_ids=LAYERS, target_hidden_size=other)
+
+
+def test_a_single_stream_target_names_its_one_width_and_the_fix():
+    from transformers import Qwen3Config
+
+    from dflash_lab.target.features import check_feature_width
+
+    config = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=128, vocab_size=100)
+    assert check_feature_width(config, None, "drafter.target_hidden_size") == 64
+    with pytest.raises(ValueError, match=r"drafter.target_hidden_size=100: the target gives "
+                                         r"features \[64\] wide per layer; use 64, the target's "
+                                         r"hidden_size \(leave it unset: null is that width\)"):
+        check_feature_width(config, 100, "drafter.target_hidden_size")
