@@ -51,7 +51,8 @@ def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float
     """Run ``command`` (``{port}`` replaced by a free port) until the block ends; yields the
     API base ``http://127.0.0.1:PORT/v1`` once ``/v1/models`` lists a model.
 
-    Raises ValueError for a command without ``{port}`` and RuntimeError (with the log's tail)
+    Raises ValueError for a command without ``{port}`` or one that cannot be started (no
+    such program), and RuntimeError (with the log's tail)
     when the server exits or is not ready within ``start_timeout_s``.
     """
     if not command or not any(PORT in str(part) for part in command):
@@ -66,8 +67,11 @@ def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float
         try:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        except OSError as e:
-            raise RuntimeError(f"could not start the server {argv}: {e}") from None
+        except OSError as e:  # e.g. a misspelt or uninstalled program: the user's input
+            raise ValueError(f"server.launch: could not start {argv[0]!r} ({e.strerror}); "
+                             f"the command was {argv}. Fix: the first item must be a program "
+                             "on PATH or its full path, e.g. [vllm, serve, /models/X, --port, "
+                             "'{port}'] or [/path/to/.venv-vllm/bin/vllm, ...]") from None
     try:
         deadline = time.monotonic() + start_timeout_s
         while not _ready(url):

@@ -263,3 +263,9 @@ def test_a_launched_server_that_dies_shows_its_log(tmp_path):
         pass
     with pytest.raises(ValueError, match=r"must contain \{port\}"):
         ServerSettings(launch=["vllm", "serve", "/models/x"])
+    missing = ServerSettings(launch=["no-such-vllm-program", "serve", "--port", "{port}"])
+    with (pytest.raises(ValueError, match=r"server.launch: could not start "
+                                          r"'no-such-vllm-program' \(No such file or directory\)"
+                                          r".*Fix: the first item must be a program on PATH"),
+          open_server(missing, tmp_path / "server.log")):
+        pass
