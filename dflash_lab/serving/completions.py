@@ -91,8 +91,11 @@ class CompletionServer:
             except urllib.error.HTTPError as e:
                 detail = error_detail(e, 2000)
                 if e.code not in _RETRY_STATUS:
-                    raise ServerError(f"{self.base}{path} refused the request (HTTP {e.code}): "
-                                      f"{detail}") from None
+                    hint = ("" if e.code != 404 else " (no such path: is server.url the "
+                            "OpenAI-compatible API base of a vLLM or SGLang server, ending in "
+                            "/v1, e.g. http://HOST:8000/v1?)")
+                    raise ServerError(f"{self.base}{path} refused the request (HTTP {e.code})"
+                                      f"{hint}: {detail}") from None
                 last = ServerError(f"HTTP {e.code}: {detail}")
             except CONNECTION_ERRORS as e:
                 last = e

@@ -148,6 +148,11 @@ def test_a_rejected_request_raises_with_the_servers_message(served):
         _server(url, model=MODEL_ID).complete([1, 2], max_tokens=4, temperature=0.0,
                                               top_p=1.0, stop_token_ids=[0], seed=None)
     assert len(engine.requests) == 1  # a 4xx is not retried
+    engine.fail_next = [(404, "Not Found")]  # e.g. server.url without /v1, or another server
+    with pytest.raises(ServerError, match=r"HTTP 404\) \(no such path: is server.url the "
+                                          r"OpenAI-compatible API base.*ending in /v1"):
+        _server(url, model=MODEL_ID).complete([1, 2], max_tokens=4, temperature=0.0,
+                                              top_p=1.0, stop_token_ids=[0], seed=None)
 
 
 def test_a_failure_surfaces_without_waiting_for_slow_requests(served):
