@@ -23,6 +23,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dflash_lab.eval.records import bucket_name
 from dflash_lab.paths import atomic_write_text
 
@@ -56,14 +58,6 @@ def _pooled(prompts: PromptBuckets, picks: list[int], b: int) -> float | None:
     return sum(prompts[i][b][1] for i in picks) / rounds if rounds else None
 
 
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    pos = q * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
 def compare(a: PromptBuckets, b: PromptBuckets, edges: list[int], *, samples: int = 2000,
             seed: int = 0) -> list[dict[str, Any]]:
     """One row per bucket that holds rounds on both sides: prompts, rounds and tau of each,
@@ -89,7 +83,8 @@ def compare(a: PromptBuckets, b: PromptBuckets, edges: list[int], *, samples: in
             "prompts": sum(1 for i in every if a[i][k][0] or b[i][k][0]),
             "rounds_a": sum(p[k][0] for p in a), "rounds_b": sum(p[k][0] for p in b),
             "tau_a": tau_a, "tau_b": tau_b, "diff": tau_b - tau_a,
-            "ci_low": _quantile(diffs, 0.025), "ci_high": _quantile(diffs, 0.975)})
+            "ci_low": float(np.quantile(diffs, 0.025)),
+            "ci_high": float(np.quantile(diffs, 0.975))})
     return rows
 
 
