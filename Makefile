@@ -71,7 +71,7 @@ $(SMOLLM2_DEPS): $(VENV)/.installed
 .PHONY: prepare-smollm2 e2e-smollm2
 
 prepare-smollm2: $(SMOLLM2_DEPS)
-	$(VPY) -m dflash_lab.target.smollm2 --out-dir outputs/smollm2_target
+	$(VPY) -m dflash_lab.targets.smollm2 --out-dir outputs/smollm2_target
 	$(VPY) -m dflash_lab.data.sharegpt --out-dir outputs/data/sharegpt
 
 e2e-smollm2: prepare-smollm2  # every stage of recipes/smollm2_sharegpt_cpu.yaml (docs/pipeline.md)

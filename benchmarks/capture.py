@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     device, size = resolve(args)
     from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.model.config import build_target_layer_ids
-    from dflash_lab.target.loader import load_target
-    from dflash_lab.target.tiny import materialize_tiny_target
+    from dflash_lab.targets.loader import load_target
+    from dflash_lab.targets.tiny import materialize_tiny_target
 
     root = materialize_tiny_target(args.tiny_target)
     target = load_target(str(root), dtype="float32", device=str(device))

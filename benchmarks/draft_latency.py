@@ -151,8 +151,8 @@ def loop_overhead(device: torch.device, drafters: dict[str, str | None], tiny_di
     from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.eval.loop import DecodeSettings, speculative_generate
     from dflash_lab.eval.prompts import encode_prompt
-    from dflash_lab.target.loader import load_target
-    from dflash_lab.target.tiny import materialize_tiny_target
+    from dflash_lab.targets.loader import load_target
+    from dflash_lab.targets.tiny import materialize_tiny_target
 
     root = materialize_tiny_target(tiny_dir)
     target = load_target(str(root), dtype="float32", device=str(device))

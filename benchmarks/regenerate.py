@@ -86,7 +86,7 @@ def load_inputs(args) -> tuple[object, list[dict], str]:
     """(target loaded fp32 on CPU, rows, description)."""
     from dflash_lab.data.conversations import load_conversations
     from dflash_lab.data.demo_corpus import demo_conversations
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     rows_wanted = args.rows or (16 if args.size == "toy" else 48)
     if args.target:

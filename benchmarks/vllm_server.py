@@ -24,9 +24,9 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def tiny_target() -> Path:
     """The built-in tiny target (``outputs/tiny_target``, built once), served by vLLM as is: its
-    head_dim is one vLLM's CPU attention has a kernel for (tests/target/test_target.py keeps it
+    head_dim is one vLLM's CPU attention has a kernel for (tests/targets/test_target.py keeps it
     so)."""
-    from dflash_lab.target.tiny import DEFAULT_TINY_TARGET_DIR, materialize_tiny_target
+    from dflash_lab.targets.tiny import DEFAULT_TINY_TARGET_DIR, materialize_tiny_target
 
     return materialize_tiny_target(ROOT / DEFAULT_TINY_TARGET_DIR)
 

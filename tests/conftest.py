@@ -11,7 +11,7 @@ import pytest
 def tiny_target_dir(request) -> Path:
     """Directory of the built-in tiny target (HF layout). Cached in pytest's cache dir, rebuilt
     only when the tiny-target recipe changes (marker check), so most sessions reuse it."""
-    from dflash_lab.target.tiny import materialize_tiny_target
+    from dflash_lab.targets.tiny import materialize_tiny_target
 
     return materialize_tiny_target(Path(request.config.cache.mkdir("dflash_tiny_target")) / "t")
 
@@ -19,7 +19,7 @@ def tiny_target_dir(request) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir):
     """The tiny target loaded in float32 on CPU (frozen). Do not modify it in tests."""
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     return load_target(str(tiny_target_dir), dtype="float32", device="cpu")
 

@@ -143,8 +143,8 @@ class MarkovProposer(_ContextCounter):
 def tiny_drafter_for(target, *, block_size: int = 8, num_layers: int = 2, num_inputs: int = 3,
                      seed: int = 0, **overrides) -> DFlashDrafter:
     """An untrained drafter shaped for ``target`` (a loaded Target), MASK = the tiny target's."""
-    from dflash_lab.target.loader import text_config
-    from dflash_lab.target.tiny import MASK_TOKEN
+    from dflash_lab.targets.loader import text_config
+    from dflash_lab.targets.tiny import MASK_TOKEN
 
     cfg = text_config(target.model.config)
     kwargs = dict(

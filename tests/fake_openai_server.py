@@ -318,7 +318,7 @@ def main() -> None:
     p.add_argument("--kv-transfer-config", type=json.loads,
                    help="as vLLM's: kv_connector_extra_config.shared_storage_path")
     args = p.parse_args()
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     spec = (FakeSpec(args.block_size, [int(k) for k in args.spec_pattern.split(",")])
             if args.spec_pattern else None)

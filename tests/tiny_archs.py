@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 #: Architectures of new families: name -> the recipe that uses the real model
-#: (tests/target/test_archs.py runs each through every stage).
+#: (tests/targets/test_archs.py runs each through every stage).
 ARCHITECTURES = {"gemma4": "gemma4_swa", "qwen3_5": "qwen3.6_27b_swa",
                  "mimo_v2_flash": "mimo_swa_sinks"}
 #: Every architecture with a builder (Qwen3 and Llama: the families the older recipes name;
-#: DeepSeek-V4: a multi-stream target, hc_mult residual streams, tests/target/test_streams.py).
+#: DeepSeek-V4: a multi-stream target, hc_mult residual streams, tests/targets/test_streams.py).
 BUILDERS = (*ARCHITECTURES, "qwen3", "llama", "deepseek_v4")
 #: Residual streams of the tiny DeepSeek-V4 (DeepSeek-V4-Flash/Pro's hc_mult).
 DEEPSEEK_V4_STREAMS = 4
@@ -161,7 +161,7 @@ def build_smollm2_style_tokenizer(out_dir: str | Path, texts: list[str]) -> Path
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_lab.target.tiny import CHAT_TEMPLATE
+    from dflash_lab.targets.tiny import CHAT_TEMPLATE
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

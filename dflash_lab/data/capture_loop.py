@@ -20,8 +20,8 @@ import torch
 from dflash_lab.data import shards
 from dflash_lab.data.capture_server import server_capture_batch
 from dflash_lab.data.conversations import TokenizedRows, check_bad_rows_mode, tokenize_rows
-from dflash_lab.target.chat import TurnEnd, find_turn_end, target_stop_ids
-from dflash_lab.target.features import (
+from dflash_lab.targets.chat import TurnEnd, find_turn_end, target_stop_ids
+from dflash_lab.targets.features import (
     check_feature_width,
     check_layer_ids_for_streams,
     check_target_layer_ids,
@@ -59,7 +59,7 @@ class CaptureSettings:
     distribution_topk: int = 64
     #: width of one layer's features (recorded): null = the target's hidden size (a
     #: multi-stream target: the mean of its streams, what vLLM and SGLang feed a drafter);
-    #: hc_mult * hidden_size = its flattened streams (target/features.py)
+    #: hc_mult * hidden_size = its flattened streams (targets/features.py)
     target_hidden_size: int | None = None
 
 

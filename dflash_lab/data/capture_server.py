@@ -4,7 +4,7 @@
 The engine returns, per conversation, the hidden states of the aux layers
 :func:`~dflash_lab.serving.hidden_states.server_layer_ids` asks for: the selected layers and the
 last layer's output. Here they become exactly what the in-process capture
-(:func:`~dflash_lab.target.features.extract_features`) produces from its own forward: the
+(:func:`~dflash_lab.targets.features.extract_features`) produces from its own forward: the
 selected layers concatenated in ``target_layer_ids`` order, and the argmax labels (and the
 optional distribution) from the target's final norm and LM head applied to the last layer's
 output, the same functions the target applies itself.
@@ -25,7 +25,7 @@ from dflash_lab.serving.hidden_states import (
     server_layer_ids,
 )
 from dflash_lab.serving.settings import ServerSettings, server_settings
-from dflash_lab.target.features import (
+from dflash_lab.targets.features import (
     TargetFeatures,
     check_target_layer_ids,
     chunked_argmax,
@@ -43,7 +43,7 @@ def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
 
     ``states_tkh`` [T, k, H]: the server's hidden states of the aux layers ``aux_layer_ids``
     (vLLM ids, ascending; the last one is ``num_hidden_layers``, the final hidden state before
-    the norm). ``pieces``: the target's :class:`~dflash_lab.target.loader.TargetPieces`.
+    the norm). ``pieces``: the target's :class:`~dflash_lab.targets.loader.TargetPieces`.
     Returns features without the batch axis: ``hidden_bsf`` [T, nL*H] in ``target_layer_ids``
     order (z-lab id i = vLLM id i + 1), ``argmax_bs`` [T], ``last_bsh`` [T, H] (final-normed)
     and, with ``topk``, the top-k ids and log-probabilities [T, k].

@@ -97,12 +97,12 @@ def tokenize_rows(tokenizer, rows, first: int, *, source: str, bad_rows: str, se
                   **tokenize_kwargs: Any) -> TokenizedRows:
     """Chat template + loss mask of ``rows`` (positions ``first``, ``first + 1``, ...).
 
-    A bad row (:class:`~dflash_lab.target.chat.BadConversation`) is logged with its input row
+    A bad row (:class:`~dflash_lab.targets.chat.BadConversation`) is logged with its input row
     and skipped when ``bad_rows == "skip"``; with ``"error"`` it raises a ValueError naming the
     row, ``source`` (the input file) and the ``setting`` that would skip it. Rows without loss
     tokens are logged together. ``tokenize_kwargs`` go to ``tokenize_conversation``.
     """
-    from dflash_lab.target.chat import (
+    from dflash_lab.targets.chat import (
         BadConversation,
         normalize_conversation,
         tokenize_conversation,

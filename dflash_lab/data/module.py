@@ -311,7 +311,7 @@ class OnlineDataModule(BlockDataModule):
 
     ``conversations``: a file or hub id, or ``demo`` for the built-in demo conversations
     (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
-    :class:`dflash_lab.target.loader.Target`; ``target_layer_ids``: the drafter's. Features are
+    :class:`dflash_lab.targets.loader.Target`; ``target_layer_ids``: the drafter's. Features are
     computed by the training step (:meth:`feature_source`) on the training device, under
     no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row
     (roles not alternating, empty turn, no assistant turn, template error) with its input row
@@ -359,7 +359,7 @@ class OnlineDataModule(BlockDataModule):
 
     def load_samples(self) -> Dataset:
         from dflash_lab.data.conversations import open_conversations, tokenize_rows
-        from dflash_lab.target.chat import find_turn_end, target_stop_ids
+        from dflash_lab.targets.chat import find_turn_end, target_stop_ids
 
         opened = open_conversations(**self.opening)  # path=demo: written to demo_file first
         rows, self.conversations = opened.dataset, opened.source["path"]
@@ -384,7 +384,7 @@ class OnlineDataModule(BlockDataModule):
     def feature_source(self):
         """The frozen target as the training step's feature source (``DFlashModule``'s first
         step: online batches carry only ids and masks)."""
-        from dflash_lab.target.features import OnlineFeatures
+        from dflash_lab.targets.features import OnlineFeatures
 
         return OnlineFeatures(self.target.model, self.target_layer_ids, self.target_hidden_size)
 

@@ -28,7 +28,7 @@ import torch
 from dflash_lab.data.conversations import check_bad_rows_mode, input_row
 from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.serving.completions import CompletionServer
-from dflash_lab.target.chat import (
+from dflash_lab.targets.chat import (
     BadConversation,
     check_conversation,
     normalize_conversation,

@@ -28,9 +28,9 @@ in ascending layer order (the order the decoder loop collects them). ``data.spec
 gives the ids the server was launched with (with L); null assumes their default
 ``[2, L // 2, L - 3, L]`` (text targets), and the count is checked against every file.
 
-How their ids map to ours (dflash_lab/target/features.py: our id i is the output of decoder layer
+How their ids map to ours (dflash_lab/targets/features.py: our id i is the output of decoder layer
 i = HF ``hidden_states[i + 1]``; the classic off-by-one, checked on the tiny target in
-tests/data/test_speculators_data.py against :func:`~dflash_lab.target.features.extract_features`):
+tests/data/test_speculators_data.py against :func:`~dflash_lab.targets.features.extract_features`):
 
 - our id i < L - 1  =  their id i + 1, exactly (the stream entering layer i + 1);
 - our id L - 1      =  final_norm(their id L): HF's last ``hidden_states`` entry is the
@@ -263,7 +263,7 @@ class SpeculatorsDataset(Dataset):
 
     @torch.no_grad()
     def __getitem__(self, k: int) -> dict[str, Any]:
-        from dflash_lab.target.features import chunked_argmax
+        from dflash_lab.targets.features import chunked_argmax
 
         i = self.index[k]
         states_snh = self._states(i)

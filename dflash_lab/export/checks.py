@@ -172,7 +172,7 @@ def check_target(config: DrafterConfig, target: dict[str, Any] | None,
 
 def _check_width(config: DrafterConfig, text: dict[str, Any], source: str) -> list[Finding]:
     """target_hidden_size must be a width the target gives per layer: H, or for a multi-stream
-    target (hc_mult / hc_count = n streams) n*H (target/features.py)."""
+    target (hc_mult / hc_count = n streams) n*H (targets/features.py)."""
     hidden = text.get("hidden_size")
     if hidden is None or int(hidden) != config.hidden_size:  # refused above already
         return []

@@ -79,7 +79,7 @@ def _read_target(path: str | None) -> dict[str, Any] | None:
     if path.endswith(".gguf") or not file.exists():
         # A GGUF's config is its metadata; a hub id is read through the HF cache (offline with
         # HF_HUB_OFFLINE=1), as every other entry point reads it.
-        from dflash_lab.target.loader import load_target_config
+        from dflash_lab.targets.loader import load_target_config
 
         return load_target_config(path).to_dict()
     file = file / CONFIG_FILE if file.is_dir() else file
@@ -102,7 +102,7 @@ def _check_target_weights(src: Source, target: str | None, allow: bool) -> None:
     recorded = (src.target_identity or {}).get("weights_fingerprint")
     if target is None or recorded is None:
         return
-    from dflash_lab.target.loader import split_gguf_path, target_weight_files, weights_fingerprint
+    from dflash_lab.targets.loader import split_gguf_path, target_weight_files, weights_fingerprint
 
     name, gguf = split_gguf_path(target, None)
     files = target_weight_files(name, gguf)

@@ -135,7 +135,7 @@ class DrafterConfig:
     Shapes follow HF Qwen3 names. ``hidden_size`` must equal the target's hidden size because the
     drafter shares the target's embedding and LM head. ``target_hidden_size`` is the width of
     one target layer's features (``fc`` reads len(target_layer_ids) of them): H, except for
-    the flattened streams of a multi-stream target (n*H; target/features.py).
+    the flattened streams of a multi-stream target (n*H; targets/features.py).
     """
 
     hidden_size: int  #: = target hidden size H

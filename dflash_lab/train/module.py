@@ -2,7 +2,7 @@
 
 One training step (:meth:`DFlashModule.step`), top-down, each a named call:
   1. target features  ``target_features``: the batch's own (a capture) or the frozen target
-     run now (online data, :class:`~dflash_lab.target.features.OnlineFeatures`);
+     run now (online data, :class:`~dflash_lab.targets.features.OnlineFeatures`);
   2. anchors          ``sample_anchors``: sorted block starts, seeded by seed/step/rank
      (dflash_lab/train/anchors.py);
   3. drafter          ``draft``: the drafter forward over the packed anchored blocks;

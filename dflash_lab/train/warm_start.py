@@ -171,8 +171,8 @@ def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str,
     """A drafter holding the weights of ``init_from`` for the loaded ``target`` (an export is
     checked against its ``SHA256SUMS`` unless ``verify_checksums`` is off)."""
     from dflash_lab.export.sources import load_source, with_target_vocab
-    from dflash_lab.target.features import check_feature_width, check_layer_ids_for_streams
-    from dflash_lab.target.mask_token import resolve_mask_token_id
+    from dflash_lab.targets.features import check_feature_width, check_layer_ids_for_streams
+    from dflash_lab.targets.mask_token import resolve_mask_token_id
     from dflash_lab.train.factory import target_shape
 
     where = str(init_from)

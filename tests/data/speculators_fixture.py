@@ -36,7 +36,7 @@ def token_rows(target, num: int, seed: int = 3, max_length: int = 64) -> list[di
     """``num`` demo conversations tokenised with the target's chat template: speculator-format
     rows ``{"input_ids": [...], "loss_mask": [0/1, ...]}`` (what prepare-data passes through)."""
     from dflash_lab.data.demo_corpus import demo_conversations
-    from dflash_lab.target.chat import tokenize_conversation
+    from dflash_lab.targets.chat import tokenize_conversation
 
     rows = []
     for messages in demo_conversations(num, seed=seed):

@@ -12,8 +12,8 @@ import torch
 from dflash_lab.data import shards
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.demo_corpus import demo_conversations
-from dflash_lab.target.chat import tokenize_conversation
-from dflash_lab.target.features import extract_features
+from dflash_lab.targets.chat import tokenize_conversation
+from dflash_lab.targets.features import extract_features
 
 LAYERS = [1, 3, 5]
 ROWS = [{"messages": c} for c in demo_conversations(20, seed=7)]

@@ -101,7 +101,7 @@ def test_distribution_from_the_served_last_layer(tiny_target, hidden_states_serv
 
 def _tokenized(target, n):
     from dflash_lab.data.conversations import tokenize_rows
-    from dflash_lab.target.chat import find_turn_end, target_stop_ids
+    from dflash_lab.targets.chat import find_turn_end, target_stop_ids
 
     turn_end = find_turn_end(target.tokenizer, target_stop_ids(target), None)
     out = tokenize_rows(target.tokenizer, _rows(n), 0, source="demo", bad_rows="error",
@@ -246,7 +246,7 @@ def test_real_vllm_capture_equals_in_process_and_trains(tiny_target_dir, tmp_pat
     equal argmax labels; the server shards train."""
     from dflash_lab.capture import capture
     from dflash_lab.train.run import train
-    from tests.target.test_gguf import train_args
+    from tests.targets.test_gguf import train_args
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     local = capture(_compose(tmp_path / "l", *_hf(tiny_target_dir)))

@@ -17,7 +17,7 @@ from dflash_lab.data.regenerate_loop import (
     run_regenerate,
 )
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.target.chat import render_prompt
+from dflash_lab.targets.chat import render_prompt
 
 
 def _greedy(target, history, max_new_tokens):
@@ -121,7 +121,7 @@ def test_cli_config_regenerates_and_capture_reads_the_result(tiny_target_dir, tm
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
     from dflash_lab.data.conversations import load_conversations
     from dflash_lab.regenerate import regenerate
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -13,7 +13,7 @@ from dflash_lab.data.sharegpt import (
     prepare_sharegpt,
     split_key,
 )
-from dflash_lab.target.chat import normalize_conversation
+from dflash_lab.targets.chat import normalize_conversation
 
 
 def _conv(cid, *turns):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_lab.data.speculators_data import SpeculatorsDataset, detect_format, hs_file
-from dflash_lab.target.features import extract_features
+from dflash_lab.targets.features import extract_features
 from tests.data import speculators_fixture as fx
 
 #: their ids on the tiny target (8 layers): ours 1, 3, 5 exactly, 7 derived from 8 (last, pre-norm)

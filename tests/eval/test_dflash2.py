@@ -35,7 +35,7 @@ from dflash_lab.eval.target_runner import StepOutput, TargetRunner
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
-from dflash_lab.target.chat import target_stop_ids
+from dflash_lab.targets.chat import target_stop_ids
 from dflash_lab.train.loss import acceptance_lengths
 from tests.eval.test_sampling import chi_square_pvalue
 from tests.eval.test_trained import _as_capture, quick_train

@@ -11,7 +11,7 @@ from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.report import generation_report
 from dflash_lab.eval.target_runner import TargetRunner
-from dflash_lab.target.features import extract_features
+from dflash_lab.targets.features import extract_features
 from tests.eval_doubles import OracleProposer, RecordingProposer, tiny_drafter_for
 
 B = 6

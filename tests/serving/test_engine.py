@@ -27,7 +27,7 @@ from dflash_lab.serving.engine import (
 )
 from dflash_lab.serving.launch import free_port
 from dflash_lab.serving.settings import ServerSettings
-from dflash_lab.target.chat import target_stop_ids
+from dflash_lab.targets.chat import target_stop_ids
 from tests.fake_openai_server import MODEL_ID, SCRIPT, FakeEngine, FakeSpec, handler
 
 #: prometheus_client's text for vLLM's counters (generated in .venv-vllm with vLLM 0.32's names,

@@ -21,7 +21,7 @@ from dflash_lab.serving.hidden_states import (
     server_layer_ids,
 )
 from dflash_lab.serving.settings import ServerSettings
-from dflash_lab.target.features import hf_hidden_state_indices
+from dflash_lab.targets.features import hf_hidden_state_indices
 from tests.conftest import HIDDEN_STATES_LAYERS
 from tests.fake_openai_server import RECORDED
 

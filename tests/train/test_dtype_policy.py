@@ -41,7 +41,7 @@ class _Trainer:
 def _module_with_big_grads(plugin):
     from functools import partial
 
-    from dflash_lab.target.loader import TargetPieces
+    from dflash_lab.targets.loader import TargetPieces
     from dflash_lab.train.factory import build_drafter
     from dflash_lab.train.module import DFlashModule
     from tests.stand_ins import config_target
@@ -97,7 +97,7 @@ def test_every_dtype_and_precision_trains_exports_and_evaluates(dtype, precision
     from dflash_lab.eval.loading import load_drafter
     from dflash_lab.eval.loop import DecodeSettings
     from dflash_lab.eval.proposer import DFlashProposer
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
     from dflash_lab.train.run import train
 
     cfg = _train_cfg(tmp_path, tiny_target_dir, dtype, precision)

@@ -72,7 +72,7 @@ def weights_capture(tiny_target, tiny_target_dir, tmp_path_factory):
     """A 4-row capture of the tiny target and a loaded other checkpoint of the same config."""
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
     from dflash_lab.data.demo_corpus import demo_conversations
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     root = tmp_path_factory.mktemp("weights")
     rows = [{"messages": c} for c in demo_conversations(4, seed=3)]
@@ -117,7 +117,7 @@ def test_manifest_without_a_fingerprint_warns_and_is_used(tiny_target, weights_c
 
 def test_fingerprint_is_one_for_full_head_only_and_hub_cache_loads(
         tiny_target, tiny_target_dir, offline_hf_cache):
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
     from tests.stand_ins import publish_to_hf_cache
 
     publish_to_hf_cache(tiny_target_dir, "Org/Tiny", offline_hf_cache)
@@ -402,7 +402,7 @@ def test_bad_values_are_refused_before_any_work(tiny_target_dir, tmp_path, monke
                                                 override, message):
     """Each is refused by train() before the target loads (the loader would fail the test)
     and before the run directory exists."""
-    import dflash_lab.target.loader as loader
+    import dflash_lab.targets.loader as loader
     from dflash_lab.train.run import train
 
     if "callbacks.checkpoint.dirpath" in override:

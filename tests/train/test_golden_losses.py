@@ -159,7 +159,7 @@ def test_a_machine_is_held_to_its_own_record_else_the_main_one():
 
 def _main(tmp: str) -> None:
     """The subprocess: tiny target and run under ``tmp``; one JSON line on stdout."""
-    from dflash_lab.target.tiny import materialize_tiny_target
+    from dflash_lab.targets.tiny import materialize_tiny_target
 
     tmp_path = Path(tmp)
     target_dir = materialize_tiny_target(tmp_path / "tiny_target")

@@ -49,7 +49,7 @@ def test_a_yarn_target_exports_a_drafter_whose_rotary_is_transformers(tiny_targe
                                                                       caplog):
     from dflash_lab.export import import_drafter, inspect_dir
     from dflash_lab.model.drafter import DFlashDrafter
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
     from dflash_lab.train.factory import build_drafter
     from dflash_lab.train.run import train
 

@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.target.loader import load_target
-from dflash_lab.target.tiny import MASK_TOKEN
+from dflash_lab.targets.loader import load_target
+from dflash_lab.targets.tiny import MASK_TOKEN
 from tests.tiny_archs import DEEPSEEK_V4_STREAMS, build_tiny_arch_target
 
 H = 64

@@ -262,7 +262,7 @@ def test_a_distribution_loss_trains_and_exports_online_and_offline(tiny_target_d
     capture.distribution=[last_hidden]; the argmax-only capture refuses it naming the option."""
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
     from dflash_lab.data.demo_corpus import demo_conversations
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
     from dflash_lab.train.run import train
 
     steps = {"trainer.max_epochs": 1, "trainer.max_steps": 4, "trainer.val_check_interval": 2,

@@ -3,7 +3,7 @@
 A drafter's ``fc`` reads len(target_layer_ids) target-layer features of width T each
 (``DrafterConfig.target_hidden_size``, written to config.json only when T != hidden_size). T
 differs from H for the flattened streams of a multi-stream target (``hc_mult`` = n, T = n*H;
-dflash_lab/target/features.py). Sources (the released wheels):
+dflash_lab/targets/features.py). Sources (the released wheels):
 
 - vLLM 0.32 ``qwen3_dflash.py`` ``_get_dflash_fc_input_size``: fc input =
   ``(target_hidden_size or hidden_size) * len(aux layers)``; its speculators converter

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dflash_lab.target.loader import load_target, load_target_config, read_chat_template
-from dflash_lab.target.mask_token import resolve_mask_token_id
+from dflash_lab.targets.loader import load_target, load_target_config, read_chat_template
+from dflash_lab.targets.mask_token import resolve_mask_token_id
 from dflash_lab.train.factory import build_drafter, drafter_config_for_target, target_rope
 from tests.stand_ins import config_target, publish_to_hf_cache
 
@@ -164,7 +164,7 @@ def test_chat_template_override_changes_the_identity(tiny_target_dir):
 
 
 def test_tiny_target_path_never_replaces_a_real_model_directory(tmp_path):
-    from dflash_lab.target.tiny import materialize_tiny_target
+    from dflash_lab.targets.tiny import materialize_tiny_target
 
     model = tmp_path / "Qwen3-8B"
     model.mkdir()

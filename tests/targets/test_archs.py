@@ -17,9 +17,9 @@ from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.target.features import extract_features
-from dflash_lab.target.loader import RawEmbedding, load_target, text_config
-from dflash_lab.target.tiny import MASK_TOKEN
+from dflash_lab.targets.features import extract_features
+from dflash_lab.targets.loader import RawEmbedding, load_target, text_config
+from dflash_lab.targets.tiny import MASK_TOKEN
 from tests.eval_doubles import OracleProposer, RecordingProposer, tiny_drafter_for
 from tests.tiny_archs import ARCHITECTURES, build_tiny_arch_target
 

@@ -212,7 +212,7 @@ def materialize_tiny_target(path: str | Path | None = None,
 def load_tiny_target(path: str | Path | None = None, seed: int = 0, dtype: str = "float32",
                      device: str = "cpu"):
     """Materialise (or reuse) the tiny target and load it with :func:`load_target`."""
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     root = materialize_tiny_target(path, TinyTargetRecipe(seed=seed))
     print(f"tiny target: {root}")

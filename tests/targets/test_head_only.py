@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.target.loader import load_target
+from dflash_lab.targets.loader import load_target
 
 PIECES = ("embed_tokens", "norm", "lm_head")
 
@@ -113,7 +113,7 @@ def test_offline_training_runs_on_a_head_only_target(tiny_target, tiny_target_di
 def test_checkpoint_keys_match_across_language_model_prefixes(tmp_path):
     """A multimodal checkpoint's ``model.language_model.x`` is the causal LM's ``model.x``;
     a vision tower's tensor of the same short name does not count, two candidates refuse."""
-    from dflash_lab.target.head_only import checkpoint_key
+    from dflash_lab.targets.head_only import checkpoint_key
 
     files = {k: tmp_path / "w.safetensors" for k in (
         "model.language_model.embed_tokens.weight", "model.language_model.norm.weight",

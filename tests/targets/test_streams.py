@@ -13,14 +13,14 @@ from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.shards import ShardDataset
 from dflash_lab.eval.target_runner import TargetRunner
-from dflash_lab.target.features import (
+from dflash_lab.targets.features import (
     OnlineFeatures,
     extract_features,
     layer_features,
     num_streams,
     stream_widths,
 )
-from dflash_lab.target.loader import load_target
+from dflash_lab.targets.loader import load_target
 from tests.tiny_archs import DEEPSEEK_V4_STREAMS, build_tiny_arch_target
 
 H, N = 64, DEEPSEEK_V4_STREAMS
@@ -140,7 +140,7 @@ def test_capture_records_the_width_and_training_data_checks_it(ds, width, tmp_pa
 def test_a_single_stream_target_names_its_one_width_and_the_fix():
     from transformers import Qwen3Config
 
-    from dflash_lab.target.features import check_feature_width
+    from dflash_lab.targets.features import check_feature_width
 
     config = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, intermediate_size=128, vocab_size=100)

@@ -11,13 +11,13 @@ import logging
 
 import pytest
 
-from dflash_lab.target.chat import (
+from dflash_lab.targets.chat import (
     BadConversation,
     TurnEnd,
     find_turn_end,
     tokenize_conversation,
 )
-from tests.target.chat_families import FAMILIES, build_tokenizer, generation_stop_ids, masked_runs
+from tests.targets.chat_families import FAMILIES, build_tokenizer, generation_stop_ids, masked_runs
 
 SYSTEM, USER1, USER2 = "Be brief.", "What is two plus three?", "And four plus four?"
 BOT1, BOT2 = "Two plus three is five.", "Four plus four is eight."
@@ -55,12 +55,12 @@ def test_end_of_turn_is_in_the_mask_and_headers_and_prompts_are_not(name, specia
 def test_turn_end_found_without_the_generation_config_warns_it_is_no_stop(name, caplog):
     family = FAMILIES[name]
     tok = build_tokenizer(family)
-    with caplog.at_level(logging.WARNING, logger="dflash_lab.target.chat"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.targets.chat"):
         turn_end = find_turn_end(tok)  # tokenizer EOS only: <eos> / <|end_of_text|>
     assert turn_end.text == family.end_of_turn and not turn_end.is_stop
     assert "not among the target's stop ids" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash_lab.target.chat"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.targets.chat"):
         assert find_turn_end(tok, generation_stop_ids(family, tok)).is_stop
     assert caplog.text == ""
 
@@ -69,7 +69,7 @@ def test_template_without_an_end_of_turn_token_masks_to_the_content_and_warns(ca
     tok = build_tokenizer(FAMILIES["chatml_smollm2"])
     tok.chat_template = ("{% for m in messages %}{{ m['role'] + ':\\n' + m['content'] + '\\n\\n' }}"
                          "{% endfor %}{% if add_generation_prompt %}assistant:\n{% endif %}")
-    with caplog.at_level(logging.WARNING, logger="dflash_lab.target.chat"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.targets.chat"):
         turn_end = find_turn_end(tok)
     assert turn_end == TurnEnd("", None, False)
     assert "writes no end-of-turn token" in caplog.text

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_lab.target.loader import (
+from dflash_lab.targets.loader import (
     Target,
     final_norm,
     resolve_device,

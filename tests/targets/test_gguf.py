@@ -1,6 +1,6 @@
 """GGUF targets by documentation alone (docs/capture.md "GGUF targets").
 
-The GGUF files are written here from the built-in tiny target (tests/target/gguf_writer.py), one
+The GGUF files are written here from the built-in tiny target (tests/targets/gguf_writer.py), one
 with and one without a chat template. The commands are the documented ones, run through the console
 entry points (``sys.argv`` + ``main()``): capture -> train -> export -> eval from the GGUF path
 alone, online training, the start-up error of a GGUF without a template, and the target
@@ -27,8 +27,8 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 from dflash_lab.data.demo_corpus import demo_conversations  # noqa: E402
 from dflash_lab.paths import CONF_DIR  # noqa: E402
-from dflash_lab.target.loader import load_target  # noqa: E402
-from tests.target.gguf_writer import write_qwen3_gguf  # noqa: E402
+from dflash_lab.targets.loader import load_target  # noqa: E402
+from tests.targets.gguf_writer import write_qwen3_gguf  # noqa: E402
 
 FAST = ["target.dtype=float32", "target.device=cpu"]
 

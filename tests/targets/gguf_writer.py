@@ -7,7 +7,7 @@ special tokens, a chat template) into the file a llama.cpp conversion of it woul
 
 - ``qwen3.*`` shape keys (block count, embedding/FFN lengths, head counts, RoPE base, RMS eps);
   ``attention.key_length``/``value_length`` carry ``head_dim`` as llama.cpp writes them (the
-  loader in dflash_lab.target.loader reads them; transformers' qwen3 mapping does not);
+  loader in dflash_lab.targets.loader reads them; transformers' qwen3 mapping does not);
 - ``tokenizer.ggml.*``: model ``gpt2`` (byte-level BPE), the tokens by id padded to the
   embedding's row count with ``[PAD{i}]`` (type UNUSED, as llama.cpp pads), token types
   (special added tokens CONTROL, other added tokens USER_DEFINED), merges, eos/padding/bos ids,

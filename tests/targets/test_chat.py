@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lab.target.chat import (
+from dflash_lab.targets.chat import (
     BadConversation,
     assistant_char_spans,
     check_roles,
@@ -14,7 +14,7 @@ from dflash_lab.target.chat import (
     target_stop_ids,
     tokenize_conversation,
 )
-from tests.target.chat_families import masked_runs
+from tests.targets.chat_families import masked_runs
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

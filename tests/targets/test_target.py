@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from dflash_lab.target.features import extract_features, hf_hidden_state_indices
-from dflash_lab.target.loader import TargetPieces, config_hash, load_target
-from dflash_lab.target.tiny import (
+from dflash_lab.targets.features import extract_features, hf_hidden_state_indices
+from dflash_lab.targets.loader import TargetPieces, config_hash, load_target
+from dflash_lab.targets.tiny import (
     MARKER_FILE,
     MASK_TOKEN,
     TinyTargetRecipe,
