@@ -33,14 +33,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-def apply_sink(out_bhqd: Tensor, lse_bhq: Tensor, sink_h: Tensor | None) -> Tensor:
-    """Exact sink via the log-sum-exp: ``out * sigmoid(lse - b_h)`` (= e^lse / (e^lse + e^b))."""
-    if sink_h is None:
-        return out_bhqd
-    gate = torch.sigmoid(lse_bhq.float() - sink_h.float()[None, :, None])
-    return (out_bhqd.float() * gate[..., None]).to(out_bhqd.dtype)
-
-
 def _is_cuda(device: torch.device | str) -> bool:
     """Whether ``device`` is a CUDA device (one place, so tests can tell the selection it is)."""
     return torch.device(device).type == "cuda"

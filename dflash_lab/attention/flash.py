@@ -16,8 +16,13 @@ from typing import Any
 
 from torch import Tensor
 
-from dflash_lab.attention.base import apply_sink
-from dflash_lab.attention.mask import BlockLayout, LayerSpec, flash_window_args, is_inference_layout
+from dflash_lab.attention.mask import (
+    BlockLayout,
+    LayerSpec,
+    apply_sink,
+    flash_window_args,
+    is_inference_layout,
+)
 
 #: The kernel, ``flash_attn.flash_attn_func``; loaded on first use (tests may replace it).
 _flash_attn_func: Any = None

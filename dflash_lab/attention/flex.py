@@ -15,8 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from dflash_lab.attention.base import apply_sink
-from dflash_lab.attention.mask import BlockLayout, LayerSpec, flex_mask_mod
+from dflash_lab.attention.mask import BlockLayout, LayerSpec, apply_sink, flex_mask_mod
 
 log = logging.getLogger(__name__)
 

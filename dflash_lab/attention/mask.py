@@ -218,3 +218,13 @@ def is_inference_layout(layout: BlockLayout) -> bool:
     one_doc = layout.doc_starts_bn is None or not bool(layout.doc_starts_bn.any())
     return (layout.num_blocks == 1 and one_doc
             and bool((layout.anchors_bn == layout.num_context).all()))
+
+
+def apply_sink(out_bhqd: torch.Tensor, lse_bhq: torch.Tensor,
+               sink_h: torch.Tensor | None) -> torch.Tensor:
+    """The sink column for kernels that return a log-sum-exp (flash, flex), exactly:
+    ``out * sigmoid(lse - b_h)`` (= e^lse / (e^lse + e^b))."""
+    if sink_h is None:
+        return out_bhqd
+    gate = torch.sigmoid(lse_bhq.float() - sink_h.float()[None, :, None])
+    return (out_bhqd.float() * gate[..., None]).to(out_bhqd.dtype)
