@@ -134,12 +134,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-capture``); ``recipe=NAME`` runs the recipe's capture stage
-    (:func:`dflash_lab.pipeline.stage_main`)."""
-    from dflash_lab.pipeline import names_a_recipe, stage_main
-
-    if names_a_recipe(sys.argv[1:]):
-        sys.exit(stage_main("capture", sys.argv[1:]))
+    """Console entry point (``dflash-capture``) without a recipe (``recipe=NAME``:
+    :mod:`dflash_lab.commands`)."""
     with user_errors():
         check_renamed_keys(sys.argv[1:])
     _hydra_main()

@@ -335,10 +335,6 @@ STAGE_COMMANDS = {"regenerate": "dflash-regenerate", "capture": "dflash-capture"
                   "export": "dflash-export", "eval": "dflash-eval"}
 
 
-def names_a_recipe(argv: list[str]) -> bool:
-    return any(a.startswith("recipe=") for a in argv)
-
-
 def stage_request(stage: str, argv: list[str]) -> Request:
     """``dflash-capture recipe=X [root=DIR] [OVERRIDE ...]`` -> the request ``dflash-lab run
     recipe=X [root=DIR] stages=[capture] capture:OVERRIDE ...``: the same arguments, folders,

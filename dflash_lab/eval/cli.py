@@ -139,13 +139,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-eval``); ``recipe=NAME`` runs the recipe's eval stage
-    (:func:`dflash_lab.pipeline.stage_main`)."""
+    """Console entry point (``dflash-eval``) without a recipe (``recipe=NAME``:
+    :mod:`dflash_lab.commands`)."""
     global COMMAND
-    from dflash_lab.pipeline import names_a_recipe, stage_main
-
-    if names_a_recipe(sys.argv[1:]):
-        sys.exit(stage_main("eval", sys.argv[1:]))
     with user_errors():
         check_old_spellings(sys.argv[1:])
         check_renamed_keys(sys.argv[1:])

@@ -140,10 +140,6 @@ def recipe_stage_only(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if recipe_stage_only(argv):  # dflash-export recipe=NAME [root=DIR] [--KEY ...]
-        from dflash_lab.pipeline import stage_main
-
-        return stage_main("export", argv)
     parser = build_parser()
     # recipe=NAME, as dflash-train and the other commands spell it, is --recipe NAME
     args = parser.parse_args([t for a in argv for t in (

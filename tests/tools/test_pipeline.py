@@ -237,12 +237,12 @@ def test_dflash_export_with_a_recipe_and_no_paths_is_the_export_stage(argv, stag
 
 def test_dflash_capture_of_an_online_recipe_exits_2_naming_its_stages(tmp_path, monkeypatch,
                                                                        capsys):
-    from dflash_lab import capture
+    from dflash_lab import commands
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["dflash-capture", "recipe=tiny_cpu"])
     with pytest.raises(SystemExit) as done:
-        capture.main()
+        commands.capture()
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("dflash-capture: error:") and "['train', 'export', 'eval']" in err
@@ -254,7 +254,7 @@ def test_stage_commands_run_an_offline_recipe_stage_by_stage(tmp_path, monkeypat
                                                             tiny_target_dir):
     """dflash-capture recipe=X, then dflash-lab run: the capture is the pipeline's (same
     folder, same record), so the pipeline skips it and trains on it."""
-    from dflash_lab import capture
+    from dflash_lab import commands
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "conf" / "recipe").mkdir(parents=True)
@@ -263,7 +263,7 @@ def test_stage_commands_run_an_offline_recipe_stage_by_stage(tmp_path, monkeypat
              f"train:target.path={tiny_target_dir}"]
     monkeypatch.setattr("sys.argv", ["dflash-capture", "recipe=tiny_offline", *train])
     with pytest.raises(SystemExit) as done:
-        capture.main()
+        commands.capture()
     out = capsys.readouterr().out
     assert done.value.code == 0, out
     assert progress(out) == {"capture": "done"}

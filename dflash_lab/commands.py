@@ -1,0 +1,57 @@
+"""The stage commands' console entries (pyproject ``[project.scripts]``): each runs its stage
+alone, or, given ``recipe=NAME``, that stage of the recipe's pipeline
+(:func:`dflash_lab.pipeline.stage_main`: the same folders, record and skip as ``dflash-lab run``).
+
+The top of the import graph: the stage modules never import the orchestrator, only this file
+does, and only when a recipe is named (the exporter's command stays importable without Hydra).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _recipe_stage(stage: str, argv: list[str]) -> int:
+    from dflash_lab.pipeline import stage_main
+
+    return stage_main(stage, argv)
+
+
+def _names_a_recipe(argv: list[str]) -> bool:
+    return any(a.startswith("recipe=") for a in argv)
+
+
+def capture() -> None:
+    """``dflash-capture``."""
+    if _names_a_recipe(sys.argv[1:]):
+        sys.exit(_recipe_stage("capture", sys.argv[1:]))
+    from dflash_lab.capture import main
+
+    main()
+
+
+def regenerate() -> None:
+    """``dflash-regenerate``."""
+    if _names_a_recipe(sys.argv[1:]):
+        sys.exit(_recipe_stage("regenerate", sys.argv[1:]))
+    from dflash_lab.regenerate import main
+
+    main()
+
+
+def evaluate() -> None:
+    """``dflash-eval``."""
+    if _names_a_recipe(sys.argv[1:]):
+        sys.exit(_recipe_stage("eval", sys.argv[1:]))
+    from dflash_lab.eval.cli import main
+
+    main()
+
+
+def export(argv: list[str] | None = None) -> int:
+    """``dflash-export``: ``recipe=NAME`` without SOURCE and OUT_DIR (or --inspect) is the
+    recipe's export stage; with paths, ``recipe=`` only supplies the recipe's export section."""
+    from dflash_lab.export.cli import main, recipe_stage_only
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return _recipe_stage("export", argv) if recipe_stage_only(argv) else main(argv)
