@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny-target", default="outputs/tiny_target")
     args = p.parse_args(argv)
     device, size = resolve(args)
-    from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.model.config import build_target_layer_ids
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.targets.loader import load_target
     from dflash_lab.targets.tiny import materialize_tiny_target
 

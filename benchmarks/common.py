@@ -327,7 +327,7 @@ def target_head(config, device: torch.device, dtype: torch.dtype, seed: int = 0)
     """Frozen random embedding + LM head of the drafter's width and vocab (a stand-in target)."""
     from torch import nn
 
-    from dflash_lab.targets.loader import TargetPieces
+    from dflash_lab.targets.target import TargetPieces
 
     g = torch.Generator().manual_seed(seed)
     v, h = config.vocab_size, config.hidden_size

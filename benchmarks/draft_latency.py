@@ -148,9 +148,9 @@ def loop_overhead(device: torch.device, drafters: dict[str, str | None], tiny_di
     own work: acceptance, bookkeeping, tensors to lists). For DFlash 2 the selector (top-K
     candidates + walk) is inside the drafter call; ``overhead+selector_share`` counts it as loop
     overhead too (the strictest reading)."""
-    from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.eval.loop import DecodeSettings, speculative_generate
     from dflash_lab.eval.prompts import encode_prompt
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.targets.loader import load_target
     from dflash_lab.targets.tiny import materialize_tiny_target
 

@@ -85,7 +85,7 @@ def add_input_args(p) -> None:
 def load_inputs(args) -> tuple[object, list[dict], str]:
     """(target loaded fp32 on CPU, rows, description)."""
     from dflash_lab.data.conversations import load_conversations
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.targets.loader import load_target
 
     rows_wanted = args.rows or (16 if args.size == "toy" else 48)

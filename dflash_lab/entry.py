@@ -15,20 +15,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-#: Former command-line / recipe keys -> the one name every command now uses (issue 28).
-RENAMED_KEYS = {
-    "data.conversations": "data.path (the conversations file, hub id or demo, as in "
-                          "dflash-capture and dflash-regenerate)",
-    "data.num_samples": "data.limit (the first N conversations after shuffling, as in "
-                        "dflash-capture and dflash-regenerate)",
-    "capture.num_layers": "capture.target_layer_ids=N (an int N: N evenly spread ids, as "
-                          "drafter.target_layer_ids)",
-}
-
-
-def renamed_key_error(key: str, where: str) -> ValueError:
-    """The error for a former key ``key`` found in ``where`` (the command line, a recipe)."""
-    return ValueError(f"{key} ({where}) is a former name: use {RENAMED_KEYS[key]}")
+from dflash_lab.errors import RENAMED_KEYS, renamed_key_error
 
 
 def check_renamed_keys(overrides: list[str]) -> None:

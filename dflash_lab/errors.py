@@ -17,6 +17,11 @@ from contextlib import contextmanager
 USER_ERROR_EXIT = 2
 
 
+class UserError(Exception):
+    """A refusal that is not a ValueError (e.g. a server unreachable or refusing); its message
+    names the value and the fix, so the entry points print it as one line."""
+
+
 def debugging() -> bool:
     """Whether the user asked for full tracebacks."""
     return any(os.environ.get(k, "") not in ("", "0") for k in ("DFLASH_DEBUG",
@@ -24,13 +29,12 @@ def debugging() -> bool:
 
 
 def reported(err: BaseException) -> Exception | None:
-    """The user error behind ``err``: a ValueError itself, a ServerError (a server unreachable
-    or refusing: its message names the URL and the fix), or the ValueError Hydra's
-    ``instantiate`` wrapped in an InstantiationException (a ``target.*`` value refused while
-    the target is built); None for anything else (a bug: its traceback is shown)."""
-    from dflash_lab.serving.completions import ServerError
-
-    if isinstance(err, (ValueError, ServerError)):
+    """The user error behind ``err``: a ValueError or a :class:`UserError` itself (e.g. a
+    ServerError: a server unreachable or refusing, its message naming the URL and the fix), or
+    the ValueError Hydra's ``instantiate`` wrapped in an InstantiationException (a
+    ``target.*`` value refused while the target is built); None for anything else (a bug: its
+    traceback is shown)."""
+    if isinstance(err, (ValueError, UserError)):
         return err
     try:
         from hydra.errors import InstantiationException
@@ -53,3 +57,19 @@ def user_errors() -> Iterator[None]:
             raise
         print(f"error: {user}\n(DFLASH_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
+
+
+#: Former command-line / recipe keys -> the one name every command now uses (issue 28).
+RENAMED_KEYS = {
+    "data.conversations": "data.path (the conversations file, hub id or demo, as in "
+                          "dflash-capture and dflash-regenerate)",
+    "data.num_samples": "data.limit (the first N conversations after shuffling, as in "
+                        "dflash-capture and dflash-regenerate)",
+    "capture.num_layers": "capture.target_layer_ids=N (an int N: N evenly spread ids, as "
+                          "drafter.target_layer_ids)",
+}
+
+
+def renamed_key_error(key: str, where: str) -> ValueError:
+    """The error for a former key ``key`` found in ``where`` (the command line, a recipe)."""
+    return ValueError(f"{key} ({where}) is a former name: use {RENAMED_KEYS[key]}")

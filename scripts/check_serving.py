@@ -294,7 +294,7 @@ def print_table(rows: list[dict], mixed: dict, regen: dict) -> None:
 def regenerate_both(target: Path) -> dict:
     """Stage 6: the same conversations regenerated in process and by vLLM's server, greedy
     fp32; the two conversations.jsonl files must be byte-identical."""
-    from dflash_lab.data.demo_corpus import write_demo_jsonl
+    from dflash_lab.targets.demo_corpus import write_demo_jsonl
 
     data = write_demo_jsonl(OUT / "regenerate" / "demo.jsonl", num=REGEN_ROWS, seed=PROMPT_SEED)
     common = [str(VENV_BIN / "dflash-regenerate"), "target=hf", f"target.name_or_path={target}",
@@ -412,7 +412,7 @@ def main() -> int:
     target = tiny_target()
     times["target"] = time.perf_counter() - t0
 
-    from dflash_lab.data.demo_corpus import write_demo_jsonl
+    from dflash_lab.targets.demo_corpus import write_demo_jsonl
 
     prompts = write_demo_jsonl(OUT / "prompts.jsonl", num=NUM_PROMPTS, seed=PROMPT_SEED)
     exports, reports = {}, {}

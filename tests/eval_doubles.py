@@ -143,7 +143,7 @@ class MarkovProposer(_ContextCounter):
 def tiny_drafter_for(target, *, block_size: int = 8, num_layers: int = 2, num_inputs: int = 3,
                      seed: int = 0, **overrides) -> DFlashDrafter:
     """An untrained drafter shaped for ``target`` (a loaded Target), MASK = the tiny target's."""
-    from dflash_lab.targets.loader import text_config
+    from dflash_lab.targets.target import text_config
     from dflash_lab.targets.tiny import MASK_TOKEN
 
     cfg = text_config(target.model.config)
@@ -199,7 +199,7 @@ def write_checkpoint(drafter: DFlashDrafter, path: str | Path) -> Path:
 def demo_prompts(path: Path, n: int = 2, seed: int = 21) -> Path:
     """``n`` demo conversations (seed ``seed``) written to ``path`` as a prompts JSONL, one
     ``{"messages": ...}`` row a line, for :func:`cli_eval_report`; returns ``path``."""
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
 
     path.write_text("".join(json.dumps({"messages": c}) + "\n"
                             for c in demo_conversations(n, seed=seed)))

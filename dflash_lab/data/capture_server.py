@@ -43,7 +43,7 @@ def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
 
     ``states_tkh`` [T, k, H]: the server's hidden states of the aux layers ``aux_layer_ids``
     (vLLM ids, ascending; the last one is ``num_hidden_layers``, the final hidden state before
-    the norm). ``pieces``: the target's :class:`~dflash_lab.targets.loader.TargetPieces`.
+    the norm). ``pieces``: the target's :class:`~dflash_lab.targets.target.TargetPieces`.
     Returns features without the batch axis: ``hidden_bsf`` [T, nL*H] in ``target_layer_ids``
     order (z-lab id i = vLLM id i + 1), ``argmax_bs`` [T], ``last_bsh`` [T, H] (final-normed)
     and, with ``topk``, the top-k ids and log-probabilities [T, k].

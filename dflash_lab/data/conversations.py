@@ -157,7 +157,7 @@ def open_conversations(path: str, split: str = "train", limit: int | None = None
     ``path=demo`` first writes ``demo_rows`` built-in demo conversations to ``demo_file``.
     """
     if path == "demo":
-        from dflash_lab.data.demo_corpus import write_demo_jsonl
+        from dflash_lab.targets.demo_corpus import write_demo_jsonl
 
         path = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
     dataset = load_conversations(str(path), split=split, limit=limit, shuffle_seed=shuffle_seed)

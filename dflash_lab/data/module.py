@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from dflash_lab.errors import RENAMED_KEYS, renamed_key_error
+
 log = logging.getLogger(__name__)
 
 PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax": 0,
@@ -311,7 +313,7 @@ class OnlineDataModule(BlockDataModule):
 
     ``conversations``: a file or hub id, or ``demo`` for the built-in demo conversations
     (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
-    :class:`dflash_lab.targets.loader.Target`; ``target_layer_ids``: the drafter's. Features are
+    :class:`dflash_lab.targets.target.Target`; ``target_layer_ids``: the drafter's. Features are
     computed by the training step (:meth:`feature_source`) on the training device, under
     no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row
     (roles not alternating, empty turn, no assistant turn, template error) with its input row
@@ -343,7 +345,6 @@ class OnlineDataModule(BlockDataModule):
         :func:`~dflash_lab.data.conversations.open_conversations`). ``target_hidden_size``: the
         drafter's per-layer feature width (None = the target's hidden size)."""
         from dflash_lab.data.conversations import check_bad_rows_mode
-        from dflash_lab.entry import RENAMED_KEYS, renamed_key_error
 
         for old in (k for k in kw if f"data.{k}" in RENAMED_KEYS):
             raise renamed_key_error(f"data.{old}", "the data config of the recipe or command")

@@ -100,8 +100,19 @@ class EngineResponder:
         self.responses.append(resp)
         text = (self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
                 if resp.output_ids is not None else resp.text or "")
-        return resp.to_record(where.dataset, where.index, where.turn,
-                              prompt_tokens=len(ids)), text
+        return _record(resp, where, prompt_tokens=len(ids)), text
+
+
+def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
+    """The report's per-response record: totals only (engines give no per-round lengths);
+    round tokens = output tokens - 1 (the first comes from the prefill), its tau
+    :attr:`ServerResponse.tau`."""
+    return ResponseRecord(dataset=where.dataset, index=where.index, turn=where.turn,
+                          prompt_tokens=prompt_tokens, num_output_tokens=resp.num_output_tokens,
+                          num_rounds=resp.rounds,
+                          num_round_tokens=max(resp.num_output_tokens - 1, 0)
+                          if resp.rounds else 0,
+                          ttft_s=resp.ttft_s, tpot_s=resp.tpot_s)
 
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:

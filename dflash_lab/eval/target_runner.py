@@ -24,7 +24,7 @@ from dflash_lab.targets.features import (
     hf_hidden_state_indices,
     layer_features,
 )
-from dflash_lab.targets.loader import text_config
+from dflash_lab.targets.target import text_config
 
 
 class StepOutput(NamedTuple):

@@ -102,7 +102,8 @@ def _check_target_weights(src: Source, target: str | None, allow: bool) -> None:
     recorded = (src.target_identity or {}).get("weights_fingerprint")
     if target is None or recorded is None:
         return
-    from dflash_lab.targets.loader import split_gguf_path, target_weight_files, weights_fingerprint
+    from dflash_lab.targets.loader import split_gguf_path
+    from dflash_lab.targets.target import target_weight_files, weights_fingerprint
 
     name, gguf = split_gguf_path(target, None)
     files = target_weight_files(name, gguf)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dflash_lab.errors import UserError
 from dflash_lab.serving.http import (
     CONNECTION_ERRORS,
     error_detail,
@@ -64,7 +65,7 @@ class Reply:
     token_ids: list[int] | None = None
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError, RuntimeError):
     """The server could not be reached or refused a request (message says what to do)."""
 
 

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.eval.records import ResponseRecord
 from dflash_lab.serving.http import (
     CONNECTION_ERRORS,
     error_detail,
@@ -97,18 +96,6 @@ class ServerResponse:
         if self.ttft_s is None or not self.num_output_tokens:
             return None
         return (self.seconds - self.ttft_s) / self.num_output_tokens
-
-    def to_record(self, dataset: str, index: int, turn: int = 0,
-                  prompt_tokens: int | None = None) -> ResponseRecord:
-        """The report's per-response record: totals only (engines give no per-round lengths);
-        round tokens = output tokens - 1 (the first comes from the prefill), its tau
-        :attr:`tau`."""
-        return ResponseRecord(dataset=dataset, index=index, turn=turn,
-                              prompt_tokens=prompt_tokens,
-                              num_output_tokens=self.num_output_tokens, num_rounds=self.rounds,
-                              num_round_tokens=max(self.num_output_tokens - 1, 0)
-                              if self.rounds else 0,
-                              ttft_s=self.ttft_s, tpot_s=self.tpot_s)
 
     def engine_fields(self) -> dict[str, Any]:
         """What the engine said beyond the record (report.json ``engine_responses``)."""

@@ -11,7 +11,8 @@ from dflash_lab.targets.chat import (
     tokenize_conversation,
 )
 from dflash_lab.targets.features import TargetFeatures, extract_features, hf_hidden_state_indices
-from dflash_lab.targets.loader import Target, TargetPieces, load_target
+from dflash_lab.targets.loader import load_target
+from dflash_lab.targets.target import Target, TargetPieces
 
 __all__ = [
     "Target", "TargetFeatures", "TargetPieces", "TokenizedConversation", "extract_features",

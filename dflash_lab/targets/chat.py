@@ -116,7 +116,7 @@ def require_chat_template(tokenizer, where: str) -> None:
     none), naming ``where`` and the fix, instead of transformers' multi-line error."""
     if getattr(tokenizer, "chat_template", None):
         return
-    from dflash_lab.targets.loader import BUILTIN_CHAT_TEMPLATES
+    from dflash_lab.targets.target import BUILTIN_CHAT_TEMPLATES
 
     name = getattr(tokenizer, "name_or_path", "") or "the target"
     raise ValueError(f"{where}: the tokenizer of {name} has no chat template; set "

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_lab.targets.loader import text_config
+from dflash_lab.targets.target import text_config
 
 
 class TargetFeatures(NamedTuple):

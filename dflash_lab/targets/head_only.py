@@ -16,13 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_lab.targets.loader import (
-    Target,
-    final_norm,
-    resolve_device,
-    resolve_dtype,
-    text_config,
-)
+from dflash_lab.targets.target import Target, final_norm, resolve_device, resolve_dtype, text_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.paths import atomic_dir
+from dflash_lab.targets.demo_corpus import demo_conversations
 
 log = logging.getLogger(__name__)
 

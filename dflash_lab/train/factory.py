@@ -20,8 +20,8 @@ from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.model.rope import PARAMETERS, REFUSED_TYPES, is_nested
 from dflash_lab.targets.features import check_feature_width, check_layer_ids_for_streams
-from dflash_lab.targets.loader import text_config
 from dflash_lab.targets.mask_token import resolve_mask_token_id
+from dflash_lab.targets.target import text_config
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def target_shape(config) -> dict[str, Any]:
 def drafter_config_for_target(target, **fields: Any) -> DrafterConfig:
     """DrafterConfig with unset shape fields copied from a loaded target.
 
-    ``target``: a :class:`~dflash_lab.targets.loader.Target` (anything with ``model.config``,
+    ``target``: a :class:`~dflash_lab.targets.target.Target` (anything with ``model.config``,
     ``tokenizer`` and ``name_or_path``). ``mask_token_id`` null = the tokenizer's mask token;
     an explicit one is checked against the tokenizer (:func:`resolve_mask_token_id`).
     """

@@ -35,8 +35,8 @@ from dflash_lab.data.speculators_data import HIDDEN_STATES_DIR, hs_file
 def token_rows(target, num: int, seed: int = 3, max_length: int = 64) -> list[dict]:
     """``num`` demo conversations tokenised with the target's chat template: speculator-format
     rows ``{"input_ids": [...], "loss_mask": [0/1, ...]}`` (what prepare-data passes through)."""
-    from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.targets.chat import tokenize_conversation
+    from dflash_lab.targets.demo_corpus import demo_conversations
 
     rows = []
     for messages in demo_conversations(num, seed=seed):

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.module import OnlineDataModule
 from dflash_lab.data.regenerate_loop import SETTINGS_FILE, RegenerateSettings, run_regenerate
+from dflash_lab.targets.demo_corpus import demo_conversations
 
 LAYERS = [1, 3, 5]
 GOOD = [{"messages": c} for c in demo_conversations(12, seed=11)]

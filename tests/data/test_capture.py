@@ -11,8 +11,8 @@ import torch
 
 from dflash_lab.data import shards
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.targets.chat import tokenize_conversation
+from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.targets.features import extract_features
 
 LAYERS = [1, 3, 5]

@@ -15,12 +15,12 @@ from hydra.core.global_hydra import GlobalHydra
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
 from dflash_lab.data.capture_server import check_server, server_capture_batch
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.shards import ShardDataset
 from dflash_lab.paths import CONF_DIR, REPO_ROOT
 from dflash_lab.serving.completions import ServerError
 from dflash_lab.serving.hidden_states import HiddenStatesServer, server_layer_ids
 from dflash_lab.serving.settings import ServerSettings
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.conftest import HIDDEN_STATES_LAYERS
 from tests.fake_openai_server import SCRIPT
 

@@ -5,7 +5,6 @@ import json
 import torch
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.module import (
     EpochShuffleSampler,
     OfflineDataModule,
@@ -13,6 +12,7 @@ from dflash_lab.data.module import (
     pad_collate,
     split_indices,
 )
+from dflash_lab.targets.demo_corpus import demo_conversations
 
 LAYERS = [1, 3, 5]
 

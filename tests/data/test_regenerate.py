@@ -8,7 +8,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.regenerate_loop import (
     MERGED_FILE,
     RegenerateSettings,
@@ -18,6 +17,7 @@ from dflash_lab.data.regenerate_loop import (
 )
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.targets.chat import render_prompt
+from dflash_lab.targets.demo_corpus import demo_conversations
 
 
 def _greedy(target, history, max_new_tokens):

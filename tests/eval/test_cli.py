@@ -12,12 +12,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval import cli
 from dflash_lab.eval import prompts as prompts_mod
 from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.prompts import encode_prompt, load_prompts, row_messages
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.eval_doubles import (
     cli_eval_report,
     tiny_drafter_for,

@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.eval.loop import (
     DecodeSettings,
@@ -36,6 +35,7 @@ from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 from dflash_lab.targets.chat import target_stop_ids
+from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.train.loss import acceptance_lengths
 from tests.eval.test_sampling import chi_square_pvalue
 from tests.eval.test_trained import _as_capture, quick_train

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.eval_doubles import assert_lossless_greedy, tiny_drafter_for
 
 B = 4

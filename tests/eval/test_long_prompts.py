@@ -11,7 +11,6 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval import cli
 from dflash_lab.eval.long_prompts import chat_turns, context_targets
 from dflash_lab.eval.suite import (
@@ -22,6 +21,7 @@ from dflash_lab.eval.suite import (
     template_kwargs,
 )
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.eval_doubles import tiny_drafter_for, write_serving_dir
 
 MIN, MAX = 64, 480

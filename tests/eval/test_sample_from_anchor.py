@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer, max_drafts
 from dflash_lab.eval.target_runner import TargetRunner
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.eval_doubles import RecordingProposer, assert_lossless_greedy, tiny_drafter_for
 
 B = 4

@@ -22,7 +22,6 @@ import os
 import pytest
 import torch
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.module import pad_collate
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
@@ -31,6 +30,7 @@ from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
 from dflash_lab.targets.chat import tokenize_conversation
+from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.targets.features import extract_features
 from dflash_lab.train.anchors import sample_anchors, step_generator
 from dflash_lab.train.loss import acceptance_lengths, block_targets, dflash_loss, token_targets

@@ -67,12 +67,12 @@ def _compose(overrides: list[str]):
 @pytest.mark.slow
 def test_a_tiny_anchor_run_exports_inspects_and_decodes_losslessly(tiny_target, tiny_target_dir,
                                                                    tmp_path):
-    from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.eval.loading import load_drafter
     from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
     from dflash_lab.eval.prompts import encode_prompt
     from dflash_lab.eval.proposer import DFlashProposer
     from dflash_lab.eval.target_runner import TargetRunner
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.train.run import train
 
     run = train(_compose([

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf, open_dict
 
 from dflash_lab.entry import make_logger
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR
-from dflash_lab.targets.loader import TargetPieces
+from dflash_lab.targets.target import TargetPieces
 from dflash_lab.train.module import DFlashModule
 from tests.export_doubles import write_checkpoint
 from tests.stand_ins import config_target

@@ -39,8 +39,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.paths import CONF_DIR, RECIPES_DIR, REPO_ROOT
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.stand_ins import hub_snapshot_dir
 from tests.tiny_archs import build_smollm2_style_tokenizer, build_tiny_arch_target
 

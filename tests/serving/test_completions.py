@@ -14,7 +14,6 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 import dflash_lab.serving.completions as cs
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.regenerate_loop import (
     MERGED_FILE,
     RegenerateSettings,
@@ -25,6 +24,7 @@ from dflash_lab.paths import CONF_DIR
 from dflash_lab.serving.completions import CompletionServer, ServerError
 from dflash_lab.serving.settings import ServerSettings
 from dflash_lab.targets.chat import render_prompt, target_stop_ids
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.fake_openai_server import MODEL_ID, SCRIPT, FakeEngine, handler
 
 

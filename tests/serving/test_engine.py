@@ -14,7 +14,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval import cli
 from dflash_lab.eval.prompts import load_prompts
 from dflash_lab.paths import CONF_DIR
@@ -28,6 +27,7 @@ from dflash_lab.serving.engine import (
 from dflash_lab.serving.launch import free_port
 from dflash_lab.serving.settings import ServerSettings
 from dflash_lab.targets.chat import target_stop_ids
+from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.fake_openai_server import MODEL_ID, SCRIPT, FakeEngine, FakeSpec, handler
 
 #: prometheus_client's text for vLLM's counters (generated in .venv-vllm with vLLM 0.32's names,

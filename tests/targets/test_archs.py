@@ -11,14 +11,15 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.targets.features import extract_features
-from dflash_lab.targets.loader import RawEmbedding, load_target, text_config
+from dflash_lab.targets.loader import load_target
+from dflash_lab.targets.target import RawEmbedding, text_config
 from dflash_lab.targets.tiny import MASK_TOKEN
 from tests.eval_doubles import OracleProposer, RecordingProposer, tiny_drafter_for
 from tests.tiny_archs import ARCHITECTURES, build_tiny_arch_target

@@ -25,8 +25,8 @@ pytest.importorskip("accelerate", reason="transformers needs accelerate to load 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
-from dflash_lab.data.demo_corpus import demo_conversations  # noqa: E402
 from dflash_lab.paths import CONF_DIR  # noqa: E402
+from dflash_lab.targets.demo_corpus import demo_conversations  # noqa: E402
 from dflash_lab.targets.loader import load_target  # noqa: E402
 from tests.targets.gguf_writer import write_qwen3_gguf  # noqa: E402
 

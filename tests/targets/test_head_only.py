@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.targets.loader import load_target
 
 PIECES = ("embed_tokens", "norm", "lm_head")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-from dflash_lab.data.demo_corpus import demo_conversations
 from dflash_lab.data.shards import ShardDataset
 from dflash_lab.eval.target_runner import TargetRunner
+from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.targets.features import (
     OnlineFeatures,
     extract_features,

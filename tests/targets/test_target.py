@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dflash_lab.targets.features import extract_features, hf_hidden_state_indices
-from dflash_lab.targets.loader import TargetPieces, config_hash, load_target
+from dflash_lab.targets.loader import load_target
+from dflash_lab.targets.target import TargetPieces, config_hash
 from dflash_lab.targets.tiny import (
     MARKER_FILE,
     MASK_TOKEN,

@@ -161,7 +161,7 @@ def on_tiny(overrides: list[str], target_dir, capture, mask_id: int, steps: int)
 @pytest.fixture(scope="module")
 def tiny_capture(tiny_target, tmp_path_factory):
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
 
     out = tmp_path_factory.mktemp("capture")
     rows = [{"messages": c} for c in demo_conversations(10, seed=5)]
@@ -493,7 +493,7 @@ def dist_capture(tiny_target, tmp_path_factory):
     """The tiny target's capture with capture.distribution=[last_hidden] (what
     DISTRIBUTION=last_hidden captures)."""
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
 
     out = tmp_path_factory.mktemp("dist_capture")
     rows = [{"messages": c} for c in demo_conversations(10, seed=5)]

@@ -41,7 +41,7 @@ class _Trainer:
 def _module_with_big_grads(plugin):
     from functools import partial
 
-    from dflash_lab.targets.loader import TargetPieces
+    from dflash_lab.targets.target import TargetPieces
     from dflash_lab.train.factory import build_drafter
     from dflash_lab.train.module import DFlashModule
     from tests.stand_ins import config_target

@@ -205,7 +205,7 @@ def test_bf16_training_steps_on_gpu_flex_match_sdpa_and_learn(layout_name):
     weights in fp32, then bf16 optimizer steps that stay finite and lower the loss."""
     from functools import partial
 
-    from dflash_lab.targets.loader import TargetPieces
+    from dflash_lab.targets.target import TargetPieces
     from dflash_lab.train.loss import global_weighted_loss
     from dflash_lab.train.module import DFlashModule
 

@@ -71,7 +71,7 @@ def _other_checkpoint(src: Path, dst: Path) -> Path:
 def weights_capture(tiny_target, tiny_target_dir, tmp_path_factory):
     """A 4-row capture of the tiny target and a loaded other checkpoint of the same config."""
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.targets.loader import load_target
 
     root = tmp_path_factory.mktemp("weights")

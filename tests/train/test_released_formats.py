@@ -96,7 +96,7 @@ COMMON = ["target=tiny", "trainer=cpu", "logger=none", "drafter.backend=sdpa", "
 def capture(tiny_target, cap: Path) -> Path:
     """40 demo conversations' features of layers [1, 3, 5], at most 64 tokens each."""
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
 
     rows = [{"messages": c} for c in demo_conversations(40, seed=3)]
     run_capture(tiny_target, rows, CaptureSettings(out_dir=str(cap), target_layer_ids=[1, 3, 5],

@@ -52,12 +52,12 @@ def _overrides(ds, ds_dir: Path, out: Path, width: int | None) -> list[str]:
 
 @pytest.mark.parametrize("width", [None, DEEPSEEK_V4_STREAMS * H])
 def test_online_training_exports_and_decodes_losslessly(ds, ds_dir, tmp_path, width):
-    from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.eval.loading import load_drafter
     from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
     from dflash_lab.eval.prompts import encode_prompt
     from dflash_lab.eval.proposer import DFlashProposer
     from dflash_lab.eval.target_runner import TargetRunner
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.train.run import train
 
     run = train(_compose(_overrides(ds, ds_dir, tmp_path / "run", width) + [
@@ -88,7 +88,7 @@ def test_online_training_exports_and_decodes_losslessly(ds, ds_dir, tmp_path, wi
 @pytest.mark.parametrize("width", [None, DEEPSEEK_V4_STREAMS * H])
 def test_offline_training_checks_the_capture_width(ds, ds_dir, tmp_path, width):
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.train.run import train
 
     rows = [{"messages": c} for c in demo_conversations(12, seed=4)]

@@ -261,7 +261,7 @@ def test_a_distribution_loss_trains_and_exports_online_and_offline(tiny_target_d
     """issue 27's done-when: module.loss={kl: 1.0} on online data and on a capture made with
     capture.distribution=[last_hidden]; the argmax-only capture refuses it naming the option."""
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.targets.loader import load_target
     from dflash_lab.train.run import train
 

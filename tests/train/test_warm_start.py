@@ -659,9 +659,9 @@ def test_step_0_val_tau_equals_the_feature_eval_of_the_source_export(tiny_target
     capture, so ``feature_eval`` (what it calls) gets the run's own ``val_set``.
     """
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.data.demo_corpus import demo_conversations
     from dflash_lab.data.module import OfflineDataModule
     from dflash_lab.eval.offline_tau import feature_eval
+    from dflash_lab.targets.demo_corpus import demo_conversations
     from dflash_lab.train.run import train
 
     cap = tmp_path / "capture"
