@@ -56,10 +56,10 @@ from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,
     block_targets,
-    dflash_loss,
     per_position_accuracy,
     token_targets,
 )
+from dflash_lab.train.objective import dflash_loss
 
 log = logging.getLogger(__name__)
 

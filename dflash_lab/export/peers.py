@@ -34,7 +34,15 @@ from typing import Any
 import torch
 
 from dflash_lab.export import dspark
-from dflash_lab.export.weights import CONFIG_FILE, WEIGHTS_FILE, load_weights, validate_state_dict
+from dflash_lab.export.integrity import checked
+from dflash_lab.export.weights import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Source,
+    load_weights,
+    plain_key,
+    validate_state_dict,
+)
 from dflash_lab.model.config import (
     DFLASH1,
     DFLASH2,
@@ -180,11 +188,8 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
 
 def load_speculators_dir(path: Path, verify: bool = True):
     """A speculators DFlash / DFlash 2 / DSpark directory as an export
-    :class:`~dflash_lab.export.sources.Source`. Our own DSpark export (export/dspark.py) is
+    :class:`~dflash_lab.export.weights.Source`. Our own DSpark export (export/dspark.py) is
     checked against its ``SHA256SUMS`` (``verify``) and read exactly."""
-    from dflash_lab.export.integrity import checked
-    from dflash_lab.export.sources import Source
-
     file = path / CONFIG_FILE
     d = json.loads(file.read_text())
     ours = dspark.is_dspark(d) and TRAINING_SPEC_KEY in (d.get("transformer_layer_config") or {})
@@ -268,8 +273,6 @@ def specforge_config(d: dict[str, Any], file: Path) -> DrafterConfig:
 
 def load_specforge_checkpoint(state_file: Path):
     """A SpecForge DFlash ``training_state.pt`` (+ its draft config) as a Source."""
-    from dflash_lab.export.sources import Source
-
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -285,9 +288,7 @@ def load_specforge_checkpoint(state_file: Path):
         config = specforge_config(json.loads(config_file.read_text()), config_file)
     except (KeyError, json.JSONDecodeError) as err:
         raise ValueError(f"{config_file}: not a SpecForge DFlash draft config ({err!r})") from err
-    from dflash_lab.export.sources import _plain_key
-
-    weights = {_plain_key(k): v for k, v in state["draft_state_dict"].items() if "embed" not in k}
+    weights = {plain_key(k): v for k, v in state["draft_state_dict"].items() if "embed" not in k}
     validate_state_dict(weights, config, str(state_file))
     notes = [f"draft config {config_file}; SpecForge step {state.get('global_step')}; "
              "sliding layers causal, full bidirectional (SpecForge's mask)"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +27,12 @@ from dflash_lab.export.laguna import base_config as laguna_base_config
 from dflash_lab.export.laguna import format_notes as laguna_format_notes
 from dflash_lab.export.muse_glimmer import base_config as muse_base_config
 from dflash_lab.export.muse_glimmer import format_notes as muse_format_notes
+from dflash_lab.export.peers import (
+    is_speculators_dir,
+    load_specforge_checkpoint,
+    load_speculators_dir,
+    specforge_state_file,
+)
 from dflash_lab.export.weights import (
     CONFIG_FILE,
     MASK_FILE,
@@ -35,9 +40,11 @@ from dflash_lab.export.weights import (
     SINK_SUFFIX,
     SUFFIXED_CODEBOOKS,
     WEIGHTS_FILE,
+    Source,
     has_weights,
     load_mask_file,
     load_weights,
+    plain_key,
     serving_names,
     validate_state_dict,
     weight_names,
@@ -54,31 +61,6 @@ DRAFTER_PREFIX = "drafter."
 #: Rule set assumed for a third-party directory: the reader that honours every feature.
 DEFAULT_ASSUMED_RULES = "vllm-main-v2"
 OUR_SPEC = "dflash_lab training spec"
-
-
-@dataclass
-class Source:
-    """A drafter ready to export: config, serving-layout weights (+ ``mask_embedding``)."""
-
-    config: DrafterConfig
-    state_dict: dict[str, torch.Tensor]
-    kind: str  #: "checkpoint" | "serving"
-    description: str
-    notes: list[str] = field(default_factory=list)
-    reads: list[Path] = field(default_factory=list)  #: files/dirs read (never an OUT_DIR)
-    #: The target identity a training checkpoint recorded (``dflash_target``: config/tokenizer
-    #: hashes and ``weights_fingerprint``), or our export's ``dflash_lab_target``; None for
-    #: third-party directories, older checkpoints and older exports.
-    target_identity: dict | None = None
-    #: False when the format records no target depth (speculators, a z-lab config without
-    #: ``num_target_layers``): ``config.num_target_layers`` is then max(ids) + 1, assumed.
-    depth_recorded: bool = True
-    #: Where our mask runs these weights differently from their trainer's (read from the
-    #: format; the warm start reports them with the override contradictions).
-    mask_differences: list[str] = field(default_factory=list)
-    #: False when the format records no vocabulary (Muse Glimmer): ``config.vocab_size`` is a
-    #: placeholder the consumer replaces with the target's (:func:`with_target_vocab`)
-    vocab_recorded: bool = True
 
 
 class ImportedDrafter(NamedTuple):
@@ -99,12 +81,6 @@ def _warn(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _plain_key(key: str) -> str:
-    """Drop torch.compile's ``_orig_mod`` wrapper level (the training module may compile the
-    draft layers, which renames ``layers.0.x`` to ``layers.0._orig_mod.x``)."""
-    return key.replace("._orig_mod.", ".").removeprefix("_orig_mod.")
-
-
 def load_checkpoint(path: Path) -> Source:
     """A Lightning ``.ckpt``: ``state_dict`` keys prefixed ``drafter.`` and
     ``hyper_parameters["drafter_config"]`` = ``DrafterConfig.to_dict()``. A checkpoint whose
@@ -128,7 +104,7 @@ def load_checkpoint(path: Path) -> Source:
         raise ValueError(f"{path}: hyper_parameters['drafter_config'] is missing or not a dict; "
                          "the training module must save DrafterConfig.to_dict() there")
     config = DrafterConfig.from_dict(cfg, source=f"{path}:hyper_parameters.drafter_config")
-    state = {_plain_key(k[len(DRAFTER_PREFIX):]): v for k, v in ckpt["state_dict"].items()
+    state = {plain_key(k[len(DRAFTER_PREFIX):]): v for k, v in ckpt["state_dict"].items()
              if k.startswith(DRAFTER_PREFIX)}
     if not state:
         raise ValueError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict")
@@ -321,13 +297,6 @@ def load_source(path: str | Path, verify: bool = True) -> Source:
     training run dir, a speculators directory or a SpecForge checkpoint (export/peers.py).
     ``verify``: a serving directory is checked against its ``SHA256SUMS``
     (:func:`import_drafter`)."""
-    from dflash_lab.export.peers import (
-        is_speculators_dir,
-        load_specforge_checkpoint,
-        load_speculators_dir,
-        specforge_state_file,
-    )
-
     path = Path(path)
     if (state_file := specforge_state_file(path)) is not None:
         return load_specforge_checkpoint(state_file)

@@ -17,6 +17,7 @@ maps the bare names onto its ``nn.Embedding``. z-lab's ``save_pretrained`` write
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -307,3 +308,34 @@ def load_mask_file(path: Path, mask_token_id: int | None) -> torch.Tensor | None
                              f"dflash_config.mask_token_id {mask_token_id} (vLLM refuses this)")
         data = data["embedding"]
     return data.reshape(-1)
+
+
+@dataclass
+class Source:
+    """A drafter ready to export: config, serving-layout weights (+ ``mask_embedding``)."""
+
+    config: DrafterConfig
+    state_dict: dict[str, torch.Tensor]
+    kind: str  #: "checkpoint" | "serving"
+    description: str
+    notes: list[str] = field(default_factory=list)
+    reads: list[Path] = field(default_factory=list)  #: files/dirs read (never an OUT_DIR)
+    #: The target identity a training checkpoint recorded (``dflash_target``: config/tokenizer
+    #: hashes and ``weights_fingerprint``), or our export's ``dflash_lab_target``; None for
+    #: third-party directories, older checkpoints and older exports.
+    target_identity: dict | None = None
+    #: False when the format records no target depth (speculators, a z-lab config without
+    #: ``num_target_layers``): ``config.num_target_layers`` is then max(ids) + 1, assumed.
+    depth_recorded: bool = True
+    #: Where our mask runs these weights differently from their trainer's (read from the
+    #: format; the warm start reports them with the override contradictions).
+    mask_differences: list[str] = field(default_factory=list)
+    #: False when the format records no vocabulary (Muse Glimmer): ``config.vocab_size`` is a
+    #: placeholder the consumer replaces with the target's (:func:`with_target_vocab`)
+    vocab_recorded: bool = True
+
+
+def plain_key(key: str) -> str:
+    """Drop torch.compile's ``_orig_mod`` wrapper level (the training module may compile the
+    draft layers, which renames ``layers.0.x`` to ``layers.0._orig_mod.x``)."""
+    return key.replace("._orig_mod.", ".").removeprefix("_orig_mod.")

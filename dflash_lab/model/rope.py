@@ -22,7 +22,7 @@ operations in the same order:
   ``theta`` for every position, which is also transformers' table for every sequence up to M. The
   drafter computes exactly that. Beyond M transformers differs (a larger base) and so does SGLang
   0.5.23, which bakes the base of a ``factor * M`` sequence into every position. dflash-train
-  therefore gives a dynamic target's drafter plain RoPE (train/factory.py): both engines read that
+  therefore gives a dynamic target's drafter plain RoPE (targets/shape.py): both engines read that
   identically.
 
 Refused, by name: ``longrope`` (engines build a position-dependent table: vLLM 0.32's

@@ -403,7 +403,7 @@ def _empty(hidden_mh: Tensor, labels_m: Tensor, spec: LossSpec, top_k: int,
 def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
                   chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
                   temperatures) -> LossOutput:
-    """:func:`dflash_loss` through the distribution pass. D-PACE's per-slot confidence is the
+    """objective.dflash_loss through the distribution pass. D-PACE's per-slot confidence is the
     slot's acceptance probability: q(y) = exp(-CE) for the label CE alone, the overlap
     sum min(p, q) as soon as a term compares distributions."""
     spec = spec or LossSpec()

@@ -50,12 +50,12 @@ from dflash_lab.train.loss import (
     block_targets,
     ce_chunk_rows,
     check_position_weighting,
-    dflash_loss,
     global_weighted_loss,
     per_position_accuracy,
     position_weights,
     token_targets,
 )
+from dflash_lab.train.objective import dflash_loss
 from dflash_lab.train.selector import SelectorMetrics, SelectorSettings, selector_loss
 
 #: Prefix of the frozen target pieces: never written to checkpoints.

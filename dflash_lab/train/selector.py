@@ -190,7 +190,7 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
                   dpace_alpha: float = 0.5, teacher=None,
                   label_temperature: float = 1.0, temperatures: tuple[float, ...] = (),
                   eval_teacher=None) -> SelectorOutput:
-    """The teacher-forced K-way selector CE over the unary top-K of :func:`dflash_loss`'s
+    """The teacher-forced K-way selector CE over the unary top-K of objective.dflash_loss's
     valid slots (``out.top_ids`` [M, K]), and the selector metrics.
 
     Slot weights as the unary term's (``weighting``, :func:`~dflash_lab.train.loss.slot_weights`):

@@ -27,9 +27,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dflash_lab.export.sources import load_source, with_target_vocab
 from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.targets.features import check_feature_width, check_layer_ids_for_streams
+from dflash_lab.targets.mask_token import resolve_mask_token_id
+from dflash_lab.targets.shape import target_shape
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +174,6 @@ def warm_started_drafter(target, init_from: str, backend: str, fields: dict[str,
                          verify_checksums: bool = True) -> DFlashDrafter:
     """A drafter holding the weights of ``init_from`` for the loaded ``target`` (an export is
     checked against its ``SHA256SUMS`` unless ``verify_checksums`` is off)."""
-    from dflash_lab.export.sources import load_source, with_target_vocab
-    from dflash_lab.targets.features import check_feature_width, check_layer_ids_for_streams
-    from dflash_lab.targets.mask_token import resolve_mask_token_id
-    from dflash_lab.train.factory import target_shape
 
     where = str(init_from)
     if not Path(where).exists():

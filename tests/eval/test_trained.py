@@ -33,7 +33,8 @@ from dflash_lab.targets.chat import tokenize_conversation
 from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.targets.features import extract_features
 from dflash_lab.train.anchors import sample_anchors, step_generator
-from dflash_lab.train.loss import acceptance_lengths, block_targets, dflash_loss, token_targets
+from dflash_lab.train.loss import acceptance_lengths, block_targets, token_targets
+from dflash_lab.train.objective import dflash_loss
 from tests.eval_doubles import RecordingProposer, tiny_drafter_for
 
 B = 6

@@ -11,7 +11,8 @@ from dflash_lab.export.weights import check_draft_vocab, expected_shapes
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.draft_vocab import count_label_tokens, most_frequent
-from dflash_lab.train.loss import BlockTargets, dflash_loss
+from dflash_lab.train.loss import BlockTargets
+from dflash_lab.train.objective import dflash_loss
 from tests.doubles import tiny_drafter_config
 
 IDS = torch.tensor([0, 3, 5, 17, 40, 41, 42, 60, 90, 95])  # N = 10 of V = 97

@@ -329,7 +329,7 @@ def test_gemma4_per_layer_head_dim_gives_the_drafter_the_global_one(tmp_path, ti
     refuses ``config.head_dim``; the drafter factory takes the global value."""
     from transformers import AutoConfig
 
-    from dflash_lab.train.factory import target_shape
+    from dflash_lab.targets.shape import target_shape
 
     out = build_tiny_arch_target("gemma4", tmp_path / "g", tiny_target_dir)
     text = AutoConfig.from_pretrained(str(out)).get_text_config()

@@ -7,7 +7,8 @@ import pytest
 
 from dflash_lab.targets.loader import load_target, load_target_config, read_chat_template
 from dflash_lab.targets.mask_token import resolve_mask_token_id
-from dflash_lab.train.factory import build_drafter, drafter_config_for_target, target_rope
+from dflash_lab.targets.shape import target_rope
+from dflash_lab.train.factory import build_drafter, drafter_config_for_target
 from tests.stand_ins import config_target, publish_to_hf_cache
 
 REPO = "dflash-test/tiny-qwen3"
@@ -125,7 +126,7 @@ def test_scaled_target_rope_is_taken_as_the_engines_apply_it(caplog):
                      max_position_embeddings=4096, original_max_position_embeddings=1024,
                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 16,
                                    "long_factor": [2.0] * 16})
-    with caplog.at_level("WARNING", logger="dflash_lab.train.factory"):
+    with caplog.at_level("WARNING", logger="dflash_lab.targets.shape"):
         assert target_rope(phi) == {"rope_theta": 1e4}
     assert "'longrope' is not implemented" in caplog.text
 

@@ -5,8 +5,6 @@ one too: an in-function import breaks a real cost (an optional heavy dependency)
 import ast
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 
 #: The layers, lowest first: a module may import its own layer and the ones below. The longest
@@ -107,9 +105,6 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="three circles are being removed on the heads and formats "
-                   "branches: train/loss-distill-distill_head, export/peers-sources, "
-                   "train/factory-warm_start")
 def test_no_import_circle():
     found = circles(import_graph(module_files()))
     assert not found, f"import circles: {found}: move what both need to the lower file"

@@ -18,10 +18,10 @@ from dflash_lab.train.loss import (
     LogitScale,
     acceptance_lengths,
     block_targets,
-    dflash_loss,
     position_weights,
 )
 from dflash_lab.train.module import DFlashModule
+from dflash_lab.train.objective import dflash_loss
 from dflash_lab.train.selector import SelectorMetrics, SelectorSettings, selector_loss
 from tests.doubles import tiny_drafter_config
 

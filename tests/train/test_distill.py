@@ -27,9 +27,9 @@ from dflash_lab.train.loss import (
     LogitScale,
     acceptance_lengths,
     chunked_head_pass,
-    dflash_loss,
     slot_weights,
 )
+from dflash_lab.train.objective import dflash_loss
 from tests.train.test_loss import _LargestOutput
 from tests.train.test_warm_start import SPEC_PYTHON
 

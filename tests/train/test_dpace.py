@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.checks import check_module
-from dflash_lab.train.loss import block_targets, dflash_loss, dpace_weights, slot_weights
+from dflash_lab.train.loss import block_targets, dpace_weights, slot_weights
 from dflash_lab.train.module import DFlashModule
+from dflash_lab.train.objective import dflash_loss
 from dflash_lab.train.selector import selector_loss
 from tests.doubles import tiny_drafter_config
 from tests.train.test_dflash2 import _hidden_and_targets

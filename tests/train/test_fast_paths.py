@@ -11,7 +11,8 @@ from dflash_lab.attention.mask import BlockLayout, dense_mask, visible
 from dflash_lab.model.config import FULL, SLIDING, LayerSpec
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.anchors import sample_anchors, step_generator
-from dflash_lab.train.loss import block_targets, dflash_loss, token_targets
+from dflash_lab.train.loss import block_targets, token_targets
+from dflash_lab.train.objective import dflash_loss
 from tests.doubles import tiny_drafter_config
 
 SPECS = [LayerSpec(None, False), LayerSpec(None, True), LayerSpec(3, True), LayerSpec(5, False),

@@ -17,10 +17,10 @@ from dflash_lab.train.loss import (
     ce_chunk_rows,
     chunked_cross_entropy,
     chunked_head_pass,
-    dflash_loss,
     position_weights,
     token_targets,
 )
+from dflash_lab.train.objective import dflash_loss
 from tests.doubles import tiny_drafter_config
 
 
@@ -180,7 +180,7 @@ def test_a_softcapped_pass_halves_its_chunks_to_keep_the_cap_derivative_in_budge
 
 
 def test_module_passes_the_budget_to_the_loss_and_rejects_a_bad_one_at_start_up(monkeypatch):
-    import dflash_lab.train.loss as loss_mod
+    import dflash_lab.train.objective as loss_mod
     from dflash_lab.train.module import DFlashModule
 
     cfg = tiny_drafter_config("mixed_swa")

@@ -16,8 +16,9 @@ from dflash_lab.attention import mask as mask_module
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR, REPO_ROOT
 from dflash_lab.train.factory import build_drafter
-from dflash_lab.train.loss import block_targets, dflash_loss, global_weighted_loss
+from dflash_lab.train.loss import block_targets, global_weighted_loss
 from dflash_lab.train.module import DFlashModule
+from dflash_lab.train.objective import dflash_loss
 from dflash_lab.train.run import build_components
 from tests.doubles import tiny_drafter_config
 from tests.stand_ins import config_target
