@@ -13,7 +13,7 @@ rope_parameters=config.rope_parameters)``; SGLang 0.5.23 ``models/dflash.py``:
 base=theta, rope_scaling=...)``). Rows of the resulting cos/sin cache (``[cos | sin]``, each
 head_dim / 2 wide) at a few positions, or the error the engine raises, are written to
 ``tests/export/golden/engine_rope/<engine>.json``; tests/export/test_rope_engines.py checks the
-emulated rules (dflash_lab/export/engines/rope.py) against them.
+emulated rules (export/engines/rope.py) against them.
 """
 
 from __future__ import annotations

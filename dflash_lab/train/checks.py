@@ -127,7 +127,7 @@ def check_writable(cfg: DictConfig) -> None:
 
 def check_export(cfg: DictConfig) -> None:
     """Every key and value of the ``export:`` section is an export setting
-    (dflash_lab/export/options.py: the dflash-export options of the same names)."""
+    (export/options.py: the dflash-export options of the same names)."""
     from dflash_lab.export.options import check_section
 
     check_section(OmegaConf.to_container(cfg.export, resolve=False),

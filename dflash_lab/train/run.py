@@ -112,7 +112,7 @@ def check_export_plan(cfg: DictConfig, drafter, target) -> None:
 
 
 def export_section(cfg: DictConfig) -> dict[str, Any]:
-    """``cfg.export`` as plain data (the keys of dflash_lab/export/options.py)."""
+    """``cfg.export`` as plain data (the keys of export/options.py)."""
     return OmegaConf.to_container(cfg.export, resolve=True)
 
 

@@ -1,5 +1,5 @@
 """``dflash-export``'s options are the Hydra export section's keys (issue 28 item 5): one table
-(dflash_lab/export/options.py) that conf/train.yaml, the CLI and dflash-train's end-of-run export
+(export/options.py) that conf/train.yaml, the CLI and dflash-train's end-of-run export
 agree with key for key; the former spellings still work with a one-line note; and
 ``--recipe NAME`` (or ``recipe=NAME``) takes a recipe's export section, which options on the
 command line override."""

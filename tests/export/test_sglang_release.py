@@ -1,5 +1,5 @@
 """The SGLang release the exporter is right for has one definition
-(dflash_lab/export/engines/sglang.py DEFAULT_RELEASE): the export config's null means it, the
+(export/engines/sglang.py DEFAULT_RELEASE): the export config's null means it, the
 rule sets are named by it, and the copies other programs need (the Makefile's venv pin) equal it."""
 
 import re
@@ -21,4 +21,4 @@ def test_the_rule_sets_and_the_sglang_venv_pin_the_same_release():
     assert any(r.name.startswith(f"sglang=={DEFAULT_RELEASE}") for r in RULE_SETS)
     pin = re.search(r"^SGLANG_VERSION \?= (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
     assert pin and pin.group(1) == DEFAULT_RELEASE, (
-        "Makefile SGLANG_VERSION must equal dflash_lab/export/engines/sglang.py DEFAULT_RELEASE")
+        "Makefile SGLANG_VERSION must equal export/engines/sglang.py DEFAULT_RELEASE")

@@ -8,7 +8,7 @@ checks (DIR has no model.safetensors: sinks, mask embedding, DFlash 2 tensors, s
 is written unless the exit code is 0.
 
 The export settings are the options ``--KEY`` named after the Hydra ``export.KEY`` they equal
-(dflash_lab/export/options.py; the former dashed spellings still work, with a note);
+(export/options.py; the former dashed spellings still work, with a note);
 ``--recipe NAME`` / ``recipe=NAME`` takes a recipe's export section, which options override.
 """
 

@@ -73,7 +73,7 @@ def check_section(section: Mapping[str, Any], where: str) -> None:
     for key, value in section.items():
         if key not in known:
             raise ValueError(f"{where}: export.{key} is no export setting; the keys are "
-                             f"{known} (dflash_lab/export/options.py)")
+                             f"{known} (export/options.py)")
         option = BY_KEY.get(key)
         if option is None or value is None or (isinstance(value, str) and value.startswith("${")):
             continue  # not an option, its default (null), or an interpolation (checked resolved)
