@@ -8,10 +8,11 @@ One training step (:meth:`DFlashModule.step`), top-down, each a named call:
   3. drafter          ``draft``: the drafter forward over the packed anchored blocks;
   4. loss             ``loss``: labels at anchored slots, chunked position-weighted CE through
      the frozen LM head (DFlash 2: plus the selector term, dflash_lab/train/selector.py);
-then ``objective`` normalises it by the GLOBAL weight sum across devices and the metrics are
-logged (loss, per-slot accuracy, exact acceptance tau). A DFlash 2 drafter's objective adds
-``alpha(step)`` x the selector CE over the unary top-K; its ``val/tau`` is the selector path's
-(what serving gets), beside ``val/unary_tau`` and ``val/oracle_tau``.
+then ``objective`` sums the named terms of those pieces (train/objective.py: the label term,
+the accept objective, DSpark's confidence BCE, DFlash 2's ``alpha(step)`` x selector CE over the
+unary top-K), each normalised by its GLOBAL count across devices, and one loop logs them (loss,
+per-slot accuracy, exact acceptance tau). A DFlash 2 drafter's ``val/tau`` is the selector
+path's (what serving gets), beside ``val/unary_tau`` and ``val/oracle_tau``.
 
 Batch contract (from the data module), Bt rows padded to S:
   input_ids [Bt, S], loss_mask [Bt, S] (0 on padding); from a capture, or added by step 1:
@@ -50,12 +51,11 @@ from dflash_lab.train.loss import (
     block_targets,
     ce_chunk_rows,
     check_position_weighting,
-    global_weighted_loss,
     per_position_accuracy,
     position_weights,
     token_targets,
 )
-from dflash_lab.train.objective import dflash_loss
+from dflash_lab.train.objective import Term, dflash_loss, local_means, objective, terms
 from dflash_lab.train.selector import SelectorMetrics, SelectorSettings, selector_loss
 
 #: Prefix of the frozen target pieces: never written to checkpoints.
@@ -213,73 +213,47 @@ class DFlashModule(L.LightningModule):
         """Steps 3-4 for given anchors (tests and benchmarks fix the anchors)."""
         return self.loss(batch, self.draft(batch, anchors), anchors, anchor_valid)
 
+    def terms(self, out: LossOutput, step: int) -> list[Term]:
+        """The named terms of the objective at optimizer step ``step`` (train/objective.py)."""
+        return terms(out, self.loss_spec.accept_weight, self.hparams.confidence_head_alpha,
+                     self.selector_settings.alpha_at(step))
+
     def objective(self, out: LossOutput, step: int, world_size: int = 1,
                   all_reduce_sum=None) -> Tensor:
-        """The loss to backpropagate: the unary term, plus ``alpha(step)`` x the selector term
-        for DFlash 2; each is normalised by its GLOBAL weight sum (``global_weighted_loss``).
-        The selector term is added even at alpha 0, so every parameter is in the graph (DDP)."""
-        loss = global_weighted_loss(out.weighted_sum, out.weight_sum, world_size, all_reduce_sum)
-        if out.accept_sum is not None:  # the accept objective: normalised by the global blocks
-            loss = loss + self.loss_spec.accept_weight * global_weighted_loss(
-                out.accept_sum, out.accept_count, world_size, all_reduce_sum)
-        if out.confidence is not None:  # DSpark: BCE per supervised slot (speculators' mean)
-            loss = loss + self.hparams.confidence_head_alpha * global_weighted_loss(
-                out.confidence.weighted_sum, out.confidence.count, world_size, all_reduce_sum)
-        if out.selector is None:
-            return loss
-        sel = global_weighted_loss(out.selector.weighted_sum, out.selector.weight_sum,
-                                   world_size, all_reduce_sum)
-        return loss + self.selector_settings.alpha_at(step) * sel
+        """The loss to backpropagate: the sum of :meth:`terms`, each normalised by its GLOBAL
+        count (a DFlash 2 drafter's selector term at ``alpha(step)``, also at alpha 0)."""
+        return objective(self.terms(out, step), world_size, all_reduce_sum)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         out = self.step(batch, step_generator(self.hparams.seed, self.global_step,
                                               self.global_rank))
-        loss = self.objective(out, self.global_step, self.trainer.world_size,
-                              lambda t: self.all_gather(t).sum())
-        bs = batch["input_ids"].shape[0]
-        local_mean = out.weighted_sum.detach() / out.weight_sum.clamp(min=1e-8)
-        local_mean = self._log_terms(out, local_mean, "train", bs)
-        taus = acceptance_lengths(out.correct, out.block_valid, out.first_slot)
-        if out.selector is not None:
-            local_mean = self._log_selector_train(out, local_mean, taus, bs)
-            taus = acceptance_lengths(out.selector.walk_correct, out.block_valid)
-        self.log("train/loss", local_mean, prog_bar=True, batch_size=bs)
-        self.log("train/tau", taus.mean() if taus.numel() else 1.0, prog_bar=True,
-                 batch_size=bs)
+        found = self.terms(out, self.global_step)
+        loss = objective(found, self.trainer.world_size, lambda t: self.all_gather(t).sum())
+        self._log_terms(out, found, "train", batch["input_ids"].shape[0])
         return loss
 
-    def _log_terms(self, out: LossOutput, local_mean: Tensor, stage: str, bs: int) -> Tensor:
-        """Log each term of a mixed loss (``{stage}/loss_{name}``, weighted means) and the accept
-        objective's expected accepted drafts per block; returns the local objective."""
+    def _log_terms(self, out: LossOutput, found: list[Term], stage: str, bs: int) -> None:
+        """One loop over the terms: each term's metric, the parts of a mixed label loss
+        (``{stage}/loss_{name}``), the objective as ``{stage}/loss`` and the greedy tau. With a
+        selector (DFlash 2) tau is its walk's; the rest of the objective and the unary tau are
+        logged as ``unary_loss`` and ``unary_tau``."""
         norm = out.weight_sum.clamp(min=1e-8)
         if not self.loss_spec.ce_only:
             for name, total in (out.term_sums or {}).items():
                 self.log(f"{stage}/loss_{name}", total / norm, batch_size=bs)
-        if out.accept_sum is not None:
-            accepted = -out.accept_sum.detach() / out.accept_count.clamp(min=1)
-            self.log(f"{stage}/expected_accepted", accepted, batch_size=bs)
-            local_mean = local_mean - self.loss_spec.accept_weight * accepted
-        conf = out.confidence
-        if conf is not None:  # DSpark: the confidence BCE and its calibration error
-            count = conf.count.clamp(min=1)
-            bce = conf.weighted_sum.detach() / count
-            self.log_dict({f"{stage}/confidence_loss": bce,
-                           f"{stage}/confidence_abs_error": conf.abs_error_sum / count},
-                          batch_size=bs)
-            local_mean = local_mean + self.hparams.confidence_head_alpha * bce
-        return local_mean
-
-    def _log_selector_train(self, out: LossOutput, unary_mean: Tensor, unary_taus: Tensor,
-                            bs: int) -> Tensor:
-        """Log the DFlash 2 pieces; returns the local objective (unary + alpha x selector)."""
-        alpha = self.selector_settings.alpha_at(self.global_step)
-        sel = out.selector
-        sel_mean = sel.weighted_sum.detach() / sel.weight_sum.clamp(min=1e-8)
-        self.log_dict({"train/unary_loss": unary_mean, "train/selector_loss": sel_mean,
-                       "train/alpha": float(alpha),
-                       "train/unary_tau": unary_taus.mean() if unary_taus.numel() else 1.0},
-                      batch_size=bs)
-        return unary_mean + alpha * sel_mean
+        logs = {}
+        for term in found[1:]:
+            logs[f"{stage}/{term.metric}"] = term.shown * term.local_mean()
+            logs.update((f"{stage}/{key}", value) for key, value in term.extra)
+        taus = acceptance_lengths(out.correct, out.block_valid, out.first_slot)
+        if out.selector is not None:
+            logs[f"{stage}/unary_loss"] = local_means(found[:-1])
+            logs[f"{stage}/unary_tau"] = taus.mean() if taus.numel() else 1.0
+            taus = acceptance_lengths(out.selector.walk_correct, out.block_valid)
+        self.log_dict(logs, batch_size=bs)
+        self.log(f"{stage}/loss", local_means(found), prog_bar=True, batch_size=bs)
+        self.log(f"{stage}/tau", taus.mean() if taus.numel() else 1.0, prog_bar=True,
+                 batch_size=bs)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, step_generator(self.hparams.val_seed, batch_idx,

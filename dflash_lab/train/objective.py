@@ -1,8 +1,15 @@
-"""The drafter's training loss over one batch of blocks: the CE pass (train/loss.py) for the
-label CE alone, the distribution pass (train/distill_head.py) for distribution terms or measured
-acceptance. It sits above both so that neither imports the other's caller."""
+"""The drafter's training objective: a list of named terms, one sum.
+
+:func:`dflash_loss` computes the label term over one batch of blocks (the CE pass of
+train/loss.py for the label CE alone, the distribution pass of train/distill_head.py for
+distribution terms or measured acceptance; it sits above both so neither imports the other's
+caller). :func:`terms` names every term the loss pieces hold (label, accept, DSpark's confidence,
+DFlash 2's selector) with its coefficient; :func:`objective` sums them, each normalised by its
+GLOBAL count, and :func:`local_means` gives the same sum on this rank for the logs."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +22,7 @@ from dflash_lab.train.loss import (
     LogitScale,
     LossOutput,
     chunked_head_pass,
+    global_weighted_loss,
     slot_weights,
 )
 
@@ -49,3 +57,60 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
     return LossOutput((w * head.ce).sum(), w.sum(), correct, sel, block_valid_bn,
                       head.top_values, head.top_ids, first_slot=targets.first_slot,
                       slot_ce=head.ce.detach())
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named term of the objective: ``coef x weighted_sum / GLOBAL count``.
+
+    ``weighted_sum`` and ``count`` are this rank's (differentiable sum; its normaliser).
+    ``metric`` names its train log, ``shown`` x its local mean (the accept term is logged as the
+    expected accepted drafts, its negated mean); ``extra``: further train logs it brings."""
+
+    name: str
+    weighted_sum: Tensor
+    count: Tensor
+    coef: float = 1.0
+    metric: str = ""
+    shown: float = 1.0
+    extra: tuple[tuple[str, Tensor | float], ...] = ()
+
+    def local_mean(self) -> Tensor:
+        """This rank's mean (detached): what the logs show."""
+        return self.weighted_sum.detach() / self.count.clamp(min=1e-8)
+
+
+def terms(out: LossOutput, accept_weight: float = 1.0, confidence_alpha: float = 1.0,
+          selector_alpha: float = 0.0) -> list[Term]:
+    """The terms the loss pieces ``out`` hold, in the order they are summed: the label term,
+    then the accept objective, DSpark's confidence BCE and DFlash 2's selector CE where present
+    (the selector even at alpha 0, so every parameter is in the graph under DDP)."""
+    found = [Term("label", out.weighted_sum, out.weight_sum)]
+    if out.accept_sum is not None:  # normalised by the real blocks
+        found.append(Term("accept", out.accept_sum, out.accept_count, accept_weight,
+                          "expected_accepted", -1.0))
+    if (conf := out.confidence) is not None:  # per supervised slot (speculators' mean)
+        found.append(Term("confidence", conf.weighted_sum, conf.count, confidence_alpha,
+                          "confidence_loss", extra=(("confidence_abs_error", conf.abs_error_sum
+                                                     / conf.count.clamp(min=1)),)))
+    if (sel := out.selector) is not None:
+        found.append(Term("selector", sel.weighted_sum, sel.weight_sum, selector_alpha,
+                          "selector_loss", extra=(("alpha", float(selector_alpha)),)))
+    return found
+
+
+def objective(found: list[Term], world_size: int = 1, all_reduce_sum=None) -> Tensor:
+    """The loss to backpropagate: sum of ``coef x`` each term over its GLOBAL count
+    (:func:`~dflash_lab.train.loss.global_weighted_loss`)."""
+    total = None
+    for term in found:
+        part = global_weighted_loss(term.weighted_sum, term.count, world_size, all_reduce_sum)
+        part = part if term.coef == 1.0 else term.coef * part
+        total = part if total is None else total + part
+    return total
+
+
+def local_means(found: list[Term]) -> Tensor:
+    """This rank's objective (detached), term by term as :func:`objective` sums them."""
+    means = [t.local_mean() if t.coef == 1.0 else t.coef * t.local_mean() for t in found]
+    return sum(means[1:], means[0])
