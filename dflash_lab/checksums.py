@@ -2,13 +2,15 @@
 
 Written with every checkpoint (:mod:`dflash_lab.train.callbacks`); checked at resume and by the
 exporter, so flipped bytes in a ``.ckpt`` are an error naming the file instead of a silently
-different drafter. Imports nothing beyond the standard library (the exporter runs in serving
+different drafter. :func:`sha256_json` seals a JSON record with a checksum of itself (capture
+manifests). Imports nothing beyond the standard library (the exporter runs in serving
 environments).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 SUFFIX = ".sha256"
@@ -21,6 +23,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def sha256_json(record: dict, without: str = "") -> str:
+    """Hex sha256 of ``record`` (minus its key ``without``: the checksum's own) as canonical JSON
+    (sorted keys, no spaces): the same however the file is indented."""
+    body = {k: v for k, v in record.items() if k != without}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
 
 
 def sidecar(path: Path) -> Path:

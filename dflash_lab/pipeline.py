@@ -6,7 +6,8 @@ folder under one run root, so each finds the one before it: ``<root>/capture`` i
 The stage settings come from the recipe (its ``pipeline:`` section, conf/train.yaml) and the
 command line (``eval:num_prompts=4``; unprefixed overrides go to train). A finished stage
 writes ``<root>/stages/<stage>.json``; a rerun skips it while its inputs (its composed config
-and the record of the stage before it) and outputs are unchanged, and a killed train stage
+and the record of the stage before it) are unchanged and every output it recorded is there with
+its recorded sha256 (else it reruns, saying which file), and a killed train stage
 resumes from its ``last.ckpt`` as ``dflash-train`` does (``ckpt_path=auto``). docs/pipeline.md.
 """
 
@@ -27,6 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dflash_lab.checksums import sha256_file
 from dflash_lab.paths import CONF_DIR, atomic_write_text, remove_path
 from dflash_lab.pipeline_args import (
     capture_layers,
@@ -157,6 +159,7 @@ def plan(req: Request) -> list[Stage]:
     cfg = compose("train", train_args)
     steps = OmegaConf.to_container(cfg.pipeline, resolve=True)
     from dflash_lab.data.regenerate_loop import MERGED_FILE
+    from dflash_lab.export.weights import WEIGHTS_FILE
 
     targets = target_args(cfg)
     regenerate = targets + [f"regenerate.settings.out_dir={_at(root, 'regenerate')}",
@@ -191,14 +194,17 @@ def plan(req: Request) -> list[Stage]:
                                  [root / "capture" / "manifest.json"], root / "capture"),
         "train": lambda: Stage("train", train_args, train_view,
                                [root / "train" / "checkpoints" / "last.ckpt"], root / "train"),
-        "export": lambda: Stage("export", export, export, [root / "export" / "config.json"],
+        "export": lambda: Stage("export", export, export, [root / "export" / "config.json",
+                                                           root / "export" / WEIGHTS_FILE],
                                 root / "export"),
         "eval": lambda: eval_stage("eval", steps["eval"]),
     }
     evals = steps.get("evals") or {}
-    # a further eval is the main eval's settings, then its own (e.g. another data.path)
+    # a further eval is the main eval's settings (the recipe's, then eval:KEY=VALUE), then its
+    # own (e.g. another data.path), so a shrunk eval (eval:num_prompts=4) shrinks them all
     return [make[name]() if name in make
-            else eval_stage(name, [*steps["eval"], *evals[name[len(EVAL_PREFIX):]]])
+            else eval_stage(name, [*steps["eval"], *req.stage_args["eval"],
+                                   *evals[name[len(EVAL_PREFIX):]]])
             for name in recipe_stages(req, cfg)]
 
 
@@ -221,13 +227,29 @@ def inputs_of(stage: Stage, before: Stage | None, root: Path) -> dict[str, Any]:
                          else None)}
 
 
-def is_done(stage: Stage, inputs: dict[str, Any], root: Path) -> bool:
-    """A record with these inputs exists and every output it names is still there."""
+#: :func:`stale`'s reason for a stage that never finished here (it runs without a word).
+NO_RECORD = "no record"
+
+
+def stale(stage: Stage, inputs: dict[str, Any], root: Path) -> str | None:
+    """Why the stage must run (again), or None when it is done: no record, other inputs, or an
+    output it recorded (or now writes) that is missing or no longer has its recorded sha256.
+    A record from before the checksums (a list of outputs) is checked for presence only."""
     path = record_path(root, stage.name)
     if not path.is_file():
-        return False
+        return NO_RECORD
     record = json.loads(path.read_text())
-    return record.get("inputs") == inputs and all(Path(p).exists() for p in record["outputs"])
+    if record.get("inputs") != inputs:
+        return "its inputs changed"
+    recorded = record["outputs"]
+    recorded = dict.fromkeys(recorded) if isinstance(recorded, list) else recorded
+    for name in [*recorded, *(str(p) for p in stage.outputs if str(p) not in recorded)]:
+        if not Path(name).is_file():
+            return f"{name} is missing"
+        want = recorded.get(name)
+        if want is not None and sha256_file(Path(name)) != want:
+            return f"{name} changed since {path} recorded it (sha256 differs)"
+    return None
 
 
 def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Path) -> None:
@@ -237,7 +259,7 @@ def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Pat
         raise RuntimeError(f"the {stage.name} stage exited 0 but did not write {missing}")
     command = [sys.executable, "-m", module_of(stage.name), *stage.args]
     record = {"stage": stage.name, "command": command, "inputs": inputs,
-              "outputs": [str(p) for p in stage.outputs],
+              "outputs": {str(p): sha256_file(p) for p in stage.outputs},
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
               "seconds": round(time.time() - started, 1), "git_sha": git_sha()}
     record_path(root, stage.name).parent.mkdir(parents=True, exist_ok=True)
@@ -313,8 +335,11 @@ def run(req: Request) -> int:
     for number, stage in enumerate(todo, 1):
         before = upstream(stages, stage)
         inputs = inputs_of(stage, before, req.root)
+        why = "forced" if stage.name in req.force else stale(stage, inputs, req.root)
+        if why not in (None, NO_RECORD):
+            print(f"{stage.name} reruns: {why}", flush=True)
         print(f"[{number}/{len(todo)}] {stage.name} ...", end=" ", flush=True)
-        if stage.name not in req.force and is_done(stage, inputs, req.root):
+        if why is None:
             print(f"skipped (done: {record_path(req.root, stage.name)})", flush=True)
             continue
         set_aside(stage, req.root)  # a record here is stale (or forced): start afresh

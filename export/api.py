@@ -43,10 +43,12 @@ from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
 from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE
 from dflash_lab.export.integrity import CHECKSUMS_FILE, Verification, verify_dir, write_checksums
 from dflash_lab.export.outdir import (
+    ENGINES_KEY,
     REPORT_FILE,
     SOURCE_PATH_KEY,
     check_output_dir,
     publish_modes,
+    recorded_engines,
     refuse_overlap,
     stale_temp_dirs,
 )
@@ -182,7 +184,7 @@ def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[
            else {"format": OURS}),
         "source": src.description,
         **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
-        "output": str(out_dir), "engines targeted": ", ".join(engines),
+        "output": str(out_dir), ENGINES_KEY: ", ".join(engines),
         "dtype": dtype, "allow lossy": str(allow_lossy), "command": command or "(library call)",
         "versions": f"torch {torch.__version__}, python {platform.python_version()}",
         **({"source notes": "; ".join(src.notes)} if src.notes else {}),
@@ -355,6 +357,8 @@ class InspectResult:
     assumed_rules: str | None = None  #: OUR_SPEC, or the rule set resolving a third-party layout
     #: weight-dependent checks not made because the directory has no model.safetensors
     unchecked: list[str] = field(default_factory=list)
+    #: findings of the engines not judged (not made for, or not chosen by ``--engine``)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -482,7 +486,8 @@ def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[
     return out
 
 
-def _verdict(problems: list[str], unchecked: list[str]) -> str:
+def _verdict(problems: list[str], unchecked: list[str], judged: tuple[str, ...] = ENGINES
+             ) -> str:
     if problems:
         return f"NOT OK: {len(problems)} problem(s)" + (
             f"; {len(unchecked)} weight check(s) not made (no {WEIGHTS_FILE})" if unchecked else "")
@@ -490,7 +495,9 @@ def _verdict(problems: list[str], unchecked: list[str]) -> str:
         return (f"NOT FULLY CHECKED: from config.json alone every rule set runs the same layout, "
                 f"but {len(unchecked)} weight check(s) were not made (see 'Not checked'); "
                 f"inspect the directory with {WEIGHTS_FILE} for a full verdict")
-    return "OK: every rule set runs the same drafter"
+    scope = "every rule set" if set(judged) >= set(ENGINES) else (
+        f"every rule set of {', '.join(judged)} (the engines judged; the others: Notes)")
+    return f"OK: {scope} runs the same drafter"
 
 
 def _layout_lines(declared: _Declared, readings: dict[str, EngineReading], block: int,
@@ -509,29 +516,54 @@ def _layout_lines(declared: _Declared, readings: dict[str, EngineReading], block
     return lines + as_trained_lines(declared.layers, readings, block)
 
 
-def inspect_dir(path: str | Path, engine: str | list[str] = "both",
+def _judged_engines(path: Path, engine: str | list[str] | None) -> tuple[tuple[str, ...], str]:
+    """(engines ``--inspect`` judges, why): ``engine`` when given, else those the export was
+    made for (its report), else every engine."""
+    if engine is not None:
+        return parse_engines(engine), "chosen with --engine"
+    recorded = recorded_engines(path)
+    if recorded:
+        return recorded, (f"the export was made for them ({REPORT_FILE}: {ENGINES_KEY}); "
+                          "--engine to choose")
+    return ENGINES, f"no {REPORT_FILE} record of the engines it was made for; --engine to choose"
+
+
+def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
+                      block: int) -> list[str]:
+    """The rule sets' disagreements, dropped features and (ours) layers run otherwise than
+    trained."""
+    out = _disagreement_lines(readings, block)
+    for reading in readings.values() if trained is not None else ():
+        out += [f.message for f in mismatches(trained, reading, block, "warn")]
+    return out
+
+
+def inspect_dir(path: str | Path, engine: str | list[str] | None = None,
                 verify: bool = True) -> InspectResult:
     """Per layer, how each rule set resolves a serving directory; the drafter's variant, conv,
     selector and scales, whether each rule set runs it as trained (third-party: as the importer
-    resolves it); problems if any disagree, drop a feature, or the weights do not match the
-    config. Without model.safetensors (a config.json alone) the layout is still classified and
-    the weight checks that were not made are listed in ``unchecked``. ``verify``: check the
-    files against the export's ``SHA256SUMS`` first (a file that differs is a problem; a
-    directory without the record says it was not verified)."""
+    resolves it); problems if a rule set of the judged engines (``engine``, default: those the
+    export was made for, else both) disagrees or drops a feature, or the weights do not match
+    the config; the other engines' findings are notes. Without model.safetensors (a config.json
+    alone) the layout is still classified and the weight checks that were not made are listed
+    in ``unchecked``. ``verify``: check the files against the export's ``SHA256SUMS`` first (a
+    file that differs is a problem; a directory without the record says it was not
+    verified)."""
     path = Path(path)
     config_only = not has_weights(path)
     integrity = (verify_dir(path, absent_ok=(WEIGHTS_FILE,) if config_only else ()) if verify
                  else Verification("skipped", []))
     d = read_config_json(path)
     artifacts = _artifacts(path)
-    readings = read_all(d, artifacts, parse_engines(engine))
+    judged, why = _judged_engines(path, engine)
+    readings = read_all(d, artifacts, ENGINES)
     declared = _declared(d, path, artifacts)
     block = declared.config.block_size if declared.config else DEFAULT_BLOCK_SIZE
     trained = declared.layers if declared.assumed == OUR_SPEC else None
-    problems = integrity.problems + declared.problems + _disagreement_lines(readings, block)
-    if trained is not None:
-        for reading in readings.values():
-            problems += [f.message for f in mismatches(trained, reading, block, "warn")]
+    engines = {r.name: r.engine for r in RULE_SETS}
+    problems = integrity.problems + declared.problems + _reading_problems(
+        {k: r for k, r in readings.items() if engines[k] in judged}, trained, block)
+    notes = [p for p in _reading_problems(readings, trained, block) if p not in problems]
     vocab_lines: list[str] = []
     if declared.config is not None and not config_only:
         shapes = weight_shapes(path)
@@ -541,7 +573,9 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
         vocab_lines, vocab_problems = draft_vocab_problems(path, declared.config)
         problems += vocab_problems
     unchecked = unchecked_without_weights(declared.config, path) if config_only else []
-    lines = [f"# {path}", "", f"files: {integrity.note}", "", f"block_size={block}; rule sets: "
+    lines = [f"# {path}", "", f"files: {integrity.note}", "",
+             f"judged for: {', '.join(judged)} ({why})", "",
+             f"block_size={block}; rule sets: "
              + ", ".join(f"{r.name} ({'current' if r.current else 'older'})"
                          for r in RULE_SETS if r.name in readings), ""]
     lines += layer_table(trained, readings, block)
@@ -551,10 +585,13 @@ def inspect_dir(path: str | Path, engine: str | list[str] = "both",
     lines += laguna.inspect_lines(d) if declared.config is not None and is_laguna(d) else []
     lines += dspark.reading_lines(d) if dspark.is_dspark(d) else []
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
+    if notes:
+        lines += ["", "Notes (engines it is not judged for, not problems):"]
+        lines += [f"- {n}" for n in notes]
     lines += ["", "Problems:"] + ([f"- {p}" for p in problems] or ["- none"])
     if unchecked:
         lines += ["", f"Not checked (no {WEIGHTS_FILE}: config.json alone):"]
         lines += [f"- {u}" for u in unchecked]
-    text = "\n".join(lines + ["", _verdict(problems, unchecked)])
+    text = "\n".join(lines + ["", _verdict(problems, unchecked, judged)])
     return InspectResult(path, trained, readings, problems, text, declared.layers,
-                         declared.assumed, unchecked)
+                         declared.assumed, unchecked, notes)

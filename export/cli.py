@@ -1,8 +1,9 @@
 """``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory.
 
-Exit codes: 0 done (or --inspect checked everything and found every rule set in agreement); 2 bad
-input or usage (including OUT_DIR exists without --force, OUT_DIR is not a previous export, or
-OUT_DIR is or contains SOURCE); 3 refused by the engine rules (or --inspect found problems); 4 the
+Exit codes: 0 done (or --inspect checked everything and found every judged rule set in agreement:
+those of the engines the export was made for, or of --engine); 2 bad input or usage (including
+OUT_DIR exists without --force, OUT_DIR is not a previous export, or OUT_DIR is or contains
+SOURCE); 3 refused by the engine rules (or --inspect found problems); 4 the
 self-check failed; 5 --inspect found no problem in config.json but could not make the weight
 checks (DIR has no model.safetensors: sinks, mask embedding, DFlash 2 tensors, shapes). Nothing
 is written unless the exit code is 0.
@@ -50,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", nargs="?", help="Lightning .ckpt, training run dir, or serving dir")
     p.add_argument("out_dir", nargs="?", help="serving directory to create")
     p.add_argument("--inspect", metavar="DIR",
-                   help="print how each engine reads DIR and exit (config.json alone is enough "
-                        "for the layout; exit 5 when the weight checks could not be made)")
+                   help="print how each engine reads DIR and exit, judged for the engines "
+                        "the export was made for (its EXPORT_REPORT.md; --engine to choose); "
+                        "config.json alone is enough for the layout; exit 5 when the weight "
+                        "checks could not be made")
     p.add_argument("--recipe", metavar="NAME",
                    help="take the export settings from recipe NAME's export section (as "
                         "dflash-train recipe=NAME composes it; also spelled recipe=NAME); "
@@ -90,7 +93,8 @@ def _read_target(path: str | None) -> dict[str, Any] | None:
 
 
 def _inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    result = inspect_dir(args.inspect, opts["engine"], verify=not args.no_verify)
+    # --engine given: judged for it; else for the engines the export recorded (issue 47)
+    result = inspect_dir(args.inspect, args.engine, verify=not args.no_verify)
     print(result.text)
     return {OK: EXIT_OK, UNCHECKED: EXIT_UNCHECKED}.get(result.status, EXIT_REFUSED)
 

@@ -23,6 +23,8 @@ REPORT_FILE = "EXPORT_REPORT.md"
 EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE, MASK_FILE, CHECKSUMS_FILE)
 #: EXPORT_REPORT.md header key of the resolved source path (read back for ``owner``)
 SOURCE_PATH_KEY = "source path"
+#: EXPORT_REPORT.md header key of the engines the export was made for (read by ``--inspect``)
+ENGINES_KEY = "engines targeted"
 
 
 def _spellings(path: Path) -> set[Path]:
@@ -35,15 +37,27 @@ def _overlaps(out: Path, read: Path) -> bool:
     return any(o == r or o in r.parents for o in _spellings(out) for r in _spellings(read))
 
 
-def recorded_source(out: Path) -> Path | None:
-    """The source path a previous export recorded in its report (None if it recorded none)."""
+def report_value(out: Path, key: str) -> str | None:
+    """The value of header line ``key`` in a previous export's report (None: no such line)."""
     try:
         lines = (out / REPORT_FILE).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return None
-    prefix = f"- {SOURCE_PATH_KEY}: "  # report.py writes header lines as "- key: value"
-    paths = [line[len(prefix):] for line in lines if line.startswith(prefix)]
-    return Path(paths[0]) if paths else None
+    prefix = f"- {key}: "  # report.py writes header lines as "- key: value"
+    return next((line[len(prefix):] for line in lines if line.startswith(prefix)), None)
+
+
+def recorded_source(out: Path) -> Path | None:
+    """The source path a previous export recorded in its report (None if it recorded none)."""
+    found = report_value(out, SOURCE_PATH_KEY)
+    return Path(found) if found else None
+
+
+def recorded_engines(out: Path) -> tuple[str, ...] | None:
+    """The engines an export was made for (``--engine``, recorded in its report), or None for
+    a directory without the record (another tool's, or an older export)."""
+    found = report_value(out, ENGINES_KEY)
+    return tuple(e.strip() for e in found.split(",") if e.strip()) if found else None
 
 
 def _not_replaceable(out: Path, owner: Path | None) -> str | None:

@@ -26,6 +26,7 @@ from dflash_lab.targets.features import (
     check_layer_ids_for_streams,
     check_target_layer_ids,
     extract_features,
+    hf_hidden_state_indices,
 )
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
     return {
         "target": identity,
         "target_layer_ids": ids,  # z-lab / SGLang convention: output of decoder layer i
-        "hf_hidden_state_indices": [i + 1 for i in ids],  # = vLLM / speculators aux ids
+        "hf_hidden_state_indices": hf_hidden_state_indices(ids),  # = vLLM / speculators aux ids
         "hidden_size": target.hidden_size,
         "feature_dim": feature_dim,
         "hidden_dtype": settings.hidden_dtype,

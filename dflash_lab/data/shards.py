@@ -27,6 +27,7 @@ H * itemsize(hidden) with ``last_hidden`` (Qwen3-8B bf16: 8192) and 8 k with ``t
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +38,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from dflash_lab.checksums import sha256_file
+from dflash_lab.checksums import sha256_file, sha256_json
 from dflash_lab.dtypes import DTYPES
 from dflash_lab.paths import atomic_path, atomic_write_text
+from dflash_lab.targets.features import hf_hidden_state_indices
 
 FORMAT_NAME = "dflash-lab-capture"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 PLAN_FILE = "capture_plan.json"
+#: The manifest's checksum of itself (:func:`sha256_json` of every other key): an edited or
+#: damaged manifest is refused by name (:func:`check_sealed`).
+SEAL_KEY = "manifest_sha256"
+log = logging.getLogger(__name__)
 HIDDEN_DTYPES = DTYPES  #: what a shard may store its hidden states as (every named dtype)
 
 
@@ -217,6 +223,7 @@ def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
         "num_dropped": plan["num_input_rows"] - num_samples,
         "shards": records,
     }
+    manifest[SEAL_KEY] = sha256_json(json.loads(json.dumps(manifest)))  # as read back
     write_json_atomic(out_dir / MANIFEST_FILE, manifest)
     return manifest
 
@@ -236,7 +243,29 @@ def read_manifest(capture_dir: str | Path) -> dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version={manifest.get('format_version')!r}, this "
                          f"dflash-lab reads {FORMAT_VERSION}; recapture or use a matching version")
+    check_sealed(manifest, path)
     return manifest
+
+
+def check_sealed(manifest: dict[str, Any], path: Path) -> None:
+    """Refuse a manifest whose two layer conventions disagree (``hf_hidden_state_indices`` =
+    ``target_layer_ids`` + 1) or whose fields no longer match its :data:`SEAL_KEY`. A manifest
+    from before the seal only warns: it is read as before (docs/capture.md)."""
+    redo = (f"rerun dflash-capture with the same settings and capture.out_dir={path.parent} "
+            f"(it rebuilds {MANIFEST_FILE} from {PLAN_FILE} and the shard records), or recapture")
+    ids, hf = manifest.get("target_layer_ids"), manifest.get("hf_hidden_state_indices")
+    if ids is not None and hf is not None and hf_hidden_state_indices(ids) != list(hf):
+        raise ValueError(f"{path}: target_layer_ids={ids} and hf_hidden_state_indices={hf} "
+                         "disagree (each HF index is its layer id + 1): the manifest was "
+                         f"edited; {redo}")
+    recorded = manifest.get(SEAL_KEY)
+    if recorded is None:
+        log.warning(
+            "%s: no %s (a capture from before manifests were sealed): edits to it cannot be "
+            "detected; %s to seal it", path, SEAL_KEY, redo.split(", or")[0])
+    elif recorded != sha256_json(manifest, without=SEAL_KEY):
+        raise ValueError(f"{path}: its fields no longer match its {SEAL_KEY} {recorded[:16]}... "
+                         f"(the manifest was edited or damaged after the capture); {redo}")
 
 
 def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
@@ -286,11 +315,9 @@ def check_weights(recorded: dict[str, Any], target: dict[str, Any], source: str,
     """Refuse features (or a run) made with another checkpoint of the same config: the
     recorded and the loaded ``weights_fingerprint`` must match. A record from before
     fingerprints (none recorded) or a target without weight files only warns."""
-    import logging
-
     want, have = target.get("weights_fingerprint"), recorded.get("weights_fingerprint")
     if want is None or have is None:
-        logging.getLogger(__name__).warning(
+        log.warning(
             "%s: no target weights fingerprint to compare (recorded %s, loaded %s): cannot "
             "check that the same checkpoint made it", source, have, want)
         return

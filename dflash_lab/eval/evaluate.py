@@ -26,6 +26,8 @@ from dflash_lab.eval.loop import (
     DecodeSettings,
     Generation,
     baseline_generate,
+    machine_load,
+    set_threads,
     speculative_generate,
 )
 from dflash_lab.eval.offline_tau import feature_eval
@@ -49,9 +51,15 @@ log = logging.getLogger(__name__)
 MODES = ("generate", "features")
 
 
+#: How the speculative and baseline runs are timed (recorded in report.json ``timing``).
+ORDER = "interleaved: per prompt, speculative then baseline on even prompts, the reverse on odd"
+
+
 class Decoder:
-    """Speculative decoding of one prompt, and its plain-target baseline right after it, so
-    that both see the same machine load. Response n samples with ``seed + n`` (T > 0)."""
+    """Speculative decoding of one prompt and its plain-target baseline, one right after the
+    other, so that both see the same machine load; which runs first alternates per prompt
+    (:data:`ORDER`), so neither always gets the warmer caches. Response n samples with
+    ``seed + n`` (T > 0)."""
 
     def __init__(self, model, proposer: Proposer, target_layer_ids: list[int], *,
                  baseline: bool = True, seed: int = 0, target_hidden_size: int | None = None):
@@ -69,11 +77,14 @@ class Decoder:
 
     def respond(self, ids: list[int], settings: DecodeSettings, n: int,
                 ) -> tuple[Generation, Generation | None]:
+        def base() -> Generation | None:
+            return (baseline_generate(self.base_target, ids, settings, self._gen(self.seed + n))
+                    if self.baseline else None)
+
+        first = base() if n % 2 else None
         spec = speculative_generate(self.spec_target, self.proposer, ids, settings,
                                     self._gen(self.seed + n))
-        base = (baseline_generate(self.base_target, ids, settings, self._gen(self.seed + n))
-                if self.baseline else None)
-        return spec, base
+        return spec, first if n % 2 else base()
 
 
 def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
@@ -171,6 +182,8 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
     items = items_before_target(configs, cfg.num_prompts)  # a bad file: before any loading
+    timing = machine_load({"threads": set_threads(cfg.get("threads", "auto")),
+                           "threads_option": cfg.get("threads", "auto"), "order": ORDER})
     target, loaded, backend = _load_pair(cfg)
     items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
                               max_positions(target))
@@ -191,9 +204,13 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
                               loaded.description, loaded.notes, stops, backend,
                               loaded.drafter.config.variant)
     record.update(_data_record(cfg, configs, budgets))
+    timing = machine_load(timing)
+    if "warning" in timing:
+        log.warning("%s", timing["warning"])
     # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
-    return generation_report(responder.spec, responder.base if cfg.baseline else None, asked,
-                             max_drafts(proposer) + 1, record, records=records)
+    report = generation_report(responder.spec, responder.base if cfg.baseline else None, asked,
+                               max_drafts(proposer) + 1, record, records=records)
+    return {**report, "timing": timing}
 
 
 def _data_record(cfg, configs, budgets) -> dict[str, Any]:

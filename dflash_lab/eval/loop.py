@@ -30,6 +30,7 @@ Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +65,47 @@ class Generation:
     unary_acceptance_lengths: list[int] | None = None
     #: time to the first output token (prefill + its sampling); decode time = seconds - this
     ttft_seconds: float | None = None
+
+
+#: torch's own thread count at start-up: the physical cores, or OMP_NUM_THREADS when set.
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
+#: ``threads=auto`` uses at most this many: one prompt's decode is a batch of 1 (verify: B
+#: tokens), too small to gain much beyond a few threads.
+MAX_AUTO_THREADS = 4
+
+
+def set_threads(option: int | str) -> int:
+    """Set torch's CPU threads for the timed loops (``threads`` in conf/eval.yaml) and return
+    it: an int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`,
+    the CPUs left idle by the 1-minute load average), at least 1. Why idle CPUs: a thread whose
+    core is busy stalls the others at every op (2 threads on 2 busy cores: 15-20x slower per
+    forward than 1 thread; docs/eval.md, Timing)."""
+    if option == "auto":
+        idle = int((os.cpu_count() or 1) - os.getloadavg()[0])
+        n = max(1, min(TORCH_DEFAULT_THREADS, MAX_AUTO_THREADS, idle))
+    elif isinstance(option, int) and not isinstance(option, bool) and option >= 1:
+        n = option
+    else:
+        raise ValueError(f"threads={option!r}: use auto or an int >= 1 (the CPU threads of the "
+                         "timed loops, conf/eval.yaml; docs/eval.md, Timing)")
+    torch.set_num_threads(n)
+    return n
+
+
+def machine_load(timing: dict) -> dict:
+    """``timing`` with the 1/5/15-minute load average appended to its ``load_average`` list
+    (called before and after the timed loops) and, when the machine had more runnable threads
+    than CPUs (``os.cpu_count``), a ``warning``: the timings (and the speedup) then measure the
+    contention as much as the decoding."""
+    load = [round(x, 2) for x in os.getloadavg()]
+    cpus = os.cpu_count() or 1
+    timing = {**timing, "cpus": cpus, "load_average": [*timing.get("load_average", []), load]}
+    if load[0] > cpus:
+        timing["warning"] = (
+            f"load average {load[0]} > {cpus} CPUs: other processes competed for the cores, so "
+            "TTFT, TPOT and the speedup are unreliable; rerun on an idle machine (or with fewer "
+            "threads=)")
+    return timing
 
 
 class Clock:

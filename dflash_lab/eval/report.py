@@ -201,6 +201,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"- data: `{s.get('data')}`", f"- block size: {s.get('block_size')}"]
     if report.get("command"):
         lines.append(f"- command: `{report['command']}`")
+    if report.get("timing"):
+        t = report["timing"]
+        lines.append(f"- timing: {t['threads']} threads on {t['cpus']} CPUs, load average "
+                     f"{t['load_average']} (before, after); {t['order']}")
+        lines += [f"- **warning**: {t['warning']}"] if t.get("warning") else []
     lines += ["", *_dataset_sections(report)]
     keys = ["tau_mean", "tau_macro", "tau_pooled", "selector_tau_mean", "unary_tau_mean",
             "oracle_tau_mean", "recall_at_k", "num_rounds", "lossless", "ttft_ms", "tpot_ms",

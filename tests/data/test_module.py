@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from dflash_lab.data.capture_loop import CaptureSettings, run_capture
@@ -28,6 +29,20 @@ def capture_demo(target, tmp_path):
                                batch_size=3)
     run_capture(target, rows, settings, {"path": str(jsonl)}, progress=False)
     return jsonl, tmp_path / "cap"
+
+
+def test_training_refuses_a_capture_whose_manifest_was_edited(tiny_target, tmp_path):
+    """Issue 47: the data module training opens refuses a manifest whose target_layer_ids no
+    longer agree with its hf_hidden_state_indices, naming the file and both fields."""
+    _, cap = capture_demo(tiny_target, tmp_path)
+    manifest = json.loads((cap / "manifest.json").read_text())
+    assert manifest["hf_hidden_state_indices"] == [i + 1 for i in LAYERS]
+    (cap / "manifest.json").write_text(json.dumps({**manifest, "target_layer_ids": [0, 2, 4]}))
+    dm = OfflineDataModule(str(cap), target=tiny_target, target_layer_ids=[0, 2, 4],
+                           hidden_size=64, vocab_size=768, batch_size=4)
+    with pytest.raises(ValueError, match=r"cap/manifest.json: target_layer_ids=\[0, 2, 4\] "
+                                         r"and hf_hidden_state_indices=\[2, 4, 6\] disagree"):
+        dm.setup("fit")
 
 
 def test_online_batches_equal_offline_batches_from_a_capture(tiny_target, tmp_path):

@@ -29,7 +29,8 @@ def _samples(n: int, seed: int = 0) -> list[shards.CapturedSample]:
 
 def _capture_dir(tmp_path, counts=(3, 0, 2)):
     plan = {"target": {"vocab_size": 500, "config_hash": "c", "tokenizer_hash": "t"},
-            "target_layer_ids": [1, 2], "hidden_size": 6, "feature_dim": D,
+            "target_layer_ids": [1, 2], "hf_hidden_state_indices": [2, 3], "hidden_size": 6,
+            "feature_dim": D,
             "num_input_rows": 8, "num_shards": len(counts)}
     shards.write_plan(tmp_path, plan)
     written = []
@@ -82,6 +83,42 @@ def test_format_version_and_missing_manifest(tmp_path):
     path.write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(ValueError, match="format_version=99"):
         shards.ShardDataset(tmp_path)
+
+
+def _edit_manifest(tmp_path, **fields):
+    path = tmp_path / shards.MANIFEST_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}, indent=1))
+
+
+def test_a_manifest_whose_layer_conventions_disagree_is_refused(tmp_path):
+    """Issue 47: target_layer_ids edited (hf_hidden_state_indices left) trained without a word;
+    now refused naming the file, both fields and the fix, which works."""
+    _capture_dir(tmp_path)
+    _edit_manifest(tmp_path, target_layer_ids=[1, 3])
+    with pytest.raises(ValueError, match=r"manifest.json: target_layer_ids=\[1, 3\] and "
+                       r"hf_hidden_state_indices=\[2, 3\] disagree.*rerun dflash-capture"):
+        shards.ShardDataset(tmp_path)
+    shards.merge_manifest(tmp_path)  # what rerunning dflash-capture on the out_dir does
+    assert shards.ShardDataset(tmp_path).manifest["target_layer_ids"] == [1, 2]
+
+
+def test_an_edited_manifest_fails_its_own_checksum(tmp_path):
+    manifest, _ = _capture_dir(tmp_path)
+    assert manifest[shards.SEAL_KEY] == shards.read_manifest(tmp_path)[shards.SEAL_KEY]
+    _edit_manifest(tmp_path)  # re-indented only: still the same record
+    shards.ShardDataset(tmp_path)
+    _edit_manifest(tmp_path, hidden_dtype="float16")
+    with pytest.raises(ValueError, match=r"manifest.json: its fields no longer match its "
+                                         r"manifest_sha256 .*capture.out_dir="):
+        shards.ShardDataset(tmp_path)
+
+
+def test_a_manifest_from_before_the_seal_is_read_with_a_warning(tmp_path, caplog):
+    manifest, _ = _capture_dir(tmp_path)
+    manifest.pop(shards.SEAL_KEY)
+    (tmp_path / shards.MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert len(shards.ShardDataset(tmp_path)) == 5
+    assert "no manifest_sha256 (a capture from before manifests were sealed)" in caplog.text
 
 
 def test_truncated_and_corrupt_shards_name_the_file(tmp_path):

@@ -141,11 +141,16 @@ def test_cli_generate_with_zlab_serving_dir(tiny_target_dir, drafter, prompts_fi
     argv = ["dflash-eval", "target=hf", f"target.name_or_path={tiny_target_dir}",
             f"drafter.path={serving}",
             f"data.path={prompts_file}", f"output_dir={out}", "num_prompts=3",
-            "max_new_tokens=20", "block_size=4", "target.device=cpu", "progress=false"]
+            "max_new_tokens=20", "block_size=4", "target.device=cpu", "progress=false",
+            "threads=1"]
     monkeypatch.setattr(sys, "argv", argv)
     cli.main()
     report = json.loads((out / "report.json").read_text())
     assert all(key in report for key in ISSUE_FIELDS)
+    timing = report["timing"]  # issue 47: the thread count and the load, before and after
+    assert (timing["threads"], timing["threads_option"]) == (1, 1)
+    assert len(timing["load_average"]) == 2 and timing["order"].startswith("interleaved")
+    assert "- timing: 1 threads on" in (out / "report.md").read_text()
     assert report["lossless"] is True
     assert report["settings"]["block_size"] == 4
     assert report["settings"]["trained_block_size"] == 5

@@ -164,3 +164,64 @@ def test_generation_report_fields(tiny_target, drafter, proposer, prompts):
     base[0].output_ids = base[0].output_ids[:-1] + [base[0].output_ids[-1] + 1]
     report = generation_report(spec, base, prompts[:2], B, {"temperature": 0.0, "block_size": B})
     assert report["lossless"] is False and report["mismatched_prompts"] == [0]
+
+
+# ------------------------------------------------------------- issue 47: honest timing
+def test_baseline_and_speculative_runs_alternate_per_prompt(tiny_target, drafter, proposer,
+                                                           prompts, monkeypatch):
+    """Interleaved per prompt, and which runs first alternates, so neither side always gets
+    the warmer caches or the quieter moment; the outputs are unchanged (still lossless)."""
+    from dflash_lab.eval import evaluate
+
+    calls = []
+    for name in ("speculative_generate", "baseline_generate"):
+        real = getattr(evaluate, name)
+        monkeypatch.setattr(evaluate, name, lambda *a, _r=real, _n=name[:4], **k:
+                            calls.append(_n) or _r(*a, **k))
+    spec, base = evaluate.evaluate_prompts(tiny_target.model, proposer,
+                                           drafter.config.target_layer_ids, prompts,
+                                           DecodeSettings(12), progress=False)
+    assert calls == ["spec", "base", "base", "spec", "spec", "base"]
+    assert [s.output_ids for s in spec] == [b.output_ids for b in base]
+
+
+def test_the_thread_count_is_chosen_deliberately(monkeypatch):
+    """threads=auto is torch's default (physical cores or OMP_NUM_THREADS) capped at 4 and at
+    the idle CPUs (1 on a busy machine); an int is taken as it is; anything else is refused
+    naming the value."""
+    import os
+
+    from dflash_lab.eval.loop import MAX_AUTO_THREADS, TORCH_DEFAULT_THREADS, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        idle = min(TORCH_DEFAULT_THREADS, MAX_AUTO_THREADS, os.cpu_count())
+        assert set_threads("auto") == torch.get_num_threads() == idle
+        monkeypatch.setattr(os, "getloadavg", lambda: (os.cpu_count() + 2.0, 1.0, 1.0))
+        assert set_threads("auto") == 1
+        assert set_threads(3) == torch.get_num_threads() == 3
+        for bad in (0, "many", True, 1.5):
+            with pytest.raises(ValueError, match=f"threads={bad!r}: use auto or an int"):
+                set_threads(bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_loaded_machine_is_recorded_and_warned_about(monkeypatch):
+    """Issue 47: 2 busy cores made one eval 12x slower and changed its speedup without a word.
+    The load average before and after the timed loops is recorded; above the CPU count, a
+    warning says the timings are unreliable."""
+    import os
+
+    from dflash_lab.eval.loop import machine_load
+
+    cpus = os.cpu_count()
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.4, 0.3))
+    quiet = machine_load(machine_load({"threads": 2}))
+    assert quiet["load_average"] == [[0.5, 0.4, 0.3]] * 2 and "warning" not in quiet
+    assert (quiet["threads"], quiet["cpus"]) == (2, cpus)
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 3.0, 1.0, 1.0))
+    busy = machine_load(quiet)
+    assert busy["warning"].startswith(f"load average {cpus + 3.0} > {cpus} CPUs")
+    assert "unreliable" in busy["warning"]

@@ -290,6 +290,48 @@ def test_inspect_flags_seed_regression_on_our_gemma_export(tmp_path):
     assert inspect_dir(tmp_path / "out", "vllm").ok
 
 
+def _vllm_only_export(tmp_path: Path) -> Path:
+    """A draft-vocabulary drafter (50 of 300 tokens: SGLang drafts over the whole vocabulary,
+    so it cannot serve it) exported with --engine vllm."""
+    config = make_config("zlab_default", draft_vocab_size=50)
+    state, ids = random_state(config), torch.arange(50) * 2
+    state["d2t"], state["t2d"] = ids - torch.arange(50), torch.zeros(300, dtype=torch.bool)
+    state["t2d"][ids] = True
+    ckpt = write_checkpoint(tmp_path / "v.ckpt", config, state)
+    assert main([str(ckpt), str(tmp_path / "out"), "--engine", "vllm", "--dtype",
+                 "float32"]) == EXIT_OK
+    return tmp_path / "out"
+
+
+def test_inspect_judges_an_export_for_the_engines_it_was_made_for(tmp_path, capsys):
+    """Issue 47: a vLLM-only export said "NOT OK: 6 problems", exit 3. The engines are read
+    from its report; SGLang's findings are notes; --engine chooses."""
+    out = _vllm_only_export(tmp_path)
+    capsys.readouterr()
+    assert main(["--inspect", str(out)]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "judged for: vllm (the export was made for them (EXPORT_REPORT.md" in text
+    notes = text.split("Notes (engines it is not judged for, not problems):")[1]
+    assert "sglang==0.5.23 silently drops draft_vocab_size=50" in notes.split("Problems:")[0]
+    assert text.split("Problems:")[1].startswith("\n- none")
+    assert text.rstrip().endswith("OK: every rule set of vllm (the engines judged; the others: "
+                                  "Notes) runs the same drafter")
+    for engine in ("sglang", "both"):
+        assert main(["--inspect", str(out), "--engine", engine]) == EXIT_REFUSED
+        assert f"judged for: {'sglang' if engine == 'sglang' else 'vllm, sglang'} (chosen " \
+            "with --engine)" in capsys.readouterr().out
+    assert len(inspect_dir(out, "sglang").problems) == 6
+
+
+def test_inspect_without_a_record_of_the_engines_judges_both(tmp_path):
+    """Another tool's directory (or an older export without the report): every engine."""
+    out = _vllm_only_export(tmp_path)
+    (out / "EXPORT_REPORT.md").unlink()
+    result = inspect_dir(out, verify=False)
+    assert not result.ok and len(result.problems) == 6 and not result.notes
+    assert "judged for: vllm, sglang (no EXPORT_REPORT.md record" in result.text
+
+
 def test_inspect_compares_with_recorded_training_spec(tmp_path):
     export_drafter(source("zlab_default"), tmp_path / "out", dtype="float32")
     assert inspect_dir(tmp_path / "out").ok
