@@ -66,7 +66,12 @@ def export_tiny(out: Path, fmt: str = OURS, **fields: Any) -> tuple[Any, dict]:
     """A tiny random drafter (tests/doubles.py) exported to ``out`` in float32 as ``fmt``;
     its config and the tensors written (the file's names)."""
     config = tiny_drafter_config(**fields)
-    src = Source(config, random_state(config), "checkpoint", "test_owner_loaders")
+    state = random_state(config)
+    if config.has_draft_vocab:  # the first N target ids (docs/draft_vocab.md)
+        n = config.draft_vocab_size
+        state["d2t"] = torch.zeros(n, dtype=torch.int64)
+        state["t2d"] = torch.arange(config.vocab_size) < n
+    src = Source(config, state, "checkpoint", "test_owner_loaders")
     export_drafter(src, out, engine="vllm", dtype="float32", format=fmt, self_check=False)
     return config, load_file(str(out / "model.safetensors"))
 
@@ -135,10 +140,12 @@ reading = {"class": type(model).__name__,
 
 
 @NEEDS_SPEC
-def test_speculators_loads_our_dspark_export(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["full_vocab", "draft_vocab"])
+def test_speculators_loads_our_dspark_export(tmp_path, draft_vocab):
     """speculators 0.9.0's own loader (pydantic schema, registry, HF weight load) reads our
-    DSpark export as a DSparkDraftModel; it refused proposal_type 'dspark' before (issue 44)."""
-    config, ours = export_tiny(tmp_path / "export", **DSPARK)
+    DSpark export as a DSparkDraftModel; it refused proposal_type 'dspark' before (issue 44).
+    A draft vocabulary adds our lm_head, d2t and t2d, which it loads (no verifier head then)."""
+    config, ours = export_tiny(tmp_path / "export", **DSPARK, draft_vocab_size=draft_vocab)
     keys = ["block_size", "mask_token_id", "markov_rank", "markov_head_type", "sample_from_anchor",
             "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size",
             "aux_hidden_state_layer_ids"]
@@ -146,11 +153,12 @@ def test_speculators_loads_our_dspark_export(tmp_path):
                                          str(tmp_path / "export"), keys))
     assert reading == {
         "class": "DSparkDraftModel", **{k: getattr(config, k) for k in keys[:7]},
-        "draft_vocab_size": config.vocab_size,
+        "draft_vocab_size": draft_vocab or config.vocab_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "num_hidden_layers": config.num_hidden_layers, "proposal": "greedy",
         "speculative_tokens": config.num_draft_tokens}
-    assert_holds_ours(load_file(str(tmp_path / "theirs.safetensors")), ours, SPEC_VERIFIER_OWNED)
+    owner_filled = SPEC_VERIFIER_OWNED - (set(ours) if draft_vocab else set())
+    assert_holds_ours(load_file(str(tmp_path / "theirs.safetensors")), ours, owner_filled)
 
 
 def test_transformers_muse_glimmer_loads_our_muse_export(tmp_path):
