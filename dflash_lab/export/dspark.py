@@ -49,9 +49,7 @@ from dflash_lab.model.config import (
 )
 
 KIND = "dspark"  #: ``speculators_model_type``
-#: speculators 0.9.0's only proposal type (its pydantic schema refuses any other); vLLM reads
-#: only ``speculative_tokens`` of the first method
-PROPOSAL = "greedy"
+PROPOSAL = "greedy"  #: speculators 0.9.0's only proposal type (vLLM: speculative_tokens only)
 ARCHITECTURE = "Qwen3DSparkModel"
 ARCHITECTURES = (ARCHITECTURE, "Qwen3OmniDSparkModel")
 #: update_dspark copies these top-level keys into the draft's HF config when not null
