@@ -29,6 +29,8 @@ compute the pieces that run without one).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -176,11 +178,14 @@ def test_transformers_muse_glimmer_loads_our_muse_export(tmp_path):
     assert_holds_ours(model.state_dict(), ours, set())
 
 
-#: vLLM side: our export in ``args[0]`` (a case of scripts/vllm_<kind>_pieces.py, with the
-#: target's config.json), vLLM's config reading, its model class built on CPU, its loader
+#: vLLM side, run with ``-c`` from the repository root (scripts/; of dflash_lab only the
+#: standard-library paths.py): the case of scripts/vllm_<kind>_pieces.py in ``argv[1]`` (our
+#: export and the target's config.json), vLLM's config reading, its model class built on CPU,
+#: its own loader
 _VLLM_LOAD = """
+import json, sys
 from pathlib import Path
-sys.path.insert(0, args[2])  # scripts/ (of dflash_lab only the standard-library paths.py)
+args = sys.argv[1:]
 from safetensors.torch import load_file
 from scripts.vllm_pieces import build, load_check, vllm_config
 case, kind = Path(args[0]), args[1]
@@ -208,8 +213,11 @@ def test_vllm_loads_our_dspark_and_laguna_exports(tmp_path, kind, cls):
 
     pieces = {"dspark": vllm_dspark_pieces, "laguna": vllm_laguna_pieces}[kind]
     case = pieces.prepare_case(tmp_path / "case")
-    report = json.loads(run_peer_script(VLLM_PYTHON, _VLLM_LOAD, tmp_path, str(case), kind,
-                                        str(REPO_ROOT)).strip().splitlines()[-1])
+    done = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_LOAD, str(case), kind], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
     ours = load_file(str(case / "export" / "model.safetensors"))
     assert report["class"] == cls
     assert report["num_tensors"] == len(ours) > 0
