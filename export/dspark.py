@@ -49,6 +49,7 @@ from dflash_lab.model.config import (
 )
 
 KIND = "dspark"  #: ``speculators_model_type``
+PROPOSAL = "greedy"  #: speculators 0.9.0's only proposal type (vLLM: speculative_tokens only)
 ARCHITECTURE = "Qwen3DSparkModel"
 ARCHITECTURES = (ARCHITECTURE, "Qwen3OmniDSparkModel")
 #: update_dspark copies these top-level keys into the draft's HF config when not null
@@ -117,8 +118,8 @@ def serving_config(config: DrafterConfig, dtype: str,
         "target_hidden_size": config.target_hidden_size,  # fc: DFlashQwen3Model's rule
         "use_aux_hidden_state": True,
         "speculators_config": {
-            "algorithm": KIND, "default_proposal_method": KIND,
-            "proposal_methods": [{"proposal_type": KIND,
+            "algorithm": KIND, "default_proposal_method": PROPOSAL,
+            "proposal_methods": [{"proposal_type": PROPOSAL,
                                   "speculative_tokens": speculative_tokens(config)}],
             # the target is whatever `vllm serve` is given; vLLM only requires the key
             "verifier": {"name_or_path": None,
