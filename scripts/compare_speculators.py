@@ -1,6 +1,7 @@
 """Quality at equal budget (issues 20 and 27): our trainer against speculators 0.9.0's DFlash
 trainer on the SmolLM2 recipe's target and ShareGPT data, same captured batches, same optimizer
-steps, same drafter shape, both evaluated by dflash-eval (docs/results.md, "Side by side").
+steps, same drafter shape, both evaluated by dflash-eval (docs/experiments/vs_speculators_*.md;
+summary in docs/results.md).
 
 Run from the repository root as a module, knobs as ``key=value`` overrides of
 scripts/compare_speculators.yaml (every knob, its default and its choices are listed there)::
