@@ -1,4 +1,5 @@
-"""README.md stays true: every command it names parses and every link and image resolves.
+"""README.md stays true: every command it names parses and every link and image resolves; every
+docs page opens with what it is for and a command, cites no issue number in a heading, links true.
 
 A command is an inline code span or a line of a fenced block that starts with ``make``,
 ``dflash-*`` or ``python -m``; ``&&`` splits it. ``make`` targets must be Makefile targets;
@@ -146,3 +147,24 @@ def test_every_readme_link_and_image_resolves():
 def test_the_readme_stays_short():
     lines = README.read_text().count("\n")
     assert lines <= 150, f"README.md has {lines} lines; move detail to the docs/ page that owns it"
+
+
+DOCS_PAGES = sorted((REPO_ROOT / "docs").rglob("*.md"))
+
+
+@pytest.mark.parametrize("page", DOCS_PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_docs_page_says_what_it_is_for_and_links_true(page):
+    """Title + first paragraph name a command (in backticks); no heading cites an issue number
+    (say what the section is); every relative link resolves."""
+    text = page.read_text()
+    title, _, rest = text.partition("\n\n")
+    assert title.startswith("# ") and "`" in title + rest.split("\n\n", 1)[0], (
+        f"{page}: open with a line saying what the page is for and the one command a reader needs")
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    headings = re.findall(r"^#+ .*$", prose, flags=re.M)
+    cited = [h for h in headings if re.search(r"issue \d", h, re.I)]
+    assert not cited, f"{page}: headings cite issue numbers: {cited}"
+    broken = [link for link in re.findall(r"\]\(([^)\s#][^)\s]*)\)", prose)
+              if not link.startswith(("http://", "https://"))
+              and not (page.parent / link.split("#")[0]).exists()]
+    assert not broken, f"{page}: links that do not resolve: {broken}"
