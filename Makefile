@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 CONSTRAINT := -c constraints.txt
 
-.PHONY: venv dev demo test lint clean vllm-venv check-serving
+.PHONY: venv dev demo test test-slow test-all lint clean vllm-venv check-serving
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,17 @@ dev: $(VENV)/.dev-installed
 demo: venv
 	$(VENV)/bin/dflash-train recipe=tiny_cpu
 
+# make test: ruff and the fast suite (every test not marked slow; minutes on 2 cores).
+# make test-slow: only the slow ones (pytest's exit 5, "no test selected", is not a failure).
+# make test-all: everything. test + test-slow = test-all, each test once.
 test: dev
+	$(VENV)/bin/ruff check .
+	$(VPY) -m pytest -q -m "not slow"
+
+test-slow: dev
+	$(VPY) -m pytest -q -m slow || [ $$? -eq 5 ]
+
+test-all: dev
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q
 

@@ -4,8 +4,8 @@
 the ``archive`` stage of ``scripts/compare_speculators.py`` copies the small files its ``table``
 stage reads (each seed's learning-curve TSV and every arm's ``dflash-eval`` report.json at T = 0
 and T = 1, the plan, the held-out capture's manifest) into a committed folder
-(``docs/runs/<OUT's name>/``, the same relative paths as under OUT), and ``table`` reads a file
-from there when OUT does not hold it. Seeds measured on different machines are only combined
+(``results_archive/<OUT's name>/``, the same relative paths as under OUT), and ``table`` reads a
+file from there when OUT does not hold it. Seeds measured on different machines are only combined
 when they trained on the same batches: ``check-plans`` refuses plans whose steps differ.
 
     python -m benchmarks.run_archive save --out OUT --archive DIR --heldout CAPTURE FILE ...

@@ -1,6 +1,7 @@
 """Quality at equal budget (issues 20 and 27): our trainer against speculators 0.9.0's DFlash
 trainer on the SmolLM2 recipe's target and ShareGPT data, same captured batches, same optimizer
-steps, same drafter shape, both evaluated by dflash-eval (docs/results.md, "Side by side").
+steps, same drafter shape, both evaluated by dflash-eval (docs/experiments/vs_speculators_*.md;
+summary in docs/results.md).
 
 Run from the repository root as a module, knobs as ``key=value`` overrides of
 scripts/compare_speculators.yaml (every knob, its default and its choices are listed there)::
@@ -33,7 +34,7 @@ Stages (each skipped once done: ``OUT/done/STAGE``; delete it to redo one):
                  OUT/summary_W.md (+ .json) and the plot in plot_dir
   args / args_loss / paths: print our arms' dflash-train overrides / the directories and marks
 
-Names (the archives in docs/runs/ and docs/results.md depend on them): variant=dflash2 adds
+Names (the archives in results_archive/ and docs/experiments/ depend on them): variant=dflash2 adds
 _dflash2 (variant=dspark: _dspark) to every file, directory and stage mark; seed N > 0 appends
 _seedN; our_weighting=dpace names our side's stages and files _ours-dpace; W = their_weighting.
 Logs in OUT/logs/, times in OUT/times.tsv. Needs ``make prepare-smollm2`` first (target and data).
@@ -227,7 +228,7 @@ class Knobs:
         self.regen = cfg.regen
         self.capture = f"outputs/capture/smollm2_sharegpt{psuf}_n{cfg.num_conversations}{self.dsuf}"
         self.heldout = f"outputs/capture/smollm2_sharegpt_heldout_n{cfg.num_heldout}{self.dsuf}"
-        self.archive = cfg.archive or f"docs/runs/{Path(self.out).name}"
+        self.archive = cfg.archive or f"results_archive/{Path(self.out).name}"
         self.tw = f"{self.vsuf}_{self.their_weighting}"
         self.plan = f"{self.out}/plan{self.vsuf}.json"
         self.title = (f"SmolLM2-135M + ShareGPT{' (on-policy)' if psuf else ''}, {title_variant}"
