@@ -126,10 +126,15 @@ def _capture(cfg: DictConfig) -> dict[str, Any] | None:
     return manifest
 
 
+#: what a capture stopped by a full disk keeps (docs/guarantees.md, "A full disk")
+KEPT = ("the finished shards (a half-written one is removed); the rerun with the same settings "
+        "writes only the missing ones")
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="capture", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
-    with user_errors():
+    with user_errors(KEPT):
         capture(cfg)
 
 

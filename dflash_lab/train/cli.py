@@ -50,9 +50,14 @@ def _trainer_source() -> str:
     return f"conf/trainer/{choice}.yaml and the command line" if choice else "the command line"
 
 
+#: what a run stopped by a full disk keeps (docs/guarantees.md, "A full disk")
+KEPT = ("the checkpoints saved before it (last.ckpt whole: a half-written one is removed); the "
+        "rerun resumes from last.ckpt (ckpt_path=auto)")
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(KEPT):
         check_launch(cfg, _trainer_source())
         from dflash_lab.train.run import train
 

@@ -16,3 +16,103 @@ def test_inspect_of_a_config_that_is_no_drafter_config_is_one_line(tmp_path, cap
     assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
     assert f"{tmp_path / 'config.json'} is not a drafter config" in err
     assert "num_hidden_layers" in err  # what a drafter config needs
+
+
+# ------------------------------------------------- an output location that cannot be written
+# Tests run as root, where chmod 0o555 does not stop a write: a path under a regular file
+# (ENOTDIR) fails for root too, and a patched lock file creation stands in for EACCES / EROFS.
+COMMANDS = [
+    ("dflash_lab.train.run:train", "paths.output_dir"),
+    ("dflash_lab.capture:capture", "capture.out_dir"),
+    ("dflash_lab.eval.cli:evaluate", "output_dir"),
+    ("dflash_lab.regenerate:regenerate", "regenerate.settings.out_dir"),
+]
+
+
+def _run_command(entry: str, key: str, out, capsys) -> str:
+    """Run the command's body on a config holding only its output directory (the lock comes
+    first: tests/tools/test_writer_lock.py), as its entry point does; its stderr."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from dflash_lab.errors import USER_ERROR_EXIT, user_errors
+
+    module, name = entry.split(":")
+    cfg = OmegaConf.create()
+    OmegaConf.update(cfg, key, str(out), force_add=True)
+    with pytest.raises(SystemExit) as done, user_errors():
+        getattr(importlib.import_module(module), name)(cfg)
+    assert done.value.code == USER_ERROR_EXIT
+    return capsys.readouterr().err
+
+
+def _permission_denied(monkeypatch):
+    import errno
+
+    from dflash_lab import writer_lock
+
+    def denied(path, record):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(writer_lock, "_create", denied)
+
+
+@pytest.mark.parametrize(("entry", "key"), COMMANDS)
+@pytest.mark.parametrize("fault", ["under a file", "permission denied"])
+def test_an_output_location_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch,
+                                                               entry, key, fault):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    (tmp_path / "file.txt").write_text("a file, not a folder")
+    out = tmp_path / "file.txt" / "sub" if fault == "under a file" else tmp_path / "new" / "run"
+    if fault == "permission denied":
+        _permission_denied(monkeypatch)
+    err = _run_command(entry, key, out, capsys)
+    assert err.startswith(f"error: {key}={out} cannot be written: ")
+    assert "choose a" in err and err.count("error:") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # no folder left behind
+
+
+def _exportable(tmp_path):
+    from tests.export_doubles import make_config, random_state, write_checkpoint
+
+    config = make_config("zlab_default")
+    return write_checkpoint(tmp_path / "src" / "last.ckpt", config, random_state(config))
+
+
+@pytest.mark.parametrize("fault", ["under a file", "permission denied"])
+def test_an_export_out_dir_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch,
+                                                              fault):
+    ckpt = _exportable(tmp_path)
+    (tmp_path / "file.txt").write_text("a file, not a folder")
+    out = tmp_path / "file.txt" / "sub" if fault == "under a file" else tmp_path / "new" / "out"
+    if fault == "permission denied":
+        _permission_denied(monkeypatch)
+    assert export([str(ckpt), str(out), "--engine", "vllm", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dflash-export: error: OUT_DIR={out} cannot be written: ")
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "src"]
+
+
+# --------------------------------------------------------------------------- a full disk
+def test_a_full_disk_during_an_export_is_named_and_keeps_out_dir(tmp_path, capsys,
+                                                                 monkeypatch):
+    from safetensors import SafetensorError
+
+    import dflash_lab.export.weights as weights
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                              'StorageFull, message: "No space left on device" })')
+
+    ckpt = _exportable(tmp_path)
+    monkeypatch.setattr(weights, "save_file", disk_full)
+    assert export([str(ckpt), str(tmp_path / "out"), "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-export: error: disk full: ")
+    assert "kept: OUT_DIR as it was" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no temp dir, no lock
+    monkeypatch.undo()
+    assert export([str(ckpt), str(tmp_path / "out"), "--engine", "vllm"]) == 0
