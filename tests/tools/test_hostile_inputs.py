@@ -116,3 +116,61 @@ def test_a_full_disk_during_an_export_is_named_and_keeps_out_dir(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no temp dir, no lock
     monkeypatch.undo()
     assert export([str(ckpt), str(tmp_path / "out"), "--engine", "vllm"]) == 0
+
+
+# ------------------------------------------------------------- unknown keys in a config group
+def _compose(config: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dflash_lab.paths import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config, overrides=overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data=offline", "data.path=CAP"],  # the recipe's online-data keys under data=offline
+     r"data.demo_rows: data \(dflash_lab.data.module.OfflineDataModule\) takes no key "
+     r"'demo_rows' \(nor \['max_length'\]\)"),
+    (["+data.limt=64"], "data.limt: .* did you mean data.limit\\?"),
+    (["+trainer.max_epoch=3"], "trainer.max_epochs\\?"),
+    (["+module.optimizer.learning_rate=0.1"], "module.optimizer.learning_rate: .*'lr'"),
+    (["+callbacks.checkpoint.save_lst=true"], "did you mean callbacks.checkpoint.save_last\\?"),
+])
+def test_an_unknown_key_in_any_group_is_refused_before_anything_is_built(
+        tmp_path, monkeypatch, overrides, message):
+    import dflash_lab.targets.loader as loader
+    from dflash_lab.train.run import train
+
+    monkeypatch.setattr(loader, "load_target", lambda *a, **k: pytest.fail("target loaded"))
+    cfg = _compose("train", ["recipe=tiny_cpu", "logger=none", *overrides,
+                             f"paths.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _every_option() -> list[tuple[str, list[str]]]:
+    """Every shipped command config, recipe and group option, as composed."""
+    from dflash_lab.paths import CONF_DIR
+
+    cases = [(name, []) for name in ("train", "capture", "eval", "regenerate")]
+    options = {"recipe": "recipe", "data": "data", "drafter": "drafter", "module": "module",
+               "module/optimizer": "module/optimizer", "trainer": "trainer",
+               "logger": "logger", "target": "target", "eval_data@data": "eval_data"}
+    for group, folder in options.items():
+        config = "eval" if folder == "eval_data" else "train"
+        cases += [(config, [f"{group}={o.stem}"])
+                  for o in sorted((CONF_DIR / folder).glob("*.yaml"))]
+    return cases
+
+
+def test_every_shipped_config_passes_the_key_check():
+    """The check refuses nothing a shipped recipe or group option sets (and so cannot be a
+    hand list that went stale): each composes and passes."""
+    from dflash_lab.entry import check_group_keys
+
+    for config, overrides in _every_option():
+        check_group_keys(_compose(config, overrides))
