@@ -21,6 +21,21 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.errors import RENAMED_KEYS, renamed_key_error
+from dflash_lab.paths import CONF_DIR
+
+
+def check_recipe(overrides: list[str]) -> None:
+    """Refuse ``recipe=NAME`` that names no recipe, in one line with the nearest one (Hydra's
+    own message spans many lines and exits 1)."""
+    recipes = CONF_DIR / "recipe"
+    for arg in overrides:
+        name = arg.partition("=")[2] if arg.startswith("recipe=") else None
+        if name and name != "null" and not (recipes / f"{name}.yaml").is_file():
+            known = sorted(p.stem for p in recipes.glob("*.yaml"))
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean recipe={near[0]}? " if near else ""
+            raise ValueError(f"recipe={name}: there is no {recipes / name}.yaml; {hint}the "
+                             f"recipes: {known}")
 
 
 def check_renamed_keys(overrides: list[str]) -> None:

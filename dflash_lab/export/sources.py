@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -113,6 +114,12 @@ def load_checkpoint(path: Path) -> Source:
 
     if problem := checksum_problem(Path(path)):
         raise ValueError(f"{path}: {problem}; export another checkpoint of the run")
+    if not zipfile.is_zipfile(path):  # what torch.save writes (a config.yaml, a log, ...)
+        run = Path(path).parent
+        hint = (f"the run directory {run} (its best checkpoint)" if (run / "checkpoints").is_dir()
+                else "a training run directory (it holds checkpoints/)")
+        raise ValueError(f"{path} is a file but not a checkpoint (torch.save writes a zip "
+                         f"archive): pass a .ckpt file, {hint}, or a serving directory")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:

@@ -13,7 +13,7 @@ from collections.abc import MutableMapping
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab.entry import check_renamed_keys
+from dflash_lab.entry import check_recipe, check_renamed_keys
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 
@@ -67,6 +67,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point (``dflash-train``)."""
     with user_errors():
+        check_recipe(sys.argv[1:])
         check_renamed_keys(sys.argv[1:])
     _hydra_main()
 

@@ -174,3 +174,54 @@ def test_every_shipped_config_passes_the_key_check():
 
     for config, overrides in _every_option():
         check_group_keys(_compose(config, overrides))
+
+
+# ------------------------------------------------------------------------------ smaller cases
+def test_a_drafter_path_to_a_run_config_yaml_names_the_run_directory(tmp_path):
+    from dflash_lab.eval.loading import load_drafter
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(ValueError, match="is a file but not a checkpoint") as err:
+        load_drafter(run / "config.yaml")
+    assert f"the run directory {run}" in str(err.value) and "weights_only" not in str(err.value)
+
+
+def test_a_data_path_that_is_a_directory_says_so(tmp_path):
+    from dflash_lab.data.conversations import load_conversations
+    from dflash_lab.eval.prompts import load_rows
+
+    with pytest.raises(ValueError, match="is a directory; pass one .jsonl/.json/.parquet file"):
+        load_conversations(str(tmp_path))
+    with pytest.raises(ValueError, match=r"data.path=.* is a directory; pass a .jsonl"):
+        load_rows(str(tmp_path))
+
+
+def test_a_bad_recipe_exits_2_in_dflash_train(capsys, monkeypatch):
+    from dflash_lab.train import cli
+
+    monkeypatch.setattr("sys.argv", ["dflash-train", "recipe=tiny_cpy"])
+    monkeypatch.setattr(cli, "_hydra_main", lambda: pytest.fail("composed"))
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("error: recipe=tiny_cpy: there is no ")
+    assert "did you mean recipe=tiny_cpu?" in err and err.count("\n") == 2  # + the debug hint
+
+
+def test_a_refused_dflash_eval_leaves_no_output_folder(tmp_path):
+    """Hydra made ``output_dir`` (its run dir) before any check: a refusal left it empty."""
+    import os
+    import subprocess
+    import sys
+
+    from dflash_lab.paths import REPO_ROOT
+
+    out = tmp_path / "eval"
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "DFLASH_DEBUG")}
+    done = subprocess.run([sys.executable, "-c", "from dflash_lab.commands import evaluate; "
+                           "evaluate()", "mode=nonsense", f"output_dir={out}", "logger=none"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: mode='nonsense'" in done.stderr and not out.exists()

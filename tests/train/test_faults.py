@@ -472,6 +472,7 @@ def test_a_user_error_exits_2_with_one_line_and_no_traceback(tiny_target_dir, tm
     assert done.returncode == 2, done.stderr[-2000:]
     assert "error: module.num_anchors=0: must be >= 1" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "run").exists()  # Hydra no longer makes paths.output_dir first
     debug = subprocess.run(args, cwd=REPO_ROOT, env={**env, "DFLASH_DEBUG": "1"},
                            capture_output=True, text=True, timeout=300)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
