@@ -25,9 +25,11 @@ from dflash_lab.paths import CONF_DIR
 
 
 def check_recipe(overrides: list[str]) -> None:
-    """Refuse ``recipe=NAME`` that names no recipe, in one line with the nearest one (Hydra's
-    own message spans many lines and exits 1)."""
+    """Refuse ``recipe=NAME`` that names no recipe in conf/recipe/, in one line with the
+    nearest one (Hydra's own message spans many lines and exits 1)."""
     recipes = CONF_DIR / "recipe"
+    if any(a.startswith("hydra.searchpath") for a in overrides):
+        return  # Hydra may find the recipe in another config folder
     for arg in overrides:
         name = arg.partition("=")[2] if arg.startswith("recipe=") else None
         if name and name != "null" and not (recipes / f"{name}.yaml").is_file():
