@@ -28,7 +28,7 @@ from dflash_lab.data.capture_server import (
     make_server_settings,
     open_capture_server,
 )
-from dflash_lab.entry import check_renamed_keys, log_final, make_logger
+from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.model.config import resolve_target_layer_ids
 from dflash_lab.paths import CONF_DIR
@@ -86,6 +86,7 @@ def _settings(cfg: DictConfig, target) -> CaptureSettings:
 def capture(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's part of the capture; returns the manifest once all shards exist.
     One capture writes an output directory at a time (:func:`writer_lock`, rank 0)."""
+    check_group_keys(cfg)
     with writer_lock(cfg.capture.out_dir, what="capture.out_dir"):
         return _capture(cfg)
 
@@ -126,10 +127,15 @@ def _capture(cfg: DictConfig) -> dict[str, Any] | None:
     return manifest
 
 
+#: what a capture stopped by a full disk keeps (docs/guarantees.md, "A full disk")
+KEPT = ("the finished shards (a half-written one is removed); the rerun with the same settings "
+        "writes only the missing ones")
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="capture", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
-    with user_errors():
+    with user_errors(KEPT):
         capture(cfg)
 
 

@@ -6,16 +6,38 @@
   does (tables, images, finishing the run) is :class:`dflash_lab.train.callbacks.WandbRun`'s.
 - Renamed keys: one concept has one name in every command; the former names are refused
   before Hydra with the new one (:func:`check_renamed_keys`).
+- Unknown keys: a key no ``_target_`` takes (a recipe's ``data.demo_rows`` under
+  ``data=offline``, ``+data.limit=64``) is refused at start-up, before anything is built
+  (:func:`check_group_keys`), not by the constructor's TypeError once the target has loaded.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.errors import RENAMED_KEYS, renamed_key_error
+from dflash_lab.paths import CONF_DIR
+
+
+def check_recipe(overrides: list[str]) -> None:
+    """Refuse ``recipe=NAME`` that names no recipe in conf/recipe/, in one line with the
+    nearest one (Hydra's own message spans many lines and exits 1)."""
+    recipes = CONF_DIR / "recipe"
+    if any(a.startswith("hydra.searchpath") for a in overrides):
+        return  # Hydra may find the recipe in another config folder
+    for arg in overrides:
+        name = arg.partition("=")[2] if arg.startswith("recipe=") else None
+        if name and name != "null" and not (recipes / f"{name}.yaml").is_file():
+            known = sorted(p.stem for p in recipes.glob("*.yaml"))
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean recipe={near[0]}? " if near else ""
+            raise ValueError(f"recipe={name}: there is no {recipes / name}.yaml; {hint}the "
+                             f"recipes: {known}")
 
 
 def check_renamed_keys(overrides: list[str]) -> None:
@@ -25,6 +47,69 @@ def check_renamed_keys(overrides: list[str]) -> None:
         key = arg.lstrip("+~").split("=", 1)[0]
         if key in RENAMED_KEYS:
             raise renamed_key_error(key, f"command line: {arg}")
+
+
+#: keys Hydra's ``instantiate`` reads itself
+_HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def accepted_keys(target: str) -> frozenset[str] | None:
+    """The keyword arguments the ``_target_`` ``target`` takes, from its signature; a class's
+    ``**kwargs`` is followed into its bases' ``__init__`` (a data module hands them to
+    BlockDataModule). None when a ``**kwargs`` goes elsewhere (a function's: it checks them
+    itself, as build_drafter's DrafterConfig does) or ``target`` is not found (instantiate
+    names it)."""
+    try:
+        obj = get_object(target)
+    except Exception:
+        return None
+    inits = ([vars(c)["__init__"] for c in inspect.getmro(obj) if "__init__" in vars(c)]
+             if inspect.isclass(obj) else [obj])
+    names: set[str] = set()
+    for fn in inits:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            return None
+        names |= {p.name for p in params if p.kind in _NAMED}
+        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+            return frozenset(names - {"self"})
+    return None
+
+
+def _unknown_key(where: str, keys: list[str], target: str, valid: frozenset[str]
+                 ) -> ValueError:
+    key, more = keys[0], f" (nor {keys[1:]})" if len(keys) > 1 else ""
+    near = difflib.get_close_matches(key, sorted(valid), n=1)
+    hint = f"did you mean {where}.{near[0]}? " if near else ""
+    return ValueError(f"{where}.{key}: {where} ({target}) takes no key '{key}'{more} (set by the "
+                      f"recipe, the group's yaml or the command line); {hint}the keys it takes: "
+                      f"{sorted(valid)}. Fix its spelling, or remove it (a recipe's key: "
+                      f"~{where}.{key} on the command line)")
+
+
+def _check_node(node: Any, where: str) -> None:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_node(item, f"{where}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    target = node.get("_target_")
+    valid = accepted_keys(target) if isinstance(target, str) else None
+    unknown = [str(k) for k in node if k not in (valid or ()) and k not in _HYDRA_KEYS]
+    if valid is not None and unknown:
+        raise _unknown_key(where, unknown, target, valid)
+    for key, value in node.items():
+        _check_node(value, f"{where}.{key}" if where else str(key))
+
+
+def check_group_keys(cfg: DictConfig) -> None:
+    """Refuse a key that no ``_target_`` of ``cfg`` takes (every group: data, module, trainer,
+    callbacks, target, logger, ...), naming it, the nearest valid key and those it takes, before
+    anything is built."""
+    _check_node(OmegaConf.to_container(cfg, resolve=False), "")
 
 
 def make_logger(logger_cfg: DictConfig):

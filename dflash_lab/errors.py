@@ -8,7 +8,9 @@ traceback). Hydra catches exceptions, not ``SystemExit``, so the exit passes thr
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,14 +30,52 @@ def debugging() -> bool:
                                                                  "HYDRA_FULL_ERROR"))
 
 
-def reported(err: BaseException) -> Exception | None:
+#: errno values of a write the output location cannot take: a full disk (or quota) ...
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: ... and a location that cannot be written (permissions, a read-only mount, a file where a
+#: folder should be)
+UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR})
+#: what a failed write keeps, when the entry point does not say (:func:`user_errors`)
+KEPT_DEFAULT = "every file finished before it (a half-written one is removed)"
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The OSError behind ``err``: itself, or a safetensors write's (its SafetensorError
+    carries the errno only in its text, ``Os { code: 28, ... }``)."""
+    if isinstance(err, OSError):
+        return err
+    code = re.search(r"Os \{ code: (\d+)", str(err))
+    if type(err).__name__ == "SafetensorError" and code:
+        return OSError(int(code[1]), os.strerror(int(code[1])))
+    return None
+
+
+def output_error(err: BaseException, kept: str = KEPT_DEFAULT) -> UserError | None:
+    """A full disk or a location that cannot be written, as one line naming the file, what
+    was kept and the fix; None for any other error."""
+    os_err = os_error_of(err)
+    if os_err is None or os_err.errno not in DISK_FULL | UNWRITABLE:
+        return None
+    where = os_err.filename or "an output file"
+    if os_err.errno in DISK_FULL:
+        return UserError(f"disk full: writing {where} failed ({os_err.strerror}); kept: {kept}. "
+                         "Free some space (or choose another output location) and rerun the "
+                         "same command")
+    return UserError(f"{where}: {os_err.strerror}; choose a location this user can write or "
+                     "fix its permissions")
+
+
+def reported(err: BaseException, kept: str = KEPT_DEFAULT) -> Exception | None:
     """The user error behind ``err``: a ValueError or a :class:`UserError` itself (e.g. a
     ServerError: a server unreachable or refusing, its message naming the URL and the fix), or
     the ValueError Hydra's ``instantiate`` wrapped in an InstantiationException (a
-    ``target.*`` value refused while the target is built); None for anything else (a bug: its
-    traceback is shown)."""
+    ``target.*`` value refused while the target is built), or a full disk or unwritable
+    location (:func:`output_error`, ``kept``: what the command keeps); None for anything else (a
+    bug: its traceback is shown)."""
     if isinstance(err, (ValueError, UserError)):
         return err
+    if (output := output_error(err, kept)) is not None:
+        return output
     try:
         from hydra.errors import InstantiationException
     except ImportError:  # the exporter runs without Hydra
@@ -46,13 +86,13 @@ def reported(err: BaseException) -> Exception | None:
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
+def user_errors(kept: str = KEPT_DEFAULT) -> Iterator[None]:
     """Turn a user error (:func:`reported`) into ``error: ...`` on stderr and exit 2 (unless
-    :func:`debugging`)."""
+    :func:`debugging`); ``kept``: what a failed write leaves, for a full disk's message."""
     try:
         yield
     except Exception as err:
-        user = reported(err)
+        user = reported(err, kept)
         if user is None or debugging():
             raise
         print(f"error: {user}\n(DFLASH_DEBUG=1 shows the traceback)", file=sys.stderr)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import rank_and_world
 from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings, run_regenerate
-from dflash_lab.entry import check_renamed_keys, log_final, make_logger
+from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
@@ -35,6 +35,7 @@ log = logging.getLogger("dflash_lab.regenerate")
 def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     """Run this process's parts; returns the manifest once every part exists. One
     regeneration writes an output directory at a time (:func:`writer_lock`, rank 0)."""
+    check_group_keys(cfg)
     settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
     with writer_lock(settings.out_dir, what="regenerate.settings.out_dir"):
         return _regenerate(cfg, settings)

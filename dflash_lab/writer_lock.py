@@ -211,7 +211,15 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
     record = _record(directory, command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                      lease_s)
     made = _missing_dirs(path.parent)
-    acquire(directory, path, record, what)
+    try:
+        acquire(directory, path, record, what)
+    except BaseException as err:
+        _remove_if_empty(made)  # a refusal leaves no folder behind
+        if isinstance(err, OSError):
+            raise ValueError(f"{what}={directory} cannot be written: {err.strerror} "
+                             f"({err.filename}); choose a {what} this user can write, or fix "
+                             "its permissions") from err
+        raise
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(path, record["token"], lease_s / 5, stop),
                             daemon=True)

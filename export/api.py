@@ -298,7 +298,6 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                                      target_architecture=arch, raw=raw)
     if refusals(findings):
         raise ExportRefused(findings)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     with writer_lock(out_dir, what="OUT_DIR", beside=True, command=command):
         for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
             remove_path(stale)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash_lab.errors import debugging, output_error
 from dflash_lab.export.api import (
     OK,
     UNCHECKED,
@@ -163,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SELF_CHECK
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"dflash-export: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as err:  # a full disk, an OUT_DIR that cannot be written
+        output = output_error(err, "OUT_DIR as it was (an export appears whole or not at all)")
+        if output is None or debugging():
+            raise
+        print(f"dflash-export: error: {output}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -89,6 +90,12 @@ def load_checkpoint(path: Path) -> Source:
 
     if problem := checksum_problem(Path(path)):
         raise ValueError(f"{path}: {problem}; export another checkpoint of the run")
+    if not zipfile.is_zipfile(path):  # what torch.save writes (a config.yaml, a log, ...)
+        run = Path(path).parent
+        hint = (f"the run directory {run} (its best checkpoint)" if (run / "checkpoints").is_dir()
+                else "a training run directory (it holds checkpoints/)")
+        raise ValueError(f"{path} is a file but not a checkpoint (torch.save writes a zip "
+                         f"archive): pass a .ckpt file, {hint}, or a serving directory")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -157,11 +164,21 @@ def artifacts_of(path: Path) -> Artifacts:
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
+    """DIR/config.json as a dict, refused in one line when it is no drafter config: a JSON
+    object with at least ``num_hidden_layers`` (every engine's reader starts from it)."""
     file = path / CONFIG_FILE
     try:
-        return json.loads(file.read_text())
+        d = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{file}: cannot read the drafter config ({err})") from err
+    if not isinstance(d, dict) or "num_hidden_layers" not in d:
+        got = (f"a JSON object without num_hidden_layers (keys: {sorted(d)[:8]})"
+               if isinstance(d, dict) else f"a JSON {type(d).__name__}, not an object")
+        raise ValueError(f"{file} is not a drafter config: it holds {got}; a drafter config "
+                         "is the config.json of a serving directory (dflash-export OUT_DIR), "
+                         "a JSON object with hidden_size, num_hidden_layers, "
+                         "num_attention_heads, vocab_size and dflash_config")
+    return d
 
 
 def config_from_reading(base: DrafterConfig, reading: EngineReading,

@@ -38,6 +38,10 @@ def load_conversations(path: str, *, split: str = "train", limit: int | None = N
 
     local = Path(path) if _looks_local(path) else None
     if local is not None:
+        if local.is_dir():
+            raise ValueError(f"data file {path!r} is a directory; pass one .jsonl/.json/.parquet "
+                             "file of conversations in it (or a hub dataset id); a capture "
+                             "directory is read by data=offline data.path=DIR")
         if not local.is_file():
             raise ValueError(f"data file {path!r} does not exist; pass a local .jsonl/.json/"
                              ".parquet file or a hub dataset id")

@@ -15,7 +15,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from dflash_lab.entry import check_renamed_keys, log_final, make_logger
+from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
@@ -99,6 +99,7 @@ def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation from a composed config; writes everything into ``cfg.output_dir``
     (one evaluation at a time: :func:`writer_lock`)."""
+    check_group_keys(cfg)
     with writer_lock(cfg.output_dir, what="output_dir"):
         return _evaluate(cfg)
 

@@ -90,8 +90,9 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
     if _is_local(path):
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"{name} does not exist; pass a .jsonl/.json/.parquet "
-                             f"file, '{HUMAN_EVAL}', or a hub dataset id")
+            what = "is a directory" if p.is_dir() else "does not exist"
+            raise ValueError(f"{name} {what}; pass a .jsonl/.json/.parquet file of prompts, "
+                             f"'{HUMAN_EVAL}', or a hub dataset id")
         if p.suffix not in LOCAL_BUILDERS:
             raise ValueError(f"{name}: unknown format {p.suffix!r}; use one of "
                              f"{sorted(LOCAL_BUILDERS)}")

@@ -1,7 +1,8 @@
 """The training run's callbacks: checkpointing that also records the best checkpoint where the
 exporter looks for it; the target's identity in every checkpoint; and wandb's part of a run.
 
-Every checkpoint is written atomically (temporary file in the same directory, fsync, rename)
+Every checkpoint is written atomically (temporary file in the same directory, fsync, rename;
+never staged in the system temp folder)
 with a ``<name>.sha256`` sidecar; the previous ``last.ckpt`` is kept as ``last.prev.ckpt``, so a
 full disk or a kill mid-write never leaves a resume point that cannot be read
 (:func:`dflash_lab.train.resume.resume_checkpoint` checks and falls back). Paths in the
@@ -23,6 +24,7 @@ from typing import Any
 from weakref import proxy
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
@@ -32,6 +34,27 @@ from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_che
 BEST_FILE = "best.json"
 TARGET_KEY = "dflash_target"  #: checkpoint key of the target identity (config/tokenizer/weights)
 _PATH_KEYS = ("best_model_path", "kth_best_model_path", "last_model_path")
+
+
+def write_checkpoint_file(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """``torch.save`` straight into ``path``: the temporary file beside the checkpoint that
+    :func:`~dflash_lab.train.resume.finish_checkpoint` fsyncs and renames."""
+    with open(path, "wb") as f:
+        torch.save(checkpoint, f)
+
+
+class BesideCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer without its staging: ``_atomic_save`` writes through an
+    fsspec transaction, a file in the system temp folder copied over at the end (a small
+    ``$TMPDIR`` fails a large checkpoint, and the copy crosses filesystems), after a second copy
+    of the checkpoint in memory. :class:`DFlashCheckpoint` already writes a temporary file
+    beside its target, so this writes that file directly."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_checkpoint_file(checkpoint, path)
 
 
 class DFlashCheckpoint(ModelCheckpoint):
@@ -69,6 +92,13 @@ class DFlashCheckpoint(ModelCheckpoint):
             return path
         rel = os.path.relpath(path, old_dir)
         return path if rel.startswith("..") else os.path.join(self.dirpath, rel)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Write checkpoints with :class:`BesideCheckpointIO` (unless the strategy brings a
+        writer of its own, e.g. an asynchronous or sharded one)."""
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = BesideCheckpointIO()
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         """Lightning's save, but atomic: write ``.<name>.tmp`` beside ``filepath`` (one name

@@ -13,7 +13,7 @@ from collections.abc import MutableMapping
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_lab.entry import check_renamed_keys
+from dflash_lab.entry import check_recipe, check_renamed_keys
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 
@@ -50,9 +50,14 @@ def _trainer_source() -> str:
     return f"conf/trainer/{choice}.yaml and the command line" if choice else "the command line"
 
 
+#: what a run stopped by a full disk keeps (docs/guarantees.md, "A full disk")
+KEPT = ("the checkpoints saved before it (last.ckpt whole: a half-written one is removed); the "
+        "rerun resumes from last.ckpt (ckpt_path=auto)")
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(KEPT):
         check_launch(cfg, _trainer_source())
         from dflash_lab.train.run import train
 
@@ -62,6 +67,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point (``dflash-train``)."""
     with user_errors():
+        check_recipe(sys.argv[1:])
         check_renamed_keys(sys.argv[1:])
     _hydra_main()
 

@@ -14,6 +14,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lab.entry import check_group_keys
 from dflash_lab.runinfo import latest_config, record_paths, write_run_info
 from dflash_lab.train.callbacks import RecordTarget, RunEndCallback
 from dflash_lab.train.checks import check_loss_data, check_train_config, data_class
@@ -152,6 +153,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     (config.yaml / run_info.json, or config.N.yaml on a resume): a refused run leaves the
     directory as it was. One run writes a run directory at a time (:func:`writer_lock`, the
     global rank 0): a second ``dflash-train`` into it stops here naming the first."""
+    check_group_keys(cfg)
     with writer_lock(cfg.paths.output_dir, what="paths.output_dir"):
         return _train(cfg)
 

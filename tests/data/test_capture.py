@@ -80,6 +80,37 @@ def test_resume_after_a_crash_gives_identical_shards(tiny_target, clean_capture,
     assert (tmp_path / shards.shard_file(0)).stat().st_mtime_ns == done_before  # skipped
 
 
+def test_a_full_disk_is_named_with_what_was_kept_and_the_rerun_resumes(
+        tiny_target, clean_capture, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as a SafetensorError (no OSError): dflash-capture names
+    it, keeps the finished shards, and the rerun gives the clean capture's shards."""
+    from safetensors import SafetensorError
+
+    from dflash_lab.capture import KEPT
+    from dflash_lab.errors import user_errors
+
+    real_save, calls = shards.save_file, []
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        calls.append(filename)
+        if len(calls) == 3:
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                                  'StorageFull, message: "No space left on device" })')
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    monkeypatch.setattr(shards, "save_file", disk_full)
+    with pytest.raises(SystemExit) as done, user_errors(KEPT):
+        run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("error: disk full: ")
+    assert f"kept: {KEPT}" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*.tmp-*"))  # no half-written shard
+    monkeypatch.setattr(shards, "save_file", real_save)
+    manifest = run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
+    assert _checksums(manifest) == _checksums(clean_capture[1])
+
+
 def test_a_corrupt_shard_is_rewritten_on_rerun(tiny_target, clean_capture, tmp_path):
     run_capture(tiny_target, ROWS, _settings(tmp_path), SOURCE, progress=False)
     path = tmp_path / shards.shard_file(1)

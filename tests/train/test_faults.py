@@ -237,19 +237,20 @@ def test_a_moved_run_directory_resumes_where_it_is_now(tiny_target_dir, tmp_path
 
 # ------------------------------------------------------------------- item 5: a full disk
 def test_a_full_disk_during_a_save_keeps_the_resume_point(trained_run, tiny_target_dir,
-                                                          tmp_path, monkeypatch):
+                                                          tmp_path, monkeypatch, capsys):
     """The writer fails half way through last.ckpt (what a full disk does to a copy from
     $TMPDIR): the old last.ckpt is intact, no temporary file is left, and the rerun resumes."""
     import errno
 
-    import lightning.fabric.plugins.io.torch_io as torch_io
-
+    import dflash_lab.train.callbacks as callbacks
+    from dflash_lab.errors import user_errors
+    from dflash_lab.train.cli import KEPT
     from dflash_lab.train.run import train
 
     run = _copy(trained_run, tmp_path / "run")
     last = run / "checkpoints/last.ckpt"
     intact, steps = last.read_bytes(), _step(last)
-    real = torch_io._atomic_save
+    real = callbacks.write_checkpoint_file
 
     def disk_full(checkpoint, filepath):
         if "last" not in Path(filepath).name:
@@ -261,14 +262,48 @@ def test_a_full_disk_during_a_save_keeps_the_resume_point(trained_run, tiny_targ
         Path(filepath).write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
         raise OSError(errno.ENOSPC, "No space left on device", str(filepath))
 
-    monkeypatch.setattr(torch_io, "_atomic_save", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(callbacks, "write_checkpoint_file", disk_full)
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as done, user_errors(KEPT):  # as dflash-train reports it
         train(_train_cfg(tmp_path, tiny_target_dir, run, **{"trainer.max_epochs": 3}))
+    err = capsys.readouterr().err.splitlines()[-2]  # after the progress bars
+    assert done.value.code == 2 and err.startswith("error: disk full: writing ")
+    assert f"kept: {KEPT}" in err and "Traceback" not in err
     assert last.read_bytes() == intact
     assert not list(run.glob("checkpoints/.*.tmp"))
-    monkeypatch.setattr(torch_io, "_atomic_save", real)
+    monkeypatch.setattr(callbacks, "write_checkpoint_file", real)
     train(_train_cfg(tmp_path, tiny_target_dir, run, **{"trainer.max_epochs": 3}))
     assert _step(last) == steps * 3 // 2
+
+
+def test_checkpoints_are_staged_beside_their_target_not_in_the_system_temp_folder(
+        tmp_path, monkeypatch):
+    """Lightning's own save writes a file in the system temp folder first (fsspec): here every
+    temporary file outside the checkpoint's folder fails, as a full or read-only $TMPDIR
+    does, and the checkpoints are still written."""
+    import errno
+    import tempfile
+
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from dflash_lab.train.callbacks import DFlashCheckpoint
+
+    def no_temp(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", tempfile.gettempdir())
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_temp)
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temp)
+    checkpoints = tmp_path / "checkpoints"
+    trainer = L.Trainer(max_steps=4, limit_val_batches=1, val_check_interval=2,
+                        accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[DFlashCheckpoint(dirpath=checkpoints, monitor=None,
+                                                    save_last=True)])
+    trainer.fit(BoringModel())
+    assert _step(checkpoints / "last.ckpt") == 4
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(".")) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte", "truncated, no sidecar"])
@@ -437,6 +472,7 @@ def test_a_user_error_exits_2_with_one_line_and_no_traceback(tiny_target_dir, tm
     assert done.returncode == 2, done.stderr[-2000:]
     assert "error: module.num_anchors=0: must be >= 1" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "run").exists()  # Hydra no longer makes paths.output_dir first
     debug = subprocess.run(args, cwd=REPO_ROOT, env={**env, "DFLASH_DEBUG": "1"},
                            capture_output=True, text=True, timeout=300)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
