@@ -14,7 +14,7 @@ from dflash_lab.paths import REPO_ROOT
 
 TOY = ["data.demo_rows=24", "data.max_length=96", "data.batch_size=8", "trainer.max_epochs=1",
        "logger=csv", "export.self_check=false"]
-NOISE = ("litlogger", "\U0001f4a1", "in eval mode", "DeprecationWarning", "INFO: ")
+NOISE = ("litlogger", "\U0001f4a1", "module(s) in eval mode", "DeprecationWarning", "INFO: ")
 
 
 def demo(tmp_path, target_dir) -> tuple[list[str], list[str]]:
