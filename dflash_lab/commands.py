@@ -2,13 +2,17 @@
 alone, or, given ``recipe=NAME``, that stage of the recipe's pipeline
 (:func:`dflash_lab.pipeline.stage_main`: the same folders, record and skip as ``dflash-lab run``).
 
-The top of the import graph: the stage modules never import the orchestrator, only this file
-does, and only when a recipe is named (the exporter's command stays importable without Hydra).
+Each first calls :func:`dflash_lab.terminal.setup` (dependencies' noise filtered; not for a
+library user importing the stage modules). The top of the import graph: the stage modules
+never import the orchestrator, only this file does, and only when a recipe is named (the
+exporter's command stays importable without Hydra).
 """
 
 from __future__ import annotations
 
 import sys
+
+from dflash_lab.terminal import setup
 
 
 def _recipe_stage(stage: str, argv: list[str]) -> int:
@@ -23,6 +27,7 @@ def _names_a_recipe(argv: list[str]) -> bool:
 
 def capture() -> None:
     """``dflash-capture``."""
+    setup()
     if _names_a_recipe(sys.argv[1:]):
         sys.exit(_recipe_stage("capture", sys.argv[1:]))
     from dflash_lab.capture import main
@@ -32,6 +37,7 @@ def capture() -> None:
 
 def regenerate() -> None:
     """``dflash-regenerate``."""
+    setup()
     if _names_a_recipe(sys.argv[1:]):
         sys.exit(_recipe_stage("regenerate", sys.argv[1:]))
     from dflash_lab.regenerate import main
@@ -41,6 +47,7 @@ def regenerate() -> None:
 
 def evaluate() -> None:
     """``dflash-eval``."""
+    setup()
     if _names_a_recipe(sys.argv[1:]):
         sys.exit(_recipe_stage("eval", sys.argv[1:]))
     from dflash_lab.eval.cli import main
@@ -53,5 +60,6 @@ def export(argv: list[str] | None = None) -> int:
     recipe's export stage; with paths, ``recipe=`` only supplies the recipe's export section."""
     from dflash_lab.export.cli import main, recipe_stage_only
 
+    setup()
     argv = sys.argv[1:] if argv is None else list(argv)
     return _recipe_stage("export", argv) if recipe_stage_only(argv) else main(argv)

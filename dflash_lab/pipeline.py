@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import selectors
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +44,7 @@ from dflash_lab.pipeline_args import (
     target_location,
 )
 from dflash_lab.runinfo import git_sha
+from dflash_lab.terminal import PROGRESS_ENV, StageOutput, setup
 
 STAGES = ("regenerate", "capture", "train", "export", "eval")
 #: A further eval of the export, ``pipeline.evals.NAME`` of the recipe: stage ``eval_NAME``.
@@ -282,15 +285,64 @@ def set_aside(stage: Stage, root: Path) -> None:
         os.replace(stage.folder, prev)
 
 
-def run_stage(stage: Stage, log: Path) -> int:
-    """Run the stage's command, stdout and stderr appended to ``log``; its exit code."""
+def run_stage(stage: Stage, log: Path, live: Live | None = None) -> int:
+    """Run the stage's command, its output appended to ``log`` line by line (bars as their
+    states: :class:`~dflash_lab.terminal.StageOutput`), its progress lines shown by ``live``;
+    its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", module_of(stage.name), *stage.args]
+    live = live or Live()
     with log.open("a") as f:
         f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         f.flush()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PROGRESS_ENV: "1"}
+        out = StageOutput(f)
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 env=env)
+        with selectors.DefaultSelector() as sel:
+            sel.register(child.stdout, selectors.EVENT_READ)
+            while True:
+                if sel.select(timeout=1.0):
+                    data = os.read(child.stdout.fileno(), 65536)
+                    if not data:
+                        break
+                    out.feed(data)
+                live.show(out)
+        out.close()
+        live.clear()
+        return child.wait()
+
+
+class Live:
+    """The running stage's one live line: redrawn in place on a terminal, else printed at most
+    every ``every_s`` seconds (a CI log stays short)."""
+
+    def __init__(self, every_s: float = 60.0, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.every_s, self.started, self.shown = every_s, time.monotonic(), None
+
+    def show(self, out: StageOutput) -> None:
+        now = time.monotonic()
+        line = "      " + out.status(now - self.started, now)
+        if self.tty:
+            self.stream.write("\r" + line[:_width() - 1] + "\033[K")
+        elif self.shown is None or now - self.shown >= self.every_s:
+            self.stream.write(line + "\n")
+            self.shown = now
+        else:
+            return
+        self.shown = now
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def _width() -> int:
+    return shutil.get_terminal_size((100, 20)).columns
 
 
 def upstream(stages: list[Stage], stage: Stage) -> Stage | None:
@@ -344,7 +396,9 @@ def run(req: Request) -> int:
             continue
         set_aside(stage, req.root)  # a record here is stale (or forced): start afresh
         started, log = time.time(), req.root / "logs" / f"{stage.name}.log"
+        print(f"running (log: {log})", flush=True)
         code = run_stage(stage, log)
+        print(f"[{number}/{len(todo)}] {stage.name} ...", end=" ", flush=True)
         if code != 0:
             print(f"failed (exit {code}) after {time.time() - started:.0f} s; log: {log}\n"
                   f"{_tail(log)}", flush=True)
@@ -394,6 +448,7 @@ def stage_main(stage: str, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (``dflash-lab``); exit 2 on a bad command line or recipe."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    setup()
     if argv[:1] in (["-h"], ["--help"]):
         print(USAGE + "\n" + __doc__)
         return 0

@@ -61,6 +61,7 @@ RECIPES: dict[str, tuple[str, str]] = {
     "finetune_cpu": ("tiny_cpu", "Qwen3ForCausalLM"),
     "qwen3_8b_b16": ("qwen3_8b_b16", "Qwen3ForCausalLM"),
     "smollm2_sharegpt_cpu": ("smollm2_sharegpt_cpu", "LlamaForCausalLM"),
+    "smollm2_10min": ("smollm2_sharegpt_cpu", "LlamaForCausalLM"),  # the same drafter
     "smollm2_sharegpt_cpu_onpolicy": ("smollm2_sharegpt_cpu_onpolicy", "LlamaForCausalLM"),
     "smollm2_ctxlen_full": ("smollm2_ctxlen_full", "LlamaForCausalLM"),
     "smollm2_ctxlen_sliding": ("smollm2_ctxlen_sliding", "LlamaForCausalLM"),

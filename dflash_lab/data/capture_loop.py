@@ -28,6 +28,7 @@ from dflash_lab.targets.features import (
     extract_features,
     hf_hidden_state_indices,
 )
+from dflash_lab.terminal import Bar
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,6 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     None). An interrupted run loses at most the shard in flight. ``server``: take the hidden
     states from that engine (:func:`capture_shard`); ``engine`` (its name and version) is then
     recorded in the plan's target identity (:func:`build_plan`)."""
-    from tqdm.auto import tqdm
-
     out_dir = Path(settings.out_dir)
     plan = build_plan(target, settings, len(dataset), source, engine)
     turn_end = find_turn_end(target.tokenizer, target_stop_ids(target), settings.enable_thinking)
@@ -224,7 +223,7 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     todo = [i for i in mine if shards.finished_shard(out_dir, i, settings.verify_existing) is None]
     log.info("rank %d/%d: %d of %d shards to capture in %s", rank, world_size, len(todo),
              len(mine), out_dir)
-    bar = tqdm(total=sum(_rows_in(i, plan) for i in todo), unit="sample", disable=not progress,
+    bar = Bar(total=sum(_rows_in(i, plan) for i in todo), unit="sample", disable=not progress,
                desc=f"capture rank {rank}")
     start, num_tokens = time.time(), 0
     for index in todo:

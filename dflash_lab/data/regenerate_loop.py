@@ -35,6 +35,7 @@ from dflash_lab.targets.chat import (
     render_prompt,
     target_stop_ids,
 )
+from dflash_lab.terminal import Bar
 
 log = logging.getLogger("dflash_lab.regenerate")
 
@@ -258,9 +259,7 @@ class _Progress:
     """tqdm over input rows, with the generated-tokens rate."""
 
     def __init__(self, total: int, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, unit="conv", disable=not enabled, desc="regenerate")
+        self.bar = Bar(total=total, unit="conv", disable=not enabled, desc="regenerate")
         self.start, self.tokens = time.perf_counter(), 0
 
     def update(self, rows: int, tokens: int) -> None:

@@ -209,7 +209,9 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
         log.warning("%s", timing["warning"])
     # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
     report = generation_report(responder.spec, responder.base if cfg.baseline else None, asked,
-                               max_drafts(proposer) + 1, record, records=records)
+                               max_drafts(proposer) + 1, record, records=records,
+                               decode=lambda ids: target.tokenizer.decode(
+                                   ids, skip_special_tokens=True))
     return {**report, "timing": timing}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,63 @@ def records_report(records: list[ResponseRecord], block_size: int,
             "records": [r.to_dict() for r in records]}
 
 
+#: Marks an accepted draft span in ``output_marked`` (report.json) and report.md's Responses.
+OPEN, CLOSE = "\u00ab", "\u00bb"
+
+
+def draft_spans(gen: Generation) -> list[tuple[int, int]]:
+    """[start, end) token spans of ``gen.output_ids`` that were accepted drafts: the first token
+    is the prefill's; a round of length n commits n - 1 drafts, then the target's bonus token
+    (a round cut at the budget or a stop token may end on a draft: counted as the bonus)."""
+    spans, pos = [], 1
+    for n in gen.acceptance_lengths:
+        if n > 1:
+            spans.append((pos, pos + n - 1))
+        pos += n
+    return spans
+
+
+def marked_text(ids: list[int], spans: list[tuple[int, int]],
+                decode: Callable[[list[int]], str]) -> str:
+    """``decode(ids)`` with each span wrapped in the markers. Each piece is the difference of
+    two decoded prefixes, so a tokenizer that merges across tokens (leading spaces, bytes of
+    one character) still reads as the plain decode."""
+    cuts = sorted({0, len(ids), *(i for span in spans for i in span)})
+    prefix = {c: decode(ids[:c]) for c in cuts}
+    starts, ends = {s for s, _ in spans}, {e for _, e in spans}
+    parts = []
+    for c in cuts:
+        parts.append(CLOSE if c in ends else "")
+        parts.append(OPEN if c in starts else "")
+        nxt = next((n for n in cuts if n > c), None)
+        if nxt is not None:
+            parts.append(prefix[nxt][len(prefix[c]):])
+    return "".join(parts)
+
+
+def response_texts(spec: list[Generation], baseline: list[Generation] | None,
+                   prompt_ids: list[list[int]], decode: Callable[[list[int]], str],
+                   ) -> list[dict[str, Any]]:
+    """Per response: the decoded prompt, the target's output (the baseline's when run, else the
+    speculative output, which equals it when lossless), the speculative output, and that output
+    with its accepted draft spans marked (:data:`OPEN` ... :data:`CLOSE`)."""
+    rows = []
+    for i, (ids, gen) in enumerate(zip(prompt_ids, spec)):
+        target = baseline[i] if baseline is not None else gen
+        rows.append({"prompt_text": decode(ids), "target_output_text": decode(target.output_ids),
+                     "output_text": decode(gen.output_ids),
+                     "output_marked": marked_text(gen.output_ids, draft_spans(gen), decode)})
+    return rows
+
+
 def generation_report(spec: list[Generation], baseline: list[Generation] | None,
                       prompt_ids: list[list[int]], block_size: int,
                       settings: dict[str, Any],
-                      records: list[ResponseRecord] | None = None) -> dict[str, Any]:
+                      records: list[ResponseRecord] | None = None,
+                      decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
     """Every field of report.json for a generation run (greedy losslessness only at T = 0).
-    ``records``: one per response (default: one per generation, dataset ``prompts``)."""
+    ``records``: one per response (default: one per generation, dataset ``prompts``);
+    ``decode``: token ids -> text, for the ``responses`` texts (none without it)."""
     rounds = sum(len(g.acceptance_lengths) for g in spec)
     tps, base_tps = _rate(spec), _rate(baseline) if baseline is not None else None
     greedy = settings.get("temperature", 0) == 0
@@ -119,6 +171,8 @@ def generation_report(spec: list[Generation], baseline: list[Generation] | None,
         "prompt_ids": prompt_ids,
         "outputs": [g.output_ids for g in spec],
         "baseline_outputs": [g.output_ids for g in baseline] if baseline is not None else None,
+        "responses": (response_texts(spec, baseline, prompt_ids, decode)
+                      if decode is not None else None),
         "settings": settings,
     })
     return report
@@ -220,8 +274,34 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {name} | " + " | ".join(_fmt(v, 2) for v in report[key]) + " |"
               for name, key in _curves(report)]
     lines += _context_section(report.get("tau_by_context"))
+    lines += _responses_section(report)
     lines += ["", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
     return "\n".join(lines) + "\n"
+
+
+#: report.md shows at most this many characters of a prompt (its end: the question asked)
+PROMPT_CHARS = 600
+
+
+def _responses_section(report: dict[str, Any]) -> list[str]:
+    """Each response's prompt (its last :data:`PROMPT_CHARS` characters) and output with the
+    accepted draft spans marked; a line more when the target's own output differs."""
+    rows = report.get("responses")
+    if not rows:
+        return []
+    taus = report.get("tau_per_prompt") or [None] * len(rows)
+    lines = ["", "## Responses", "", f"Accepted draft tokens are marked {OPEN}like this{CLOSE}; "
+             "the rest are the target's own tokens (the first token and each round's bonus).",
+             ""]
+    for i, (row, tau) in enumerate(zip(rows, taus), 1):
+        prompt = row["prompt_text"]
+        shown = prompt if len(prompt) <= PROMPT_CHARS else "..." + prompt[-PROMPT_CHARS:]
+        lines += [f"### Response {i} (tau {_fmt(tau, 2)})", "", "Prompt:", "", "```text",
+                  shown, "```", "", "Output:", "", "```text", row["output_marked"], "```", ""]
+        if row["target_output_text"] != row["output_text"]:
+            lines += ["The target alone wrote:", "", "```text", row["target_output_text"],
+                      "```", ""]
+    return lines
 
 
 def _context_section(rows: list[dict[str, Any]] | None) -> list[str]:

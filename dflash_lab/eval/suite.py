@@ -32,6 +32,7 @@ from dflash_lab.eval.long_prompts import KIND as LONG_KIND
 from dflash_lab.eval.long_prompts import build_long_chats, context_targets
 from dflash_lab.eval.prompts import encode_prompt, load_rows, row_messages, row_where, set_fields
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.terminal import Bar
 
 if TYPE_CHECKING:
     from dflash_lab.eval.records import ResponseRecord
@@ -289,10 +290,8 @@ def ask_every_turn(items: list[Item], tokenizer, d, respond: Respond, *, desc: s
     the item's follow-up to the conversation so far, whose assistant messages are the answers
     ``respond`` gave (the speculative or served answer, not the dataset's), so a multi-turn
     score follows what was actually generated."""
-    from tqdm import tqdm
-
     kwargs = template_kwargs(tokenizer, d)
-    for item in tqdm(items, desc=desc, unit="prompt", disable=not progress):
+    for item in Bar(items, desc=desc, unit="prompt", disable=not progress):
         messages = list(item.messages)
         for turn, followup in enumerate([None, *item.followups]):
             if followup is not None:

@@ -20,6 +20,7 @@ import torch
 
 from dflash_lab.paths import atomic_dir
 from dflash_lab.targets.demo_corpus import demo_conversations
+from dflash_lab.terminal import Bar
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def _pretrain(model, tokenizer, texts: list[str], recipe: TinyTargetRecipe) -> f
         opt, max_lr=recipe.lr, total_steps=max(recipe.train_steps, 1), pct_start=0.1)
     model.train()
     loss = torch.tensor(float("nan"))
-    for _ in range(recipe.train_steps):
+    for _ in Bar(range(recipe.train_steps), desc="tiny target: pre-training", unit="step"):
         batch = rows[torch.randint(n_rows, (recipe.batch_size,), generator=gen)]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -196,6 +197,7 @@ def materialize_tiny_target(path: str | Path | None = None,
     if path.exists():
         _check_replaceable(path)  # before the build: never after a minute of work
     start = time.time()
+    log.info("building the tiny target into %s (once; a few minutes on 2 cores)", path)
     tokenizer, model, loss = build_tiny_target(recipe)
     marker = {"digest": recipe.digest(), "version": TINY_TARGET_VERSION, "recipe": asdict(recipe),
               "final_train_loss": loss, "mask_token": MASK_TOKEN,

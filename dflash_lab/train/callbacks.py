@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
 from dflash_lab.paths import atomic_path, atomic_write_text
+from dflash_lab.terminal import emit
 from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
 
 BEST_FILE = "best.json"
@@ -163,6 +165,31 @@ class RecordTarget(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[TARGET_KEY] = self.target_identity
+
+
+class ProgressLines(Callback):
+    """Training's progress lines for ``dflash-lab run`` (:func:`dflash_lab.terminal.emit`):
+    optimizer step / total (at most one a second) and the latest val/tau."""
+
+    def __init__(self):
+        self.emitted = 0.0
+
+    def _emit(self, trainer, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.emitted >= 1.0:
+            self.emitted = now
+            tau = trainer.callback_metrics.get("val/tau")
+            total = trainer.estimated_stepping_batches
+            emit(unit="step", done=trainer.global_step, what="step",
+                 total=int(total) if total != float("inf") else None,
+                 tau=None if tau is None else float(tau))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._emit(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._emit(trainer, force=True)
 
 
 class RunEndCallback(Callback):

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_lab.entry import check_recipe, check_renamed_keys
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
+from dflash_lab.terminal import one_handler, setup
 
 RUN_NAME_ENV = "DFLASH_RUN_NAME"  #: the run name Lightning's launcher hands its child processes
 
@@ -61,11 +62,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         check_launch(cfg, _trainer_source())
         from dflash_lab.train.run import train
 
+        one_handler()  # Lightning is imported now, after Hydra's logging set-up
         train(cfg)
 
 
 def main() -> None:
     """Console entry point (``dflash-train``)."""
+    setup()
     with user_errors():
         check_recipe(sys.argv[1:])
         check_renamed_keys(sys.argv[1:])

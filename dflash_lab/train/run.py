@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.entry import check_group_keys
 from dflash_lab.runinfo import latest_config, record_paths, write_run_info
-from dflash_lab.train.callbacks import RecordTarget, RunEndCallback
+from dflash_lab.terminal import progress_enabled
+from dflash_lab.train.callbacks import ProgressLines, RecordTarget, RunEndCallback
 from dflash_lab.train.checks import check_loss_data, check_train_config, data_class
 from dflash_lab.train.draft_vocab import prepare_draft_vocab, write_record
 from dflash_lab.train.resume import check_resume_config, resolve_ckpt_path
@@ -81,6 +82,8 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger) if cfg.logger.get("_target_") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     callbacks.append(RecordTarget(target.identity()))
+    if progress_enabled():  # under dflash-lab run: its live line
+        callbacks.append(ProgressLines())
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     return {"target": target, "drafter": drafter, "data": data, "module": module,
             "trainer": trainer, "logger": logger, "draft_vocab": record}
@@ -202,7 +205,34 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         skipped = "n/a (resumed)" if ckpt is not None else "n/a (not measured)"
         before_txt = f"{before:.3f}" if before is not None else skipped
-        print(f"\nval tau: {start} {before_txt} -> trained {after:.3f} (block size "
-              f"{parts['drafter'].config.block_size})\n{best_line(best)}\n"
-              f"run directory: {result['output_dir']}")
+        tau = (f"{start} {before_txt} -> trained {after:.3f} (block size "
+               f"{parts['drafter'].config.block_size})")
+        print(summary(result, tau, next_commands(cfg, result)))
     return result
+
+
+def summary(result: dict[str, Any], tau: str, commands: list[str]) -> str:
+    """The block a run ends with (the last lines it prints): val tau before -> after, where the
+    checkpoint, run directory and export are, and the commands to try next."""
+    lines = ["", "== dflash-train summary", f"val tau: {tau}", best_line(result["best_checkpoint"]),
+             f"run directory: {result['output_dir']}"]
+    if result.get("export_dir"):
+        lines.append(f"export: {result['export_dir']}")
+    return "\n".join(lines + [f"next: {c}" for c in commands])
+
+
+def next_commands(cfg: DictConfig, result: dict[str, Any]) -> list[str]:
+    """With an export: its speculative eval (the recipe's ``pipeline.eval`` settings, report in
+    ``<run>/eval``); on the tiny target, then the ten-minute real-model recipe."""
+    if not result.get("export_dir"):
+        return []
+    tiny = str(cfg.target._target_).endswith("load_tiny_target")
+    target = (f"target=tiny target.path={cfg.target.path}" if tiny
+              else f"target=hf target.name_or_path={cfg.target.name_or_path}")
+    settings = " ".join(str(s) for s in cfg.pipeline.get("eval") or [])
+    commands = [f"dflash-eval {target} drafter.path={result['export_dir']} {settings} "
+                f"output_dir={Path(result['output_dir']) / 'eval'}".replace("  ", " ")]
+    if tiny:
+        commands.append("make prepare-smollm2 && dflash-lab run recipe=smollm2_10min  "
+                        "(a real model, every stage, about ten minutes)")
+    return commands

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAYERS = (
     ("foundation", ("dflash_lab", "dflash_lab.errors", "dflash_lab.dtypes", "dflash_lab.paths",
                     "dflash_lab.checksums", "dflash_lab.launch", "dflash_lab.writer_lock",
-                    "dflash_lab.runinfo")),
+                    "dflash_lab.runinfo", "dflash_lab.terminal")),
     ("serving clients", ("dflash_lab.serving",)),
     ("attention", ("dflash_lab.attention",)),
     ("model", ("dflash_lab.model",)),
