@@ -165,13 +165,15 @@ def artifacts_of(path: Path) -> Artifacts:
 
 def read_config_json(path: Path) -> dict[str, Any]:
     """DIR/config.json as a dict, refused in one line when it is no drafter config: a JSON
-    object with at least ``num_hidden_layers`` (every engine's reader starts from it)."""
+    object with at least ``num_hidden_layers`` (every engine's reader starts from it), at the
+    top or, in the speculators layout (DSpark), in ``transformer_layer_config``."""
     file = path / CONFIG_FILE
     try:
         d = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{file}: cannot read the drafter config ({err})") from err
-    if not isinstance(d, dict) or "num_hidden_layers" not in d:
+    layers = d.get("transformer_layer_config", d) if isinstance(d, dict) else None
+    if not isinstance(layers, dict) or "num_hidden_layers" not in layers:
         got = (f"a JSON object without num_hidden_layers (keys: {sorted(d)[:8]})"
                if isinstance(d, dict) else f"a JSON {type(d).__name__}, not an object")
         raise ValueError(f"{file} is not a drafter config: it holds {got}; a drafter config "
