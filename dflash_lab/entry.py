@@ -57,9 +57,9 @@ _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 def accepted_keys(target: str) -> frozenset[str] | None:
     """The keyword arguments the ``_target_`` ``target`` takes, from its signature; a class's
     ``**kwargs`` is followed into its bases' ``__init__`` (a data module hands them to
-    BlockDataModule). None when a ``**kwargs`` goes elsewhere (a function's: it checks them
-    itself, as build_drafter's DrafterConfig does) or ``target`` is not found (instantiate
-    names it)."""
+    BlockDataModule); a function declares what its ``**kwargs`` take as ``fn.keyword_fields()``
+    (build_drafter: the DrafterConfig fields). None when a ``**kwargs`` goes elsewhere
+    undeclared or ``target`` is not found (instantiate names it)."""
     try:
         obj = get_object(target)
     except Exception:
@@ -75,6 +75,8 @@ def accepted_keys(target: str) -> frozenset[str] | None:
         names |= {p.name for p in params if p.kind in _NAMED}
         if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
             return frozenset(names - {"self"})
+        if declared := getattr(fn, "keyword_fields", None):  # what its **kwargs take
+            return frozenset(names | set(declared()))
     return None
 
 

@@ -58,3 +58,7 @@ def build_drafter(target, backend: str = "auto", init_from: str | None = None,
     config = drafter_config_for_target(target, **fields)
     log.info("drafter layers: %s", config.layer_specs())
     return DFlashDrafter(config, backend=backend)
+
+
+#: the ``drafter.*`` keys its ``**fields`` take, checked at start-up (entry.check_group_keys)
+build_drafter.keyword_fields = DrafterConfig.field_names

@@ -138,6 +138,7 @@ def _compose(config: str, overrides: list[str]):
     (["+trainer.max_epoch=3"], "trainer.max_epochs\\?"),
     (["+module.optimizer.learning_rate=0.1"], "module.optimizer.learning_rate: .*'lr'"),
     (["+callbacks.checkpoint.save_lst=true"], "did you mean callbacks.checkpoint.save_last\\?"),
+    (["+drafter.selector_rnak=8"], "did you mean drafter.selector_rank\\?"),  # DrafterConfig's
 ])
 def test_an_unknown_key_in_any_group_is_refused_before_anything_is_built(
         tmp_path, monkeypatch, overrides, message):
