@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dflash_lab.entry import check_recipe
 from dflash_lab.paths import CONF_DIR
 
 #: Target keys that belong to one stage (capture may run bfloat16, eval float32, train
@@ -19,11 +20,12 @@ STAGE_TARGET_KEYS = ("_target_", "dtype", "device", "head_only")
 
 def compose(config_name: str, overrides: list[str]) -> DictConfig:
     """``conf/<config_name>.yaml`` + overrides, as the stage's command composes it (Hydra's
-    choices kept under ``hydra``)."""
+    choices kept under ``hydra``); a recipe that does not exist is refused in one line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_recipe(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -211,6 +211,15 @@ def test_a_bad_recipe_exits_2_in_dflash_train(capsys, monkeypatch):
     assert "did you mean recipe=tiny_cpu?" in err and err.count("\n") == 2  # + the debug hint
 
 
+def test_a_bad_recipe_is_one_line_in_dflash_lab_too(capsys):
+    from dflash_lab.pipeline import main
+
+    assert main(["run", "recipe=tiny_cpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-lab: error: recipe=tiny_cpy: there is no ")
+    assert "did you mean recipe=tiny_cpu?" in err and err.count("\n") == 1
+
+
 def test_a_refused_dflash_eval_leaves_no_output_folder(tmp_path):
     """Hydra made ``output_dir`` (its run dir) before any check: a refusal left it empty."""
     import os
