@@ -226,7 +226,7 @@ def next_commands(cfg: DictConfig, result: dict[str, Any]) -> list[str]:
     ``<run>/eval``); on the tiny target, then the ten-minute real-model recipe."""
     if not result.get("export_dir"):
         return []
-    tiny = str(cfg.target._target_).endswith("load_tiny_target")
+    tiny = cfg.target.get("name_or_path") is None  # the built-in tiny target (target=tiny)
     target = (f"target=tiny target.path={cfg.target.path}" if tiny
               else f"target=hf target.name_or_path={cfg.target.name_or_path}")
     settings = " ".join(str(s) for s in cfg.pipeline.get("eval") or [])

@@ -120,6 +120,7 @@ def test_noise_filtered_unless_debug(monkeypatch, debug):
     monkeypatch.setenv(terminal.DEBUG_ENV, debug)
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     kept = logger.filters[:]
+    logger.filters[:] = []  # an earlier setup() in this session (the pipeline's main) added one
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         terminal.setup()
