@@ -231,8 +231,8 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
 
     held = distribution_of(getattr(dataset, "manifest", {}))  # a plain list: argmax only
     temps = resolve_val_temperatures(temperatures, held)
-    walk = ("DFlash 2", "selector") if drafter.config.is_dflash2 else (
-        ("DSpark", "Markov walk") if drafter.config.is_dspark else None)
+    head = drafter.config.head
+    walk = (head.title, head.walk) if head.walk else None
     if walk and temps:
         if temperatures is not None:
             raise ValueError(f"features.temperatures={list(temperatures)}: the expected tau at "
@@ -245,7 +245,7 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
                            f"the capture {getattr(dataset, 'root', '(samples)')}")
     expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
-    dflash2 = drafter.config.is_dflash2
+    dflash2 = drafter.candidate_selector is not None  # the selector, unary and oracle paths
     first = drafter.config.first_draft_slot
     paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if dflash2
                                               else ("unary",))}

@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from dflash_lab.eval.sampling import markov_draft, propose, selector_draft
+from dflash_lab.eval.sampling import propose
 from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
 
@@ -161,23 +161,17 @@ class DFlashProposer:
         num_slots = max(num_drafts + first, _min_slots(self.drafter))
         hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
-        if self.drafter.markov_head is not None:  # DSpark: the sequential Markov walk
-            tokens, q = markov_draft(self.drafter, hidden_kh, unary_kv, anchor_id, temperature,
-                                     mode, generator)
-            return Draft(tokens, q, unary_kv.argmax(-1))
-        selector = self.drafter.candidate_selector
-        if selector is None:
+        walked = self.drafter.config.head.draft(self.drafter, hidden_kh, unary_kv, anchor_id,
+                                                temperature, mode, generator)
+        if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv, temperature, mode, generator))
-        tokens, q = selector_draft(selector, hidden_kh, unary_kv, anchor_id, temperature, mode,
-                                   generator)
-        return Draft(tokens, q, unary_kv.argmax(-1))
+        return Draft(*walked, unary_kv.argmax(-1))
 
 
 def _min_slots(drafter: DFlashDrafter) -> int:
-    """Fewest block slots the drafter runs on: 2, or K - 1 for a DFlash 2 conv of K taps (its
-    shifted taps need offset <= slots; taps past the block would only see zeros anyway)."""
-    k = drafter.config.conv_kernel_size if drafter.config.is_dflash2 else None
-    return max(2, (k or 0) - 1)
+    """Fewest block slots the drafter runs on (the head's ``min_slots``: 2, or K - 1 for a
+    DFlash 2 conv of K taps; taps past the block would only see zeros anyway)."""
+    return drafter.config.head.min_slots(drafter.config)
 
 
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
+from dflash_lab.model import heads
 from dflash_lab.model.rope import ROPE_TYPES, is_nested, normalize_scaling
 
 log = logging.getLogger(__name__)
@@ -37,29 +38,35 @@ SUPPORTED_ROPE_TYPES = ROPE_TYPES  #: model/rope.py defines them and what each c
 DFLASH1 = "dflash1"
 DFLASH2 = "dflash2"
 DSPARK = "dspark"
-VARIANTS = (DFLASH1, DFLASH2, DSPARK)
-#: The class name each variant is served under (config.json ``architectures``); z-lab's loader
-#: picks the drafter class from it.
-ARCHITECTURES = {DFLASH1: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel",
-                 DSPARK: "Qwen3DSparkModel"}  # DSpark: vLLM's name (qwen3_dspark.py)
-#: DFlash 2 fields and their defaults when ``variant="dflash2"`` leaves them unset: the released
-#: Qwen3.8-27B-DFlash2 setting (dflash.md section 7).
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
-                    "selector_top_k": 16}
-#: DSpark fields and their defaults when ``variant="dspark"`` leaves them unset: speculators
-#: 0.9.0's ``DSparkSpeculatorConfig`` defaults (model/dspark.py, docs/dspark.md).
-DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla",
-                   "enable_confidence_head": True, "confidence_head_with_markov": True}
-#: Logit and embedding scales both variants honour; defaults mean "off" and are not written.
+#: Logit and embedding scales every head honours; defaults mean "off" and are not written.
 SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
                   "final_logit_softcapping": None}
-#: The Laguna drafter features (vLLM's ``laguna_dflash.py``, export/laguna.py) and their "off"
-#: values: today's DFlash drafter. Recorded in our training spec only when one is on.
-LAGUNA_DEFAULTS = {"aux_hidden_norms": False, "context_input_norm": False,
-                   "attention_gate": None, "partial_rotary_factor": 1.0}
-#: ``attention_gate`` values: softplus(g_proj(x)) per head (broadcast over head_dim) or per
-#: (head, head_dim) channel, multiplying the attention output before ``o_proj``.
-ATTENTION_GATES = ("per-head", "per-element")
+#: Names read from the head modules (model/heads.py): each head declares its own fields,
+#: defaults and serving class; these views keep one definition.
+_HEAD_VIEWS = {"DFLASH2_DEFAULTS": "dflash2", "DSPARK_DEFAULTS": "dspark",
+               "LAGUNA_DEFAULTS": "laguna"}
+
+
+def __getattr__(name: str) -> Any:
+    """Views of the head modules' declarations (module ``__getattr__``, PEP 562)."""
+    if name in _HEAD_VIEWS:
+        part = {p.name: p for p in (*heads.heads(), *heads.features())}[_HEAD_VIEWS[name]]
+        return dict(part.fields)
+    if name == "ARCHITECTURES":
+        return {head.name: head.architecture for head in heads.heads()}
+    if name == "VARIANTS":
+        return tuple(heads.names())
+    if name == "VARIANT_KEYS":
+        return variant_keys()
+    if name == "OUR_DFLASH_KEYS":
+        return CORE_DFLASH_KEYS | set(variant_keys())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def variant_keys() -> tuple[str, ...]:
+    """Keys holding a head field or a scale; ours writes them in ``dflash_config``."""
+    return tuple(k for head in heads.heads() for k in head.fields) + tuple(SCALE_DEFAULTS)
+
 
 #: Key under which our exporter records the exact per-layer spec the drafter was trained with,
 #: so ``dflash-export --inspect`` can compare it with what each engine will do.
@@ -164,44 +171,83 @@ class DrafterConfig:
     is_causal: bool | list[bool] | None = None
     learned_mask_embedding: bool = False  #: one trainable H-vector used in every MASK slot
     attention_sink_bias: bool = False  #: one learnable sink logit per head and layer
-    #: "dflash1" | "dflash2" (DFlash 1 + a grouped dynamic causal conv around every sublayer and
-    #: a candidate selector over the unary top-K); served as DFlashDraftModel / DFlash2DraftModel
+    #: the head (model/heads.py; dflash_lab/heads/): "dflash1" | "dflash2" (DFlash 1 + a grouped
+    #: dynamic causal conv around every sublayer and a candidate selector) | "dspark" (a Markov
+    #: bias head and a confidence head); a head's own fields live in ``head_options``
     variant: str = DFLASH1
-    #: DFlash 2 only (None under dflash1; unset under dflash2 = DFLASH2_DEFAULTS):
-    conv_kernel_size: int | None = None  #: K taps of the conv (offsets 0..K-1, within a block)
-    conv_group_size: int | None = None  #: channels sharing one dynamic tap (divides hidden_size)
-    selector_rank: int | None = None  #: rank of the predecessor/successor codebooks
-    selector_top_k: int | None = None  #: candidates per slot re-ranked by the selector
-    #: DSpark only (None otherwise; unset under dspark = DSPARK_DEFAULTS; model/dspark.py):
-    markov_rank: int | None = None  #: r of the Markov bias head; 0 = no Markov head
-    markov_head_type: str | None = None  #: vanilla | gated | rnn
-    enable_confidence_head: bool | None = None  #: the per-slot acceptance-probability head
-    confidence_head_with_markov: bool | None = None  #: its input is [h; markov_w1[prev]]
-    #: Both variants: block input embeddings (raw target table rows) are multiplied by this
+    #: Every head: block input embeddings (raw target table rows) are multiplied by this
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0  #: unary logits = lm_head(h) * output_multiplier ...
     final_logit_softcapping: float | None = None  #: ... then c * tanh(logits / c); None = off
-    #: DFlash 1 only: the drafter drafts from the N most frequent target tokens of its training
-    #: data (docs/draft_vocab.md): its own frozen [N, H] head (the target's rows of those
-    #: tokens) and the d2t / t2d maps vLLM reads; None = the target's whole vocabulary
+    #: the drafter drafts from the N most frequent target tokens of its training data
+    #: (docs/draft_vocab.md; heads/draft_vocab.py): None = the target's whole vocabulary
     draft_vocab_size: int | None = None
     #: False (DFlash): slot 0 holds the anchor and predicts nothing, slot t >= 1 predicts the
     #: token at a + t (B-1 drafts). True (DSpark / speculators' ``sample_from_anchor``): slot k
     #: predicts the token at a + k + 1 (B drafts). :meth:`label_shift` is the one definition.
     sample_from_anchor: bool = False
-    #: Laguna (LAGUNA_DEFAULTS): one RMSNorm per target-layer slice of the features before fc
-    aux_hidden_norms: bool = False
-    #: Laguna: context K/V from each layer's ``input_layernorm`` of the fused context
-    context_input_norm: bool = False
-    #: Laguna: None (no gate) or one of ATTENTION_GATES (softplus output gate, ``g_proj``)
-    attention_gate: str | None = None
-    #: Laguna: RoPE rotates the first int(head_dim * factor) dims of each head (neox halves)
-    partial_rotary_factor: float = 1.0
     #: width of one target layer's features, T: fc is [H, len(target_layer_ids) * T]; None =
     #: hidden_size. A multi-stream target (``hc_mult`` = n) gives H (the streams' mean, what
     #: vLLM and SGLang feed) or n*H (flattened streams); vLLM reads the top-level key
     target_hidden_size: int | None = None
+    #: The fields the head and the features declare (``fields`` of a model/heads.py Head:
+    #: ``conv_kernel_size``, ``markov_rank``, ``attention_gate``, ...), read as attributes
+    #: (``config.markov_rank``) and given as keywords like any other field.
+    head_options: dict[str, Any] = field(default_factory=dict)
     _source: str = field(default="<DrafterConfig>", repr=False, compare=False)
+
+    def __init__(self, **kwargs: Any) -> None:
+        """Keyword fields; a head's or a feature's field goes to ``head_options``."""
+        owners = heads.field_owners()
+        options = dict(kwargs.pop("head_options", None) or {})
+        options.update((key, kwargs.pop(key)) for key in [k for k in kwargs if k in owners])
+        for f in dataclasses.fields(self):
+            if f.name == "head_options":
+                continue
+            if f.name in kwargs:
+                value = kwargs.pop(f.name)
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                raise TypeError(f"DrafterConfig needs the field '{f.name}'")
+            object.__setattr__(self, f.name, value)
+        if kwargs:
+            raise TypeError(f"DrafterConfig got unknown fields {sorted(kwargs)}")
+        object.__setattr__(self, "head_options", options)
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        """A head's or a feature's field (None where the config's head does not use it)."""
+        options = self.__dict__.get("head_options")
+        if options is not None and not name.startswith("__"):
+            if name in options:
+                return options[name]
+            if name in heads.field_owners():
+                return None
+        raise AttributeError(f"DrafterConfig has no field '{name}'")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in heads.field_owners():
+            self.head_options[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    @property
+    def head(self) -> heads.Head:
+        """The head this config drafts with (model/heads.py)."""
+        return heads.get(self.variant)
+
+    @property
+    def features(self) -> list[heads.Head]:
+        """Every feature (model/heads.py): switched on or off by their own fields."""
+        return heads.features()
+
+    @property
+    def parts(self) -> list[heads.Head]:
+        """The head, then every feature: the order their hooks run in."""
+        return [self.head, *self.features]
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -219,11 +265,7 @@ class DrafterConfig:
         if self.rope_scaling is not None:  # nested mappings too (Hydra DictConfig)
             self.rope_scaling = {k: dict(v) if isinstance(v, Mapping) else v
                                  for k, v in dict(self.rope_scaling).items()}
-        for variant, defaults in ((DFLASH2, DFLASH2_DEFAULTS), (DSPARK, DSPARK_DEFAULTS)):
-            if self.variant == variant:
-                for key, default in defaults.items():
-                    if getattr(self, key) is None:
-                        setattr(self, key, default)
+        self._fill_head_defaults()
         self._validate()
         if self.draft_vocab_size == self.vocab_size:  # the whole vocabulary: nothing to map
             self.draft_vocab_size = None
@@ -252,35 +294,32 @@ class DrafterConfig:
         self._validate_target_width()
         self._validate_layers()
         self._validate_rope()
-        self._validate_variant()
         self._validate_sample_from_anchor()
         self._validate_draft_vocab()
         self._validate_scales()
-        self._validate_laguna()
+        for part in self.parts:
+            part.validate(self)
 
-    def _validate_laguna(self) -> None:
-        for key in ("aux_hidden_norms", "context_input_norm"):
-            if not isinstance(getattr(self, key), bool):
-                self._fail(key, getattr(self, key), "must be true or false")
-        if self.attention_gate is not None and self.attention_gate not in ATTENTION_GATES:
-            self._fail("attention_gate", self.attention_gate,
-                       f"must be null (no gate) or one of {list(ATTENTION_GATES)}")
-        factor = self.partial_rotary_factor
-        if not _positive_number(factor) or factor > 1 or int(self.head_dim * factor) % 2:
-            self._fail("partial_rotary_factor", factor,
-                       f"must be in (0, 1] with int(head_dim * factor) even (head_dim="
-                       f"{self.head_dim}): the rotated dims are split in two halves")
+    def _fill_head_defaults(self) -> None:
+        """Refuse an unknown head, and a field of another head; fill the unset fields of this
+        head and of every feature with their defaults."""
+        if self.variant not in heads.names():
+            self._fail("variant", self.variant, f"must be one of {heads.names()}")
+        mine = self.parts
+        for key, owner in heads.field_owners().items():
+            if owner in mine:
+                if self.head_options.get(key) is None:
+                    self.head_options[key] = owner.fields[key]
+            elif self.head_options.get(key) is not None:
+                self._fail(key, self.head_options[key], f"is a {owner.title} field; set "
+                           f"variant='{owner.name}' or remove it")
+            else:
+                self.head_options.pop(key, None)
 
     @property
     def rotary_dim(self) -> int:
         """Dims of each head RoPE rotates (vLLM's ``int(head_size * partial_rotary_factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def laguna_features(self) -> dict[str, Any]:
-        """The Laguna features that are on (empty for a plain DFlash drafter)."""
-        return {k: getattr(self, k) for k, off in LAGUNA_DEFAULTS.items()
-                if getattr(self, k) != off}
 
     def _validate_target_layers(self) -> None:
         ids = self.target_layer_ids
@@ -301,10 +340,6 @@ class DrafterConfig:
             self._fail("target_hidden_size", width,
                        "must be a positive integer: the width of one target layer's features "
                        "(null = hidden_size)")
-        if width != self.hidden_size and self.aux_hidden_norms:
-            self._fail("target_hidden_size", width,
-                       f"must equal hidden_size={self.hidden_size} with aux_hidden_norms: vLLM's "
-                       "laguna_dflash.py sizes fc and its norms from the target's hidden size")
 
     @property
     def num_features(self) -> int:
@@ -340,62 +375,6 @@ class DrafterConfig:
     def _validate_sample_from_anchor(self) -> None:
         if not isinstance(self.sample_from_anchor, bool):
             self._fail("sample_from_anchor", self.sample_from_anchor, "must be true or false")
-        if self.sample_from_anchor and self.variant == DFLASH2:
-            self._fail("sample_from_anchor", True,
-                       "is not implemented for variant='dflash2' (the selector's predecessor "
-                       "tokens assume an anchor slot that predicts nothing); use "
-                       "variant='dflash1' or sample_from_anchor=false")
-
-    def _validate_variant(self) -> None:
-        if self.variant not in VARIANTS:
-            self._fail("variant", self.variant, f"must be one of {list(VARIANTS)}")
-        for variant, defaults, name in ((DFLASH2, DFLASH2_DEFAULTS, "a DFlash 2"),
-                                        (DSPARK, DSPARK_DEFAULTS, "a DSpark")):
-            if self.variant != variant:
-                for key in defaults:
-                    if getattr(self, key) is not None:
-                        self._fail(key, getattr(self, key),
-                                   f"is {name} field; set variant='{variant}' or remove it")
-        if self.variant == DSPARK:
-            self._validate_dspark()
-        if self.variant != DFLASH2:
-            return
-        for key in DFLASH2_DEFAULTS:
-            if int(getattr(self, key)) < 1:
-                self._fail(key, getattr(self, key), "must be a positive integer")
-        if self.hidden_size % self.conv_group_size:
-            self._fail("conv_group_size", self.conv_group_size,
-                       f"must divide hidden_size={self.hidden_size} (channels per dynamic tap)")
-        if self.conv_kernel_size > self.block_size:
-            self._fail("conv_kernel_size", self.conv_kernel_size,
-                       f"must be <= block_size={self.block_size}: taps never cross a block start, "
-                       "so longer kernels have taps that never see a token")
-        if self.selector_top_k > self.vocab_size:
-            self._fail("selector_top_k", self.selector_top_k,
-                       f"must be <= vocab_size={self.vocab_size} (candidates come from the full "
-                       "target vocabulary)")
-
-    def _validate_dspark(self) -> None:
-        from dflash_lab.model.dspark import MARKOV_HEAD_TYPES
-
-        rank = self.markov_rank
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            self._fail("markov_rank", rank, "must be an integer >= 0 (0 = no Markov head)")
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            self._fail("markov_head_type", self.markov_head_type,
-                       f"must be one of {list(MARKOV_HEAD_TYPES)}")
-        for key in ("enable_confidence_head", "confidence_head_with_markov"):
-            if not isinstance(getattr(self, key), bool):
-                self._fail(key, getattr(self, key), "must be true or false")
-        if self.enable_confidence_head and self.confidence_head_with_markov and rank == 0:
-            self._fail("confidence_head_with_markov", True,
-                       "needs markov_rank > 0 (its input is the Markov embedding); set it false "
-                       "or give a markov_rank")
-        for key, off in SCALE_DEFAULTS.items():
-            if getattr(self, key) != off:
-                self._fail(key, getattr(self, key), "is not implemented for variant='dspark' "
-                           "(vLLM scales the backbone logits and the Markov bias apart); "
-                           f"leave it at {off}")
 
     def _validate_draft_vocab(self) -> None:
         n = self.draft_vocab_size
@@ -404,16 +383,6 @@ class DrafterConfig:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size:
             self._fail("draft_vocab_size", n, f"must be an integer in [1, vocab_size="
                        f"{self.vocab_size}], or null for the target's whole vocabulary")
-        if self.variant == DFLASH2 and n < self.vocab_size:
-            self._fail("draft_vocab_size", n, "DFlash 2's candidate selector scores candidates "
-                       "over the target's whole vocabulary (its codebooks are vocabulary-sized): "
-                       "set drafter.draft_vocab_size=null, or train a DFlash 1 drafter "
-                       "(variant=dflash1) for a reduced draft vocabulary")
-
-    @property
-    def has_draft_vocab(self) -> bool:
-        """A reduced draft vocabulary (N < V): the drafter owns its head and the id maps."""
-        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
 
     def _validate_scales(self) -> None:
         for key in ("input_embedding_scale", "output_multiplier"):
@@ -456,15 +425,22 @@ class DrafterConfig:
         """Tokens one block drafts: B-1 for DFlash, B with :attr:`sample_from_anchor`."""
         return self.block_size - self.first_draft_slot
 
+    # Transitional: the exporter's format modules still read these (issue 44).
     @property
     def is_dspark(self) -> bool:
-        """DSpark: a Markov bias head and/or a confidence head on the DFlash 1 backbone."""
         return self.variant == DSPARK
 
     @property
     def is_dflash2(self) -> bool:
-        """DFlash 2: convs around every sublayer and the candidate selector."""
         return self.variant == DFLASH2
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.draft_vocab_size is not None
+
+    @property
+    def laguna_features(self) -> dict[str, Any]:
+        return heads.get_feature("laguna").training_spec(self).get("laguna", {})
 
     @property
     def any_sliding(self) -> bool:
@@ -479,7 +455,9 @@ class DrafterConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        """Every keyword the constructor takes: the dataclass fields and the heads' fields."""
+        return ({f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+                - {"head_options"}) | set(heads.field_owners())
 
     @classmethod
     def create(cls, source: str = "<drafter config>", **kwargs: Any) -> DrafterConfig:
@@ -519,14 +497,11 @@ class DrafterConfig:
             # always explicit: engines default it differently (vLLM false, llama.cpp true)
             "sample_from_anchor": self.sample_from_anchor,
         }
-        if self.is_dflash2:
-            dflash.update({k: getattr(self, k) for k in DFLASH2_DEFAULTS})
-        if self.is_dspark:
-            dflash.update({k: getattr(self, k) for k in DSPARK_DEFAULTS})
+        dflash.update(self.head.serving_keys(self))
         dflash.update({k: getattr(self, k) for k, off in SCALE_DEFAULTS.items()
                        if getattr(self, k) != off})
         out: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.variant]],
+            "architectures": [self.head.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -552,7 +527,7 @@ class DrafterConfig:
         }
         if self.any_sliding:
             dflash["swa_window_size"] = self.sliding_window
-        if self.has_draft_vocab:  # vLLM sizes the draft head and d2t from the top-level key
+        if self.draft_vocab_size is not None:  # vLLM sizes the draft head and d2t from it
             out["draft_vocab_size"] = self.draft_vocab_size
         if self.target_hidden_size != self.hidden_size:  # vLLM sizes fc from the top-level key
             out["target_hidden_size"] = self.target_hidden_size
@@ -566,8 +541,8 @@ class DrafterConfig:
             "is_causal": self.is_causal,
             "learned_mask_embedding": self.learned_mask_embedding,
         }
-        if self.laguna_features:  # no engine reads these from our layout: export/laguna.py
-            out[TRAINING_SPEC_KEY]["laguna"] = self.laguna_features
+        for part in self.parts:  # what no engine reads from our layout (Laguna: export/laguna.py)
+            out[TRAINING_SPEC_KEY].update(part.training_spec(self))
         return out
 
     @classmethod
@@ -612,20 +587,18 @@ SHAPE_KEYS = (
     "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
     "max_position_embeddings", "attention_bias", "num_target_layers",
 )
-#: Keys holding a variant field (DFlash 2) or a scale; ours writes them in ``dflash_config``.
-VARIANT_KEYS = tuple(DFLASH2_DEFAULTS) + tuple(DSPARK_DEFAULTS) + tuple(SCALE_DEFAULTS)
 #: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
 OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
     "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
     TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY, "draft_vocab_size", "target_hidden_size",
     "rope_parameters",  # transformers 5 re-saves rope_theta there
 }
-OUR_DFLASH_KEYS = frozenset(
+#: The ``dflash_config`` keys ours writes besides the heads' (:func:`variant_keys`).
+CORE_DFLASH_KEYS = frozenset(
     {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size",
-     "attention_sink_bias", "sample_from_anchor", *VARIANT_KEYS}
+     "attention_sink_bias", "sample_from_anchor"}
 )
-_SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding",
-                        "laguna"})
+_SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding"})
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
              "vocab_size")
 
@@ -653,33 +626,31 @@ def require_keys(d: dict[str, Any], dfc: dict[str, Any], source: str,
 
 
 def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
-    """dflash1 | dflash2 from ``architectures``, else from the presence of DFlash 2 keys."""
+    """The head from ``architectures``, else from the presence of one head's keys (dflash1
+    without any); a head's keys under another head's architecture are refused."""
     arch = d.get("architectures")
-    has_v2_keys = sorted(k for k in DFLASH2_DEFAULTS if k in dfc or k in d)
+    present = {head.name: sorted(k for k in head.fields if k in dfc or k in d)
+               for head in heads.heads()}
+    present = {name: keys for name, keys in present.items() if keys}
     if not arch:
-        return DFLASH2 if has_v2_keys else DFLASH1
-    by_name = {name: variant for variant, name in ARCHITECTURES.items()}
+        return next(iter(present)) if len(present) == 1 else DFLASH1
+    by_name = {head.architecture: head.name for head in heads.heads()}
     found = [by_name[a] for a in arch if a in by_name]
     if len(found) != 1 or len(arch) != 1:
         raise ValueError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
-                         f"one of {[[a] for a in ARCHITECTURES.values()]}")
-    has_spark_keys = sorted(k for k in DSPARK_DEFAULTS if k in dfc or k in d)
-    if found[0] != DSPARK and has_spark_keys:
-        raise ValueError(f"{source}: has the DSpark keys {has_spark_keys} but architectures="
-                         f"{arch}; set architectures to ['{ARCHITECTURES[DSPARK]}'] or remove "
-                         "them")
-    if found[0] == DFLASH1 and has_v2_keys:
-        raise ValueError(f"{source}: has the DFlash 2 keys {has_v2_keys} but architectures="
-                         f"{arch}; set architectures to ['DFlash2DraftModel'] or remove them")
+                         f"one of {[[a] for a in by_name]}")
+    for name, keys in present.items():
+        if name != found[0]:
+            head = heads.get(name)
+            raise ValueError(f"{source}: has the {head.title} keys {keys} but architectures="
+                             f"{arch}; set architectures to ['{head.architecture}'] or remove "
+                             "them")
     return found[0]
 
 
-def require_dflash2_keys(fields: dict[str, Any], source: str) -> None:
-    """A DFlash2DraftModel config names its conv and selector (z-lab's loader needs them)."""
-    if fields["variant"] == DFLASH2:
-        missing = [f"dflash_config.{k}" for k in DFLASH2_DEFAULTS if k not in fields]
-        if missing:
-            raise ValueError(f"{source}: a DFlash2DraftModel config needs {missing}")
+def require_head_keys(fields: dict[str, Any], source: str) -> None:
+    """The keys a head's owners need in a config.json (``Head.check_read``)."""
+    heads.get(fields["variant"]).check_read(fields, source)
 
 
 def shape_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
@@ -747,15 +718,18 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
             "(dflash-export SRC OUT, dflash-export --inspect DIR), which resolves its layout "
             "with a named engine rule set")
     reject_unknown_keys(set(d), OUR_TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
-    reject_unknown_keys(set(dfc), OUR_DFLASH_KEYS, "dflash_config.", source)
+    reject_unknown_keys(set(dfc), CORE_DFLASH_KEYS | set(variant_keys()), "dflash_config.",
+                        source)
     spec = d[TRAINING_SPEC_KEY]
-    reject_unknown_keys(set(spec), _SPEC_KEYS, f"{TRAINING_SPEC_KEY}.", source)
+    parts = heads.features()
+    reject_unknown_keys(set(spec), _SPEC_KEYS | {p.spec_key for p in parts if p.spec_key},
+                        f"{TRAINING_SPEC_KEY}.", source)
     if "target_layer_ids" not in dfc:
         raise ValueError(f"{source}: missing dflash_config.target_layer_ids; re-export the drafter")
     kwargs = shape_fields(d, source)
     kwargs["variant"] = variant_of(d, dfc, source)
-    kwargs.update({k: dfc[k] for k in VARIANT_KEYS if dfc.get(k) is not None})
-    require_dflash2_keys(kwargs, source)
+    kwargs.update({k: dfc[k] for k in variant_keys() if dfc.get(k) is not None})
+    require_head_keys(kwargs, source)
     kwargs.update(
         block_size=_our_block_size(d, dfc, source), mask_token_id=dfc["mask_token_id"],
         target_layer_ids=dfc["target_layer_ids"], layer_types=d.get("layer_types"),
@@ -765,8 +739,10 @@ def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> 
         sample_from_anchor=bool(dfc.get("sample_from_anchor", False)),
         draft_vocab_size=d.get("draft_vocab_size"),
         target_hidden_size=d.get("target_hidden_size"))
-    laguna = dict(spec.get("laguna") or {})
-    reject_unknown_keys(set(laguna), frozenset(LAGUNA_DEFAULTS), f"{TRAINING_SPEC_KEY}.laguna.",
-                        source)
-    kwargs.update(laguna)
+    for part in parts:
+        if part.spec_key:
+            entry = dict(spec.get(part.spec_key) or {})
+            reject_unknown_keys(set(entry), frozenset(part.fields),
+                                f"{TRAINING_SPEC_KEY}.{part.spec_key}.", source)
+            kwargs.update(entry)
     return cls(_source=source, **kwargs)

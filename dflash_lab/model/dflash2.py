@@ -107,6 +107,8 @@ class GroupedDynamicCausalConv(nn.Module):
     """The conv around one sublayer. base_kernel [2, K, H] (side 0 = input, 1 = output);
     kernel_projection H -> 2*K*G, laid out [side, tap, group] (z-lab's layout)."""
 
+    owns_init = True  #: re-initialised by reset_parameters after the drafter's init
+
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
         super().__init__()
         self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
@@ -192,6 +194,8 @@ class CandidateSelector(nn.Module):
     Codebooks are bare parameters so the state_dict keys are the serving names
     ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``).
     """
+
+    owns_init = True  #: re-initialised by reset_parameters after the drafter's init
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
         super().__init__()

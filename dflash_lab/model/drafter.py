@@ -10,9 +10,10 @@ Two call paths share every weight and the same attention code:
 The target's embedding and LM head are passed in and never become part of ``state_dict()``, whose
 keys are already the serving layout (dflash.md section 4). Output is the final-normed hidden state
 of every block slot; the unary logits are :meth:`DFlashDrafter.unary_logits` (``lm_head(hidden)``
-times ``output_multiplier``, softcapped; the loss chunks that projection). A DFlash 2 drafter
-(``config.variant == "dflash2"``) adds the convs inside every layer and a candidate selector that
-turns unary top-K candidates into the draft (:meth:`propose`; training: :meth:`selector_scores`).
+times ``output_multiplier``, softcapped; the loss chunks that projection). A head's modules
+(dflash_lab/heads/: DFlash 2's convs inside every layer and candidate selector that turns unary
+top-K candidates into the draft, :meth:`propose`; training: :meth:`selector_scores`) are
+attached by the head (model/heads.py ``attach``, ``layer_modules``).
 
 Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
 concatenated target features, Hkv key/value heads, D head dim, V vocab, C selector candidates,
@@ -32,8 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_lab.attention.base import AttentionBackend, get_backend
 from dflash_lab.attention.mask import BlockLayout, document_starts
 from dflash_lab.model.config import DrafterConfig
-from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv, scale_logits
-from dflash_lab.model.dspark import ConfidenceHead, MarkovHead
+from dflash_lab.model.dflash2 import scale_logits
 from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding
 
 
@@ -65,10 +65,6 @@ class DFlashDrafter(nn.Module):
         self.backend_name = backend
         self.fc = nn.Linear(config.num_features, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Laguna: one RMSNorm per target-layer slice of the features, before fc
-        self.aux_hidden_norms = nn.ModuleList(
-            RMSNorm(config.hidden_size, config.rms_norm_eps) for _ in config.target_layer_ids
-        ) if config.aux_hidden_norms else None
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -76,17 +72,14 @@ class DFlashDrafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         else:
             self.mask_embedding = None
-        self.candidate_selector = CandidateSelector(
-            config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k,
-        ) if config.is_dflash2 else None
-        self.markov_head, self.confidence_head = self._dspark_heads(config)
-        if config.has_draft_vocab:  # serving layout: lm_head.weight [N, H], d2t [N], t2d [V]
-            n = config.draft_vocab_size
-            self.lm_head = nn.Linear(config.hidden_size, n, bias=False).requires_grad_(False)
-            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        else:
-            self.lm_head = None
+        # what the head and the features add (model/heads.py ``attach``): DFlash 2's
+        # candidate_selector, DSpark's markov_head / confidence_head, Laguna's
+        # aux_hidden_norms (one RMSNorm per target-layer slice before fc), a draft
+        # vocabulary's lm_head [N, H] with d2t [N] / t2d [V]
+        self.candidate_selector = self.markov_head = self.confidence_head = None
+        self.aux_hidden_norms = self.lm_head = None
+        for part in config.parts:
+            part.attach(self)
         self._specs = config.layer_specs()
         self.activation_checkpointing = False  # recompute each layer in backward (saves memory)
         self.static_shapes = False  # same attention shapes every step (set by compile_layers)
@@ -99,23 +92,9 @@ class DFlashDrafter(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        # apply() visits children first: these re-initialise their own Linear afterwards
-        if isinstance(module, GroupedDynamicCausalConv | CandidateSelector | MarkovHead
-                      | ConfidenceHead):
+        # apply() visits children first: a head's module re-initialises its own Linear after
+        if getattr(module, "owns_init", False):
             module.reset_parameters()
-
-    @staticmethod
-    def _dspark_heads(config: DrafterConfig) -> tuple[MarkovHead | None, ConfidenceHead | None]:
-        """DSpark's Markov head (markov_rank > 0) and confidence head (model/dspark.py)."""
-        if not config.is_dspark:
-            return None, None
-        rank = config.markov_rank
-        markov = MarkovHead(config.hidden_size, config.vocab_size,
-                            config.draft_vocab_size or config.vocab_size, rank,
-                            config.markov_head_type) if rank > 0 else None
-        conf = ConfidenceHead(config.hidden_size, rank, config.confidence_head_with_markov) \
-            if config.enable_confidence_head else None
-        return markov, conf
 
     def markov_bias_full(self, bias_xn: Tensor) -> Tensor:
         """A Markov bias over the draft vocabulary [x, N] in the target vocabulary [x, V]
@@ -306,7 +285,7 @@ class DFlashDrafter(nn.Module):
         full[..., self.draft_token_ids()] = logits
         return full
 
-    def _selector(self) -> CandidateSelector:
+    def _selector(self) -> nn.Module:
         if self.candidate_selector is None:
             raise ValueError("this is a DFlash 1 drafter (variant='dflash1'): it has no "
                              "candidate selector; use unary_logits().argmax(-1)")

@@ -55,6 +55,8 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 class MarkovHead(nn.Module):
     """Low-rank bias over the draft vocabulary from the previous token (module docstring)."""
 
+    owns_init = True  #: re-initialised by reset_parameters after the drafter's init
+
     def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int, rank: int,
                  head_type: str = "vanilla"):
         super().__init__()
@@ -141,6 +143,8 @@ class MarkovHead(nn.Module):
 
 class ConfidenceHead(nn.Module):
     """Acceptance-probability logit per slot: ``proj([h; e])`` (or ``proj(h)``) -> [x]."""
+
+    owns_init = True  #: re-initialised by reset_parameters after the drafter's init
 
     def __init__(self, hidden_size: int, rank: int, with_markov: bool):
         super().__init__()

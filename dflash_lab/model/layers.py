@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_lab.model.config import DrafterConfig
-from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 from dflash_lab.model.rope import rope_tables
 
 
@@ -137,13 +136,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _conv(config: DrafterConfig) -> GroupedDynamicCausalConv | None:
-    if not config.is_dflash2:
-        return None
-    return GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size,
-                                    config.conv_group_size, config.block_size)
-
-
 class DraftLayer(nn.Module):
     """Pre-norm decoder layer. The context gets no query and no MLP, and no input norm unless
     ``config.context_input_norm`` (Laguna).
@@ -158,8 +150,11 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention_conv = _conv(config)
-        self.mlp_conv = _conv(config)
+        # the head's modules of a layer (model/heads.py ``layer_modules``; DFlash 2's convs)
+        self.attention_conv = self.mlp_conv = None
+        for part in config.parts:
+            for name, module in part.layer_modules(config).items():
+                setattr(self, name, module)
         self.context_input_norm = config.context_input_norm
 
     def context_kv(self, ctx_bsh: Tensor, cos_sin: tuple[Tensor, Tensor]
@@ -172,7 +167,7 @@ class DraftLayer(nn.Module):
         return self.self_attn.kv(ctx_bsh, cos_sin)
 
     @staticmethod
-    def _sublayer(fn: Any, conv: GroupedDynamicCausalConv | None, normed_bqh: Tensor) -> Tensor:
+    def _sublayer(fn: Any, conv: nn.Module | None, normed_bqh: Tensor) -> Tensor:
         if conv is None:
             return fn(normed_bqh)
         conv_in, dyn = conv.prepare(normed_bqh)

@@ -72,7 +72,7 @@ def prepare_draft_vocab(drafter, dataset: Dataset, target_lm_head,
     set) from ``dataset`` unless it already holds one (warm start). Returns the record that
     :func:`write_record` keeps (None without a draft vocabulary)."""
     cfg = drafter.config
-    if not cfg.has_draft_vocab:
+    if drafter.lm_head is None:  # the target's whole vocabulary
         return None
     if drafter.draft_vocab_set:
         ids, source = drafter.draft_token_ids().cpu(), "kept from drafter.init_from"

@@ -16,7 +16,7 @@ Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p`` a p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -443,8 +443,9 @@ class LossOutput:
     first_slot: int = 1
     #: the CE of every valid slot [M] (detached; the CE pass only): DSpark's confidence target
     slot_ce: Tensor | None = None
-    #: DSpark's confidence term (:class:`dflash_lab.train.dspark.ConfidenceOutput`)
-    confidence: Any = None
+    #: a head's own loss pieces by name (model/heads.py ``add_losses``; its ``terms`` read
+    #: them): DSpark's "confidence" (:class:`dflash_lab.train.dspark.ConfidenceOutput`)
+    head_pieces: dict[str, Any] = field(default_factory=dict)
 
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,

@@ -25,6 +25,7 @@ Batch contract (from the data module), Bt rows padded to S:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -41,7 +42,6 @@ from dflash_lab.train.distill import (
     slot_teacher,
     teacher_kind,
 )
-from dflash_lab.train.dspark import confidence_loss, markov_inputs, markov_prev_ids
 from dflash_lab.train.loss import (
     CE_CHUNK_BYTES,
     LABEL_SOURCES,
@@ -56,10 +56,31 @@ from dflash_lab.train.loss import (
     token_targets,
 )
 from dflash_lab.train.objective import Term, dflash_loss, local_means, objective, terms
-from dflash_lab.train.selector import SelectorMetrics, SelectorSettings, selector_loss
+from dflash_lab.train.selector import SelectorMetrics, SelectorSettings
 
 #: Prefix of the frozen target pieces: never written to checkpoints.
 TARGET_PREFIX = "target_head."
+
+
+@dataclass
+class StepParts:
+    """What a head's training hooks (model/heads.py ``head_inputs``, ``add_terms``) read and
+    change in one loss computation: the batch, the drafted blocks ``hidden`` [Bt, N, B, H],
+    ``anchors`` [Bt, N], the labels ``token_ids`` [Bt, S] and their block targets ``tgt``, the
+    head the CE pass runs through and its input, the teacher, the val temperatures."""
+
+    batch: dict[str, Tensor]
+    hidden: Tensor
+    anchors: Tensor
+    token_ids: Tensor
+    tgt: Any
+    lm_head: nn.Module
+    teacher: Any
+    temperatures: tuple[float, ...]
+    weighting: dict[str, Any]
+    selector_soft: bool
+    head_in: Tensor | None = None
+    emb: Tensor | None = None  #: DSpark: the Markov embedding of each slot's previous token
 
 
 class DFlashModule(L.LightningModule):
@@ -96,25 +117,23 @@ class DFlashModule(L.LightningModule):
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
                              f"{list(LABEL_SOURCES)}")
-        self.selector_settings = SelectorSettings.create(selector, drafter.config.variant)
+        self.selector_settings = SelectorSettings.create(selector)
         selector = dict(selector or {})  # plain types in the checkpoint's hyper_parameters
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
         check_position_weighting(position_weighting, dpace_alpha)
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
         loss = loss if isinstance(loss, str) else {str(k): float(v) for k, v in loss.items()}
         self.loss_spec = LossSpec.create(loss, label_temperature, lk_eta, accept_temperature)
-        _check_dspark(drafter.config, self.loss_spec, confidence_head_alpha)
+        if not float(confidence_head_alpha) >= 0:
+            raise ValueError(f"module.confidence_head_alpha={confidence_head_alpha}: must be "
+                             ">= 0 (speculators: 1.0)")
+        drafter.config.head.check_training(drafter.config, self)  # before a teacher is chosen
         self.val_temperatures = resolve_val_temperatures(val_temperatures, target_distribution)
         self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,
                                          self.val_temperatures, "the training data",
                                          self.selector_settings.needs_distribution)
-        if drafter.config.has_draft_vocab and self.teacher_kind not in ("none", "dense"):
-            raise ValueError(
-                f"drafter.draft_vocab_size={drafter.config.draft_vocab_size} with a top-k capture "
-                "(capture.distribution_topk): its ids span the target's whole vocabulary, so the "
-                "teacher cannot be restricted to the draft vocabulary; capture with "
-                "capture.distribution=[last_hidden] (or train online), or drop the "
-                "distribution loss (module.loss=ce)")
+        for feature in drafter.config.features:
+            feature.check_training(drafter.config, self)
         self.teacher_softcap = getattr(target_head, "logit_softcap", None)
         self.save_hyperparameters(ignore=["drafter", "target_head", "optimizer", "scheduler",
                                           "feature_source", "target_distribution"])
@@ -169,8 +188,9 @@ class DFlashModule(L.LightningModule):
     def loss(self, batch: dict[str, Tensor], hidden: Tensor, anchors: Tensor,
              anchor_valid: Tensor) -> LossOutput:
         """The (local) weighted loss pieces of the drafted blocks ``hidden`` [Bt, N, B, H]:
-        labels at the anchored slots, unary CE, and for DFlash 2 the selector term."""
+        labels at the anchored slots, the CE pass, and the head's terms (``add_terms``)."""
         hp, cfg = self.hparams, self.drafter.config
+        head = cfg.head
         lm_head = self.drafter.head(self.target_head.lm_head)
         token_ids = token_targets(batch["input_ids"], batch.get("target_argmax"),
                                   hp.label_source)
@@ -180,32 +200,21 @@ class DFlashModule(L.LightningModule):
         tgt = block_targets(targets, batch["loss_mask"], anchors, anchor_valid, cfg.block_size,
                             batch.get("document_ids"), cfg.label_shift)
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
-        # DSpark: no val/tau_T (the distribution pass reads a plain Linear head, not [W | w2])
-        temperatures = () if self.training or cfg.is_dspark else tuple(self.val_temperatures)
+        temperatures = () if self.training or not head.expected_taus \
+            else tuple(self.val_temperatures)
         selector_soft = self.selector_settings.target == "distribution"
         kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures
                                      or selector_soft) else "none"
         teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap,
                                cfg.label_shift)
-        head_in, emb = hidden, None
-        if cfg.is_dspark:  # the Markov bias joins the head: [h; f] @ [W_lm | markov_w2]
-            prev = markov_prev_ids(batch["input_ids"], token_ids, anchors, cfg.block_size,
-                                   cfg.label_shift)
-            head_in, lm_head, emb = markov_inputs(self.drafter, hidden, prev, lm_head)
-        out = dflash_loss(head_in, tgt, lm_head, hp.gamma, hp.ce_chunk_size, anchor_valid,
-                          hp.ce_chunk_bytes, scale=self.logit_scale,
-                          top_k=cfg.selector_top_k if cfg.is_dflash2 else 0, **weighting,
-                          spec=self.loss_spec, teacher=teacher, temperatures=temperatures)
-        if cfg.is_dspark:
-            out.confidence = confidence_loss(self.drafter, hidden, emb, out, hp.gamma)
-        if cfg.is_dflash2:
-            out.selector = selector_loss(
-                self.drafter.candidate_selector, hidden, out, tgt,
-                batch["input_ids"].gather(1, anchors), lm_head, hp.gamma,
-                self.selector_settings.missing_gold, self.logit_scale, hp.ce_chunk_bytes,
-                **weighting, teacher=teacher if selector_soft else None,
-                label_temperature=self.loss_spec.label_temperature,
-                temperatures=temperatures, eval_teacher=teacher)
+        step = StepParts(batch, hidden, anchors, token_ids, tgt, lm_head, teacher, temperatures,
+                         weighting, selector_soft, head_in=hidden)
+        head.head_inputs(self, step)
+        out = dflash_loss(step.head_in, tgt, step.lm_head, hp.gamma, hp.ce_chunk_size,
+                          anchor_valid, hp.ce_chunk_bytes, scale=self.logit_scale,
+                          top_k=head.unary_top_k(cfg), **weighting, spec=self.loss_spec,
+                          teacher=teacher, temperatures=temperatures)
+        head.add_losses(self, step, out)
         return out
 
     def blocks_loss(self, batch: dict[str, Tensor], anchors: Tensor,
@@ -215,8 +224,8 @@ class DFlashModule(L.LightningModule):
 
     def terms(self, out: LossOutput, step: int) -> list[Term]:
         """The named terms of the objective at optimizer step ``step`` (train/objective.py)."""
-        return terms(out, self.loss_spec.accept_weight, self.hparams.confidence_head_alpha,
-                     self.selector_settings.alpha_at(step))
+        return (terms(out, self.loss_spec.accept_weight)
+                + self.drafter.config.head.terms(self, out, step))
 
     def objective(self, out: LossOutput, step: int, world_size: int = 1,
                   all_reduce_sum=None) -> Tensor:
@@ -283,10 +292,10 @@ class DFlashModule(L.LightningModule):
             self.log(key, expected.mean() if expected.numel() else 1.0, sync_dist=True)
         self._val_expected.clear()
         self.log("val/loss", sums[0] / sums[1].clamp(min=1e-8), sync_dist=True)
-        if not self.drafter.config.is_dflash2:
+        if self.drafter.candidate_selector is None:
             self.log("val/tau", taus.mean(), prog_bar=True, sync_dist=True)
             return
-        # DFlash 2: val/tau is the selector path's (the checkpoint monitor picks by it)
+        # a selector: val/tau is its path's (the checkpoint monitor picks by it)
         metrics = self._val_selector.compute()
         self._val_selector.reset()
         self.log("val/tau", metrics.pop("val/tau"), prog_bar=True, sync_dist=True)
@@ -345,13 +354,3 @@ class DFlashModule(L.LightningModule):
         checkpoint.setdefault("hyper_parameters", {})
         checkpoint["hyper_parameters"]["drafter_config"] = self.drafter.config.to_dict()
 
-
-def _check_dspark(config, spec: LossSpec, alpha: float) -> None:
-    """DSpark trains on the CE pass only (the distribution pass computes its gradient to the
-    hidden states alone, so markov_w2 would not learn); ``confidence_head_alpha`` >= 0."""
-    if not float(alpha) >= 0:
-        raise ValueError(f"module.confidence_head_alpha={alpha}: must be >= 0 (speculators: 1.0)")
-    if config.is_dspark and config.markov_rank and not spec.ce_only:
-        raise ValueError("module.loss: a DSpark drafter with a Markov head trains with "
-                         "module.loss=ce only (the distribution losses' fused pass does not "
-                         "train markov_w2); set module.loss=ce")

@@ -3,9 +3,10 @@
 :func:`dflash_loss` computes the label term over one batch of blocks (the CE pass of
 train/loss.py for the label CE alone, the distribution pass of train/distill_head.py for
 distribution terms or measured acceptance; it sits above both so neither imports the other's
-caller). :func:`terms` names every term the loss pieces hold (label, accept, DSpark's confidence,
-DFlash 2's selector) with its coefficient; :func:`objective` sums them, each normalised by its
-GLOBAL count, and :func:`local_means` gives the same sum on this rank for the logs."""
+caller). :func:`terms` names the label and accept terms the loss pieces hold with their
+coefficients (a head adds its own: model/heads.py ``terms``); :func:`objective` sums them,
+each normalised by its GLOBAL count, and :func:`local_means` gives the same sum on this rank
+for the logs."""
 
 from __future__ import annotations
 
@@ -80,22 +81,13 @@ class Term:
         return self.weighted_sum.detach() / self.count.clamp(min=1e-8)
 
 
-def terms(out: LossOutput, accept_weight: float = 1.0, confidence_alpha: float = 1.0,
-          selector_alpha: float = 0.0) -> list[Term]:
-    """The terms the loss pieces ``out`` hold, in the order they are summed: the label term,
-    then the accept objective, DSpark's confidence BCE and DFlash 2's selector CE where present
-    (the selector even at alpha 0, so every parameter is in the graph under DDP)."""
+def terms(out: LossOutput, accept_weight: float = 1.0) -> list[Term]:
+    """The label term, then the accept objective where present: the terms every head has, in
+    the order they are summed (the head's own follow)."""
     found = [Term("label", out.weighted_sum, out.weight_sum)]
     if out.accept_sum is not None:  # normalised by the real blocks
         found.append(Term("accept", out.accept_sum, out.accept_count, accept_weight,
                           "expected_accepted", -1.0))
-    if (conf := out.confidence) is not None:  # per supervised slot (speculators' mean)
-        found.append(Term("confidence", conf.weighted_sum, conf.count, confidence_alpha,
-                          "confidence_loss", extra=(("confidence_abs_error", conf.abs_error_sum
-                                                     / conf.count.clamp(min=1)),)))
-    if (sel := out.selector) is not None:
-        found.append(Term("selector", sel.weighted_sum, sel.weight_sum, selector_alpha,
-                          "selector_loss", extra=(("alpha", float(selector_alpha)),)))
     return found
 
 

@@ -45,6 +45,17 @@ from dflash_lab.train.loss import (
 )
 
 MISSING_GOLD = ("exclude", "swap")
+
+
+def refuse_selector_settings(settings: SelectorSettings, variant: str) -> None:
+    """A drafter without a candidate selector refuses any non-default ``module.selector``
+    value (it would silently do nothing)."""
+    if settings != SelectorSettings():
+        changed = {k: v for k, v in asdict(settings).items()
+                   if v != getattr(SelectorSettings(), k)}
+        raise ValueError(f"module.selector {changed}: only DFlash 2 drafters have a "
+                         f"candidate selector, this drafter is variant='{variant}'; use "
+                         "drafter=dflash2 (conf/drafter/dflash2.yaml) or drop the override")
 #: ``module.selector.target``: what the K-way selector loss learns
 SELECTOR_TARGETS = ("argmax", "distribution")
 
@@ -68,9 +79,9 @@ class SelectorSettings:
     target: str = "argmax"
 
     @classmethod
-    def create(cls, given: Mapping[str, Any] | None, variant: str) -> SelectorSettings:
-        """Validated settings; a DFlash 1 drafter refuses any non-default value (it has no
-        selector: the values would silently do nothing)."""
+    def create(cls, given: Mapping[str, Any] | None) -> SelectorSettings:
+        """Validated settings (a head without a selector refuses non-default ones:
+        :func:`refuse_selector_settings`)."""
         given = dict(given or {})
         known = {f.name for f in fields(cls)}
         for key in given:
@@ -81,11 +92,6 @@ class SelectorSettings:
                                  f"{sorted(known)} (conf/module/default.yaml)")
         settings = cls(**given)
         settings._validate()
-        if variant != "dflash2" and settings != cls():
-            changed = {k: v for k, v in asdict(settings).items() if v != getattr(cls(), k)}
-            raise ValueError(f"module.selector {changed}: only DFlash 2 drafters have a "
-                             f"candidate selector, this drafter is variant='{variant}'; use "
-                             "drafter=dflash2 (conf/drafter/dflash2.yaml) or drop the override")
         return settings
 
     def _validate(self) -> None:

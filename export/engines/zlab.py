@@ -30,7 +30,7 @@ from dflash_lab.model.config import (
     DrafterConfig,
     build_target_layer_ids,
     reject_unknown_keys,
-    require_dflash2_keys,
+    require_head_keys,
     require_keys,
     shape_fields,
     variant_of,
@@ -66,7 +66,7 @@ def _variant_fields(d: dict[str, Any], dfc: dict[str, Any], source: str) -> dict
         value = draft_value(d, key)
         if value is not None:
             fields[key] = value
-    require_dflash2_keys(fields, source)
+    require_head_keys(fields, source)
     cap = fields.get("final_logit_softcapping")
     if isinstance(cap, int | float) and not isinstance(cap, bool) and cap <= 0:
         fields["final_logit_softcapping"] = None

@@ -4,6 +4,7 @@ exact selector-path tau, gradients, a Lightning run of the tiny recipe and its r
 import csv
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from dflash_lab.model import heads
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.train.loss import (
@@ -182,8 +184,9 @@ def test_alpha_schedule_warmup_then_linear_ramp():
     ({"alpha": 0.5}, "dflash1", "only DFlash 2 drafters .*drafter=dflash2"),
 ])
 def test_selector_settings_are_validated_at_start_up(given, variant, message):
-    with pytest.raises(ValueError, match=message):
-        SelectorSettings.create(given, variant)
+    with pytest.raises(ValueError, match=message):  # the head refuses what it cannot train
+        settings = SelectorSettings.create(given)
+        heads.get(variant).check_training(None, SimpleNamespace(selector_settings=settings))
 
 
 def test_dflash1_module_accepts_the_default_selector_block_and_refuses_a_changed_one():

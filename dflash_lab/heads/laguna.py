@@ -1,0 +1,70 @@
+"""The Laguna features (vLLM's ``laguna_dflash.py``; export/laguna.py writes their serving
+layout): one RMSNorm per target-layer slice of the features before fc, context K/V through each
+layer's ``input_layernorm``, a softplus output gate on attention, partial rotary. Any head may
+switch them on; off, the drafter is today's DFlash drafter. No engine reads them from our own
+layout, so they are kept in our training spec (``dflash_lab_training_spec.laguna``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from dflash_lab.model.heads import Head, register
+from dflash_lab.model.layers import RMSNorm
+
+#: The fields and their "off" values.
+DEFAULTS = {"aux_hidden_norms": False, "context_input_norm": False, "attention_gate": None,
+            "partial_rotary_factor": 1.0}
+#: ``attention_gate`` values: softplus(g_proj(x)) per head (broadcast over head_dim) or per
+#: (head, head_dim) channel, multiplying the attention output before ``o_proj``.
+ATTENTION_GATES = ("per-head", "per-element")
+
+
+def laguna_features(config: Any) -> dict[str, Any]:
+    """The Laguna features that are on (empty for a plain DFlash drafter)."""
+    return {k: getattr(config, k) for k, off in DEFAULTS.items() if getattr(config, k) != off}
+
+
+class Laguna(Head):
+    name = "laguna"
+    title = "Laguna"
+    fields = DEFAULTS
+    spec_key = "laguna"
+
+    def validate(self, config: Any) -> None:
+        for key in ("aux_hidden_norms", "context_input_norm"):
+            if not isinstance(getattr(config, key), bool):
+                config._fail(key, getattr(config, key), "must be true or false")
+        if config.attention_gate is not None and config.attention_gate not in ATTENTION_GATES:
+            config._fail("attention_gate", config.attention_gate,
+                         f"must be null (no gate) or one of {list(ATTENTION_GATES)}")
+        factor = config.partial_rotary_factor
+        if (isinstance(factor, bool) or not isinstance(factor, int | float)
+                or not math.isfinite(factor) or not 0 < factor <= 1
+                or int(config.head_dim * factor) % 2):
+            config._fail("partial_rotary_factor", factor,
+                         f"must be in (0, 1] with int(head_dim * factor) even (head_dim="
+                         f"{config.head_dim}): the rotated dims are split in two halves")
+        if config.target_hidden_size != config.hidden_size and config.aux_hidden_norms:
+            config._fail("target_hidden_size", config.target_hidden_size,
+                         f"must equal hidden_size={config.hidden_size} with aux_hidden_norms: "
+                         "vLLM's laguna_dflash.py sizes fc and its norms from the target's "
+                         "hidden size")
+
+    def serving_keys(self, config: Any) -> dict[str, Any]:
+        return {}
+
+    def training_spec(self, config: Any) -> dict[str, Any]:
+        on = laguna_features(config)
+        return {self.spec_key: on} if on else {}
+
+    def attach(self, drafter: Any) -> None:
+        c = drafter.config
+        if c.aux_hidden_norms:
+            drafter.aux_hidden_norms = nn.ModuleList(
+                RMSNorm(c.hidden_size, c.rms_norm_eps) for _ in c.target_layer_ids)
+
+
+FEATURE = register(Laguna(), feature=True)

@@ -1,0 +1,175 @@
+"""The head interface and its registry: what a drafter variant adds to the shared DFlash backbone.
+
+A head (``drafter.variant``: dflash1, dflash2, dspark, ...) is ONE module under
+``dflash_lab/heads/`` holding a :class:`Head`: its config fields with their defaults and
+validation, the modules it adds to the backbone, its training terms, its draft walk, and its
+serving form (``architectures``, ``dflash_config`` keys). A feature that any head may switch on
+(the Laguna features, a reduced draft vocabulary) is a :class:`Head` too, listed in
+``FEATURES``: it declares fields and modules the same way and is applied to every drafter.
+
+The core (DrafterConfig, the drafter, the training step, the eval loop) calls these hooks and
+never asks which head it holds. The registry maps a name to the module that defines the head
+and imports it on first use, so the core depends on this interface only (heads may import the
+training and eval code they build on). A head outside the package registers itself with
+:func:`register` when its module is imported; list that module in ``DFLASH_LAB_HEADS``
+(comma-separated module names) and every process, each stage command too, imports it
+(docs/architecture.md, "Add a head").
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+#: Built-in heads: variant name -> the module that defines (and registers) it.
+BUILTIN = {"dflash1": "dflash_lab.heads.dflash1", "dflash2": "dflash_lab.heads.dflash2",
+           "dspark": "dflash_lab.heads.dspark"}
+#: Built-in features: applied to every drafter, in this order.
+FEATURES = ("dflash_lab.heads.laguna", "dflash_lab.heads.draft_vocab")
+#: Environment variable naming modules outside the package that register heads.
+PLUGINS_ENV = "DFLASH_LAB_HEADS"
+
+_HEADS: dict[str, Head] = {}
+_FEATURES: dict[str, Head] = {}
+_OWNERS: dict[str, Head] = {}
+
+
+class Head:
+    """A drafter head: every hook's default is "adds nothing" (a plain DFlash 1 drafter).
+
+    ``fields``: the config fields the head owns and their defaults (a field left unset takes
+    its default; a field of another head must stay unset). ``serving_keys``: those written to
+    ``dflash_config`` (default: all of ``fields``).
+    """
+
+    name: str = ""  #: the ``drafter.variant`` value (a feature: its own name)
+    title: str = ""  #: how messages name it ("DFlash 2")
+    architecture: str = ""  #: config.json ``architectures`` entry the engines select it by
+    fields: Mapping[str, Any] = {}
+    #: what drafts besides the unary argmax ("selector", "Markov walk"); None: the unary head.
+    #: Such a head samples from that walk, so the unary expected tau_T is not its (no val/tau_T)
+    walk: str | None = None
+    #: whether the unary expected tau at T > 0 (val/tau_T) is measured for it
+    expected_taus: bool = True
+    #: the key of our training spec its :meth:`training_spec` writes (a feature: "laguna")
+    spec_key: str | None = None
+
+    # ---------------------------------------------------------------- config
+    def validate(self, config: Any) -> None:
+        """Refuse bad values of this head's fields (``config._fail(key, value, fix)``)."""
+
+    def serving_keys(self, config: Any) -> dict[str, Any]:
+        """The head's entries of ``dflash_config`` in the serving config.json."""
+        return {key: getattr(config, key) for key in self.fields}
+
+    def training_spec(self, config: Any) -> dict[str, Any]:
+        """Entries of our training spec (``dflash_lab_training_spec``) no engine reads."""
+        return {}
+
+    def check_read(self, fields: dict[str, Any], source: str) -> None:
+        """Refuse a config.json whose keys this head's owners could not load (``fields``:
+        what was read from it)."""
+
+    # ---------------------------------------------------------------- modules
+    def attach(self, drafter: Any) -> None:
+        """Add this head's modules to ``drafter`` (names are their state-dict prefixes)."""
+
+    def layer_modules(self, config: Any) -> dict[str, Any]:
+        """Modules of one draft layer (DFlash 2: its sublayer convs)."""
+        return {}
+
+    def min_slots(self, config: Any) -> int:
+        """Fewest block slots a draft runs on."""
+        return 2
+
+    # ---------------------------------------------------------------- training
+    def check_training(self, config: Any, module: Any) -> None:
+        """Refuse module settings this head cannot train ``config`` with (DFlashModule's
+        construction: a head before the teacher is chosen, a feature after)."""
+
+    def unary_top_k(self, config: Any) -> int:
+        """Candidates per slot the CE pass keeps (the unary top-K a selector re-ranks)."""
+        return 0
+
+    def head_inputs(self, module: Any, step: Any) -> None:
+        """Change ``step.head_in`` / ``step.lm_head`` before the CE pass (DSpark's bias)."""
+
+    def add_losses(self, module: Any, step: Any, out: Any) -> None:
+        """Add this head's loss pieces to ``out`` after the CE pass (selector, confidence)."""
+
+    def terms(self, module: Any, out: Any, step: int) -> list[Any]:
+        """This head's named terms of the objective at optimizer step ``step``
+        (train/objective.py ``Term``), summed after the label and accept terms."""
+        return []
+
+    # ---------------------------------------------------------------- eval
+    def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
+              temperature: float, mode: str, generator: Any) -> tuple[Any, Any] | None:
+        """This head's draft walk over one block: (tokens [k], their probabilities or None),
+        or None for the unary head's draft (argmax, or a sample at ``temperature``)."""
+        return None
+
+
+def register(head: Head, *, feature: bool = False) -> Head:
+    """Make ``head`` available as ``drafter.variant=head.name`` (or, ``feature``, on every
+    drafter). Registering a name twice replaces the earlier head (tests reload modules)."""
+    (_FEATURES if feature else _HEADS)[head.name] = head
+    _OWNERS.clear()
+    return head
+
+
+def unregister(name: str) -> None:
+    """Forget the head or feature ``name`` (a test that registered one restores the registry)."""
+    _HEADS.pop(name, None)
+    _FEATURES.pop(name, None)
+    _OWNERS.clear()
+
+
+def _load_builtins() -> None:
+    """Import the built-in heads and features, then the modules ``DFLASH_LAB_HEADS`` names."""
+    plugins = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+    for module in (*BUILTIN.values(), *FEATURES, *plugins):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ImportError(f"{PLUGINS_ENV}: cannot import the head module '{module}' "
+                              f"({err}); put it on the import path or remove it") from err
+
+
+def get(name: str) -> Head:
+    """The head registered as ``name``; KeyError when there is none."""
+    if name not in _HEADS:
+        _load_builtins()
+    return _HEADS[name]
+
+
+def get_feature(name: str) -> Head:
+    """The feature registered as ``name``."""
+    return {part.name: part for part in features()}[name]
+
+
+def names() -> list[str]:
+    """Every head name: built in, registered and named by ``DFLASH_LAB_HEADS``."""
+    _load_builtins()
+    return sorted({*BUILTIN, *_HEADS})
+
+
+def features() -> list[Head]:
+    """Every feature, applied to every drafter."""
+    _load_builtins()
+    return list(_FEATURES.values())
+
+
+def heads() -> list[Head]:
+    """Every head, built in and registered."""
+    _load_builtins()
+    return [get(n) for n in names()]
+
+
+def field_owners() -> dict[str, Head]:
+    """Every field a head or feature declares -> the one that declares it."""
+    if not _OWNERS:
+        _OWNERS.update((key, part) for part in (*heads(), *features()) for key in part.fields)
+    return _OWNERS
