@@ -28,6 +28,8 @@ Probes (each prints one JSON object; they read the engines, they check nothing o
   parameters left unwritten and the tensors that did not land (both should be empty);
 - ``sglang`` (.venv-sglang, 0.5.23): Domino's config refusals, ``domino_greedy_rollout`` on CPU,
   LiLiCorr's config refusals;
+- ``sglang-models`` (.venv-sglang): SGLang's whole Domino ``DFlashDraftModel`` and (from the
+  lilicorr case) ``LiLiCorrDraftModel`` built on CPU and loaded by their own ``load_weights``;
 - ``xpress`` (.venv-speculators, 0.9.0, plus the cache): speculators' ``XPressRefinerHead``
   against vLLM 0.34's (its class source executed from the cached file) after the checkpoint
   renaming vLLM's ``load_weights`` applies; the largest difference of the two biases.
@@ -78,6 +80,7 @@ PROBE_VENVS = {"lilicorr-vllm": (".venv-vllm", "make vllm-venv"),
                "lilicorr-conv-vllm-model": (".venv-vllm", "make vllm-venv"),
                "lilicorr-sglang": (".venv-sglang", "make sglang-venv"),
                "sglang": (".venv-sglang", "make sglang-venv"),
+               "sglang-models": (".venv-sglang", "make sglang-venv"),
                "xpress": (".venv-speculators", "make speculators-venv")}
 
 
@@ -436,6 +439,97 @@ def probe_sglang(_cache: Path) -> dict[str, Any]:
     return out
 
 
+def _sglang_draft(config: dict[str, Any], model_cls: type) -> Any:
+    """SGLang's draft ``model_cls`` built on CPU outside a server: a TP = 1 parallel override
+    (its attention reads ``get_parallel().tp_size``) and a stub for the ``vllm._custom_ops``
+    rotary fallback its CPU RoPE imports (RoPE is not on the heads' path)."""
+    import types
+
+    from sglang.srt.runtime_context import get_parallel
+    from transformers import Qwen3Config
+
+    if "vllm._custom_ops" not in sys.modules:
+        ops = types.ModuleType("vllm._custom_ops")
+        ops.rotary_embedding = None
+        sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+        sys.modules["vllm._custom_ops"] = ops
+    with get_parallel().override(tp_size=1, tp_rank=0):
+        return model_cls(Qwen3Config(**config))
+
+
+def _load_refusal(model: Any, weights: dict[str, Any]) -> str | None:
+    try:
+        model.load_weights(iter(weights.items()))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def probe_sglang_models(cache: Path) -> dict[str, Any]:
+    """SGLang 0.5.23's whole drafts on CPU: a Domino ``DFlashDraftModel`` and (from the
+    lilicorr case's head) a ``LiLiCorrDraftModel``, each loaded by its own ``load_weights`` from
+    tensors under their parameter names: the refusals, and whether every head tensor landed."""
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.models.dflash import DFlashDraftModel
+    from sglang.srt.models.lilicorr import LiLiCorrDraftModel
+    from sglang.srt.speculative.domino_utils import domino_greedy_rollout
+
+    base = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+            "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+            "max_position_embeddings": 512, "hidden_act": "silu", "block_size": 8,
+            "num_target_layers": 6,
+            "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 3]}}
+    torch.manual_seed(0)
+    domino_cfg = {**base, "dflash_config": {**base["dflash_config"], "projector_type": "domino",
+                                            "shift_label": False, "pure_draft_prefix_len": 1,
+                                            "gru_hidden_dim": 16, "emb_dim": 12}}
+    model = _sglang_draft(domino_cfg, DFlashDraftModel)
+    weights = {n: torch.randn(p.shape) * 0.3 for n, p in model.named_parameters()}
+    domino = [n for n in weights if n.startswith(("prefix_gru.", "embed_proj."))]
+    out: dict[str, Any] = {"domino_parameters": {n: list(weights[n].shape) for n in domino}}
+    out["domino_missing_gru"] = _load_refusal(
+        model, {n: t for n, t in weights.items() if not n.startswith("prefix_gru.")})
+    out["domino_wrong_shape"] = _load_refusal(
+        model, {**weights, "embed_proj.0.weight": torch.zeros(12, 40)})
+    out["domino_refused_full"] = _load_refusal(model, weights)
+    params = dict(model.named_parameters())
+    out["domino_landed"] = all(torch.equal(params[n].detach(), weights[n]) for n in domino)
+    plain = _sglang_draft(base, DFlashDraftModel)
+    out["plain_refuses_domino_tensors"] = _load_refusal(
+        plain, {n: t for n, t in weights.items() if n in dict(plain.named_parameters())
+                or n in domino})
+    drafts = domino_greedy_rollout(
+        draft_hidden=torch.randn(2, 8, 32), bonus_tokens=torch.tensor([1, 2]),
+        target_embedding=torch.nn.Embedding(300, 32), lm_head_weight=torch.randn(300, 32),
+        prefix_gru=model.prefix_gru, embed_proj=model.embed_proj, vocab_size=300,
+        shift_label=False, candidate_pool_size=0, in_cuda_graph=False)
+    out["domino_rollout_shape"] = list(drafts.shape)
+
+    path = _lilicorr_case(cache)
+    if path.is_file():
+        head = {n: t for n, t in load_file(str(path)).items() if n.startswith("lilicorr.")}
+        geometry = {"lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16,
+                    "lilicorr_num_layers": 2, "lilicorr_num_heads": 2,
+                    "lilicorr_mlp_ratio": 2.0, "lilicorr_factor_dim": 8,
+                    "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 10.0}
+        lili_cfg = {**base, "architectures": ["LiLiCorrDraftModel"],
+                    "dflash_config": {**base["dflash_config"], **geometry}}
+        lili = _sglang_draft(lili_cfg, LiLiCorrDraftModel)
+        backbone = {n: torch.randn(p.shape) * 0.3 for n, p in lili.named_parameters()
+                    if not n.startswith("lilicorr.")}
+        out["lilicorr_missing_head"] = _load_refusal(lili, backbone)
+        out["lilicorr_extra_head"] = _load_refusal(
+            lili, {**backbone, **head, "lilicorr.extra.weight": torch.zeros(1)})
+        out["lilicorr_refused_full"] = _load_refusal(lili, {**backbone, **head})
+        params = dict(lili.named_parameters())
+        out["lilicorr_head_landed"] = (
+            f"{sum(torch.equal(params[n].detach(), t) for n, t in head.items())}/{len(head)}")
+    return out
+
+
 #: speculators 0.9.0 refiner names -> the checkpoint names vLLM 0.34's load_weights reads
 XPRESS_RENAME = {"token_embed.weight": "w1.weight", "readout.weight": "w2.weight",
                  "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
@@ -493,7 +587,8 @@ def probe_xpress(cache: Path) -> dict[str, Any]:
 PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "lilicorr-sglang": probe_lilicorr_sglang,
           "lilicorr-vllm-model": probe_lilicorr_vllm_model,
           "lilicorr-conv-vllm-model": functools.partial(probe_lilicorr_vllm_model, conv=True),
-          "sglang": probe_sglang, "xpress": probe_xpress}
+          "sglang": probe_sglang, "sglang-models": probe_sglang_models,
+          "xpress": probe_xpress}
 
 
 def run_probe(name: str, cache: Path = CACHE, timeout: int = 900) -> dict[str, Any]:

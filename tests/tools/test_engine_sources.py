@@ -117,3 +117,26 @@ def test_vllm_builds_and_loads_a_whole_lilicorr_draft_on_cpu(probe):
     assert report["head_tensors_landed"] == "46/46"
     layer = "DFlash2Qwen3DecoderLayer" if "conv" in probe else "DFlashQwen3DecoderLayer"
     assert report["conv_layers"] == [layer, layer]
+
+
+@pytest.mark.slow
+def test_sglang_builds_and_loads_domino_and_lilicorr_drafts_on_cpu():
+    """SGLang's own DFlashDraftModel (Domino) and LiLiCorrDraftModel build on CPU, load every
+    head tensor under the documented names, and refuse a missing, extra or misshapen one."""
+    for probe in ("lilicorr-vllm", "sglang-models"):
+        venv, make = es.PROBE_VENVS[probe]
+        if not (es.ROOT / venv / "bin" / "python").exists():
+            pytest.skip(f"no {venv}: build it with `{make}`")
+    es.run_probe("lilicorr-vllm")  # writes the LiLiCorr head tensors
+    result = es.run_probe("sglang-models")
+    assert set(result["domino_parameters"]) == {"prefix_gru.weight_ih_l0",
+                                                "prefix_gru.weight_hh_l0",
+                                                "embed_proj.0.weight", "embed_proj.2.weight"}
+    assert result["domino_refused_full"] is None and result["domino_landed"]
+    assert "missing required projector weights" in result["domino_missing_gru"]
+    assert "shape mismatch" in result["domino_wrong_shape"]
+    assert "projector_type=None" in result["plain_refuses_domino_tensors"]
+    assert result["domino_rollout_shape"] == [2, 7]
+    assert result["lilicorr_refused_full"] is None and result["lilicorr_head_landed"] == "46/46"
+    assert "missing 46 head parameters" in result["lilicorr_missing_head"]
+    assert "lilicorr.extra.weight" in result["lilicorr_extra_head"]
