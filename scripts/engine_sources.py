@@ -411,6 +411,7 @@ def probe_sglang(_cache: Path) -> dict[str, Any]:
         "shift_label='no'": _refused(domino({"shift_label": "no"})),
         "gru_hidden_dim missing": _refused(domino({"gru_hidden_dim": None})),
         "emb_dim=0": _refused(domino({"emb_dim": 0})),
+        "gru_hidden_dim=0": _refused(domino({"gru_hidden_dim": 0})),
         "block_size=1": _refused(domino({"block_size": 1}, {"block_size": 1})),
         "emb_dim 12 vs top-level 10": _refused(domino({}, {"emb_dim": 10}))}}
     torch.manual_seed(0)
