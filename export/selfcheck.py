@@ -172,7 +172,7 @@ def _logits(config: DrafterConfig, state: dict[str, Tensor],
 
 def _dspark_outputs(drafter: Any, hidden_kh: Tensor, probe: dict[str, Any]) -> list[Tensor]:
     """DSpark heads on the probe: Markov bias [B, N] for prev = (anchor, then random ids) and
-    the confidence logits [B] (model/dspark.py), so a head tensor lost or renamed fails."""
+    the confidence logits [B] (heads/dspark.py), so a head tensor lost or renamed fails."""
     head, gen = drafter.markov_head, torch.Generator().manual_seed(1)
     vocab = head.markov_w1.num_embeddings
     prev = torch.cat([probe["anchor"], torch.randint(0, vocab, (hidden_kh.shape[0] - 1,),

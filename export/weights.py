@@ -101,7 +101,7 @@ def check_draft_vocab(state: dict[str, torch.Tensor], config: DrafterConfig, sou
 
 
 def dspark_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """The DSpark heads (model/dspark.py; speculators' and vLLM's names): Markov w1 [V, r],
+    """The DSpark heads (heads/dspark.py; speculators' and vLLM's names): Markov w1 [V, r],
     w2 [N, r], gated gate_proj [r, H + r] + bias, rnn joint_proj [3r, 2r + H] + bias;
     confidence proj [1, H (+ r)] + bias."""
     h, r = config.hidden_size, config.markov_rank or 0

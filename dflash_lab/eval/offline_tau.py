@@ -27,8 +27,8 @@ gets). Beside them: the unary argmax's tau, the oracle tau (a slot counts when i
 the K candidates: the best any selector could do) and recall@K.
 
 DSpark drafters: slot t's logits carry the Markov bias of the token before its position, taken
-teacher-forced (the anchor, else the target's label there: ``train/dspark.py``
-``markov_prev_ids``, as training validates). Up to a block's first miss those are exactly the
+teacher-forced (the anchor, else the target's label there: ``markov_prev_ids`` in
+heads/dspark.py, as training validates). Up to a block's first miss those are exactly the
 tokens the serving walk drafted, so the greedy acceptance length equals the walk's; the
 per-position accuracy past a miss is the teacher-forced one.
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -51,7 +52,6 @@ from dflash_lab.eval.report import acceptance_summary
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.anchors import anchor_candidates, sample_anchors, step_generator
 from dflash_lab.train.distill import slot_teacher
-from dflash_lab.train.dspark import markov_inputs, markov_prev_ids
 from dflash_lab.train.loss import (
     LossOutput,
     acceptance_lengths,
@@ -59,7 +59,7 @@ from dflash_lab.train.loss import (
     per_position_accuracy,
     token_targets,
 )
-from dflash_lab.train.objective import dflash_loss
+from dflash_lab.train.objective import StepParts, dflash_loss
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,11 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
     cfg = drafter.config
     tgt = block_targets(targets, mask, anchors, valid, cfg.block_size, label_shift=cfg.label_shift)
     rows = {k: v[None].to(device) for k, v in sample.items() if k.startswith("target_")}
-    head_in, lm_head = hidden, pieces.lm_head
-    if drafter.markov_head is not None:  # DSpark: the Markov bias on teacher-forced tokens
-        prev = markov_prev_ids(ids, targets, anchors, cfg.block_size, cfg.label_shift)
-        head_in, lm_head, _ = markov_inputs(drafter, hidden, prev, lm_head)
-    out = dflash_loss(head_in.to(pieces.lm_head.weight.dtype), tgt, lm_head, _GAMMA,
+    # the head's change to the CE pass (DSpark: the Markov bias on teacher-forced tokens)
+    step = StepParts({"input_ids": ids}, hidden, anchors, targets, tgt, pieces.lm_head,
+                     head_in=hidden)
+    cfg.head.head_inputs(SimpleNamespace(drafter=drafter), step)
+    out = dflash_loss(step.head_in.to(pieces.lm_head.weight.dtype), tgt, step.lm_head, _GAMMA,
                       block_valid_bn=valid, temperatures=temperatures,
                       teacher=slot_teacher(teacher, rows, anchors, tgt.valid,
                                            getattr(pieces, "logit_softcap", None),

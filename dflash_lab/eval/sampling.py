@@ -111,29 +111,6 @@ def selector_draft(selector: CandidateSelector, hidden_kh: Tensor, unary_kv: Ten
     return tokens, q_kv
 
 
-def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
-                 temperature: float, mode: str, generator: torch.Generator | None
-                 ) -> tuple[Tensor, Tensor | None]:
-    """DSpark draft tokens [k] (and q [k, V] for rejection sampling, else None): vLLM's
-    sequential walk (:meth:`~dflash_lab.model.dspark.MarkovHead.walk`) over the unary logits
-    ``unary_kv`` of the drafting slots, each biased by the token before it (the anchor first).
-    q of slot t is softmax((unary_t + bias(prev_t)) / T): the distribution the token was drawn
-    from, which rejection sampling needs."""
-    rows: list[Tensor] = []
-    sample = temperature > 0 and mode == "rejection"
-
-    def pick(logits_v: Tensor) -> Tensor:
-        if not sample:
-            return logits_v.argmax(-1)
-        q_v = probs_at(logits_v, temperature)
-        rows.append(q_v)
-        return torch.multinomial(q_v, 1, generator=generator)[0]
-
-    tokens, _ = drafter.markov_head.walk(unary_kv.float(), hidden_kh, anchor_id, pick,
-                                         drafter.markov_bias_full)
-    return tokens, (torch.stack(rows) if sample else None)
-
-
 def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Tensor,
            temperature: float, mode: str, generator: torch.Generator | None) -> Verdict:
     """Apply the round's verification rule.

@@ -1,19 +1,299 @@
-"""DSpark (docs/dspark.md; speculators 0.9.0 ``models/dspark``, vLLM 0.32 ``qwen3_dspark.py``):
-the DFlash 1 backbone plus a Markov logit-bias head over the previous token and a confidence
-head (model/dspark.py), trained with the Markov-biased CE and the confidence BCE
-(train/dspark.py) and drafted with the sequential Markov walk (eval/sampling.py
-``markov_draft``). Served as vLLM's ``Qwen3DSparkModel`` in the speculators layout."""
+"""DSpark (docs/dspark.md): the DFlash 1 backbone plus a Markov logit-bias head over the previous
+token and a confidence head, its training terms, its draft walk and its head (one module).
+
+## The heads
+
+What DSpark is (speculators 0.9.0 ``models/dspark``; vLLM 0.32 ``qwen3_dspark.py`` and
+``v1/worker/gpu/spec_decode/dspark/speculator.py``): the DFlash 1 backbone (fc, hidden_norm,
+draft layers, norm; one parallel pass over anchor + MASK slots) plus two small heads.
+
+- Markov head, rank r (``markov_rank``; speculators' default 256, 0 = no head): ``markov_w1``
+  [V, r] is an embedding of the PREVIOUS token (target vocabulary), ``markov_w2`` [N, r] (no bias)
+  projects an r-vector to a bias over the draft vocabulary N (= V without a draft vocabulary),
+  added to the backbone's logits of the slot: ``logits_k = lm_head(h_k) + markov_w2(f_k)``. The
+  feature ``f_k`` of slot k, with ``e_k = markov_w1[prev_k]`` (``markov_head_type``):
+
+  * ``vanilla``: ``f_k = e_k`` (a first-order, low-rank transition bias B = W1 W2^T);
+  * ``gated``:   ``f_k = sigmoid(gate_proj([h_k; e_k])) * e_k``, gate_proj [r, H + r] + bias;
+  * ``rnn``:     state ``s_0 = 0``; ``g, c, o = chunk3(joint_proj([s_{k-1}; e_k; h_k]))``
+    (joint_proj [3r, 2r + H] + bias), ``s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)``,
+    ``f_k = tanh(o)``; the state runs over the block's slots left to right.
+
+- Confidence head (``enable_confidence_head``): ``proj`` [1, H (+ r)] + bias, a logit of the
+  slot's acceptance probability from ``h_k`` (concatenated with ``e_k`` when
+  ``confidence_head_with_markov``, which needs r > 0). vLLM computes it in float32 and uses
+  ``sigmoid`` of it for adaptive verification (draft-length cut); it never changes a token.
+
+Drafting (vLLM's ``_sample_sequential``): one backbone pass gives every slot's base logits;
+then left to right, ``prev`` = the anchor token for the first drafting slot and the token just
+drafted for each later one; slot k's logits get the bias from ``prev`` and the token is sampled
+(greedy: argmax) from them. The Markov head only ever sees tokens of the current block.
+:meth:`MarkovHead.walk` is that walk.
+
+Training prev tokens (teacher forcing): speculators takes the data tokens before each slot
+(with ``sample_from_anchor`` slot k predicts a + k + 1 and conditions on the token at a + k).
+Identity init (ours, not speculators'): ``markov_w2 = 0`` so a fresh drafter's bias is zero for
+every head type and it drafts exactly as DFlash 1 with the same backbone; ``markov_w1`` is
+N(0, 0.01) as speculators inits it, so ``markov_w2`` gets a gradient from the first step.
+
+Checkpoint names (speculators and vLLM agree): ``markov_head.markov_w1.weight``,
+``markov_head.markov_w2.weight``, ``markov_head.gate_proj.{weight,bias}`` (gated),
+``markov_head.joint_proj.{weight,bias}`` (rnn), ``confidence_head.proj.{weight,bias}``.
+vLLM 0.32 builds only the vanilla head (Qwen3DSparkModel has no gate/joint projection).
+
+Shape legend: x any leading dims, k slots of one block, H hidden, r markov rank, V target
+vocab, N draft vocab.
+
+## Training
+
+speculators 0.9.0's DSpark objective (``models/dspark/metrics.py``)::
+
+    loss = token loss of (backbone logits + Markov bias), position-weighted as DFlash
+         + confidence_head_alpha (1.0) x BCE(confidence logit, c*), weighted exp(-t/gamma),
+           divided by the number of supervised slots
+
+with ``c* = sum_v min(q_v, p_v) = 1 - TV(q, p)``, the slot's analytical acceptance rate
+(detached). Here the token loss is the project's CE on the target's argmax (``module.loss=ce``):
+the teacher is one-hot, so ``c* = q(label) = exp(-CE)``, the drafter's probability of the
+target's token. The confidence BCE keeps the fixed exponential decay under D-PACE too, as
+speculators does.
+
+The Markov bias is linear in its feature f, so backbone + bias is ONE linear head over
+``[h; f]`` with weight ``[W_lm | markov_w2]`` (:class:`ConcatHead`): the chunked CE of
+dflash_lab/train/loss.py runs on it unchanged (its checkpointed path: markov_w2 is trained).
+
+Teacher-forced previous tokens (:func:`markov_prev_ids`): slot k, predicting position p, is
+conditioned on the token at p - 1: the anchor when p - 1 is the anchor (what the walk starts
+from), else the label of position p - 1 (the target's argmax: the token the walk drafted there
+whenever drafting got that far). speculators uses the data token at p - 1; the two agree with
+``module.label_source=dataset``.
+
+Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, r markov rank, M
+supervised slots, V' head vocabulary (V, or N with a draft vocabulary).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from dflash_lab.eval.sampling import markov_draft
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_lab.eval.sampling import probs_at
 from dflash_lab.heads.dflash1 import DFlash1
-from dflash_lab.model.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead
 from dflash_lab.model.heads import register
-from dflash_lab.train.dspark import confidence_loss, markov_inputs, markov_prev_ids
+from dflash_lab.train.loss import LossOutput, position_weights, slot_positions
 from dflash_lab.train.objective import Term
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bias over the draft vocabulary from the previous token (module docstring)."""
+
+    owns_init = True  #: re-initialised by reset_parameters after the drafter's init
+
+    def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int, rank: int,
+                 head_type: str = "vanilla"):
+        super().__init__()
+        if head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type={head_type!r}: use one of "
+                             f"{list(MARKOV_HEAD_TYPES)}")
+        self.head_type, self.rank = head_type, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        if head_type == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """w1 N(0, 0.01) (speculators'), w2 = 0 (identity: zero bias), projections N(0, 0.02)
+        with zero bias (the drafter's Linear rule)."""
+        with torch.no_grad():
+            nn.init.normal_(self.markov_w1.weight, std=0.01)
+            self.markov_w2.weight.zero_()
+            for name in ("gate_proj", "joint_proj"):
+                proj = getattr(self, name, None)
+                if proj is not None:
+                    nn.init.normal_(proj.weight, std=0.02)
+                    proj.bias.zero_()
+
+    def embed(self, prev_ids_x: Tensor) -> Tensor:
+        """``e = markov_w1[prev]`` [x, r] of previous-token ids [x] (target vocabulary)."""
+        return self.markov_w1(prev_ids_x.long())
+
+    def step(self, emb_xr: Tensor, hidden_xh: Tensor, state_xr: Tensor | None
+             ) -> tuple[Tensor, Tensor | None]:
+        """One slot: (feature f [x, r], next rnn state or None) from e [x, r] and h [x, H]."""
+        if self.head_type == "vanilla":
+            return emb_xr, None
+        hidden_xh = hidden_xh.to(emb_xr.dtype)
+        if self.head_type == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden_xh, emb_xr], dim=-1)))
+            return gate * emb_xr, None
+        if state_xr is None:
+            state_xr = emb_xr.new_zeros(emb_xr.shape)
+        g, c, o = self.joint_proj(torch.cat([state_xr, emb_xr, hidden_xh], dim=-1)).chunk(3, -1)
+        g = torch.sigmoid(g)
+        state_xr = g * state_xr + (1.0 - g) * torch.tanh(c)
+        return torch.tanh(o), state_xr
+
+    def features(self, prev_ids_xk: Tensor, hidden_xkh: Tensor) -> tuple[Tensor, Tensor]:
+        """Teacher-forced features f [x, k, r] and embeddings e [x, k, r] of a block's k slots
+        (``prev_ids_xk``: the token before each slot; the rnn state runs along k)."""
+        emb = self.embed(prev_ids_xk).to(self.markov_w2.weight.dtype)
+        if self.head_type != "rnn":
+            return self.step(emb, hidden_xkh, None)[0], emb
+        state, feats = None, []
+        for k in range(emb.shape[-2]):
+            f, state = self.step(emb[..., k, :], hidden_xkh[..., k, :], state)
+            feats.append(f)
+        return torch.stack(feats, dim=-2), emb
+
+    def bias(self, features_xr: Tensor) -> Tensor:
+        """The logit bias [x, N] over the draft vocabulary."""
+        return self.markov_w2(features_xr)
+
+    @torch.no_grad()
+    def walk(self, base_logits_kv: Tensor, hidden_kh: Tensor, anchor_id: int,
+             pick: Callable[[Tensor], Tensor], to_vocab: Callable[[Tensor], Tensor]
+             ) -> tuple[Tensor, Tensor]:
+        """vLLM's sequential draft of one block: (tokens [k], embeddings e [k, r]).
+
+        ``base_logits_kv``: the drafting slots' backbone logits [k, V'] (V' = what ``pick``
+        reads); ``to_vocab`` turns a bias [N] into that space (identity without a draft
+        vocabulary); ``pick``: logits [V'] -> token id (argmax, or a sample). The first ``prev``
+        is the anchor, then each drafted token."""
+        prev = torch.tensor(anchor_id, dtype=torch.long, device=base_logits_kv.device)
+        state, tokens, embs = None, [], []
+        for k in range(base_logits_kv.shape[0]):
+            emb = self.embed(prev).to(self.markov_w2.weight.dtype)
+            f, state = self.step(emb, hidden_kh[k], state)
+            prev = pick(base_logits_kv[k] + to_vocab(self.bias(f)).to(base_logits_kv.dtype))
+            tokens.append(prev)
+            embs.append(emb)
+        return torch.stack(tokens), torch.stack(embs)
+
+
+class ConfidenceHead(nn.Module):
+    """Acceptance-probability logit per slot: ``proj([h; e])`` (or ``proj(h)``) -> [x]."""
+
+    owns_init = True  #: re-initialised by reset_parameters after the drafter's init
+
+    def __init__(self, hidden_size: int, rank: int, with_markov: bool):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.proj.weight, std=0.02)
+            self.proj.bias.zero_()
+
+    def forward(self, hidden_xh: Tensor, emb_xr: Tensor | None) -> Tensor:
+        """Logits [x] (float32, as vLLM computes them); ``emb_xr`` is used iff with_markov."""
+        x = torch.cat([hidden_xh, emb_xr.to(hidden_xh.dtype)], -1) if self.with_markov \
+            else hidden_xh
+        return self.proj(x.to(self.proj.weight.dtype)).float().squeeze(-1)
+
+
+class ConcatHead(nn.Module):
+    """``lm_head(h) + markov_w2(f)`` as one linear map of ``[h; f]`` [x, H + r] -> [x, V'].
+
+    The weight is built once per step (it carries markov_w2's gradient); it is in the LM head's
+    dtype, as the unary head computes."""
+
+    def __init__(self, lm_head: nn.Module, markov_w2: nn.Linear):
+        super().__init__()
+        w = lm_head.weight
+        self.weight = torch.cat([w, markov_w2.weight.to(w.dtype)], dim=1)
+        self.out_features = w.shape[0]
+
+    def forward(self, x_xf: Tensor) -> Tensor:
+        return F.linear(x_xf.to(self.weight.dtype), self.weight)
+
+
+def markov_prev_ids(input_ids_bs: Tensor, targets_bs: Tensor, anchors_bn: Tensor,
+                    block_size: int, label_shift: int) -> Tensor:
+    """The token before each slot's predicted position [Bt, N, B] (target vocabulary): the
+    anchor's token at or before the anchor, else the label there (the data token where the
+    label is missing, -1)."""
+    seq = input_ids_bs.shape[1]
+    before = slot_positions(anchors_bn, block_size, label_shift) - 1
+    flat = before.clamp(0, seq - 1).flatten(1)
+    labels = targets_bs.gather(1, flat).view_as(before)
+    data = input_ids_bs.gather(1, flat).view_as(before)
+    anchor_tok = input_ids_bs.gather(1, anchors_bn)[..., None].expand_as(before)
+    inner = torch.where(labels >= 0, labels, data)
+    return torch.where(before <= anchors_bn[..., None], anchor_tok, inner)
+
+
+def markov_inputs(drafter, hidden_bnph: Tensor, prev_bnp: Tensor,
+                  lm_head: nn.Module) -> tuple[Tensor, nn.Module, Tensor | None]:
+    """(what the CE reads [Bt, N, B, H(+r)], the head it reads it with, e [Bt, N, B, r] or
+    None): ``[h; f]`` and :class:`ConcatHead` with a Markov head, else ``h`` and the head."""
+    markov = drafter.markov_head
+    if markov is None:
+        return hidden_bnph, lm_head, None
+    feats, emb = markov.features(prev_bnp, hidden_bnph)
+    return (torch.cat([hidden_bnph, feats.to(hidden_bnph.dtype)], -1),
+            ConcatHead(lm_head, markov.markov_w2), emb)
+
+
+@dataclass
+class ConfidenceOutput:
+    """The confidence BCE's local pieces: sum of w_t x BCE, the number of supervised slots,
+    and the sum of |sigmoid(logit) - c*| (calibration metric), all over the M valid slots."""
+
+    weighted_sum: Tensor
+    count: Tensor
+    abs_error_sum: Tensor
+
+
+def confidence_loss(drafter, hidden_bnph: Tensor, emb_bnpr: Tensor | None, out: LossOutput,
+                    gamma: float) -> ConfidenceOutput | None:
+    """speculators' confidence term on the M valid slots (module docstring); None without a
+    confidence head or when the loss pass gave no per-slot CE (validation at temperatures)."""
+    head = drafter.confidence_head
+    if head is None or out.slot_ce is None:
+        return None
+    sel = out.valid
+    target = torch.exp(-out.slot_ce.detach().float())  # q(label): one-hot teacher's 1 - TV
+    logits = head(hidden_bnph[sel], None if emb_bnpr is None else emb_bnpr[sel])
+    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    w = position_weights(sel.shape[-1], gamma, sel.device, out.first_slot).expand_as(sel)[sel]
+    err = (torch.sigmoid(logits.detach()) - target).abs().sum()
+    return ConfidenceOutput((w * bce).sum(), sel.sum().float(), err)
+
+
+def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
+                 temperature: float, mode: str, generator: torch.Generator | None
+                 ) -> tuple[Tensor, Tensor | None]:
+    """DSpark draft tokens [k] (and q [k, V] for rejection sampling, else None): vLLM's
+    sequential walk (:meth:`~MarkovHead.walk`) over the unary logits
+    ``unary_kv`` of the drafting slots, each biased by the token before it (the anchor first).
+    q of slot t is softmax((unary_t + bias(prev_t)) / T): the distribution the token was drawn
+    from, which rejection sampling needs."""
+    rows: list[Tensor] = []
+    sample = temperature > 0 and mode == "rejection"
+
+    def pick(logits_v: Tensor) -> Tensor:
+        if not sample:
+            return logits_v.argmax(-1)
+        q_v = probs_at(logits_v, temperature)
+        rows.append(q_v)
+        return torch.multinomial(q_v, 1, generator=generator)[0]
+
+    tokens, _ = drafter.markov_head.walk(unary_kv.float(), hidden_kh, anchor_id, pick,
+                                         drafter.markov_bias_full)
+    return tokens, (torch.stack(rows) if sample else None)
+
 
 #: Defaults when ``variant=dspark`` leaves them unset: speculators 0.9.0's
 #: ``DSparkSpeculatorConfig`` defaults.

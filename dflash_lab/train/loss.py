@@ -444,7 +444,7 @@ class LossOutput:
     #: the CE of every valid slot [M] (detached; the CE pass only): DSpark's confidence target
     slot_ce: Tensor | None = None
     #: a head's own loss pieces by name (model/heads.py ``add_losses``; its ``terms`` read
-    #: them): DSpark's "confidence" (:class:`dflash_lab.train.dspark.ConfidenceOutput`)
+    #: them): DSpark's "confidence" (:class:`dflash_lab.heads.dspark.ConfidenceOutput`)
     head_pieces: dict[str, Any] = field(default_factory=dict)
 
 

@@ -25,7 +25,6 @@ Batch contract (from the data module), Bt rows padded to S:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -55,32 +54,18 @@ from dflash_lab.train.loss import (
     position_weights,
     token_targets,
 )
-from dflash_lab.train.objective import Term, dflash_loss, local_means, objective, terms
+from dflash_lab.train.objective import (
+    StepParts,
+    Term,
+    dflash_loss,
+    local_means,
+    objective,
+    terms,
+)
 from dflash_lab.train.selector import SelectorMetrics, SelectorSettings
 
 #: Prefix of the frozen target pieces: never written to checkpoints.
 TARGET_PREFIX = "target_head."
-
-
-@dataclass
-class StepParts:
-    """What a head's training hooks (model/heads.py ``head_inputs``, ``add_terms``) read and
-    change in one loss computation: the batch, the drafted blocks ``hidden`` [Bt, N, B, H],
-    ``anchors`` [Bt, N], the labels ``token_ids`` [Bt, S] and their block targets ``tgt``, the
-    head the CE pass runs through and its input, the teacher, the val temperatures."""
-
-    batch: dict[str, Tensor]
-    hidden: Tensor
-    anchors: Tensor
-    token_ids: Tensor
-    tgt: Any
-    lm_head: nn.Module
-    teacher: Any
-    temperatures: tuple[float, ...]
-    weighting: dict[str, Any]
-    selector_soft: bool
-    head_in: Tensor | None = None
-    emb: Tensor | None = None  #: DSpark: the Markov embedding of each slot's previous token
 
 
 class DFlashModule(L.LightningModule):

@@ -10,7 +10,8 @@ for the logs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -106,3 +107,24 @@ def local_means(found: list[Term]) -> Tensor:
     """This rank's objective (detached), term by term as :func:`objective` sums them."""
     means = [t.local_mean() if t.coef == 1.0 else t.coef * t.local_mean() for t in found]
     return sum(means[1:], means[0])
+
+
+@dataclass
+class StepParts:
+    """What a head's training hooks (model/heads.py ``head_inputs``, ``add_terms``) read and
+    change in one loss computation: the batch, the drafted blocks ``hidden`` [Bt, N, B, H],
+    ``anchors`` [Bt, N], the labels ``token_ids`` [Bt, S] and their block targets ``tgt``, the
+    head the CE pass runs through and its input, the teacher, the val temperatures."""
+
+    batch: dict[str, Tensor]
+    hidden: Tensor
+    anchors: Tensor
+    token_ids: Tensor
+    tgt: Any
+    lm_head: nn.Module
+    teacher: Any = None
+    temperatures: tuple[float, ...] = ()
+    weighting: dict[str, Any] = field(default_factory=dict)
+    selector_soft: bool = False
+    head_in: Tensor | None = None
+    emb: Tensor | None = None  #: DSpark: the Markov embedding of each slot's previous token

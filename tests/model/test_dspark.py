@@ -1,4 +1,4 @@
-"""DSpark heads (dflash_lab/model/dspark.py): formulas, identity init, config, speculators
+"""DSpark heads (dflash_lab/heads/dspark.py): formulas, identity init, config, speculators
 parity."""
 
 import json
@@ -7,9 +7,9 @@ import subprocess
 import pytest
 import torch
 
+from dflash_lab.heads.dspark import ConfidenceHead, MarkovHead
 from dflash_lab.model.config import DSPARK_DEFAULTS, DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
-from dflash_lab.model.dspark import ConfidenceHead, MarkovHead
 from dflash_lab.paths import REPO_ROOT
 from tests.doubles import tiny_drafter_config
 

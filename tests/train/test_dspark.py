@@ -1,4 +1,4 @@
-"""DSpark training (dflash_lab/train/dspark.py): the Markov-biased CE and the confidence BCE
+"""DSpark training (dflash_lab/heads/dspark.py): the Markov-biased CE and the confidence BCE
 computed by hand, the teacher-forced previous tokens, gradients, and the tiny recipe."""
 
 import csv
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from dflash_lab.heads.dspark import markov_prev_ids
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.train.dspark import markov_prev_ids
 from dflash_lab.train.loss import position_weights, slot_positions
 from dflash_lab.train.module import DFlashModule
 from tests.doubles import tiny_drafter_config
