@@ -3,18 +3,25 @@
 Public API: :func:`speculative_generate` / :func:`baseline_generate` (one prompt),
 :func:`evaluate_prompts` (many prompts, any :class:`Proposer`), :class:`DFlashProposer`,
 :func:`load_drafter`, :func:`feature_eval` (captured shards), :func:`write_report`.
+
+The names are imported on first use (module ``__getattr__``), so importing one light module of
+this package (``eval.sampling``: a head's draft walk) does not import Hydra with the command.
 """
 
-from dflash_lab.eval.evaluate import evaluate_prompts, run_features, run_generate
-from dflash_lab.eval.loading import LoadedDrafter, load_drafter
-from dflash_lab.eval.loop import DecodeSettings, Generation, baseline_generate, speculative_generate
-from dflash_lab.eval.offline_tau import feature_eval
-from dflash_lab.eval.proposer import DFlashProposer, Proposer
-from dflash_lab.eval.report import generation_report, write_report
-from dflash_lab.eval.target_runner import TargetRunner
+import importlib
+from typing import Any
 
-__all__ = [
-    "DFlashProposer", "DecodeSettings", "Generation", "LoadedDrafter", "Proposer", "TargetRunner",
-    "baseline_generate", "evaluate_prompts", "feature_eval", "generation_report", "load_drafter",
-    "run_features", "run_generate", "speculative_generate", "write_report",
-]
+_HOME = {
+    "evaluate_prompts": "evaluate", "run_features": "evaluate", "run_generate": "evaluate",
+    "LoadedDrafter": "loading", "load_drafter": "loading", "DecodeSettings": "loop",
+    "Generation": "loop", "baseline_generate": "loop", "speculative_generate": "loop",
+    "feature_eval": "offline_tau", "DFlashProposer": "proposer", "Proposer": "proposer",
+    "generation_report": "report", "write_report": "report", "TargetRunner": "target_runner",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

@@ -3,10 +3,13 @@
 Everything else (drafter, attention backends, exporter, eval) reads the per-layer attention layout
 from :meth:`DrafterConfig.layer_specs`, never from the raw ``layer_types`` / ``is_causal`` fields.
 
-The serving ``config.json`` format (dflash.md section 4) is produced by :meth:`to_dict` and read
-back, strictly, by :meth:`from_dict`. Third-party config.json files (z-lab, vLLM-style) are not
-read here: their layout is whatever an engine makes of it, so ``export`` reads them
-(``dflash_lab.export.engines.zlab`` for the fields, an engine rule set for the layout).
+This module is the architecture: fields, validation, the resolved layout. The serving
+``config.json`` form (dflash.md section 4) is model/serving_form.py's (:meth:`to_dict` writes
+it, :meth:`from_dict` reads it back strictly); each head's own fields, defaults and checks are
+its module's (model/heads.py, dflash_lab/heads/). Third-party config.json files (z-lab,
+vLLM-style) are not read here: their layout is whatever an engine makes of it, so ``export``
+reads them (``dflash_lab.export.engines.zlab`` for the fields, an engine rule set for the
+layout).
 
 Target layer ids use the z-lab convention: id ``i`` is the OUTPUT of decoder layer ``i``,
 i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
@@ -15,7 +18,6 @@ i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -26,7 +28,25 @@ from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.model import heads
-from dflash_lab.model.rope import ROPE_TYPES, is_nested, normalize_scaling
+from dflash_lab.model.rope import ROPE_TYPES, normalize_scaling
+from dflash_lab.model.serving_form import (  # noqa: F401  (the serving form's names, re-exported)
+    CORE_DFLASH_KEYS,
+    HF_BOOKKEEPING_KEYS,
+    OUR_TOP_KEYS,
+    SCALE_DEFAULTS,
+    SHAPE_KEYS,
+    TARGET_IDENTITY_KEY,
+    TRAINING_SPEC_KEY,
+    _suggest,
+    parse_ours,
+    reject_unknown_keys,
+    require_head_keys,
+    require_keys,
+    serving_dict,
+    shape_fields,
+    variant_keys,
+    variant_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +55,9 @@ SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 SUPPORTED_ROPE_TYPES = ROPE_TYPES  #: model/rope.py defines them and what each computes
 
-DFLASH1 = "dflash1"
+DFLASH1 = heads.DEFAULT
 DFLASH2 = "dflash2"
 DSPARK = "dspark"
-#: Logit and embedding scales every head honours; defaults mean "off" and are not written.
-SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
-                  "final_logit_softcapping": None}
 #: Names read from the head modules (model/heads.py): each head declares its own fields,
 #: defaults and serving class; these views keep one definition.
 _HEAD_VIEWS = {"DFLASH2_DEFAULTS": "dflash2", "DSPARK_DEFAULTS": "dspark",
@@ -61,33 +78,6 @@ def __getattr__(name: str) -> Any:
     if name == "OUR_DFLASH_KEYS":
         return CORE_DFLASH_KEYS | set(variant_keys())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def variant_keys() -> tuple[str, ...]:
-    """Keys holding a head field or a scale; ours writes them in ``dflash_config``."""
-    return tuple(k for head in heads.heads() for k in head.fields) + tuple(SCALE_DEFAULTS)
-
-
-#: Key under which our exporter records the exact per-layer spec the drafter was trained with,
-#: so ``dflash-export --inspect`` can compare it with what each engine will do.
-TRAINING_SPEC_KEY = "dflash_lab_training_spec"
-#: Top-level config.json key of our exports: the target the drafter was trained against (the
-#: checkpoint's recorded identity: architecture, hashes, ``weights_fingerprint``, sizes; no local
-#: paths), so a warm start or a re-export from the export can tell other target weights.
-TARGET_IDENTITY_KEY = "dflash_lab_target"
-
-#: Standard Hugging Face bookkeeping keys: accepted and ignored when reading a config.json.
-HF_BOOKKEEPING_KEYS = frozenset(
-    {
-        "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
-        "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-        "output_attentions", "output_hidden_states", "return_dict", "attention_dropout",
-        "tie_word_embeddings", "architectures", "model_type", "hidden_act", "max_window_layers",
-        "use_sliding_window", "quantization_config", "layer_idx", "name_or_path",
-        # PretrainedConfig.to_dict() (not to_diff_dict) writes these generic keys as well
-        "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
-    }
-)
 
 
 def resolve_target_layer_ids(ids: Any, num_target_layers: int, key: str) -> list[int]:
@@ -121,13 +111,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_inputs - 1)) for i in range(num_draft_inputs)]
-
-
-def _suggest(key: str, known: set[str] | frozenset[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=3)
-    if len(close) > 1:
-        return " (did you mean one of " + ", ".join(f"'{c}'" for c in close) + "?)"
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _positive_number(value: Any) -> bool:
@@ -487,63 +470,9 @@ class DrafterConfig:
 
     # ------------------------------------------------------------------ serving config.json
     def to_dict(self) -> dict[str, Any]:
-        """The serving config.json (dflash.md section 4), plus our exact training spec."""
-        uniform = self.uniform_causal
-        dflash: dict[str, Any] = {
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "block_size": self.block_size,
-            "attention_sink_bias": self.attention_sink_bias,
-            # always explicit: engines default it differently (vLLM false, llama.cpp true)
-            "sample_from_anchor": self.sample_from_anchor,
-        }
-        dflash.update(self.head.serving_keys(self))
-        dflash.update({k: getattr(self, k) for k, off in SCALE_DEFAULTS.items()
-                       if getattr(self, k) != off})
-        out: dict[str, Any] = {
-            "architectures": [self.head.architecture],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "layer_types": list(self.layer_types),
-            "use_sliding_window": self.any_sliding,
-            "sliding_window": self.sliding_window if self.any_sliding else None,
-            "max_window_layers": self.num_hidden_layers,
-        }
-        if self.any_sliding:
-            dflash["swa_window_size"] = self.sliding_window
-        if self.draft_vocab_size is not None:  # vLLM sizes the draft head and d2t from it
-            out["draft_vocab_size"] = self.draft_vocab_size
-        if self.target_hidden_size != self.hidden_size:  # vLLM sizes fc from the top-level key
-            out["target_hidden_size"] = self.target_hidden_size
-        if uniform is not None:
-            out["is_causal"] = uniform
-            dflash["causal"] = uniform
-        out["dflash_config"] = dflash
-        out[TRAINING_SPEC_KEY] = {
-            "format_version": 1,
-            "layer_specs": [{"window": s.window, "causal": s.causal} for s in self.layer_specs()],
-            "is_causal": self.is_causal,
-            "learned_mask_embedding": self.learned_mask_embedding,
-        }
-        for part in self.parts:  # what no engine reads from our layout (Laguna: export/laguna.py)
-            out[TRAINING_SPEC_KEY].update(part.training_spec(self))
-        return out
+        """The serving config.json (dflash.md section 4), plus our exact training spec
+        (model/serving_form.py)."""
+        return serving_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
@@ -562,7 +491,7 @@ class DrafterConfig:
         ``dflash_lab.export.import_drafter`` (or ``dflash-export --inspect``), which resolves it
         with a named engine rule set.
         """
-        return _parse_ours(cls, d, source=source)
+        return parse_ours(cls, d, source=source)
 
     @classmethod
     def from_json(cls, path: str | Path) -> DrafterConfig:
@@ -581,168 +510,3 @@ class DrafterConfig:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-#: Shape keys, read from the top level by every reader of the serving format.
-SHAPE_KEYS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
-    "max_position_embeddings", "attention_bias", "num_target_layers",
-)
-#: The keys our :meth:`DrafterConfig.to_dict` writes (besides HF bookkeeping); read strictly.
-OUR_TOP_KEYS = frozenset(SHAPE_KEYS) | {
-    "block_size", "layer_types", "sliding_window", "is_causal", "dflash_config",
-    TRAINING_SPEC_KEY, TARGET_IDENTITY_KEY, "draft_vocab_size", "target_hidden_size",
-    "rope_parameters",  # transformers 5 re-saves rope_theta there
-}
-#: The ``dflash_config`` keys ours writes besides the heads' (:func:`variant_keys`).
-CORE_DFLASH_KEYS = frozenset(
-    {"mask_token_id", "target_layer_ids", "block_size", "causal", "swa_window_size",
-     "attention_sink_bias", "sample_from_anchor"}
-)
-_SPEC_KEYS = frozenset({"format_version", "layer_specs", "is_causal", "learned_mask_embedding"})
-_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-             "vocab_size")
-
-
-def reject_unknown_keys(keys: set[str], known: frozenset[str], where: str, source: str) -> None:
-    """ValueError naming the first unknown key (and close matches) of a serving config."""
-    unknown = sorted(keys - known)
-    if unknown:
-        key = unknown[0]
-        raise ValueError(
-            f"{source}: unknown key '{where}{key}'{_suggest(key, known)}"
-            + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
-            + "; dflash-lab does not implement it, so the drafter would not compute what the "
-            "config says: remove it or fix its spelling")
-
-
-def require_keys(d: dict[str, Any], dfc: dict[str, Any], source: str,
-                 extra: tuple[str, ...] = ()) -> None:
-    """The keys without which a config.json is no DFlash drafter (``extra``: top-level)."""
-    missing = [k for k in _REQUIRED + extra if k not in d]
-    if "mask_token_id" not in dfc:
-        missing.append("dflash_config.mask_token_id")
-    if missing:
-        raise ValueError(f"{source}: missing required keys {missing}; is this a DFlash drafter?")
-
-
-def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
-    """The head from ``architectures``, else from the presence of one head's keys (dflash1
-    without any); a head's keys under another head's architecture are refused."""
-    arch = d.get("architectures")
-    present = {head.name: sorted(k for k in head.fields if k in dfc or k in d)
-               for head in heads.heads()}
-    present = {name: keys for name, keys in present.items() if keys}
-    if not arch:
-        return next(iter(present)) if len(present) == 1 else DFLASH1
-    by_name = {head.architecture: head.name for head in heads.heads()}
-    found = [by_name[a] for a in arch if a in by_name]
-    if len(found) != 1 or len(arch) != 1:
-        raise ValueError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
-                         f"one of {[[a] for a in by_name]}")
-    for name, keys in present.items():
-        if name != found[0]:
-            head = heads.get(name)
-            raise ValueError(f"{source}: has the {head.title} keys {keys} but architectures="
-                             f"{arch}; set architectures to ['{head.architecture}'] or remove "
-                             "them")
-    return found[0]
-
-
-def require_head_keys(fields: dict[str, Any], source: str) -> None:
-    """The keys a head's owners need in a config.json (``Head.check_read``)."""
-    heads.get(fields["variant"]).check_read(fields, source)
-
-
-def shape_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """Shape and RoPE fields from the top level (``num_key_value_heads`` defaults to MHA)."""
-    fields: dict[str, Any] = {k: d[k] for k in SHAPE_KEYS if d.get(k) is not None}
-    fields.update(_rope_kwargs(d, source))
-    fields.setdefault("num_key_value_heads", d["num_attention_heads"])
-    return fields
-
-
-def _rope_kwargs(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """rope_theta / rope_scaling from transformers 5's ``rope_parameters`` where the legacy keys
-    do not say them. As transformers' Qwen3Config (which both engines parse config.json with),
-    a non-null ``rope_scaling`` wins; a ``rope_parameters`` saying something else is an error.
-    A per-layer-type (nested) dict is passed on whole: DrafterConfig refuses it, naming why."""
-    params = d.get("rope_parameters")
-    if not params:
-        return {}
-    params = dict(params)
-    if is_nested(params):
-        return {} if d.get("rope_scaling") is not None else {"rope_scaling": params}
-    theta = params.pop("rope_theta", None)
-    if theta is not None and d.get("rope_theta") not in (None, theta):
-        raise ValueError(f"{source}: rope_theta={d['rope_theta']} disagrees with "
-                         f"rope_parameters.rope_theta={theta}; keep one")
-    out: dict[str, Any] = {} if theta is None else {"rope_theta": theta}
-    scaling = params if params.get("rope_type", params.get("type", "default")) != "default" \
-        else None
-    legacy = d.get("rope_scaling")
-    if legacy is None:
-        return {**out, "rope_scaling": scaling} if scaling else out
-    if scaling is not None and _normalized(dict(legacy), d, source) != _normalized(
-            scaling, d, source):
-        raise ValueError(f"{source}: rope_scaling={legacy} disagrees with rope_parameters="
-                         f"{d['rope_parameters']} (the engines' Qwen3Config reads rope_scaling); "
-                         "keep one")
-    return out
-
-
-def _normalized(scaling: dict[str, Any], d: dict[str, Any], source: str) -> Any:
-    theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1.0)
-    return normalize_scaling(scaling, rope_theta=theta, where=source,
-                             max_position_embeddings=d.get("max_position_embeddings", 40960))
-
-
-def _our_block_size(d: dict[str, Any], dfc: dict[str, Any], source: str) -> int:
-    """Ours writes ``block_size`` at the top level and in ``dflash_config``: they must agree."""
-    top, inner = d.get("block_size"), dfc.get("block_size")
-    if top is not None and inner is not None and top != inner:
-        raise ValueError(f"{source}: block_size={top} but dflash_config.block_size={inner}; "
-                         "the drafter was trained with one block size: re-export it")
-    value = inner if inner is not None else top
-    if value is None:
-        raise ValueError(f"{source}: no block_size; re-export the drafter")
-    return value
-
-
-def _parse_ours(cls: type[DrafterConfig], d: dict[str, Any], *, source: str) -> DrafterConfig:
-    dfc = dict(d.get("dflash_config") or {})
-    require_keys(d, dfc, source, extra=("num_target_layers",))
-    if TRAINING_SPEC_KEY not in d:
-        raise ValueError(
-            f"{source}: no '{TRAINING_SPEC_KEY}', so dflash-lab did not write it; a third-party "
-            "(z-lab, vLLM-style) config.json is read by dflash_lab.export.import_drafter "
-            "(dflash-export SRC OUT, dflash-export --inspect DIR), which resolves its layout "
-            "with a named engine rule set")
-    reject_unknown_keys(set(d), OUR_TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
-    reject_unknown_keys(set(dfc), CORE_DFLASH_KEYS | set(variant_keys()), "dflash_config.",
-                        source)
-    spec = d[TRAINING_SPEC_KEY]
-    parts = heads.features()
-    reject_unknown_keys(set(spec), _SPEC_KEYS | {p.spec_key for p in parts if p.spec_key},
-                        f"{TRAINING_SPEC_KEY}.", source)
-    if "target_layer_ids" not in dfc:
-        raise ValueError(f"{source}: missing dflash_config.target_layer_ids; re-export the drafter")
-    kwargs = shape_fields(d, source)
-    kwargs["variant"] = variant_of(d, dfc, source)
-    kwargs.update({k: dfc[k] for k in variant_keys() if dfc.get(k) is not None})
-    require_head_keys(kwargs, source)
-    kwargs.update(
-        block_size=_our_block_size(d, dfc, source), mask_token_id=dfc["mask_token_id"],
-        target_layer_ids=dfc["target_layer_ids"], layer_types=d.get("layer_types"),
-        sliding_window=d.get("sliding_window"), is_causal=spec.get("is_causal"),
-        learned_mask_embedding=bool(spec.get("learned_mask_embedding", False)),
-        attention_sink_bias=bool(dfc.get("attention_sink_bias", False)),
-        sample_from_anchor=bool(dfc.get("sample_from_anchor", False)),
-        draft_vocab_size=d.get("draft_vocab_size"),
-        target_hidden_size=d.get("target_hidden_size"))
-    for part in parts:
-        if part.spec_key:
-            entry = dict(spec.get(part.spec_key) or {})
-            reject_unknown_keys(set(entry), frozenset(part.fields),
-                                f"{TRAINING_SPEC_KEY}.{part.spec_key}.", source)
-            kwargs.update(entry)
-    return cls(_source=source, **kwargs)

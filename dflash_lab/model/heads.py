@@ -23,6 +23,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+#: The head of a config that names none (``drafter.variant``'s default).
+DEFAULT = "dflash1"
 #: Built-in heads: variant name -> the module that defines (and registers) it.
 BUILTIN = {"dflash1": "dflash_lab.heads.dflash1", "dflash2": "dflash_lab.heads.dflash2",
            "dspark": "dflash_lab.heads.dspark"}
