@@ -11,6 +11,7 @@ parses them from the stage's output into its one live line; they never reach the
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -112,8 +113,6 @@ class StageOutput:
     so the log reads line by line."""
 
     def __init__(self, log, snapshot_s: float = 30.0):
-        import codecs
-
         self.log, self.snapshot_s = log, snapshot_s
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.line, self.latest, self.tau = "", None, None

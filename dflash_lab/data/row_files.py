@@ -13,6 +13,7 @@ The errors are ValueErrors, which the entry points print as ``error: ...`` and e
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -116,8 +117,6 @@ def parse_jsonl(data: bytes, name: str) -> list[dict[str, Any]]:
 
 def is_utf8(path: Path, chunk: int = 1 << 24) -> bool:
     """Whether the whole file decodes as UTF-8 (read in 16 MiB chunks)."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
         with open(path, "rb") as f:

@@ -13,8 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.eval.records import ResponseRecord
+from hydra.utils import instantiate
+
+from dflash_lab.eval.records import ResponseRecord, context_buckets
 from dflash_lab.eval.report import records_report
+from dflash_lab.eval.suite import (
+    answer_every_prompt,
+    budget,
+    data_configs,
+    dataset_name,
+    items_before_target,
+    items_with_target,
+)
 from dflash_lab.serving.engine import (
     EngineClient,
     Sampling,
@@ -22,6 +32,7 @@ from dflash_lab.serving.engine import (
     open_engine,
 )
 from dflash_lab.serving.settings import server_settings
+from dflash_lab.targets.chat import target_stop_ids
 
 
 def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str, Any]:
@@ -120,19 +131,6 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
 
     ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau).
     """
-    from hydra.utils import instantiate
-
-    from dflash_lab.eval.records import context_buckets
-    from dflash_lab.eval.suite import (
-        answer_every_prompt,
-        budget,
-        data_configs,
-        dataset_name,
-        items_before_target,
-        items_with_target,
-    )
-    from dflash_lab.targets.chat import target_stop_ids
-
     settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dflash_lab.targets.target import BUILTIN_CHAT_TEMPLATES
+
 log = logging.getLogger(__name__)
 
 _SHAREGPT_ROLES = {
@@ -116,8 +118,6 @@ def require_chat_template(tokenizer, where: str) -> None:
     none), naming ``where`` and the fix, instead of transformers' multi-line error."""
     if getattr(tokenizer, "chat_template", None):
         return
-    from dflash_lab.targets.target import BUILTIN_CHAT_TEMPLATES
-
     name = getattr(tokenizer, "name_or_path", "") or "the target"
     raise ValueError(f"{where}: the tokenizer of {name} has no chat template; set "
                      "target.chat_template=FILE (.jinja, or a JSON file with a chat_template "

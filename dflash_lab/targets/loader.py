@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.targets.head_only import load_target_head
 from dflash_lab.targets.target import (
     BUILTIN_CHAT_TEMPLATES,
     Target,
@@ -127,8 +128,6 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
         if gguf_file:
             raise ValueError(f"target.head_only=true reads safetensors weights; {gguf_file!r} "
                              "is a GGUF file: set target.head_only=false")
-        from dflash_lab.targets.head_only import load_target_head
-
         target = load_target_head(name_or_path, dtype=dtype, device=device)
     else:
         target = _load_full(name_or_path, gguf_file, dtype, device, device_map,
