@@ -29,8 +29,8 @@ from dflash_lab.serving.engine import (
     EngineClient,
     Sampling,
     ServerResponse,
-    open_engine,
 )
+from dflash_lab.serving.launch import client_of
 from dflash_lab.serving.settings import server_settings
 from dflash_lab.targets.chat import target_stop_ids
 
@@ -140,7 +140,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
                               getattr(config, "max_position_embeddings", None))
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
-    with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
+    with client_of(settings, Path(cfg.output_dir) / "server.log", EngineClient) as client:
         info = client.connect()
         responder = EngineResponder(client, target.tokenizer, cfg, stops, on_prompt)
         records, asked = answer_every_prompt(responder, target.tokenizer, configs, items,

@@ -35,7 +35,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from dflash_lab.serving.http import (
     json_request,
     pick_served_model,
 )
-from dflash_lab.serving.launch import launched_server
+from dflash_lab.serving.launch import client_of
 from dflash_lab.serving.settings import ServerSettings
 
 log = logging.getLogger("dflash_lab.regenerate")
@@ -171,14 +171,9 @@ def open_server(settings: ServerSettings, log_path: Path, world_size: int = 1
                 ) -> Iterator[CompletionServer]:
     """A client of the server at ``settings.url``, or, with ``settings.launch``, of a server
     started for the block (its output in ``log_path``) and stopped after it."""
-    if settings.launch is None:
-        yield CompletionServer(settings)
-        return
-    if world_size > 1:
+    if settings.launch is not None and world_size > 1:
         raise ValueError("server.launch starts one server per process; with "
                          f"WORLD_SIZE={world_size} start the server yourself and pass "
                          "server.url")
-    with launched_server(list(settings.launch), log_path,
-                         start_timeout_s=settings.start_timeout_s) as url:
-        log.info("server ready at %s (its output: %s)", url, log_path)
-        yield CompletionServer(replace(settings, url=url))
+    with client_of(settings, log_path, CompletionServer) as server:
+        yield server
