@@ -86,14 +86,10 @@ def _read(path: Path) -> dict | None:
     """The lock's record; None when it vanished; {} when it cannot be parsed (being written, or
     damaged)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except OSError:
-        return {}
-    try:
-        record = json.loads(text)
-    except ValueError:
+    except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
 
