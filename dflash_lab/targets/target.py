@@ -103,26 +103,21 @@ def _sha256_json(obj: Any) -> str:
 
 def config_hash(config) -> str:
     """sha256 of the model config without volatile keys (tool version, dtype, path)."""
-    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return _sha256_json(d)
+    return _sha256_json({k: v for k, v in config.to_dict().items()
+                         if k not in _VOLATILE_CONFIG_KEYS})
 
 
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the tokenizer's vocabulary, merges and special tokens (not the chat template)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        payload: Any = json.loads(backend.to_str())
-    else:
-        payload = sorted(tokenizer.get_vocab().items())
-    return _sha256_json(payload)
+    return _sha256_json(json.loads(backend.to_str()) if backend is not None
+                        else sorted(tokenizer.get_vocab().items()))
 
 
 def chat_template_hash(tokenizer) -> str | None:
     """sha256 of the chat template text, or None when the tokenizer has none."""
     template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return None
-    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
+    return _sha256_json(template) if template else None
 
 
 #: Weight files a fingerprint reads, by preference (the first kind present in the directory).
