@@ -46,7 +46,8 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _log_tail(log: Path, lines: int = 30) -> str:
+def log_tail(log: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file."""
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
@@ -82,10 +83,10 @@ def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float
         while not _ready(url):
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready: "
-                                   f"{argv}\n{log}:\n{_log_tail(log)}")
+                                   f"{argv}\n{log}:\n{log_tail(log)}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready after {start_timeout_s:.0f} s: "
-                                   f"{argv}\n{log}:\n{_log_tail(log)}")
+                                   f"{argv}\n{log}:\n{log_tail(log)}")
             time.sleep(1)
         yield url
     finally:
