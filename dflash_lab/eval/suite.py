@@ -88,9 +88,7 @@ def local_copy(root: Path, name: str) -> Path:
 
 def dataset_name(d) -> str:
     """The report's row label of a data config."""
-    if d.get("name"):
-        return str(d.name)
-    return Path(str(d.path)).name or str(d.path)
+    return str(d.name) if d.get("name") else Path(str(d.path)).name or str(d.path)
 
 
 def is_reference(d) -> bool:
