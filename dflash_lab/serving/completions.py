@@ -32,10 +32,11 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -153,17 +154,24 @@ class CompletionServer:
         """``complete`` for every prompt at once (all in flight; the server batches them);
         results in input order. A failure or Ctrl-C cancels the requests not yet sent and
         returns at once, without waiting for those in flight (their answers are discarded)."""
-        pool = ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="regen")
-        try:
-            futures = [pool.submit(self.complete, p, seed=seed, **sampling)
-                       for p, seed in zip(prompts, seeds)]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f in done and f.exception() is not None]
-            if failed:  # at once, not after the requests still in flight
-                raise failed[0].exception()
-            return [f.result() for f in futures]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        return all_at_once([partial(self.complete, p, seed=seed, **sampling)
+                            for p, seed in zip(prompts, seeds)], "regen")
+
+
+def all_at_once(calls: list[Callable[[], Any]], name: str) -> list[Any]:
+    """Every call in flight at once (threads named ``name``), results in input order. The first
+    failure or Ctrl-C cancels the calls not yet started and returns at once, without waiting
+    for those in flight (their results are discarded)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(calls)), thread_name_prefix=name)
+    try:
+        futures = [pool.submit(call) for call in calls]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:  # at once, not after the requests still in flight
+            raise failed[0].exception()
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @contextmanager
