@@ -15,6 +15,7 @@ import codecs
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -188,16 +189,6 @@ class StageOutput:
         return (now - t0) * (p["total"] - p["done"]) / (p["done"] - done0)
 
 
-def _split_keep(text: str):
+def _split_keep(text: str) -> list[str]:
     """``text`` as runs of plain characters and the single ``\\r`` / ``\\n`` between them."""
-    run = []
-    for ch in text:
-        if ch in "\r\n":
-            if run:
-                yield "".join(run)
-                run = []
-            yield ch
-        else:
-            run.append(ch)
-    if run:
-        yield "".join(run)
+    return [piece for piece in re.split(r"([\r\n])", text) if piece]
