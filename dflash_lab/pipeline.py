@@ -325,7 +325,6 @@ class Live:
             self.stream.write("\r" + line[:_width() - 1] + "\033[K")
         elif self.shown is None or now - self.shown >= self.every_s:
             self.stream.write(line + "\n")
-            self.shown = now
         else:
             return
         self.shown = now
