@@ -94,8 +94,8 @@ def load_target_config(name_or_path: str, *, gguf_file: str | None = None,
 
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    kwargs = {**_hub_kwargs(name_or_path, local_files_only), **extra}
+    kwargs = {**_hub_kwargs(name_or_path, local_files_only),
+              **({"gguf_file": gguf_file} if gguf_file else {})}
     try:
         if gguf_file:
             return _gguf_config(name_or_path, gguf_file, kwargs)

@@ -38,8 +38,7 @@ def check_module(cfg: DictConfig) -> None:
 def loss_spec(module_cfg):
     """The :class:`~dflash_lab.train.distill.LossSpec` of ``module.*`` (ValueError if bad)."""
     loss = module_cfg.get("loss", "ce")
-    if not isinstance(loss, str):
-        loss = OmegaConf.to_container(loss) if isinstance(loss, DictConfig) else loss
+    loss = OmegaConf.to_container(loss) if isinstance(loss, DictConfig) else loss
     return LossSpec.create(loss, float(module_cfg.get("label_temperature", 1.0)),
                            float(module_cfg.get("lk_eta", 3.0)),
                            float(module_cfg.get("accept_temperature", 1.0)))
