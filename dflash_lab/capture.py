@@ -30,6 +30,7 @@ from dflash_lab.data.capture_server import (
 )
 from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
 from dflash_lab.errors import user_errors
+from dflash_lab.launch import detect_launch
 from dflash_lab.model.config import resolve_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
@@ -43,8 +44,6 @@ _LOGGED = ("num_samples", "num_tokens", "num_loss_tokens")
 def rank_and_world() -> tuple[int, int]:
     """(global rank, world size) of this process: from torchrun or SLURM's srun
     (:func:`dflash_lab.launch.detect_launch`), else RANK / WORLD_SIZE set by hand, else (0, 1)."""
-    from dflash_lab.launch import detect_launch
-
     launch = detect_launch()
     if launch is not None:
         return launch.rank, launch.world_size

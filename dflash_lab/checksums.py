@@ -33,6 +33,11 @@ def sha256_json(record: dict, without: str = "") -> str:
                           .encode()).hexdigest()
 
 
+def sha256_of(data) -> str:
+    """Hex sha256 of ``data`` as JSON with sorted keys (anything else as its str)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def sidecar(path: Path) -> Path:
     return path.with_name(path.name + SUFFIX)
 

@@ -22,9 +22,7 @@ REPO_ROOT = PACKAGE_DIR.parent
 def _find_conf_dir() -> Path:
     """``$DFLASH_LAB_CONF`` if set, else the repository's ``conf/`` beside the package."""
     env = os.environ.get("DFLASH_LAB_CONF")
-    if env:
-        return Path(env).resolve()
-    return REPO_ROOT / "conf"
+    return Path(env).resolve() if env else REPO_ROOT / "conf"
 
 
 #: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...).

@@ -13,7 +13,6 @@ resumes from its ``last.ckpt`` as ``dflash-train`` does (``ckpt_path=auto``). do
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import selectors
@@ -30,7 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dflash_lab.checksums import sha256_file
+from dflash_lab.checksums import sha256_file, sha256_of
 from dflash_lab.paths import CONF_DIR, atomic_write_text, remove_path
 from dflash_lab.pipeline_args import (
     capture_layers,
@@ -44,6 +43,7 @@ from dflash_lab.pipeline_args import (
     target_location,
 )
 from dflash_lab.runinfo import git_sha
+from dflash_lab.serving.launch import log_tail
 from dflash_lab.terminal import PROGRESS_ENV, StageOutput, setup
 
 STAGES = ("regenerate", "capture", "train", "export", "eval")
@@ -217,16 +217,12 @@ def record_path(root: Path, stage: str) -> Path:
     return root / "stages" / f"{stage}.json"
 
 
-def _digest(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def inputs_of(stage: Stage, before: Stage | None, root: Path) -> dict[str, Any]:
     """What a stage's result depends on: its composed config and the record of the stage
     before it (rewritten whenever that one reruns, so a rerun upstream reruns this one)."""
     upstream = record_path(root, before.name) if before else None
-    return {"config": _digest(stage.composed),
-            "upstream": (_digest(upstream.read_text()) if upstream and upstream.is_file()
+    return {"config": sha256_of(stage.composed),
+            "upstream": (sha256_of(upstream.read_text()) if upstream and upstream.is_file()
                          else None)}
 
 
@@ -329,7 +325,6 @@ class Live:
             self.stream.write("\r" + line[:_width() - 1] + "\033[K")
         elif self.shown is None or now - self.shown >= self.every_s:
             self.stream.write(line + "\n")
-            self.shown = now
         else:
             return
         self.shown = now
@@ -351,10 +346,6 @@ def upstream(stages: list[Stage], stage: Stage) -> Stage | None:
         return next(s for s in stages if s.name == "export")
     i = stages.index(stage)
     return stages[i - 1] if i else None
-
-
-def _tail(log: Path, lines: int = 15) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
@@ -401,7 +392,7 @@ def run(req: Request) -> int:
         print(f"[{number}/{len(todo)}] {stage.name} ...", end=" ", flush=True)
         if code != 0:
             print(f"failed (exit {code}) after {time.time() - started:.0f} s; log: {log}\n"
-                  f"{_tail(log)}", flush=True)
+                  f"{log_tail(log, 15)}", flush=True)
             return code
         write_record(stage, inputs, started, req.root)
         print(f"done in {time.time() - started:.0f} s", flush=True)

@@ -8,6 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dflash_lab.entry import check_recipe
@@ -21,10 +24,6 @@ STAGE_TARGET_KEYS = ("_target_", "dtype", "device", "head_only")
 def compose(config_name: str, overrides: list[str]) -> DictConfig:
     """``conf/<config_name>.yaml`` + overrides, as the stage's command composes it (Hydra's
     choices kept under ``hydra``); a recipe that does not exist is refused in one line."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     check_recipe(overrides)
     GlobalHydra.instance().clear()
     try:
@@ -68,13 +67,9 @@ def target_location(train_cfg: DictConfig) -> str:
 
 def export_options(section: dict[str, Any]) -> list[str]:
     """cfg.export as ``dflash-export --KEY`` options (``enabled``/``out_dir`` are train's)."""
-    out = []
-    for key, value in section.items():
-        if key in ("enabled", "out_dir") or value is None:  # null: the exporter's default
-            continue
-        out.append(f"--{key}" if value is True else f"--no-{key}" if value is False
-                   else f"--{key}={value}")
-    return out
+    return [f"--{key}" if value is True else f"--no-{key}" if value is False else f"--{key}={value}"
+            for key, value in section.items()  # null: the exporter's default
+            if key not in ("enabled", "out_dir") and value is not None]
 
 
 def option_args(args: list[str]) -> list[str]:

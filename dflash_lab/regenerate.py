@@ -77,9 +77,7 @@ def make_server_settings(cfg: DictConfig) -> ServerSettings | None:
     if backend not in ("hf", "server"):
         raise ValueError(f"regenerate.backend={backend!r}: use hf (generate here) or server "
                          "(a running vLLM/SGLang server, see server.* in conf/server/default.yaml)")
-    if backend == "hf":
-        return None
-    return server_settings(cfg.server)
+    return None if backend == "hf" else server_settings(cfg.server)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")

@@ -10,6 +10,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from dflash_lab.launch import detect_launch, is_global_zero
 from dflash_lab.paths import REPO_ROOT, atomic_write_text
 
 RUN_INFO_FILE = "run_info.json"
@@ -43,8 +46,6 @@ def package_versions(names: tuple[str, ...] = _PACKAGES) -> dict[str, str]:
 
 def _launch_info() -> dict[str, Any]:
     """How the processes were started (torchrun / slurm / one process or Lightning's own)."""
-    from dflash_lab.launch import detect_launch
-
     launch = detect_launch()
     if launch is None:
         return {"launcher": "none"}
@@ -67,8 +68,6 @@ def record_paths(out_dir: Path) -> list[tuple[Path, Path]]:
 
 def latest_config(out_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """(file, resolved config) of the directory's latest record with a config, or None."""
-    from omegaconf import OmegaConf
-
     for config, _ in reversed(record_paths(Path(out_dir))):
         if config.is_file():
             return config, OmegaConf.to_container(OmegaConf.load(config))
@@ -85,8 +84,6 @@ def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
     Only the job's global rank 0 writes (every process of a multi-node job shares the run
     directory on one filesystem); the others return the path without touching it.
     """
-    from dflash_lab.launch import is_global_zero
-
     out_dir = Path(out_dir)
     n = len(record_paths(out_dir))
     suffix = f".{n}" if n else ""
@@ -95,8 +92,6 @@ def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
         return out_dir / RUN_INFO_FILE
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg is not None:
-        from omegaconf import OmegaConf
-
         conf = cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)
         atomic_write_text(out_dir / f"config{suffix}.yaml", OmegaConf.to_yaml(conf, resolve=True))
     info = {

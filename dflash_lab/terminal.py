@@ -11,9 +11,11 @@ parses them from the stage's output into its one live line; they never reach the
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -112,8 +114,6 @@ class StageOutput:
     so the log reads line by line."""
 
     def __init__(self, log, snapshot_s: float = 30.0):
-        import codecs
-
         self.log, self.snapshot_s = log, snapshot_s
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.line, self.latest, self.tau = "", None, None
@@ -189,16 +189,6 @@ class StageOutput:
         return (now - t0) * (p["total"] - p["done"]) / (p["done"] - done0)
 
 
-def _split_keep(text: str):
+def _split_keep(text: str) -> list[str]:
     """``text`` as runs of plain characters and the single ``\\r`` / ``\\n`` between them."""
-    run = []
-    for ch in text:
-        if ch in "\r\n":
-            if run:
-                yield "".join(run)
-                run = []
-            yield ch
-        else:
-            run.append(ch)
-    if run:
-        yield "".join(run)
+    return [piece for piece in re.split(r"([\r\n])", text) if piece]

@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from dflash_lab.launch import is_global_zero
+
 #: The lock file inside a directory the command writes in place.
 LOCK_NAME = ".dflash-lock"
 #: Seconds without a refresh after which another host's lock counts as abandoned.
@@ -84,14 +86,10 @@ def _read(path: Path) -> dict | None:
     """The lock's record; None when it vanished; {} when it cannot be parsed (being written, or
     damaged)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except OSError:
-        return {}
-    try:
-        record = json.loads(text)
-    except ValueError:
+    except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
 
@@ -201,8 +199,6 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
     ``what``: the setting that named the directory (``paths.output_dir``, ``OUT_DIR``), for the
     message. ``beside``: the lock lives beside the directory (:func:`lock_path_for`).
     """
-    from dflash_lab.launch import is_global_zero
-
     if not is_global_zero(env):
         yield None
         return

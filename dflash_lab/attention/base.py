@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dflash_lab.attention import flash, flex, sdpa
 from dflash_lab.attention.mask import BlockLayout, LayerSpec
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,7 @@ def resolve_backend_name(name: str, device: torch.device | str, *, packed: bool)
         return "sdpa"
     if packed:
         return "flex"
-    from dflash_lab.attention.flash import flash_attn_available
-
-    if flash_attn_available():
+    if flash.flash_attn_available():
         return "flash"
     _log_once(("no-flash", str(device)), logging.WARNING,
               "flash-attn is not installed (pip install -e '.[gpu]'); auto uses flex for decoding")
@@ -91,10 +90,7 @@ def get_backend(name: str, device: torch.device | str = "cpu", *, packed: bool =
                   "attention backend 'auto' resolved to '%s' on %s (%s layout)", chosen, device,
                   kind)
     if chosen == "sdpa":
-        from dflash_lab.attention.sdpa import KEY_TILES, SdpaBackend
-        return SdpaBackend(key_tiles=1 if static_shapes else KEY_TILES)
+        return sdpa.SdpaBackend(key_tiles=1 if static_shapes else sdpa.KEY_TILES)
     if chosen == "flex":
-        from dflash_lab.attention.flex import FlexBackend
-        return FlexBackend(compile_mask=torch.device(device).type == "cuda")
-    from dflash_lab.attention.flash import FlashBackend
-    return FlashBackend()
+        return flex.FlexBackend(compile_mask=torch.device(device).type == "cuda")
+    return flash.FlashBackend()

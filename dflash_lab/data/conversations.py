@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_file
+from dflash_lab.targets.chat import BadConversation, normalize_conversation, tokenize_conversation
+from dflash_lab.targets.demo_corpus import write_demo_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +108,6 @@ def tokenize_rows(tokenizer, rows, first: int, *, source: str, bad_rows: str, se
     row, ``source`` (the input file) and the ``setting`` that would skip it. Rows without loss
     tokens are logged together. ``tokenize_kwargs`` go to ``tokenize_conversation``.
     """
-    from dflash_lab.targets.chat import (
-        BadConversation,
-        normalize_conversation,
-        tokenize_conversation,
-    )
-
     out = TokenizedRows()
     for k, row in enumerate(rows):
         row_id = input_row(row, first + k)
@@ -161,8 +157,6 @@ def open_conversations(path: str, split: str = "train", limit: int | None = None
     ``path=demo`` first writes ``demo_rows`` built-in demo conversations to ``demo_file``.
     """
     if path == "demo":
-        from dflash_lab.targets.demo_corpus import write_demo_jsonl
-
         path = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
     dataset = load_conversations(str(path), split=split, limit=limit, shuffle_seed=shuffle_seed)
     source = {"path": str(path), "split": split, "limit": limit, "shuffle_seed": shuffle_seed}

@@ -32,7 +32,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from dflash_lab.data import packing
+from dflash_lab.data.conversations import check_bad_rows_mode, open_conversations, tokenize_rows
+from dflash_lab.data.shards import ShardDataset, distribution_of, read_manifest
+from dflash_lab.data.speculators_data import SpeculatorsDataset, detect_format, read_layer_ids
 from dflash_lab.errors import RENAMED_KEYS, renamed_key_error
+from dflash_lab.targets.chat import find_turn_end, target_stop_ids
+from dflash_lab.targets.features import OnlineFeatures
 
 log = logging.getLogger(__name__)
 
@@ -219,12 +225,11 @@ class BlockDataModule(L.LightningDataModule):
         self.train_set, self.val_set = Subset(samples, train_idx), Subset(samples, val_idx)
         self.train_rows, self.val_rows = self.train_set, self.val_set
         if self.pack:
-            from dflash_lab.data.packing import pack
-
             where = self.describe()
-            self.train_rows = pack(self.train_set, self.max_tokens_per_row, PAD_VALUES, where,
-                                   self.seed)
-            self.val_rows = pack(self.val_set, self.max_tokens_per_row, PAD_VALUES, where, None)
+            self.train_rows = packing.pack(self.train_set, self.max_tokens_per_row, PAD_VALUES,
+                                           where, self.seed)
+            self.val_rows = packing.pack(self.val_set, self.max_tokens_per_row, PAD_VALUES, where,
+                                         None)
             log.info("packed %d training documents into %d rows of <= %d tokens (%.1f%% of "
                      "their tokens real); %d validation documents into %d rows",
                      len(self.train_set), len(self.train_rows), self.max_tokens_per_row,
@@ -344,8 +349,6 @@ class OnlineDataModule(BlockDataModule):
         the names dflash-capture and dflash-regenerate use (one reader:
         :func:`~dflash_lab.data.conversations.open_conversations`). ``target_hidden_size``: the
         drafter's per-layer feature width (None = the target's hidden size)."""
-        from dflash_lab.data.conversations import check_bad_rows_mode
-
         for old in (k for k in kw if f"data.{k}" in RENAMED_KEYS):
             raise renamed_key_error(f"data.{old}", "the data config of the recipe or command")
         super().__init__(**kw)
@@ -359,9 +362,6 @@ class OnlineDataModule(BlockDataModule):
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
 
     def load_samples(self) -> Dataset:
-        from dflash_lab.data.conversations import open_conversations, tokenize_rows
-        from dflash_lab.targets.chat import find_turn_end, target_stop_ids
-
         opened = open_conversations(**self.opening)  # path=demo: written to demo_file first
         rows, self.conversations = opened.dataset, opened.source["path"]
         turn_end = find_turn_end(self.target.tokenizer, target_stop_ids(self.target),
@@ -385,8 +385,6 @@ class OnlineDataModule(BlockDataModule):
     def feature_source(self):
         """The frozen target as the training step's feature source (``DFlashModule``'s first
         step: online batches carry only ids and masks)."""
-        from dflash_lab.targets.features import OnlineFeatures
-
         return OnlineFeatures(self.target.model, self.target_layer_ids, self.target_hidden_size)
 
     def target_distribution(self) -> dict[str, Any]:
@@ -442,9 +440,6 @@ class OfflineDataModule(BlockDataModule):
     def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
         """The capture's ``max_length``, read from its manifest (speculators data: its longest
         row, from the prepare-data ``seq_len`` column)."""
-        from dflash_lab.data.shards import read_manifest
-        from dflash_lab.data.speculators_data import detect_format
-
         if detect_format(data_cfg.path, data_cfg.get("format", "auto")) == "speculators":
             from datasets import load_from_disk
 
@@ -476,13 +471,6 @@ class OfflineDataModule(BlockDataModule):
                             "hidden_states_path": hidden_states_path}
 
     def load_samples(self) -> Dataset:
-        from dflash_lab.data.shards import ShardDataset
-        from dflash_lab.data.speculators_data import (
-            SpeculatorsDataset,
-            detect_format,
-            read_layer_ids,
-        )
-
         if detect_format(self.path, self.format) == "speculators":
             self.samples = SpeculatorsDataset(
                 self.path, target=self.target, target_layer_ids=self.expect["target_layer_ids"],
@@ -497,8 +485,6 @@ class OfflineDataModule(BlockDataModule):
 
     def target_distribution(self) -> dict[str, Any]:
         """What the capture kept (its manifest's ``distribution``; none before the option)."""
-        from dflash_lab.data.shards import distribution_of
-
         return distribution_of(self.samples.manifest)
 
     def describe(self) -> str:

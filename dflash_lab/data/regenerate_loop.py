@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dflash_lab.data.conversations import check_bad_rows_mode, input_row
+from dflash_lab.data.row_files import write_jsonl
 from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.serving.completions import CompletionServer
 from dflash_lab.targets.chat import (
@@ -191,10 +192,6 @@ def regenerate_batch(target, conversations: list[list[dict[str, Any]]], s: Regen
     return kept, tokens
 
 
-def _write_part(path: Path, rows: list[dict[str, Any]]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-
-
 def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress=None,
                     server: CompletionServer | None = None) -> int:
     """Regenerate input rows [index * part_size, ...) into part ``index``; returns tokens."""
@@ -217,7 +214,7 @@ def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress
                  if m is not None]
         if progress is not None:
             progress.update(stop - start, n)
-    _write_part(part_path(s.out_dir, index), rows)
+    write_jsonl(part_path(s.out_dir, index), rows)
     return tokens
 
 

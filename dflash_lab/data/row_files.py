@@ -13,12 +13,15 @@ The errors are ValueErrors, which the entry points print as ``error: ...`` and e
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from dflash_lab.paths import atomic_write_text
 
 #: suffix -> ``datasets`` builder of the local files every loader reads
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -29,6 +32,11 @@ _SHAPES = {".jsonl": "each line of a .jsonl file is one JSON object in UTF-8",
 #: the ``datasets`` builders' loggers: on a bad file they log the error we raise, in other words
 _BUILDER_LOGGERS = ("datasets.packaged_modules.json.json",
                     "datasets.packaged_modules.parquet.parquet")
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as JSON lines (UTF-8 text as is), written to a temporary file then renamed."""
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def read_row_file(path: Path, name: str):
@@ -116,8 +124,6 @@ def parse_jsonl(data: bytes, name: str) -> list[dict[str, Any]]:
 
 def is_utf8(path: Path, chunk: int = 1 << 24) -> bool:
     """Whether the whole file decodes as UTF-8 (read in 16 MiB chunks)."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
         with open(path, "rb") as f:

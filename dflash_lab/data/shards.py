@@ -285,10 +285,9 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
               "hidden_size": manifest["hidden_size"],
               "vocab_size": manifest["target"]["vocab_size"],
               "target_hidden_size": manifest_feature_width(manifest)}
-    for key in ("config_hash", "tokenizer_hash"):
-        if target is not None:
-            expected[f"target.{key}"] = target[key]
-            actual[f"target.{key}"] = manifest["target"][key]
+    for key in ("config_hash", "tokenizer_hash") if target is not None else ():
+        expected[f"target.{key}"] = target[key]
+        actual[f"target.{key}"] = manifest["target"][key]
     for key, want in expected.items():
         if want is not None and list_or_value(want) != list_or_value(actual[key]):
             raise ValueError(
@@ -397,17 +396,10 @@ class ShardDataset(Dataset):
         return len(self._index)
 
     def __getitem__(self, k: int) -> dict[str, Any]:
-        item = self._read(k, ("input_ids", "loss_mask", "hidden", "target_argmax",
-                              *self._extra))
-        local = self._index[k][1]
-        f = self._handles[self._index[k][0]]
-        return {
-            **item,
-            "input_ids": item["input_ids"].long(),
-            "loss_mask": item["loss_mask"].bool(),
-            "target_argmax": item["target_argmax"].long(),
-            "sample_id": int(f.get_slice("sample_ids")[local:local + 1][0]),
-        }
+        shard_no, local = self._index[k][:2]
+        item = {**self.tokens(k), **self._read(k, ("hidden", *self._extra))}
+        ids = self._handles[shard_no].get_slice("sample_ids")
+        return {**item, "sample_id": int(ids[local:local + 1][0])}
 
     def lengths(self) -> list[int]:
         """Tokens of every sample, from the shard offsets (no sample is read)."""

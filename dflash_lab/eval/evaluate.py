@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from tqdm import tqdm
 
 from dflash_lab.attention.base import resolve_backend_name
+from dflash_lab.data.shards import ShardDataset, read_manifest
 from dflash_lab.eval.loading import check_pair, load_drafter
 from dflash_lab.eval.loop import (
     DecodeSettings,
@@ -233,8 +234,6 @@ def _data_record(cfg, configs, budgets) -> dict[str, Any]:
 
 def run_features(cfg) -> dict[str, Any]:
     """The feature-level tau simulator over a capture directory -> report dict."""
-    from dflash_lab.data.shards import ShardDataset, read_manifest
-
     if cfg.get("suite") is not None:
         raise ValueError(f"suite={cfg.suite} generates answers: use mode=generate (features "
                          "mode reads one capture, data.path=CAPTURE_DIR)")

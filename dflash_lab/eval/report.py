@@ -21,6 +21,7 @@ from dflash_lab.eval.records import (
     CONTEXT_BUCKETS,
     ResponseRecord,
     histogram,
+    mean_of,
     per_dataset,
     per_position_acceptance,
     record_from_generation,
@@ -37,16 +38,12 @@ HISTOGRAM_PNG = "acceptance_histogram.png"
 CURVE_PNG = "per_position_acceptance.png"
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str, Any]:
     """tau and per-position acceptance pooled over every round of every prompt."""
     pooled = [n for lengths in per_prompt for n in lengths]
     return {
-        "tau_mean": _mean(pooled),
-        "tau_per_prompt": [_mean(lengths) for lengths in per_prompt],
+        "tau_mean": mean_of(pooled),
+        "tau_per_prompt": [mean_of(lengths) for lengths in per_prompt],
         "acceptance_lengths": per_prompt,
         "per_position_acceptance": per_position_acceptance(pooled, block_size),
         "acceptance_histogram": histogram(pooled, block_size),
@@ -191,14 +188,17 @@ _ROW_COLUMNS = (("responses", "num_responses", 0), ("tau macro", "tau_macro", 3)
                 ("decode speedup", "decode_speedup", 2), ("lossless", "lossless", 0))
 
 
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: its header cells, then one line per row of cells."""
+    return [f"| {' | '.join(head)} |", "|---" * len(head) + "|",
+            *(f"| {' | '.join(row)} |" for row in rows)]
+
+
 def dataset_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
     """One row per dataset: both taus, TTFT, TPOT, the decode speedup (baseline TPOT / TPOT)."""
-    lines = ["| dataset | " + " | ".join(c for c, _, _ in _ROW_COLUMNS) + " |",
-             "|---" * (len(_ROW_COLUMNS) + 1) + "|"]
-    for name, row in datasets.items():
-        lines.append(f"| {name} | " + " | ".join(_fmt(row[k], d) for _, k, d in _ROW_COLUMNS)
-                     + " |")
-    return lines
+    return _table(["dataset", *(c for c, _, _ in _ROW_COLUMNS)],
+                  [[name, *(_fmt(row[k], d) for _, k, d in _ROW_COLUMNS)]
+                   for name, row in datasets.items()])
 
 
 def suite_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
@@ -217,13 +217,11 @@ def suite_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
 
 def histogram_table(datasets: dict[str, dict[str, Any]], block_size: int) -> list[str]:
     """Per dataset, the share of rounds of each acceptance length 1..B (text histogram)."""
-    lines = ["| dataset | " + " | ".join(str(n) for n in range(1, block_size + 1)) + " |",
-             "|---" * (block_size + 1) + "|"]
+    rows = []
     for name, row in datasets.items():
         total = sum(row["acceptance_histogram"]) or 1
-        lines.append(f"| {name} | " + " | ".join(f"{100 * c / total:.1f}%"
-                                                  for c in row["acceptance_histogram"]) + " |")
-    return lines
+        rows.append([name, *(f"{100 * c / total:.1f}%" for c in row["acceptance_histogram"])])
+    return _table(["dataset", *(str(n) for n in range(1, block_size + 1))], rows)
 
 
 def _dataset_sections(report: dict[str, Any]) -> list[str]:
@@ -240,10 +238,9 @@ def _dataset_sections(report: dict[str, Any]) -> list[str]:
               *histogram_table(datasets, b), ""]
     if len(datasets) > 1:
         lines += ["Per-position acceptance per dataset:", "",
-                  "| dataset | " + " | ".join(str(t) for t in range(1, b)) + " |", "|---" * b + "|"]
-        lines += [f"| {n} | " + " | ".join(_fmt(v, 2) for v in r["per_position_acceptance"])
-                  + " |" for n, r in datasets.items()]
-        lines.append("")
+                  *_table(["dataset", *(str(t) for t in range(1, b))],
+                          [[n, *(_fmt(v, 2) for v in r["per_position_acceptance"])]
+                           for n, r in datasets.items()]), ""]
     return lines
 
 
@@ -266,13 +263,12 @@ def markdown(report: dict[str, Any]) -> str:
             "baseline_tpot_ms", "decode_speedup", "tokens_per_second",
             "baseline_tokens_per_second", "speedup", "draft_ms_per_round", "verify_ms_per_round",
             "num_prompts", "num_output_tokens", "num_samples", "num_blocks"]
-    lines += ["## All responses", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(report[k])} |" for k in keys if k in report]
+    lines += ["## All responses", "",
+              *_table(["metric", "value"], [[k, _fmt(report[k])] for k in keys if k in report])]
     lines += ["", "Per-position acceptance (fraction of rounds accepting at least t drafts):", "",
-              "| t | " + " | ".join(str(t) for t in range(1, s["block_size"])) + " |",
-              "|---" * s["block_size"] + "|"]
-    lines += [f"| {name} | " + " | ".join(_fmt(v, 2) for v in report[key]) + " |"
-              for name, key in _curves(report)]
+              *_table(["t", *(str(t) for t in range(1, s["block_size"]))],
+                      [[name, *(_fmt(v, 2) for v in report[key])]
+                       for name, key in _curves(report)])]
     lines += _context_section(report.get("tau_by_context"))
     lines += _responses_section(report)
     lines += ["", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
@@ -308,11 +304,10 @@ def _context_section(rows: list[dict[str, Any]] | None) -> list[str]:
     """The acceptance-by-context-length table (nothing when no record knew its prompt)."""
     if not rows:
         return []
-    lines = ["", "Acceptance by context length (tokens the drafter read: prompt + committed so "
-                 "far; basis `responses`: an engine's totals, counted at the prompt length):", "",
-             "| context | rounds | tau | basis |", "|---|---|---|---|"]
-    return lines + [f"| {r['context']} | {r['rounds']} | {_fmt(r['tau'])} | {r['basis']} |"
-                    for r in rows]
+    return ["", "Acceptance by context length (tokens the drafter read: prompt + committed so "
+                "far; basis `responses`: an engine's totals, counted at the prompt length):", "",
+            *_table(["context", "rounds", "tau", "basis"],
+                    [[r["context"], str(r["rounds"]), _fmt(r["tau"]), r["basis"]] for r in rows])]
 
 
 def _curves(report: dict[str, Any]) -> list[tuple[str, str]]:

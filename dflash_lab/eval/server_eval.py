@@ -13,15 +13,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_lab.eval.records import ResponseRecord
+from hydra.utils import instantiate
+
+from dflash_lab.eval.records import ResponseRecord, context_buckets
 from dflash_lab.eval.report import records_report
+from dflash_lab.eval.suite import (
+    answer_every_prompt,
+    budget,
+    data_configs,
+    dataset_name,
+    items_before_target,
+    items_with_target,
+)
 from dflash_lab.serving.engine import (
     EngineClient,
     Sampling,
     ServerResponse,
-    open_engine,
 )
+from dflash_lab.serving.launch import client_of
 from dflash_lab.serving.settings import server_settings
+from dflash_lab.targets.chat import target_stop_ids
 
 
 def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str, Any]:
@@ -120,19 +131,6 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
 
     ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau).
     """
-    from hydra.utils import instantiate
-
-    from dflash_lab.eval.records import context_buckets
-    from dflash_lab.eval.suite import (
-        answer_every_prompt,
-        budget,
-        data_configs,
-        dataset_name,
-        items_before_target,
-        items_with_target,
-    )
-    from dflash_lab.targets.chat import target_stop_ids
-
     settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]
@@ -142,7 +140,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
                               getattr(config, "max_position_embeddings", None))
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
-    with open_engine(settings, Path(cfg.output_dir) / "server.log") as client:
+    with client_of(settings, Path(cfg.output_dir) / "server.log", EngineClient) as client:
         info = client.connect()
         responder = EngineResponder(client, target.tokenizer, cfg, stops, on_prompt)
         records, asked = answer_every_prompt(responder, target.tokenizer, configs, items,

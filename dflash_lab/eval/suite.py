@@ -23,7 +23,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
@@ -31,11 +31,9 @@ from dflash_lab.data.row_files import LOCAL_BUILDERS, check_columns, read_row_fi
 from dflash_lab.eval.long_prompts import KIND as LONG_KIND
 from dflash_lab.eval.long_prompts import build_long_chats, context_targets
 from dflash_lab.eval.prompts import encode_prompt, load_rows, row_messages, row_where, set_fields
+from dflash_lab.eval.records import ResponseRecord
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.terminal import Bar
-
-if TYPE_CHECKING:
-    from dflash_lab.eval.records import ResponseRecord
 
 log = logging.getLogger("dflash_lab.eval")
 DATA_GROUP = "eval_data"  #: conf/eval_data/: the options of ``data=`` (placed at ``data``)
@@ -90,9 +88,7 @@ def local_copy(root: Path, name: str) -> Path:
 
 def dataset_name(d) -> str:
     """The report's row label of a data config."""
-    if d.get("name"):
-        return str(d.name)
-    return Path(str(d.path)).name or str(d.path)
+    return str(d.name) if d.get("name") else Path(str(d.path)).name or str(d.path)
 
 
 def is_reference(d) -> bool:

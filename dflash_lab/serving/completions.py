@@ -32,10 +32,11 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from dflash_lab.serving.http import (
     json_request,
     pick_served_model,
 )
-from dflash_lab.serving.launch import launched_server
+from dflash_lab.serving.launch import client_of
 from dflash_lab.serving.settings import ServerSettings
 
 log = logging.getLogger("dflash_lab.regenerate")
@@ -153,17 +154,24 @@ class CompletionServer:
         """``complete`` for every prompt at once (all in flight; the server batches them);
         results in input order. A failure or Ctrl-C cancels the requests not yet sent and
         returns at once, without waiting for those in flight (their answers are discarded)."""
-        pool = ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="regen")
-        try:
-            futures = [pool.submit(self.complete, p, seed=seed, **sampling)
-                       for p, seed in zip(prompts, seeds)]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f in done and f.exception() is not None]
-            if failed:  # at once, not after the requests still in flight
-                raise failed[0].exception()
-            return [f.result() for f in futures]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        return all_at_once([partial(self.complete, p, seed=seed, **sampling)
+                            for p, seed in zip(prompts, seeds)], "regen")
+
+
+def all_at_once(calls: list[Callable[[], Any]], name: str) -> list[Any]:
+    """Every call in flight at once (threads named ``name``), results in input order. The first
+    failure or Ctrl-C cancels the calls not yet started and returns at once, without waiting
+    for those in flight (their results are discarded)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(calls)), thread_name_prefix=name)
+    try:
+        futures = [pool.submit(call) for call in calls]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:  # at once, not after the requests still in flight
+            raise failed[0].exception()
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @contextmanager
@@ -171,14 +179,9 @@ def open_server(settings: ServerSettings, log_path: Path, world_size: int = 1
                 ) -> Iterator[CompletionServer]:
     """A client of the server at ``settings.url``, or, with ``settings.launch``, of a server
     started for the block (its output in ``log_path``) and stopped after it."""
-    if settings.launch is None:
-        yield CompletionServer(settings)
-        return
-    if world_size > 1:
+    if settings.launch is not None and world_size > 1:
         raise ValueError("server.launch starts one server per process; with "
                          f"WORLD_SIZE={world_size} start the server yourself and pass "
                          "server.url")
-    with launched_server(list(settings.launch), log_path,
-                         start_timeout_s=settings.start_timeout_s) as url:
-        log.info("server ready at %s (its output: %s)", url, log_path)
-        yield CompletionServer(replace(settings, url=url))
+    with client_of(settings, log_path, CompletionServer) as server:
+        yield server

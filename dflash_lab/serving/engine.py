@@ -33,15 +33,12 @@ response divided by the tokens after the first.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_lab.serving.http import (
@@ -50,10 +47,8 @@ from dflash_lab.serving.http import (
     json_request,
     pick_served_model,
 )
-from dflash_lab.serving.launch import launched_server
 from dflash_lab.serving.settings import ServerSettings
 
-log = logging.getLogger(__name__)
 BACKENDS = ("local", "server")
 #: vLLM's speculative-decoding counters (Prometheus names without ``_total``).
 VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
@@ -350,16 +345,3 @@ def _sglang_response(last: dict[str, Any] | None, pieces: list[list[int]], secon
                           accepted_histogram=[int(c) for c in hist] if hist else None,
                           engine_tau=meta.get("spec_accept_length"), ttft_s=ttft,
                           text=(last or {}).get("text"))
-
-
-@contextmanager
-def open_engine(settings: ServerSettings, log_path: Path) -> Iterator[EngineClient]:
-    """A client of the server at ``settings.url``, or of one started for the block with
-    ``settings.launch`` (its output in ``log_path``) and stopped after it."""
-    if settings.launch is None:
-        yield EngineClient(settings)
-        return
-    with launched_server(list(settings.launch), log_path,
-                         start_timeout_s=settings.start_timeout_s) as url:
-        log.info("server ready at %s (its output: %s)", url, log_path)
-        yield EngineClient(replace(settings, url=url))

@@ -27,15 +27,15 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_lab.serving.completions import CompletionServer, ServerError
+from dflash_lab.serving.completions import CompletionServer, ServerError, all_at_once
 from dflash_lab.serving.launch import launched_server
 from dflash_lab.serving.settings import ServerSettings
 
@@ -182,16 +182,7 @@ class HiddenStatesServer(CompletionServer):
     def hidden_states_many(self, prompts: list[list[int]]) -> list[ServedStates]:
         """:meth:`hidden_states` of every prompt at once (the server batches them), in input
         order; the first failure cancels the rest."""
-        pool = ThreadPoolExecutor(max_workers=max(1, len(prompts)), thread_name_prefix="hs")
-        try:
-            futures = [pool.submit(self.hidden_states, p) for p in prompts]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f in done and f.exception() is not None]
-            if failed:
-                raise failed[0].exception()
-            return [f.result() for f in futures]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        return all_at_once([partial(self.hidden_states, p) for p in prompts], "hs")
 
 
 @contextmanager

@@ -12,6 +12,7 @@ The benchmarks and ``make check-serving`` start vLLM the same way (benchmarks/vl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,11 +20,15 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 PORT = "{port}"
+log = logging.getLogger(__name__)
+Client = TypeVar("Client")
 
 
 def free_port() -> int:
@@ -41,7 +46,8 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _log_tail(log: Path, lines: int = 30) -> str:
+def log_tail(log: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file."""
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
@@ -77,10 +83,10 @@ def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float
         while not _ready(url):
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready: "
-                                   f"{argv}\n{log}:\n{_log_tail(log)}")
+                                   f"{argv}\n{log}:\n{log_tail(log)}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready after {start_timeout_s:.0f} s: "
-                                   f"{argv}\n{log}:\n{_log_tail(log)}")
+                                   f"{argv}\n{log}:\n{log_tail(log)}")
             time.sleep(1)
         yield url
     finally:
@@ -99,3 +105,17 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+@contextmanager
+def client_of(settings: Any, log_path: Path, make: Callable[[Any], Client]) -> Iterator[Client]:
+    """``make(settings)``: a client of the server at ``settings.url`` (a ``ServerSettings``),
+    or, with ``settings.launch``, of a server started for the block (its output in
+    ``log_path``) and stopped after it."""
+    if settings.launch is None:
+        yield make(settings)
+        return
+    with launched_server(list(settings.launch), log_path,
+                         start_timeout_s=settings.start_timeout_s) as url:
+        log.info("server ready at %s (its output: %s)", url, log_path)
+        yield make(replace(settings, url=url))

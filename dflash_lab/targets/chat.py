@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dflash_lab.targets.target import BUILTIN_CHAT_TEMPLATES
+
 log = logging.getLogger(__name__)
 
 _SHAREGPT_ROLES = {
@@ -107,8 +109,7 @@ def check_conversation(tokenizer, messages: list[dict[str, Any]],
     """BadConversation unless :func:`check_roles` accepts ``messages`` and the chat template
     renders them (templates such as Gemma's raise on roles they do not accept)."""
     check_roles(messages, answers)
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    _render(tokenizer, messages, False, kwargs)
+    _render(tokenizer, messages, False, enable_thinking)
 
 
 def require_chat_template(tokenizer, where: str) -> None:
@@ -116,8 +117,6 @@ def require_chat_template(tokenizer, where: str) -> None:
     none), naming ``where`` and the fix, instead of transformers' multi-line error."""
     if getattr(tokenizer, "chat_template", None):
         return
-    from dflash_lab.targets.target import BUILTIN_CHAT_TEMPLATES
-
     name = getattr(tokenizer, "name_or_path", "") or "the target"
     raise ValueError(f"{where}: the tokenizer of {name} has no chat template; set "
                      "target.chat_template=FILE (.jinja, or a JSON file with a chat_template "
@@ -125,15 +124,17 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-            template_kwargs: dict[str, Any]) -> str:
-    """The template's text; a template error (e.g. Gemma's alternation check) is a bad row."""
+            enable_thinking: bool | None) -> str:
+    """The template's text (``enable_thinking`` passed when set); a template error (e.g.
+    Gemma's alternation check) is a bad row."""
     from jinja2.exceptions import TemplateError
 
     require_chat_template(tokenizer, "rendering conversations")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
+                                             **({} if enable_thinking is None else
+                                                {"enable_thinking": enable_thinking}))
     except TemplateError as err:
         raise BadConversation(f"chat template error: {type(err).__name__}: {err}") from err
 
@@ -141,8 +142,7 @@ def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bo
 def render_prompt(tokenizer, messages: list[dict[str, Any]],
                   enable_thinking: bool | None = None) -> str:
     """The chat-template text that asks the model for the next assistant turn."""
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    return _render(tokenizer, messages, True, kwargs)
+    return _render(tokenizer, messages, True, enable_thinking)
 
 
 def target_stop_ids(target) -> list[int]:
@@ -156,14 +156,14 @@ def target_stop_ids(target) -> list[int]:
     return sorted({int(i) for i in ids if i is not None})
 
 
-def _closing_text(tokenizer, template_kwargs: dict[str, Any]) -> str:
+def _closing_text(tokenizer, enable_thinking: bool | None) -> str:
     """What the template writes after an assistant content both mid-conversation and at the
     end (their common prefix): the turn's closing, without the next turn's header."""
     user1, bot1, user2, bot2 = _PROBE
     probe = [{"role": "user", "content": user1}, {"role": "assistant", "content": bot1},
              {"role": "user", "content": user2}, {"role": "assistant", "content": bot2}]
     try:
-        text = _render(tokenizer, probe, False, template_kwargs)
+        text = _render(tokenizer, probe, False, enable_thinking)
     except BadConversation as err:  # a template property, not a row's: never skipped
         raise ValueError(f"the chat template cannot render a plain user/assistant "
                          f"conversation ({err}); it is not supported for loss masking") from err
@@ -186,8 +186,7 @@ def find_turn_end(tokenizer, stop_ids: list[int] | tuple[int, ...] = (),
     never learns to end a turn) or when the token is not a stop id (the target would not stop
     generating there: check ``generation_config.eos_token_id``).
     """
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    closing = _closing_text(tokenizer, kwargs)
+    closing = _closing_text(tokenizer, enable_thinking)
     stops = {int(i) for i in stop_ids} | ({tokenizer.eos_token_id} - {None})
     added = (set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)) - {
         tokenizer.unk_token_id}
@@ -230,15 +229,14 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], *,
     render the conversation prefix-consistently.
     """
     check_roles(messages)
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     if turn_end is None:
         turn_end = find_turn_end(tokenizer, enable_thinking=enable_thinking)
-    text = _render(tokenizer, messages, False, kwargs)
+    text = _render(tokenizer, messages, False, enable_thinking)
     spans = []
     for k, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:k], True, kwargs)
+        prompt = _render(tokenizer, messages[:k], True, enable_thinking)
         if not text.startswith(prompt):
             raise BadConversation("chat template renders turn prefixes inconsistently (the "
                                   f"generation prompt before assistant turn {k} is not a prefix "

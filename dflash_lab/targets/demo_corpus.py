@@ -44,58 +44,45 @@ _FACTS = (
 _SYSTEM = "You are a helpful assistant. Answer briefly and exactly."
 
 
+def _qa(question: str, answer: str) -> Conversation:
+    """One user turn and the assistant's answer."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
 def _arithmetic(rng: random.Random) -> Conversation:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
     op = rng.choice("+-*")
     value = a + b if op == "+" else a - b if op == "-" else a * b
-    return [
-        {"role": "user", "content": f"What is {a} {op} {b}?"},
-        {"role": "assistant", "content": f"{a} {op} {b} = {value}."},
-    ]
+    return _qa(f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}.")
 
 
 def _counting(rng: random.Random) -> Conversation:
     start, n = rng.randint(1, 50), rng.randint(3, 9)
     nums = ", ".join(str(start + i) for i in range(n))
-    return [
-        {"role": "user", "content": f"Count {n} numbers starting from {start}."},
-        {"role": "assistant", "content": f"Here they are: {nums}."},
-    ]
+    return _qa(f"Count {n} numbers starting from {start}.", f"Here they are: {nums}.")
 
 
 def _sequence(rng: random.Random) -> Conversation:
     step, start, n = rng.randint(2, 9), rng.randint(0, 20), rng.randint(4, 8)
     nums = ", ".join(str(start + i * step) for i in range(n))
-    return [
-        {"role": "user", "content": f"List {n} numbers from {start} in steps of {step}."},
-        {"role": "assistant", "content": f"The list is {nums}."},
-    ]
+    return _qa(f"List {n} numbers from {start} in steps of {step}.", f"The list is {nums}.")
 
 
 def _sorting(rng: random.Random) -> Conversation:
     nums = rng.sample(range(100), rng.randint(3, 7))
     given = ", ".join(map(str, nums))
     out = ", ".join(map(str, sorted(nums)))
-    return [
-        {"role": "user", "content": f"Sort these numbers: {given}."},
-        {"role": "assistant", "content": f"Sorted: {out}."},
-    ]
+    return _qa(f"Sort these numbers: {given}.", f"Sorted: {out}.")
 
 
 def _spelling(rng: random.Random) -> Conversation:
     word = rng.choice(_WORDS)
-    return [
-        {"role": "user", "content": f"Spell the word {word}."},
-        {"role": "assistant", "content": f"{word} is spelled {'-'.join(word)}."},
-    ]
+    return _qa(f"Spell the word {word}.", f"{word} is spelled {'-'.join(word)}.")
 
 
 def _fact(rng: random.Random) -> Conversation:
     question, answer = rng.choice(_FACTS)
-    return [
-        {"role": "user", "content": f"What is the {question}?"},
-        {"role": "assistant", "content": f"The {question} is {answer}."},
-    ]
+    return _qa(f"What is the {question}?", f"The {question} is {answer}.")
 
 
 def _multi_turn(rng: random.Random) -> Conversation:

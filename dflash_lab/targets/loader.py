@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.targets.head_only import load_target_head
 from dflash_lab.targets.target import (
     BUILTIN_CHAT_TEMPLATES,
     Target,
@@ -93,8 +94,8 @@ def load_target_config(name_or_path: str, *, gguf_file: str | None = None,
 
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    kwargs = {**_hub_kwargs(name_or_path, local_files_only), **extra}
+    kwargs = {**_hub_kwargs(name_or_path, local_files_only),
+              **({"gguf_file": gguf_file} if gguf_file else {})}
     try:
         if gguf_file:
             return _gguf_config(name_or_path, gguf_file, kwargs)
@@ -127,8 +128,6 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
         if gguf_file:
             raise ValueError(f"target.head_only=true reads safetensors weights; {gguf_file!r} "
                              "is a GGUF file: set target.head_only=false")
-        from dflash_lab.targets.head_only import load_target_head
-
         target = load_target_head(name_or_path, dtype=dtype, device=device)
     else:
         target = _load_full(name_or_path, gguf_file, dtype, device, device_map,

@@ -72,9 +72,7 @@ def is_prepared(out_dir: str | Path, expected: dict | None = None) -> bool:
     if not marker.is_file():
         return False
     found = json.loads(marker.read_text())
-    if expected is None:
-        return True
-    return all(found.get(k) == v for k, v in expected.items())
+    return expected is None or all(found.get(k) == v for k, v in expected.items())
 
 
 def _dequantise_into(gguf: Path, tmp: Path) -> None:

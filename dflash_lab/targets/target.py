@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_lab.checksums import sha256_of
 from dflash_lab.dtypes import DTYPE_ALIASES, DTYPES
 
 log = logging.getLogger(__name__)
@@ -97,32 +98,23 @@ def final_norm(model: nn.Module) -> nn.Module:
                      "architecture is not supported as a DFlash target yet")
 
 
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def config_hash(config) -> str:
     """sha256 of the model config without volatile keys (tool version, dtype, path)."""
-    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return _sha256_json(d)
+    return sha256_of({k: v for k, v in config.to_dict().items()
+                         if k not in _VOLATILE_CONFIG_KEYS})
 
 
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the tokenizer's vocabulary, merges and special tokens (not the chat template)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        payload: Any = json.loads(backend.to_str())
-    else:
-        payload = sorted(tokenizer.get_vocab().items())
-    return _sha256_json(payload)
+    return sha256_of(json.loads(backend.to_str()) if backend is not None
+                        else sorted(tokenizer.get_vocab().items()))
 
 
 def chat_template_hash(tokenizer) -> str | None:
     """sha256 of the chat template text, or None when the tokenizer has none."""
     template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return None
-    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
+    return sha256_of(template) if template else None
 
 
 #: Weight files a fingerprint reads, by preference (the first kind present in the directory).

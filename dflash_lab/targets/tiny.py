@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_lab.paths import atomic_dir
+from dflash_lab.targets import loader
 from dflash_lab.targets.demo_corpus import demo_conversations
 from dflash_lab.terminal import Bar
 
@@ -213,9 +214,7 @@ def materialize_tiny_target(path: str | Path | None = None,
 
 def load_tiny_target(path: str | Path | None = None, seed: int = 0, dtype: str = "float32",
                      device: str = "cpu"):
-    """Materialise (or reuse) the tiny target and load it with :func:`load_target`."""
-    from dflash_lab.targets.loader import load_target
-
+    """Materialise (or reuse) the tiny target and load it with :func:`.loader.load_target`."""
     root = materialize_tiny_target(path, TinyTargetRecipe(seed=seed))
     print(f"tiny target: {root}")
-    return load_target(str(root), dtype=dtype, device=device)
+    return loader.load_target(str(root), dtype=dtype, device=device)

@@ -11,7 +11,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+
+from dflash_lab.data.module import BlockDataModule
+from dflash_lab.export.options import check_section
+from dflash_lab.train.distill import LossSpec, resolve_val_temperatures, teacher_kind
+from dflash_lab.train.loss import check_position_weighting
 
 
 def check_module(cfg: DictConfig) -> None:
@@ -23,23 +29,16 @@ def check_module(cfg: DictConfig) -> None:
                          "sequence per step; the recipes use 512)")
     if gamma is not None and float(gamma) <= 0:
         raise ValueError(f"module.gamma={gamma}: must be > 0 (slot weight exp(-(t-1)/gamma))")
-    from dflash_lab.train.loss import check_position_weighting
-
     check_position_weighting(cfg.module.get("position_weighting", "exp_decay"),
                              cfg.module.get("dpace_alpha", 0.5))
     loss_spec(cfg.module)
-    from dflash_lab.train.distill import resolve_val_temperatures
-
     resolve_val_temperatures(cfg.module.get("val_temperatures"), None)
 
 
 def loss_spec(module_cfg):
     """The :class:`~dflash_lab.train.distill.LossSpec` of ``module.*`` (ValueError if bad)."""
-    from dflash_lab.train.distill import LossSpec
-
     loss = module_cfg.get("loss", "ce")
-    if not isinstance(loss, str):
-        loss = OmegaConf.to_container(loss) if isinstance(loss, DictConfig) else loss
+    loss = OmegaConf.to_container(loss) if isinstance(loss, DictConfig) else loss
     return LossSpec.create(loss, float(module_cfg.get("label_temperature", 1.0)),
                            float(module_cfg.get("lk_eta", 3.0)),
                            float(module_cfg.get("accept_temperature", 1.0)))
@@ -48,8 +47,6 @@ def loss_spec(module_cfg):
 def check_loss_data(module_cfg, data) -> None:
     """The loss and ``module.val_temperatures`` against what the data module's batches carry
     (``data.target_distribution()``): refused naming the capture option to rerun with."""
-    from dflash_lab.train.distill import resolve_val_temperatures, teacher_kind
-
     available = data.target_distribution()
     temps = resolve_val_temperatures(module_cfg.get("val_temperatures"), available)
     soft = (module_cfg.get("selector") or {}).get("target", "argmax") == "distribution"
@@ -60,10 +57,6 @@ def check_loss_data(module_cfg, data) -> None:
 def data_class(data_cfg: DictConfig) -> type:
     """The data module class ``data._target_`` names (not instantiated): what the run needs to
     know about its data before loading anything is declared on it (``BlockDataModule``)."""
-    from hydra.utils import get_class
-
-    from dflash_lab.data.module import BlockDataModule
-
     name = data_cfg.get("_target_")
     try:
         cls = get_class(str(name))
@@ -128,8 +121,6 @@ def check_writable(cfg: DictConfig) -> None:
 def check_export(cfg: DictConfig) -> None:
     """Every key and value of the ``export:`` section is an export setting
     (export/options.py: the dflash-export options of the same names)."""
-    from dflash_lab.export.options import check_section
-
     check_section(OmegaConf.to_container(cfg.export, resolve=False),
                   "the export section (conf/train.yaml, the recipe, the command line)")
 

@@ -11,10 +11,12 @@ import sys
 from collections.abc import MutableMapping
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.entry import check_recipe, check_renamed_keys
 from dflash_lab.errors import user_errors
+from dflash_lab.launch import check_shared_run_dir, check_trainer_launch, detect_launch
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.terminal import one_handler, setup
 
@@ -24,8 +26,6 @@ RUN_NAME_ENV = "DFLASH_RUN_NAME"  #: the run name Lightning's launcher hands its
 def check_launch(cfg: DictConfig, trainer_source: str = "the trainer config") -> None:
     """Start-up checks of a multi-process launch: ``trainer.num_nodes`` / ``devices`` against
     torchrun or srun, and one run directory for every process."""
-    from dflash_lab.launch import check_shared_run_dir, check_trainer_launch, detect_launch
-
     launch = detect_launch()
     check_trainer_launch(cfg.trainer, launch, trainer_source)
     raw = OmegaConf.to_container(cfg, resolve=False)
@@ -45,8 +45,6 @@ def share_run_name(cfg: DictConfig, env: MutableMapping[str, str]) -> None:
 
 
 def _trainer_source() -> str:
-    from hydra.core.hydra_config import HydraConfig
-
     choice = HydraConfig.get().runtime.choices.get("trainer")
     return f"conf/trainer/{choice}.yaml and the command line" if choice else "the command line"
 

@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash_lab.checksums import checksum_problem, sha256_file, sidecar, sidecar_text
+from dflash_lab.launch import is_global_zero
 from dflash_lab.paths import atomic_path
 
 log = logging.getLogger("dflash_lab.train")
@@ -72,8 +75,6 @@ def checkpoint_problem(path: Path) -> str | None:
     problem = checksum_problem(path)
     if problem is not None or sidecar(path).is_file():
         return problem
-    import torch
-
     try:
         torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises several error types for a damaged file
@@ -84,8 +85,6 @@ def checkpoint_problem(path: Path) -> str | None:
 def _set_aside(path: Path) -> None:
     """Rename a corrupt checkpoint out of the way (kept for inspection, never deleted), so the
     next save does not rotate it over the good previous one."""
-    from dflash_lab.launch import is_global_zero
-
     if is_global_zero():
         bad = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(path, bad)

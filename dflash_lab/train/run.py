@@ -6,6 +6,8 @@ module (which validates captures against the drafter) and the module, all before
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,12 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lab.data.shards import check_weights
 from dflash_lab.entry import check_group_keys
+from dflash_lab.export.api import ExportRefused, format_config, parse_engines, plan_export
+from dflash_lab.export.checks import refusals
+from dflash_lab.export.options import export_kwargs
+from dflash_lab.export.outdir import check_output_dir
 from dflash_lab.runinfo import latest_config, record_paths, write_run_info
 from dflash_lab.terminal import progress_enabled
 from dflash_lab.train.callbacks import ProgressLines, RecordTarget, RunEndCallback
@@ -34,8 +41,7 @@ def export_run(cfg: DictConfig, run_dir: Path) -> str:
 
     Replaces only an earlier export of this run (``owner``), never other files: train() checks
     ``export.out_dir`` the same way at start-up, so a bad one is refused before training."""
-    from dflash_lab.export import export_drafter
-    from dflash_lab.export.options import export_kwargs
+    from dflash_lab.export import export_drafter  # looked up per call (tests replace it)
 
     result = export_drafter(run_dir, cfg.export.out_dir, force=True, owner=run_dir,
                             **export_kwargs(export_section(cfg)))
@@ -95,12 +101,6 @@ def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     failing after training: same rules, same target class as ``dflash-export`` applies, on the
     config.json of ``export.format`` (which refuses what that layout cannot carry: a DFlash 2
     drafter as a Muse Glimmer assistant, Laguna features in our own format, ...)."""
-    import dataclasses
-
-    from dflash_lab.export.api import ExportRefused, format_config, parse_engines, plan_export
-    from dflash_lab.export.checks import refusals
-    from dflash_lab.export.options import export_kwargs
-
     opts = export_kwargs(export_section(cfg))
     where = f"the drafter of this run (export.format={opts['format']})"
     raw = format_config(opts["format"], dataclasses.replace(drafter.config, _source=where),
@@ -138,10 +138,6 @@ def check_resume_target(cfg: DictConfig, out_dir: Path, ckpt: str | None, target
     records = record_paths(out_dir) if ckpt is not None else []
     if not records or not records[0][1].is_file():
         return
-    import json
-
-    from dflash_lab.data.shards import check_weights
-
     recorded = json.loads(records[0][1].read_text()).get("target") or {}
     allowed = "target.weights_fingerprint" in (cfg.get("resume_allow_changes") or [])
     check_weights(recorded, target.identity(), str(records[0][1]),
@@ -165,8 +161,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
     if cfg.export.enabled:  # refuse an export.out_dir that the end-of-run export may not replace
-        from dflash_lab.export.outdir import check_output_dir
-
         check_output_dir(cfg.export.out_dir, [out_dir], force=True, owner=out_dir,
                          name="export.out_dir")
     check_train_config(cfg)

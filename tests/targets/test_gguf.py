@@ -163,12 +163,12 @@ def test_capture_from_a_gguf_without_a_template_stops_at_start_up(ggufs, convers
     assert json.loads((out / "manifest.json").read_text())["num_loss_tokens"] > 0
 
 
-def test_eval_from_a_gguf_without_a_template_says_what_to_set(ggufs, tmp_path, conversations):
-    from dflash_lab.eval.prompts import load_prompts
+def test_eval_from_a_gguf_without_a_template_says_what_to_set(ggufs):
+    from dflash_lab.eval.prompts import encode_prompt
 
     plain = load_target(str(ggufs["plain"]), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match=r"data\.chat_template=true.*target\.chat_template="):
-        load_prompts(plain.tokenizer, str(conversations), num_prompts=2)
+        encode_prompt(plain.tokenizer, [{"role": "user", "content": "hi"}])
 
 
 def test_the_template_override_is_part_of_the_identity(ggufs, conversations, template_file,

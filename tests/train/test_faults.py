@@ -510,16 +510,18 @@ def test_a_row_too_long_to_regenerate_is_logged_with_its_input_row(tiny_target, 
     assert part_path(tmp_path, 0).read_text().count("\n") == 1
 
 
-def test_num_prompts_beyond_the_file_is_warned(tiny_target, tmp_path, caplog):
+def test_num_prompts_beyond_the_file_is_warned(tmp_path, caplog):
     import json
 
-    from dflash_lab.eval.prompts import load_prompts
+    from omegaconf import OmegaConf
+
+    from dflash_lab.eval.suite import load_items
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]})
                             + "\n" for i in range(3)))
     with caplog.at_level("WARNING"):
-        assert len(load_prompts(tiny_target.tokenizer, str(path), num_prompts=50)) == 3
+        assert len(load_items(OmegaConf.create({"path": str(path)}), 50)) == 3
     assert "num_prompts=50 but" in caplog.text and "holds 3 rows" in caplog.text
 
 
