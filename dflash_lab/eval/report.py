@@ -28,6 +28,7 @@ from dflash_lab.eval.records import (
     summarize,
     tau_by_context,
 )
+from dflash_lab.model import heads
 from dflash_lab.paths import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,12 @@ def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str
         "acceptance_histogram": histogram(pooled, block_size),
         "num_rounds": len(pooled),
     }
+
+
+def _walk(settings: dict[str, Any]) -> str | None:
+    """The draft walk of the report's head (model/heads.py ``walk``); None: the unary head."""
+    variant = settings.get("variant")
+    return heads.get(variant).walk if variant in heads.names() else None
 
 
 def unary_summary(spec: list[Generation], block_size: int) -> dict[str, Any]:
@@ -152,7 +159,7 @@ def generation_report(spec: list[Generation], baseline: list[Generation] | None,
     report: dict[str, Any] = {"mode": "generate"}
     report.update(acceptance_summary([g.acceptance_lengths for g in spec], block_size))
     report.update(records_report(records, block_size, settings.get("context_buckets")))
-    if settings.get("variant") == "dflash2":
+    if _walk(settings) == "selector":  # the selector path's tau beside the unary argmax's
         report["selector_tau_mean"] = report["tau_mean"]
         report.update(unary_summary(spec, block_size))
     report.update({
