@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
-from dflash_lab.export.laguna import OWNERS_DEFAULTS
+from dflash_lab.export.formats.laguna import OWNERS_DEFAULTS
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 

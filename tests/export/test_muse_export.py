@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
 from dflash_lab.export.cli import EXIT_OK, EXIT_USAGE, main
-from dflash_lab.export.muse_glimmer import export_problems
+from dflash_lab.export.formats.muse_glimmer import export_problems
 from dflash_lab.model.config import DrafterConfig, LayerSpec
 from tests.export_doubles import BASE, S, random_state, write_checkpoint, write_muse_dir
 
