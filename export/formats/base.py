@@ -151,7 +151,7 @@ class Format:
 #: the fields that spell the per-layer layout: equal specs (``layer_specs``) are the same
 #: layout however they are spelled (an import writes the resolved causality explicitly)
 LAYOUT_FIELDS = ("layer_types", "sliding_window", "is_causal")
-#: a field not set on a config (a subclass's field missing from what the import built)
+#: a field without a default, missing from what the import built
 _ABSENT = object()
 
 
@@ -170,4 +170,11 @@ def lost_fields(fmt: Format, config: DrafterConfig, artifacts: Artifacts,
     same_layout = back.layer_specs() == config.layer_specs()
     return [f.name for f in dataclasses.fields(config) if f.compare
             and not (same_layout and f.name in LAYOUT_FIELDS)
-            and getattr(back, f.name, _ABSENT) != getattr(config, f.name)]
+            and getattr(back, f.name, _default(f)) != getattr(config, f.name)]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """What a reader without field ``f`` (a subclass's) runs: its default, when it has one."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else _ABSENT
