@@ -86,13 +86,10 @@ import torch
 from dflash_lab.export.engines import RuleSet
 from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format
 from dflash_lab.export.formats.base import Format
-from dflash_lab.export.weights import own_head
 from dflash_lab.model.config import (
-    DFLASH2,
     FULL,
     HF_BOOKKEEPING_KEYS,
     LAGUNA_DEFAULTS,
-    SCALE_DEFAULTS,
     SLIDING,
     TARGET_IDENTITY_KEY,
     DrafterConfig,
@@ -373,31 +370,14 @@ _FIX = "export it in dflash-lab's own format instead (omit --format laguna)"
 
 
 def export_problems(config: DrafterConfig) -> list[str]:
-    """What the drafter has that the Laguna format cannot carry (empty: exportable)."""
+    """Why the engines would run the drafter otherwise, beside the fields the round trip loses
+    (export/formats/base.py ``lost_fields``: DFlash 2, a draft vocabulary, sinks, bias, scales,
+    per-layer causality and plain DFlash norms are lost fields)."""
     out = []
-    missing = [k for k in ("aux_hidden_norms", "context_input_norm") if not getattr(config, k)]
-    if missing:
-        out.append(f"a drafter without {missing}: DFlashLagunaForCausalLM always norms each "
-                   "feature slice and the context through every layer's input_layernorm")
-    if config.variant == DFLASH2:
-        out.append("DFlash 2 (conv, candidate selector): the Laguna drafter has neither")
-    if own_head(config):
-        out.append("a draft vocabulary: vLLM's Laguna drafter shares the target's lm_head")
     if config.learned_mask_embedding:
         out.append("a learned mask embedding: the Laguna drafter embeds MASK with the target's")
-    if config.attention_sink_bias:
-        out.append("attention sinks (attention_sink_bias)")
-    if config.attention_bias:
-        out.append("attention_bias=True")
-    if config.sample_from_anchor:
-        out.append("sample_from_anchor=True: the format has no such key")
     if len(set(config.layer_types)) > 1:
         out.append(f"mixed layer types {config.layer_types}: vLLM requires uniform ones")
-    if len(set(config.causal_flags)) > 1:
-        out.append(f"per-layer causality {config.causal_flags}: the format has one is_causal")
-    scales = [k for k, off in SCALE_DEFAULTS.items() if getattr(config, k) != off]
-    if scales:
-        out.append(f"logit/embedding scales {scales}")
     return out
 
 

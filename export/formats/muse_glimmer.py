@@ -67,13 +67,10 @@ from dflash_lab.export.engines import RuleSet
 from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format
 from dflash_lab.export.formats.base import Format
 from dflash_lab.export.formats.ours import Ours
-from dflash_lab.export.weights import own_head
 from dflash_lab.model.config import (
     DFLASH2,
     FULL,
     HF_BOOKKEEPING_KEYS,
-    LAGUNA_DEFAULTS,
-    SCALE_DEFAULTS,
     SLIDING,
     TARGET_IDENTITY_KEY,
     DrafterConfig,
@@ -287,36 +284,14 @@ def dflash2_report_header() -> dict[str, str]:
 
 
 def export_problems(config: DrafterConfig) -> list[str]:
-    """What the drafter has that the Muse Glimmer format cannot carry (empty: exportable).
-
-    The format is what ``MuseGlimmerAssistantModel`` computes: DFlash 1, SwiGLU, no bias, the
-    target's embedding row for MASK, no sinks, no logit scales, every layer bidirectional."""
+    """Why the format's owner would run the drafter otherwise, beside the fields the round trip
+    loses (export/formats/base.py ``lost_fields``: a draft vocabulary, sinks, bias, scales and
+    the Laguna features are lost fields): ``MuseGlimmerAssistantModel`` embeds MASK with the
+    target's row and runs every layer bidirectional."""
     out = []
-    if config.variant == DFLASH2:  # the format's writer_for writes DFLASH2_RELEASE's layout
-        out.append("DFlash 2 (variant=dflash2: conv and candidate selector): "
-                   f"MuseGlimmerAssistantModel has neither module ({DFLASH2_RELEASE} ships "
-                   "z-lab's DFlash2DraftModel layout)")
-    if own_head(config):
-        out.append(f"a draft vocabulary (draft_vocab_size={config.draft_vocab_size}, own lm_head, "
-                   "d2t/t2d): the format has no vocabulary-sized tensor, the head is the target's")
     if config.learned_mask_embedding:
         out.append("a learned mask embedding: the owners' class embeds MASK slots with the "
                    "target's embedding row and reads no mask_embedding.pt")
-    if config.attention_sink_bias:
-        out.append("attention sinks (attention_sink_bias): MuseGlimmerAssistantAttention has no "
-                   "sink logits")
-    if config.attention_bias:
-        out.append("attention_bias=True: MuseGlimmerAssistantAttention has no q/k/v/o bias")
-    laguna = {k: getattr(config, k) for k, off in LAGUNA_DEFAULTS.items()
-              if getattr(config, k) != off}
-    if laguna:  # drafter=laguna: only --format laguna carries them
-        out.append(f"the Laguna features {laguna}: the owners' class has no "
-                   "aux_hidden_norms, context norm, attention gate or partial RoPE (a "
-                   "drafter=laguna run exports with --format laguna)")
-    scales = [f"{k}={getattr(config, k)}" for k, off in SCALE_DEFAULTS.items()
-              if getattr(config, k) != off]
-    if scales:
-        out.append(f"logit/embedding scales ({', '.join(scales)}): the format has no such keys")
     return out + _causality_problems(config)
 
 
