@@ -165,21 +165,21 @@ def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
     ``verify``: check the files against the export's ``SHA256SUMS`` first (ValueError naming a
     file that differs; a directory without the record is read and says so in ``integrity``).
 
-    A format that records our exact training spec is read exactly. Third-party directories
-    leave causality implicit: it is resolved by ``assume`` (default ``vllm-main-v2``), the name
-    is recorded in ``assumed_rules`` and in ``config._source``, and rule sets that would read
-    the directory differently are listed in ``disagreements``; the format's tensors are renamed
-    to ours and what it does not record is listed in ``format_notes``. DFlash 2 codebooks saved
-    as ``...codebook.weight`` (z-lab ``save_pretrained``) are renamed to the serving names
-    (listed in ``disagreements``: engines would not load them).
+    A format read exactly (ours: the recorded training spec) is read so unless ``assume`` is
+    given. Third-party directories leave causality implicit: it is resolved by ``assume``
+    (default ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in
+    ``config._source``, and rule sets that would read the directory differently are listed in
+    ``disagreements``; the format's tensors are renamed to ours and what it does not record is
+    listed in ``format_notes``. DFlash 2 codebooks saved as ``...codebook.weight`` (z-lab
+    ``save_pretrained``) are renamed to the serving names (listed in ``disagreements``: engines
+    would not load them).
     """
     integrity = checked(path, verify).note
     d = read_config_json(path)
     artifacts = artifacts_of(path)
-    exact = fmt.records_training_spec and assume is None
-    if exact:
-        config = DrafterConfig.from_dict(d, source=str(path / CONFIG_FILE))
-        assumed, disagree = OUR_SPEC, []
+    if fmt.exact_reading(d) and assume is None:  # ours: the recorded training spec
+        config, _ = fmt.read_exact(d, path / CONFIG_FILE)
+        assumed, disagree = fmt.exact_reading(d), []
     else:
         assumed = assume or DEFAULT_ASSUMED_RULES
         config, disagree = resolve_third_party(d, path, artifacts, assumed, fmt)

@@ -1,9 +1,9 @@
 """The checkpoint formats: one module each, one registry (docs/architecture.md, "Add a format").
 
 Every format is a :class:`~dflash_lab.export.formats.base.Format` in :data:`REGISTRY`, in the
-order a path or a config.json is matched: a SpecForge checkpoint, our Lightning checkpoint, a
-DSpark / speculators directory, then serving directories (ours, Laguna, Muse Glimmer, z-lab:
-the last claims any other), then a training run directory. Callers ask :func:`format_of` (a
+order a path or a config.json is matched: a SpecForge checkpoint, a DSpark / speculators
+directory, serving directories (ours, Laguna, Muse Glimmer, z-lab: the last claims any other),
+then our Lightning checkpoint or training run directory. Callers ask :func:`format_of` (a
 config.json dict), :func:`format_at` (a path) or :func:`get` (a name) and call the interface;
 nothing outside the format modules asks which format or variant it holds. A new format
 registers with :func:`register`.
@@ -21,7 +21,7 @@ from dflash_lab.export.engines.common import Artifacts, EngineReading
 from dflash_lab.export.formats.base import Format, lost_fields
 from dflash_lab.export.formats.dspark import DSPARK_FORMAT
 from dflash_lab.export.formats.laguna import LAGUNA, features_lines
-from dflash_lab.export.formats.lightning import CHECKPOINT, RUN_DIR
+from dflash_lab.export.formats.lightning import LIGHTNING
 from dflash_lab.export.formats.muse_glimmer import MUSE_GLIMMER
 from dflash_lab.export.formats.ours import OURS, OURS_FORMAT, ZLAB
 from dflash_lab.export.formats.specforge import SPECFORGE
@@ -31,8 +31,8 @@ from dflash_lab.export.weights import WEIGHTS_FILE, Source
 from dflash_lab.model.config import DrafterConfig
 
 #: Match order (see the module docstring); z-lab claims every serving directory left over.
-REGISTRY: list[Format] = [SPECFORGE, CHECKPOINT, DSPARK_FORMAT, SPECULATORS, OURS_FORMAT, LAGUNA,
-                          MUSE_GLIMMER, ZLAB, RUN_DIR]
+REGISTRY: list[Format] = [SPECFORGE, DSPARK_FORMAT, SPECULATORS, OURS_FORMAT, LAGUNA, MUSE_GLIMMER,
+                          ZLAB, LIGHTNING]
 
 
 def register(fmt: Format) -> Format:
@@ -100,12 +100,6 @@ def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool =
     return imported.config, imported.state_dict, imported.mask_embedding
 
 
-def third_party_base(raw: dict[str, Any], source: str) -> DrafterConfig:
-    """The fields of a third-party config.json on a placeholder layout, as its format reads
-    them."""
-    return format_of(raw).base_config(raw, source)
-
-
 # ---------------------------------------------------------------------------- engines
 def read_all(raw: dict[str, Any], artifacts: Artifacts,
              engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
@@ -152,5 +146,5 @@ def variant_lines(config: DrafterConfig) -> list[str]:
 
 __all__ = ["OURS", "REGISTRY", "ZLAB", "Format", "check_writable", "features_lines",
            "format_at", "format_of", "get", "import_drafter", "load_serving_dir", "load_source",
-           "options", "read_all", "register", "third_party_base", "unregister", "variant_lines",
+           "options", "read_all", "register", "unregister", "variant_lines",
            "write_config", "writer_for"]

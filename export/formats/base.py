@@ -37,7 +37,6 @@ class Format:
     name = ""  #: registry key; the ``--format`` value of a writable format
     kind = "serving directory"  #: how a Source read from it is described
     writable = False  #: ``dflash-export --format NAME`` writes it
-    records_training_spec = False  #: its config.json carries our exact training spec
     option = True  #: a writable format is a ``--format`` value (DSpark: the default's writer)
     #: what to do instead when the format cannot carry a drafter
     fix = "export it in dflash-lab's own format instead (omit --format)"
@@ -89,8 +88,8 @@ class Format:
 
     def read_back(self, raw: dict[str, Any], artifacts: Artifacts) -> DrafterConfig:
         """The config the import reads from a config.json this format wrote (the round trip)."""
-        if self.records_training_spec:
-            return DrafterConfig.from_dict(raw, source="<round trip>")
+        if self.exact_reading(raw):
+            return self.read_exact(raw, Path("<round trip>"))[0]
         config, _ = resolve_third_party(raw, Path("<round trip>"), artifacts, None, self)
         return config
 

@@ -313,11 +313,11 @@ class DSpark(Format):
     def exact_reading(self, raw: dict[str, Any]) -> str | None:
         return OUR_SPEC if is_ours(raw) else "speculators dspark (update_dspark)"
 
-    def read_exact(self, raw: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]]:
-        return read_config(raw, file)
-
-    def read_back(self, raw: dict[str, Any], artifacts: Artifacts) -> DrafterConfig:
-        return read_config(raw, Path("<round trip>"))[0]
+    read_exact = staticmethod(read_config)
+    engine_problems = staticmethod(export_problems)
+    engine_config = staticmethod(flat_config)
+    inspect_lines = staticmethod(reading_lines)
+    drafter_lines = staticmethod(drafter_lines)
 
     def writer_for(self, config: DrafterConfig) -> Format:
         if config.variant != DSPARK:
@@ -329,9 +329,6 @@ class DSpark(Format):
                      target_identity: dict[str, Any] | None, vocab_known: bool
                      ) -> dict[str, Any]:
         return serving_config(config, dtype, target_identity)
-
-    def engine_problems(self, config: DrafterConfig) -> list[str]:
-        return export_problems(config)
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
                 ) -> EngineReading:
@@ -352,17 +349,8 @@ class DSpark(Format):
                              "(Qwen3DSparkModel on DFlashQwen3Model)")
         return reading
 
-    def engine_config(self, view: dict[str, Any]) -> dict[str, Any]:
-        return flat_config(view)
-
-    def inspect_lines(self, raw: dict[str, Any]) -> list[str]:
-        return reading_lines(raw)
-
     def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
         return {"format": "speculators dspark (vLLM 0.32 Qwen3DSparkModel)"}
-
-    def drafter_lines(self, config: DrafterConfig) -> list[str]:
-        return drafter_lines(config)
 
 
 DSPARK_FORMAT = DSpark()

@@ -429,23 +429,14 @@ class Laguna(Format):
         """By ``model_type`` or ``architectures``."""
         return is_format(raw, MODEL_TYPE, ARCHITECTURES)
 
-    def base_config(self, raw: dict[str, Any], source: str) -> DrafterConfig:
-        return base_config(raw, source)
-
-    def our_names(self, state, raw):
-        return our_names(state, raw)
-
-    def format_notes(self, raw: dict[str, Any]) -> list[str]:
-        return format_notes(raw)
+    base_config = staticmethod(base_config)
+    our_names = staticmethod(our_names)
+    format_notes = staticmethod(format_notes)
+    engine_problems = staticmethod(export_problems)
+    serving_names = staticmethod(laguna_names)
 
     def write_config(self, config, dtype, target_identity, vocab_known):
         return serving_config(config, dtype, target_identity=target_identity)
-
-    def engine_problems(self, config: DrafterConfig) -> list[str]:
-        return export_problems(config)
-
-    def serving_names(self, state):
-        return laguna_names(state)
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
                 ) -> EngineReading:

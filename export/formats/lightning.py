@@ -83,39 +83,23 @@ def resolve_run_dir(run: Path) -> tuple[Path, str]:
     return last, "last checkpoint (no best.json)"
 
 
-def load_run_dir(path: Path) -> Source:
-    """A training run directory's best checkpoint (else its last, with a warning)."""
-    ckpt, why = resolve_run_dir(path)
-    source = load_checkpoint(ckpt)
-    source.description = f"{why} {ckpt} of run {path}"
-    source.reads.append(path)
-    return source
+class Lightning(Format):
+    """A Lightning ``.ckpt`` of a training run, or the run directory (its best checkpoint)."""
 
-
-class Checkpoint(Format):
-    """A Lightning ``.ckpt`` of a training run."""
-
-    name = "lightning-checkpoint"
+    name = "lightning"
     kind = "checkpoint"
 
     def detect_path(self, path: Path) -> bool:
-        return path.is_file()
+        return path.is_file() or (path / "checkpoints").is_dir()
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        return load_checkpoint(path)
+        if path.is_file():
+            return load_checkpoint(path)
+        ckpt, why = resolve_run_dir(path)
+        source = load_checkpoint(ckpt)
+        source.description = f"{why} {ckpt} of run {path}"
+        source.reads.append(path)
+        return source
 
 
-class RunDir(Format):
-    """A training run directory (it holds ``checkpoints/``)."""
-
-    name = "run-directory"
-    kind = "run directory"
-
-    def detect_path(self, path: Path) -> bool:
-        return (path / "checkpoints").is_dir()
-
-    def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        return load_run_dir(path)
-
-
-CHECKPOINT, RUN_DIR = Checkpoint(), RunDir()
+LIGHTNING = Lightning()

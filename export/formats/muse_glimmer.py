@@ -367,14 +367,13 @@ class MuseGlimmer(Format):
         """By ``model_type`` or ``architectures``."""
         return is_format(raw, MODEL_TYPE, ARCHITECTURES)
 
-    def base_config(self, raw: dict[str, Any], source: str) -> DrafterConfig:
-        return base_config(raw, source)
+    base_config = staticmethod(base_config)
+    format_notes = staticmethod(format_notes)
+    engine_problems = staticmethod(export_problems)
+    serving_names = staticmethod(muse_names)
 
     def our_names(self, state, raw):
         return our_names(state)
-
-    def format_notes(self, raw: dict[str, Any]) -> list[str]:
-        return format_notes(raw)
 
     def mask_differences(self, raw: dict[str, Any]) -> list[str]:
         window = owners_window_note(raw)
@@ -387,12 +386,6 @@ class MuseGlimmer(Format):
     def write_config(self, config, dtype, target_identity, vocab_known):
         return serving_config(config, dtype, vocab_known=vocab_known,
                               target_identity=target_identity)
-
-    def engine_problems(self, config: DrafterConfig) -> list[str]:
-        return export_problems(config)
-
-    def serving_names(self, state):
-        return muse_names(state)
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
                 ) -> EngineReading:

@@ -37,8 +37,7 @@ class ZLab(Format):
     def detect(self, raw: dict[str, Any]) -> bool:
         return True
 
-    def base_config(self, raw: dict[str, Any], source: str) -> DrafterConfig:
-        return base_config(raw, source)
+    base_config = staticmethod(base_config)
 
     def drafter_lines(self, config: DrafterConfig) -> list[str]:
         if config.variant != DFLASH2:
@@ -58,7 +57,6 @@ class Ours(ZLab):
     writable = True
     fix = ("export it with --format laguna (dflash-export) or export.format=laguna "
            "(dflash-train, e.g. dflash-train drafter=laguna export.format=laguna)")
-    records_training_spec = True
 
     def detect(self, raw: dict[str, Any]) -> bool:
         return TRAINING_SPEC_KEY in raw
