@@ -232,7 +232,7 @@ def reading_lines(d: dict[str, Any]) -> list[str]:
 def config_of(d: dict[str, Any], source: str) -> DrafterConfig:
     """Our DrafterConfig of our DSpark export: the recorded config in transformer_layer_config
     (exact), checked against every top-level key vLLM reads. A third-party speculators DSpark
-    file (no training spec) is read by export/peers.py ``speculators_config``."""
+    file (no training spec) is read by export/formats/speculators.py ``speculators_config``."""
     layer = dict(d.get("transformer_layer_config") or {})
     if TRAINING_SPEC_KEY not in layer:
         raise ValueError(f"{source}: not a dflash-lab DSpark export (no {TRAINING_SPEC_KEY} "

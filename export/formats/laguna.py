@@ -71,7 +71,7 @@ A Laguna drafter directory (``architectures: ["DFlashLagunaForCausalLM"]`` or
 
 RoPE is not read through those rule sets (their Qwen3 reading refuses nested
 ``rope_parameters`` and ``partial_rotary_factor``): :func:`vllm_rope` and :func:`sglang_rope`
-resolve each engine's RoPE of a uniform drafter, export/laguna.py compares them.
+resolve each engine's RoPE of a uniform drafter, export/formats/laguna.py compares them.
 
 Tensors: the format fuses ``self_attn.qkv_proj`` ([q; k; v] rows), ours keeps q/k/v apart
 (:func:`our_names`, :func:`laguna_names`); every other name is shared.

@@ -1,4 +1,4 @@
-"""The DSpark export in vLLM 0.32's speculators layout (export/dspark.py), its import back
+"""The DSpark export in vLLM 0.32's speculators layout (export/formats/dspark.py), its import back
 (--inspect, the loaders dflash-eval and drafter.init_from use), the refusals, and vLLM's own
 config converter, loader and heads on it (scripts/vllm_dspark_pieces.py, with .venv-vllm)."""
 

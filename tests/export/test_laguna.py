@@ -1,4 +1,4 @@
-"""The Laguna DFlash format (export/laguna.py): import, --inspect, --format laguna export.
+"""The Laguna DFlash format (export/formats/laguna.py): import, --inspect, --format laguna export.
 
 The fixture is written the way its owners' code writes it: config.json by transformers 5.25's
 own ``LagunaConfig.save_pretrained`` (model_type laguna, its defaults filled in), the weights

@@ -2,7 +2,7 @@
 
 The exported directory must be what transformers' own MuseGlimmerAssistantModel loads and runs as
 our drafter (same forward while the window convention does not bind), what our importer reads
-back bit-identical, and what every engine rule set (through engines/muse.py) runs as trained;
+back bit-identical, and what every engine rule set (formats/muse_glimmer.py) runs as trained;
 whatever the format cannot carry is refused by name before anything is written."""
 
 from __future__ import annotations

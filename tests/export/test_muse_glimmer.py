@@ -1,4 +1,4 @@
-"""The Muse Glimmer assistant format (export/muse_glimmer.py, engines/muse.py): directories are
+"""The Muse Glimmer assistant format (export/formats/muse_glimmer.py): directories are
 written by transformers' own MuseGlimmerAssistantModel.save_pretrained (tests/export_doubles.py);
 the import reads every key or refuses it by name, maps the tensor names, resolves the layout
 with a named rule set; --inspect shows each engine's reading; re-export round-trips."""
