@@ -147,6 +147,9 @@ def serving_config(config: DrafterConfig, dtype: str,
         },
         "torch_dtype": dtype,
     }
+    sliding = [spec.causal for spec in config.layer_specs() if spec.window is not None]
+    if sliding:  # speculators 0.9.0 runs sliding layers causal unless told (its default false)
+        out["sliding_window_non_causal"] = not any(sliding)
     if target_identity is not None:
         out[TARGET_IDENTITY_KEY] = target_identity
     return out
