@@ -33,7 +33,8 @@ speculators-format reader (no ``speculators_model_type`` anywhere in ``srt``), s
 this layout: the exporter refuses SGLang for a DSpark drafter by name.
 
 The export writes every key explicitly (``sample_from_anchor``, ``is_causal`` and our exact
-training spec inside ``transformer_layer_config``: our ``DrafterConfig.to_dict()``), so the
+training spec inside ``transformer_layer_config``: our ``DrafterConfig.to_dict()``; with a sliding
+layer ``sliding_window_non_causal``, which speculators 0.9.0 defaults to false), so the
 import (:func:`config_of`) reads ours back exactly and checks that the top-level keys agree.
 """
 

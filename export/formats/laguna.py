@@ -54,26 +54,12 @@ The export (:func:`serving_config`) writes every key explicitly so both engines 
 drafter: nested ``rope_parameters`` with equal entries for both layer types, ``gating`` as a
 string, ``mlp_layer_types`` all dense, ``draft_vocab_size`` = ``vocab_size``.
 
-How each engine reads the layout (the rule sets' views below):
-
-A Laguna drafter directory (``architectures: ["DFlashLagunaForCausalLM"]`` or
-``["LagunaForCausalLM"]``, which vLLM's ``EAGLEConfig`` prefixes to the former, ``model_type:
-"laguna"``) is parsed by each engine's own ``LagunaConfig``, not by Qwen3Config: no
-``use_sliding_window`` rewrite, ``layer_types`` all full when absent. The existing rule sets
-(engines/vllm.py, engines/sglang.py) read the layer layout of an engine view built here:
-
-- vLLM 0.32: causality as every DFlash drafter (``qwen3_dflash._dflash_layer_causal`` from the
-  proposer: ``is_causal``, else ``dflash_config.causal``, else sliding -> causal); a sliding
-  layer's window is ``config.sliding_window`` (``LagunaAttention``; ``swa_window_size`` is not
-  read); mixed ``layer_types`` raise NotImplementedError (``_get_dflash_layer_types``).
-- SGLang 0.5.23: ``srt/models/dflash.py`` ``_get_dflash_layer_attention_params`` on its
-  ``srt/configs/laguna.py`` LagunaConfig, as for any DFlash drafter.
-
-RoPE is not read through those rule sets (their Qwen3 reading refuses nested
-``rope_parameters`` and ``partial_rotary_factor``): :func:`vllm_rope` and :func:`sglang_rope`
-resolve each engine's RoPE of a uniform drafter, export/formats/laguna.py compares them.
-
-Tensors: the format fuses ``self_attn.qkv_proj`` ([q; k; v] rows), ours keeps q/k/v apart
+The rule sets (engines/vllm.py, engines/sglang.py) read the layout of an engine view built here
+(:meth:`Laguna.reading`): each engine's own ``LagunaConfig``, not Qwen3Config (no
+``use_sliding_window`` rewrite, ``layer_types`` all full when absent); vLLM refuses mixed
+``layer_types``. RoPE is not read through them (their Qwen3 reading refuses nested
+``rope_parameters``): :func:`vllm_rope` and :func:`sglang_rope` resolve each engine's. Tensors:
+the format fuses ``self_attn.qkv_proj`` ([q; k; v] rows), ours keeps q/k/v apart
 (:func:`our_names`, :func:`laguna_names`); every other name is shared.
 """
 

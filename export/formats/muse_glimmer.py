@@ -2,9 +2,8 @@
 (``dflash-export --format muse-glimmer``: :func:`serving_config`, refusing what
 :func:`export_problems` names).
 
-The format and how each engine reads it: below. Like a z-lab
-directory, its layer layout is left to the engine; the importer resolves it with a named rule
-set (``sources.resolve_third_party``). Every key is read or refused by name:
+Like a z-lab directory, its layer layout is left to the engine; the importer resolves it with a
+named rule set (``sources.resolve_third_party``). Every key is read or refused by name:
 
 - read: the shape keys, ``rope_parameters``, ``max_position_embeddings`` (owners' default
   131072), the flat ``block_size`` / ``mask_token_id`` / ``target_layer_ids``, and the layout
