@@ -14,14 +14,9 @@ from dflash_lab.export.api import (
     plan_export,
     serving_config,
 )
-from dflash_lab.export.engines import RULE_SETS, Artifacts, EngineReading, LayerReading, read_all
-from dflash_lab.export.sources import (
-    ImportedDrafter,
-    Source,
-    import_drafter,
-    load_serving_dir,
-    load_source,
-)
+from dflash_lab.export.engines import RULE_SETS, Artifacts, EngineReading, LayerReading
+from dflash_lab.export.formats import import_drafter, load_serving_dir, load_source, read_all
+from dflash_lab.export.sources import ImportedDrafter, Source
 
 __all__ = [
     "Artifacts", "EngineReading", "ExportRefused", "ExportResult", "ImportedDrafter",

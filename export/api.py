@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash_lab.export import dspark, laguna, muse_glimmer
+from dflash_lab.export import formats
 from dflash_lab.export.checks import (
     Finding,
     apply_allow_lossy,
@@ -31,16 +31,13 @@ from dflash_lab.export.engines import (
     RULE_SETS,
     Artifacts,
     EngineReading,
-    read_all,
     rule_sets_for,
     select_sglang,
 )
 from dflash_lab.export.engines.common import architecture_of, layouts_agree
-from dflash_lab.export.engines.laguna import is_laguna, laguna_names
-from dflash_lab.export.engines.laguna import our_names as laguna_our_names
-from dflash_lab.export.engines.muse import is_muse, muse_names, our_names
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
 from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE
+from dflash_lab.export.formats import OURS, format_of, load_source, read_all
 from dflash_lab.export.integrity import CHECKSUMS_FILE, Verification, verify_dir, write_checksums
 from dflash_lab.export.outdir import (
     ENGINES_KEY,
@@ -65,10 +62,8 @@ from dflash_lab.export.sources import (
     OUR_SPEC,
     Source,
     artifacts_of,
-    load_source,
     read_config_json,
     resolve_third_party,
-    third_party_base,
     with_target_vocab,
 )
 from dflash_lab.export.weights import (
@@ -88,8 +83,6 @@ from dflash_lab.export.weights import (
     weight_shapes,
 )
 from dflash_lab.model.config import (
-    TARGET_IDENTITY_KEY,
-    TRAINING_SPEC_KEY,
     DrafterConfig,
     LayerSpec,
 )
@@ -117,9 +110,8 @@ class ExportResult:
     self_check: list[SelfCheckResult] = field(default_factory=list)
 
 
-OURS = "dflash-lab"
-#: ``--format``: our serving layout (default) or the Muse Glimmer assistant's (muse_glimmer.py)
-FORMATS = (OURS, muse_glimmer.FORMAT, laguna.FORMAT)  # laguna: export/laguna.py
+#: ``--format``: our serving layout (default) and every other writable format (export/formats/)
+FORMATS = formats.options()
 
 
 def parse_engines(engine: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -131,9 +123,7 @@ def parse_engines(engine: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 def serving_config(config: DrafterConfig, dtype: str) -> dict[str, Any]:
     """config.json: DrafterConfig.to_dict() plus the HF dtype bookkeeping key."""
-    out = config.to_dict()
-    out["torch_dtype"] = dtype
-    return out
+    return formats.get(OURS).write_config(config, dtype, None, vocab_known=True)
 
 
 def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict | None = None,
@@ -145,11 +135,8 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     (SGLang: the release and draft attention backend of :func:`select_sglang`). The target's
     class is ``target_architecture``, else ``architectures[0]`` of ``target``. ``raw``: the
     config.json to be written (default: ours, ``config.to_dict()``)."""
-    if config.is_dspark:  # before any engine rule: vLLM's Qwen3DSparkModel serves vanilla only
-        dspark.check_exportable(config, config._source)
-    if raw is None:
-        raw = dspark.serving_config(config, "bfloat16", None) if config.is_dspark \
-            else config.to_dict()
+    if raw is None:  # before any engine rule: what our format's writer cannot carry is refused
+        raw = formats.write_config(OURS, config, "bfloat16", None, vocab_known=True)
     artifacts = Artifacts(config.learned_mask_embedding, config.attention_sink_bias,
                           target_architecture=target_architecture or architecture_of(target))
     readings = read_all(raw, artifacts)
@@ -174,14 +161,10 @@ def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
 
 def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[str, ...],
             dtype: str, allow_lossy: bool, command: str | None,
-            raw: dict[str, Any], fmt: str) -> dict[str, str]:
+            writer: formats.Format, raw: dict[str, Any]) -> dict[str, str]:
     """Report header; the resolved source path is read back to recognise a run's own export."""
     return {
-        **(muse_glimmer.report_header(raw) if is_muse(raw) else
-           muse_glimmer.dflash2_report_header() if fmt == muse_glimmer.FORMAT else
-           laguna.report_header(raw) if is_laguna(raw) else
-           {"format": "speculators dspark (vLLM 0.32 Qwen3DSparkModel)"} if dspark.is_dspark(raw)
-           else {"format": OURS}),
+        **writer.report_header(raw),
         "source": src.description,
         **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
         "output": str(out_dir), ENGINES_KEY: ", ".join(engines),
@@ -206,44 +189,20 @@ def exported_identity(identity: dict[str, Any] | None) -> dict[str, Any] | None:
 def format_config(fmt: str, config: DrafterConfig, dtype: str,
                   target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
     """The config.json of format ``fmt`` (ValueError: the format cannot carry the drafter,
-    naming what and the fix). ``muse-glimmer`` is the assistant's layout for DFlash 1 and, for
-    a DFlash 2 drafter, the layout its DFlash 2 form ships in: z-lab's ``DFlash2DraftModel``,
-    our own DFlash 2 layout (:data:`muse_glimmer.DFLASH2_RELEASE`)."""
-    recorded = exported_identity(target_identity)
-    if config.is_dspark:  # one serving layout: vLLM's speculators-format DSpark
-        if fmt != OURS:
-            raise ValueError(f"{config._source}: a DSpark drafter exports only in vLLM's "
-                             f"speculators DSpark layout (export/dspark.py), not --format {fmt}")
-        dspark.check_exportable(config, config._source)
-        return dspark.serving_config(config, dtype, recorded)
-    if fmt == muse_glimmer.FORMAT and config.is_dflash2:  # the released DFlash 2 Muse drafter:
-        fmt = OURS  # z-lab's DFlash2DraftModel layout, which is ours (muse_glimmer.DFLASH2_RELEASE)
-    if fmt == muse_glimmer.FORMAT:
-        muse_glimmer.check_exportable(config, config._source)
-        return muse_glimmer.serving_config(config, dtype, vocab_known=vocab_known,
-                                           target_identity=recorded)
-    if fmt == laguna.FORMAT:
-        laguna.check_exportable(config, config._source)
-        return laguna.serving_config(config, dtype, target_identity=recorded)
-    if config.laguna_features:
-        raise ValueError(f"{config._source}: has the Laguna features {config.laguna_features}, "
-                         "which no engine reads from dflash-lab's own format; export it with "
-                         "--format laguna (dflash-export) or export.format=laguna (dflash-train"
-                         ", e.g. dflash-train drafter=laguna export.format=laguna)")
-    raw = serving_config(config, dtype)
-    if recorded is not None:
-        raw[TARGET_IDENTITY_KEY] = recorded
-    return raw
+    naming what and the fix: export/formats/ ``write_config``). ``muse-glimmer`` is the
+    assistant's layout for DFlash 1 and, for a DFlash 2 drafter, the layout its DFlash 2 form
+    ships in (export/formats/muse_glimmer.py); a DSpark drafter is written in vLLM's
+    speculators DSpark layout (export/formats/dspark.py)."""
+    return formats.write_config(fmt, config, dtype, exported_identity(target_identity),
+                                vocab_known)
 
 
-def _write_dir(tmp: Path, raw: dict[str, Any], state: dict, mask: torch.Tensor | None,
-               dtype: str, mask_token_id: int) -> None:
-    """config.json and the weights, named as the format of ``raw`` names them."""
+def _write_dir(tmp: Path, raw: dict[str, Any], writer: formats.Format, state: dict,
+               mask: torch.Tensor | None, dtype: str, mask_token_id: int) -> None:
+    """config.json and the weights, named as the format writing them names them."""
     (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
     torch_dtype = DTYPES[dtype]
-    named = muse_names(state) if is_muse(raw) else laguna_names(state) if is_laguna(raw) \
-        else state
-    save_weights(tmp, cast(named, torch_dtype),
+    save_weights(tmp, cast(writer.serving_names(state), torch_dtype),
                  mask.detach().to(torch_dtype).contiguous() if mask is not None else None,
                  mask_token_id)
 
@@ -271,13 +230,13 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     ``dflash-lab`` (ours), ``muse-glimmer`` (the Muse Glimmer assistant layout; ValueError
     naming what it cannot carry: a draft vocabulary, a learned mask, sinks, scales, causal
     layers; a DFlash 2 drafter is written in the layout of the released DFlash 2 Muse drafter,
-    z-lab's DFlash2DraftModel, which is ours) or ``laguna`` (export/laguna.py).
+    z-lab's DFlash2DraftModel, which is ours) or ``laguna`` (export/formats/laguna.py).
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
         raise ValueError(f"dtype '{dtype}' is not one of {list(DTYPES)}")
-    if format not in FORMATS:
-        raise ValueError(f"format '{format}' is not one of {list(FORMATS)}")
+    if format not in formats.options():
+        raise ValueError(f"format '{format}' is not one of {list(formats.options())}")
     named = [] if isinstance(source, Source) else [source]
     refuse_overlap(out_dir, named)
     if out_dir.exists() and not force:
@@ -289,6 +248,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
+    writer = formats.writer_for(format, dataclasses.replace(config, _source=src.description))
     raw = format_config(format, dataclasses.replace(config, _source=src.description), dtype,
                         src.target_identity,
                         vocab_known=src.vocab_recorded or target_vocab_size(target) is not None)
@@ -302,14 +262,14 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
             remove_path(stale)
         with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
-            _write_dir(tmp, raw, state, mask, dtype, config.mask_token_id)
+            _write_dir(tmp, raw, writer, state, mask, dtype, config.mask_token_id)
             checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
                                               select_sglang(sglang_version, sglang_backend),
                                               arch)
             files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
             report = export_report(
-                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command, raw,
-                               format),
+                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command,
+                               writer, raw),
                 config=config, readings=readings, findings=findings, self_check=check_lines,
                 files=files + [REPORT_FILE, CHECKSUMS_FILE])
             (tmp / REPORT_FILE).write_text(report)
@@ -421,40 +381,25 @@ class _Declared:
 
 
 def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
-    """Ours: the strict reader and the recorded training spec. Third-party: z-lab's reading of
-    the fields and the layout resolved exactly as ``import_drafter`` resolves it."""
-    source = str(path / CONFIG_FILE)
-    if dspark.is_dspark(d):  # speculators layout: ours carries the spec in its layer config
-        return _declared_dspark(d, path)
-    ours = TRAINING_SPEC_KEY in d
-    assumed = OUR_SPEC if ours else DEFAULT_ASSUMED_RULES
+    """A format read exactly (ours: the strict reader and the recorded training spec): that
+    reading. Third-party: the format's reading of the fields and the layout resolved exactly as
+    ``import_drafter`` resolves it."""
+    source, fmt = path / CONFIG_FILE, format_of(d)
+    exact = fmt.exact_reading(d)
+    assumed = exact or DEFAULT_ASSUMED_RULES
     try:
-        config = (DrafterConfig.from_dict(d, source=source) if ours
-                  else third_party_base(d, source))
+        config, notes = fmt.read_exact(d, source) if exact else (fmt.base_config(d, str(source)),
+                                                                 [])
     except ValueError as err:
         return _Declared(None, None, assumed, [f"config.json cannot be read as a drafter: {err}"])
-    if ours:
-        return _Declared(config, config.layer_specs(), assumed)
+    if exact:
+        return _Declared(config, config.layer_specs(), assumed, notes=notes)
     try:
-        resolved, _ = resolve_third_party(d, path, artifacts, assumed)
+        resolved, _ = resolve_third_party(d, path, artifacts, assumed, fmt)
     except ValueError as err:
         return _Declared(config, None, assumed, notes=[f"dflash-lab's importer cannot read it: "
                                                        f"{err}"])
     return _Declared(config, resolved.layer_specs(), assumed)
-
-
-def _declared_dspark(d: dict[str, Any], path: Path) -> _Declared:
-    """A speculators DSpark config.json, read as the importer reads it (export/peers.py
-    ``speculators_config``): ours exactly, a third-party one with speculators' defaults."""
-    from dflash_lab.export.peers import speculators_config
-
-    ours = TRAINING_SPEC_KEY in (d.get("transformer_layer_config") or {})
-    assumed = OUR_SPEC if ours else "speculators dspark (update_dspark)"
-    try:
-        config, notes = speculators_config(d, path / CONFIG_FILE)
-    except ValueError as err:
-        return _Declared(None, None, assumed, [f"config.json cannot be read as a drafter: {err}"])
-    return _Declared(config, config.layer_specs(), assumed, notes=notes)
 
 
 def _artifacts(path: Path) -> Artifacts:
@@ -478,7 +423,7 @@ def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[
         out.append(f"learned mask embedding: no {MASK_FILE} here, so whether the drafter ships "
                    "one (vLLM uses it for every MASK slot, SGLang >= 0.5.23 merges it into "
                    "the target's embedding row)")
-    if config is None or config.is_dflash2:
+    if config is None or dflash2_shapes(config):
         out.append("DFlash 2 tensors: the conv and selector tensors, and whether the codebooks "
                    "carry z-lab save_pretrained's '.weight' names (vLLM refuses them, SGLang "
                    "skips them)")
@@ -566,9 +511,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] | None = None,
     vocab_lines: list[str] = []
     if declared.config is not None and not config_only:
         shapes = weight_shapes(path)
-        ours = our_names(shapes) if is_muse(d) else laguna_our_names(shapes, d) \
-            if is_laguna(d) and TRAINING_SPEC_KEY not in d else shapes
-        problems += tensor_problems(declared.config, ours)
+        problems += tensor_problems(declared.config, format_of(d).our_names(shapes, d))
         vocab_lines, vocab_problems = draft_vocab_problems(path, declared.config)
         problems += vocab_problems
     unchecked = unchecked_without_weights(declared.config, path) if config_only else []
@@ -580,9 +523,7 @@ def inspect_dir(path: str | Path, engine: str | list[str] | None = None,
     lines += layer_table(trained, readings, block)
     lines += _layout_lines(declared, readings, block, config_only)
     lines += ["", *vocab_lines] if vocab_lines else []
-    lines += muse_glimmer.inspect_lines(d) if declared.config is not None else []
-    lines += laguna.inspect_lines(d) if declared.config is not None and is_laguna(d) else []
-    lines += dspark.reading_lines(d) if dspark.is_dspark(d) else []
+    lines += format_of(d).inspect_lines(d) if declared.config is not None else []
     lines += ["", "Engine refusals and silently dropped features:"] + engine_notes(readings)
     if notes:
         lines += ["", "Notes (engines it is not judged for, not problems):"]

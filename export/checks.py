@@ -186,7 +186,7 @@ def _check_width(config: DrafterConfig, text: dict[str, Any], source: str) -> li
 
 
 def _full_vocab(config: DrafterConfig, key: str) -> str:
-    if key != "vocab_size" or not config.is_dflash2:
+    if key != "vocab_size" or config.selector_rank is None:  # the selector's codebooks: [V, R]
         return ""
     return (" (DFlash 2 needs the FULL target vocabulary: the selector's codebooks are "
             "[vocab, rank] and both engines take candidates from the target's whole LM head; "

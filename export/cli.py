@@ -32,13 +32,14 @@ from dflash_lab.export.api import (
     inspect_dir,
 )
 from dflash_lab.export.checks import WARN
+from dflash_lab.export.formats import load_source
 from dflash_lab.export.options import (
     add_export_options,
     export_kwargs,
     recipe_export_section,
     resolve_options,
 )
-from dflash_lab.export.sources import Source, load_source
+from dflash_lab.export.sources import Source
 from dflash_lab.export.weights import CONFIG_FILE
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK, EXIT_UNCHECKED = 0, 2, 3, 4, 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_lab.attention.mask import LayerSpec
+from dflash_lab.export import formats
 from dflash_lab.export.checks import REFUSE, Finding, layer_matches, spec_label
 from dflash_lab.export.engines import EngineReading
 from dflash_lab.model.config import SCALE_DEFAULTS, DrafterConfig
@@ -46,28 +47,12 @@ def engine_notes(readings: dict[str, EngineReading]) -> list[str]:
 
 def drafter_lines(config: DrafterConfig) -> list[str]:
     """The variant, its DFlash 2 modules, Laguna features and the scales, one bullet each."""
-    if config.is_dflash2:
-        groups = config.hidden_size // config.conv_group_size
-        lines = ["- variant: dflash2 (DFlash2DraftModel)",
-                 f"- conv: conv_kernel_size={config.conv_kernel_size}, conv_group_size="
-                 f"{config.conv_group_size} ({groups} groups) around every attention and MLP",
-                 f"- selector: selector_rank={config.selector_rank}, selector_top_k="
-                 f"{config.selector_top_k} (full vocabulary {config.vocab_size})"]
-    elif config.is_dspark:
-        conf = ("off" if not config.enable_confidence_head else
-                "[h; markov_w1[prev]]" if config.confidence_head_with_markov else "[h]")
-        lines = ["- variant: dspark (Qwen3DSparkModel: the DFlash 1 backbone + heads)",
-                 f"- Markov head: {config.markov_head_type}, markov_rank={config.markov_rank}; "
-                 f"confidence head: {conf}"]
-    else:
-        lines = ["- variant: dflash1 (DFlashDraftModel)"]
+    lines = formats.variant_lines(config)
     lines.append(f"- fc reads {len(config.target_layer_ids)} target layers x "
                  f"{config.target_hidden_size} = {config.num_features}"
                  + (" (target_hidden_size: a multi-stream target's flattened streams)"
                     if config.target_hidden_size != config.hidden_size else ""))
-    if config.laguna_features:  # drafter=laguna / a Laguna import: what the engines must run
-        lines.append("- Laguna features: " + ", ".join(f"{k}={v}" for k, v in
-                                                       config.laguna_features.items()))
+    lines += formats.features_lines(config)  # drafter=laguna / a Laguna import
     if config.sample_from_anchor:
         lines.append(f"- sample_from_anchor: true (slot k predicts the token at anchor + k + 1: "
                      f"{config.num_draft_tokens} drafts per block)")

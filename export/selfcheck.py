@@ -26,24 +26,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash_lab.export import dspark
-from dflash_lab.export.engines import RuleSet, read_with
+from dflash_lab.export.engines import RuleSet
 from dflash_lab.export.engines.common import Artifacts
-from dflash_lab.export.engines.laguna import is_laguna
-from dflash_lab.export.engines.laguna import our_names as laguna_our_names
-from dflash_lab.export.engines.muse import is_muse, our_names
-from dflash_lab.export.sources import config_from_reading, third_party_base
+from dflash_lab.export.formats import format_of
+from dflash_lab.export.sources import config_from_reading
 from dflash_lab.export.weights import MASK_KEY, load_mask_file, load_weights
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.rope import is_nested, rope_type_of
 
 CONFIG_TOL = 1e-4
-MUSE_HOW = ("Muse Glimmer config.json read through each engine's config class for it "
-            "(engines/muse.py) and dflash-lab's importer; tensors renamed to ours")
-DSPARK_HOW = ("speculators DSpark config.json read as vLLM 0.32's update_dspark maps it "
-              "(export/dspark.py); backbone logits, Markov bias and confidence compared")
-LAGUNA_HOW = ("Laguna config.json read through each engine's view of it (engines/laguna.py) "
-              "and dflash-lab's importer; fused qkv_proj split into ours")
 DTYPE_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 _SAME_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "mask_token_id", "target_layer_ids",
@@ -200,11 +191,12 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
     """The drafter one engine would build from the directory, or None if it refuses to load.
     A Muse Glimmer directory is read as the importer reads it (its own fields, each engine's
     config class, the tensors renamed to ours)."""
-    reading = read_with(rule_set, view, artifacts)
+    fmt = format_of(view)
+    reading = fmt.reading(rule_set, view, artifacts)
     if not reading.loads:
         return None
-    flat = dspark.flat_config(view) if dspark.is_dspark(view) else view  # vLLM's draft config
-    base = third_party_base(flat, source=f"{out_dir} as {rule_set.name}")  # ignores our spec
+    flat = fmt.engine_config(view)  # the engine's draft config (DSpark: vLLM's flat one)
+    base = format_of(flat).base_config(flat, f"{out_dir} as {rule_set.name}")  # not our spec
     is_vllm = rule_set.engine == "vllm"
     config = config_from_reading(
         base, reading, artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
@@ -220,10 +212,7 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
 
 def _exported_weights(out_dir: Path, raw: dict[str, Any]) -> dict[str, Tensor]:
     """model.safetensors under our tensor names (``raw``: the directory's config.json)."""
-    state = load_weights(out_dir)
-    if is_laguna(raw):
-        return laguna_our_names(state, raw)
-    return our_names(state) if is_muse(raw) else state
+    return format_of(raw).our_names(load_weights(out_dir), raw)
 
 
 def _exported_for_source(out_dir: Path, config: DrafterConfig, raw: dict[str, Any]
@@ -258,14 +247,10 @@ def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: Dra
                    source_state: dict[str, Tensor], rule_sets: list[RuleSet],
                    artifacts: Artifacts, dtype: torch.dtype) -> tuple[list[SelfCheckResult], str]:
     """Compare the source drafter with every distinct engine view of ``out_dir``. A Muse Glimmer
-    config.json is read by each engine's config class for it (engines/muse.py), not Qwen3Config
-    directly."""
-    if dspark.is_dspark(raw_config):  # read by each rule set through update_dspark
-        view, how = raw_config, DSPARK_HOW
-    elif is_muse(raw_config) or is_laguna(raw_config):
-        view, how = raw_config, MUSE_HOW if is_muse(raw_config) else LAGUNA_HOW
-    else:
-        view, how = qwen3_config_view(raw_config)
+    config.json is read by each engine's config class for it (export/formats/muse_glimmer.py),
+    not Qwen3Config directly."""
+    how = format_of(raw_config).self_check_how  # its own view; else through Qwen3Config
+    view, how = (raw_config, how) if how else qwen3_config_view(raw_config)
     probe = _probe(source_config)
     reference = _logits(source_config, source_state, probe)
     same_weights = _logits(source_config,

@@ -71,21 +71,24 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     if config.aux_hidden_norms:  # Laguna: one norm per target-layer slice before fc
         shapes.update({f"aux_hidden_norms.{i}.weight": (h,)
                        for i in range(len(config.target_layer_ids))})
-    if config.is_dflash2:
-        shapes.update(dflash2_shapes(config))
-    if config.is_dspark:
-        shapes.update(dspark_shapes(config))
-    if config.has_draft_vocab:  # the draft head and vLLM's id maps (docs/draft_vocab.md)
+    shapes.update(dflash2_shapes(config))
+    shapes.update(dspark_shapes(config))
+    if own_head(config):  # the draft head and vLLM's id maps (docs/draft_vocab.md)
         shapes.update({"lm_head.weight": (config.draft_vocab_size, h),
                        "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)})
     return shapes
+
+
+def own_head(config: DrafterConfig) -> bool:
+    """A reduced draft vocabulary (N < V): the drafter ships its own head and vLLM's id maps."""
+    return config.draft_vocab_size is not None and config.draft_vocab_size < config.vocab_size
 
 
 def check_draft_vocab(state: dict[str, torch.Tensor], config: DrafterConfig, source: str) -> None:
     """``d2t`` [N] (offsets: target id = i + d2t[i]) and ``t2d`` [V] (bool) name the same N
     distinct target ids, ascending, inside the vocabulary: what vLLM's ``compute_logits``
     scatters the draft logits by."""
-    if not config.has_draft_vocab:
+    if not own_head(config):
         return
     d2t, t2d = state["d2t"], state["t2d"]
     if d2t.is_floating_point() or t2d.dtype != torch.bool:
@@ -124,7 +127,10 @@ def dspark_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 def dflash2_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """The DFlash 2 tensors: per layer two convs (base [2, K, H], projection [2*K*G, H], G =
-    H / conv_group_size groups), and the selector (codebooks [V, R], projection [R, H])."""
+    H / conv_group_size groups), and the selector (codebooks [V, R], projection [R, H]); none
+    when the config has no selector (its DFlash 2 fields are None)."""
+    if config.selector_rank is None:
+        return {}
     h, k, r = config.hidden_size, config.conv_kernel_size, config.selector_rank
     groups = h // config.conv_group_size
     shapes: dict[str, tuple[int, ...]] = {}
@@ -264,7 +270,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 def draft_vocab_problems(path: Path, config: DrafterConfig) -> tuple[list[str], list[str]]:
     """(lines, problems) of a directory's draft vocabulary for ``--inspect``: N of V, and
     whether ``d2t`` / ``t2d`` name the same ids (:func:`check_draft_vocab`)."""
-    if not config.has_draft_vocab:
+    if not own_head(config):
         return [], []
     lines = [f"draft vocabulary: {config.draft_vocab_size} of {config.vocab_size} target tokens "
              "(the drafter's own lm_head; vLLM scatters its logits by d2t)"]

@@ -105,7 +105,7 @@ def exports(recipes_dir: Path = ROOT / "recipes") -> dict[str, tuple[DrafterConf
 
 def refused_rows() -> dict[str, list[str]]:
     """recipe -> the exporter's SGLang refusals of its golden export (each must have one)."""
-    from dflash_lab.export.peers import speculators_config
+    from dflash_lab.export.formats.dspark import read_config as speculators_config
 
     out = {}
     for name, layout in SGLANG_REFUSED.items():

@@ -133,7 +133,7 @@ def our_drafter(case: Path) -> tuple[torch.nn.Module, Any, dict[str, torch.Tenso
     fixed inputs): the project side of a pieces check (project venv)."""
     from safetensors.torch import load_file
 
-    from dflash_lab.export.sources import load_source
+    from dflash_lab.export import load_source
     from dflash_lab.model.drafter import DFlashDrafter
 
     source = load_source(case / "export")

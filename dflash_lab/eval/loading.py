@@ -1,12 +1,12 @@
-"""Load what the eval needs: the target's config, the drafter (through the exporter's import API)
-and the check that they belong together.
+"""Load what the eval needs: the target's config, the drafter (through the format registry,
+export/formats/) and the check that they belong together.
 
-A drafter path is a training checkpoint (``.ckpt``), a training run directory (its best, else last
-checkpoint), a serving directory (ours, or a z-lab style one whose implicit causality the
-exporter resolves with a named engine rule set), a speculators DFlash directory or a SpecForge
-DFlash checkpoint (export/peers.py; docs/warm_start.md), the same sources ``drafter.init_from``
-reads. The exporter owns those formats; this module only turns its ``(config, state_dict)`` into
-a :class:`DFlashDrafter`.
+A drafter path is anything a registered format reads: a training checkpoint (``.ckpt``), a
+training run directory (its best, else last checkpoint), a serving directory (ours, or a z-lab
+style one whose implicit causality is resolved with a named engine rule set), a speculators
+DFlash directory or a SpecForge DFlash checkpoint (docs/warm_start.md), the same sources
+``drafter.init_from`` reads. The formats own those; this module only turns the format's
+``(config, state_dict)`` into a :class:`DFlashDrafter` (the trace: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lab.export.formats import load_source
+from dflash_lab.export.sources import with_target_vocab
 from dflash_lab.model.drafter import DFlashDrafter
 
 
@@ -30,7 +32,7 @@ class LoadedDrafter:
     trained_block_size: int
     notes: list[str] = field(default_factory=list)
     #: False when the format records no target depth
-    #: (``dflash_lab.export.sources.Source.depth_recorded``)
+    #: (``dflash_lab.export.weights.Source.depth_recorded``)
     depth_recorded: bool = True
 
 
@@ -45,35 +47,15 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     ``verify_checksums``: a serving directory is checked against its ``SHA256SUMS`` first;
     ``target_vocab_size``: the vocabulary taken when the format records none (Muse Glimmer).
     """
-    from dflash_lab.export.peers import is_speculators_dir
-    from dflash_lab.export.sources import (
-        ImportedDrafter,
-        import_drafter,
-        is_serving_dir,
-        load_source,
-        read_config_json,
-        with_target_vocab,
-    )
-
     path = Path(path)
     if not path.exists():
         raise ValueError(f"drafter.path={str(path)!r} does not exist; pass a training checkpoint "
                          "(.ckpt), a run directory, a serving directory (config.json + "
                          "model.safetensors), a speculators directory or a SpecForge checkpoint")
-    if assume is not None and is_serving_dir(path) and not is_speculators_dir(path):
-        imported: ImportedDrafter = import_drafter(path, assume, verify_checksums)
-        config, state = imported.config, imported.state_dict
-        description = f"serving directory {path}"
-        notes = [f"causality resolved by {imported.assumed_rules}", *imported.disagreements,
-                 *imported.format_notes, imported.integrity]
-        depth_recorded = "num_target_layers" in read_config_json(path)
-        vocab_recorded = imported.vocab_recorded
-    else:
-        source = load_source(path, verify_checksums)
-        config, state = source.config, source.state_dict
-        description, notes = source.description, list(source.notes)
-        depth_recorded, vocab_recorded = source.depth_recorded, source.vocab_recorded
-    config = with_target_vocab(config, target_vocab_size, vocab_recorded)
+    source = load_source(path, verify_checksums, assume)
+    config, state = source.config, source.state_dict
+    description, notes = source.description, list(source.notes)
+    config = with_target_vocab(config, target_vocab_size, source.vocab_recorded)
     trained = config.block_size
     if block_size is not None and block_size != trained:
         _check_block_size(block_size, config.block_size)
@@ -82,7 +64,7 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     drafter = DFlashDrafter(config, backend=backend)
     drafter.load_state_dict(state, strict=True)
     drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return LoadedDrafter(drafter, description, trained, notes, depth_recorded)
+    return LoadedDrafter(drafter, description, trained, notes, source.depth_recorded)
 
 
 def _check_block_size(block_size: int, trained: int) -> None:

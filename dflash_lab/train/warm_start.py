@@ -1,22 +1,21 @@
 """``drafter.init_from=PATH``: start training from a trained drafter of any format we read.
 
-PATH is anything ``dflash_lab.export.sources.load_source`` reads: our ``.ckpt`` / run directory
-(best checkpoint) / export, a z-lab directory (DFlash 1 or 2), a speculators directory or a
-SpecForge checkpoint. The drafter config comes from the source; a drafter field set in Hydra (a
-value that differs from the ``conf/drafter`` option's own, or any ``drafter.KEY=`` on the command
-line) overrides it. An override that changes what the trained weights compute (a layer switched
-between sliding and full or causal and bidirectional, another window, block size, target layer ids,
-MASK id, RoPE or logit scales) is logged as one warning listing each; one that changes the
-tensor shapes, or a source built for another target (hidden or vocab size), is a ValueError.
-A format that records no vocabulary (Muse Glimmer) takes the target's.
-A source recorded for a target of another depth is refused too unless ``target_layer_ids`` is
-overridden (:func:`check_depth`); one trained on other target weights of the same shapes (a
-fine-tune of the target) is a warning naming both fingerprints (:func:`other_target_weights`).
-Where a peer's mask differs from ours (speculators' block-anchored window) the contradiction
-warning says so with the numbers (``Source.mask_differences``).
-Only the weights are taken: optimizer and schedule start fresh (a resume of our own run goes
-through ``ckpt_path`` and restores both).
-"""
+PATH is anything a registered format reads (``dflash_lab.export.formats.load_source``): our
+``.ckpt`` / run directory (best checkpoint) / export, a z-lab directory (DFlash 1 or 2), a
+speculators directory or a SpecForge checkpoint. The drafter config comes from the source; a
+drafter field set in Hydra (a value that differs from the ``conf/drafter`` option's own, or any
+``drafter.KEY=`` on the command line) overrides it. An override that changes what the trained
+weights compute (a layer switched between sliding and full or causal and bidirectional, another
+window, block size, target layer ids, MASK id, RoPE or logit scales) is logged as one warning
+listing each; one that changes the tensor shapes, or a source built for another target (hidden or
+vocab size), is a ValueError. A format that records no vocabulary (Muse Glimmer) takes the
+target's. A source recorded for a target of another depth is refused too unless
+``target_layer_ids`` is overridden (:func:`check_depth`); one trained on other target weights of
+the same shapes (a fine-tune of the target) is a warning naming both fingerprints
+(:func:`other_target_weights`). Where a peer's mask differs from ours (speculators' block-anchored
+window) the contradiction warning says so with the numbers (``Source.mask_differences``). Only the
+weights are taken: optimizer and schedule start fresh (a resume of our own run goes through
+``ckpt_path`` and restores both)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dflash_lab.export.sources import load_source, with_target_vocab
+from dflash_lab.export.formats import load_source
+from dflash_lab.export.sources import with_target_vocab
 from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR

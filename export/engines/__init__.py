@@ -12,8 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_lab.export import dspark
-from dflash_lab.export.engines import anchor, laguna, muse, sglang, vllm
+from dflash_lab.export.engines import sglang, vllm
 from dflash_lab.export.engines.common import Artifacts, EngineReading, LayerReading
 
 
@@ -103,61 +102,5 @@ def get_rule_set(name: str) -> RuleSet:
     raise ValueError(f"unknown rule set '{name}': use one of {[r.name for r in RULE_SETS]}")
 
 
-def read_all(config: dict[str, Any], artifacts: Artifacts,
-             engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
-    """Every selected rule set's reading of one config, keyed by rule-set name. A Muse Glimmer
-    config is read through each engine's own config class for it (engines/muse.py)."""
-    return {r.name: read_with(r, config, artifacts) for r in rule_sets_for(engines)}
-
-
-def read_with(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts) -> EngineReading:
-    """One rule set's reading (a Muse Glimmer or Laguna config through its engine's config
-    class)."""
-    if laguna.is_laguna(config):
-        return _read_laguna(rule_set, config, artifacts)
-    if dspark.is_dspark(config):
-        return _read_dspark(rule_set, config, artifacts)
-    if not muse.is_muse(config):
-        return anchor.apply(rule_set.read(config, artifacts), config)
-    reading = rule_set.read(muse.engine_view(config, rule_set.engine), artifacts)
-    reading.notes.append(muse.ENGINE_NOTES[rule_set.engine]
-                         + ("" if rule_set.current else "; assumed for this older release"))
-    return reading
-
-
-def _read_laguna(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts
-                 ) -> EngineReading:
-    """A Laguna directory: the layout from the engine's view (engines/laguna.py); vLLM refuses
-    mixed layer types."""
-    refusal = laguna.vllm_refusal(config) if rule_set.engine == "vllm" else None
-    if refusal is not None:
-        return EngineReading(rule_set.name, None, refusal=refusal)
-    reading = rule_set.read(laguna.engine_view(config, rule_set.engine), artifacts)
-    reading.notes.append(laguna.ENGINE_NOTES[rule_set.engine]
-                         + ("" if rule_set.current else "; assumed for this older release"))
-    return reading
-
-
-def _read_dspark(rule_set: RuleSet, config: dict[str, Any], artifacts: Artifacts
-                 ) -> EngineReading:
-    """A speculators-format DSpark directory (export/dspark.py): vLLM 0.32's V2 runner reads
-    the layout from update_dspark's config; SGLang and vLLM's V1 runner cannot load it."""
-    refusal = (dspark.SGLANG_REFUSAL if rule_set.engine == "sglang" else
-               dspark.V1_REFUSAL if rule_set.name == "vllm-main-v1" else
-               None if rule_set.current else dspark.OLD_REFUSAL)
-    if refusal is not None:
-        return EngineReading(rule_set.name, None, refusal=refusal)
-    # no anchor rule (engines/anchor.py is DFlash's): the DSpark speculator runs either
-    # setting (dspark_bonus_anchor = not sample_from_anchor)
-    reading = rule_set.read(dspark.engine_view(config), artifacts)
-    if "sample_from_anchor" not in config:  # vLLM runs false; speculators' DSpark trains true
-        reading.dropped.append(dspark.ANCHOR_ABSENT)
-        reading.overrides["sample_from_anchor"] = False
-    reading.notes.append("DSpark read through vLLM 0.32's SpeculatorsConfig + update_dspark "
-                         "(Qwen3DSparkModel on DFlashQwen3Model)")
-    return reading
-
-
 __all__ = ["RULE_SETS", "ENGINES", "SGLANG_BACKENDS", "RuleSet", "Artifacts", "EngineReading",
-           "LayerReading", "rule_sets_for", "get_rule_set", "read_all", "read_with",
-           "select_sglang"]
+           "LayerReading", "rule_sets_for", "get_rule_set", "select_sglang"]

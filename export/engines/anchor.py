@@ -14,7 +14,7 @@ What each engine does with the key (read from the sources named):
   and drafts slots 1..B-1. Its speculators converter
   (``vllm/transformers_utils/configs/speculators/algos.py``) copies a speculators
   ``sample_from_anchor`` (absent = false) into ``dflash_config``. (Its DSpark path,
-  ``update_dspark``, also defaults it to false but runs either setting: export/dspark.py.)
+  ``update_dspark``, also defaults it to false but runs either setting: export/formats/dspark.py.)
   vLLM <= 0.26 is assumed to read it as main does (not checked).
 - SGLang: no DFlash reader of the key is modelled here (no SGLang source was available to check);
   assumed not read: it runs as false.

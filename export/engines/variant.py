@@ -54,8 +54,9 @@ _SCALE_EFFECT = {
 }
 
 
-def is_dflash2(config: dict[str, Any]) -> bool:
-    """Engines pick the drafter class from ``architectures``."""
+def builds_selector(config: dict[str, Any]) -> bool:
+    """The engine builds the DFlash 2 class (conv + selector): engines pick the drafter class
+    from ``architectures``, as modelled here (the engine's own choice, not ours)."""
     return DFLASH2_ARCH in (config.get("architectures") or [])
 
 
@@ -97,7 +98,7 @@ def vllm_variant(config: dict[str, Any], artifacts: Artifacts, reading: EngineRe
                  legacy: bool, runner: str) -> None:
     """vLLM's DFlash 2 / scale rules: sets ``reading.refusal`` or adds dropped items."""
     scales = declared_scales(config)
-    if not is_dflash2(config):
+    if not builds_selector(config):
         for key in scales:
             drop_scale(reading, key, "vLLM's DFlash 1 model (qwen3_dflash.py) never reads it")
         return
@@ -128,19 +129,20 @@ def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: Engine
                    current: bool) -> None:
     """SGLang's DFlash 2 / scale rules: sets ``reading.refusal`` or adds dropped items."""
     scales, missing = declared_scales(config), missing_dflash2_keys(config)
-    if is_dflash2(config) and not current:
+    dflash2 = builds_selector(config)
+    if dflash2 and not current:
         reading.refusal = ("has no DFlash2DraftModel (added by sgl-project/sglang#35371; "
                            "SGLang 0.5.23 serves it); upgrade SGLang")
-    elif is_dflash2(config) and ("selector_rank" in missing or "selector_top_k" in missing):
+    elif dflash2 and ("selector_rank" in missing or "selector_top_k" in missing):
         reading.refusal = ("raises ValueError: 'DFlash selector draft requires "
                            "dflash_config.selector_rank' (and selector_top_k)")
-    elif is_dflash2(config) and ("conv_kernel_size" in missing) != ("conv_group_size" in missing):
+    elif dflash2 and ("conv_kernel_size" in missing) != ("conv_group_size" in missing):
         reading.refusal = ("raises ValueError: 'DFLASH grouped convolution needs "
                            "conv_kernel_size and conv_group_size together'")
     if reading.refusal:
         return
     # input_embedding_scale: engines/sglang.py (what SGLang feeds depends on the target)
-    if not is_dflash2(config):
+    if not dflash2:
         return
     if "conv_kernel_size" in missing:
         reading.dropped.append("the grouped convs (conv_kernel_size / conv_group_size not in "

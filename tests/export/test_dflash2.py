@@ -23,9 +23,10 @@ from dflash_lab.export import (
 )
 from dflash_lab.export.api import serving_config
 from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
-from dflash_lab.export.engines import get_rule_set, read_all
+from dflash_lab.export.engines import get_rule_set
 from dflash_lab.export.engines.common import Artifacts
 from dflash_lab.export.engines.zlab import base_config
+from dflash_lab.export.formats import read_all
 from dflash_lab.export.selfcheck import run_self_check
 from dflash_lab.export.sources import Source
 from dflash_lab.export.weights import WEIGHTS_FILE, expected_shapes

@@ -1,4 +1,4 @@
-"""The DSpark export in vLLM 0.32's speculators layout (export/dspark.py), its import back
+"""The DSpark export in vLLM 0.32's speculators layout (export/formats/dspark.py), its import back
 (--inspect, the loaders dflash-eval and drafter.init_from use), the refusals, and vLLM's own
 config converter, loader and heads on it (scripts/vllm_dspark_pieces.py, with .venv-vllm)."""
 
@@ -10,9 +10,9 @@ import subprocess
 import pytest
 import torch
 
-from dflash_lab.export import ExportRefused, export_drafter, inspect_dir
-from dflash_lab.export.dspark import reading_lines, update_dspark
-from dflash_lab.export.sources import Source, load_source
+from dflash_lab.export import ExportRefused, export_drafter, inspect_dir, load_source
+from dflash_lab.export.formats.dspark import reading_lines, update_dspark
+from dflash_lab.export.sources import Source
 from dflash_lab.export.weights import expected_shapes
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT

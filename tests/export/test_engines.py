@@ -6,8 +6,9 @@ import pytest
 
 from dflash_lab.export.api import plan_export, serving_config
 from dflash_lab.export.checks import REFUSE, WARN, refusals
-from dflash_lab.export.engines import Artifacts, read_all
+from dflash_lab.export.engines import Artifacts
 from dflash_lab.export.engines.common import hf_view
+from dflash_lab.export.formats import read_all
 from dflash_lab.model.config import TRAINING_SPEC_KEY
 from tests.export_doubles import LAYOUTS, F, S, make_config, zlab_config
 

@@ -56,7 +56,7 @@ def test_only_the_warm_started_recipes_are_left_out():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_exported_config_json_matches_the_golden_file(recipe, tmp_path, tiny_target_dir):
     config, cfg = _recipe_config(recipe, tmp_path, tiny_target_dir)
-    # what the exporter writes (DSpark: vLLM's speculators layout, export/dspark.py)
+    # what the exporter writes (DSpark: vLLM's speculators layout, export/formats/dspark.py)
     got = format_config(OURS, config, "bfloat16", None, vocab_known=True)
     path = GOLDEN / f"{recipe}.json"
     if os.environ.get("DFLASH_UPDATE_GOLDEN") == "1":

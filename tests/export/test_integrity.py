@@ -9,10 +9,10 @@ import subprocess
 import pytest
 
 from dflash_lab.eval.loading import load_drafter
-from dflash_lab.export import export_drafter, import_drafter, inspect_dir
+from dflash_lab.export import export_drafter, import_drafter, inspect_dir, load_source
 from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
 from dflash_lab.export.integrity import CHECKSUMS_FILE, verify_dir
-from dflash_lab.export.sources import Source, load_source
+from dflash_lab.export.sources import Source
 from dflash_lab.export.weights import WEIGHTS_FILE
 from tests.export_doubles import make_config, random_state
 

@@ -1,4 +1,4 @@
-"""The Laguna DFlash format (export/laguna.py): import, --inspect, --format laguna export.
+"""The Laguna DFlash format (export/formats/laguna.py): import, --inspect, --format laguna export.
 
 The fixture is written the way its owners' code writes it: config.json by transformers 5.25's
 own ``LagunaConfig.save_pretrained`` (model_type laguna, its defaults filled in), the weights
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
-from dflash_lab.export.laguna import OWNERS_DEFAULTS
+from dflash_lab.export.formats.laguna import OWNERS_DEFAULTS
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 

@@ -1,4 +1,4 @@
-"""The DFlash 2 form of the Muse Glimmer assistant (export/muse_glimmer.py ``DFLASH2_RELEASE``).
+"""The DFlash 2 form of the Muse Glimmer assistant (formats/muse_glimmer.py ``DFLASH2_RELEASE``).
 
 In released code it is z-lab's ``DFlash2DraftModel`` layout: z-lab's dflash 0.1.0 loads
 ``z-lab/Muse-Glimmer-30B-DFlash2`` with ``DFlash2DraftModel`` (``Qwen3Config``), vLLM 0.32 serves

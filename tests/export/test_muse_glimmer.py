@@ -1,4 +1,4 @@
-"""The Muse Glimmer assistant format (export/muse_glimmer.py, engines/muse.py): directories are
+"""The Muse Glimmer assistant format (export/formats/muse_glimmer.py): directories are
 written by transformers' own MuseGlimmerAssistantModel.save_pretrained (tests/export_doubles.py);
 the import reads every key or refuses it by name, maps the tensor names, resolves the layout
 with a named rule set; --inspect shows each engine's reading; re-export round-trips."""
@@ -12,11 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_lab.export import export_drafter, import_drafter, inspect_dir
+from dflash_lab.export import export_drafter, import_drafter, inspect_dir, load_source
 from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
-from dflash_lab.export.engines import read_all
 from dflash_lab.export.engines.common import NO_ARTIFACTS, LayerReading
-from dflash_lab.export.sources import load_source
+from dflash_lab.export.formats import read_all
 from dflash_lab.model.config import LayerSpec
 from tests.export_doubles import muse_state, write_muse_dir
 

@@ -64,10 +64,11 @@ SPEC_VERIFIER_OWNED = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_hea
                        "verifier_norm.weight"}
 
 
-def export_tiny(out: Path, fmt: str = OURS, **fields: Any) -> tuple[Any, dict]:
-    """A tiny random drafter (tests/doubles.py) exported to ``out`` in float32 as ``fmt``;
-    its config and the tensors written (the file's names)."""
-    config = tiny_drafter_config(**fields)
+def export_tiny(out: Path, layout: str = "full_bidirectional", fmt: str = OURS,
+                **fields: Any) -> tuple[Any, dict]:
+    """A tiny random drafter (tests/doubles.py, ``layout``) exported to ``out`` in float32 as
+    ``fmt``; its config and the tensors written (the file's names)."""
+    config = tiny_drafter_config(layout, **fields)
     state = random_state(config)
     if config.has_draft_vocab:  # the first N target ids (docs/draft_vocab.md)
         n = config.draft_vocab_size
@@ -142,15 +143,20 @@ reading = {"class": type(model).__name__,
 
 
 @NEEDS_SPEC
-@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["full_vocab", "draft_vocab"])
-def test_speculators_loads_our_dspark_export(tmp_path, draft_vocab):
+@pytest.mark.parametrize(("draft_vocab", "layout"), [
+    (None, "full_bidirectional"), (40, "full_bidirectional"), (None, "sliding_bidirectional"),
+    (None, "sliding_causal")], ids=["full_vocab", "draft_vocab", "sliding_bidir", "sliding_causal"])
+def test_speculators_loads_our_dspark_export(tmp_path, draft_vocab, layout):
     """speculators 0.9.0's own loader (pydantic schema, registry, HF weight load) reads our
     DSpark export as a DSparkDraftModel; it refused proposal_type 'dspark' before (issue 44).
-    A draft vocabulary adds our lm_head, d2t and t2d, which it loads (no verifier head then)."""
-    config, ours = export_tiny(tmp_path / "export", **DSPARK, draft_vocab_size=draft_vocab)
+    A draft vocabulary adds our lm_head, d2t and t2d, which it loads (no verifier head then).
+    Sliding layers: speculators runs them causal unless ``sliding_window_non_causal`` (default
+    false), so the export writes it, and the owner reads our bidirectional layers as such."""
+    config, ours = export_tiny(tmp_path / "export", layout, **DSPARK,
+                               draft_vocab_size=draft_vocab)
     keys = ["block_size", "mask_token_id", "markov_rank", "markov_head_type", "sample_from_anchor",
             "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size",
-            "aux_hidden_state_layer_ids"]
+            "aux_hidden_state_layer_ids", "sliding_window_non_causal"]
     reading = json.loads(run_peer_script(SPEC_PYTHON, _SPEC_LOAD, tmp_path,
                                          str(tmp_path / "export"), keys))
     assert reading == {
@@ -158,7 +164,8 @@ def test_speculators_loads_our_dspark_export(tmp_path, draft_vocab):
         "draft_vocab_size": draft_vocab or config.vocab_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "num_hidden_layers": config.num_hidden_layers, "proposal": "greedy",
-        "speculative_tokens": config.num_draft_tokens}
+        "speculative_tokens": config.num_draft_tokens,
+        "sliding_window_non_causal": layout == "sliding_bidirectional"}
     owner_filled = SPEC_VERIFIER_OWNED - (set(ours) if draft_vocab else set())
     assert_holds_ours(load_file(str(tmp_path / "theirs.safetensors")), ours, owner_filled)
 

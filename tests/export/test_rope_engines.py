@@ -13,9 +13,9 @@ import torch
 
 from dflash_lab.export import export_drafter, inspect_dir
 from dflash_lab.export.api import ExportRefused, plan_export
-from dflash_lab.export.engines import read_all
 from dflash_lab.export.engines.common import NO_ARTIFACTS
 from dflash_lab.export.engines.rope import sglang_rope, vllm_rope
+from dflash_lab.export.formats import read_all
 from dflash_lab.model.rope import rope_tables, yarn_mscale
 from tests.export_doubles import make_config, random_state, write_checkpoint
 

@@ -11,7 +11,8 @@ import pytest
 
 from dflash_lab.export.api import ExportRefused, export_drafter, inspect_dir, plan_export
 from dflash_lab.export.checks import refusals
-from dflash_lab.export.engines import Artifacts, read_all
+from dflash_lab.export.engines import Artifacts
+from dflash_lab.export.formats import read_all
 from tests.export_doubles import make_config
 
 V2_RULE_SETS = ("vllm-main-v2", "vllm<=0.26-v2")

@@ -15,7 +15,7 @@ import torch
 from dflash_lab.export.api import ExportRefused, export_drafter, inspect_dir, plan_export
 from dflash_lab.export.checks import WARN, refusals
 from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
-from dflash_lab.export.engines import Artifacts, read_all, select_sglang
+from dflash_lab.export.engines import Artifacts, select_sglang
 from dflash_lab.export.engines.common import (
     END_ANCHORED,
     LEFT_ONLY,
@@ -23,6 +23,7 @@ from dflash_lab.export.engines.common import (
     LayerReading,
     same_attention,
 )
+from dflash_lab.export.formats import read_all
 from dflash_lab.export.sources import Source
 from tests.export_doubles import make_config, random_state, write_checkpoint
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from dflash_lab.export import import_drafter, inspect_dir
 from dflash_lab.export.cli import EXIT_OK, main
 from dflash_lab.export.engines.common import NO_ARTIFACTS
+from dflash_lab.export.formats import ZLAB
 from dflash_lab.export.sources import is_serving_dir, resolve_third_party
 from dflash_lab.export.weights import (
     WEIGHTS_FILE,
@@ -32,7 +33,7 @@ SHARD = "model-{:05d}-of-{:05d}.safetensors"
 def _zlab_dir(path: Path) -> Path:
     """A z-lab style serving directory with one model.safetensors."""
     d = zlab_config("qwen3_8b")
-    config = resolve_third_party(d, Path("z-lab"), NO_ARTIFACTS, "vllm-main-v2")[0]
+    config = resolve_third_party(d, Path("z-lab"), NO_ARTIFACTS, "vllm-main-v2", ZLAB)[0]
     return write_zlab_dir(path, d, {k: v for k, v in random_state(config).items()
                                     if k in expected_shapes(config)})
 

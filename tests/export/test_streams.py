@@ -11,10 +11,12 @@ import subprocess
 import pytest
 import torch
 
+from dflash_lab.export import load_source
 from dflash_lab.export.api import ExportRefused, export_drafter, inspect_dir, plan_export
 from dflash_lab.export.checks import check_target, refusals
-from dflash_lab.export.engines import Artifacts, read_all
-from dflash_lab.export.sources import Source, load_source
+from dflash_lab.export.engines import Artifacts
+from dflash_lab.export.formats import read_all
+from dflash_lab.export.sources import Source
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 from tests.export_doubles import make_config, random_state, write_zlab_dir, zlab_config
@@ -118,7 +120,7 @@ def test_a_third_party_directory_with_the_flattened_streams_imports(tmp_path):
 def test_speculators_config_target_hidden_size_is_read_not_refused(tmp_path, tiny_target):
     """speculators' DFlashSpeculatorConfig.target_hidden_size (vLLM's update_dflash copies it):
     read as the fc width; the weights must then be that wide."""
-    from dflash_lab.export.peers import speculators_config
+    from dflash_lab.export.formats.speculators import speculators_config
     from tests.train.test_warm_start import speculators_dict, tiny_source_config
 
     config = tiny_source_config(tiny_target)

