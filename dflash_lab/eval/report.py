@@ -54,8 +54,10 @@ def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str
 
 def _walk(settings: dict[str, Any]) -> str | None:
     """The draft walk of the report's head (model/heads.py ``walk``); None: the unary head."""
-    variant = settings.get("variant")
-    return heads.get(variant).walk if variant in heads.names() else None
+    try:
+        return heads.get(settings.get("variant")).walk
+    except KeyError:  # a report of a head this process does not know
+        return None
 
 
 def unary_summary(spec: list[Generation], block_size: int) -> dict[str, Any]:

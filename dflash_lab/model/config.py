@@ -408,23 +408,6 @@ class DrafterConfig:
         """Tokens one block drafts: B-1 for DFlash, B with :attr:`sample_from_anchor`."""
         return self.block_size - self.first_draft_slot
 
-    # Transitional: the exporter's format modules still read these (issue 44).
-    @property
-    def is_dspark(self) -> bool:
-        return self.variant == DSPARK
-
-    @property
-    def is_dflash2(self) -> bool:
-        return self.variant == DFLASH2
-
-    @property
-    def has_draft_vocab(self) -> bool:
-        return self.draft_vocab_size is not None
-
-    @property
-    def laguna_features(self) -> dict[str, Any]:
-        return heads.get_feature("laguna").training_spec(self).get("laguna", {})
-
     @property
     def any_sliding(self) -> bool:
         return SLIDING in self.layer_types

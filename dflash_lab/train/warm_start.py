@@ -49,11 +49,12 @@ NOT_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults"
 
 
 def group_defaults(variant: str | None) -> dict[str, Any]:
-    """The drafter fields as ``conf/drafter/default.yaml`` (+ ``dflash2.yaml`` / ``dspark.yaml``)
-    set them."""
+    """The drafter fields as ``conf/drafter/default.yaml`` (+ the head's own option,
+    ``conf/drafter/<variant>.yaml``, where it has one) set them."""
     merged = OmegaConf.load(CONF_DIR / "drafter" / "default.yaml")
-    if variant in ("dflash2", "dspark"):
-        merged = OmegaConf.merge(merged, OmegaConf.load(CONF_DIR / "drafter" / f"{variant}.yaml"))
+    option = CONF_DIR / "drafter" / f"{variant}.yaml"
+    if variant and option.is_file():
+        merged = OmegaConf.merge(merged, OmegaConf.load(option))
     out = OmegaConf.to_container(merged, resolve=True)
     return {k: v for k, v in out.items() if k not in NOT_FIELDS}
 
