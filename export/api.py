@@ -67,13 +67,13 @@ from dflash_lab.export.sources import (
     with_target_vocab,
 )
 from dflash_lab.export.weights import (
+    CODEBOOKS,
     CONFIG_FILE,
     DTYPES,
     MASK_FILE,
     SUFFIXED_CODEBOOKS,
     WEIGHTS_FILE,
     cast,
-    dflash2_shapes,
     draft_vocab_problems,
     expected_shapes,
     has_weights,
@@ -358,8 +358,9 @@ def tensor_problems(config: DrafterConfig, shapes: dict[str, tuple[int, ...]]) -
     unexpected = sorted(set(have) - set(want))
     out = []
     if missing:
-        what = " (a DFlash 2 drafter needs its conv and selector tensors)" \
-            if set(missing) & set(dflash2_shapes(config)) else ""
+        head = config.head
+        what = f" (a {head.title} drafter needs its {head.tensors})" \
+            if set(missing) & set(head.weight_shapes(config)) else ""
         out.append(f"{WEIGHTS_FILE} lacks {len(missing)} tensor(s){what}: {missing[:6]}"
                    + ("..." if len(missing) > 6 else ""))
     if unexpected:
@@ -423,7 +424,7 @@ def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[
         out.append(f"learned mask embedding: no {MASK_FILE} here, so whether the drafter ships "
                    "one (vLLM uses it for every MASK slot, SGLang >= 0.5.23 merges it into "
                    "the target's embedding row)")
-    if config is None or dflash2_shapes(config):
+    if config is None or set(CODEBOOKS) & set(expected_shapes(config)):
         out.append("DFlash 2 tensors: the conv and selector tensors, and whether the codebooks "
                    "carry z-lab save_pretrained's '.weight' names (vLLM refuses them, SGLang "
                    "skips them)")

@@ -34,13 +34,15 @@ CONFIG_FILE = "config.json"
 MASK_FILE = "mask_embedding.pt"
 MASK_KEY = "mask_embedding"  #: the drafter's state_dict key for the learned mask embedding
 SINK_SUFFIX = "self_attn.attention_sink_bias"
+#: DFlash 2's codebooks (heads/dflash2.py), which z-lab's save_pretrained suffixes '.weight'
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 #: z-lab ``save_pretrained`` name -> serving name (vLLM refuses the former, SGLang skips it)
 SUFFIXED_CODEBOOKS = {f"{name}.weight": name for name in CODEBOOKS}
 
 
 def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every serving tensor name -> shape, for ``config`` (mask embedding excluded)."""
+    """Every serving tensor name -> shape, for ``config`` (mask embedding excluded): the
+    backbone's, then each head's and feature's own (``Head.weight_shapes``)."""
     h, d = config.hidden_size, config.head_dim
     q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, \
         config.intermediate_size
@@ -59,23 +61,13 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}self_attn.k_norm.weight"] = (d,)
         if config.attention_sink_bias:
             shapes[f"{p}{SINK_SUFFIX}"] = (config.num_attention_heads,)
-        if config.attention_gate is not None:  # Laguna's softplus output gate
-            per_dim = d if config.attention_gate == "per-element" else 1
-            gates = config.num_attention_heads * per_dim
-            shapes[f"{p}self_attn.g_proj.weight"] = (gates, h)
         shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
         shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
         shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
         shapes[f"{p}input_layernorm.weight"] = (h,)
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
-    if config.aux_hidden_norms:  # Laguna: one norm per target-layer slice before fc
-        shapes.update({f"aux_hidden_norms.{i}.weight": (h,)
-                       for i in range(len(config.target_layer_ids))})
-    shapes.update(dflash2_shapes(config))
-    shapes.update(dspark_shapes(config))
-    if own_head(config):  # the draft head and vLLM's id maps (docs/draft_vocab.md)
-        shapes.update({"lm_head.weight": (config.draft_vocab_size, h),
-                       "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)})
+    for part in config.parts:  # the head's and the features' tensors (model/heads.py)
+        shapes.update(part.weight_shapes(config))
     return shapes
 
 
@@ -101,47 +93,6 @@ def check_draft_vocab(state: dict[str, torch.Tensor], config: DrafterConfig, sou
         raise ValueError(f"{source}: d2t and t2d do not name the same {d2t.numel()} distinct "
                          f"target ids in [0, {config.vocab_size}); was the draft vocabulary "
                          "chosen (dflash-train sets it before training)? Re-export the drafter")
-
-
-def dspark_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """The DSpark heads (heads/dspark.py; speculators' and vLLM's names): Markov w1 [V, r],
-    w2 [N, r], gated gate_proj [r, H + r] + bias, rnn joint_proj [3r, 2r + H] + bias;
-    confidence proj [1, H (+ r)] + bias."""
-    h, r = config.hidden_size, config.markov_rank or 0
-    n = config.draft_vocab_size or config.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {}
-    if r:
-        shapes.update({"markov_head.markov_w1.weight": (config.vocab_size, r),
-                       "markov_head.markov_w2.weight": (n, r)})
-        extra = {"gated": ("gate_proj", (r, h + r)),
-                 "rnn": ("joint_proj", (3 * r, 2 * r + h))}.get(config.markov_head_type)
-        if extra is not None:
-            shapes[f"markov_head.{extra[0]}.weight"] = extra[1]
-            shapes[f"markov_head.{extra[0]}.bias"] = (extra[1][0],)
-    if config.enable_confidence_head:
-        width = h + (r if config.confidence_head_with_markov and r else 0)
-        shapes.update({"confidence_head.proj.weight": (1, width),
-                       "confidence_head.proj.bias": (1,)})
-    return shapes
-
-
-def dflash2_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """The DFlash 2 tensors: per layer two convs (base [2, K, H], projection [2*K*G, H], G =
-    H / conv_group_size groups), and the selector (codebooks [V, R], projection [R, H]); none
-    when the config has no selector (its DFlash 2 fields are None)."""
-    if config.selector_rank is None:
-        return {}
-    h, k, r = config.hidden_size, config.conv_kernel_size, config.selector_rank
-    groups = h // config.conv_group_size
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(config.num_hidden_layers):
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
-            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
-    for name in CODEBOOKS:
-        shapes[name] = (config.vocab_size, r)
-    shapes["candidate_selector.hidden_projection.weight"] = (r, h)
-    return shapes
 
 
 def serving_names(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:

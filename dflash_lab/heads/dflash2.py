@@ -25,6 +25,7 @@ class DFlash2(Head):
     architecture = "DFlash2DraftModel"
     fields = DEFAULTS
     walk = "selector"
+    tensors = "conv and selector tensors"
 
     def validate(self, config: Any) -> None:
         for key in DEFAULTS:
@@ -64,6 +65,21 @@ class DFlash2(Head):
         c = drafter.config
         drafter.candidate_selector = CandidateSelector(c.hidden_size, c.vocab_size,
                                                        c.selector_rank, c.selector_top_k)
+
+    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """Per layer two convs (base [2, K, H], projection [2*K*G, H], G = H / conv_group_size
+        groups), and the selector (codebooks [V, R], projection [R, H])."""
+        h, k, r = config.hidden_size, config.conv_kernel_size, config.selector_rank
+        groups = h // config.conv_group_size
+        shapes: dict[str, tuple[int, ...]] = {}
+        for i in range(config.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
+        for side in ("predecessor", "successor"):
+            shapes[f"candidate_selector.{side}_codebook"] = (config.vocab_size, r)
+        shapes["candidate_selector.hidden_projection.weight"] = (r, h)
+        return shapes
 
     def layer_modules(self, config: Any) -> dict[str, Any]:
         def conv() -> GroupedDynamicCausalConv:

@@ -28,6 +28,14 @@ class DraftVocab(Head):
         drafter.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
         drafter.register_buffer("t2d", torch.zeros(drafter.config.vocab_size, dtype=torch.bool))
 
+    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """The draft head and vLLM's id maps (docs/draft_vocab.md)."""
+        n = config.draft_vocab_size
+        if n is None:
+            return {}
+        return {"lm_head.weight": (n, config.hidden_size), "d2t": (n,),
+                "t2d": (config.vocab_size,)}
+
     def check_training(self, config: Any, module: Any) -> None:
         """A top-k capture's ids span the whole vocabulary: no teacher over N tokens."""
         n = config.draft_vocab_size

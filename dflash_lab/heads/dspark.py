@@ -310,6 +310,7 @@ class DSpark(DFlash1):
     architecture = "Qwen3DSparkModel"  # vLLM's name (qwen3_dspark.py)
     fields = DEFAULTS
     walk = "Markov walk"
+    tensors = "Markov and confidence head tensors"
     #: no val/tau_T: the distribution pass reads a plain Linear head, not [W | markov_w2]
     expected_taus = False
 
@@ -343,6 +344,27 @@ class DSpark(DFlash1):
         if c.enable_confidence_head:
             drafter.confidence_head = ConfidenceHead(c.hidden_size, c.markov_rank,
                                                      c.confidence_head_with_markov)
+
+    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """speculators' and vLLM's names: Markov w1 [V, r], w2 [N, r], gated gate_proj
+        [r, H + r] + bias, rnn joint_proj [3r, 2r + H] + bias; confidence proj [1, H (+ r)]
+        + bias."""
+        h, r = config.hidden_size, config.markov_rank
+        n = config.draft_vocab_size or config.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {}
+        if r:
+            shapes.update({"markov_head.markov_w1.weight": (config.vocab_size, r),
+                           "markov_head.markov_w2.weight": (n, r)})
+            extra = {"gated": ("gate_proj", (r, h + r)),
+                     "rnn": ("joint_proj", (3 * r, 2 * r + h))}.get(config.markov_head_type)
+            if extra is not None:
+                shapes[f"markov_head.{extra[0]}.weight"] = extra[1]
+                shapes[f"markov_head.{extra[0]}.bias"] = (extra[1][0],)
+        if config.enable_confidence_head:
+            width = h + (r if config.confidence_head_with_markov and r else 0)
+            shapes.update({"confidence_head.proj.weight": (1, width),
+                           "confidence_head.proj.bias": (1,)})
+        return shapes
 
     def check_training(self, config: Any, module: Any) -> None:
         """DSpark trains on the CE pass only (the distribution pass computes its gradient to

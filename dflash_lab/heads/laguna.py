@@ -60,6 +60,19 @@ class Laguna(Head):
         on = laguna_features(config)
         return {self.spec_key: on} if on else {}
 
+    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """One norm per target-layer slice before fc; per layer the output gate's g_proj
+        [Hq (x D per element), H]."""
+        h = config.hidden_size
+        shapes = {f"aux_hidden_norms.{i}.weight": (h,)
+                  for i in range(len(config.target_layer_ids))} if config.aux_hidden_norms else {}
+        if config.attention_gate is not None:
+            per_dim = config.head_dim if config.attention_gate == "per-element" else 1
+            for i in range(config.num_hidden_layers):
+                shapes[f"layers.{i}.self_attn.g_proj.weight"] = (
+                    config.num_attention_heads * per_dim, h)
+        return shapes
+
     def attach(self, drafter: Any) -> None:
         c = drafter.config
         if c.aux_hidden_norms:

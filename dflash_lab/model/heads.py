@@ -53,6 +53,8 @@ class Head:
     #: what drafts besides the unary argmax ("selector", "Markov walk"); None: the unary head.
     #: Such a head samples from that walk, so the unary expected tau_T is not its (no val/tau_T)
     walk: str | None = None
+    #: how messages name its own tensors ("conv and selector tensors")
+    tensors: str = ""
     #: whether the unary expected tau at T > 0 (val/tau_T) is measured for it
     expected_taus: bool = True
     #: the key of our training spec its :meth:`training_spec` writes (a feature: "laguna")
@@ -77,6 +79,11 @@ class Head:
     # ---------------------------------------------------------------- modules
     def attach(self, drafter: Any) -> None:
         """Add this head's modules to ``drafter`` (names are their state-dict prefixes)."""
+
+    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """Serving name -> shape of every tensor :meth:`attach` and :meth:`layer_modules` add
+        (what an export must hold and an engine loads)."""
+        return {}
 
     def layer_modules(self, config: Any) -> dict[str, Any]:
         """Modules of one draft layer (DFlash 2: its sublayer convs)."""

@@ -1,6 +1,7 @@
 """The test-only head of tests/heads/toy_head.py works through the head interface alone
 (docs/architecture.md, "Add a head"): its field is validated and carried, it trains with its
-own term, and a separate process knows it through DFLASH_LAB_HEADS."""
+own term, exports, inspects and decodes losslessly from its export, and a separate process
+knows it through DFLASH_LAB_HEADS."""
 
 import csv
 import importlib
@@ -69,14 +70,18 @@ def _compose(tmp_path, target_dir):
                  "data.batch_size": 8, "data.val_fraction": 0.25, "logger": "csv",
                  "trainer.log_every_n_steps": 1, "trainer.max_epochs": 1,
                  "module.num_anchors": 8, "callbacks.progress": "null",
-                 "++drafter.variant": "toy", "+drafter.toy_probe_weight": 0.3,
-                 "export.enabled": "false"}
+                 "++drafter.variant": "toy", "+drafter.toy_probe_weight": 0.3}
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=[f"{k}={v}" for k, v in overrides.items()])
 
 
-def test_it_trains_with_its_own_term(tiny_target_dir, tmp_path):
+def test_it_trains_exports_inspects_and_evaluates(tiny_target_dir, tiny_target, tmp_path):
+    from dflash_lab.eval.loading import load_drafter
+    from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
+    from dflash_lab.eval.proposer import DFlashProposer
+    from dflash_lab.eval.target_runner import TargetRunner
+    from dflash_lab.export import inspect_dir
     from dflash_lab.train.run import train
 
     run_dir = Path(train(_compose(tmp_path, tiny_target_dir))["output_dir"])
@@ -90,6 +95,21 @@ def test_it_trains_with_its_own_term(tiny_target_dir, tmp_path):
                       weights_only=True)
     assert "drafter.toy_probe.weight" in ckpt["state_dict"]
     assert ckpt["hyper_parameters"]["drafter_config"]["architectures"] == ["ToyDraftModel"]
+    export_dir = run_dir / "export"  # the end-of-run export (the recipe's export section)
+    assert "ToyDraftModel" in (export_dir / "config.json").read_text()
+    inspected = inspect_dir(export_dir)
+    assert inspected.trained is not None and not any("toy_probe" in p for p in inspected.problems)
+    loaded = load_drafter(export_dir)
+    assert loaded.drafter.config.head.name == "toy"
+    assert torch.equal(loaded.drafter.toy_probe.weight,
+                       ckpt["state_dict"]["drafter.toy_probe.weight"])
+    pieces, ids = tiny_target.pieces(), loaded.drafter.config.target_layer_ids
+    settings = DecodeSettings(max_new_tokens=24)
+    proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
+    spec = speculative_generate(TargetRunner(tiny_target.model, ids), proposer, [1, 2, 3],
+                                settings)
+    base = baseline_generate(TargetRunner(tiny_target.model), [1, 2, 3], settings)
+    assert spec.output_ids == base.output_ids  # lossless under greedy decoding
 
 
 def test_another_process_knows_the_head_through_the_environment():

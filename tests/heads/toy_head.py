@@ -32,6 +32,9 @@ class Toy(DFlash1):
     def attach(self, drafter: Any) -> None:
         drafter.toy_probe = nn.Linear(drafter.config.hidden_size, 1)
 
+    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        return {"toy_probe.weight": (1, config.hidden_size), "toy_probe.bias": (1,)}
+
     def add_losses(self, module: Any, step: Any, out: Any) -> None:
         """BCE of the probe's logit at every valid slot [M] against its correctness."""
         valid = step.tgt.valid
