@@ -119,9 +119,9 @@ def variant_fields(dc) -> dict[str, Any]:
     from dflash_lab.model.config import DFLASH2_DEFAULTS, DSPARK_DEFAULTS
 
     fields = {"variant": dc.variant}
-    if dc.is_dflash2:
+    if dc.variant == "dflash2":
         fields.update({k: getattr(dc, k) for k in DFLASH2_DEFAULTS})
-    if dc.is_dspark:
+    if dc.variant == "dspark":
         fields.update({k: getattr(dc, k) for k in DSPARK_DEFAULTS},
                       sample_from_anchor=bool(dc.sample_from_anchor))
     return fields

@@ -26,6 +26,7 @@ class DFlash2(Head):
     fields = DEFAULTS
     walk = "selector"
     tensors = "conv and selector tensors"
+    weight_fields = ("conv_kernel_size", "conv_group_size", "selector_rank")
 
     def validate(self, config: Any) -> None:
         for key in DEFAULTS:

@@ -311,6 +311,7 @@ class DSpark(DFlash1):
     fields = DEFAULTS
     walk = "Markov walk"
     tensors = "Markov and confidence head tensors"
+    weight_fields = tuple(DEFAULTS)
     #: no val/tau_T: the distribution pass reads a plain Linear head, not [W | markov_w2]
     expected_taus = False
 

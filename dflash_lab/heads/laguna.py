@@ -32,6 +32,7 @@ class Laguna(Head):
     title = "Laguna"
     fields = DEFAULTS
     spec_key = "laguna"
+    weight_fields = ("aux_hidden_norms", "attention_gate")  # their norms / g_proj tensors
 
     def validate(self, config: Any) -> None:
         for key in ("aux_hidden_norms", "context_input_norm"):

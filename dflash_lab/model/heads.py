@@ -55,6 +55,9 @@ class Head:
     walk: str | None = None
     #: how messages name its own tensors ("conv and selector tensors")
     tensors: str = ""
+    #: its fields whose change changes the set or shapes of its tensors (a warm start refuses
+    #: to override them)
+    weight_fields: tuple[str, ...] = ()
     #: whether the unary expected tau at T > 0 (val/tau_T) is measured for it
     expected_taus: bool = True
     #: the key of our training spec its :meth:`training_spec` writes (a feature: "laguna")

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from dflash_lab.export.formats import load_source
 from dflash_lab.export.sources import with_target_vocab
+from dflash_lab.model import heads
 from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR
@@ -37,13 +38,17 @@ from dflash_lab.targets.shape import target_shape
 
 log = logging.getLogger(__name__)
 
-#: Fields whose change changes the set or shapes of the trained tensors: never overridable.
+#: Backbone fields whose change changes the set or shapes of the trained tensors: never
+#: overridable (nor a head's or feature's ``weight_fields``: :func:`weight_fields`).
 WEIGHT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "intermediate_size", "vocab_size", "attention_bias",
-                 "learned_mask_embedding", "attention_sink_bias", "variant", "conv_kernel_size",
-                 "conv_group_size", "selector_rank", "markov_rank", "markov_head_type",
-                 "enable_confidence_head", "confidence_head_with_markov", "target_hidden_size",
-                 "aux_hidden_norms", "attention_gate")  # Laguna: their norms / g_proj tensors
+                 "learned_mask_embedding", "attention_sink_bias", "variant", "target_hidden_size")
+
+
+def weight_fields() -> set[str]:
+    """Every field a warm start may not override: the backbone's and every head's."""
+    return {*WEIGHT_FIELDS, *(f for part in (*heads.heads(), *heads.features())
+                              for f in part.weight_fields)}
 #: Hydra keys of conf/drafter that are no DrafterConfig field.
 NOT_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults")
 
@@ -159,11 +164,11 @@ def merged_config(source: DrafterConfig, overrides: dict[str, Any], num_target_l
                   where: str) -> DrafterConfig:
     """The source config with the overrides and the loaded target's depth applied."""
     refused = [f"{k}={v!r} (trained with {getattr(source, k)!r})" for k, v in overrides.items()
-               if k in WEIGHT_FIELDS and v != getattr(source, k)]
+               if k in weight_fields() and v != getattr(source, k)]
     if refused:
         raise ValueError(f"drafter.init_from={where}: {', '.join(refused)} would change the "
                          "trained tensors' shapes; drop these drafter overrides")
-    fields = {k: v for k, v in overrides.items() if k not in WEIGHT_FIELDS}
+    fields = {k: v for k, v in overrides.items() if k not in weight_fields()}
     if isinstance(fields.get("target_layer_ids"), int):
         fields["target_layer_ids"] = build_target_layer_ids(num_target_layers,
                                                             fields["target_layer_ids"])

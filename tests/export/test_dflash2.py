@@ -269,7 +269,7 @@ def test_zlab_dir_with_scales_reexports_with_every_scale_kept(tmp_path):
     config = make_config("zlab_default", **V2, **SCALES)
     d = write_zlab_dir(tmp_path / "zlab", zlab_v2_config(), random_state(config))
     imported = import_drafter(d)
-    assert imported.config.is_dflash2 and imported.assumed_rules == "vllm-main-v2"
+    assert imported.config.variant == "dflash2" and imported.assumed_rules == "vllm-main-v2"
     assert {k: getattr(imported.config, k) for k in SCALES} == SCALES
     export_drafter(d, tmp_path / "re", engine="vllm", dtype="float32")
     out = json.loads((tmp_path / "re" / "config.json").read_text())
@@ -349,7 +349,7 @@ def test_dir_written_by_zlab_code_imports_and_reexports_losslessly(tmp_path):
     zdir, re_dir = tmp_path / "zlab", tmp_path / "re"
     _zlab(tmp_path, "write", str(zdir), json.dumps(shape))
     imported = import_drafter(zdir)
-    assert imported.config.is_dflash2 and imported.config.input_embedding_scale == 1.5
+    assert imported.config.variant == "dflash2" and imported.config.input_embedding_scale == 1.5
     export_drafter(zdir, re_dir, engine="vllm", dtype="float32")
     theirs = json.loads((zdir / "config.json").read_text())
     ours = json.loads((re_dir / "config.json").read_text())

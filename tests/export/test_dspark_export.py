@@ -189,7 +189,7 @@ def test_a_speculators_dspark_directory_is_read_and_re_exported_explicitly(tiny_
     state = {k: torch.randn(s, generator=gen) for k, s in expected_shapes(config).items()}
     sdir = write_speculators_dir(tmp_path / "spec", d, state)
     src = load_source(sdir)
-    assert src.config.is_dspark and src.config.sample_from_anchor is True
+    assert src.config.variant == "dspark" and src.config.sample_from_anchor is True
     assert (src.config.markov_rank, src.config.confidence_head_with_markov) == (8, False)
     assert src.config.target_layer_ids == [1, 3, 5]
     assert all(torch.equal(src.state_dict[k], state[k]) for k in state)

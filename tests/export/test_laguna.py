@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir
 from dflash_lab.export.formats.laguna import OWNERS_DEFAULTS
+from dflash_lab.heads.laguna import laguna_features
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 
@@ -172,7 +173,7 @@ def test_init_from_warm_starts_the_tiny_targets_drafter_with_its_weights(tiny_ta
     drafter = build_drafter(tiny_target, backend="sdpa", init_from=str(path),
                             **group_defaults(None)).eval()
     imported = import_drafter(path)
-    assert drafter.config.laguna_features == imported.config.laguna_features != {}
+    assert laguna_features(drafter.config) == laguna_features(imported.config) != {}
     for k, v in imported.state_dict.items():
         assert torch.equal(drafter.state_dict()[k].float(), v.float()), k
     reference = DFlashDrafter(imported.config).eval()

@@ -70,7 +70,7 @@ def export_tiny(out: Path, layout: str = "full_bidirectional", fmt: str = OURS,
     ``fmt``; its config and the tensors written (the file's names)."""
     config = tiny_drafter_config(layout, **fields)
     state = random_state(config)
-    if config.has_draft_vocab:  # the first N target ids (docs/draft_vocab.md)
+    if config.draft_vocab_size is not None:  # the first N target ids (docs/draft_vocab.md)
         n = config.draft_vocab_size
         state["d2t"] = torch.zeros(n, dtype=torch.int64)
         state["t2d"] = torch.arange(config.vocab_size) < n

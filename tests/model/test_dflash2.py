@@ -27,7 +27,7 @@ def test_dflash2_defaults_are_the_released_setting_and_v2_fields_need_the_varian
     cfg = tiny_drafter_config(variant="dflash2", hidden_size=64, num_attention_heads=4)
     assert {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS} == {
         "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-    assert cfg.is_dflash2 and not tiny_drafter_config().is_dflash2
+    assert cfg.variant == "dflash2" and tiny_drafter_config().variant == "dflash1"
     with pytest.raises(ValueError, match="selector_rank=8: is a DFlash 2 field; set variant="):
         tiny_drafter_config(selector_rank=8)
 
@@ -78,7 +78,8 @@ def _v2_dict(**dflash_extra):
 
 def test_variant_is_read_from_architectures_or_the_v2_keys():
     d = _v2_dict()
-    assert base_config({k: v for k, v in d.items() if k != "architectures"}, "z").is_dflash2
+    assert base_config({k: v for k, v in d.items() if k != "architectures"},
+                       "z").variant == "dflash2"
     with pytest.raises(ValueError, match=r"DFlash 2 keys .*architectures to \['DFlash2DraftModel'"):
         base_config(dict(d, architectures=["DFlashDraftModel"]), "z")
     with pytest.raises(ValueError, match="is not a DFlash drafter"):
@@ -321,7 +322,7 @@ def _write_case(path: Path, layout: str, features: dict) -> dict:
         hidden = drafter.draft(cache, anchor, embed)
         ours = {"hidden": hidden, "logits": drafter.unary_logits(hidden[:, 1:], lm_head),
                 "tokens": drafter.propose(hidden, anchor, lm_head)}
-        if cfg.is_dflash2:
+        if cfg.variant == "dflash2":
             ours["candidates"] = drafter.candidate_selector.candidates(
                 ours["logits"])[1].sort(-1).values
     return ours

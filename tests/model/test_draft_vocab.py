@@ -28,7 +28,7 @@ def _drafter(n=10):
 
 def test_config_validates_round_trips_and_refuses_dflash2():
     cfg = tiny_drafter_config(draft_vocab_size=10)
-    assert cfg.has_draft_vocab and cfg.to_dict()["draft_vocab_size"] == 10
+    assert cfg.draft_vocab_size is not None and cfg.to_dict()["draft_vocab_size"] == 10
     assert DrafterConfig.from_dict(cfg.to_dict()).draft_vocab_size == 10
     whole = tiny_drafter_config(draft_vocab_size=97)  # the whole vocabulary: nothing to map
     assert whole.draft_vocab_size is None and "draft_vocab_size" not in whole.to_dict()

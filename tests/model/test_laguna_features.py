@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_lab.export.weights import expected_shapes
+from dflash_lab.heads.laguna import laguna_features
 from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from tests.doubles import tiny_drafter_config
@@ -142,7 +143,7 @@ def test_aux_hidden_norms_norm_each_slice_before_fc():
 
 def test_defaults_leave_the_drafter_and_its_config_unchanged():
     cfg = tiny_drafter_config()
-    assert cfg.laguna_features == {}
+    assert laguna_features(cfg) == {}
     assert "laguna" not in cfg.to_dict()[TRAINING_SPEC_KEY]
     names = set(DFlashDrafter(cfg).state_dict())
     assert not any("aux_hidden_norms" in n or "g_proj" in n for n in names)
@@ -152,7 +153,7 @@ def test_defaults_leave_the_drafter_and_its_config_unchanged():
 def test_laguna_features_round_trip_through_our_config_json():
     cfg = tiny_drafter_config(**LAGUNA)
     back = DrafterConfig.from_dict(cfg.to_dict())
-    assert back == cfg and back.laguna_features == LAGUNA
+    assert back == cfg and laguna_features(back) == LAGUNA
     assert set(DFlashDrafter(cfg).state_dict()) == set(expected_shapes(cfg))
 
 

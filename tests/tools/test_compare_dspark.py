@@ -108,7 +108,7 @@ def test_their_dspark_trains_the_plan_and_both_sides_curves_score_dspark(
     assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]
     for step in (2, 3):
         dc = load_drafter(theirs / f"step-{step}").drafter.config
-        assert dc.is_dspark and dc.markov_rank == 16 and dc.sample_from_anchor
+        assert dc.variant == "dspark" and dc.markov_rank == 16 and dc.sample_from_anchor
     rows = both_sides_rows(args, tiny_target, tiny_target_dir, tiny_capture, theirs, tmp_path)
     # sample_from_anchor: B drafts + the bonus
     assert all(1.0 <= r["tau_mean"] <= 9 and r["num_blocks"] > 0 for r in rows)

@@ -232,7 +232,7 @@ def test_dflash2_overrides_compose_our_dflash2_drafter_on_the_same_batches(
     cfg = compose_train(args)
     assert cfg.module.selector.alpha == 1.0 and cfg.module.selector.missing_gold == "exclude"
     drafter = instantiate(cfg.drafter, _partial_=True)(target=tiny_target)
-    assert drafter.config.is_dflash2
+    assert drafter.config.variant == "dflash2"
     released = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
                 "selector_top_k": 16}  # conf/drafter/dflash2.yaml; speculators' defaults too
     assert {k: getattr(drafter.config, k) for k in released} == released
@@ -261,7 +261,7 @@ def test_their_dflash2_trains_the_plan_and_both_sides_curves_score_dflash2(
     assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]
     for step in (2, 3):
         loaded = load_drafter(theirs / f"step-{step}")
-        assert loaded.drafter.config.is_dflash2
+        assert loaded.drafter.config.variant == "dflash2"
         assert loaded.drafter.config.selector_rank == 256
     # ours: a DFlash 2 drafter of the composed config, saved as our checkpoints are
     rows = both_sides_rows(args, tiny_target, tiny_target_dir, tiny_capture, theirs, tmp_path)

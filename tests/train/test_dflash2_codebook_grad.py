@@ -39,14 +39,14 @@ def _module(variant=V2):
     cfg = tiny_drafter_config(**variant)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
-    if cfg.is_dflash2:  # a trained-looking selector, so every codebook row gets a gradient
+    if cfg.variant == "dflash2":  # a trained-looking selector: every codebook row gets a gradient
         with torch.no_grad():
             drafter.candidate_selector.successor_codebook.normal_(std=1.0)
     torch.manual_seed(1)
     head = torch.nn.Module()
     head.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     head.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    selector = {"missing_gold": "swap"} if cfg.is_dflash2 else None
+    selector = {"missing_gold": "swap"} if cfg.variant == "dflash2" else None
     return DFlashModule(drafter, head, optimizer=torch.optim.AdamW, gamma=2.0, num_anchors=8,
                         label_source="dataset", selector=selector)
 

@@ -67,7 +67,7 @@ def _packed(docs):
 def _module(cfg, seed=0):
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
-    if cfg.is_dflash2:  # move off the identity conv and the unary-only selector
+    if cfg.variant == "dflash2":  # move off the identity conv and the unary-only selector
         with torch.no_grad():
             for name, p in drafter.named_parameters():
                 if "conv" in name or "candidate_selector" in name:

@@ -25,6 +25,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dflash_lab.export import import_drafter
+from dflash_lab.heads.laguna import laguna_features
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.train.factory import build_drafter
 from dflash_lab.train.warm_start import group_defaults
@@ -57,7 +58,7 @@ def test_a_laguna_drafter_builds_for_the_target_and_its_export_plan_needs_format
     drafter = build_drafter(tiny_target, backend="sdpa", **{**group_defaults(None),
                                                              **laguna_group(),
                                                              "num_hidden_layers": 2})
-    assert drafter.config.laguna_features == LAGUNA and drafter.config.rotary_dim == 16
+    assert laguna_features(drafter.config) == LAGUNA and drafter.config.rotary_dim == 16
     names = set(drafter.state_dict())
     assert {"aux_hidden_norms.0.weight", "layers.1.self_attn.g_proj.weight"} <= names
     target = SimpleNamespace(identity=lambda: {"architecture": "Qwen3ForCausalLM"})
@@ -153,7 +154,7 @@ def test_step_0_val_tau_from_a_laguna_directory_equals_its_dflash_eval_tau(
     assert json.loads((export_dir / "config.json").read_text())["architectures"] == [
         "DFlashLagunaForCausalLM"]
     laguna = owners_laguna_dir(export_dir, tmp_path / "laguna")
-    assert import_drafter(laguna).config.laguna_features == LAGUNA
+    assert laguna_features(import_drafter(laguna).config) == LAGUNA
     step_0, report = step_0_and_eval_tau(tiny_target, common, cap, laguna, tmp_path / "ft")
     assert step_0 == pytest.approx(report["tau_mean"], abs=1e-6)
     assert step_0 == pytest.approx(source["val_tau_after"], abs=1e-6)

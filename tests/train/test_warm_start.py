@@ -214,8 +214,8 @@ def speculators_dict(config: DrafterConfig, non_causal: bool | None = None) -> d
           "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
           "layer_types": list(config.layer_types), "use_sliding_window": config.any_sliding,
           "sliding_window": config.sliding_window}
-    kind = "dflash2" if config.is_dflash2 else "dflash"
-    d = {"architectures": ["DFlash2DraftModel" if config.is_dflash2 else "DFlashDraftModel"],
+    kind = "dflash2" if config.variant == "dflash2" else "dflash"
+    d = {"architectures": ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"],
          "speculators_model_type": kind, "speculators_version": "0.9.0",
          "transformer_layer_config": tl, "draft_vocab_size": config.vocab_size,
          "block_size": config.block_size, "target_hidden_size": None,
@@ -224,7 +224,7 @@ def speculators_dict(config: DrafterConfig, non_causal: bool | None = None) -> d
          "speculators_config": {"algorithm": kind}}
     if non_causal is not None:
         d["sliding_window_non_causal"] = non_causal
-    if config.is_dflash2:
+    if config.variant == "dflash2":
         d.update({k: getattr(config, k) for k in
                   ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
     return d
@@ -352,7 +352,7 @@ def test_speculators_directories_written_by_speculators(tiny_target, tmp_path):
         drafter = warm(tiny_target, tmp_path / kind)
         assert drafter.config.target_layer_ids == [1, 3, 5]
         assert drafter.config.causal_flags == causal  # dflash2: sliding_window_non_causal
-        assert drafter.config.is_dflash2 == (kind == "dflash2")
+        assert (drafter.config.variant == "dflash2") == (kind == "dflash2")
         assert drafter.config.layer_specs()[0].window == 9  # speculators' 8, block-anchored
         ours = drafter.state_dict()
         assert all(torch.equal(ours[k], saved[k]) for k in ours)
