@@ -22,17 +22,17 @@ import logging
 from typing import Any
 
 from dflash_lab.model.config import (
+    CORE_DFLASH_KEYS,
     HF_BOOKKEEPING_KEYS,
-    OUR_DFLASH_KEYS,
     OUR_TOP_KEYS,
     TRAINING_SPEC_KEY,
-    VARIANT_KEYS,
     DrafterConfig,
     build_target_layer_ids,
     reject_unknown_keys,
     require_head_keys,
     require_keys,
     shape_fields,
+    variant_keys,
     variant_of,
 )
 
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16  #: z-lab's ``_draft_value(config, "block_size", 16)``
 #: Besides ours: the flat z-lab layout (variant keys at the top level), and the dflash_config keys
 #: vLLM's rule set reads (``use_swa``) or z-lab-style exporters write (``learned_mask_embedding``).
-TOP_KEYS = OUR_TOP_KEYS | frozenset(VARIANT_KEYS)
-DFLASH_KEYS = OUR_DFLASH_KEYS | {"use_swa", "learned_mask_embedding"}
+#: (every head's keys join both: :func:`variant_keys`, read when a config is, so a head
+#: registered later counts)
+EXTRA_DFLASH_KEYS = frozenset({"use_swa", "learned_mask_embedding"})
 
 
 def draft_value(config: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -62,7 +63,7 @@ def block_size(config: dict[str, Any]) -> int:
 
 def _variant_fields(d: dict[str, Any], dfc: dict[str, Any], source: str) -> dict[str, Any]:
     fields: dict[str, Any] = {"variant": variant_of(d, dfc, source)}
-    for key in VARIANT_KEYS:
+    for key in variant_keys():
         value = draft_value(d, key)
         if value is not None:
             fields[key] = value
@@ -91,8 +92,10 @@ def drafter_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     types, window, causality) and the learned mask embedding, which depend on the engine."""
     dfc = dict(d.get("dflash_config") or {})
     require_keys(d, dfc, source)
-    reject_unknown_keys(set(d), TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
-    reject_unknown_keys(set(dfc), DFLASH_KEYS, "dflash_config.", source)
+    heads_keys = frozenset(variant_keys())
+    reject_unknown_keys(set(d), OUR_TOP_KEYS | heads_keys | HF_BOOKKEEPING_KEYS, "", source)
+    reject_unknown_keys(set(dfc), CORE_DFLASH_KEYS | EXTRA_DFLASH_KEYS | heads_keys,
+                        "dflash_config.", source)
     fields = shape_fields(d, source)
     fields.update(_variant_fields(d, dfc, source))
     fields.update(_target_layer_fields(d, source))

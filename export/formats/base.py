@@ -162,14 +162,17 @@ def lost_fields(fmt: Format, config: DrafterConfig, artifacts: Artifacts,
     loses everything that format reads otherwise; one nothing reads loses every field."""
     raw = fmt.write_config(config, "float32", None, vocab_known=True)
     found = detect(raw)
+    fields = {f.name: _default(f) for f in dataclasses.fields(config)
+              if f.compare and f.name != "head_options"}
+    fields.update(dict.fromkeys(config.head_options))  # a head's fields, each by name
     try:
         back = found.read_back(raw, artifacts)
     except ValueError:
-        return [f.name for f in dataclasses.fields(config) if f.compare]
+        return list(fields)
     same_layout = back.layer_specs() == config.layer_specs()
-    return [f.name for f in dataclasses.fields(config) if f.compare
-            and not (same_layout and f.name in LAYOUT_FIELDS)
-            and getattr(back, f.name, _default(f)) != getattr(config, f.name)]
+    return [name for name, default in fields.items()
+            if not (same_layout and name in LAYOUT_FIELDS)
+            and getattr(back, name, default) != getattr(config, name)]
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -27,6 +27,12 @@ def test_the_writable_formats_are_the_four_we_write():
     assert sorted(WRITABLE) == ["dflash-lab", "dspark", "laguna", "muse-glimmer"]
 
 
+def flat(config: DrafterConfig) -> dict:
+    """``asdict`` with a head's fields (``head_options``) each under its own name."""
+    out = dataclasses.asdict(config)
+    return {**out.pop("head_options"), **out}
+
+
 def survivors_differ(config: DrafterConfig, fmt: formats.Format) -> set[str]:
     """The fields whose value differs after fmt's write and the registry's read (computed
     from ``asdict`` of both, the layout compared as resolved per-layer specs)."""
@@ -36,13 +42,14 @@ def survivors_differ(config: DrafterConfig, fmt: formats.Format) -> set[str]:
     try:
         back = formats.format_of(raw).read_back(raw, artifacts)
     except ValueError:
-        return {f.name for f in dataclasses.fields(config) if f.compare}
-    ours, theirs = dataclasses.asdict(config), dataclasses.asdict(back)
+        return {f.name for f in dataclasses.fields(config) if f.compare} - {"head_options"} \
+            | set(config.head_options)
+    ours, theirs = flat(config), flat(back)
     defaults = {f.name: f.default for f in dataclasses.fields(config)}  # a reader without it
     layout = {"layer_types", "sliding_window", "is_causal"}
     same_layout = back.layer_specs() == config.layer_specs()
     return {k for k in ours if k != "_source" and not (same_layout and k in layout)
-            and theirs.get(k, defaults[k]) != ours[k]}
+            and theirs.get(k, defaults.get(k)) != ours[k]}
 
 
 def named_fields(message: str) -> set[str]:
