@@ -28,12 +28,13 @@ from dflash_lab.data.capture_server import (
     make_server_settings,
     open_capture_server,
 )
-from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
+from dflash_lab.entry import check_group_keys, check_renamed_keys, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.launch import detect_launch
 from dflash_lab.model.config import resolve_target_layer_ids
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
+from dflash_lab.train.callbacks import log_final
 from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.capture")

@@ -3,7 +3,8 @@
 - The experiment logger outside Lightning: dflash-capture, dflash-regenerate and dflash-eval
   instantiate the same ``logger`` group as dflash-train (a Lightning logger, or none) and log
   through the generic Lightning logger calls, so wandb and csv both work; what only wandb
-  does (tables, images, finishing the run) is :class:`dflash_lab.train.callbacks.WandbRun`'s.
+  does (tables, images, finishing the run) and the final log (``log_final``) live in
+  dflash_lab/train/callbacks.py beside ``WandbRun``.
 - Renamed keys: one concept has one name in every command; the former names are refused
   before Hydra with the new one (:func:`check_renamed_keys`).
 - Unknown keys: a key no ``_target_`` takes (a recipe's ``data.demo_rows`` under
@@ -21,6 +22,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.errors import RENAMED_KEYS, renamed_key_error
+from dflash_lab.model.heads import DEFAULT as DEFAULT_HEAD
 from dflash_lab.paths import CONF_DIR
 
 
@@ -47,6 +49,18 @@ def check_renamed_keys(overrides: list[str]) -> None:
         key = arg.lstrip("+~").split("=", 1)[0]
         if key in RENAMED_KEYS:
             raise renamed_key_error(key, f"command line: {arg}")
+        if arg.startswith("drafter.variant="):  # Hydra's own refusal spans six lines
+            raise _head_override_error(arg.partition("=")[2])
+
+
+def _head_override_error(name: str) -> ValueError:
+    """``drafter.variant=NAME``: a head is a config group (its yaml sets the variant and its
+    fields), so the override Hydra refuses names the group to choose instead."""
+    groups = sorted(p.stem for p in (CONF_DIR / "drafter").glob("*.yaml"))
+    group = "default" if name == DEFAULT_HEAD else name
+    fix = f"drafter={group}" if group in groups else f"drafter=GROUP, one of {groups}"
+    return ValueError(f"drafter.variant={name}: a head is chosen with its config group, not "
+                      f"the key: use {fix} (conf/drafter/ sets variant and the head's fields)")
 
 
 #: keys Hydra's ``instantiate`` reads itself
@@ -120,27 +134,3 @@ def make_logger(logger_cfg: DictConfig):
     Building it touches no file and no network: wandb starts on the first call that logs.
     """
     return instantiate(logger_cfg) if logger_cfg.get("_target_") else None
-
-
-def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None = None) -> None:
-    """Log the resolved config and the run's final numbers, then close the logger.
-
-    Only plain numbers are logged (bools as 0/1); anything else in ``metrics`` is skipped.
-    """
-    if logger is None:
-        return
-    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    numbers = {k: int(v) if isinstance(v, bool) else v for k, v in metrics.items()
-               if isinstance(v, (int, float))}
-    logger.log_metrics(numbers, step=step)
-    close_logger(logger)
-
-
-def close_logger(logger) -> None:
-    """Flush and close: csv writes its files; a wandb run is finished (offline: on disk) by
-    :class:`~dflash_lab.train.callbacks.WandbRun`, where the wandb-specific work lives."""
-    from dflash_lab.train.callbacks import WandbRun
-
-    logger.save()
-    logger.finalize("success")
-    WandbRun.finish(logger)

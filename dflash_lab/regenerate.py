@@ -21,12 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.capture import rank_and_world
 from dflash_lab.data.regenerate_loop import MERGED_FILE, RegenerateSettings, run_regenerate
-from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
+from dflash_lab.entry import check_group_keys, check_renamed_keys, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 from dflash_lab.serving.completions import open_server
 from dflash_lab.serving.settings import ServerSettings, server_settings
+from dflash_lab.train.callbacks import log_final
 from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.regenerate")

@@ -15,7 +15,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from dflash_lab.entry import check_group_keys, check_renamed_keys, log_final, make_logger
+from dflash_lab.entry import check_group_keys, check_renamed_keys, make_logger
 from dflash_lab.errors import user_errors
 from dflash_lab.eval.evaluate import MODES, run_features, run_generate
 from dflash_lab.eval.loading import resolve_eval_target
@@ -25,7 +25,7 @@ from dflash_lab.eval.suite import DATA_GROUP
 from dflash_lab.paths import CONF_DIR
 from dflash_lab.runinfo import write_run_info
 from dflash_lab.serving.engine import BACKENDS
-from dflash_lab.train.callbacks import WandbRun
+from dflash_lab.train.callbacks import WandbRun, log_final
 from dflash_lab.writer_lock import writer_lock
 
 log = logging.getLogger("dflash_lab.eval")

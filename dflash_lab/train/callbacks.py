@@ -28,6 +28,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
+from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.terminal import emit
@@ -248,6 +249,29 @@ class WandbRun(RunEndCallback):
                 artifact.add_dir(str(result["export_dir"]))
                 logger.experiment.log_artifact(artifact)
         self.finish(trainer.loggers)
+
+
+def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None = None) -> None:
+    """Log the resolved config and the run's final numbers, then close the logger.
+
+    Only plain numbers are logged (bools as 0/1); anything else in ``metrics`` is skipped.
+    """
+    if logger is None:
+        return
+    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    numbers = {k: int(v) if isinstance(v, bool) else v for k, v in metrics.items()
+               if isinstance(v, (int, float))}
+    logger.log_metrics(numbers, step=step)
+    close_logger(logger)
+
+
+def close_logger(logger) -> None:
+    """Flush and close: csv writes its files; a wandb run is finished (offline: on disk) by
+    :class:`WandbRun`, where the wandb-specific work lives."""
+    logger.save()
+    logger.finalize("success")
+    WandbRun.finish(logger)
+
 
 
 def check_same_start_step(trainer, device: torch.device) -> None:

@@ -71,3 +71,13 @@ def test_capture_reads_an_int_as_evenly_spread_ids(tiny_target):
     layers = tiny_target.num_hidden_layers
     assert _settings(cfg, tiny_target).target_layer_ids == build_target_layer_ids(layers, 3)
     assert _settings(default, tiny_target).target_layer_ids == build_target_layer_ids(layers, 5)
+
+
+@pytest.mark.parametrize(("arg", "fix"), [("drafter.variant=dspark", "drafter=dspark"),
+                                          ("drafter.variant=dflash1", "drafter=default"),
+                                          ("drafter.variant=nope", "one of ['default'")])
+def test_a_head_chosen_by_its_key_is_refused_naming_its_group(arg, fix):
+    """Hydra refuses ``drafter.variant=X`` in six lines; ours names the config group."""
+    with pytest.raises(ValueError, match="a head is chosen with its config group") as err:
+        check_renamed_keys(["target=tiny", arg])
+    assert fix in str(err.value) and arg in str(err.value)
