@@ -16,7 +16,8 @@ from dflash_lab.export.api import (
 )
 from dflash_lab.export.engines import RULE_SETS, Artifacts, EngineReading, LayerReading
 from dflash_lab.export.formats import import_drafter, load_serving_dir, load_source, read_all
-from dflash_lab.export.sources import ImportedDrafter, Source
+from dflash_lab.export.formats.base import ImportedDrafter
+from dflash_lab.export.weights import Source
 
 __all__ = [
     "Artifacts", "EngineReading", "ExportRefused", "ExportResult", "ImportedDrafter",

@@ -1,4 +1,4 @@
-"""Library API: export a drafter, inspect a serving directory (import lives in sources.py).
+"""Library API: export a drafter, inspect a serving directory (reading lives in formats/base.py).
 
 Nothing is written unless every check passes: the directory is built in a temporary sibling,
 self-checked, then renamed into place, so a refusal or a crash never leaves a partial OUT_DIR.
@@ -38,7 +38,14 @@ from dflash_lab.export.engines.common import architecture_of, layouts_agree
 from dflash_lab.export.engines.sglang import DEFAULT_RELEASE
 from dflash_lab.export.engines.zlab import DEFAULT_BLOCK_SIZE
 from dflash_lab.export.formats import OURS, format_of, load_source, read_all
-from dflash_lab.export.integrity import CHECKSUMS_FILE, Verification, verify_dir, write_checksums
+from dflash_lab.export.formats.base import (
+    DEFAULT_ASSUMED_RULES,
+    OUR_SPEC,
+    artifacts_of,
+    read_config_json,
+    resolve_third_party,
+    with_target_vocab,
+)
 from dflash_lab.export.outdir import (
     ENGINES_KEY,
     REPORT_FILE,
@@ -57,22 +64,16 @@ from dflash_lab.export.report import (
     layer_table,
 )
 from dflash_lab.export.selfcheck import SelfCheckResult, run_self_check
-from dflash_lab.export.sources import (
-    DEFAULT_ASSUMED_RULES,
-    OUR_SPEC,
-    Source,
-    artifacts_of,
-    read_config_json,
-    resolve_third_party,
-    with_target_vocab,
-)
 from dflash_lab.export.weights import (
+    CHECKSUMS_FILE,
     CODEBOOKS,
     CONFIG_FILE,
     DTYPES,
     MASK_FILE,
     SUFFIXED_CODEBOOKS,
     WEIGHTS_FILE,
+    Source,
+    Verification,
     cast,
     draft_vocab_problems,
     expected_shapes,
@@ -80,7 +81,9 @@ from dflash_lab.export.weights import (
     save_weights,
     split_mask_embedding,
     validate_state_dict,
+    verify_dir,
     weight_shapes,
+    write_checksums,
 )
 from dflash_lab.model.config import (
     DrafterConfig,
@@ -226,7 +229,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     (bad input, or ``out_dir`` is or contains what the export reads), FileExistsError (exists:
     no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in
     every case ``out_dir`` is left as it was. ``verify``: a serving-directory source is checked
-    against its ``SHA256SUMS`` (export/integrity.py); the export writes its own. ``format``:
+    against its ``SHA256SUMS`` (export/weights.py); the export writes its own. ``format``:
     ``dflash-lab`` (ours), ``muse-glimmer`` (the Muse Glimmer assistant layout; ValueError
     naming what it cannot carry: a draft vocabulary, a learned mask, sinks, scales, causal
     layers; a DFlash 2 drafter is written in the layout of the released DFlash 2 Muse drafter,

@@ -39,8 +39,7 @@ from dflash_lab.export.options import (
     recipe_export_section,
     resolve_options,
 )
-from dflash_lab.export.sources import Source
-from dflash_lab.export.weights import CONFIG_FILE
+from dflash_lab.export.weights import CONFIG_FILE, Source
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_SELF_CHECK, EXIT_UNCHECKED = 0, 2, 3, 4, 5
 

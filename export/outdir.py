@@ -14,8 +14,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from dflash_lab.export.integrity import CHECKSUMS_FILE
-from dflash_lab.export.weights import CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
+from dflash_lab.export.weights import CHECKSUMS_FILE, CONFIG_FILE, MASK_FILE, WEIGHTS_FILE
 from dflash_lab.writer_lock import pid_alive
 
 REPORT_FILE = "EXPORT_REPORT.md"

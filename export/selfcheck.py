@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from dflash_lab.export.engines import RuleSet
 from dflash_lab.export.engines.common import Artifacts
 from dflash_lab.export.formats import format_of
-from dflash_lab.export.sources import config_from_reading
+from dflash_lab.export.formats.base import config_from_reading
 from dflash_lab.export.weights import MASK_KEY, load_mask_file, load_weights
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.rope import is_nested, rope_type_of

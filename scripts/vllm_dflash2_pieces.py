@@ -125,8 +125,7 @@ def prepare_case(case: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from dflash_lab.export import export_drafter
-    from dflash_lab.export.sources import Source
-    from dflash_lab.export.weights import expected_shapes
+    from dflash_lab.export.weights import Source, expected_shapes
     from dflash_lab.model.config import DrafterConfig
 
     config = DrafterConfig(

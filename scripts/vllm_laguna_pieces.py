@@ -207,8 +207,7 @@ def prepare_case(case: Path, seed: int = 0, **overrides: Any) -> Path:
     from safetensors.torch import save_file
 
     from dflash_lab.export import export_drafter
-    from dflash_lab.export.sources import Source
-    from dflash_lab.export.weights import expected_shapes
+    from dflash_lab.export.weights import Source, expected_shapes
 
     config = case_config(**overrides)
     gen = torch.Generator().manual_seed(seed)

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lab.export.formats import load_source
-from dflash_lab.export.sources import with_target_vocab
+from dflash_lab.export.formats.base import with_target_vocab
 from dflash_lab.model.drafter import DFlashDrafter
 
 

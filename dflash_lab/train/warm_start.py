@@ -27,7 +27,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dflash_lab.export.formats import load_source
-from dflash_lab.export.sources import with_target_vocab
+from dflash_lab.export.formats.base import with_target_vocab
 from dflash_lab.model import heads
 from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
 from dflash_lab.model.drafter import DFlashDrafter

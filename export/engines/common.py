@@ -38,7 +38,7 @@ class Artifacts:
     sink_weights: bool = False  #: ``layers.*.self_attn.attention_sink_bias`` tensors present
     #: DFlash 2 codebooks named ``candidate_selector.*_codebook.weight`` (z-lab save_pretrained)
     suffixed_codebooks: bool = False
-    #: how mask_embedding.pt is stored (dflash_lab.export.sources.mask_file_form); ours is "dict"
+    #: how mask_embedding.pt is stored (formats/base.py ``mask_file_form``); ours is "dict"
     mask_file_form: str = "dict"
     #: the target model's class (``architectures[0]`` of --target, or what the training
     #: checkpoint recorded); None = unknown. SGLang feeds Gemma 4 block inputs scaled.

@@ -9,7 +9,7 @@ num_hidden_layers)``). ``final_logit_softcapping <= 0`` is its "off". ``architec
 
 The layer layout (which layers slide, with what window, which are causal) is NOT read here: each
 engine decides it differently, so a third-party drafter's layout is always one engine rule set's
-reading (``dflash_lab.export.sources.config_from_reading``), named wherever it is used. This is
+reading (``dflash_lab.export.formats.base.config_from_reading``), named wherever it is used. This is
 the one reader of a raw config.json's ``block_size`` for every rule set and for ``--inspect``.
 
 Keys are checked as strictly as our own format: anything no reader here or in a rule set knows is

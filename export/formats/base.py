@@ -1,33 +1,239 @@
-"""The Format interface: what one checkpoint format is (docs/architecture.md, "Add a format").
+"""The Format interface, its default reader and the registry (docs/architecture.md, "Add a
+format"; the eval-load trace: "Loading a drafter for eval").
 
-A format is one module under export/formats/ holding one :class:`Format` instance, registered in
-``export/formats/__init__.py`` (:data:`~dflash_lab.export.formats.REGISTRY`). Everything that
-depends on which format a file is in (detect, read, write, tensor names, how each engine reads it,
-notes) is a method here; callers ask the registry and never branch on a format or a variant.
-
+A format is one module under export/formats/ holding one :class:`Format`; export/formats/__init__.py
+lists them in :data:`REGISTRY` in match order. Everything that depends on which format a file is
+in (detect, read, write, tensor names, how each engine reads it, notes) is a method of Format;
+callers ask the registry (:func:`format_of`, :func:`format_at`, :func:`get`) and never branch on
+a format or a variant. The default ``load`` reads a serving directory (config.json +
+model.safetensors: ours, z-lab's, Muse Glimmer's, Laguna's) with the format's hooks; a
+third-party directory's implicit causality is resolved by a named, recorded engine rule set.
 What a writable format cannot carry is not listed by hand: :func:`lost_fields` writes the config,
-detects the written dict and reads it back, and names every dataclass field that changed.
+detects the written dict and reads it back, and names every field that changed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from dflash_lab.export.engines import ENGINES, RuleSet, anchor, rule_sets_for
-from dflash_lab.export.engines.common import Artifacts, EngineReading
-from dflash_lab.export.sources import (
-    is_serving_dir,
-    read_config_json,
-    resolve_third_party,
-    serving_source,
+from dflash_lab.export.engines import ENGINES, RuleSet, anchor, get_rule_set, rule_sets_for
+from dflash_lab.export.engines.common import Artifacts, EngineReading, layouts_agree
+from dflash_lab.export.weights import (
+    CONFIG_FILE,
+    MASK_FILE,
+    MASK_KEY,
+    SINK_SUFFIX,
+    SUFFIXED_CODEBOOKS,
+    WEIGHTS_FILE,
+    Source,
+    checked,
+    has_weights,
+    load_mask_file,
+    load_weights,
+    serving_names,
+    validate_state_dict,
+    weight_names,
 )
-from dflash_lab.export.weights import Source
-from dflash_lab.model.config import DSPARK, DrafterConfig
+from dflash_lab.model.config import (
+    DSPARK,
+    FULL,
+    SLIDING,
+    TARGET_IDENTITY_KEY,
+    DrafterConfig,
+)
 
+#: Rule set assumed for a third-party directory: the reader that honours every feature.
+DEFAULT_ASSUMED_RULES = "vllm-main-v2"
+OUR_SPEC = "dflash_lab training spec"
+
+
+class ImportedDrafter(NamedTuple):
+    """A serving directory read back: what was assumed to resolve it, and who disagrees."""
+
+    config: DrafterConfig
+    state_dict: dict[str, torch.Tensor]  #: includes ``mask_embedding`` when one was shipped
+    mask_embedding: torch.Tensor | None
+    assumed_rules: str  #: OUR_SPEC, or the engine rule set that resolved implicit causality
+    disagreements: list[str]  #: rule sets reading a layer differently from the assumption
+    integrity: str = ""  #: what its SHA256SUMS check found (weights.py ``checked``)
+    vocab_recorded: bool = True  #: False: ``config.vocab_size`` is a placeholder (Muse Glimmer)
+    format_notes: tuple[str, ...] = ()  #: what the import assumed the format does not record
+
+
+def _warn(msg: str) -> None:
+    print(f"dflash-export: warning: {msg}", file=sys.stderr)
+
+
+def mask_file_form(file: Path) -> str:
+    """How ``mask_embedding.pt`` is stored: "dict" (``{embedding, mask_token_id}``, what we write),
+    "per_position" (that dict with ``per_position`` true), "no_token_id" or "tensor" (a bare
+    tensor, which vLLM also accepts); "absent" when there is no file."""
+    if not file.exists():
+        return "absent"
+    data = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        return "tensor"
+    if data.get("per_position"):
+        return "per_position"
+    return "dict" if "mask_token_id" in data else "no_token_id"
+
+
+def artifacts_of(path: Path) -> Artifacts:
+    names = weight_names(path)
+    return Artifacts(mask_embedding_file=(path / MASK_FILE).exists(),
+                     mask_file_form=mask_file_form(path / MASK_FILE),
+                     sink_weights=any(n.endswith(SINK_SUFFIX) for n in names),
+                     suffixed_codebooks=any(n in SUFFIXED_CODEBOOKS for n in names))
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """DIR/config.json as a dict, refused in one line when it is no drafter config: a JSON
+    object with at least ``num_hidden_layers`` (every engine's reader starts from it), at the
+    top or, in the speculators layout (DSpark), in ``transformer_layer_config``."""
+    file = path / CONFIG_FILE
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: cannot read the drafter config ({err})") from err
+    layers = d.get("transformer_layer_config", d) if isinstance(d, dict) else None
+    if not isinstance(layers, dict) or "num_hidden_layers" not in layers:
+        got = (f"a JSON object without num_hidden_layers (keys: {sorted(d)[:8]})"
+               if isinstance(d, dict) else f"a JSON {type(d).__name__}, not an object")
+        raise ValueError(f"{file} is not a drafter config: it holds {got}; a drafter config "
+                         "is the config.json of a serving directory (dflash-export OUT_DIR), "
+                         "a JSON object with hidden_size, num_hidden_layers, "
+                         "num_attention_heads, vocab_size and dflash_config")
+    return d
+
+
+def config_from_reading(base: DrafterConfig, reading: EngineReading,
+                        keeps_mask: bool, keeps_sinks: bool) -> DrafterConfig:
+    """``base`` with its layer layout and features replaced by what one engine would run."""
+    layers = reading.layers or []
+    windows = {r.window for r in layers if r.window is not None}
+    flags = [r.causal for r in layers]
+    return dataclasses.replace(
+        base,
+        layer_types=[FULL if r.window is None else SLIDING for r in layers],
+        sliding_window=windows.pop() if windows else None,
+        is_causal=flags[0] if len(set(flags)) == 1 else flags,
+        learned_mask_embedding=keeps_mask,
+        attention_sink_bias=keeps_sinks,
+        _source=f"{base._source} (causality resolved by {reading.rule_set})",
+    )
+
+
+def _disagreements(readings: dict[str, EngineReading], chosen: str,
+                   block_size: int) -> list[str]:
+    ref = readings[chosen].layers
+    return [f"{name}: {'refuses to load' if r.layers is None else 'reads it differently'}"
+            for name, r in readings.items()
+            if name != chosen and not layouts_agree(r.layers, ref, block_size)]
+
+
+def with_target_vocab(config: DrafterConfig, vocab_size: int | None,
+                      recorded: bool) -> DrafterConfig:
+    """``config`` with the target's vocabulary when its format records none (Muse Glimmer);
+    unchanged when it records one or no target is known."""
+    if recorded or vocab_size is None or vocab_size == config.vocab_size:
+        return config
+    return dataclasses.replace(config, vocab_size=int(vocab_size))
+
+
+def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
+                        assume: str | None, fmt: Format) -> tuple[DrafterConfig, list[str]]:
+    """A third-party config.json of format ``fmt`` as rule set ``assume`` (default
+    :data:`DEFAULT_ASSUMED_RULES`) runs it (the format's reading for every other field), and the
+    rule sets that read it differently; ``--inspect`` resolves it the same way."""
+    rule_set = get_rule_set(assume or DEFAULT_ASSUMED_RULES)
+    # the import renames z-lab's '.weight' codebooks, so no rule set should refuse over them;
+    # the layout does not depend on fc's width (target_hidden_size: engines/streams.py refuses
+    # the flattened streams at export and --inspect, not at import)
+    layout_only = {k: v for k, v in d.items() if k != "target_hidden_size"}
+    readings = fmt.read_all(layout_only, dataclasses.replace(artifacts, suffixed_codebooks=False))
+    reading = readings[rule_set.name]
+    if not reading.loads:
+        raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
+                         "rule set (assume=...)")
+    base = fmt.base_config(d, str(path / CONFIG_FILE))
+    is_vllm = rule_set.engine == "vllm"
+    config = config_from_reading(
+        base, reading,
+        keeps_mask=artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
+        keeps_sinks=base.attention_sink_bias and (is_vllm or reading.serves_sinks))
+    return config, _disagreements(readings, rule_set.name, base.block_size)
+
+
+def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
+                       verify: bool = True) -> ImportedDrafter:
+    """Read a serving directory of format ``fmt`` into our config + weights.
+
+    ``verify``: check the files against the export's ``SHA256SUMS`` first (ValueError naming a
+    file that differs; a directory without the record is read and says so in ``integrity``).
+
+    A format read exactly (ours: the recorded training spec) is read so unless ``assume`` is
+    given. Third-party directories leave causality implicit: it is resolved by ``assume``
+    (default ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in
+    ``config._source``, and rule sets that would read the directory differently are listed in
+    ``disagreements``; the format's tensors are renamed to ours and what it does not record is
+    listed in ``format_notes``. DFlash 2 codebooks saved as ``...codebook.weight`` (z-lab
+    ``save_pretrained``) are renamed to the serving names (listed in ``disagreements``: engines
+    would not load them).
+    """
+    integrity = checked(path, verify).note
+    d = read_config_json(path)
+    artifacts = artifacts_of(path)
+    if fmt.exact_reading(d) and assume is None:  # ours: the recorded training spec
+        config, _ = fmt.read_exact(d, path / CONFIG_FILE)
+        assumed, disagree = fmt.exact_reading(d), []
+    else:
+        assumed = assume or DEFAULT_ASSUMED_RULES
+        config, disagree = resolve_third_party(d, path, artifacts, assumed, fmt)
+    state, renamed = serving_names(load_weights(path))
+    state = fmt.our_names(state, d)
+    if renamed:
+        disagree = disagree + [f"tensors {renamed} renamed without '.weight' (vLLM refuses "
+                               "those names, SGLang skips them)"]
+    if not config.attention_sink_bias:
+        state = {k: v for k, v in state.items() if not k.endswith(SINK_SUFFIX)}
+    mask = load_mask_file(path, config.mask_token_id) if config.learned_mask_embedding else None
+    if mask is not None:
+        state[MASK_KEY] = mask
+    validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
+    if disagree:
+        _warn(f"{path}: read with {assumed}; " + "; ".join(disagree))
+    return ImportedDrafter(config, state, mask, assumed, disagree, integrity,
+                           vocab_recorded="vocab_size" in d,
+                           format_notes=tuple(fmt.format_notes(d)))
+
+
+def is_serving_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and has_weights(path)
+
+
+def serving_source(path: Path, fmt: Format, verify: bool = True,
+                   assume: str | None = None) -> Source:
+    """A serving directory of format ``fmt`` as an export Source (:func:`import_serving_dir`;
+    ``assume``: the rule set resolving its layout, default ours exactly, else vllm-main-v2)."""
+    imported = import_serving_dir(path, fmt, assume, verify)
+    notes = ([f"causality resolved by {imported.assumed_rules}"] + imported.disagreements
+             + list(imported.format_notes) + [imported.integrity])
+    d = read_config_json(path)
+    identity = d.get(TARGET_IDENTITY_KEY)  # our exports record the training target
+    return Source(imported.config, imported.state_dict, "serving", f"{fmt.kind} {path}", notes,
+                  reads=[path], target_identity=identity if isinstance(identity, dict) else None,
+                  depth_recorded="num_target_layers" in d,
+                  mask_differences=fmt.mask_differences(d),
+                  vocab_recorded=imported.vocab_recorded)
+
+
+# ---------------------------------------------------------------------------- the interface
 Tensors = dict[str, Any]  #: tensors, or shapes (``--inspect`` renames shapes the same way)
 
 
@@ -38,6 +244,7 @@ class Format:
     kind = "serving directory"  #: how a Source read from it is described
     writable = False  #: ``dflash-export --format NAME`` writes it
     option = True  #: a writable format is a ``--format`` value (DSpark: the default's writer)
+    fallback = False  #: reads every serving directory no other claims (z-lab): matched last
     #: what to do instead when the format cannot carry a drafter
     fix = "export it in dflash-lab's own format instead (omit --format)"
     #: how the self-check reads the written config.json (None: through transformers' Qwen3Config)
@@ -56,13 +263,13 @@ class Format:
     # ------------------------------------------------------------------ read
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
         """The drafter at ``path`` (config, our tensor names) as an export Source; by default a
-        serving directory read by sources.py with this format's hooks below (``assume``: the
-        rule set resolving its layout; formats that are no serving directory ignore it)."""
+        serving directory read by :func:`serving_source` with this format's hooks below
+        (``assume``: the rule set resolving its layout; other formats ignore it)."""
         return serving_source(path, self, verify, assume)
 
     def base_config(self, raw: dict[str, Any], source: str) -> DrafterConfig:
         """Every field of a third-party config.json on a placeholder layout (the layout is then
-        one engine rule set's reading: sources.resolve_third_party)."""
+        one engine rule set's reading: :func:`resolve_third_party`)."""
         raise ValueError(f"{source}: the {self.name} format has no config.json reader")
 
     def our_names(self, state: Tensors, raw: dict[str, Any]) -> Tensors:
@@ -180,3 +387,112 @@ def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else _ABSENT
+
+
+# ---------------------------------------------------------------------------- the registry
+#: Every format in match order (filled by export/formats/__init__.py; :func:`register` adds one).
+REGISTRY: list[Format] = []
+
+
+def register(fmt: Format) -> Format:
+    """Add ``fmt``, matched before the catch-all z-lab reader (ValueError: its name is taken)."""
+    if any(f.name == fmt.name for f in REGISTRY):
+        raise ValueError(f"format {fmt.name!r} is registered already")
+    REGISTRY.insert(next(i for i, f in enumerate(REGISTRY) if f.fallback), fmt)
+    return fmt
+
+
+def unregister(fmt: Format) -> None:
+    """Remove a format :func:`register` added (a test's)."""
+    REGISTRY.remove(fmt)
+
+
+def options() -> tuple[str, ...]:
+    """The ``--format`` values: every writable format chosen by name."""
+    return tuple(f.name for f in REGISTRY if f.writable and f.option)
+
+
+def get(name: str) -> Format:
+    """The format named ``name`` (ValueError naming the ``--format`` values)."""
+    for fmt in REGISTRY:
+        if fmt.name == name:
+            return fmt
+    raise ValueError(f"format '{name}' is not one of {list(options())}")
+
+
+def format_of(raw: dict[str, Any]) -> Format:
+    """The format of a config.json dict (z-lab's when no other claims it)."""
+    return next(f for f in REGISTRY if f.detect(raw))
+
+
+def format_at(path: str | Path) -> Format:
+    """The format of what ``path`` holds (ValueError: none of them)."""
+    for fmt in REGISTRY:
+        if fmt.detect_path(Path(path)):
+            return fmt
+    raise ValueError(f"{path}: not a .ckpt file, a serving directory (config.json + "
+                     f"{WEIGHTS_FILE}), a training run directory (checkpoints/), a speculators "
+                     "directory or a SpecForge checkpoint (training_state.pt)")
+
+
+# ---------------------------------------------------------------------------- read
+def load_source(path: str | Path, verify: bool = True, assume: str | None = None) -> Source:
+    """The drafter at ``path`` in whatever format it is (:func:`format_at`). ``verify``: a
+    serving directory is checked against its ``SHA256SUMS``; ``assume``: the rule set resolving
+    a serving directory's layout (default: ours exactly, a third-party one vllm-main-v2)."""
+    return format_at(path).load(Path(path), verify, assume)
+
+
+def import_drafter(path: str | Path, assume: str | None = None,
+                   verify: bool = True) -> ImportedDrafter:
+    """A serving directory read into our config + weights (:func:`import_serving_dir`) with
+    its format's hooks; ``assume`` names the rule set resolving a layout the file leaves
+    implicit (our own exports are read exactly unless ``assume`` is given)."""
+    path = Path(path)
+    return import_serving_dir(path, format_of(read_config_json(path)), assume, verify)
+
+
+def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool = True
+                     ) -> tuple[DrafterConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """``(config, state_dict, mask_embedding or None)`` of a serving directory."""
+    imported = import_drafter(path, assume, verify)
+    return imported.config, imported.state_dict, imported.mask_embedding
+
+
+# ---------------------------------------------------------------------------- engines
+def read_all(raw: dict[str, Any], artifacts: Artifacts,
+             engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
+    """Every selected rule set's reading of one config.json, keyed by rule-set name, through
+    its format's view (a Muse Glimmer or Laguna config through each engine's config class)."""
+    return format_of(raw).read_all(raw, artifacts, engines)
+
+
+# ---------------------------------------------------------------------------- write
+def writer_for(name: str, config: DrafterConfig) -> Format:
+    """The format that writes ``config`` when ``--format name`` is asked for (ValueError:
+    none can)."""
+    return get(name).writer_for(config)
+
+
+def check_writable(fmt: Format, config: DrafterConfig) -> None:
+    """ValueError naming every field of ``config`` that does not survive ``fmt``'s write ->
+    detect -> read (:func:`~dflash_lab.export.formats.base.lost_fields`), with what the
+    engines or the format's owner would run otherwise, and the fix."""
+    artifacts = Artifacts(mask_embedding_file=config.learned_mask_embedding,
+                          sink_weights=config.attention_sink_bias)
+    problems = fmt.engine_problems(config)
+    lost = lost_fields(fmt, config, artifacts, format_of)
+    if lost:
+        problems.append(f"the fields {lost} (they do not survive its write -> read round trip)")
+    if problems:
+        raise ValueError(f"{config._source}: cannot be exported --format {fmt.name}: the format "
+                         f"cannot carry " + "; ".join(problems) + f". Fix: {fmt.fix}")
+
+
+def write_config(name: str, config: DrafterConfig, dtype: str,
+                 target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
+    """The config.json of ``--format name`` for ``config``, refused (ValueError) where the
+    format cannot carry it (:func:`check_writable`)."""
+    fmt = writer_for(name, config)
+    check_writable(fmt, config)
+    return fmt.write_config(config, dtype, target_identity, vocab_known)

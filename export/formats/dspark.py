@@ -46,19 +46,18 @@ from typing import Any
 
 from dflash_lab.export.engines import RuleSet
 from dflash_lab.export.engines.common import Artifacts, EngineReading
-from dflash_lab.export.formats.base import Format
+from dflash_lab.export.formats.base import OUR_SPEC, Format
 from dflash_lab.export.formats.speculators import (
     SPECULATORS,
     drafter_tensors,
     is_speculators_dir,
     speculators_config,
 )
-from dflash_lab.export.integrity import checked
-from dflash_lab.export.sources import OUR_SPEC
 from dflash_lab.export.weights import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     Source,
+    checked,
     load_weights,
     validate_state_dict,
 )

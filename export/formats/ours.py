@@ -4,7 +4,7 @@ Ours (``dflash-export``'s default ``--format dflash-lab``) is z-lab's layout (``
 / ``DFlash2DraftModel``, dflash.md section 4) plus our exact training spec
 (``dflash_lab_training_spec``): ``DrafterConfig.to_dict`` writes it, ``from_dict`` reads it back
 exactly. A z-lab directory has no spec: its fields are z-lab's reading
-(:mod:`dflash_lab.export.engines.zlab`), its layout one engine rule set's (sources.py).
+(:mod:`dflash_lab.export.engines.zlab`), its layout one engine rule set's (base.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lab.export.engines.zlab import base_config
-from dflash_lab.export.formats.base import Format
+from dflash_lab.export.formats.base import OUR_SPEC, Format
 from dflash_lab.export.formats.dspark import DSPARK_FORMAT
-from dflash_lab.export.sources import OUR_SPEC
 from dflash_lab.model.config import (
     DFLASH2,
     DSPARK,
@@ -33,6 +32,7 @@ class ZLab(Format):
     of every serving directory no other format claims."""
 
     name = "z-lab"
+    fallback = True
 
     def detect(self, raw: dict[str, Any]) -> bool:
         return True

@@ -28,8 +28,7 @@ from dflash_lab.export.engines.common import Artifacts
 from dflash_lab.export.engines.zlab import base_config
 from dflash_lab.export.formats import read_all
 from dflash_lab.export.selfcheck import run_self_check
-from dflash_lab.export.sources import Source
-from dflash_lab.export.weights import WEIGHTS_FILE, expected_shapes
+from dflash_lab.export.weights import WEIGHTS_FILE, Source, expected_shapes
 from dflash_lab.model.config import TRAINING_SPEC_KEY, DrafterConfig
 from dflash_lab.paths import REPO_ROOT
 from tests.export_doubles import make_config, random_state, write_checkpoint, write_zlab_dir

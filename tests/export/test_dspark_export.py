@@ -12,8 +12,7 @@ import torch
 
 from dflash_lab.export import ExportRefused, export_drafter, inspect_dir, load_source
 from dflash_lab.export.formats.dspark import reading_lines, update_dspark
-from dflash_lab.export.sources import Source
-from dflash_lab.export.weights import expected_shapes
+from dflash_lab.export.weights import Source, expected_shapes
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 from tests.doubles import tiny_drafter_config

@@ -1,4 +1,4 @@
-"""Verified serving directories (export/integrity.py): every export records the sha256 of its
+"""Verified serving directories (export/weights.py): every export records the sha256 of its
 files, and every reader (--inspect, dflash-eval's loader, warm start, re-export) refuses a
 directory whose files differ, naming the file, unless verification is turned off; a directory
 without the record is read and says it was not verified."""
@@ -11,9 +11,7 @@ import pytest
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.export import export_drafter, import_drafter, inspect_dir, load_source
 from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, main
-from dflash_lab.export.integrity import CHECKSUMS_FILE, verify_dir
-from dflash_lab.export.sources import Source
-from dflash_lab.export.weights import WEIGHTS_FILE
+from dflash_lab.export.weights import CHECKSUMS_FILE, WEIGHTS_FILE, Source, verify_dir
 from tests.export_doubles import make_config, random_state
 
 

@@ -21,8 +21,7 @@ from dflash_lab.export.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, main
 from dflash_lab.export.engines import RuleSet, get_rule_set
 from dflash_lab.export.engines.common import Artifacts, LayerReading
 from dflash_lab.export.selfcheck import run_self_check
-from dflash_lab.export.sources import Source
-from dflash_lab.export.weights import MASK_KEY, expected_shapes, load_weights
+from dflash_lab.export.weights import MASK_KEY, Source, expected_shapes, load_weights
 from dflash_lab.model.config import TRAINING_SPEC_KEY
 from tests.export_doubles import (
     make_config,

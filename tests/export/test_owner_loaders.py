@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 
 from dflash_lab.export import export_drafter
 from dflash_lab.export.api import FORMATS, OURS
-from dflash_lab.export.sources import Source
+from dflash_lab.export.weights import Source
 from dflash_lab.paths import REPO_ROOT
 from tests.doubles import tiny_drafter_config
 from tests.export_doubles import random_state

@@ -24,7 +24,7 @@ from dflash_lab.export.engines.common import (
     same_attention,
 )
 from dflash_lab.export.formats import read_all
-from dflash_lab.export.sources import Source
+from dflash_lab.export.weights import Source
 from tests.export_doubles import make_config, random_state, write_checkpoint
 
 SGL, FI, TRT, OLD = ("sglang==0.5.23", "sglang==0.5.23+flashinfer", "sglang==0.5.23+trtllm_mha",

@@ -16,7 +16,7 @@ from dflash_lab.export import import_drafter, inspect_dir
 from dflash_lab.export.cli import EXIT_OK, main
 from dflash_lab.export.engines.common import NO_ARTIFACTS
 from dflash_lab.export.formats import ZLAB
-from dflash_lab.export.sources import is_serving_dir, resolve_third_party
+from dflash_lab.export.formats.base import is_serving_dir, resolve_third_party
 from dflash_lab.export.weights import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,

@@ -16,7 +16,7 @@ from dflash_lab.export.api import ExportRefused, export_drafter, inspect_dir, pl
 from dflash_lab.export.checks import check_target, refusals
 from dflash_lab.export.engines import Artifacts
 from dflash_lab.export.formats import read_all
-from dflash_lab.export.sources import Source
+from dflash_lab.export.weights import Source
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 from tests.export_doubles import make_config, random_state, write_zlab_dir, zlab_config

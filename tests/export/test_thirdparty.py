@@ -14,8 +14,8 @@ from dflash_lab.export.cli import EXIT_REFUSED, EXIT_UNCHECKED, main
 from dflash_lab.export.engines.common import NO_ARTIFACTS
 from dflash_lab.export.engines.zlab import base_config, block_size
 from dflash_lab.export.formats import ZLAB
-from dflash_lab.export.sources import Source, resolve_third_party
-from dflash_lab.export.weights import MASK_FILE, WEIGHTS_FILE, expected_shapes
+from dflash_lab.export.formats.base import resolve_third_party
+from dflash_lab.export.weights import MASK_FILE, WEIGHTS_FILE, Source, expected_shapes
 from dflash_lab.model.config import LayerSpec
 from tests.export_doubles import make_config, random_state, write_zlab_dir, zlab_config
 

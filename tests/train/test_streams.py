@@ -133,8 +133,7 @@ def test_warm_start_from_a_flattened_streams_export(ds, tiny_target, tmp_path):
     """drafter.init_from an export with target_hidden_size = n x H: the same config and weights
     on the multi-stream target; refused on a one-stream target of the same width and vocab."""
     from dflash_lab.export.api import export_drafter
-    from dflash_lab.export.sources import Source
-    from dflash_lab.export.weights import expected_shapes
+    from dflash_lab.export.weights import Source, expected_shapes
     from dflash_lab.train.factory import drafter_config_for_target
     from tests.train.test_warm_start import assert_same_weights, warm
 
