@@ -1,21 +1,9 @@
-"""Lightning data modules: batches of target features for DFlash training.
-
-Every batch carries (rows right-padded to the longest row, Bt x S):
-  input_ids [Bt, S] long, loss_mask [Bt, S] bool (False on padding), attention_mask [Bt, S]
-  bool (real tokens); offline batches also hidden [Bt, S, F] target features at
-  target_layer_ids and target_argmax [Bt, S] long (target's greedy next token; meaningless on
-  padding). Online batches get those two from the module's ``feature_source()`` in the training
-  step (``DFlashModule.target_features``).
-Anchors are sampled by the training module per step (see dflash_lab/train/anchors.py), so padding
-never needs a mask of its own: no anchor points into it and no context past an anchor is seen.
-Packed rows (``pack=True``, dflash_lab/data/packing.py) hold several whole documents up to
-``max_tokens_per_row`` and add document_ids [Bt, S] long (-1 on padding).
-
-- :class:`OnlineDataModule` tokenises conversations; its ``feature_source()`` is the frozen
-  target, which the training step runs on each batch (on the training device, no grad).
-- :class:`OfflineDataModule` reads captured shards (``dflash-capture``).
-Both hold out a deterministic validation split (of documents) and shuffle with a per-epoch seeded
-sampler (of samples, or of packed rows), so a resumed run sees the same batches.
+"""Lightning data modules: batches of target features for DFlash training. A batch holds
+``input_ids``, ``loss_mask``, ``attention_mask`` [Bt, S], offline also ``hidden`` [Bt, S, F] and
+``target_argmax`` [Bt, S] (online: from ``feature_source()`` in the step), packed rows also
+``document_ids`` [Bt, S]. :class:`OnlineDataModule` tokenises conversations,
+:class:`OfflineDataModule` reads captured shards; both hold out a deterministic validation split
+and shuffle per epoch, so a resumed run sees the same batches (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""``drafter.init_from=PATH``: start training from a trained drafter of any format we read.
-
-PATH is anything a registered format reads (``dflash_lab.export.formats.load_source``): our
-``.ckpt`` / run directory (best checkpoint) / export, a z-lab directory (DFlash 1 or 2), a
-speculators directory or a SpecForge checkpoint. The drafter config comes from the source; a
-drafter field set in Hydra (a value that differs from the ``conf/drafter`` option's own, or any
-``drafter.KEY=`` on the command line) overrides it. An override that changes what the trained
-weights compute (a layer switched between sliding and full or causal and bidirectional, another
-window, block size, target layer ids, MASK id, RoPE or logit scales) is logged as one warning
-listing each; one that changes the tensor shapes, or a source built for another target (hidden or
-vocab size), is a ValueError. A format that records no vocabulary (Muse Glimmer) takes the
-target's. A source recorded for a target of another depth is refused too unless
-``target_layer_ids`` is overridden (:func:`check_depth`); one trained on other target weights of
-the same shapes (a fine-tune of the target) is a warning naming both fingerprints
-(:func:`other_target_weights`). Where a peer's mask differs from ours (speculators' block-anchored
-window) the contradiction warning says so with the numbers (``Source.mask_differences``). Only the
-weights are taken: optimizer and schedule start fresh (a resume of our own run goes through
-``ckpt_path`` and restores both)."""
+"""``drafter.init_from=PATH``: start training from a trained drafter of any format we read
+(``dflash_lab.export.formats.load_source``). The config comes from the source, Hydra-set drafter
+fields override it (warning when the weights would compute otherwise, ValueError when shapes
+change); another target depth (:func:`check_depth`) or other target weights
+(:func:`other_target_weights`) are checked; only the weights are taken (docs/warm_start.md).
+"""
 
 from __future__ import annotations
 
