@@ -1,18 +1,9 @@
-"""DrafterConfig: THE definition of a DFlash drafter.
-
-Everything else (drafter, attention backends, exporter, eval) reads the per-layer attention layout
-from :meth:`DrafterConfig.layer_specs`, never from the raw ``layer_types`` / ``is_causal`` fields.
-
-This module is the architecture: fields, validation, the resolved layout. The serving
-``config.json`` form (dflash.md section 4) is model/serving_form.py's (:meth:`to_dict` writes
-it, :meth:`from_dict` reads it back strictly); each head's own fields, defaults and checks are
-its module's (model/heads.py, dflash_lab/heads/). Third-party config.json files (z-lab,
-vLLM-style) are not read here: their layout is whatever an engine makes of it, so ``export``
-reads them (``dflash_lab.export.engines.zlab`` for the fields, an engine rule set for the
-layout).
-
-Target layer ids use the z-lab convention: id ``i`` is the OUTPUT of decoder layer ``i``,
-i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
+"""DrafterConfig: THE definition of a DFlash drafter: fields, validation and the resolved
+per-layer layout (:meth:`DrafterConfig.layer_specs`, which everything else reads instead of the
+raw ``layer_types`` / ``is_causal``). The config.json form is model/serving_form.py's, each head's
+fields its module's; third-party config.json files are read by ``export``. Target layer id ``i``
+is the OUTPUT of decoder layer ``i`` (HF ``hidden_states[i + 1]``) (docs/training.md, "The
+drafter and its attention").
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Target feature extraction: THE function used by offline capture, online training and eval.
+Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``; a
+multi-stream target's layer feature is :func:`layer_features`: the stream mean (T = H, what the
+engines feed) or the flattened streams (T = n*H) (docs/targets.md, "Multi-stream targets").
 
-Shape legend: Bt batch, S sequence length, H target hidden size, n streams of a multi-stream
-target (``hc_mult``), T the per-layer feature width the drafter reads (``target_hidden_size``:
-H, or n*H), nL = len(target_layer_ids), F = nL*T concatenated features, V vocab (suffix letters:
-docs/architecture.md).
-Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``.
-
-Multi-stream targets (hyper-connections: DeepSeek-V4's mHC, GLM-5-next, HY-V4; ``hc_mult`` = n)
-carry n residual streams: transformers returns their layer outputs as [Bt, S, n, H]. What a
-drafter reads of them is :func:`layer_features`, the one definition: the mean over the streams
-(T = H), as vLLM 0.32 (``aux_recon.mean(dim=1)`` in models/deepseek_v4, ``hc_contract`` in
-glm5next) and SGLang 0.5.23 (``mhc_stream_mean`` in deepseek_v4.py) hand them to an
-EAGLE-3 / DFlash / DSpark drafter, or the flattened streams (T = n*H, the layout of
-speculators' unmerged hc_mult pull request 524), which no engine release feeds a DFlash drafter.
+Shape legend: Bt batch, S sequence length, H target hidden size, n streams (``hc_mult``), T the
+per-layer feature width (``target_hidden_size``), nL = len(target_layer_ids), F = nL*T, V vocab.
 """
 
 from __future__ import annotations

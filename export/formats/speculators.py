@@ -1,17 +1,8 @@
 """The speculators format (vllm-project/speculators 0.9.0, ``DFlashDraftModel.save_pretrained``),
-read into our config + serving-name weights (docs/warm_start.md lists the versions).
-
-A directory with ``config.json`` (``speculators_model_type`` "dflash" | "dflash2" | "dspark", the
-draft layers' Qwen3 config under ``transformer_layer_config``, ``aux_hidden_state_layer_ids``,
-``block_size``, ``mask_token_id``, ``sliding_window_non_causal``, ``draft_vocab_size``) and
-``model.safetensors`` with our serving names (``embed_tokens`` / ``lm_head`` / ``verifier_*`` are
-not saved for a full-vocabulary draft). Its layer ids index HF ``hidden_states`` (``i + 1`` = the
-output of decoder layer ``i``); ours are z-lab's ``i``. Its block-anchored sliding window ``W`` is
-read as our per-query ``W + 1``; what still differs is in ``Source.mask_differences``
-(:func:`speculators_window_difference`). Our own DSpark export is this layout too, read exactly by
-export/formats/dspark.py.
-
-Everything is opened with safetensors (never a pickle).
+read into our config + serving-name weights, safetensors only. Its layer ids are ours + 1; its
+block-anchored sliding window ``W`` is read as our per-query ``W + 1``, what still differs going
+to ``Source.mask_differences`` (:func:`speculators_window_difference`); our DSpark export is read
+by export/formats/dspark.py (docs/warm_start.md, "What PATH may be").
 """
 
 from __future__ import annotations
