@@ -1,12 +1,7 @@
-"""Verified serving directories: the sha256 of every file an export writes, and its check.
-
-The exporter writes ``SHA256SUMS`` (``sha256sum`` format: ``sha256sum -c SHA256SUMS`` checks it
-by hand) last, over every other file of OUT_DIR; vLLM, SGLang and transformers ignore it.
-Readers of a serving directory (``--inspect``, ``dflash-eval drafter.path=``, warm start,
-re-export) check it by default, so 64 flipped bytes in ``model.safetensors`` are an error naming
-the file instead of a silently different drafter. A directory without the record (another
-tool's, or an export from before it) is read as before and the reader says it was not verified.
-Verification can be turned off for a hand-edited directory (:data:`OVERRIDES`).
+"""Verified serving directories: ``SHA256SUMS`` (``sha256sum`` format) over every file an export
+writes, written last, and its check by every reader of a serving directory; a directory without
+it is read and reported not verified, and :data:`OVERRIDES` turn the check off (docs/export.md,
+"What is written"; docs/guarantees.md, "Damaged files").
 """
 
 from __future__ import annotations

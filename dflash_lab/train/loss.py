@@ -1,13 +1,5 @@
-"""DFlash training loss and the exact greedy-acceptance metrics (dflash.md section 2).
-
-Label alignment (the classic bug is an off-by-one here): slot t of the block anchored at a
-predicts the token AT position a + t (DFlash: slot 0 is the anchor and predicts nothing). With
-``drafter.sample_from_anchor`` slot t predicts the token at a + t + 1 (slot 0 drafts too): the
-one definition is :func:`slot_positions` with the config's ``label_shift`` (0 or 1) and
-``first_draft_slot`` (1 or 0); the loss, the metrics, the teacher and the eval all go through
-it. ``token_targets[p]`` is the token position p should hold: with target-argmax labels it is
-``target_argmax[p - 1]`` (the target's choice for position p, made after reading positions
-<= p-1); with dataset labels it is ``input_ids[p]``.
+"""DFlash training loss and the exact greedy-acceptance metrics (dflash.md section 2). Label
+alignment has one definition, :func:`slot_positions` (docs/losses.md, "Label alignment").
 
 Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, V vocab, M selected slots.
 Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p`` a position in a block.

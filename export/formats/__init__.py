@@ -1,12 +1,6 @@
-"""The checkpoint formats: one module each, one registry (docs/architecture.md, "Add a format").
-
-Every format is a :class:`~dflash_lab.export.formats.base.Format` in :data:`REGISTRY`, in the
-order a path or a config.json is matched: a SpecForge checkpoint, a DSpark / speculators
-directory, serving directories (ours, Laguna, Muse Glimmer, z-lab: the last claims any other),
-then our Lightning checkpoint or training run directory. Callers ask :func:`format_of` (a
-config.json dict), :func:`format_at` (a path) or :func:`get` (a name) and call the interface;
-nothing outside the format modules asks which format or variant it holds. A new format
-registers with :func:`register`.
+"""The checkpoint formats: one module each, one registry (:data:`REGISTRY`, in match order),
+asked through :func:`format_of`, :func:`format_at`, :func:`get` and extended with
+:func:`register` (docs/architecture.md, "Add a format").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The Format interface: what one checkpoint format is (docs/architecture.md, "Add a format").
-
-A format is one module under export/formats/ holding one :class:`Format` instance, registered in
-``export/formats/__init__.py`` (:data:`~dflash_lab.export.formats.REGISTRY`). Everything that
-depends on which format a file is in (detect, read, write, tensor names, how each engine reads it,
-notes) is a method here; callers ask the registry and never branch on a format or a variant.
-
-What a writable format cannot carry is not listed by hand: :func:`lost_fields` writes the config,
-detects the written dict and reads it back, and names every dataclass field that changed.
+Everything that depends on a file's format is a method here and callers ask the registry, never
+branching on a format or a variant; what a writable format cannot carry is found by
+:func:`lost_fields` (write, detect, read back, name every changed field).
 """
 
 from __future__ import annotations
