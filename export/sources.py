@@ -160,19 +160,11 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
 
 def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
                        verify: bool = True) -> ImportedDrafter:
-    """Read a serving directory of format ``fmt`` into our config + weights.
-
-    ``verify``: check the files against the export's ``SHA256SUMS`` first (ValueError naming a
-    file that differs; a directory without the record is read and says so in ``integrity``).
-
-    A format read exactly (ours: the recorded training spec) is read so unless ``assume`` is
-    given. Third-party directories leave causality implicit: it is resolved by ``assume``
-    (default ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in
-    ``config._source``, and rule sets that would read the directory differently are listed in
-    ``disagreements``; the format's tensors are renamed to ours and what it does not record is
-    listed in ``format_notes``. DFlash 2 codebooks saved as ``...codebook.weight`` (z-lab
-    ``save_pretrained``) are renamed to the serving names (listed in ``disagreements``: engines
-    would not load them).
+    """Read a serving directory of format ``fmt`` into our config + weights, checked against its
+    ``SHA256SUMS`` first when ``verify``. Ours is read exactly unless ``assume`` is given; a
+    third-party directory's implicit causality is resolved by ``assume`` (default
+    ``vllm-main-v2``), recorded in ``assumed_rules``, and readings that differ go to
+    ``disagreements`` (docs/export.md, "Importing third-party directories").
     """
     integrity = checked(path, verify).note
     d = read_config_json(path)

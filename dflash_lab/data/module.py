@@ -88,17 +88,12 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """This rank's share of a permutation that depends only on (seed, epoch).
-
-    Lightning calls ``set_epoch``. Ranks: ``world``/``rank``, or torch.distributed's when it is
-    initialised (else one process). The permutation is padded by repeating its head to a
-    multiple of the world size and rank r takes every world-th index from r, as torch's
-    DistributedSampler does; the trainer configs therefore set ``use_distributed_sampler:
-    false`` (Lightning must not split it again).
-
-    :meth:`resume_at` makes the next iteration serve one epoch's order after the first
-    ``samples_done`` indices that all ranks together consumed (``__len__`` is unchanged: the
-    loop stops the epoch after the batches it has left).
+    """This rank's share of a permutation that depends only on (seed, epoch): padded by
+    repeating its head to a multiple of the world size, rank r takes every world-th index from
+    r, as torch's DistributedSampler does (so the trainer configs set
+    ``use_distributed_sampler: false``). Lightning calls ``set_epoch``; :meth:`resume_at` makes
+    the next iteration skip the first ``samples_done`` indices all ranks consumed (``__len__``
+    unchanged).
     """
 
     def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):

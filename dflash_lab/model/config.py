@@ -450,20 +450,11 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
-        """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly.
-
-        The dict must carry our recorded training spec (``dflash_lab_training_spec``), which is
-        the layout's single source: the layer types and window come from ``layer_types`` /
-        ``sliding_window``, causality from the spec's ``is_causal``. The engine-facing copies
-        (top-level ``is_causal``, ``dflash_config.causal`` / ``swa_window_size``) are not read.
-        HF bookkeeping keys are ignored; any other key we do not write is a ValueError naming it
-        and its close matches (a key we do not implement could change what the drafter
-        computes). ``block_size`` written twice (top level and ``dflash_config``) must agree.
-
-        No engine rule is emulated here. A third-party (z-lab, vLLM-style) config.json leaves
-        the layout to the engine that reads it: read it with
-        ``dflash_lab.export.import_drafter`` (or ``dflash-export --inspect``), which resolves it
-        with a named engine rule set.
+        """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly: the layout
+        comes from the recorded training spec (``dflash_lab_training_spec``) alone, an unknown
+        key is a ValueError naming it and its close matches, two ``block_size`` copies must
+        agree. No engine rule is emulated: a third-party config.json is read by
+        ``dflash_lab.export.import_drafter`` (docs/export.md, "Importing third-party directories").
         """
         return parse_ours(cls, d, source=source)
 

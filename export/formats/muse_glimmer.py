@@ -258,18 +258,12 @@ def _causality_problems(config: DrafterConfig) -> list[str]:
 
 def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = True,
                    target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json in the Muse Glimmer layout, for a drafter :func:`export_problems` accepts.
-
-    The keys ``MuseGlimmerAssistantConfig.save_pretrained`` writes (flat DFlash keys, every
-    key :data:`REQUIRED` names), plus what makes every engine read it as trained: an explicit
-    ``is_causal`` False (SGLang's class default and vLLM's ``dflash_config.causal`` agree, but
-    neither then depends on a default), ``use_sliding_window`` (vLLM's Qwen3Config drops the
-    window without it), ``vocab_size`` when known (vLLM would assume 202048) and
-    ``num_target_layers``, :data:`AUX_KEY` (else vLLM captures other target layers).
-    ``sliding_window`` is the trained W, the engines' convention
-    (|q - k| < W): the owners' class keeps one key more per side (:func:`owners_window_note`);
-    no layer sliding, it is left out (the owners' class refuses null). bos/eos/pad are null:
-    the owners' defaults are the Muse Glimmer target's ids, not this target's."""
+    """config.json in the Muse Glimmer layout, for a drafter :func:`export_problems` accepts:
+    the keys ``MuseGlimmerAssistantConfig.save_pretrained`` writes (every :data:`REQUIRED` key)
+    plus what makes every engine read it as trained (explicit ``is_causal`` False,
+    ``use_sliding_window``, ``vocab_size`` when known, ``num_target_layers``, :data:`AUX_KEY`,
+    the trained W as ``sliding_window``, null bos/eos/pad) (docs/export.md, "Writing the Muse
+    Glimmer layout")."""
     rope = {"rope_theta": config.rope_theta, "rope_type": "default",
             **(config.rope_scaling or {})}  # every key the drafter's RoPE reads (model/rope.py)
     out: dict[str, Any] = {

@@ -70,18 +70,9 @@ def _speculators_layout(d: dict[str, Any], tl: dict[str, Any], kind: str) -> dic
 
 
 def speculators_window_difference(window: int, block_size: int, causal: bool) -> str:
-    """What our window ``W + 1`` hides that speculators 0.9.0's sliding window ``W`` shows.
-
-    speculators (``models/dflash/attention.py::create_anchor_block_mask_mod``) anchors the
-    window at the block: every slot of the block anchored at ``a`` sees the context positions
-    ``[a - W, a)`` and its whole block (causal: slots ``u <= t``). Ours counts ``W' `` keys back
-    from each query (slot ``t`` at position ``a + t`` sees context ``[a + t - W' + 1, a)`` and
-    block slots ``|t - u| <= W' - 1``), so no ``W'`` equals it for ``B >= 2``: the context bound
-    would have to move with ``t``. ``W' = W + 1`` is the largest window whose keys all lie
-    inside speculators' for every slot: slot 0 sees exactly speculators' context, slot ``t`` misses
-    the ``min(t, W)`` oldest context positions ``[a - W, a - W + t)``, and when ``W + 1 < B``
-    block slots more than ``W`` apart (which speculators shows) are hidden. Counts are per block
-    whose anchor has at least ``W`` context positions.
+    """What our window ``W + 1`` hides that speculators 0.9.0's block-anchored sliding window
+    ``W`` shows (``create_anchor_block_mask_mod``): per block whose anchor has at least ``W``
+    context positions (docs/warm_start.md, "speculators' sliding window").
     """
     b = block_size
     ctx = sum(min(t, window) for t in range(b))
