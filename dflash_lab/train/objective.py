@@ -1,12 +1,9 @@
-"""The drafter's training objective: a list of named terms, one sum.
-
-:func:`dflash_loss` computes the label term over one batch of blocks (the CE pass of
-train/loss.py for the label CE alone, the distribution pass of train/distill_head.py for
-distribution terms or measured acceptance; it sits above both so neither imports the other's
-caller). :func:`terms` names the label and accept terms the loss pieces hold with their
-coefficients (a head adds its own: model/heads.py ``terms``); :func:`objective` sums them,
-each normalised by its GLOBAL count, and :func:`local_means` gives the same sum on this rank
-for the logs."""
+"""The drafter's training objective: a list of named terms, one sum. :func:`dflash_loss` computes
+the label term (the CE pass or the distribution pass; it sits above both so neither imports the
+other's caller), :func:`terms` names the terms with their coefficients (a head adds its own),
+:func:`objective` sums them, each normalised by its GLOBAL count, and :func:`local_means` gives
+the same sum on this rank for the logs.
+"""
 
 from __future__ import annotations
 
