@@ -298,14 +298,11 @@ class _TokenizedConversations(Dataset):
 
 class OnlineDataModule(BlockDataModule):
     """Conversations -> chat template + loss mask -> features from the in-process target.
-
-    ``conversations``: a file or hub id, or ``demo`` for the built-in demo conversations
-    (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
-    :class:`dflash_lab.targets.target.Target`; ``target_layer_ids``: the drafter's. Features are
-    computed by the training step (:meth:`feature_source`) on the training device, under
-    no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row
-    (roles not alternating, empty turn, no assistant turn, template error) with its input row
-    and drops it; ``error`` stops at the first (as ``capture.bad_rows``).
+    ``conversations``: a file or hub id, or ``demo`` (``demo_rows`` rows from ``demo_seed``);
+    ``target``: a loaded, frozen :class:`dflash_lab.targets.target.Target`. Features are computed
+    by the training step (:meth:`feature_source`, no_grad, the capture's function). ``bad_rows``:
+    ``skip`` logs and drops each bad row with its input row, ``error`` stops at the first (as
+    ``capture.bad_rows``).
     """
 
     runs_target: ClassVar[bool] = True
@@ -390,16 +387,13 @@ def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[
 
 
 class OfflineDataModule(BlockDataModule):
-    """Captured shards (``dflash-capture`` output), validated against the drafter at start-up.
-
-    ``path``: the capture directory; ``target_layer_ids`` / ``hidden_size`` / ``vocab_size``: what
-    the drafter expects (a mismatch is refused naming both values); ``target``: optional loaded
-    target whose config, tokenizer and weights fingerprint must match the capture
-    (``allow_other_target_weights``: accept another checkpoint's features, same config).
-    ``format``: ``auto`` (by the files in ``path``), ``dflash_lab`` or ``speculators`` (a
-    speculators prepare-data directory with generate-offline-data states:
-    :mod:`dflash_lab.data.speculators_data`; ``speculators_layer_ids`` the ids their vLLM server
-    extracted, ``hidden_states_path`` their ``--output`` when not ``path/hidden_states``).
+    """Captured shards (``dflash-capture`` output), validated against the drafter at start-up:
+    ``target_layer_ids`` / ``hidden_size`` / ``vocab_size`` must match (else refused naming both
+    values), and an optional loaded ``target``'s config, tokenizer and weights fingerprint too
+    (``allow_other_target_weights``: another checkpoint of the same config). ``format``: ``auto``
+    (by the files in ``path``), ``dflash_lab`` or ``speculators``
+    (:mod:`dflash_lab.data.speculators_data`, with ``speculators_layer_ids`` and
+    ``hidden_states_path``: docs/data.md, "speculators data").
     """
 
     @classmethod

@@ -155,17 +155,13 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                      attention_mask_bs: torch.Tensor | None = None,
                      out_device: torch.device | str | None = None,
                      topk: int = 0, target_hidden_size: int | None = None) -> TargetFeatures:
-    """Run the frozen target once and return its features at every position.
-
-    ``model``: an HF causal LM; ``input_ids_bs`` [Bt, S]; ``attention_mask_bs`` [Bt, S] (1 = real
-    token; use right padding: positions before the padding are then unaffected by it).
-    The argmax is computed from the base model's final (normed) hidden state with the LM head,
-    which equals ``logits.argmax(-1)`` without materialising [Bt, S, V] logits.
-    ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
-    return hidden states on several devices; they are gathered there). The final-normed last
-    hidden state comes along (``last_bsh``, it costs nothing more); ``topk`` > 0 adds the
-    target's top-k next tokens and their log-probabilities. ``target_hidden_size``: the per-layer
-    width (None = H; a multi-stream target: :func:`layer_features`).
+    """Run the frozen target once and return its features at every position: ``input_ids_bs``
+    and ``attention_mask_bs`` [Bt, S] (1 = real token; right padding leaves the real positions
+    unaffected). The argmax comes from the final-normed hidden state through the LM head, equal
+    to ``logits.argmax(-1)`` without [Bt, S, V] logits; that state comes along (``last_bsh``),
+    ``topk`` > 0 adds the top-k next tokens and log-probabilities. ``out_device``: the input
+    ids' device by default (a ``device_map`` target's states are gathered there).
+    ``target_hidden_size``: the per-layer width (None = H; :func:`layer_features`).
     """
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     check_layer_ids_for_streams(model.config, target_layer_ids)

@@ -108,14 +108,10 @@ def check_target(config: DrafterConfig, shape: dict[str, Any], where: str, name:
 
 def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> list[str]:
     """ValueError when the source was recorded for a target of another depth and its layer ids
-    are kept; the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
-
-    In the drafter the depth only bounds and spreads the layer ids (``build_target_layer_ids``;
-    nothing it computes reads it), but ids chosen on an L-layer target name other layers of a
-    target of another depth (id 17 is mid-depth of 36 layers, two thirds of 28): the trained
-    ``fc`` would read features it never saw, which is another target. An explicit
-    ``drafter.target_layer_ids`` is the user choosing this target's layers: reported, not refused.
-    Formats that record no depth (speculators) are not compared.
+    are kept (they would name other layers: the trained ``fc`` would read features it never
+    saw); the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
+    Formats that record no depth (speculators) are not compared (docs/warm_start.md, "Another
+    target depth").
     """
     old = source.config.num_target_layers
     if not source.depth_recorded or old == depth:
