@@ -1,11 +1,7 @@
-"""dflash-capture: run a frozen target over conversations and write feature shards.
-
-Thin entry point: Hydra config (conf/capture.yaml: groups target, conversations at ``data``,
-logger, server) -> target -> conversations -> run_capture, the target running here
-(``capture.backend=local``) or a vLLM server giving the hidden states (``server``,
-:mod:`dflash_lab.data.capture_server`) -> the logger gets the manifest's counts.
-Runs as one process or under ``torchrun`` (RANK / WORLD_SIZE split the shards; see
-docs/capture.md).
+"""dflash-capture: run a frozen target over conversations and write feature shards. Thin entry
+point: Hydra config (conf/capture.yaml) -> target -> conversations -> run_capture, in process or
+from a vLLM server (:mod:`dflash_lab.data.capture_server`), as one process or under ``torchrun``
+(docs/capture.md).
 """
 
 from __future__ import annotations

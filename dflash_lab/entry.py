@@ -1,15 +1,8 @@
-"""What the entry points share besides their Hydra groups (conf/logger/, conf/target/, ...).
-
-- The experiment logger outside Lightning: dflash-capture, dflash-regenerate and dflash-eval
-  instantiate the same ``logger`` group as dflash-train (a Lightning logger, or none) and log
-  through the generic Lightning logger calls, so wandb and csv both work; what only wandb
-  does (tables, images, finishing the run) and the final log (``log_final``) live in
-  dflash_lab/train/callbacks.py beside ``WandbRun``.
-- Renamed keys: one concept has one name in every command; the former names are refused
-  before Hydra with the new one (:func:`check_renamed_keys`).
-- Unknown keys: a key no ``_target_`` takes (a recipe's ``data.demo_rows`` under
-  ``data=offline``, ``+data.limit=64``) is refused at start-up, before anything is built
-  (:func:`check_group_keys`), not by the constructor's TypeError once the target has loaded.
+"""What the entry points share besides their Hydra groups: the experiment logger outside
+Lightning (the same ``logger`` group as dflash-train; the final log and wandb-only work live
+beside :class:`dflash_lab.train.callbacks.WandbRun`), renamed keys and a head chosen by its key
+refused with the fix (:func:`check_renamed_keys`) and unknown keys refused before anything is
+built (:func:`check_group_keys`) (docs/guarantees.md, "Bad values stop at start-up").
 """
 
 from __future__ import annotations

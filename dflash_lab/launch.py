@@ -1,19 +1,7 @@
-"""Which launcher started this process, and where the process stands in the job.
-
-Read from the environment, before any process group exists, so entry points can check the
-user's settings at start-up and do rank-0-only work (run_info) on the right process:
-
-- ``torchrun`` (torchelastic) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK
-  and TORCHELASTIC_RUN_ID; it has priority, as in Lightning, since it also runs inside SLURM
-  (``srun torchrun ...``).
-- ``srun`` (SLURM) sets SLURM_PROCID (global rank), SLURM_NTASKS, SLURM_LOCALID, SLURM_NNODES
-  and, with ``--ntasks-per-node``, SLURM_NTASKS_PER_NODE. As Lightning's SLURMEnvironment: a job
-  named ``bash`` or ``interactive`` is not a SLURM launch.
-- Lightning's own launcher re-runs the command for local ranks >= 1 with LOCAL_RANK (and
-  NODE_RANK when nodes are started by hand); it is no external launcher here.
-
-Every process of a multi-node job is assumed to see one shared filesystem (run directory,
-capture and regeneration directories).
+"""Which launcher started this process (torchrun, srun, or none) and where the process stands in
+the job, read from the environment before any process group exists, so entry points can check
+settings at start-up and do rank-0-only work on the right process. Every process of a multi-node
+job is assumed to see one shared filesystem (docs/training.md, "Past one machine").
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""``dflash-lab run recipe=NAME``: a recipe's stages (capture, train, export, eval) in order.
-
-Every stage is the existing command run as a subprocess (its own Hydra state and log), with its
-folder under one run root, so each finds the one before it: ``<root>/capture`` is train's
-``data.path``, ``<root>/train`` the export's source, ``<root>/export`` eval's ``drafter.path``.
-The stage settings come from the recipe (its ``pipeline:`` section, conf/train.yaml) and the
-command line (``eval:num_prompts=4``; unprefixed overrides go to train). A finished stage
-writes ``<root>/stages/<stage>.json``; a rerun skips it while its inputs (its composed config
-and the record of the stage before it) are unchanged and every output it recorded is there with
-its recorded sha256 (else it reruns, saying which file), and a killed train stage
-resumes from its ``last.ckpt`` as ``dflash-train`` does (``ckpt_path=auto``). docs/pipeline.md.
+"""``dflash-lab run recipe=NAME``: a recipe's stages (capture, train, export, eval) in order, each
+the existing command as a subprocess with its folder under one run root, so each finds the one
+before it; a finished stage's ``<root>/stages/<stage>.json`` lets a rerun skip it while its
+inputs and recorded outputs are unchanged (docs/pipeline.md).
 """
 
 from __future__ import annotations

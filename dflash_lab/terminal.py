@@ -1,12 +1,6 @@
-"""What the commands print: each message once, dependencies' noise filtered, and progress lines.
-
-The console entries (dflash_lab/commands.py, dflash-train, dflash-lab) call :func:`setup` first;
-nothing is filtered for a library user. ``DFLASH_DEBUG=1`` shows everything.
-
-Progress protocol: with ``DFLASH_PROGRESS=1`` (the pipeline sets it for its stages) a stage
-writes ``dflash-progress {json}`` lines on stderr (:func:`emit`): ``done``/``total`` in ``unit``
-(steps, samples, prompts), and, when known, ``tau`` (the latest val/tau). ``dflash-lab run``
-parses them from the stage's output into its one live line; they never reach the stage log.
+"""What the commands print: each message once, dependencies' noise filtered (:func:`setup`, for
+the console entries only; ``DFLASH_DEBUG=1`` shows everything), and the ``dflash-progress
+{json}`` lines (:func:`emit`) that ``dflash-lab run`` turns into its live line (docs/pipeline.md).
 """
 
 from __future__ import annotations

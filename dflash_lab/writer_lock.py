@@ -1,21 +1,8 @@
-"""One writer per output directory: a lock file taken before anything is written.
-
-Two ``dflash-train`` runs started into one ``paths.output_dir`` (or two captures, regenerations,
-evaluations or exports into one output) would otherwise both run to the end and leave a mix of
-two runs' files. Every command that owns an output directory holds :func:`writer_lock` around
-its work: the lock is a small JSON file (host, pid, the process's start time, the command, the
-directory it was taken for) created with ``O_EXCL``, so exactly one process gets it; a second
-process stops at start-up with an error naming the holder.
-
-A lock left by a killed process is taken over, with a message: on this host when its pid is gone
-(or now belongs to another process: the start time differs), on another host (a shared
-filesystem) when it has not been refreshed for ``lease_s`` seconds: the holder touches it every
-``lease_s / 5`` seconds while it works. A lock copied along with its directory (a copied run
-directory) names the other directory and does not hold this one.
-
-Under a multi-process launch only the global rank 0 takes the lock: the other ranks of the same
-job write into the directory by design (capture shards, DDP checkpoints). Imports only the
-standard library (the exporter uses it).
+"""One writer per output directory: a lock file taken before anything is written. The lock is a
+JSON record (host, pid, start time, command, directory) created with ``O_EXCL``; a stale one
+(dead or recycled pid, an expired ``lease_s`` on another host, a copy from another directory) is
+taken over with a message; only global rank 0 takes it. Standard library only (the exporter uses
+it) (docs/guarantees.md, "One writer per output directory").
 """
 
 from __future__ import annotations

@@ -218,22 +218,13 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                    sglang_version: str = DEFAULT_RELEASE,
                    sglang_backend: str = "any", verify: bool = True,
                    format: str = OURS) -> ExportResult:
-    """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``.
-
-    SGLang is checked for ``sglang_version`` and ``sglang_backend`` (its draft attention
-    backend; ``any`` = every backend read for that release); the target's class (SGLang feeds
-    Gemma 4 inputs scaled) comes from ``target`` or from what the training checkpoint recorded.
-
-    ``force`` replaces only an empty directory or a previous export (``outdir.py``); with
-    ``owner`` (the training run) only a previous export of a source inside it. Raises ValueError
-    (bad input, or ``out_dir`` is or contains what the export reads), FileExistsError (exists:
-    no --force, or not a previous export), ExportRefused (engine rules) or SelfCheckFailed; in
-    every case ``out_dir`` is left as it was. ``verify``: a serving-directory source is checked
-    against its ``SHA256SUMS`` (export/weights.py); the export writes its own. ``format``:
-    ``dflash-lab`` (ours), ``muse-glimmer`` (the Muse Glimmer assistant layout; ValueError
-    naming what it cannot carry: a draft vocabulary, a learned mask, sinks, scales, causal
-    layers; a DFlash 2 drafter is written in the layout of the released DFlash 2 Muse drafter,
-    z-lab's DFlash2DraftModel, which is ours) or ``laguna`` (export/formats/laguna.py).
+    """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``,
+    which is left as it was on any error: ValueError (bad input, or ``out_dir`` is or contains
+    what the export reads), FileExistsError (no ``force``, or not a previous export; with
+    ``owner`` only a previous export of a source inside that run), ExportRefused or
+    SelfCheckFailed. ``sglang_version`` / ``sglang_backend`` (``any`` = every backend) pick the
+    SGLang rule sets, ``target`` the target's class, ``verify`` the source's ``SHA256SUMS`` check,
+    ``format`` the layout (docs/export.md, "What is written", "Writing the Muse Glimmer layout").
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:

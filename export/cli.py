@@ -1,16 +1,8 @@
-"""``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory.
-
-Exit codes: 0 done (or --inspect checked everything and found every judged rule set in agreement:
-those of the engines the export was made for, or of --engine); 2 bad input or usage (including
-OUT_DIR exists without --force, OUT_DIR is not a previous export, or OUT_DIR is or contains
-SOURCE); 3 refused by the engine rules (or --inspect found problems); 4 the
-self-check failed; 5 --inspect found no problem in config.json but could not make the weight
-checks (DIR has no model.safetensors: sinks, mask embedding, DFlash 2 tensors, shapes). Nothing
-is written unless the exit code is 0.
-
-The export settings are the options ``--KEY`` named after the Hydra ``export.KEY`` they equal
-(export/options.py; the former dashed spellings still work, with a note);
-``--recipe NAME`` / ``recipe=NAME`` takes a recipe's export section, which options override.
+"""``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory. Exit
+codes 0 done, 2 bad input, 3 refused by the engine rules, 4 self-check failed, 5 ``--inspect``
+could not make the weight checks; nothing is written unless 0. Options are ``--KEY`` for Hydra's
+``export.KEY`` (export/options.py); ``--recipe NAME`` takes a recipe's export section
+(docs/export.md, "The options are the export section's keys").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The export settings, defined once: ``dflash-export``'s options (``--KEY``), the Hydra
-``export:`` section (conf/train.yaml, overridden by recipes) and dflash-train's end-of-run export
-all read :data:`EXPORT_OPTIONS`. An option's CLI name is its Hydra key, so ``export.engine=vllm``
-in a recipe and ``dflash-export RUN OUT --engine vllm`` are the same setting, and
-``dflash-export --recipe NAME`` takes the recipe's ``export:`` section as its defaults.
-
-Imports no Hydra (the exporter runs inside serving environments): :func:`recipe_export_section`
-composes a recipe only when called.
+"""The export settings, defined once (:data:`EXPORT_OPTIONS`): ``dflash-export``'s ``--KEY``
+options, the Hydra ``export:`` section and dflash-train's end-of-run export read the same keys,
+and ``--recipe NAME`` takes a recipe's ``export:`` section as defaults. Imports no Hydra:
+:func:`recipe_export_section` composes a recipe only when called.
 """
 
 from __future__ import annotations

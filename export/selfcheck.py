@@ -1,18 +1,8 @@
-"""After writing, reload the directory the way an engine would and compare draft logits.
-
-The reload path: ``config.json`` through transformers' ``Qwen3Config`` (when transformers is
-installed; else the emulated rewrites of :func:`dflash_lab.export.engines.common.hf_view`), then
-each current engine rule set's per-layer reading, then the weights by name from
-``model.safetensors`` (and ``mask_embedding.pt`` for vLLM). That drafter and the source drafter run
-the inference path (``extend_context`` + ``draft``) on one random probe block; logits use a random
-probe LM head and the drafter's scales (output_multiplier, softcap); a DFlash 2 drafter also walks
-its selector over the probe's top-K candidates, and its scores are compared too.
-
-Two numbers per engine view, both relative to max |reference logit|:
-- ``config`` diff: source config vs engine-read config, both with the EXPORTED weights in fp32.
-  Any misread layout or dropped feature shows here; the bound is fp32 noise (1e-4).
-- ``total`` diff: source weights (fp32) vs exported weights: adds the dtype rounding; the bound
-  depends on the export dtype (bf16 5e-2, fp16 1e-2, fp32 1e-4).
+"""After writing, reload the directory the way an engine would (``config.json`` through
+``Qwen3Config``, each current rule set's per-layer reading, the weights by name) and compare its
+draft logits with the source drafter's on one random probe block: the ``config`` diff (same
+exported weights, fp32: a misread layout shows) and the ``total`` diff (adds the export dtype's
+rounding), both relative to max |reference logit| (docs/export.md, "Self-check").
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""The serving weight layout (dflash.md section 4): names, shapes, dtype casts, file I/O.
-
-Keys carry no ``model.`` prefix (vLLM adds its own), q/k/v and gate/up stay separate tensors,
-there is no embed_tokens / lm_head. The learned mask embedding is not a safetensors key: vLLM
-reads it from ``mask_embedding.pt`` as ``{"embedding": T[H], "mask_token_id": id}``, a form its
-loader checks against ``dflash_config.mask_token_id`` (``_read_mask_embedding`` in vllm
-``model_executor/models/qwen3_dflash.py``).
-
-DFlash 2 adds ``layers.{i}.{attention,mlp}_conv.{base_kernel,kernel_projection.weight}`` and
-``candidate_selector.{predecessor_codebook,successor_codebook,hidden_projection.weight}``. The
-codebooks carry NO ``.weight``: vLLM's ``qwen3_dflash2.CandidateSelector`` and SGLang's
-``models/dflash.py`` hold them as bare parameters, and z-lab's ``DFlash2DraftModel.from_pretrained``
-maps the bare names onto its ``nn.Embedding``. z-lab's ``save_pretrained`` writes them WITH
-``.weight`` (its modules are embeddings); such directories are read back under the bare names.
-
-``SHA256SUMS`` (written last over every other file, ``sha256sum -c`` format) is checked by every
-reader unless turned off (:data:`OVERRIDES`; docs/export.md, "What an export holds").
+"""The serving weight layout (dflash.md section 4): names, shapes, dtype casts, file I/O. Keys
+carry no ``model.`` prefix, q/k/v and gate/up stay separate, no embed_tokens / lm_head; the
+learned mask embedding goes to ``mask_embedding.pt``; DFlash 2's codebooks are bare parameters
+(no ``.weight``; z-lab's ``save_pretrained`` names are read back) (docs/export.md, "What is
+written", "DFlash 2 drafters"). ``SHA256SUMS`` over every other file is written last and checked
+by every reader unless :data:`OVERRIDES` turn it off (docs/guarantees.md, "Damaged files").
 """
 
 from __future__ import annotations

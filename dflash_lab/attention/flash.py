@@ -1,12 +1,7 @@
-"""flash-attn backend for the inference layout (one block right after each cached context).
-
-With keys = [context ; block] and the B queries being the last B keys, flash-attn's bottom-right
-aligned causal flag and (left, right) window express the DFlash predicate exactly
-(:func:`dflash_lab.attention.mask.flash_window_args`). The packed training layout (many blocks
-sharing one context) is not expressible as a flash window: use ``flex`` there. Neither is a
-context of several packed documents (``BlockLayout.doc_starts_bn`` after 0): the window cannot
-start at a document boundary, so such a layout is refused, never attended across documents.
-flash-attn is imported lazily (the ``gpu`` extra); sinks use its returned log-sum-exp.
+"""flash-attn backend for the inference layout (one block right after each cached context),
+where the bottom-right causal flag and (left, right) window express the DFlash predicate exactly
+(:func:`dflash_lab.attention.mask.flash_window_args`); training layouts and packed documents are
+refused; lazily imported (docs/training.md, "The drafter and its attention").
 """
 
 from __future__ import annotations

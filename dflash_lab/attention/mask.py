@@ -1,33 +1,8 @@
-"""The ONE DFlash attention mask predicate (dflash.md section 3) and what each backend needs.
-
-Layout of one attention call (training and inference share it):
-
-- queries: ``N`` blocks of ``B`` slots; query ``q`` is slot ``t = q % B`` of block ``j = q // B``
-  whose anchor sits at absolute position ``a_j``; the query's position is ``a_j + t``.
-- keys: ``S`` context slots (key ``kv < S`` is the fused target feature of position ``kv``),
-  followed by the ``N * B`` block slots (block ``k``, slot ``u``, position ``a_k + u``).
-
-Key visibility for a layer with window ``W`` (or None) and causality ``causal``:
-
-- context key p:   ``p < a_j`` (strictly before the anchor), ``p >= d_j`` (same document) and,
-  if windowed, ``(a_j+t) - p <= W-1``
-- block key (k,u): ``k == j`` and, if causal, ``u <= t``; if windowed ``|t - u| <= W-1``
-  (engines use a symmetric window (W-1, W-1) for bidirectional sliding layers).
-
-Packed rows (several documents per row, ``data.pack``): ``d_j`` is the first position of the
-document holding anchor ``a_j`` (0 for an unpacked row). Documents are contiguous and ``p < a_j``,
-so ``p >= d_j`` is exactly "p is in the anchor's document": no context key crosses a document
-boundary. Block keys need no document rule (a block sees only its own slots), and a block's RoPE
-positions restart per document (:meth:`BlockLayout.positions_bq`), so a packed block computes
-what the same block computes in an unpacked row of its document alone. The window is a
-difference of positions, the same in row and document coordinates.
-
-Padding needs no extra rule: the context of a row is bounded by its anchor, so context slots past a
-sequence's true length are never visible as long as anchors point inside the sequence. Padded
-(invalid) anchors still see their own block, so no softmax row is empty; they carry no loss.
-
-Inference is the special case ``N = 1`` with ``a = S`` (the anchor is the token right after the
-cached context).
+"""The ONE DFlash attention mask predicate (dflash.md section 3) and what each backend needs:
+query q is slot ``t = q % B`` of block ``j = q // B`` at position ``a_j + t``; keys are S context
+slots then the N*B block slots. A context key is visible before the anchor, in its document and
+window; a block key only in the query's own block, causal or windowed as the layer says
+(docs/training.md, "The mask predicate": packing, padding, inference as N = 1, a = S).
 
 Shape legend: Bt batch, N blocks, B block size, S context slots, Q = N*B queries, K = S + Q keys.
 """

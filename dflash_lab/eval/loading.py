@@ -1,12 +1,7 @@
-"""Load what the eval needs: the target's config, the drafter (through the format registry,
-export/formats/) and the check that they belong together.
-
-A drafter path is anything a registered format reads: a training checkpoint (``.ckpt``), a
-training run directory (its best, else last checkpoint), a serving directory (ours, or a z-lab
-style one whose implicit causality is resolved with a named engine rule set), a speculators
-DFlash directory or a SpecForge DFlash checkpoint (docs/warm_start.md), the same sources
-``drafter.init_from`` reads. The formats own those; this module only turns the format's
-``(config, state_dict)`` into a :class:`DFlashDrafter` (the trace: docs/architecture.md).
+"""Load what the eval needs: the target's config, the drafter from any path a registered format
+reads (export/formats/, the sources ``drafter.init_from`` reads: docs/warm_start.md) turned into
+a :class:`DFlashDrafter`, and the check that they belong together (the trace:
+docs/architecture.md).
 """
 
 from __future__ import annotations

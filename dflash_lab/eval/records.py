@@ -1,21 +1,7 @@
-"""One record per response, whatever produced it, and the metrics every report derives from them.
-
-A response is one generated answer: one prompt of a single-turn dataset, or one turn of a
-multi-turn one (MT-Bench: turn 2 is conditioned on the speculative turn-1 answer). The offline
-loop fills a record from its :class:`~dflash_lab.eval.loop.Generation` pair; a serving backend
-fills the same fields from what the engine reports (per-round lengths when it gives them, else the
-totals ``num_rounds`` / ``num_round_tokens``, e.g. SGLang's ``spec_verify_ct`` and
-``completion_tokens - 1``).
-
-The two tau conventions (dflash.md section 8):
-
-- ``tau_macro``: the mean over responses of each response's mean tokens per verify round (the
-  reference's "Average Acceptance length"; responses without a round are left out, as there);
-- ``tau_pooled``: all round tokens / all rounds (what engines' counters give).
-
-Timing as the reference's ``dflash_generate``: TTFT = prefill and first token; TPOT = decode time
-(after the first token) / output tokens; ``decode_speedup`` = mean baseline TPOT / mean
-speculative TPOT (decode only, TTFT apart).
+"""One record per response (a prompt, or one turn of a multi-turn dataset), whatever produced it
+(the offline loop or a serving engine), and the metrics every report derives from them: the two
+tau conventions ``tau_macro`` and ``tau_pooled``, TTFT, TPOT and ``decode_speedup`` as the
+reference's ``dflash_generate`` times them (docs/eval.md, "Report").
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The datasets of a generate run: one ``data`` option, or a suite (``suite=reference``).
-
-The reference datasets (conf/eval_data/<name>.yaml, dflash.md section 8, as z-lab's
-``dflash benchmark``): rows from the hub id (online) or a local copy in the same schema
-(``data.path``: a .jsonl/.json/.parquet file or a ``datasets`` save_to_disk directory;
-``suite_dir``: one copy per dataset), the text ``field`` put into ``prompt_format``,
-``random.Random(42)`` shuffle of the rows then the first ``num_prompts``. A multi-turn row
-(MT-Bench) is a list of user turns; each turn is one response, conditioned on the speculative
-answers to the turns before it.
-
-The generic option (conf/eval_data/file.yaml) reads rows through :mod:`dflash_lab.eval.prompts`.
-
-The reasoning switch (:func:`template_kwargs`): ``data.enable_thinking`` and
-``data.reasoning_effort`` go to the chat template as keyword arguments, and only when the
-template reads them (the reference refuses a switch the template ignores: it would change nothing).
+"""The datasets of a generate run: one ``data`` option, or a suite (``suite=reference``: z-lab's
+``dflash benchmark`` datasets, prompt formats and ``random.Random(42)`` row order, MT-Bench turns
+conditioned on the speculative answers), and the reasoning switch :func:`template_kwargs`, passed
+only to a template that reads it (docs/eval.md, "The reference suite").
 """
 
 from __future__ import annotations

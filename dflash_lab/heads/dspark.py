@@ -1,75 +1,9 @@
-"""DSpark (docs/dspark.md): the DFlash 1 backbone plus a Markov logit-bias head over the previous
-token and a confidence head, its training terms, its draft walk and its head (one module).
-
-## The heads
-
-What DSpark is (speculators 0.9.0 ``models/dspark``; vLLM 0.32 ``qwen3_dspark.py`` and
-``v1/worker/gpu/spec_decode/dspark/speculator.py``): the DFlash 1 backbone (fc, hidden_norm,
-draft layers, norm; one parallel pass over anchor + MASK slots) plus two small heads.
-
-- Markov head, rank r (``markov_rank``; speculators' default 256, 0 = no head): ``markov_w1``
-  [V, r] is an embedding of the PREVIOUS token (target vocabulary), ``markov_w2`` [N, r] (no bias)
-  projects an r-vector to a bias over the draft vocabulary N (= V without a draft vocabulary),
-  added to the backbone's logits of the slot: ``logits_k = lm_head(h_k) + markov_w2(f_k)``. The
-  feature ``f_k`` of slot k, with ``e_k = markov_w1[prev_k]`` (``markov_head_type``):
-
-  * ``vanilla``: ``f_k = e_k`` (a first-order, low-rank transition bias B = W1 W2^T);
-  * ``gated``:   ``f_k = sigmoid(gate_proj([h_k; e_k])) * e_k``, gate_proj [r, H + r] + bias;
-  * ``rnn``:     state ``s_0 = 0``; ``g, c, o = chunk3(joint_proj([s_{k-1}; e_k; h_k]))``
-    (joint_proj [3r, 2r + H] + bias), ``s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)``,
-    ``f_k = tanh(o)``; the state runs over the block's slots left to right.
-
-- Confidence head (``enable_confidence_head``): ``proj`` [1, H (+ r)] + bias, a logit of the
-  slot's acceptance probability from ``h_k`` (concatenated with ``e_k`` when
-  ``confidence_head_with_markov``, which needs r > 0). vLLM computes it in float32 and uses
-  ``sigmoid`` of it for adaptive verification (draft-length cut); it never changes a token.
-
-Drafting (vLLM's ``_sample_sequential``): one backbone pass gives every slot's base logits;
-then left to right, ``prev`` = the anchor token for the first drafting slot and the token just
-drafted for each later one; slot k's logits get the bias from ``prev`` and the token is sampled
-(greedy: argmax) from them. The Markov head only ever sees tokens of the current block.
-:meth:`MarkovHead.walk` is that walk.
-
-Training prev tokens (teacher forcing): speculators takes the data tokens before each slot
-(with ``sample_from_anchor`` slot k predicts a + k + 1 and conditions on the token at a + k).
-Identity init (ours, not speculators'): ``markov_w2 = 0`` so a fresh drafter's bias is zero for
-every head type and it drafts exactly as DFlash 1 with the same backbone; ``markov_w1`` is
-N(0, 0.01) as speculators inits it, so ``markov_w2`` gets a gradient from the first step.
-
-Checkpoint names (speculators and vLLM agree): ``markov_head.markov_w1.weight``,
-``markov_head.markov_w2.weight``, ``markov_head.gate_proj.{weight,bias}`` (gated),
-``markov_head.joint_proj.{weight,bias}`` (rnn), ``confidence_head.proj.{weight,bias}``.
-vLLM 0.32 builds only the vanilla head (Qwen3DSparkModel has no gate/joint projection).
-
-Shape legend: x any leading dims, k slots of one block, H hidden, r markov rank, V target
-vocab, N draft vocab.
-
-## Training
-
-speculators 0.9.0's DSpark objective (``models/dspark/metrics.py``)::
-
-    loss = token loss of (backbone logits + Markov bias), position-weighted as DFlash
-         + confidence_head_alpha (1.0) x BCE(confidence logit, c*), weighted exp(-t/gamma),
-           divided by the number of supervised slots
-
-with ``c* = sum_v min(q_v, p_v) = 1 - TV(q, p)``, the slot's analytical acceptance rate
-(detached). Here the token loss is the project's CE on the target's argmax (``module.loss=ce``):
-the teacher is one-hot, so ``c* = q(label) = exp(-CE)``, the drafter's probability of the
-target's token. The confidence BCE keeps the fixed exponential decay under D-PACE too, as
-speculators does.
-
-The Markov bias is linear in its feature f, so backbone + bias is ONE linear head over
-``[h; f]`` with weight ``[W_lm | markov_w2]`` (:class:`ConcatHead`): the chunked CE of
-dflash_lab/train/loss.py runs on it unchanged (its checkpointed path: markov_w2 is trained).
-
-Teacher-forced previous tokens (:func:`markov_prev_ids`): slot k, predicting position p, is
-conditioned on the token at p - 1: the anchor when p - 1 is the anchor (what the walk starts
-from), else the label of position p - 1 (the target's argmax: the token the walk drafted there
-whenever drafting got that far). speculators uses the data token at p - 1; the two agree with
-``module.label_source=dataset``.
-
-Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, r markov rank, M
-supervised slots, V' head vocabulary (V, or N with a draft vocabulary).
+"""DSpark: the DFlash 1 backbone plus a Markov logit-bias head over the previous token and a
+confidence head; their training terms (:class:`ConcatHead`, :func:`markov_prev_ids`), the draft
+walk (:meth:`MarkovHead.walk`) and the head, in one module (docs/dspark.md, "Heads" to "Identity
+init"). Shape legend: x any leading dims, k slots of one block, H hidden, r markov rank, V target
+vocab; N is the draft vocab in the heads and blocks in training; Bt batch, S sequence, B block
+size, M supervised slots, V' head vocabulary (V, or N with a draft vocabulary).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""DrafterConfig: THE definition of a DFlash drafter.
-
-Everything else (drafter, attention backends, exporter, eval) reads the per-layer attention layout
-from :meth:`DrafterConfig.layer_specs`, never from the raw ``layer_types`` / ``is_causal`` fields.
-
-This module is the architecture: fields, validation, the resolved layout. The serving
-``config.json`` form (dflash.md section 4) is model/serving_form.py's (:meth:`to_dict` writes
-it, :meth:`from_dict` reads it back strictly); each head's own fields, defaults and checks are
-its module's (model/heads.py, dflash_lab/heads/). Third-party config.json files (z-lab,
-vLLM-style) are not read here: their layout is whatever an engine makes of it, so ``export``
-reads them (``dflash_lab.export.engines.zlab`` for the fields, an engine rule set for the
-layout).
-
-Target layer ids use the z-lab convention: id ``i`` is the OUTPUT of decoder layer ``i``,
-i.e. HF ``output_hidden_states[i + 1]`` (vLLM's aux-layer ids are ``i + 1``).
+"""DrafterConfig: THE definition of a DFlash drafter: fields, validation and the resolved
+per-layer layout (:meth:`DrafterConfig.layer_specs`, which everything else reads instead of the
+raw ``layer_types`` / ``is_causal``). The config.json form is model/serving_form.py's, each head's
+fields its module's; third-party config.json files are read by ``export``. Target layer id ``i``
+is the OUTPUT of decoder layer ``i`` (HF ``hidden_states[i + 1]``) (docs/training.md, "The
+drafter and its attention").
 """
 
 from __future__ import annotations
@@ -459,20 +450,11 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
-        """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly.
-
-        The dict must carry our recorded training spec (``dflash_lab_training_spec``), which is
-        the layout's single source: the layer types and window come from ``layer_types`` /
-        ``sliding_window``, causality from the spec's ``is_causal``. The engine-facing copies
-        (top-level ``is_causal``, ``dflash_config.causal`` / ``swa_window_size``) are not read.
-        HF bookkeeping keys are ignored; any other key we do not write is a ValueError naming it
-        and its close matches (a key we do not implement could change what the drafter
-        computes). ``block_size`` written twice (top level and ``dflash_config``) must agree.
-
-        No engine rule is emulated here. A third-party (z-lab, vLLM-style) config.json leaves
-        the layout to the engine that reads it: read it with
-        ``dflash_lab.export.import_drafter`` (or ``dflash-export --inspect``), which resolves it
-        with a named engine rule set.
+        """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly: the layout
+        comes from the recorded training spec (``dflash_lab_training_spec``) alone, an unknown
+        key is a ValueError naming it and its close matches, two ``block_size`` copies must
+        agree. No engine rule is emulated: a third-party config.json is read by
+        ``dflash_lab.export.import_drafter`` (docs/export.md, "Importing third-party directories").
         """
         return parse_ours(cls, d, source=source)
 

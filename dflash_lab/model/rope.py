@@ -1,40 +1,9 @@
-"""RoPE: THE definition of the drafter's rotary embedding (types, parameters, tables).
-
-A drafter's RoPE is ``rope_theta`` plus ``rope_scaling`` (None = plain RoPE): the dict
-config.json carries and both engines build the drafter's rotary from (they never look at the
-target's). :func:`normalize_scaling` validates it at the boundary; :func:`rope_tables` gives the
-inverse frequencies and the cos/sin scale the drafter trains and drafts with. Per type, the
-drafter computes what the engines compute for that config.json, and transformers 5's
-``ROPE_INIT_FUNCTIONS`` is the numerical reference (tests/model/test_rope.py), with the same fp32
-operations in the same order:
-
-- ``default``, ``linear`` (inv_freq / factor), ``llama3`` (wavelength-banded division by factor),
-  ``yarn`` (ramped interpolation between inv_freq and inv_freq / factor over the dims between the
-  ``beta_fast`` / ``beta_slow`` correction bounds at ``original_max_position_embeddings``, and
-  cos/sin multiplied by the attention factor: ``attention_factor``, else
-  ``0.1 ln(factor) + 1``, or the ``mscale`` / ``mscale_all_dim`` ratio): as transformers and
-  vLLM 0.32 compute them. SGLang 0.5.23 ignores ``attention_factor`` (export/engines/rope.py says
-  so when it matters).
-- ``dynamic``: transformers recomputes the base from the current sequence length once it passes
-  ``max_position_embeddings`` (M); engines precompute one table. vLLM 0.32's
-  ``DynamicNTKScalingRotaryEmbedding`` uses ``theta * (factor * M / M_trained - (factor - 1)) **
-  (d / (d - 2))`` with ``M_trained = M`` (no ``max_trained_positions`` key), i.e. plain RoPE at
-  ``theta`` for every position, which is also transformers' table for every sequence up to M. The
-  drafter computes exactly that. Beyond M transformers differs (a larger base) and so does SGLang
-  0.5.23, which bakes the base of a ``factor * M`` sequence into every position. dflash-train
-  therefore gives a dynamic target's drafter plain RoPE (targets/shape.py): both engines read that
-  identically.
-
-Refused, by name: ``longrope`` (engines build a position-dependent table: vLLM 0.32's
-``Phi3LongRoPEScaledRotaryEmbedding`` uses ``short_factor`` below
-``original_max_position_embeddings`` and ``long_factor`` above it within one request, transformers
-switches every position to ``long_factor`` once the sequence passes it; no one table equals
-both), any other type, keys a type does not read (``partial_rotary_factor`` inside ``rope_scaling``:
-our qwen3-format drafter rotates the whole head there while vLLM would rotate part of it; a
-partial rotary is the separate ``DrafterConfig.partial_rotary_factor``, which only the Laguna
-format carries, export/laguna.py), and per-layer-type (nested) parameters: vLLM 0.32
-and SGLang 0.5.23 both raise TypeError building such a drafter (their ``get_rope`` caches hash
-the nested dicts), so a drafter has one RoPE for all its layers.
+"""RoPE: THE definition of the drafter's rotary embedding (types, parameters, tables): a
+drafter's RoPE is ``rope_theta`` plus ``rope_scaling`` (None = plain RoPE), which
+:func:`normalize_scaling` validates and :func:`rope_tables` turns into the inverse frequencies and
+cos/sin scale, per type what vLLM 0.32 computes for that config.json, transformers 5 being the
+numerical reference; ``longrope``, nested per-layer-type and unread keys are refused
+(docs/export.md, "RoPE").
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""A running vLLM or SGLang server as the generator of on-policy replies (dflash-regenerate).
-
-On a GPU cluster the target is usually already served: regenerating through the engine's
-continuous batching is much faster than ``transformers.generate`` and matches what the target
-will do when serving. We speak the OpenAI-compatible ``/v1/completions`` API both engines
-provide, with four choices that keep the data exact:
-
-* the prompt is sent as TOKEN IDS rendered here with the target's own chat template and
-  tokenizer (the same ids capture uses), so the server applies no template of its own and adds
-  no BOS a second time;
-* every sampling field is sent explicitly (temperature, top_p, ``top_k=-1``, ``min_p=0``,
-  ``repetition_penalty=1``): vLLM otherwise fills unset fields from the model's
-  ``generation_config.json``, which the HF path does not use either;
-* the stop tokens are the target's end-of-turn ids (``stop_token_ids``, a vLLM and SGLang
-  extension), as in the HF path;
-* the reply's token ids come back (``return_token_ids``, both engines) and are decoded here by
-  the same function as the HF path's, so equal tokens give equal text (a server's own text
-  differs where a reply is cut inside a multi-byte character). Servers that return no ids fall
-  back to their text.
-
-Requests are independent (one per conversation turn); a batch of conversations
-(``regenerate.settings.batch_size``) has its turn's requests in flight at once and the server
-batches them. Transient failures (connection reset, timeouts, HTTP 429 and
-5xx) are retried with backoff; a request the server rejects (HTTP 4xx) raises with the server's
-message. Stdlib ``urllib`` only: no client package to install.
+"""A running vLLM or SGLang server as the generator of on-policy replies (dflash-regenerate),
+through the OpenAI-compatible ``/v1/completions``: prompts as token ids rendered here, every
+sampling field explicit, the target's end-of-turn ids as stops, the reply's token ids decoded
+here; transient failures retried with backoff, stdlib ``urllib`` only (docs/capture.md,
+"Through a running vLLM or SGLang server").
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """``dflash-eval backend=server``: acceptance, latency and throughput measured inside a serving
-engine (vLLM or SGLang) instead of this package's own loop.
-
-The prompts are the same token ids the local eval decodes (same loader, chat template, stop
-tokens); each goes to the engine as token ids, one request at a time, with every sampling field
-explicit (as :mod:`dflash_lab.serving.completions` does for regeneration). What comes back
-per response (:class:`ServerResponse`):
-
-* **vLLM** (``/v1/completions``, ``prompt`` = the id list): vLLM has no per-request acceptance
-  in that API, so its Prometheus counters on ``/metrics`` (``vllm:spec_decode_num_drafts``,
-  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``;
-  vllm/v1/spec_decode/metrics.py) are read before and after each request. Requests are
-  sequential, so the difference belongs to that request, provided nobody else uses the server.
-  ``rounds`` = delta num_drafts (verify steps; the prefill step drafts but verifies nothing),
-  ``accepted_drafts`` = delta num_accepted_tokens.
-* **SGLang** (native ``/generate``, ``input_ids``): its ``/v1/completions`` answer has no
-  acceptance fields, ``/generate`` returns ``meta_info`` with ``spec_verify_ct`` (rounds),
-  ``completion_tokens`` and ``spec_accept_length`` (= completion_tokens / spec_verify_ct).
-
-Tokens per round. ``tau`` of a response is ``(num_output_tokens - 1) / rounds``: the tokens
-kept per verify round, bonus token included, the first token (from the prefill) apart. It is
-exactly dflash-eval's per-round mean, since there ``len(output) == 1 + sum(lengths)``, whenever
-both run the same rounds. The engine's own number is kept beside it as ``engine_tau``: vLLM's
-``1 + accepted / drafts`` (counts drafts accepted past the token budget or stop token in the
-last round) and SGLang's ``spec_accept_length`` (counts the prefill token in the numerator).
-
-Block size: SGLang ``--speculative-num-draft-tokens`` = B, vLLM ``num_speculative_tokens`` =
-B - 1 (the anchor slot is not a draft). Latency with ``server.stream=true``: time to first token
-(TTFT) is the arrival of the first streamed token, time per output token (TPOT) the rest of the
-response divided by the tokens after the first.
+engine (vLLM or SGLang) instead of this package's own loop: the local eval's prompt ids go out one
+request at a time with every sampling field explicit, and each :class:`ServerResponse` carries the
+rounds and accepted drafts from vLLM's ``/metrics`` counters (read around the request) or
+SGLang's ``/generate`` ``meta_info``; ``tau = (num_output_tokens - 1) / rounds`` beside the
+engine's own ``engine_tau`` (docs/eval.md, "Through a serving engine").
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""Target hidden states from a running vLLM server (``dflash-capture capture.backend=server``).
-
-The protocol is vLLM's, as speculators 0.9.0's data generator (``--vllm-endpoint``) uses it:
-
-* the server runs the ``extract_hidden_states`` speculative method with
-  ``eagle_aux_hidden_state_layer_ids`` = the layers to keep, and a hidden-states KV connector
-  (vLLM's ``ExampleHiddenStatesConnector``, or our CPU-capable subclass
-  :mod:`dflash_lab.serving.vllm_hidden_states_connector`) writing to ``shared_storage_path``;
-* each prompt goes to ``/v1/completions`` as token ids with ``max_tokens=1``; the answer carries
-  ``kv_transfer_params.hidden_states_path``, a safetensors file with ``hidden_states``
-  [T, k, H] (the prompt's T tokens, the k layers in ascending id order) and ``token_ids`` [T];
-  the writer holds an exclusive ``flock`` on ``PATH.lock`` until the file is complete.
-
-Layer ids: ours are z-lab ids (id i = output of decoder layer i = HF ``hidden_states[i + 1]``);
-vLLM's aux id j is the residual stream entering layer j, so ours i is vLLM's i + 1, and vLLM's
-``num_hidden_layers`` is the last layer's output before the final norm. The server is asked for
-the selected layers plus that last one (:func:`server_layer_ids`): the target's own final norm
-and LM head, loaded here head-only, turn it into the argmax labels (and the optional
-distribution), exactly as the in-process capture computes them from the same state.
+"""Target hidden states from a running vLLM server (``dflash-capture capture.backend=server``),
+by vLLM's protocol as speculators 0.9.0's data generator uses it: the ``extract_hidden_states``
+method with a hidden-states connector writes ``hidden_states`` [T, k, H] and ``token_ids`` [T] per
+prompt. Our id i is vLLM's i + 1, and the server is also asked for the last layer's pre-norm
+output (:func:`server_layer_ids`), from which the head-only target derives the labels
+(docs/capture.md, "Capture from a serving engine").
 """
 
 from __future__ import annotations

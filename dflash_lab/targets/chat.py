@@ -1,21 +1,8 @@
-"""Conversations -> token ids + loss mask, through the tokenizer's own chat template.
-
-The loss mask covers every assistant turn's content INCLUDING its end-of-turn token (the target
-generates it, so the drafter must learn it), and nothing else (system/user text, role headers,
-generation-prompt glue such as an empty think block). Accepted inputs: OpenAI ``messages``
-(role/content) and ShareGPT ``conversations`` (from/value).
-
-The end of an assistant turn is read from the chat template itself, not from a list of token
-strings (:func:`find_turn_end`): a probe conversation with sentinel contents is rendered, and the
-text the template writes after every assistant content (before the next turn or the end of the
-conversation) is searched for the first added/special token or stop id. Gemma's
-``<end_of_turn>``, Qwen/ChatML's ``<|im_end|>`` and Llama 3's ``<|eot_id|>`` are found that way,
-whether or not the tokenizer lists them in ``all_special_tokens`` (under transformers 5 Gemma's
-is only an added token).
-
-Rows that cannot be trained on (roles not alternating, empty turns, no assistant turn, a chat
-template error) raise :class:`BadConversation`, a ValueError the data loops count and skip or
-turn into a run-stopping error (``bad_rows`` settings).
+"""Conversations (OpenAI ``messages`` or ShareGPT ``conversations``) -> token ids + loss mask,
+through the tokenizer's own chat template. The mask covers every assistant turn's content
+including its end-of-turn token, read from the template itself (:func:`find_turn_end`); rows
+that cannot be trained on raise :class:`BadConversation`, a ValueError the data loops count and
+skip or stop on (docs/capture.md, "Your own target and data").
 """
 
 from __future__ import annotations

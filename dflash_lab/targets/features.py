@@ -1,18 +1,10 @@
 """Target feature extraction: THE function used by offline capture, online training and eval.
+Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``; a
+multi-stream target's layer feature is :func:`layer_features`: the stream mean (T = H, what the
+engines feed) or the flattened streams (T = n*H) (docs/targets.md, "Multi-stream targets").
 
-Shape legend: Bt batch, S sequence length, H target hidden size, n streams of a multi-stream
-target (``hc_mult``), T the per-layer feature width the drafter reads (``target_hidden_size``:
-H, or n*H), nL = len(target_layer_ids), F = nL*T concatenated features, V vocab (suffix letters:
-docs/architecture.md).
-Layer id i (z-lab convention) is the OUTPUT of decoder layer i = HF ``hidden_states[i + 1]``.
-
-Multi-stream targets (hyper-connections: DeepSeek-V4's mHC, GLM-5-next, HY-V4; ``hc_mult`` = n)
-carry n residual streams: transformers returns their layer outputs as [Bt, S, n, H]. What a
-drafter reads of them is :func:`layer_features`, the one definition: the mean over the streams
-(T = H), as vLLM 0.32 (``aux_recon.mean(dim=1)`` in models/deepseek_v4, ``hc_contract`` in
-glm5next) and SGLang 0.5.23 (``mhc_stream_mean`` in deepseek_v4.py) hand them to an
-EAGLE-3 / DFlash / DSpark drafter, or the flattened streams (T = n*H, the layout of
-speculators' unmerged hc_mult pull request 524), which no engine release feeds a DFlash drafter.
+Shape legend: Bt batch, S sequence length, H target hidden size, n streams (``hc_mult``), T the
+per-layer feature width (``target_hidden_size``), nL = len(target_layer_ids), F = nL*T, V vocab.
 """
 
 from __future__ import annotations
@@ -163,17 +155,13 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                      attention_mask_bs: torch.Tensor | None = None,
                      out_device: torch.device | str | None = None,
                      topk: int = 0, target_hidden_size: int | None = None) -> TargetFeatures:
-    """Run the frozen target once and return its features at every position.
-
-    ``model``: an HF causal LM; ``input_ids_bs`` [Bt, S]; ``attention_mask_bs`` [Bt, S] (1 = real
-    token; use right padding: positions before the padding are then unaffected by it).
-    The argmax is computed from the base model's final (normed) hidden state with the LM head,
-    which equals ``logits.argmax(-1)`` without materialising [Bt, S, V] logits.
-    ``out_device`` defaults to the device of the input ids (targets spread with ``device_map``
-    return hidden states on several devices; they are gathered there). The final-normed last
-    hidden state comes along (``last_bsh``, it costs nothing more); ``topk`` > 0 adds the
-    target's top-k next tokens and their log-probabilities. ``target_hidden_size``: the per-layer
-    width (None = H; a multi-stream target: :func:`layer_features`).
+    """Run the frozen target once and return its features at every position: ``input_ids_bs``
+    and ``attention_mask_bs`` [Bt, S] (1 = real token; right padding leaves the real positions
+    unaffected). The argmax comes from the final-normed hidden state through the LM head, equal
+    to ``logits.argmax(-1)`` without [Bt, S, V] logits; that state comes along (``last_bsh``),
+    ``topk`` > 0 adds the top-k next tokens and log-probabilities. ``out_device``: the input
+    ids' device by default (a ``device_map`` target's states are gathered there).
+    ``target_hidden_size``: the per-layer width (None = H; :func:`layer_features`).
     """
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     check_layer_ids_for_streams(model.config, target_layer_ids)

@@ -1,11 +1,7 @@
-"""Load only the target's token embedding, final norm and LM head (``target.head_only=true``).
-
-Offline training never runs the target: the captured shards hold its features, and the drafter
-needs just the frozen embedding (block inputs) and LM head (loss). Loading a 27B target on every
-rank for three tensors costs tens of GB per GPU, so this builds the model on the meta device and
-reads only those tensors from its safetensors files. The result is a :class:`Target` whose
-config, tokenizer and :meth:`Target.identity` match a full load (captures validate against it)
-and whose decoder layers stay on the meta device: running it fails loudly, by design.
+"""Load only the target's token embedding, final norm and LM head (``target.head_only=true``):
+offline training needs just those, so the model is built on the meta device and only their
+tensors are read; config, tokenizer and :meth:`Target.identity` match a full load, and running
+the meta decoder layers fails loudly, by design (docs/targets.md).
 """
 
 from __future__ import annotations

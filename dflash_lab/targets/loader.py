@@ -110,16 +110,12 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 local_files_only: bool | None = None, head_only: bool = False,
                 chat_template: str | None = None) -> Target:
     """Load a frozen causal LM and its tokenizer: the ONE target loader of every entry point.
-
-    ``name_or_path``: a local directory, a hub id (through the HF cache; offline with
-    ``HF_HUB_OFFLINE=1``) or a ``.gguf`` file (also ``gguf_file=`` inside a directory; needs
-    the ``gguf`` package). ``device_map`` (e.g. ``"auto"``) spreads a target bigger than one
-    GPU over the visible GPUs and overrides ``device``. ``attn_implementation`` None lets
-    transformers choose (sdpa where the architecture supports it, else eager: MiMo-V2-Flash has
-    no sdpa). ``head_only``: load only the embedding, final norm and LM head (offline
-    training; :mod:`dflash_lab.targets.head_only`). ``chat_template``: replace the tokenizer's
-    template (a file or a built-in name, :func:`read_chat_template`): GGUF files often carry
-    none.
+    ``name_or_path``: a local directory, a hub id (HF cache; offline with ``HF_HUB_OFFLINE=1``)
+    or a ``.gguf`` file (or ``gguf_file=`` in a directory; needs ``gguf``). ``device_map``
+    overrides ``device``; ``attn_implementation`` None lets transformers choose; ``head_only``:
+    embedding, final norm and LM head only (:mod:`dflash_lab.targets.head_only`);
+    ``chat_template``: a file or built-in name (:func:`read_chat_template`) replacing the
+    tokenizer's, which GGUF files often lack (docs/targets.md).
     """
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)

@@ -52,18 +52,9 @@ def _flat_rope_parameters(config) -> dict[str, Any]:
 def target_rope(config) -> dict[str, Any]:
     """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` and, for a
     scaled target, its ``rope_scaling`` as the engines will apply it to the drafter; {} when the
-    target declares no RoPE.
-
-    linear, yarn and llama3 are copied with the keys model/rope.py reads (yarn/llama3 with an
-    explicit ``original_max_position_embeddings``, the target's pre-training length; transformers
-    fills in ``max_position_embeddings``); the drafter then encodes every position as the target
-    does, past the original length too. Keys a type does not read (``partial_rotary_factor``:
-    the drafter rotates its whole head; M-RoPE sections: the drafter sees 1-D positions) are
-    dropped (logged). ``dynamic`` gives plain RoPE at the same theta: it is what vLLM runs for a
-    dynamic drafter and transformers for every sequence up to max_position_embeddings, and
-    SGLang reads plain RoPE identically while it bakes another base into a dynamic one
-    (model/rope.py). Other types (longrope, Gemma 4's proportional, ...) are not implemented:
-    the drafter uses plain RoPE at the same theta (a warning); the export writes what it trained.
+    target declares no RoPE. linear, yarn and llama3 are copied with the keys model/rope.py
+    reads, unread keys dropped (logged); ``dynamic`` and unimplemented types give plain RoPE at
+    the same theta (docs/targets.md, "What the drafter takes from the target").
     """
     params = _flat_rope_parameters(config)
     theta = params.pop("rope_theta", None)

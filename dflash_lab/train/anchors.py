@@ -1,15 +1,6 @@
-"""Anchor sampling for DFlash training blocks (dflash.md section 2).
-
-A position p can anchor a block when the token at p and the token at p+1 are both inside the loss
-mask (the block must predict at least one supervised token). Per sequence we draw up to N of
-them without replacement, SORTED (sorted anchors keep the flex BlockMask sparse), freshly for
-every step from a generator seeded by (seed, step, rank) so runs and resumes are reproducible.
-
-Packed rows (``data.pack``, ``document_ids`` [Bt, S] in the batch): the density is per DOCUMENT,
-as it is per sequence today: each document gets ``min(num_anchors, its candidates)`` anchors,
-uniform without replacement, exactly the number and distribution it gets alone in an unpacked
-row; p and p+1 must also be in the same document (a document's last position never qualifies,
-as a row's last position never does). A row of k documents thus has up to k * num_anchors.
+"""Anchor sampling for DFlash training blocks (dflash.md section 2): p anchors a block when p and
+p+1 are in the loss mask (and, packed, in one document); up to N per sequence (per document when
+packed), without replacement, sorted, seeded by (seed, step, rank) (docs/data.md, "Packed rows").
 
 Shape legend: Bt batch, S sequence length, N anchors per row.
 """

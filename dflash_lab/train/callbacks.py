@@ -1,16 +1,7 @@
 """The training run's callbacks: checkpointing that also records the best checkpoint where the
-exporter looks for it; the target's identity in every checkpoint; and wandb's part of a run.
-
-Every checkpoint is written atomically (temporary file in the same directory, fsync, rename;
-never staged in the system temp folder)
-with a ``<name>.sha256`` sidecar; the previous ``last.ckpt`` is kept as ``last.prev.ckpt``, so a
-full disk or a kill mid-write never leaves a resume point that cannot be read
-(:func:`dflash_lab.train.resume.resume_checkpoint` checks and falls back). Paths in the
-callback's saved state are rebased onto the directory the run is in now, so a moved or copied
-run directory resumes, saves and picks its best checkpoint inside itself.
-
-Logger-specific work lives here, not in the entry code: :class:`WandbRun` is the one place that
-knows a logger is wandb's (the entry points call the generic Lightning logger API and it).
+exporter looks for it (atomic writes with a ``.sha256`` sidecar, ``last.prev.ckpt`` kept, saved
+paths rebased onto the run's current directory); the target's identity in every checkpoint; and
+:class:`WandbRun`, the one place that knows a logger is wandb's (docs/guarantees.md).
 """
 
 from __future__ import annotations

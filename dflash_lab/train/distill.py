@@ -1,37 +1,8 @@
-"""The target's distribution as a training signal: the loss zoo, one definition each.
-
-``module.loss`` names the per-slot loss: ``ce`` (the default: cross-entropy on the target's
-argmax) or a mix ``{name: weight}`` of
-
-- ``ce``         -log q(y), y the slot's label (the target's argmax)
-- ``kl``         KL(p || q) = sum_v p_v (log p_v - log q_v)  (forward KL, mass covering)
-- ``rkl``        KL(q || p)                                  (reverse KL, mode seeking)
-- ``jsd``        0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2
-- ``tv``         1 - sum_v min(p_v, q_v) = 0.5 sum_v |p_v - q_v|  (= 1 - acceptance rate)
-- ``nla``        -log max(sum_v min(p_v, q_v), 1e-5)         (negative log acceptance)
-- ``lk_hybrid``  lam KL + (1 - lam) TV, lam = exp(-eta sg[alpha])  (module.lk_eta, default 3)
-
-plus ``accept``: the expected acceptance length of each block itself (:func:`expected_accepted`),
-maximised directly at ``module.accept_temperature``. p is the target's next-token distribution
-at the slot's position, softened or sharpened by ``module.label_temperature`` (T_label; 1 = the
-plain softmax); q the drafter's softmax of its scaled unary logits. The definitions (and the
-1e-5 clamp of ``nla``, the 3.0 of ``lk_hybrid``) are those of speculators 0.9.0's eager losses,
-which ``tests/train/test_distill.py`` checks ours against where its venv exists.
-
-Gradients without autograd over [rows, V]: every loss is a function of the probabilities q, so
-its gradient in the logits z is ``q_v (g_v - sum_u q_u g_u)`` with ``g = dL/dq``. Each loss here
-is a :class:`Term`: the few column sums it reads (``SUMS``: sums over buckets, so a pass over
-vocabulary slices adds them up), its value from their totals, and ``h = q * g`` of any buckets
-(finite where q underflows, unlike g: KL's is ``-p``), from which the head pass
-(:mod:`dflash_lab.train.distill_head`) writes dL/dz = ``h - q sum(h)``.
-
-A teacher is either dense (the target's logits, computed per chunk from its final-normed last
-hidden state) or sparse (its top-k log-probabilities with the rest of the mass as one "tail"
-bucket). A sparse teacher is a distribution over k + 1 buckets; the drafter's q is bucketed the
-same way (its mass outside the k ids is its tail), every loss is computed over the buckets, and
-``dL/dq_v`` for a token v of the tail is the tail bucket's. KL over buckets is a lower bound of
-the full KL (the data processing inequality), TV likewise, and the bucketed acceptance
-``sum min`` an upper bound of the true one: the tail's parts are not compared token by token.
+"""The target's distribution as a training signal: the loss zoo (``module.loss``: ``ce``,
+``kl``, ``rkl``, ``jsd``, ``tv``, ``nla``, ``lk_hybrid``, ``accept``), one definition each, as
+speculators 0.9.0's eager losses define them. Each loss is a :class:`Term` of column sums whose
+``h = q * dL/dq`` the head pass (:mod:`dflash_lab.train.distill_head`) turns into
+``dL/dz = h - q sum(h)`` (docs/losses.md, "The losses", "Implementation and cost").
 
 Shape legend (vocab-major chunks, as the fused head pass holds them): V vocab, m rows of a chunk,
 K teacher top-k, C loss terms. ``x_vm`` is [V, m]; ``x_m`` [m].

@@ -1,22 +1,8 @@
 """The head pass of the distribution losses: one chunked pass over the vocabulary per step.
-
 :func:`distill_head_pass` is :func:`~dflash_lab.train.loss.chunked_head_pass` for a
-:class:`~dflash_lab.train.distill.LossSpec` with terms beyond the label CE: per chunk of rows it
-projects the drafter's hidden states (and, for a dense teacher, the target's final-normed last
-hidden states) through the frozen target head, computes every term of the spec, the label CE
-and correctness, the overlaps at the asked temperatures and the unary top-K, and the gradient to
-the drafter's hidden states right there (dL/dz from the terms of
-:mod:`dflash_lab.train.distill`, then one matmul with the head weight). Nothing [M, V] is held:
-a chunk's rows are chosen so that its :func:`distill_buffers` fp32 [V, m] buffers fit the bytes
-the CE pass would use for the same rows.
-
-Why the passes look the way they do: at the SmolLM2 shape the cost is the vocabulary matmuls,
-and a matmul over few rows is slow (on 2 CPU cores [V, 28] runs at half the speed per row of
-[V, 224]), so the fewer [V, m] buffers a chunk needs, the more rows it takes. Each chunk keeps
-at most the drafter's logits, a dense teacher's logits and accept's gradient; everything
-elementwise (softmaxes at each temperature, the loss sums, h, dL/dz) walks the vocabulary in
-``VOCAB_SLICES`` slices with small temporaries, and the gradients are written over the logits
-they came from (docs/benchmarks.md, section 6b).
+:class:`~dflash_lab.train.distill.LossSpec` with terms beyond the label CE; nothing [M, V] is
+held, and a chunk takes as many rows as its :func:`distill_buffers` fp32 [V, m] buffers allow
+within the CE pass's bytes (docs/losses.md, "Implementation and cost"; docs/benchmarks.md, 6b).
 
 Shape legend: M rows (valid slots), H hidden, V vocab, K top-k, m rows of a chunk, T the number
 of asked temperatures. Vocab-major chunks ``x_vm`` [V, m] as in the CE pass.

@@ -1,10 +1,6 @@
-"""Choosing a drafter's draft vocabulary from its training data (docs/draft_vocab.md).
-
-``drafter.draft_vocab_size=N`` keeps the N target tokens the drafter is most often asked to
-predict: the label of every loss-masked position of the training split (the target's argmax
-where the capture holds it, else the conversation's own next token), counted once before
-training. The choice is recorded in the run directory (``draft_vocab.json``) and travels in
-every checkpoint and export as the drafter's ``d2t`` / ``t2d`` buffers.
+"""Choosing a drafter's draft vocabulary from its training data: the N target tokens most often
+labelled at loss-masked positions, counted once before training, recorded as
+``draft_vocab.json`` and carried as the ``d2t`` / ``t2d`` buffers (docs/draft_vocab.md).
 
 Shape legend: V target vocabulary, N draft vocabulary.
 """

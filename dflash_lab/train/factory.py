@@ -1,14 +1,8 @@
-"""Build a drafter for a LOADED target: shape, RoPE and MASK id come from the target itself.
-
-It lives in train/ so that model/ imports only torch.
-
-This is the Hydra ``_target_`` of the ``drafter`` config group (instantiated as a partial and
-called with ``target=``). Any DrafterConfig field may be given; fields left out (or null) that
-the target defines (hidden size, vocab, heads, head_dim, intermediate size, norm eps, RoPE, max
-positions) are copied from the target's (text) config, because the drafter shares the target's
-embedding and LM head and z-lab drafters mirror the target's layer shape. The target may come
-from a local directory, a hub id in the HF cache, a GGUF file or a head-only load: all of them
-give a transformers config and a tokenizer, and nothing here reads files by path.
+"""Build a drafter for a LOADED target (the ``drafter`` group's Hydra ``_target_``, a partial
+called with ``target=``): fields left out or null that the target defines (shape, RoPE, max
+positions) are copied from its (text) config, the MASK id taken from the target too; nothing
+here reads files by path. It lives in train/ so that model/ imports only torch (docs/training.md,
+"Config groups and targets").
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""DFlash training loss and the exact greedy-acceptance metrics (dflash.md section 2).
-
-Label alignment (the classic bug is an off-by-one here): slot t of the block anchored at a
-predicts the token AT position a + t (DFlash: slot 0 is the anchor and predicts nothing). With
-``drafter.sample_from_anchor`` slot t predicts the token at a + t + 1 (slot 0 drafts too): the
-one definition is :func:`slot_positions` with the config's ``label_shift`` (0 or 1) and
-``first_draft_slot`` (1 or 0); the loss, the metrics, the teacher and the eval all go through
-it. ``token_targets[p]`` is the token position p should hold: with target-argmax labels it is
-``target_argmax[p - 1]`` (the target's choice for position p, made after reading positions
-<= p-1); with dataset labels it is ``input_ids[p]``.
+"""DFlash training loss and the exact greedy-acceptance metrics (dflash.md section 2). Label
+alignment has one definition, :func:`slot_positions` (docs/losses.md, "Label alignment").
 
 Shape legend: Bt batch, S sequence, N blocks, B block size, H hidden, V vocab, M selected slots.
 Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p`` a position in a block.
@@ -82,16 +74,11 @@ def check_position_weighting(weighting: str, dpace_alpha: float) -> None:
 
 
 def dpace_weights(ce_bnp: Tensor, valid_bnp: Tensor, alpha: float) -> Tensor:
-    """D-PACE slot weights [Bt, N, B] (fp32, no gradient) from the per-slot CE [Bt, N, B].
-
-    ``q_t = exp(-CE_t)`` is the drafter's probability of slot t's label; smoothed,
-    ``s_t = alpha + (1 - alpha) q_t`` on valid slots and 1 on invalid ones (an invalid slot
-    neither breaks nor extends the chain); ``P_t = prod_{i <= t} s_i`` (inclusive) and
-    ``w_t = valid_t * sum_{j >= t, valid_j} P_j``. With ``s = q``, ``sum_j P_j`` is the expected
-    number of accepted slots of the block and ``w_t`` its derivative in ``log q_t``: a slot
-    weighs what raising its log-probability adds to the expected acceptance length. ``alpha``
-    keeps the weights from vanishing while q is small; ``alpha = 1`` gives ``w_t`` = number of
-    valid slots at or after t. Computed under no_grad: the weights are constants of the step.
+    """D-PACE slot weights [Bt, N, B] (fp32, no gradient) from the per-slot CE [Bt, N, B]:
+    ``s_t = alpha + (1 - alpha) exp(-CE_t)`` on valid slots (1 on invalid ones),
+    ``P_t = prod_{i <= t} s_i``, ``w_t = valid_t * sum_{j >= t, valid_j} P_j``: what raising slot
+    t's log-probability adds to the expected acceptance length (docs/training.md,
+    ``position_weighting: dpace``). Computed under no_grad: the weights are step constants.
     """
     with torch.no_grad():
         mask = valid_bnp.to(torch.float32)
@@ -277,18 +264,10 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
 def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
                       chunk_size: int | None = None, chunk_bytes: int = CE_CHUNK_BYTES, *,
                       scale: LogitScale = NO_SCALE, top_k: int = 0) -> HeadPass:
-    """CE of the (scaled) unary logits per row, and their running top-K, one chunk at a time.
-
-    Chunks of :func:`ce_chunk_rows` rows: ``chunk_size`` if given, else as many as fit
-    ``chunk_bytes`` of fp32 logits for this head's vocab (half as many when softcapped: the
-    fused pass then keeps the cap's derivative beside the logits). The top-K of a chunk is taken
-    before its logits are freed, so nothing [M, V] is ever held: only [M, K].
-
-    Frozen bias-free LM head (the DFlash case) with gradients wanted: the fused path
-    (:class:`_FusedHeadCE`) projects each chunk once and computes the gradient to the hidden
-    states right there, so the vocab projection costs two matmuls (forward and input gradient)
-    and peak memory is one chunk of logits. Otherwise (trainable head or bias, no grad) each
-    chunk runs under activation checkpointing: backward recomputes its logits (three matmuls).
+    """CE of the (scaled) unary logits per row, and their running top-K, one chunk at a time
+    (:func:`ce_chunk_rows` rows), so nothing [M, V] is held, only [M, K]. A frozen bias-free
+    head with gradients takes the fused path (:class:`_FusedHeadCE`: two matmuls); otherwise
+    each chunk is checkpointed (three) (docs/losses.md, "Implementation and cost").
     """
     weight = getattr(lm_head, "weight", None)
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
@@ -317,21 +296,8 @@ def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
 class _FusedHeadCE(torch.autograd.Function):
     """CE of ``scale(hidden @ weight.T)`` per row, chunked, with d(CE)/d(hidden) computed in
     forward; optionally the top-K of each row's scaled logits (non-differentiable outputs).
-
-    Per chunk: logits (fp32) -> scaled (in place; skipped when the scale is the identity, so
-    the DFlash 1 default path is the plain one) -> top-K -> CE = logsumexp - logit[label];
-    dCE/dlogits = (softmax - onehot) * d(scaled)/d(raw); dCE/dhidden = that @ weight (in the
-    weight's dtype, as autograd's linear backward does). Only the [M, H] gradient is kept for
-    backward, which scales it by the incoming per-row gradient. The weight gets no gradient
-    (frozen target LM head).
-
-    Each chunk's logits are held vocab-major, [V, m] = weight @ h.T, and walked as few times as
-    possible, in place: max, subtract, exp, sum, scale. On CPU (MKL) that product runs ~20%
-    faster than [m, V] = h @ weight.T, and the vocab reductions become reductions over the
-    outer dimension, vectorised across the m rows (benchmarks/peer_speculators measures the
-    step). A slot is correct when its label's logit attains the maximum (an exact tie would
-    count as correct where ``argmax`` picks the first index; float logits do not tie in
-    practice, and ``argmax`` would cost another pass over [V, m]).
+    Chunks are vocab-major [V, m] and walked in place; only the [M, H] gradient is kept for
+    backward, and the frozen weight gets none (docs/losses.md, "Implementation and cost").
     """
 
     @staticmethod

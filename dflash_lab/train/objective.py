@@ -1,12 +1,9 @@
-"""The drafter's training objective: a list of named terms, one sum.
-
-:func:`dflash_loss` computes the label term over one batch of blocks (the CE pass of
-train/loss.py for the label CE alone, the distribution pass of train/distill_head.py for
-distribution terms or measured acceptance; it sits above both so neither imports the other's
-caller). :func:`terms` names the label and accept terms the loss pieces hold with their
-coefficients (a head adds its own: model/heads.py ``terms``); :func:`objective` sums them,
-each normalised by its GLOBAL count, and :func:`local_means` gives the same sum on this rank
-for the logs."""
+"""The drafter's training objective: a list of named terms, one sum. :func:`dflash_loss` computes
+the label term (the CE pass or the distribution pass; it sits above both so neither imports the
+other's caller), :func:`terms` names the terms with their coefficients (a head adds its own),
+:func:`objective` sums them, each normalised by its GLOBAL count, and :func:`local_means` gives
+the same sum on this rank for the logs.
+"""
 
 from __future__ import annotations
 
@@ -36,15 +33,12 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
                 dpace_alpha: float = 0.5, spec=None, teacher=None,
                 temperatures: tuple[float, ...] = ()) -> LossOutput:
     """Weighted CE over valid slots; only the M valid slots go through the vocab projection
-    (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale;
-    ``top_k`` > 0 also returns the unary top-K of every valid slot. Slot weights:
-    :func:`slot_weights` (``weighting``: exp_decay with ``gamma`` | dpace with ``dpace_alpha``,
-    from this pass's own CE).
-
-    ``spec`` (:class:`~dflash_lab.train.distill.LossSpec`) with terms beyond the label CE, or
-    ``temperatures`` at which to measure the expected acceptance, take the distribution pass
-    (:func:`~dflash_lab.train.distill_head.distill_head_pass`) against ``teacher`` (the target
-    distribution of the valid slots, in row-major order); the default CE alone takes the CE pass.
+    (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale; ``top_k`` >
+    0 also returns the unary top-K of every valid slot; slot weights: :func:`slot_weights`
+    (exp_decay with ``gamma`` | dpace with ``dpace_alpha``, from this pass's CE). A ``spec`` with
+    terms beyond the label CE, or ``temperatures`` for the expected acceptance, take the
+    distribution pass (:func:`~dflash_lab.train.distill_head.distill_head_pass`) against
+    ``teacher`` (the valid slots' target distribution, row-major); CE alone takes the CE pass.
     """
     if (spec is not None and not spec.ce_only) or temperatures:
         return distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,

@@ -1,18 +1,7 @@
-"""Muon for the drafter's weight matrices, AdamW for the rest, as one optimizer.
-
-``module/optimizer=muon`` (conf/module/optimizer/muon.yaml) builds :class:`MuonAdamW`:
-``torch.optim.Muon`` (momentum, then each 2-D update orthogonalised by a few Newton-Schulz
-iterations) over the drafter's 2-D weight matrices, the attention and MLP projections of its
-layers and the ``fc`` projection of the target's hidden states, and ``torch.optim.AdamW`` over
-everything else: vectors (norms, biases, the attention sink bias, the learned mask embedding)
-and lookup tables or heads (the DFlash 2 codebooks, a trainable ``lm_head``), which Muon's
-orthogonalised update does not suit (the usual Muon practice; speculators 0.9.0 trains its
-drafters with the same split by default).
-
-Lightning's automatic optimisation drives one optimizer, so the two are stepped together behind
-one ``torch.optim.Optimizer``: ``param_groups`` lists both optimizers' groups (the same dicts, so
-the lr schedule and gradient clipping act on both), ``state`` both states, and ``state_dict``
-holds both, so a checkpoint resumes exactly.
+"""Muon for the drafter's weight matrices (attention and MLP projections, ``fc``), AdamW for the
+rest (vectors, lookup tables, heads), as one optimizer: :class:`MuonAdamW`
+(``module/optimizer=muon``), whose ``param_groups`` and ``state_dict`` hold both, so the schedule,
+clipping and a resume act on both (docs/training.md, "Optimizer").
 """
 
 from __future__ import annotations

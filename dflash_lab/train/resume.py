@@ -1,13 +1,7 @@
-"""Resume points that survive faults, and resumes that match the run they continue.
-
-* :func:`finish_checkpoint`: the last step of an atomic checkpoint save (fsync, sha256 sidecar,
-  the previous ``last.ckpt`` kept as ``last.prev.ckpt``, rename).
-* :func:`resolve_ckpt_path`: ``ckpt_path=auto`` takes ``last.ckpt`` of the run directory it is
-  given (wherever that directory is now), else ``last.prev.ckpt`` when ``last.ckpt`` is
-  missing, truncated or corrupt (with a warning; the bad file is set aside, not deleted).
-* :func:`check_resume_config`: a resume whose model, data or target settings differ from the
-  run's recorded config is refused, naming every differing key (``resume_allow_changes``,
-  ``resume_force`` override).
+"""Resume points that survive faults, and resumes that match the run they continue: the atomic
+end of a checkpoint save (:func:`finish_checkpoint`), ``ckpt_path=auto`` with its fall back to
+``last.prev.ckpt`` (:func:`resolve_ckpt_path`), and the refusal of changed settings
+(:func:`check_resume_config`) (docs/guarantees.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""``drafter.init_from=PATH``: start training from a trained drafter of any format we read.
-
-PATH is anything a registered format reads (``dflash_lab.export.formats.load_source``): our
-``.ckpt`` / run directory (best checkpoint) / export, a z-lab directory (DFlash 1 or 2), a
-speculators directory or a SpecForge checkpoint. The drafter config comes from the source; a
-drafter field set in Hydra (a value that differs from the ``conf/drafter`` option's own, or any
-``drafter.KEY=`` on the command line) overrides it. An override that changes what the trained
-weights compute (a layer switched between sliding and full or causal and bidirectional, another
-window, block size, target layer ids, MASK id, RoPE or logit scales) is logged as one warning
-listing each; one that changes the tensor shapes, or a source built for another target (hidden or
-vocab size), is a ValueError. A format that records no vocabulary (Muse Glimmer) takes the
-target's. A source recorded for a target of another depth is refused too unless
-``target_layer_ids`` is overridden (:func:`check_depth`); one trained on other target weights of
-the same shapes (a fine-tune of the target) is a warning naming both fingerprints
-(:func:`other_target_weights`). Where a peer's mask differs from ours (speculators' block-anchored
-window) the contradiction warning says so with the numbers (``Source.mask_differences``). Only the
-weights are taken: optimizer and schedule start fresh (a resume of our own run goes through
-``ckpt_path`` and restores both)."""
+"""``drafter.init_from=PATH``: start training from a trained drafter of any format we read
+(``dflash_lab.export.formats.load_source``). The config comes from the source, Hydra-set drafter
+fields override it (warning when the weights would compute otherwise, ValueError when shapes
+change); another target depth (:func:`check_depth`) or other target weights
+(:func:`other_target_weights`) are checked; only the weights are taken (docs/warm_start.md).
+"""
 
 from __future__ import annotations
 
@@ -120,14 +108,10 @@ def check_target(config: DrafterConfig, shape: dict[str, Any], where: str, name:
 
 def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> list[str]:
     """ValueError when the source was recorded for a target of another depth and its layer ids
-    are kept; the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
-
-    In the drafter the depth only bounds and spreads the layer ids (``build_target_layer_ids``;
-    nothing it computes reads it), but ids chosen on an L-layer target name other layers of a
-    target of another depth (id 17 is mid-depth of 36 layers, two thirds of 28): the trained
-    ``fc`` would read features it never saw, which is another target. An explicit
-    ``drafter.target_layer_ids`` is the user choosing this target's layers: reported, not refused.
-    Formats that record no depth (speculators) are not compared.
+    are kept (they would name other layers: the trained ``fc`` would read features it never
+    saw); the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
+    Formats that record no depth (speculators) are not compared (docs/warm_start.md, "Another
+    target depth").
     """
     old = source.config.num_target_layers
     if not source.depth_recorded or old == depth:

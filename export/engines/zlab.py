@@ -1,19 +1,7 @@
-"""z-lab's reference loader, emulated: how it reads a third-party config.json's non-layout fields.
-
-Source: z-lab ``dflash`` 0.1.0 ``model.py``. ``_draft_value(config, name, default)`` looks a key up
-in ``dflash_config`` first, then at the top level: ``block_size`` (default 16), the DFlash 2 keys
-(``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``), the three scales
-and ``target_layer_ids`` (default ``build_target_layer_ids(num_target_layers,
-num_hidden_layers)``). ``final_logit_softcapping <= 0`` is its "off". ``architectures`` picks
-``DFlashDraftModel`` or ``DFlash2DraftModel``.
-
-The layer layout (which layers slide, with what window, which are causal) is NOT read here: each
-engine decides it differently, so a third-party drafter's layout is always one engine rule set's
-reading (``dflash_lab.export.formats.base.config_from_reading``), named wherever it is used. This is
-the one reader of a raw config.json's ``block_size`` for every rule set and for ``--inspect``.
-
-Keys are checked as strictly as our own format: anything no reader here or in a rule set knows is
-a ValueError, because a key nobody implements could change what the drafter computes.
+"""z-lab's reference loader (``dflash`` 0.1.0 ``model.py`` ``_draft_value``), emulated: how it
+reads a third-party config.json's non-layout fields, ``dflash_config`` first, then the top level.
+The one reader of a raw config.json's ``block_size``; the layout is left to the rule sets, and a
+key no reader knows is a ValueError (docs/export.md, "Importing third-party directories").
 """
 
 from __future__ import annotations

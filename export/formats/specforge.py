@@ -1,16 +1,8 @@
-"""The SpecForge checkpoint format (sgl-project/SpecForge, ``CheckpointManager``), read into our
-config + serving-name weights (docs/warm_start.md lists the versions).
-
-``{run_id}-step{N}/training_state.pt``, a dict whose ``draft_state_dict`` holds the
-``DFlashDraftModel`` weights (``draft_model.`` prefix already stripped) and ``strategy``
-("dflash"). The draft config is NOT in the checkpoint: it is the z-lab style JSON passed as
-``--draft-model-config``; we read it as ``config.json`` beside ``training_state.pt`` or in the
-run's output directory. SpecForge's mask is the legacy rule (sliding layers causal with a
-per-query window, full layers bidirectional), which is what a config without ``is_causal`` means
-to us. Its HF export (``specforge.export.to_hf``) is a z-lab directory and is read as one. This
-SpecForge (main at a6b6b02) has no DFlash 2 model: DFlash 1 only.
-
-Opened with ``torch.load(weights_only=True)`` only.
+"""The SpecForge checkpoint format (sgl-project/SpecForge main at a6b6b02, ``CheckpointManager``):
+``{run_id}-step{N}/training_state.pt`` (``draft_state_dict``, ``strategy``) with the z-lab style
+``--draft-model-config`` JSON beside it or in the run's output directory, read into our config +
+serving-name weights with ``torch.load(weights_only=True)`` only; DFlash 1 only (docs/warm_start.md,
+"What PATH may be").
 """
 
 from __future__ import annotations

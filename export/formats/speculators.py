@@ -1,17 +1,8 @@
 """The speculators format (vllm-project/speculators 0.9.0, ``DFlashDraftModel.save_pretrained``),
-read into our config + serving-name weights (docs/warm_start.md lists the versions).
-
-A directory with ``config.json`` (``speculators_model_type`` "dflash" | "dflash2" | "dspark", the
-draft layers' Qwen3 config under ``transformer_layer_config``, ``aux_hidden_state_layer_ids``,
-``block_size``, ``mask_token_id``, ``sliding_window_non_causal``, ``draft_vocab_size``) and
-``model.safetensors`` with our serving names (``embed_tokens`` / ``lm_head`` / ``verifier_*`` are
-not saved for a full-vocabulary draft). Its layer ids index HF ``hidden_states`` (``i + 1`` = the
-output of decoder layer ``i``); ours are z-lab's ``i``. Its block-anchored sliding window ``W`` is
-read as our per-query ``W + 1``; what still differs is in ``Source.mask_differences``
-(:func:`speculators_window_difference`). Our own DSpark export is this layout too, read exactly by
-export/formats/dspark.py.
-
-Everything is opened with safetensors (never a pickle).
+read into our config + serving-name weights, safetensors only. Its layer ids are ours + 1; its
+block-anchored sliding window ``W`` is read as our per-query ``W + 1``, what still differs going
+to ``Source.mask_differences`` (:func:`speculators_window_difference`); our DSpark export is read
+by export/formats/dspark.py (docs/warm_start.md, "What PATH may be").
 """
 
 from __future__ import annotations
@@ -79,18 +70,9 @@ def _speculators_layout(d: dict[str, Any], tl: dict[str, Any], kind: str) -> dic
 
 
 def speculators_window_difference(window: int, block_size: int, causal: bool) -> str:
-    """What our window ``W + 1`` hides that speculators 0.9.0's sliding window ``W`` shows.
-
-    speculators (``models/dflash/attention.py::create_anchor_block_mask_mod``) anchors the
-    window at the block: every slot of the block anchored at ``a`` sees the context positions
-    ``[a - W, a)`` and its whole block (causal: slots ``u <= t``). Ours counts ``W' `` keys back
-    from each query (slot ``t`` at position ``a + t`` sees context ``[a + t - W' + 1, a)`` and
-    block slots ``|t - u| <= W' - 1``), so no ``W'`` equals it for ``B >= 2``: the context bound
-    would have to move with ``t``. ``W' = W + 1`` is the largest window whose keys all lie
-    inside speculators' for every slot: slot 0 sees exactly speculators' context, slot ``t`` misses
-    the ``min(t, W)`` oldest context positions ``[a - W, a - W + t)``, and when ``W + 1 < B``
-    block slots more than ``W`` apart (which speculators shows) are hidden. Counts are per block
-    whose anchor has at least ``W`` context positions.
+    """What our window ``W + 1`` hides that speculators 0.9.0's block-anchored sliding window
+    ``W`` shows (``create_anchor_block_mask_mod``): per block whose anchor has at least ``W``
+    context positions (docs/warm_start.md, "speculators' sliding window").
     """
     b = block_size
     ctx = sum(min(t, window) for t in range(b))
