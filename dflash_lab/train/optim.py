@@ -1,7 +1,7 @@
 """Muon for the drafter's weight matrices (attention and MLP projections, ``fc``), AdamW for the
 rest (vectors, lookup tables, heads), as one optimizer: :class:`MuonAdamW`
 (``module/optimizer=muon``), whose ``param_groups`` and ``state_dict`` hold both, so the schedule,
-clipping and a resume act on both (docs/training.md, "Optimizer").
+clipping and a resume act on both (docs/training.md, "Recipes, overrides and the run directory").
 """
 
 from __future__ import annotations

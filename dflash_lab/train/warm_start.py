@@ -110,8 +110,8 @@ def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> li
     """ValueError when the source was recorded for a target of another depth and its layer ids
     are kept (they would name other layers: the trained ``fc`` would read features it never
     saw); the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
-    Formats that record no depth (speculators) are not compared (docs/warm_start.md, "Another
-    target depth").
+    Formats that record no depth (speculators) are not compared (docs/warm_start.md, "Which
+    config wins").
     """
     old = source.config.num_target_layers
     if not source.depth_recorded or old == depth:

@@ -72,7 +72,7 @@ def _speculators_layout(d: dict[str, Any], tl: dict[str, Any], kind: str) -> dic
 def speculators_window_difference(window: int, block_size: int, causal: bool) -> str:
     """What our window ``W + 1`` hides that speculators 0.9.0's block-anchored sliding window
     ``W`` shows (``create_anchor_block_mask_mod``): per block whose anchor has at least ``W``
-    context positions (docs/warm_start.md, "speculators' sliding window").
+    context positions (docs/warm_start.md, "What PATH may be").
     """
     b = block_size
     ctx = sum(min(t, window) for t in range(b))
