@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from dflash_lab.eval.sampling import propose
-from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
 
 
@@ -82,8 +81,8 @@ class DFlashProposer:
     ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near the token
     budget) runs a block of just that many slots, as z-lab's ``dflash_generate`` does: with
     bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
-    one. DFlash 2 drafts with the candidate selector
-    (:func:`~dflash_lab.eval.sampling.selector_draft`). A ``sample_from_anchor`` drafter drafts
+    one. A head with a walk of its own drafts with it (``Head.draft``: DFlash 2's candidate
+    selector, DSpark's Markov walk). A ``sample_from_anchor`` drafter drafts
     from every slot, slot 0 included: B drafts per round (``num_draft_tokens``).
     """
 
@@ -97,10 +96,9 @@ class DFlashProposer:
                              "trained); omit it to use the trained size")
         min_slots = _min_slots(drafter)
         if block_size < min_slots:
-            raise ValueError(f"block_size={block_size}: this DFlash 2 drafter's conv has "
-                             f"conv_kernel_size={drafter.config.conv_kernel_size} taps and runs "
-                             f"on blocks of at least {min_slots} slots; use block_size >= "
-                             f"{min_slots}")
+            raise ValueError(f"block_size={block_size}: this {drafter.config.head.title} "
+                             f"drafter runs on blocks of at least {min_slots} slots (its "
+                             f"min_slots); use block_size >= {min_slots}")
         self._trained = drafter
         self._views = {trained: drafter}
         self.drafter = self._view(block_size)
@@ -177,19 +175,17 @@ def _min_slots(drafter: DFlashDrafter) -> int:
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
     """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long.
 
-    Built on the meta device and given ``drafter``'s tensors, so a short block costs no memory.
-    The block length is set on the config and on every DFlash 2 conv (their taps are cut at
-    the block start); the config is copied without re-validation because a tail block may be
-    shorter than the conv kernel (``conv_kernel_size <= block_size`` is a training rule).
+    Built on the meta device from a config of that block length and given ``drafter``'s
+    tensors, so a short block costs no memory and a head's block-aware modules (DFlash 2's
+    convs, whose taps are cut at the block start) are built for it. The config is copied
+    without re-validation because a tail block may be shorter than the conv kernel
+    (``conv_kernel_size <= block_size`` is a training rule).
     """
+    config = copy.copy(drafter.config)
+    config.block_size = block_size
     with torch.device("meta"):
-        view = DFlashDrafter(drafter.config, backend=drafter.backend_name)
+        view = DFlashDrafter(config, backend=drafter.backend_name)
     view.load_state_dict(drafter.state_dict(), assign=True)
     view.rotary = drafter.rotary  # inv_freq is a non-persistent buffer: not in the state dict
-    view.config = copy.copy(drafter.config)
-    view.config.block_size = block_size
-    for module in view.modules():
-        if isinstance(module, GroupedDynamicCausalConv):
-            module.block_size = block_size
     view.static_shapes = drafter.static_shapes
     return view.eval()

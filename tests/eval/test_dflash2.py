@@ -26,11 +26,12 @@ from dflash_lab.eval.loop import (
     speculative_generate,
     unary_lengths,
 )
-from dflash_lab.eval.offline_tau import _forward, feature_eval, selector_flags
+from dflash_lab.eval.offline_tau import _forward, feature_eval
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.report import generation_report, markdown
 from dflash_lab.eval.target_runner import StepOutput, TargetRunner
+from dflash_lab.heads.dflash2 import selector_flags, selector_scores
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
@@ -279,7 +280,8 @@ def test_selector_q_is_the_walk_distribution():
         draft = proposer.draft(1, 2, t, "rejection", torch.Generator().manual_seed(seed))
         hidden = proposer._hidden(1, 3)[1:]
         prev = torch.tensor([[1, int(draft.tokens[0])]])
-        scores, ids, _ = proposer.drafter.selector_scores(hidden[None], prev, proposer.lm_head)
+        scores, ids, _ = selector_scores(proposer.drafter, hidden[None], prev,
+                                           proposer.lm_head)
         expected = torch.zeros(2, V).scatter_(-1, ids[0], torch.softmax(scores[0] / t, -1))
         torch.testing.assert_close(draft.probs, expected)
         assert (draft.probs > 0).sum(-1).tolist() == [2, 2]
