@@ -97,8 +97,8 @@ class DFlashProposer:
         min_slots = _min_slots(drafter)
         if block_size < min_slots:
             raise ValueError(f"block_size={block_size}: this {drafter.config.head.title} "
-                             f"drafter runs on blocks of at least {min_slots} slots (its "
-                             f"min_slots); use block_size >= {min_slots}")
+                             f"drafter runs on blocks of at least {min_slots} slots (the "
+                             f"head's min_slots); use block_size >= {min_slots}")
         self._trained = drafter
         self._views = {trained: drafter}
         self.drafter = self._view(block_size)
