@@ -94,7 +94,8 @@ class DFlashProposer:
             raise ValueError(f"block_size={block_size}: must be in [2, {trained}] (the drafter "
                              f"was trained with block_size={trained}; larger blocks were never "
                              "trained); omit it to use the trained size")
-        min_slots = _min_slots(drafter)
+        self.min_slots = drafter.config.head.min_slots(drafter.config)  # DFlash 2: K - 1 taps
+        min_slots = self.min_slots
         if block_size < min_slots:
             raise ValueError(f"block_size={block_size}: this {drafter.config.head.title} "
                              f"drafter runs on blocks of at least {min_slots} slots (the "
@@ -150,13 +151,13 @@ class DFlashProposer:
         """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (``num_drafts`` with
         sample_from_anchor, at least 2; see the class doc).
 
-        A DFlash 2 conv with more taps than a short tail block can run (``_min_slots``) gets
+        A DFlash 2 conv with more taps than a short tail block can run (``min_slots``) gets
         the shortest block it runs on and keeps its first drafts (z-lab's loop fails there).
         """
         first = self.first_slot
         if not 1 <= num_drafts <= self.num_draft_tokens:
             raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
-        num_slots = max(num_drafts + first, _min_slots(self.drafter))
+        num_slots = max(num_drafts + first, self.min_slots)
         hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
         walked = self.drafter.config.head.draft(self.drafter, hidden_kh, unary_kv, anchor_id,
@@ -164,12 +165,6 @@ class DFlashProposer:
         if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv, temperature, mode, generator))
         return Draft(*walked, unary_kv.argmax(-1))
-
-
-def _min_slots(drafter: DFlashDrafter) -> int:
-    """Fewest block slots the drafter runs on (the head's ``min_slots``: 2, or K - 1 for a
-    DFlash 2 conv of K taps; taps past the block would only see zeros anyway)."""
-    return drafter.config.head.min_slots(drafter.config)
 
 
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:

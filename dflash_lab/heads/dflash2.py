@@ -30,8 +30,7 @@ Served as z-lab's ``DFlash2DraftModel``. Everything DFlash 2 adds is here:
   (teacher-forced argmax over the serving candidates == gold), and three exact acceptance
   lengths per block: selector path (the greedy walk on its OWN previous picks, what serving
   gets), unary (the unary argmax) and oracle (a slot counts when gold is a candidate).
-- drafting: :func:`selector_draft` (eval's speculative loop), :func:`selector_flags` (features
-  mode: the walk's correctness and the oracle's).
+- drafting: :func:`selector_draft` (eval's loop), :func:`selector_flags` (features mode).
 
 Shape legend: Bt batch, N blocks, B block size, Q = N*B block slots of a row, T = B-1 drafted
 (scored) slots, H hidden, M valid slots, K conv taps, G conv groups (H / conv_group_size), V
@@ -496,6 +495,38 @@ def expected_selector_taus(serving_mk: Tensor, walk_bnp: Tensor, out: LossOutput
     return taus
 
 
+#: blocks per pass of :func:`selector_flags`: bounds the [blocks, T, V] fp32 logits held at once
+_SELECTOR_CHUNK = 32
+
+
+@torch.no_grad()
+def selector_flags(drafter: Any, lm_head: nn.Module, hidden_bnph: Tensor, anchor_ids_bn: Tensor,
+                   labels_bnp: Tensor, valid_bnp: Tensor) -> tuple[Tensor, Tensor]:
+    """Features-mode per-slot flags [Bt, N, B] (False at slot 0 and invalid slots): the serving
+    walk's pick equals the label; the label is among the slot's K candidates (recall, oracle
+    path).
+
+    Candidates are the top-K of the unary logits (output_multiplier, softcap), as in serving.
+    Slots past a block's first invalid one are walked on placeholder labels but never counted.
+    """
+    selector = drafter.candidate_selector
+    bt, n, b, h = hidden_bnph.shape
+    hidden_xth = hidden_bnph[:, :, 1:].reshape(bt * n, b - 1, h)
+    anchors_x = anchor_ids_bn.reshape(bt * n)
+    picks, cands = [], []
+    for s in range(0, bt * n, _SELECTOR_CHUNK):
+        h_xth, a_x = hidden_xth[s:s + _SELECTOR_CHUNK], anchors_x[s:s + _SELECTOR_CHUNK]
+        unary = drafter.unary_logits(h_xth.to(lm_head.weight.dtype), lm_head).float()
+        cand_unary, cand_ids = selector.candidates(unary)
+        picks.append(selector.walk(h_xth, cand_ids, cand_unary, a_x)[0])
+        cands.append(cand_ids)
+    labels = labels_bnp[:, :, 1:].reshape(bt * n, b - 1)
+    walk, found = torch.zeros_like(valid_bnp), torch.zeros_like(valid_bnp)
+    walk[:, :, 1:] = (torch.cat(picks) == labels).view(bt, n, b - 1)
+    found[:, :, 1:] = (torch.cat(cands) == labels[..., None]).any(-1).view(bt, n, b - 1)
+    return walk & valid_bnp, found & valid_bnp
+
+
 class SelectorMetrics:
     """The selector walk's metrics (``Head.walk_metrics``): its per-slot correctness in a
     training step (:meth:`correct`), the validation accumulator (:meth:`update`,
@@ -511,11 +542,7 @@ class SelectorMetrics:
         self.loss = torch.zeros(2)  # selector weighted sum, weight sum
         self.expected: dict[str, list[Tensor]] = {}  # val/tau_T{t}: the walk's, per block
 
-    @staticmethod
-    def features(drafter: Any, lm_head: nn.Module, hidden_bnph: Tensor, anchor_ids_bn: Tensor,
-                 labels_bnp: Tensor, valid_bnp: Tensor) -> tuple[Tensor, Tensor]:
-        """Features mode's (walk, oracle) flags: :func:`selector_flags`."""
-        return selector_flags(drafter, lm_head, hidden_bnph, anchor_ids_bn, labels_bnp, valid_bnp)
+    features = staticmethod(selector_flags)  #: features mode's (walk, oracle) flags
 
     @staticmethod
     def correct(out: LossOutput) -> Tensor:
@@ -585,49 +612,6 @@ def selector_draft(selector: CandidateSelector, hidden_kh: Tensor, unary_kv: Ten
     q_kc = torch.cat(rows)
     q_kv = q_kc.new_zeros(unary_kv.shape).scatter_(-1, cand_ids[0], q_kc)
     return tokens, q_kv
-
-
-#: blocks per selector pass of :func:`selector_flags`: bounds the [blocks, T, V] fp32 unary
-#: logits held at once
-_SELECTOR_CHUNK = 32
-
-
-@torch.no_grad()
-def selector_flags(drafter: Any, lm_head: nn.Module, hidden_bnph: Tensor, anchor_ids_bn: Tensor,
-                   labels_bnp: Tensor, valid_bnp: Tensor) -> tuple[Tensor, Tensor]:
-    """Features-mode per-slot flags [Bt, N, B] (False at slot 0 and invalid slots): the serving
-    walk's pick equals the label; the label is among the slot's K candidates (recall, oracle
-    path).
-
-    Candidates are the top-K of the unary logits (output_multiplier, softcap), as in serving.
-    Slots past a block's first invalid one are walked on placeholder labels but never counted.
-    """
-    selector = drafter.candidate_selector
-    bt, n, b, h = hidden_bnph.shape
-    hidden_xth = hidden_bnph[:, :, 1:].reshape(bt * n, b - 1, h)
-    anchors_x = anchor_ids_bn.reshape(bt * n)
-    picks, cands = [], []
-    for s in range(0, bt * n, _SELECTOR_CHUNK):
-        h_xth, a_x = hidden_xth[s:s + _SELECTOR_CHUNK], anchors_x[s:s + _SELECTOR_CHUNK]
-        unary = drafter.unary_logits(h_xth.to(lm_head.weight.dtype), lm_head).float()
-        cand_unary, cand_ids = selector.candidates(unary)
-        picks.append(selector.walk(h_xth, cand_ids, cand_unary, a_x)[0])
-        cands.append(cand_ids)
-    labels = labels_bnp[:, :, 1:].reshape(bt * n, b - 1)
-    walk, found = torch.zeros_like(valid_bnp), torch.zeros_like(valid_bnp)
-    walk[:, :, 1:] = (torch.cat(picks) == labels).view(bt, n, b - 1)
-    found[:, :, 1:] = (torch.cat(cands) == labels[..., None]).any(-1).view(bt, n, b - 1)
-    return walk & valid_bnp, found & valid_bnp
-
-
-def selector_scores(drafter: Any, hidden_xth: Tensor, prev_ids_xt: Tensor, lm_head: nn.Module
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """Teacher-forced selector scores: hidden of slots 1..B-1 [x, T, H] and the TRUE tokens
-    before each slot [x, T] (anchor, then the labels of slots 1..B-2) -> (scores [x, T, C],
-    candidate ids [x, T, C], their unary logits [x, T, C])."""
-    selector = drafter.candidate_selector
-    cand_unary, cand_ids = selector.candidates(drafter.unary_logits(hidden_xth, lm_head))
-    return selector.score(hidden_xth, prev_ids_xt, cand_ids, cand_unary), cand_ids, cand_unary
 
 
 #: Defaults when ``variant=dflash2`` leaves them unset: the released Qwen3.8-27B-DFlash2 setting.
@@ -709,8 +693,7 @@ class DFlash2(Head):
         return max(2, config.conv_kernel_size - 1)
 
     def check_training(self, config: Any, module: Any) -> None:
-        """``module.selector`` (:class:`SelectorSettings`), validated, as
-        ``module.selector_settings``."""
+        """``module.selector``, validated, as ``module.selector_settings``."""
         module.selector_settings = SelectorSettings.create(module.selector)
 
     def needs_distribution(self, module: Any) -> str | None:

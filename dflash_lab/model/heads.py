@@ -130,12 +130,11 @@ class Head:
 
     # ---------------------------------------------------------------- eval
     def walk_metrics(self) -> Any | None:
-        """None when the head's greedy tau is the CE pass's (``out.correct``); else a fresh
-        metrics object of the walk it drafts with, whose tau replaces it (DFlash 2's
-        ``SelectorMetrics``): ``correct(out)`` [Bt, N, B], the walk's per-slot correctness in a
-        training step; ``update(out)``, ``compute()`` (``val/...`` -> value, ``val/tau``
-        included) and ``reset()`` over validation; ``features(drafter, lm_head, hidden_bnph,
-        anchor_ids_bn, labels_bnp, valid_bnp)`` -> (walk, oracle) flags in features mode."""
+        """None when the greedy tau is the CE pass's; else fresh metrics of the walk it drafts
+        with, whose tau replaces it (DFlash 2's ``SelectorMetrics``): ``correct(out)`` [Bt, N,
+        B] in a step; ``update(out)``, ``compute()`` (``val/...`` -> value, ``val/tau`` too),
+        ``reset()`` over validation; ``features(drafter, lm_head, hidden_bnph, anchor_ids_bn,
+        labels_bnp, valid_bnp)`` -> (walk, oracle) flags in features mode."""
         return None
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,

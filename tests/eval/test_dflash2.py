@@ -31,7 +31,7 @@ from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.report import generation_report, markdown
 from dflash_lab.eval.target_runner import StepOutput, TargetRunner
-from dflash_lab.heads.dflash2 import selector_flags, selector_scores
+from dflash_lab.heads.dflash2 import selector_flags
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
@@ -41,6 +41,7 @@ from dflash_lab.train.loss import acceptance_lengths
 from tests.eval.test_sampling import chi_square_pvalue
 from tests.eval.test_trained import _as_capture, quick_train
 from tests.eval_doubles import MarkovTarget, tiny_drafter_for
+from tests.model.test_dflash2 import selector_scores
 
 ZLAB_PYTHON = REPO_ROOT / ".venv-dflash" / "bin" / "python"
 B = 6  # quick_train's block size

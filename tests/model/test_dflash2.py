@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_lab.export.engines.zlab import base_config
-from dflash_lab.heads.dflash2 import CandidateSelector, GroupedDynamicCausalConv, selector_scores
+from dflash_lab.heads.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_lab.model.config import DFLASH2_DEFAULTS, DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
@@ -252,6 +252,14 @@ def test_conv_and_selector_change_the_draft_when_not_identity():
         unary_top1 = drafter.unary_logits(out[:, :, 1:], lm_head).argmax(-1).flatten(0, 1)
         picks = drafter.propose(out.flatten(0, 1), ids.gather(1, anchors).flatten(), lm_head)
     assert picks.shape == unary_top1.shape == (10, 3) and (picks != unary_top1).any()
+
+
+def selector_scores(drafter, hidden_xth, prev_ids_xt, lm_head):
+    """Teacher-forced selector scores as training computes them (``CandidateSelector.score``
+    over the unary top-K): (scores [x, T, C], candidate ids, their unary logits)."""
+    selector = drafter.candidate_selector
+    cand_unary, cand_ids = selector.candidates(drafter.unary_logits(hidden_xth, lm_head))
+    return selector.score(hidden_xth, prev_ids_xt, cand_ids, cand_unary), cand_ids, cand_unary
 
 
 def test_teacher_forced_scores_equal_the_walk_given_the_walked_tokens():
