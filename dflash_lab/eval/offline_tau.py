@@ -155,8 +155,8 @@ def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int,
 
 
 def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], valid: list,
-                  expected: dict[float, list[Tensor]], teacher: str, walk: Any):
-    """Score one anchor chunk on every path (``walk``: the head's walk metrics, or None);
+                  expected: dict[float, list[Tensor]], teacher: str, walker: Any):
+    """Score one anchor chunk on every path (``walker``: the head's walk metrics, or None);
     returns the taus of the path serving gets."""
     hidden, anchor_ids, tgt, out = _forward(drafter, pieces, sample, anchors,
                                             tuple(expected), teacher)
@@ -164,9 +164,9 @@ def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], val
     for t, taus in (out.expected_taus or {}).items():
         expected[t].append(taus.cpu())
     unary = paths["unary"].add(out.correct, out.block_valid)
-    if walk is None:
+    if walker is None:
         return unary
-    walked, found = walk.features(drafter, pieces.lm_head, hidden, anchor_ids, tgt.labels,
+    walked, found = walker.features(drafter, pieces.lm_head, hidden, anchor_ids, tgt.labels,
                                   out.valid)
     paths["oracle"].add(found, out.block_valid)
     return paths["selector"].add(walked, out.block_valid)
@@ -217,9 +217,9 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
                            f"the capture {getattr(dataset, 'root', '(samples)')}")
     expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
-    walk = head.walk_metrics()  # a walk of its own: the selector (walk), unary, oracle paths
+    walker = head.walk_metrics()  # a walk of its own: the selector (walk), unary, oracle paths
     first = drafter.config.first_draft_slot
-    paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if walk
+    paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if walker
                                               else ("unary",))}
     valid: list[Tensor] = []
     chained: list[int] = []
@@ -229,13 +229,13 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
         for anchors in sample_anchor_sets(sample["loss_mask"], num_anchors, seed, k,
                                           anchors_per_forward):
             sample_taus.append(_sample_paths(drafter, pieces, sample, anchors, paths, valid,
-                                             expected, teacher, walk))
+                                             expected, teacher, walker))
             anchor_chunks.append(anchors)
         if num_anchors is None and sample_taus:
             chained += chained_rounds(sample["loss_mask"], torch.cat(anchor_chunks).cpu(),
                                       torch.cat(sample_taus))
     b = drafter.config.block_size
-    served = paths["selector" if walk else "unary"]
+    served = paths["selector" if walker else "unary"]
     lengths = served.lengths()
     # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
     summary = acceptance_summary([lengths], drafter.config.num_draft_tokens + 1)
@@ -253,6 +253,6 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
     for t, parts in expected.items():
         taus = torch.cat(parts) if parts else torch.ones(0)
         report[f"tau_T{t:g}"] = taus.mean().item() if taus.numel() else None
-    if walk:
+    if walker:
         report.update(_dflash2_fields(paths, valid, b))
     return report
