@@ -172,7 +172,7 @@ def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], val
     return paths["selector"].add(walked, out.block_valid)
 
 
-def _dflash2_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
+def _walk_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
     unary = acceptance_summary([paths["unary"].lengths()], b)
     recall = _accuracy(paths["oracle"].correct, valid, b)
     found = sum(int(c[:, 1:].sum()) for c in paths["oracle"].correct)
@@ -254,5 +254,5 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
         taus = torch.cat(parts) if parts else torch.ones(0)
         report[f"tau_T{t:g}"] = taus.mean().item() if taus.numel() else None
     if walker:
-        report.update(_dflash2_fields(paths, valid, b))
+        report.update(_walk_fields(paths, valid, b))
     return report
