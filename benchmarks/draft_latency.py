@@ -130,7 +130,7 @@ def _loop_parts(target, device: torch.device, drafter_path: str | None, variant:
               "context_append_s": Timed(proposer.extend, device)}
     runner.forward, proposer.draft = timers["target_s"], timers["drafter_s"]
     proposer.extend = timers["context_append_s"]
-    selector = drafter.candidate_selector
+    selector = getattr(drafter, "candidate_selector", None)  # DFlash 2's (heads/dflash2.py)
     if selector is not None:  # instance attributes shadow the methods selector_draft calls
         timers["selector_s"] = Timed(selector.walk, device)
         timers["candidates_s"] = Timed(selector.candidates, device)
@@ -204,7 +204,7 @@ def selector_latency(size: str, device: torch.device, repeats: int) -> dict:
     head = target_head(cfg, device, dtype)
     hidden_1th = torch.randn(1, cfg.block_size - 1, cfg.hidden_size, device=device, dtype=dtype)
     anchor = torch.zeros(1, dtype=torch.long, device=device)
-    selector = drafter.candidate_selector
+    selector = getattr(drafter, "candidate_selector", None)  # DFlash 2's (heads/dflash2.py)
     with torch.no_grad():
         unary = drafter.unary_logits(hidden_1th, head.lm_head)
         cand_unary, cand_ids = selector.candidates(unary)

@@ -131,7 +131,8 @@ def _probe(config: DrafterConfig, seed: int = 0) -> dict[str, Any]:
 @torch.no_grad()
 def _logits(config: DrafterConfig, state: dict[str, Tensor],
             probe: dict[str, Any]) -> list[Tensor]:
-    """[unary logits [1, B, V']] (+ DFlash 2: the selector walk's scores [1, B-1, C])."""
+    """[unary logits [1, B, V'], then the head's own outputs on the probe (``probe_outputs``:
+    DFlash 2's selector walk scores [1, B-1, C], DSpark's Markov bias and confidence)]."""
     from dflash_lab.model.drafter import DFlashDrafter
 
     drafter = DFlashDrafter(config, backend="sdpa").float().eval()
@@ -141,28 +142,7 @@ def _logits(config: DrafterConfig, state: dict[str, Tensor],
     drafter.extend_context(cache, probe["feats"])
     hidden = drafter.draft(cache, probe["anchor"], probe["embed"]).float()
     unary = drafter.unary_logits(hidden, lambda h: h @ probe["head"].T)
-    if drafter.markov_head is not None:  # DSpark: Markov bias and confidence on the probe
-        return [unary, *_dspark_outputs(drafter, hidden[0].float(), probe)]
-    if drafter.candidate_selector is None:
-        return [unary]
-    selector = drafter.candidate_selector
-    cand_unary, cand_ids = selector.candidates(unary[:, 1:])
-    _, scores = selector.walk(hidden[:, 1:], cand_ids, cand_unary, probe["anchor"])
-    return [unary, scores]
-
-
-def _dspark_outputs(drafter: Any, hidden_kh: Tensor, probe: dict[str, Any]) -> list[Tensor]:
-    """DSpark heads on the probe: Markov bias [B, N] for prev = (anchor, then random ids) and
-    the confidence logits [B] (heads/dspark.py), so a head tensor lost or renamed fails."""
-    head, gen = drafter.markov_head, torch.Generator().manual_seed(1)
-    vocab = head.markov_w1.num_embeddings
-    prev = torch.cat([probe["anchor"], torch.randint(0, vocab, (hidden_kh.shape[0] - 1,),
-                                                     generator=gen)])
-    feats, emb = head.features(prev[None], hidden_kh[None])
-    out = [head.bias(feats)[0]]
-    if drafter.confidence_head is not None:
-        out.append(drafter.confidence_head(hidden_kh[None], emb)[0])
-    return out
+    return [unary, *config.head.probe_outputs(drafter, hidden, unary, probe["anchor"])]
 
 
 def _rel(a: list[Tensor], b: list[Tensor]) -> float:

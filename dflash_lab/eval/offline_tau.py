@@ -20,11 +20,11 @@ Two averages are reported:
   one long accepted round covers many easy positions, while every position of a hard stretch
   anchors a round (the inspection paradox). See docs/eval.md for measured numbers.
 
-DFlash 2 drafters: a slot is correct when the selector's serving walk (its own previous picks
-from the anchor on, :meth:`~dflash_lab.model.dflash2.CandidateSelector.walk`) picks the label, so
-``tau_mean``, ``tau_chained`` and the per-position numbers are the selector path's (what serving
-gets). Beside them: the unary argmax's tau, the oracle tau (a slot counts when its label is among
-the K candidates: the best any selector could do) and recall@K.
+A head that drafts with a walk of its own (``Head.walk_metrics``; DFlash 2's selector): a slot
+is correct when the serving walk (its own previous picks from the anchor on) picks the label, so
+``tau_mean``, ``tau_chained`` and the per-position numbers are the walk's (what serving gets).
+Beside them: the unary argmax's tau, the oracle tau (a slot counts when its label is among the
+walk's candidates: the best any walk over them could do) and recall@K.
 
 DSpark drafters: slot t's logits carry the Markov bias of the token before its position, taken
 teacher-forced (the anchor, else the target's label there: ``markov_prev_ids`` in
@@ -65,8 +65,6 @@ log = logging.getLogger(__name__)
 
 #: gamma only weights the loss, which this evaluation does not report; correctness ignores it.
 _GAMMA = 7.0
-#: blocks per selector pass: bounds the [blocks, T, V] fp32 unary logits held at once
-_SELECTOR_CHUNK = 32
 
 
 def sample_anchor_sets(loss_mask_s: Tensor, num_anchors: int | None, seed: int, index: int,
@@ -115,33 +113,6 @@ def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
     return _forward(drafter, pieces, sample, anchors_n)[3]
 
 
-@torch.no_grad()
-def selector_flags(drafter: DFlashDrafter, lm_head, hidden_bnph: Tensor, anchor_ids_bn: Tensor,
-                   labels_bnp: Tensor, valid_bnp: Tensor) -> tuple[Tensor, Tensor]:
-    """DFlash 2 per-slot flags [Bt, N, B] (False at slot 0 and invalid slots): the serving walk's
-    pick equals the label; the label is among the slot's K candidates (recall, oracle path).
-
-    Candidates are the top-K of the unary logits (output_multiplier, softcap), as in serving.
-    Slots past a block's first invalid one are walked on placeholder labels but never counted.
-    """
-    selector = drafter.candidate_selector
-    bt, n, b, h = hidden_bnph.shape
-    hidden_xth = hidden_bnph[:, :, 1:].reshape(bt * n, b - 1, h)
-    anchors_x = anchor_ids_bn.reshape(bt * n)
-    picks, cands = [], []
-    for s in range(0, bt * n, _SELECTOR_CHUNK):
-        h_xth, a_x = hidden_xth[s:s + _SELECTOR_CHUNK], anchors_x[s:s + _SELECTOR_CHUNK]
-        unary = drafter.unary_logits(h_xth.to(lm_head.weight.dtype), lm_head).float()
-        cand_unary, cand_ids = selector.candidates(unary)
-        picks.append(selector.walk(h_xth, cand_ids, cand_unary, a_x)[0])
-        cands.append(cand_ids)
-    labels = labels_bnp[:, :, 1:].reshape(bt * n, b - 1)
-    walk, found = torch.zeros_like(valid_bnp), torch.zeros_like(valid_bnp)
-    walk[:, :, 1:] = (torch.cat(picks) == labels).view(bt, n, b - 1)
-    found[:, :, 1:] = (torch.cat(cands) == labels[..., None]).any(-1).view(bt, n, b - 1)
-    return walk & valid_bnp, found & valid_bnp
-
-
 def chained_rounds(loss_mask_s: Tensor, anchors_n: Tensor, taus_n: Tensor) -> list[int]:
     """Acceptance lengths of the rounds a greedy run would make over each loss-mask span:
     start at the span's first position, then jump to anchor + tau while that is an anchor."""
@@ -184,23 +155,24 @@ def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int,
 
 
 def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], valid: list,
-                  expected: dict[float, list[Tensor]], teacher: str):
-    """Score one anchor chunk on every path; returns the taus of the path serving gets."""
+                  expected: dict[float, list[Tensor]], teacher: str, walker: Any):
+    """Score one anchor chunk on every path (``walker``: the head's walk metrics, or None);
+    returns the taus of the path serving gets."""
     hidden, anchor_ids, tgt, out = _forward(drafter, pieces, sample, anchors,
                                             tuple(expected), teacher)
     valid.append(out.valid[0].cpu())
     for t, taus in (out.expected_taus or {}).items():
         expected[t].append(taus.cpu())
     unary = paths["unary"].add(out.correct, out.block_valid)
-    if "selector" not in paths:
+    if walker is None:
         return unary
-    walk, found = selector_flags(drafter, pieces.lm_head, hidden, anchor_ids, tgt.labels,
-                                 out.valid)
+    walked, found = walker.features(drafter, pieces.lm_head, hidden, anchor_ids, tgt.labels,
+                                  out.valid)
     paths["oracle"].add(found, out.block_valid)
-    return paths["selector"].add(walk, out.block_valid)
+    return paths["selector"].add(walked, out.block_valid)
 
 
-def _dflash2_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
+def _walk_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
     unary = acceptance_summary([paths["unary"].lengths()], b)
     recall = _accuracy(paths["oracle"].correct, valid, b)
     found = sum(int(c[:, 1:].sum()) for c in paths["oracle"].correct)
@@ -245,9 +217,9 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
                            f"the capture {getattr(dataset, 'root', '(samples)')}")
     expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
-    dflash2 = drafter.candidate_selector is not None  # the selector, unary and oracle paths
+    walker = head.walk_metrics()  # a walk of its own: the selector (walk), unary, oracle paths
     first = drafter.config.first_draft_slot
-    paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if dflash2
+    paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if walker
                                               else ("unary",))}
     valid: list[Tensor] = []
     chained: list[int] = []
@@ -257,13 +229,13 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
         for anchors in sample_anchor_sets(sample["loss_mask"], num_anchors, seed, k,
                                           anchors_per_forward):
             sample_taus.append(_sample_paths(drafter, pieces, sample, anchors, paths, valid,
-                                             expected, teacher))
+                                             expected, teacher, walker))
             anchor_chunks.append(anchors)
         if num_anchors is None and sample_taus:
             chained += chained_rounds(sample["loss_mask"], torch.cat(anchor_chunks).cpu(),
                                       torch.cat(sample_taus))
     b = drafter.config.block_size
-    served = paths["selector" if dflash2 else "unary"]
+    served = paths["selector" if walker else "unary"]
     lengths = served.lengths()
     # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
     summary = acceptance_summary([lengths], drafter.config.num_draft_tokens + 1)
@@ -281,6 +253,6 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
     for t, parts in expected.items():
         taus = torch.cat(parts) if parts else torch.ones(0)
         report[f"tau_T{t:g}"] = taus.mean().item() if taus.numel() else None
-    if dflash2:
-        report.update(_dflash2_fields(paths, valid, b))
+    if walker:
+        report.update(_walk_fields(paths, valid, b))
     return report

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from dflash_lab.eval.sampling import propose
-from dflash_lab.model.dflash2 import GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
 
 
@@ -82,8 +81,8 @@ class DFlashProposer:
     ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near the token
     budget) runs a block of just that many slots, as z-lab's ``dflash_generate`` does: with
     bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
-    one. DFlash 2 drafts with the candidate selector
-    (:func:`~dflash_lab.eval.sampling.selector_draft`). A ``sample_from_anchor`` drafter drafts
+    one. A head with a walk of its own drafts with it (``Head.draft``: DFlash 2's candidate
+    selector, DSpark's Markov walk). A ``sample_from_anchor`` drafter drafts
     from every slot, slot 0 included: B drafts per round (``num_draft_tokens``).
     """
 
@@ -95,12 +94,12 @@ class DFlashProposer:
             raise ValueError(f"block_size={block_size}: must be in [2, {trained}] (the drafter "
                              f"was trained with block_size={trained}; larger blocks were never "
                              "trained); omit it to use the trained size")
-        min_slots = _min_slots(drafter)
+        self.min_slots = drafter.config.head.min_slots(drafter.config)  # DFlash 2: K - 1 taps
+        min_slots = self.min_slots
         if block_size < min_slots:
-            raise ValueError(f"block_size={block_size}: this DFlash 2 drafter's conv has "
-                             f"conv_kernel_size={drafter.config.conv_kernel_size} taps and runs "
-                             f"on blocks of at least {min_slots} slots; use block_size >= "
-                             f"{min_slots}")
+            raise ValueError(f"block_size={block_size}: this {drafter.config.head.title} "
+                             f"drafter runs on blocks of at least {min_slots} slots (the "
+                             f"head's min_slots); use block_size >= {min_slots}")
         self._trained = drafter
         self._views = {trained: drafter}
         self.drafter = self._view(block_size)
@@ -152,13 +151,13 @@ class DFlashProposer:
         """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (``num_drafts`` with
         sample_from_anchor, at least 2; see the class doc).
 
-        A DFlash 2 conv with more taps than a short tail block can run (``_min_slots``) gets
+        A DFlash 2 conv with more taps than a short tail block can run (``min_slots``) gets
         the shortest block it runs on and keeps its first drafts (z-lab's loop fails there).
         """
         first = self.first_slot
         if not 1 <= num_drafts <= self.num_draft_tokens:
             raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
-        num_slots = max(num_drafts + first, _min_slots(self.drafter))
+        num_slots = max(num_drafts + first, self.min_slots)
         hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
         walked = self.drafter.config.head.draft(self.drafter, hidden_kh, unary_kv, anchor_id,
@@ -168,28 +167,20 @@ class DFlashProposer:
         return Draft(*walked, unary_kv.argmax(-1))
 
 
-def _min_slots(drafter: DFlashDrafter) -> int:
-    """Fewest block slots the drafter runs on (the head's ``min_slots``: 2, or K - 1 for a
-    DFlash 2 conv of K taps; taps past the block would only see zeros anyway)."""
-    return drafter.config.head.min_slots(drafter.config)
-
-
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
     """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long.
 
-    Built on the meta device and given ``drafter``'s tensors, so a short block costs no memory.
-    The block length is set on the config and on every DFlash 2 conv (their taps are cut at
-    the block start); the config is copied without re-validation because a tail block may be
-    shorter than the conv kernel (``conv_kernel_size <= block_size`` is a training rule).
+    Built on the meta device from a config of that block length and given ``drafter``'s
+    tensors, so a short block costs no memory and a head's block-aware modules (DFlash 2's
+    convs, whose taps are cut at the block start) are built for it. The config is copied
+    without re-validation because a tail block may be shorter than the conv kernel
+    (``conv_kernel_size <= block_size`` is a training rule).
     """
+    config = copy.copy(drafter.config)
+    config.block_size = block_size
     with torch.device("meta"):
-        view = DFlashDrafter(drafter.config, backend=drafter.backend_name)
+        view = DFlashDrafter(config, backend=drafter.backend_name)
     view.load_state_dict(drafter.state_dict(), assign=True)
     view.rotary = drafter.rotary  # inv_freq is a non-persistent buffer: not in the state dict
-    view.config = copy.copy(drafter.config)
-    view.config.block_size = block_size
-    for module in view.modules():
-        if isinstance(module, GroupedDynamicCausalConv):
-            module.block_size = block_size
     view.static_shapes = drafter.static_shapes
     return view.eval()

@@ -52,12 +52,13 @@ def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str
     }
 
 
-def _walk(settings: dict[str, Any]) -> str | None:
-    """The draft walk of the report's head (model/heads.py ``walk``); None: the unary head."""
+def _own_walk(settings: dict[str, Any]) -> bool:
+    """Whether the report's head drafts with a walk whose tau replaces the unary one
+    (model/heads.py ``walk_metrics``: DFlash 2's selector)."""
     try:
-        return heads.get(settings.get("variant")).walk
+        return heads.get(settings.get("variant")).walk_metrics() is not None
     except KeyError:  # a report of a head this process does not know
-        return None
+        return False
 
 
 def unary_summary(spec: list[Generation], block_size: int) -> dict[str, Any]:
@@ -161,7 +162,7 @@ def generation_report(spec: list[Generation], baseline: list[Generation] | None,
     report: dict[str, Any] = {"mode": "generate"}
     report.update(acceptance_summary([g.acceptance_lengths for g in spec], block_size))
     report.update(records_report(records, block_size, settings.get("context_buckets")))
-    if _walk(settings) == "selector":  # the selector path's tau beside the unary argmax's
+    if _own_walk(settings):  # the walk's (selector path's) tau beside the unary argmax's
         report["selector_tau_mean"] = report["tau_mean"]
         report.update(unary_summary(spec, block_size))
     report.update({

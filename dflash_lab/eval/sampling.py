@@ -18,11 +18,9 @@ Three verification rules, all lossless with respect to the target:
   rejection the bonus is drawn from norm(max(0, p - q)); after a fully accepted block it is drawn
   from p at the last position. Same output distribution, more drafts accepted than exact match.
 
-DFlash 2 drafters draft with the candidate selector (:func:`selector_draft`): greedy and
-exact-match take its left-to-right argmax walk; rejection sampling samples each slot from
-q = softmax(score / T) over that slot's K candidates (q is 0 outside them, no top-p/top-k on the
-draft side, as z-lab's loop does), the previous pick being the next slot's predecessor; the rule
-above then runs unchanged with that q, so it stays lossless.
+A head that drafts with its own walk (``Head.draft``: DFlash 2's selector, DSpark's Markov walk,
+dflash_lab/heads/) gives its tokens and the q each was drawn from; the rules above then run
+unchanged with that q, so they stay lossless.
 
 Shape legend: k drafts in a round (= block size - 1), V vocab. ``p``/``q`` are probabilities at
 the sampling temperature, float32.
@@ -30,13 +28,10 @@ the sampling temperature, float32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from dflash_lab.model.dflash2 import CandidateSelector
 
 SAMPLING_MODES = ("exact_match", "rejection")
 
@@ -82,33 +77,6 @@ def propose(draft_logits_kv: Tensor, temperature: float, mode: str,
         q = probs_at(draft_logits_kv, temperature)
         return sample_from(q, generator), q
     return draft_logits_kv.argmax(-1), None
-
-
-def selector_draft(selector: CandidateSelector, hidden_kh: Tensor, unary_kv: Tensor,
-                   anchor_id: int, temperature: float, mode: str,
-                   generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """DFlash 2 draft tokens [k] (and q [k, V] for rejection sampling, else None).
-
-    ``hidden_kh``: the drafter's final-normed hidden states of slots 1..k; ``unary_kv``: their
-    unary logits (multiplier and softcap applied), whose top-K are the candidates. The walk's
-    first predecessor is the anchor. q is dense over the vocabulary (zero outside the K
-    candidates) so :func:`rejection_sample` reads p(x)/q(x) and the residual as for DFlash 1.
-    """
-    cand_unary, cand_ids = selector.candidates(unary_kv[None])
-    anchor = torch.tensor([anchor_id], dtype=torch.long, device=cand_ids.device)
-    if not (temperature > 0 and mode == "rejection"):
-        return selector.walk(hidden_kh[None], cand_ids, cand_unary, anchor)[0][0], None
-    rows: list[Tensor] = []
-
-    def pick(scores_bc: Tensor) -> Tensor:
-        q_bc = torch.softmax(scores_bc.float() / temperature, dim=-1)
-        rows.append(q_bc)
-        return torch.multinomial(q_bc, 1, generator=generator)[:, 0]
-
-    tokens = selector.walk(hidden_kh[None], cand_ids, cand_unary, anchor, pick=pick)[0][0]
-    q_kc = torch.cat(rows)
-    q_kv = q_kc.new_zeros(unary_kv.shape).scatter_(-1, cand_ids[0], q_kc)
-    return tokens, q_kv
 
 
 def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Tensor,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_lab.heads.dflash2 import refuse_selector_settings
 from dflash_lab.model.heads import Head, register
-from dflash_lab.train.selector import refuse_selector_settings
 
 
 class DFlash1(Head):
@@ -17,7 +17,7 @@ class DFlash1(Head):
 
     def check_training(self, config: Any, module: Any) -> None:
         """``module.selector`` settings would do nothing without a selector: refused."""
-        refuse_selector_settings(module.selector_settings, self.name)
+        refuse_selector_settings(module.selector, self.name)
 
 
 HEAD = register(DFlash1())

@@ -206,6 +206,16 @@ def confidence_loss(drafter, hidden_bnph: Tensor, emb_bnpr: Tensor | None, out: 
     return ConfidenceOutput((w * bce).sum(), sel.sum().float(), err)
 
 
+def bias_in_vocab(drafter, bias_xn: Tensor) -> Tensor:
+    """A Markov bias over the draft vocabulary [x, N] in the target vocabulary [x, V] (0
+    outside the draft vocabulary, whose logits are -inf anyway)."""
+    if drafter.lm_head is None:
+        return bias_xn
+    full = bias_xn.new_zeros((*bias_xn.shape[:-1], drafter.config.vocab_size))
+    full[..., drafter.draft_token_ids()] = bias_xn
+    return full
+
+
 def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
                  temperature: float, mode: str, generator: torch.Generator | None
                  ) -> tuple[Tensor, Tensor | None]:
@@ -225,7 +235,7 @@ def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
         return torch.multinomial(q_v, 1, generator=generator)[0]
 
     tokens, _ = drafter.markov_head.walk(unary_kv.float(), hidden_kh, anchor_id, pick,
-                                         drafter.markov_bias_full)
+                                         lambda bias_n: bias_in_vocab(drafter, bias_n))
     return tokens, (torch.stack(rows) if sample else None)
 
 
@@ -270,8 +280,9 @@ class DSpark(DFlash1):
                              f"bias apart); leave it at {off}")
 
     def attach(self, drafter: Any) -> None:
-        """The Markov head (markov_rank > 0) and the confidence head."""
+        """The Markov head (markov_rank > 0) and the confidence head (None where absent)."""
         c = drafter.config
+        drafter.markov_head = drafter.confidence_head = None
         if c.markov_rank > 0:
             drafter.markov_head = MarkovHead(c.hidden_size, c.vocab_size,
                                              c.draft_vocab_size or c.vocab_size, c.markov_rank,
@@ -331,6 +342,23 @@ class DSpark(DFlash1):
                      module.hparams.confidence_head_alpha, "confidence_loss",
                      extra=(("confidence_abs_error",
                              conf.abs_error_sum / conf.count.clamp(min=1)),))]
+
+    def probe_outputs(self, drafter: Any, hidden_bph: Any, unary_bpv: Any,
+                      anchor_b: Any) -> list[Any]:
+        """Markov bias [B, N] for prev = (anchor, then random ids) and the confidence logits
+        [B] (with a Markov head; none without, as the draft is the backbone's)."""
+        head, hidden_kh = drafter.markov_head, hidden_bph[0].float()
+        if head is None:
+            return []
+        gen = torch.Generator().manual_seed(1)
+        vocab = head.markov_w1.num_embeddings
+        prev = torch.cat([anchor_b, torch.randint(0, vocab, (hidden_kh.shape[0] - 1,),
+                                                  generator=gen)])
+        feats, emb = head.features(prev[None], hidden_kh[None])
+        out = [head.bias(feats)[0]]
+        if drafter.confidence_head is not None:
+            out.append(drafter.confidence_head(hidden_kh[None], emb)[0])
+        return out
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any) -> tuple[Any, Any] | None:

@@ -11,14 +11,13 @@ The target's embedding and LM head are passed in and never become part of ``stat
 keys are already the serving layout (dflash.md section 4). Output is the final-normed hidden state
 of every block slot; the unary logits are :meth:`DFlashDrafter.unary_logits` (``lm_head(hidden)``
 times ``output_multiplier``, softcapped; the loss chunks that projection). A head's modules
-(dflash_lab/heads/: DFlash 2's convs inside every layer and candidate selector that turns unary
-top-K candidates into the draft, :meth:`propose`; training: :meth:`selector_scores`) are
-attached by the head (model/heads.py ``attach``, ``layer_modules``).
+(dflash_lab/heads/) are attached by the head (model/heads.py ``attach``, ``layer_modules``) and
+read by its own hooks only; :meth:`propose` drafts through the head's ``draft``.
 
 Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
-concatenated target features, Hkv key/value heads, D head dim, V vocab, C selector candidates,
-T = B-1 drafted slots. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p``
-a position in a block.
+concatenated target features, Hkv key/value heads, D head dim, V vocab, T = B-1 drafted
+slots. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the batch, ``p`` a position
+in a block.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_lab.attention.base import AttentionBackend, get_backend
 from dflash_lab.attention.mask import BlockLayout, document_starts
 from dflash_lab.model.config import DrafterConfig
-from dflash_lab.model.dflash2 import scale_logits
-from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding
+from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding, scale_logits
 
 
 @dataclass
@@ -72,11 +70,9 @@ class DFlashDrafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         else:
             self.mask_embedding = None
-        # what the head and the features add (model/heads.py ``attach``): DFlash 2's
-        # candidate_selector, DSpark's markov_head / confidence_head, Laguna's
-        # aux_hidden_norms (one RMSNorm per target-layer slice before fc), a draft
-        # vocabulary's lm_head [N, H] with d2t [N] / t2d [V]
-        self.candidate_selector = self.markov_head = self.confidence_head = None
+        # what the head and the features add (model/heads.py ``attach``): the head's own
+        # modules; Laguna's aux_hidden_norms (one RMSNorm per target-layer slice before fc), a
+        # draft vocabulary's lm_head [N, H] with d2t [N] / t2d [V]
         self.aux_hidden_norms = self.lm_head = None
         for part in config.parts:
             part.attach(self)
@@ -95,15 +91,6 @@ class DFlashDrafter(nn.Module):
         # apply() visits children first: a head's module re-initialises its own Linear after
         if getattr(module, "owns_init", False):
             module.reset_parameters()
-
-    def markov_bias_full(self, bias_xn: Tensor) -> Tensor:
-        """A Markov bias over the draft vocabulary [x, N] in the target vocabulary [x, V]
-        (0 outside the draft vocabulary, whose logits are -inf anyway)."""
-        if self.lm_head is None:
-            return bias_xn
-        full = bias_xn.new_zeros((*bias_xn.shape[:-1], self.config.vocab_size))
-        full[..., self.draft_token_ids()] = bias_xn
-        return full
 
     # ------------------------------------------------------------------ draft vocabulary
     @property
@@ -285,37 +272,19 @@ class DFlashDrafter(nn.Module):
         full[..., self.draft_token_ids()] = logits
         return full
 
-    def _selector(self) -> nn.Module:
-        if self.candidate_selector is None:
-            raise ValueError("this is a DFlash 1 drafter (variant='dflash1'): it has no "
-                             "candidate selector; use unary_logits().argmax(-1)")
-        return self.candidate_selector
-
-    def selector_scores(self, hidden_xth: Tensor, prev_ids_xt: Tensor, lm_head: nn.Module
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-        """Teacher-forced selector scores for training: hidden of slots 1..B-1 [x, T, H] and the
-        TRUE tokens before each slot [x, T] (anchor, then the labels of slots 1..B-2) ->
-        (scores [x, T, C], candidate ids [x, T, C], their unary logits [x, T, C])."""
-        selector = self._selector()
-        cand_unary, cand_ids = selector.candidates(self.unary_logits(hidden_xth, lm_head))
-        return selector.score(hidden_xth, prev_ids_xt, cand_ids, cand_unary), cand_ids, cand_unary
-
     @torch.no_grad()
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module) -> Tensor:
-        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
-        unary argmax (DFlash 1), the selector's left-to-right argmax walk from the anchor
-        (DFlash 2) or the Markov head's (DSpark, :meth:`MarkovHead.walk`)."""
+        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]:
+        the head's greedy walk of each row from its anchor (``Head.draft`` at T = 0: DFlash 2's
+        selector, DSpark's Markov walk), else the unary argmax."""
         hidden_bph = hidden_bph[:, self.config.first_draft_slot:]
         unary = self.unary_logits(hidden_bph, lm_head)
-        if self.markov_head is not None:
-            return torch.stack([self.markov_head.walk(
-                unary[i].float(), hidden_bph[i], int(anchor_ids_b[i]),
-                lambda z: z.argmax(-1), self.markov_bias_full)[0]
-                for i in range(unary.shape[0])])
-        if self.candidate_selector is None:
+        walked = [self.config.head.draft(self, hidden_bph[i], unary[i], int(anchor_ids_b[i]),
+                                         0.0, "exact_match", None)
+                  for i in range(unary.shape[0])]
+        if any(w is None for w in walked):
             return unary.argmax(dim=-1)
-        cand_unary, cand_ids = self.candidate_selector.candidates(unary)
-        return self.candidate_selector.walk(hidden_bph, cand_ids, cand_unary, anchor_ids_b)[0]
+        return torch.stack([tokens for tokens, _ in walked])
 
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchor_ids_b: Tensor, embed_tokens: nn.Module) -> Tensor:

@@ -101,6 +101,11 @@ class Head:
         """Refuse module settings this head cannot train ``config`` with (DFlashModule's
         construction: a head before the teacher is chosen, a feature after)."""
 
+    def needs_distribution(self, module: Any) -> str | None:
+        """The setting of this head that trains on the target's distribution, named for the
+        refusal when the data holds none (DFlash 2: module.selector.target=distribution)."""
+        return None
+
     def unary_top_k(self, config: Any) -> int:
         """Candidates per slot the CE pass keeps (the unary top-K a selector re-ranks)."""
         return 0
@@ -116,7 +121,22 @@ class Head:
         (train/objective.py ``Term``), summed after the label and accept terms."""
         return []
 
+    def probe_outputs(self, drafter: Any, hidden_bph: Any, unary_bpv: Any,
+                      anchor_b: Any) -> list[Any]:
+        """Outputs of this head's own modules on the export self-check's probe block (hidden
+        [1, B, H], unary logits [1, B, V'], anchor [1]), compared between the source and the
+        reloaded drafter beside the unary logits, so a lost or renamed tensor of it fails."""
+        return []
+
     # ---------------------------------------------------------------- eval
+    def walk_metrics(self) -> Any | None:
+        """None when the greedy tau is the CE pass's; else fresh metrics of the walk it drafts
+        with, whose tau replaces it (DFlash 2's ``SelectorMetrics``): ``correct(out)`` [Bt, N,
+        B] in a step; ``update(out)``, ``compute()`` (``val/...`` -> value, ``val/tau`` too),
+        ``reset()`` over validation; ``features(drafter, lm_head, hidden_bnph, anchor_ids_bn,
+        labels_bnp, valid_bnp)`` -> (walk, oracle) flags in features mode."""
+        return None
+
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any) -> tuple[Any, Any] | None:
         """This head's draft walk over one block: (tokens [k], their probabilities or None),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_lab.model.dflash2 import scale_logits
+from dflash_lab.model.layers import scale_logits
 from dflash_lab.train.loss import slot_positions
 
 #: Per-slot losses over the target distribution (``ce`` uses the label only).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dflash_lab.model.dflash2 import vocab_topk
+from dflash_lab.model.layers import vocab_topk
 from dflash_lab.train.distill import (
     LOSSES,
     SUMS,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lab.model.dflash2 import scale_logits, vocab_topk
+from dflash_lab.model.layers import scale_logits, vocab_topk
 
 LABEL_SOURCES = ("target_argmax", "dataset")
 #: Default budget of one CE chunk's fp32 logits [rows, V]: 512 MiB (a 262k vocab gets 512 rows).
@@ -383,8 +383,7 @@ class LossOutput:
     """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid).
 
     ``top_values`` / ``top_ids`` [M, K]: the unary top-K of the M valid slots (``valid`` in
-    row-major order), when the loss was asked for them (DFlash 2); ``selector``: the selector's
-    loss and metrics (:class:`dflash_lab.train.selector.SelectorOutput`), DFlash 2 only.
+    row-major order), when the loss was asked for them (DFlash 2's selector re-ranks them).
     """
 
     weighted_sum: Tensor  # sum_slots w_t * CE (local)
@@ -394,7 +393,6 @@ class LossOutput:
     block_valid: Tensor | None = None  # [Bt, N] real (not padding) blocks
     top_values: Tensor | None = None
     top_ids: Tensor | None = None
-    selector: Any = None
     #: the ``accept`` objective (distill.py): -sum over real blocks of the expected accepted
     #: drafts (local, differentiable) and the number of those blocks (local)
     accept_sum: Tensor | None = None
@@ -410,7 +408,8 @@ class LossOutput:
     #: the CE of every valid slot [M] (detached; the CE pass only): DSpark's confidence target
     slot_ce: Tensor | None = None
     #: a head's own loss pieces by name (model/heads.py ``add_losses``; its ``terms`` read
-    #: them): DSpark's "confidence" (:class:`dflash_lab.heads.dspark.ConfidenceOutput`)
+    #: them): DSpark's "confidence" (:class:`dflash_lab.heads.dspark.ConfidenceOutput`),
+    #: DFlash 2's "selector" (:class:`dflash_lab.heads.dflash2.SelectorOutput`)
     head_pieces: dict[str, Any] = field(default_factory=dict)
 
 

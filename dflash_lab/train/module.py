@@ -7,12 +7,13 @@ One training step (:meth:`DFlashModule.step`), top-down, each a named call:
      (dflash_lab/train/anchors.py);
   3. drafter          ``draft``: the drafter forward over the packed anchored blocks;
   4. loss             ``loss``: labels at anchored slots, chunked position-weighted CE through
-     the frozen LM head (DFlash 2: plus the selector term, dflash_lab/train/selector.py);
+     the frozen LM head, then the head's pieces (DFlash 2's selector term, heads/dflash2.py);
 then ``objective`` sums the named terms of those pieces (train/objective.py: the label term,
 the accept objective, DSpark's confidence BCE, DFlash 2's ``alpha(step)`` x selector CE over the
 unary top-K), each normalised by its GLOBAL count across devices, and one loop logs them (loss,
-per-slot accuracy, exact acceptance tau). A DFlash 2 drafter's ``val/tau`` is the selector
-path's (what serving gets), beside ``val/unary_tau`` and ``val/oracle_tau``.
+per-slot accuracy, exact acceptance tau). A head that drafts with its own walk (``walk_metrics``)
+logs that walk's tau as ``val/tau`` (what serving gets; DFlash 2: its selector's, beside
+``val/unary_tau`` and ``val/oracle_tau``).
 
 Batch contract (from the data module), Bt rows padded to S:
   input_ids [Bt, S], loss_mask [Bt, S] (0 on padding); from a capture, or added by step 1:
@@ -62,7 +63,6 @@ from dflash_lab.train.objective import (
     objective,
     terms,
 )
-from dflash_lab.train.selector import SelectorMetrics, SelectorSettings
 
 #: Prefix of the frozen target pieces: never written to checkpoints.
 TARGET_PREFIX = "target_head."
@@ -76,8 +76,8 @@ class DFlashModule(L.LightningModule):
     (``params -> Optimizer``, ``optimizer -> LRScheduler``; the scheduler steps every step).
     ce_chunk_size / ce_chunk_bytes: rows per chunk of the vocab projection if set, else as many
     rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``). selector: the
-    ``module.selector`` settings (:class:`~dflash_lab.train.selector.SelectorSettings`): used by
-    DFlash 2 drafters; a DFlash 1 drafter accepts only the defaults (refused otherwise).
+    ``module.selector`` settings, read and validated by the head (``check_training``: DFlash 2's
+    ``SelectorSettings``; a DFlash 1 drafter accepts only the defaults).
     feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden``
     (the data module's ``feature_source()``: the frozen target for online data, None for
     captures).
@@ -102,8 +102,8 @@ class DFlashModule(L.LightningModule):
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
                              f"{list(LABEL_SOURCES)}")
-        self.selector_settings = SelectorSettings.create(selector)
         selector = dict(selector or {})  # plain types in the checkpoint's hyper_parameters
+        self.selector = selector  # the head reads it (check_training)
         position_weights(drafter.config.block_size, gamma)  # validates gamma early
         check_position_weighting(position_weighting, dpace_alpha)
         ce_chunk_rows(drafter.config.vocab_size, ce_chunk_size, ce_chunk_bytes)  # and these
@@ -116,7 +116,7 @@ class DFlashModule(L.LightningModule):
         self.val_temperatures = resolve_val_temperatures(val_temperatures, target_distribution)
         self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,
                                          self.val_temperatures, "the training data",
-                                         self.selector_settings.needs_distribution)
+                                         drafter.config.head.needs_distribution(self))
         for feature in drafter.config.features:
             feature.check_training(drafter.config, self)
         self.teacher_softcap = getattr(target_head, "logit_softcap", None)
@@ -132,7 +132,9 @@ class DFlashModule(L.LightningModule):
         self._val_taus: list[Tensor] = []
         self._val_loss: list[Tensor] = []
         self._val_expected: dict[str, list[Tensor]] = {}
-        self._val_selector = SelectorMetrics()
+        self._walk = drafter.config.head.walk_metrics()  # None: the CE pass's tau is served
+        #: submodules whose dense CPU gradients are zeroed in place (optimizer_zero_grad)
+        self._grad_keepers = [m for m in drafter.modules() if hasattr(m, "zero_grads_in_place_")]
         self.logit_scale = LogitScale.of(drafter.config)
         if compile:
             self.drafter.compile_layers()
@@ -187,13 +189,12 @@ class DFlashModule(L.LightningModule):
         weighting = {"weighting": hp.position_weighting, "dpace_alpha": hp.dpace_alpha}
         temperatures = () if self.training or not head.expected_taus \
             else tuple(self.val_temperatures)
-        selector_soft = self.selector_settings.target == "distribution"
         kind = self.teacher_kind if (self.loss_spec.needs_distribution or temperatures
-                                     or selector_soft) else "none"
+                                     or head.needs_distribution(self)) else "none"
         teacher = slot_teacher(kind, batch, anchors, tgt.valid, self.teacher_softcap,
                                cfg.label_shift)
         step = StepParts(batch, hidden, anchors, token_ids, tgt, lm_head, teacher, temperatures,
-                         weighting, selector_soft, head_in=hidden)
+                         weighting, head_in=hidden)
         head.head_inputs(self, step)
         out = dflash_loss(step.head_in, tgt, step.lm_head, hp.gamma, hp.ce_chunk_size,
                           anchor_valid, hp.ce_chunk_bytes, scale=self.logit_scale,
@@ -229,8 +230,8 @@ class DFlashModule(L.LightningModule):
     def _log_terms(self, out: LossOutput, found: list[Term], stage: str, bs: int) -> None:
         """One loop over the terms: each term's metric, the parts of a mixed label loss
         (``{stage}/loss_{name}``), the objective as ``{stage}/loss`` and the greedy tau. With a
-        selector (DFlash 2) tau is its walk's; the rest of the objective and the unary tau are
-        logged as ``unary_loss`` and ``unary_tau``."""
+        walk of its own (``walk_metrics``, DFlash 2) tau is the walk's; the objective without
+        the head's last term and the unary tau are logged as ``unary_loss`` and ``unary_tau``."""
         norm = out.weight_sum.clamp(min=1e-8)
         if not self.loss_spec.ce_only:
             for name, total in (out.term_sums or {}).items():
@@ -240,10 +241,10 @@ class DFlashModule(L.LightningModule):
             logs[f"{stage}/{term.metric}"] = term.shown * term.local_mean()
             logs.update((f"{stage}/{key}", value) for key, value in term.extra)
         taus = acceptance_lengths(out.correct, out.block_valid, out.first_slot)
-        if out.selector is not None:
+        if self._walk is not None:
             logs[f"{stage}/unary_loss"] = local_means(found[:-1])
             logs[f"{stage}/unary_tau"] = taus.mean() if taus.numel() else 1.0
-            taus = acceptance_lengths(out.selector.walk_correct, out.block_valid)
+            taus = acceptance_lengths(self._walk.correct(out), out.block_valid)
         self.log_dict(logs, batch_size=bs)
         self.log(f"{stage}/loss", local_means(found), prog_bar=True, batch_size=bs)
         self.log(f"{stage}/tau", taus.mean() if taus.numel() else 1.0, prog_bar=True,
@@ -254,14 +255,12 @@ class DFlashModule(L.LightningModule):
                                               self.global_rank))
         self._val_taus.append(acceptance_lengths(out.correct, out.block_valid,
                                                  out.first_slot).cpu())
-        for t, taus in (out.expected_taus or {}).items():  # DFlash 2: the unary path's
-            key = f"val/unary_tau_T{t:g}" if out.selector is not None else f"val/tau_T{t:g}"
+        for t, taus in (out.expected_taus or {}).items():  # a walk's head: the unary path's
+            key = f"val/unary_tau_T{t:g}" if self._walk is not None else f"val/tau_T{t:g}"
             self._val_expected.setdefault(key, []).append(taus.cpu())
-        for t, taus in ((out.selector.expected_taus or {}) if out.selector else {}).items():
-            self._val_expected.setdefault(f"val/tau_T{t:g}", []).append(taus.cpu())
         self._val_loss.append(torch.stack([out.weighted_sum, out.weight_sum]).detach().cpu())
-        if out.selector is not None:
-            self._val_selector.update(out)
+        if self._walk is not None:
+            self._walk.update(out)
         for t, acc in enumerate(per_position_accuracy(out), start=1):
             if acc == acc:  # skip NaN (slot never valid in this batch)
                 self.log(f"val/acc_pos{t}", acc, batch_size=batch["input_ids"].shape[0],
@@ -277,12 +276,12 @@ class DFlashModule(L.LightningModule):
             self.log(key, expected.mean() if expected.numel() else 1.0, sync_dist=True)
         self._val_expected.clear()
         self.log("val/loss", sums[0] / sums[1].clamp(min=1e-8), sync_dist=True)
-        if self.drafter.candidate_selector is None:
+        if self._walk is None:
             self.log("val/tau", taus.mean(), prog_bar=True, sync_dist=True)
             return
-        # a selector: val/tau is its path's (the checkpoint monitor picks by it)
-        metrics = self._val_selector.compute()
-        self._val_selector.reset()
+        # a walk of its own: val/tau is its path's (the checkpoint monitor picks by it)
+        metrics = self._walk.compute()
+        self._walk.reset()
         self.log("val/tau", metrics.pop("val/tau"), prog_bar=True, sync_dist=True)
         self.log_dict(metrics, sync_dist=True)
 
@@ -302,13 +301,12 @@ class DFlashModule(L.LightningModule):
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int,
                             optimizer: torch.optim.Optimizer) -> None:
-        """Lightning's ``optimizer.zero_grad()`` (gradients set to None), except the DFlash 2
-        codebooks' dense CPU gradients, zeroed in place and kept: their next backward adds the
-        few looked-up rows into them instead of mapping and page-faulting a fresh [V, R] buffer
-        every step (:meth:`CandidateSelector.zero_codebook_grads_`; the same gradient, bitwise,
-        and AdamW still steps every parameter)."""
-        selector = self.drafter.candidate_selector
-        kept = [(p, p.grad) for p in selector.zero_codebook_grads_()] if selector else []
+        """Lightning's ``optimizer.zero_grad()`` (gradients set to None), except the dense CPU
+        gradients a head's module zeroes in place (``zero_grads_in_place_()`` returns those
+        parameters; DFlash 2's codebooks): their next backward adds the few looked-up rows into
+        them instead of mapping and page-faulting a fresh [V, R] buffer every step (the same
+        gradient, bitwise, and AdamW still steps every parameter)."""
+        kept = [(p, p.grad) for m in self._grad_keepers for p in m.zero_grads_in_place_()]
         optimizer.zero_grad(set_to_none=True)
         for param, grad in kept:
             param.grad = grad

@@ -119,6 +119,5 @@ class StepParts:
     teacher: Any = None
     temperatures: tuple[float, ...] = ()
     weighting: dict[str, Any] = field(default_factory=dict)
-    selector_soft: bool = False
     head_in: Tensor | None = None
     emb: Tensor | None = None  #: DSpark: the Markov embedding of each slot's previous token

@@ -26,11 +26,12 @@ from dflash_lab.eval.loop import (
     speculative_generate,
     unary_lengths,
 )
-from dflash_lab.eval.offline_tau import _forward, feature_eval, selector_flags
+from dflash_lab.eval.offline_tau import _forward, feature_eval
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.report import generation_report, markdown
 from dflash_lab.eval.target_runner import StepOutput, TargetRunner
+from dflash_lab.heads.dflash2 import selector_flags
 from dflash_lab.model.config import DrafterConfig
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
@@ -40,6 +41,7 @@ from dflash_lab.train.loss import acceptance_lengths
 from tests.eval.test_sampling import chi_square_pvalue
 from tests.eval.test_trained import _as_capture, quick_train
 from tests.eval_doubles import MarkovTarget, tiny_drafter_for
+from tests.model.test_dflash2 import selector_scores
 
 ZLAB_PYTHON = REPO_ROOT / ".venv-dflash" / "bin" / "python"
 B = 6  # quick_train's block size
@@ -142,7 +144,7 @@ def test_conv_longer_than_tail_block(tiny_target):
     draft = proposer.draft(9, 1, 0.0, "exact_match", None)
     three = proposer.draft(9, 2, 0.0, "exact_match", None)
     assert draft.tokens.tolist() == three.tokens[:1].tolist()
-    with pytest.raises(ValueError, match="conv_kernel_size=4"):
+    with pytest.raises(ValueError, match="DFlash 2 drafter runs on blocks of at least 3 slots"):
         DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head, block_size=2)
 
 
@@ -279,7 +281,8 @@ def test_selector_q_is_the_walk_distribution():
         draft = proposer.draft(1, 2, t, "rejection", torch.Generator().manual_seed(seed))
         hidden = proposer._hidden(1, 3)[1:]
         prev = torch.tensor([[1, int(draft.tokens[0])]])
-        scores, ids, _ = proposer.drafter.selector_scores(hidden[None], prev, proposer.lm_head)
+        scores, ids, _ = selector_scores(proposer.drafter, hidden[None], prev,
+                                           proposer.lm_head)
         expected = torch.zeros(2, V).scatter_(-1, ids[0], torch.softmax(scores[0] / t, -1))
         torch.testing.assert_close(draft.probs, expected)
         assert (draft.probs > 0).sum(-1).tolist() == [2, 2]

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_lab.export.engines.zlab import base_config
+from dflash_lab.heads.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_lab.model.config import DFLASH2_DEFAULTS, DrafterConfig
-from dflash_lab.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import REPO_ROOT
 from tests.doubles import LAYOUTS, tiny_drafter_config
@@ -254,6 +254,14 @@ def test_conv_and_selector_change_the_draft_when_not_identity():
     assert picks.shape == unary_top1.shape == (10, 3) and (picks != unary_top1).any()
 
 
+def selector_scores(drafter, hidden_xth, prev_ids_xt, lm_head):
+    """Teacher-forced selector scores as training computes them (``CandidateSelector.score``
+    over the unary top-K): (scores [x, T, C], candidate ids, their unary logits)."""
+    selector = drafter.candidate_selector
+    cand_unary, cand_ids = selector.candidates(drafter.unary_logits(hidden_xth, lm_head))
+    return selector.score(hidden_xth, prev_ids_xt, cand_ids, cand_unary), cand_ids, cand_unary
+
+
 def test_teacher_forced_scores_equal_the_walk_given_the_walked_tokens():
     """Training's scoring and serving's walk are one computation: feeding the walk's own picks
     as the true previous tokens reproduces its scores."""
@@ -265,7 +273,7 @@ def test_teacher_forced_scores_equal_the_walk_given_the_walked_tokens():
     vals, cand = drafter.candidate_selector.candidates(unary)
     tokens, walk_scores = drafter.candidate_selector.walk(out[:, 1:], cand, vals, ids[:, 11])
     prev = torch.cat([ids[:, 11:12], tokens[:, :-1]], dim=1)
-    scores, cand2, vals2 = drafter.selector_scores(out[:, 1:], prev, lm_head)
+    scores, cand2, vals2 = selector_scores(drafter, out[:, 1:], prev, lm_head)
     torch.testing.assert_close(scores, walk_scores)
     assert torch.equal(cand2, cand)
     assert torch.equal(tokens, cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0])
@@ -280,8 +288,6 @@ def test_unary_logits_apply_multiplier_then_softcap_and_scale_reaches_block_inpu
     plain = DFlashDrafter(tiny_drafter_config(**V2)).double()
     torch.testing.assert_close(drafter.block_inputs(anchors, embed),
                                plain.block_inputs(anchors, embed) * 1.7)
-    with pytest.raises(ValueError, match="no candidate selector"):
-        DFlashDrafter(tiny_drafter_config()).selector_scores(h[None], anchors, lm_head)
 
 
 # ---------------------------------------------------------------------------- z-lab parity

@@ -1,11 +1,12 @@
-"""vocab_topk (dflash_lab/model/dflash2.py): the blocked top-K the selector's candidates and the
+"""vocab_topk (dflash_lab/model/layers.py): the blocked top-K the selector's candidates and the
 fused head pass use equals torch.topk, values and ids, on both layouts, ragged vocabularies and
 adversarial placements (all top entries in one block, in the tail, across blocks)."""
 
 import pytest
 import torch
 
-from dflash_lab.model.dflash2 import TOPK_BLOCK, CandidateSelector, vocab_topk
+from dflash_lab.heads.dflash2 import CandidateSelector
+from dflash_lab.model.layers import TOPK_BLOCK, vocab_topk
 
 
 def _cases(v: int, m: int) -> list[torch.Tensor]:

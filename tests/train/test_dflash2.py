@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from dflash_lab.heads.dflash2 import SelectorMetrics, SelectorSettings, selector_loss
 from dflash_lab.model import heads
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.paths import CONF_DIR
@@ -24,7 +25,6 @@ from dflash_lab.train.loss import (
 )
 from dflash_lab.train.module import DFlashModule
 from dflash_lab.train.objective import dflash_loss
-from dflash_lab.train.selector import SelectorMetrics, SelectorSettings, selector_loss
 from tests.doubles import tiny_drafter_config
 
 #: H=48 -> 4 conv groups; K=3 taps in blocks of 4; rank 8 over the top 5 of a 97-token vocab
@@ -80,9 +80,9 @@ def _losses(module, hidden, tgt, anchor_ids, anchor_valid):
     lm_head, cfg = module.target_head.lm_head, module.drafter.config
     out = dflash_loss(hidden, tgt, lm_head, 2.0, block_valid_bn=anchor_valid,
                       scale=LogitScale.of(cfg), top_k=cfg.selector_top_k)
-    out.selector = selector_loss(module.drafter.candidate_selector, hidden, out, tgt, anchor_ids,
-                                 lm_head, 2.0, module.selector_settings.missing_gold,
-                                 LogitScale.of(cfg))
+    out.head_pieces["selector"] = selector_loss(
+        module.drafter.candidate_selector, hidden, out, tgt, anchor_ids, lm_head, 2.0,
+        module.selector_settings.missing_gold, LogitScale.of(cfg))
     return out
 
 
@@ -124,8 +124,8 @@ def test_loss_is_unary_plus_alpha_selector_ce_computed_by_hand(missing_gold):
     unary, selector, found, right = _by_hand(module, hidden, tgt, anchor_ids, missing_gold)
     assert 0 < found[tgt.valid].float().mean() < 1  # both kinds of slot occur
     torch.testing.assert_close(module.objective(out, step=10), unary + 0.3 * selector)
-    assert torch.equal(out.selector.in_candidates, found)
-    assert torch.equal(out.selector.selector_correct, right)
+    assert torch.equal(out.head_pieces["selector"].in_candidates, found)
+    assert torch.equal(out.head_pieces["selector"].selector_correct, right)
     grads = torch.autograd.grad(module.objective(out, step=10), hidden)[0]
     want = torch.autograd.grad(unary + 0.3 * selector, hidden)[0]
     torch.testing.assert_close(grads, want)  # the fused head pass's gradient, scales included
@@ -145,7 +145,7 @@ def test_a_dflash1_drafter_trains_on_its_scaled_unary_logits_too():
     logits = module.drafter.unary_logits(hidden, module.target_head.lm_head)
     w = position_weights(4, 2.0).expand_as(tgt.valid)[tgt.valid]
     ce = F.cross_entropy(logits[tgt.valid], tgt.labels[tgt.valid], reduction="none")
-    assert out.selector is None
+    assert "selector" not in out.head_pieces
     torch.testing.assert_close(module.objective(out, 0), (w * ce).sum() / w.sum())
 
 
@@ -154,7 +154,7 @@ def test_exclude_and_swap_differ_only_where_gold_is_missing():
     for mode in ("exclude", "swap"):
         module = _module({"missing_gold": mode})
         hidden, tgt, anchor_ids, anchor_valid = _hidden_and_targets(module, from_draft=0.5)
-        outs[mode] = _losses(module, hidden, tgt, anchor_ids, anchor_valid).selector
+        outs[mode] = _losses(module, hidden, tgt, anchor_ids, anchor_valid).head_pieces["selector"]
     found = outs["exclude"].in_candidates
     assert outs["swap"].weight_sum > outs["exclude"].weight_sum  # swap also trains the misses
     w = position_weights(4, 2.0).expand_as(tgt.valid)
@@ -171,7 +171,7 @@ def test_alpha_schedule_warmup_then_linear_ramp():
     hidden, tgt, anchor_ids, anchor_valid = _hidden_and_targets(module)
     out = _losses(module, hidden, tgt, anchor_ids, anchor_valid)
     unary = out.weighted_sum / out.weight_sum
-    selector = out.selector.weighted_sum / out.selector.weight_sum
+    selector = out.head_pieces["selector"].weighted_sum / out.head_pieces["selector"].weight_sum
     torch.testing.assert_close(module.objective(out, 1), unary)
     torch.testing.assert_close(module.objective(out, 4), unary + 0.25 * selector)
 
@@ -185,8 +185,7 @@ def test_alpha_schedule_warmup_then_linear_ramp():
 ])
 def test_selector_settings_are_validated_at_start_up(given, variant, message):
     with pytest.raises(ValueError, match=message):  # the head refuses what it cannot train
-        settings = SelectorSettings.create(given)
-        heads.get(variant).check_training(None, SimpleNamespace(selector_settings=settings))
+        heads.get(variant).check_training(None, SimpleNamespace(selector=given))
 
 
 def test_dflash1_module_accepts_the_default_selector_block_and_refuses_a_changed_one():
@@ -204,8 +203,8 @@ def test_fresh_drafter_selector_tau_equals_unary_tau_and_oracle_bounds_both():
     hidden, tgt, anchor_ids, anchor_valid = _hidden_and_targets(module)
     out = _losses(module, hidden, tgt, anchor_ids, anchor_valid)
     taus = {k: acceptance_lengths(f, anchor_valid) for k, f in (
-        ("walk", out.selector.walk_correct), ("unary", out.correct),
-        ("oracle", out.selector.in_candidates))}
+        ("walk", out.head_pieces["selector"].walk_correct), ("unary", out.correct),
+        ("oracle", out.head_pieces["selector"].in_candidates))}
     assert len(set(taus["unary"].tolist())) >= 3  # varied acceptance: the test can fail
     assert torch.equal(taus["walk"], taus["unary"])
     assert (taus["oracle"] >= taus["walk"]).all() and taus["oracle"].mean() > taus["walk"].mean()
@@ -237,13 +236,14 @@ def test_selector_path_tau_is_the_exact_greedy_walk():
         hidden, tgt, anchor_ids, anchor_valid = _hidden_and_targets(module, from_draft=0.9)
         out = _losses(module, hidden, tgt, anchor_ids, anchor_valid)
         want = _explicit_walk_taus(module, hidden, tgt, anchor_ids, anchor_valid)
-    got = acceptance_lengths(out.selector.walk_correct, anchor_valid).long().tolist()
+    sel = out.head_pieces["selector"]
+    got = acceptance_lengths(sel.walk_correct, anchor_valid).long().tolist()
     unary = acceptance_lengths(out.correct, anchor_valid).long().tolist()
     assert got == want
     assert got != unary  # the selector changed the drafts: this is not the unary tau again
     # While every earlier pick was accepted the walk's predecessor IS the label, so the leading
     # run of teacher-forced selector hits gives the same lengths (a cross-check, not a shortcut)
-    forced = acceptance_lengths(out.selector.selector_correct, anchor_valid).long().tolist()
+    forced = acceptance_lengths(sel.selector_correct, anchor_valid).long().tolist()
     assert forced == want
 
 
@@ -256,7 +256,7 @@ def test_metrics_pool_recall_selector_accuracy_and_the_three_taus():
     metrics.update(out)
     metrics.update(out)  # pooled: the same batch twice gives the same ratios
     got = metrics.compute()
-    valid, sel = tgt.valid, out.selector
+    valid, sel = tgt.valid, out.head_pieces["selector"]
     assert got["val/recall_at_k"] == pytest.approx(sel.in_candidates[valid].float().mean().item())
     assert got["val/selector_acc"] == pytest.approx(
         sel.selector_correct[valid].float().mean().item())

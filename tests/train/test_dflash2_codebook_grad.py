@@ -2,7 +2,7 @@
 
 ``DFlashModule.optimizer_zero_grad`` zeroes the two [V, R] codebook gradients in place instead
 of dropping them; the next backward adds the looked-up rows into them as a sparse gradient
-(``model/dflash2._CodebookLookup``). These tests pin that this changes nothing: the gradient,
+(``heads/dflash2._CodebookLookup``). These tests pin that this changes nothing: the gradient,
 the parameters after several AdamW steps, a gradient accumulated over two backwards, and the
 fused head pass's column max taken from its top-K all equal the plain path bit for bit.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_lab.model import dflash2
+from dflash_lab.heads import dflash2
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.anchors import step_generator
 from dflash_lab.train.loss import chunked_head_pass

@@ -8,12 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dflash_lab.heads.dflash2 import selector_loss
 from dflash_lab.model.drafter import DFlashDrafter
 from dflash_lab.train.checks import check_module
 from dflash_lab.train.loss import block_targets, dpace_weights, slot_weights
 from dflash_lab.train.module import DFlashModule
 from dflash_lab.train.objective import dflash_loss
-from dflash_lab.train.selector import selector_loss
 from tests.doubles import tiny_drafter_config
 from tests.train.test_dflash2 import _hidden_and_targets
 from tests.train.test_dflash2 import _module as _dflash2_module
@@ -110,11 +110,12 @@ def test_dflash2_selector_term_uses_dpace_over_the_slots_it_trains(missing_gold)
     cfg, lm_head = module.drafter.config, module.target_head.lm_head
     out = dflash_loss(hidden, tgt, lm_head, 2.0, block_valid_bn=anchor_valid,
                       top_k=cfg.selector_top_k, weighting="dpace", dpace_alpha=1.0)
-    out.selector = selector_loss(module.drafter.candidate_selector, hidden, out, tgt, anchor_ids,
-                                 lm_head, 2.0, missing_gold, weighting="dpace", dpace_alpha=1.0)
-    trained = tgt.valid & (out.selector.in_candidates if missing_gold == "exclude" else True)
+    sel = out.head_pieces["selector"] = selector_loss(
+        module.drafter.candidate_selector, hidden, out, tgt, anchor_ids, lm_head, 2.0,
+        missing_gold, weighting="dpace", dpace_alpha=1.0)
+    trained = tgt.valid & (sel.in_candidates if missing_gold == "exclude" else True)
     assert trained.sum() < tgt.valid.sum() or missing_gold == "swap"
     after = trained.flip(-1).cumsum(-1).flip(-1) * trained  # trained slots j >= t
-    assert out.selector.weight_sum.item() == after.sum().item()
+    assert sel.weight_sum.item() == after.sum().item()
     unary_after = tgt.valid.flip(-1).cumsum(-1).flip(-1) * tgt.valid
     assert out.weight_sum.item() == unary_after.sum().item()
