@@ -128,12 +128,14 @@ class Domino(DFlash1):
         if config.shift_label is not False:
             config._fail("shift_label", config.shift_label, "must be false (a bool in SGLang; "
                          "our trainer writes the DFlash layout, row t predicts block token t)")
-        for key, low in (("pure_draft_prefix_len", 1), ("gru_hidden_dim", 1), ("emb_dim", 1)):
+        prefix = config.pure_draft_prefix_len
+        if isinstance(prefix, bool) or prefix != 1:
+            config._fail("pure_draft_prefix_len", prefix, "must be exactly 1 (SGLang: an "
+                         "integer >= 0, and 1; slot 1 keeps the base logits)")
+        for key in ("gru_hidden_dim", "emb_dim"):
             value = getattr(config, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low \
-                    or (key == "pure_draft_prefix_len" and value != 1):
-                config._fail(key, value, "must be exactly 1 (SGLang)" if low == 1 and
-                             key == "pure_draft_prefix_len" else "must be an integer >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                config._fail(key, value, "must be an integer >= 1")
         if config.sample_from_anchor:
             config._fail("sample_from_anchor", True, "must be false for Domino (shift_label "
                          "false: slot 0 is the anchor)")
@@ -157,9 +159,6 @@ class Domino(DFlash1):
         h, g, e = config.hidden_size, config.gru_hidden_dim, config.emb_dim
         return {"prefix_gru.weight_ih_l0": (3 * g, h), "prefix_gru.weight_hh_l0": (3 * g, g),
                 "embed_proj.0.weight": (e, h + g), "embed_proj.2.weight": (config.vocab_size, e)}
-
-    def min_slots(self, config: Any) -> int:
-        return 2
 
     def check_training(self, config: Any, module: Any) -> None:
         super().check_training(config, module)
