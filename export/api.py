@@ -17,6 +17,7 @@ import torch
 
 from dflash_lab.export import formats
 from dflash_lab.export.checks import (
+    REFUSE,
     Finding,
     apply_allow_lossy,
     check_engine,
@@ -146,9 +147,18 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     table = select_sglang(sglang_version, sglang_backend)
     findings = check_layout(config)
     for engine in engines:
-        findings += check_engine(config, readings, engine, table)
+        findings += check_engine(config, readings, engine, table) if engine in \
+            config.head.engines else [_unserved(config, engine)]
     findings += check_target(config, target)
     return readings, apply_allow_lossy(findings, allow_lossy)
+
+
+def _unserved(config: DrafterConfig, engine: str) -> Finding:
+    """The refusal of an engine the head's serving form is not for (``Head.engines``)."""
+    served = ", ".join(config.head.engines)
+    return Finding(REFUSE, f"{engine} does not serve a {config.head.title} drafter (served by "
+                   f"{served}); export with --engine {served} (export.engine={served})",
+                   engine, lossy=False)
 
 
 def _commit(tmp: Path, out_dir: Path, force: bool) -> None:

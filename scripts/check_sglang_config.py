@@ -50,6 +50,9 @@ SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 OUT = ROOT / "outputs" / "check_sglang_config"
 SGLANG_VERSION = DEFAULT_RELEASE  # the release the exporter's rules emulate (Makefile pin)
 
+#: Domino's keys SGLang's parser reads (None for any other head: it reads them for Domino only)
+DOMINO_KEYS = ("projector_type", "shift_label", "pure_draft_prefix_len", "gru_hidden_dim",
+               "emb_dim")
 #: recipe -> (golden layout it exports, the SGLang class of its target). The classes are the
 #: published checkpoints' ``architectures[0]`` (tests/tiny_archs.py builds each); the built-in
 #: tiny target is a Qwen3 model. finetune_cpu warm-starts from the demo's export: tiny_cpu's
@@ -58,6 +61,7 @@ RECIPES: dict[str, tuple[str, str]] = {
     "tiny_cpu": ("tiny_cpu", "Qwen3ForCausalLM"),
     "tiny_cpu_swa": ("tiny_cpu_swa", "Qwen3ForCausalLM"),
     "tiny_cpu_dflash2": ("tiny_cpu_dflash2", "Qwen3ForCausalLM"),
+    "tiny_cpu_domino": ("tiny_cpu_domino", "Qwen3ForCausalLM"),
     "finetune_cpu": ("tiny_cpu", "Qwen3ForCausalLM"),
     "qwen3_8b_b16": ("qwen3_8b_b16", "Qwen3ForCausalLM"),
     "smollm2_sharegpt_cpu": ("smollm2_sharegpt_cpu", "LlamaForCausalLM"),
@@ -138,6 +142,7 @@ def trained(config: DrafterConfig, architecture: str | None = None) -> dict[str,
         "conv_kernel_size": config.conv_kernel_size or 0,
         "conv_group_size": config.conv_group_size or 0,
         "selector_rank": config.selector_rank or 0, "selector_top_k": config.selector_top_k or 0,
+        **{k: config.head_options.get(k) for k in DOMINO_KEYS},
     }
 
 
@@ -177,7 +182,7 @@ def sglang_reading(result: dict[str, Any], shipped_mask: bool) -> tuple[dict | N
                                  "target_layer_ids", "num_target_layers", "output_multiplier",
                                  "final_logit_softcapping", "attention_value_scale",
                                  "conv_kernel_size", "conv_group_size", "selector_rank",
-                                 "selector_top_k")},
+                                 "selector_top_k", *DOMINO_KEYS)},
         "sinks": bool(draft["attention_sink_bias"] and result["sinks_built"]["value"]),
         "mask_embedding": bool(shipped_mask and result["merges_mask"]["value"]),
         "input_embedding_scale": scale,

@@ -30,6 +30,8 @@ Probes (each prints one JSON object; they read the engines, they check nothing o
   LiLiCorr's config refusals;
 - ``sglang-models`` (.venv-sglang): SGLang's whole Domino ``DFlashDraftModel`` and (from the
   lilicorr case) ``LiLiCorrDraftModel`` built on CPU and loaded by their own ``load_weights``;
+- ``domino-export`` (.venv-sglang): OUR Domino export (``cache/domino_case``) parsed, loaded and
+  rolled out by SGLang's code (:func:`probe_domino_export`; tests/heads/test_domino_export.py);
 - ``xpress`` (.venv-speculators, 0.9.0, plus the cache): speculators' ``XPressRefinerHead``
   against vLLM 0.34's (its class source executed from the cached file) after the checkpoint
   renaming vLLM's ``load_weights`` applies; the largest difference of the two biases.
@@ -81,6 +83,7 @@ PROBE_VENVS = {"lilicorr-vllm": (".venv-vllm", "make vllm-venv"),
                "lilicorr-sglang": (".venv-sglang", "make sglang-venv"),
                "sglang": (".venv-sglang", "make sglang-venv"),
                "sglang-models": (".venv-sglang", "make sglang-venv"),
+               "domino-export": (".venv-sglang", "make sglang-venv"),
                "xpress": (".venv-speculators", "make speculators-venv")}
 
 
@@ -531,6 +534,50 @@ def probe_sglang_models(cache: Path) -> dict[str, Any]:
     return out
 
 
+#: the Domino case :func:`probe_domino_export` reads (written by tests/heads/test_domino_export.py)
+DOMINO_CASE = "domino_case"
+
+
+def probe_domino_export(cache: Path) -> dict[str, Any]:
+    """Our Domino export as SGLang 0.5.23 serves it: ``parse_dflash_draft_config`` on its
+    config.json, its ``DFlashDraftModel`` loaded by ``load_weights`` from its model.safetensors,
+    then ``domino_greedy_rollout`` with the loaded ``prefix_gru`` / ``embed_proj`` on the case's
+    backbone rows (``cache/domino_case/inputs.safetensors``: hidden [Bq, B, H], anchors [Bq],
+    the target's embed [V, H] and lm_head [V, H], pools [P]): the drafts at each pool."""
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.models.dflash import DFlashDraftModel
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.speculative.domino_utils import domino_greedy_rollout
+    from transformers import PretrainedConfig
+
+    case = cache / DOMINO_CASE
+    raw = json.loads((case / "export" / "config.json").read_text())
+    parsed = parse_dflash_draft_config(draft_hf_config=PretrainedConfig(**raw))
+    model = _sglang_draft(raw, DFlashDraftModel)
+    weights = {n: t.float() for n, t in load_file(str(case / "export" / "model.safetensors"))
+               .items()}
+    out: dict[str, Any] = {
+        "parsed": {k: getattr(parsed, k) for k in ("projector_type", "shift_label",
+                                                    "pure_draft_prefix_len", "gru_hidden_dim",
+                                                    "emb_dim", "block_size")},
+        "load_refusal": _load_refusal(model, weights)}
+    params = dict(model.named_parameters())
+    head = [n for n in weights if n.startswith(("prefix_gru.", "embed_proj."))]
+    out["head_landed"] = sorted(n for n in head if torch.equal(params[n].detach(), weights[n]))
+    case_in = load_file(str(case / "inputs.safetensors"))
+    embed = torch.nn.Embedding.from_pretrained(case_in["embed"])
+    for pool in case_in["pools"].tolist():
+        drafts = domino_greedy_rollout(
+            draft_hidden=case_in["hidden"], bonus_tokens=case_in["anchors"],
+            target_embedding=embed, lm_head_weight=case_in["lm_head"],
+            prefix_gru=model.prefix_gru, embed_proj=model.embed_proj,
+            vocab_size=case_in["embed"].shape[0], shift_label=parsed.shift_label,
+            candidate_pool_size=pool, in_cuda_graph=False)
+        out[f"drafts_pool{pool}"] = drafts.tolist()
+    return out
+
+
 #: speculators 0.9.0 refiner names -> the checkpoint names vLLM 0.34's load_weights reads
 XPRESS_RENAME = {"token_embed.weight": "w1.weight", "readout.weight": "w2.weight",
                  "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
@@ -589,6 +636,7 @@ PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "lilicorr-sglang": probe_lilicor
           "lilicorr-vllm-model": probe_lilicorr_vllm_model,
           "lilicorr-conv-vllm-model": functools.partial(probe_lilicorr_vllm_model, conv=True),
           "sglang": probe_sglang, "sglang-models": probe_sglang_models,
+          "domino-export": probe_domino_export,
           "xpress": probe_xpress}
 
 

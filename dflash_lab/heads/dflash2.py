@@ -732,7 +732,8 @@ class DFlash2(Head):
         return SelectorMetrics()
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
-              temperature: float, mode: str, generator: Any) -> tuple[Any, Any]:
+              temperature: float, mode: str, generator: Any,
+              embed_tokens: Any = None) -> tuple[Any, Any]:
         return selector_draft(drafter.candidate_selector, hidden_kh, unary_kv, anchor_id,
                               temperature, mode, generator)
 

@@ -27,7 +27,7 @@ from typing import Any
 DEFAULT = "dflash1"
 #: Built-in heads: variant name -> the module that defines (and registers) it.
 BUILTIN = {"dflash1": "dflash_lab.heads.dflash1", "dflash2": "dflash_lab.heads.dflash2",
-           "dspark": "dflash_lab.heads.dspark"}
+           "dspark": "dflash_lab.heads.dspark", "domino": "dflash_lab.heads.domino"}
 #: Built-in features: applied to every drafter, in this order.
 FEATURES = ("dflash_lab.heads.laguna", "dflash_lab.heads.draft_vocab")
 #: Environment variable naming modules outside the package that register heads.
@@ -62,6 +62,10 @@ class Head:
     expected_taus: bool = True
     #: the key of our training spec its :meth:`training_spec` writes (a feature: "laguna")
     spec_key: str | None = None
+    #: the engines that serve it (an export for another engine is refused naming it)
+    engines: tuple[str, ...] = ("vllm", "sglang")
+    #: its ``module.head`` training settings and their defaults (Domino: lambda_start, ...)
+    module_settings: Mapping[str, Any] = {}
 
     # ---------------------------------------------------------------- config
     def validate(self, config: Any) -> None:
@@ -101,6 +105,14 @@ class Head:
         """Refuse module settings this head cannot train ``config`` with (DFlashModule's
         construction: a head before the teacher is chosen, a feature after)."""
 
+    def settings(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """``module.head`` over :attr:`module_settings`; a key it does not have is refused."""
+        unknown = sorted(set(given) - set(self.module_settings))
+        if unknown:
+            raise ValueError(f"module.head: {unknown} are not settings of the {self.title} head "
+                             f"(its settings: {sorted(self.module_settings)}); remove them")
+        return {**self.module_settings, **given}
+
     def needs_distribution(self, module: Any) -> str | None:
         """The setting of this head that trains on the target's distribution, named for the
         refusal when the data holds none (DFlash 2: module.selector.target=distribution)."""
@@ -138,9 +150,11 @@ class Head:
         return None
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
-              temperature: float, mode: str, generator: Any) -> tuple[Any, Any] | None:
+              temperature: float, mode: str, generator: Any,
+              embed_tokens: Any = None) -> tuple[Any, Any] | None:
         """This head's draft walk over one block: (tokens [k], their probabilities or None),
-        or None for the unary head's draft (argmax, or a sample at ``temperature``)."""
+        or None for the unary head's draft (argmax, or a sample at ``temperature``).
+        ``embed_tokens``: the target's embedding table (Domino's GRU reads it)."""
         return None
 
 

@@ -167,11 +167,14 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     present = {name: keys for name, keys in present.items() if keys}
     if not arch:
         return next(iter(present)) if len(present) == 1 else heads.DEFAULT
-    by_name = {head.architecture: head.name for head in heads.heads()}
-    found = [by_name[a] for a in arch if a in by_name]
-    if len(found) != 1 or len(arch) != 1:
+    found = [h.name for h in heads.heads() if h.architecture in arch]
+    if not found or len(arch) != 1:
+        known = sorted({h.architecture for h in heads.heads()})
         raise ValueError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
-                         f"one of {[[a] for a in by_name]}")
+                         f"one of {[[a] for a in known]}")
+    # heads sharing a class (DFlash 1, Domino) are told apart by their keys
+    keyed = [name for name in found if name in present]
+    found = keyed if len(keyed) == 1 else [heads.DEFAULT if heads.DEFAULT in found else found[0]]
     for name, keys in present.items():
         if name != found[0]:
             head = heads.get(name)

@@ -77,7 +77,8 @@ class DFlashModule(L.LightningModule):
     ce_chunk_size / ce_chunk_bytes: rows per chunk of the vocab projection if set, else as many
     rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``). selector: the
     ``module.selector`` settings, read and validated by the head (``check_training``: DFlash 2's
-    ``SelectorSettings``; a DFlash 1 drafter accepts only the defaults).
+    ``SelectorSettings``; a DFlash 1 drafter accepts only the defaults). head: the head's own
+    ``module.head`` settings (``Head.module_settings``; Domino's lambda schedule).
     feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden``
     (the data module's ``feature_source()``: the frozen target for online data, None for
     captures).
@@ -97,7 +98,7 @@ class DFlashModule(L.LightningModule):
                  val_temperatures: Sequence[float] | None = None,
                  feature_source: Callable[[Tensor], Any] | None = None,
                  target_distribution: Mapping[str, Any] | None = None,
-                 confidence_head_alpha: float = 1.0):
+                 confidence_head_alpha: float = 1.0, head: Mapping[str, Any] | None = None):
         super().__init__()
         if label_source not in LABEL_SOURCES:
             raise ValueError(f"module.label_source='{label_source}': use one of "
@@ -112,6 +113,8 @@ class DFlashModule(L.LightningModule):
         if not float(confidence_head_alpha) >= 0:
             raise ValueError(f"module.confidence_head_alpha={confidence_head_alpha}: must be "
                              ">= 0 (speculators: 1.0)")
+        head = dict(head or {})  # plain types in the checkpoint's hyper_parameters
+        self.head_settings = drafter.config.head.settings(head)  # module.head
         drafter.config.head.check_training(drafter.config, self)  # before a teacher is chosen
         self.val_temperatures = resolve_val_temperatures(val_temperatures, target_distribution)
         self.teacher_kind = teacher_kind(self.loss_spec, target_distribution,

@@ -40,8 +40,10 @@ class ZLab(Format):
     base_config = staticmethod(base_config)
 
     def drafter_lines(self, config: DrafterConfig) -> list[str]:
-        if config.variant != DFLASH2:
-            return ["- variant: dflash1 (DFlashDraftModel)"]
+        if config.variant != DFLASH2:  # DFlash 1, or a head sharing its class (Domino)
+            fields = ", ".join(f"{k}={v}" for k, v in config.head_options.items())
+            return [f"- variant: {config.variant} ({config.head.architecture})"] + \
+                ([f"- {config.head.title}: {fields}"] if fields else [])
         groups = config.hidden_size // config.conv_group_size
         return ["- variant: dflash2 (DFlash2DraftModel)",
                 f"- conv: conv_kernel_size={config.conv_kernel_size}, conv_group_size="

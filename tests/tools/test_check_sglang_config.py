@@ -32,7 +32,7 @@ def fake_result(config, *, target_scale: float = 1.0) -> dict:
                                   "target_layer_ids", "num_target_layers", "output_multiplier",
                                   "final_logit_softcapping", "attention_value_scale",
                                   "conv_kernel_size", "conv_group_size", "selector_rank",
-                                  "selector_top_k")}
+                                  "selector_top_k", *csc.DOMINO_KEYS)}
     draft["attention_sink_bias"] = want["sinks"]
     return {"layers": {"value": layers}, "draft": {"value": draft},
             "model_class": {"value": {"architecture": want["architecture"], "known": True,
