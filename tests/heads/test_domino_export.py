@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from dflash_lab.export import inspect_dir
 from dflash_lab.export.api import ExportRefused, export_drafter
-from dflash_lab.export.sources import Source
+from dflash_lab.export.weights import Source
 from dflash_lab.heads.domino import domino_walk
 from dflash_lab.model.drafter import DFlashDrafter
 from scripts import engine_sources as es
