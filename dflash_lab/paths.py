@@ -45,11 +45,10 @@ def temp_beside(path: Path) -> Path:
 def atomic_path(path: str | Path, *, temp: Path | None = None,
                 finish: Callable[[Path, Path], None] = os.replace) -> Iterator[Path]:
     """Yield a temporary name beside ``path`` to write; a clean exit runs ``finish(temp, path)``
-    (default ``os.replace``, atomic on one filesystem), an error removes the file, so readers see
-    the old file or the whole new one. ``temp``: a name writers share (every rank writes one
-    sharded checkpoint; default :func:`temp_beside`, per process), and a directory an error leaves
-    there is kept (other ranks may still write it). ``finish``: another last step ending in the
-    rename (a checkpoint's fsync, checksum and rotation)."""
+    (default ``os.replace``: readers see the old file or the whole new one), an error removes it.
+    ``temp``: a name writers share (every rank writes one sharded checkpoint; default
+    :func:`temp_beside`, per process); a directory an error leaves there is kept (other ranks may
+    still write it). ``finish``: a last step ending in the rename (fsync, checksum, rotation)."""
     path = Path(path)
     tmp = temp_beside(path) if temp is None else Path(temp)
     try:

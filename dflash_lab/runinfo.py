@@ -75,13 +75,11 @@ def latest_config(out_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
-    """Write ``config.yaml`` (resolved, from an OmegaConf config or dict ``cfg``) and
-    ``run_info.json`` (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``.
-
-    A first record is never overwritten: later runs write ``config.N.yaml`` / ``run_info.N.json``
-    (:func:`record_paths`); callers validate first, so a refused run leaves none. Only global
-    rank 0 writes (ranks share the run directory); the others just return the path.
-    """
+    """Write ``config.yaml`` (resolved ``cfg``, an OmegaConf config or dict) and ``run_info.json``
+    (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``; only global rank 0 writes,
+    the others return the path. A first record is never overwritten: later runs write
+    ``config.N.yaml`` / ``run_info.N.json`` (:func:`record_paths`); callers validate first, so a
+    refused run leaves none."""
     out_dir = Path(out_dir)
     n = len(record_paths(out_dir))
     suffix = f".{n}" if n else ""

@@ -34,14 +34,11 @@ BACKENDS = ("local", "server")
 
 def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
                     target_layer_ids: list[int], pieces, topk: int = 0) -> TargetFeatures:
-    """One sequence's features from the served states, without the batch axis.
-
-    ``states_tkh`` [T, k, H]: hidden states of ``aux_layer_ids`` (vLLM ids, ascending; the last,
-    ``num_hidden_layers``, is the final state before the norm); ``pieces``: the target's
-    :class:`~dflash_lab.targets.target.TargetPieces`. Returns ``hidden_bsf`` [T, nL*H] in
+    """One sequence's features (no batch axis) from ``states_tkh`` [T, k, H], the served states of
+    ``aux_layer_ids`` (vLLM ids, ascending; the last, ``num_hidden_layers``, is the final state
+    before the norm), with the target's ``pieces`` (TargetPieces): ``hidden_bsf`` [T, nL*H] in
     ``target_layer_ids`` order (z-lab id i = vLLM id i + 1), ``argmax_bs`` [T], final-normed
-    ``last_bsh`` [T, H] and, with ``topk``, the top-k ids and log-probabilities [T, k].
-    """
+    ``last_bsh`` [T, H] and, with ``topk``, the top-k ids and log-probabilities [T, k]."""
     where = {vllm_id: n for n, vllm_id in enumerate(aux_layer_ids)}
     hidden = torch.cat([states_tkh[:, where[int(i) + 1]] for i in target_layer_ids], dim=-1)
     head = pieces.lm_head.weight

@@ -26,14 +26,11 @@ def _looks_local(path: str) -> bool:
 
 def load_conversations(path: str, *, split: str = "train", limit: int | None = None,
                        shuffle_seed: int | None = None):
-    """A ``datasets.Dataset`` of conversation rows, shuffled (if a seed is given) then limited.
-
-    ``path``: a ``.jsonl``/``.json``/``.parquet`` file, else a hub id (network). Rows carry
-    ``messages`` or ``conversations``; column INPUT_ROW (replacing any of that name) keeps each
-    row's number in the file for reports. ValueError: missing file, unknown format, empty
-    dataset, no conversation column, or a bad file
-    (:func:`~dflash_lab.data.row_files.read_row_file`).
-    """
+    """A ``datasets.Dataset`` of conversation rows (``messages`` or ``conversations``), shuffled (if
+    a seed is given) then limited; ``path``: a ``.jsonl``/``.json``/``.parquet`` file, else a hub
+    id. Column INPUT_ROW (replacing any of that name) keeps each row's file number for reports.
+    ValueError: missing file, unknown format, empty dataset, no conversation column, or a bad
+    file (:func:`~dflash_lab.data.row_files.read_row_file`)."""
     import datasets
 
     local = Path(path) if _looks_local(path) else None
@@ -96,12 +93,10 @@ class TokenizedRows:
 
 def tokenize_rows(tokenizer, rows, first: int, *, source: str, bad_rows: str, setting: str,
                   **tokenize_kwargs: Any) -> TokenizedRows:
-    """Chat template + loss mask of ``rows`` (positions ``first``, ``first + 1``, ...).
-
-    A :class:`~dflash_lab.targets.chat.BadConversation` is logged and skipped (``bad_rows=skip``)
-    or raises a ValueError naming the row, ``source`` and the ``setting`` that skips it (error).
-    Rows without loss tokens are logged together. ``tokenize_kwargs``: ``tokenize_conversation``'s.
-    """
+    """Chat template + loss mask of ``rows`` (positions ``first``, ``first + 1``, ...). A
+    :class:`~dflash_lab.targets.chat.BadConversation` is logged and skipped (``bad_rows=skip``) or
+    raises a ValueError naming the row, ``source`` and the ``setting`` that skips it; rows without
+    loss tokens are logged together. ``tokenize_kwargs``: ``tokenize_conversation``'s."""
     out = TokenizedRows()
     for k, row in enumerate(rows):
         row_id = input_row(row, first + k)

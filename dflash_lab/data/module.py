@@ -38,11 +38,9 @@ PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax"
 def pad_collate(samples: Sequence[dict[str, Tensor]],
                 pad_to_multiple_of: int = 1) -> dict[str, Tensor]:
     """Right-pad PAD_VALUES' keys ([S] or [S, F]) to the longest sample rounded up to
-    ``pad_to_multiple_of``, add ``attention_mask`` [Bt, S] (True on real tokens), drop other keys.
-
-    Rounding bounds the batch shapes that compiled kernels recompile for (slow eager code past
-    torch's limit). Pads carry no loss and no anchor, and no block sees them.
-    """
+    ``pad_to_multiple_of`` (fewer shapes for compiled kernels to recompile for), add
+    ``attention_mask`` [Bt, S] (True on real tokens), drop other keys. Pads carry no loss and no
+    anchor, and no block sees them."""
     real = max(s["input_ids"].shape[0] for s in samples)
     longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}
@@ -86,12 +84,10 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """This rank's share of a permutation fixed by (seed, epoch): padded by repeating its head
-    to a multiple of the world size, rank r takes every world-th index from r, as torch's
-    DistributedSampler (so trainer configs set ``use_distributed_sampler: false``). Lightning
-    calls ``set_epoch``; :meth:`resume_at` skips the first ``samples_done`` indices all ranks
-    consumed (``__len__`` unchanged).
-    """
+    """This rank's share of a permutation fixed by (seed, epoch), split as torch's
+    DistributedSampler (head repeated to a multiple of the world size, rank r takes every
+    world-th index from r; trainer configs set ``use_distributed_sampler: false``).
+    :meth:`resume_at` skips the first ``samples_done`` indices all ranks consumed (same length)."""
 
     def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):
         self.num, self.seed, self.epoch = num, seed, 0
@@ -126,13 +122,10 @@ class EpochShuffleSampler(Sampler[int]):
 
 class BlockDataModule(L.LightningDataModule):
     """Split, collate and loaders shared by the online and offline modules, and what
-    ``dflash-train`` asks the configured class (:attr:`runs_target`, :meth:`drafter_inputs`,
-    :meth:`check_config`, :meth:`sequence_limit`) instead of matching its name.
-
-    ``pack``: serve packed rows of whole documents up to ``max_tokens_per_row`` tokens
-    (``batch_size`` counts rows); ``train_set``/``val_set`` stay the documents,
-    ``train_rows``/``val_rows`` are what the loaders serve (the same sets when unpacked).
-    """
+    ``dflash-train`` asks the configured class instead of matching its name (:attr:`runs_target`,
+    :meth:`drafter_inputs`, :meth:`check_config`, :meth:`sequence_limit`). ``pack``: packed rows of
+    whole documents (docs/data.md, "Packed rows"); ``train_set``/``val_set`` stay the documents,
+    ``train_rows``/``val_rows`` are what the loaders serve (the same sets when unpacked)."""
 
     #: The module computes features with the whole in-process target (online data), so the
     #: run cannot load only the target's head (``target.head_only=true``).
@@ -380,11 +373,10 @@ def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[
 
 class OfflineDataModule(BlockDataModule):
     """Captured shards, checked at start-up against the drafter (``target_layer_ids``,
-    ``hidden_size``, ``vocab_size``; refused naming both values) and an optional loaded ``target``
-    (config, tokenizer, weights fingerprint; ``allow_other_target_weights``: another checkpoint of
-    the same config). ``format``: ``auto`` (by the files), ``dflash_lab`` or ``speculators``
-    (``speculators_layer_ids``, ``hidden_states_path``: docs/data.md, "speculators data").
-    """
+    ``hidden_size``, ``vocab_size``) and an optional ``target`` (config, tokenizer, weights;
+    ``allow_other_target_weights``: another checkpoint of the same config), each refusal naming
+    both values. ``format``: ``auto`` (by the files), ``dflash_lab`` or ``speculators`` (with
+    ``speculators_layer_ids``, ``hidden_states_path``: docs/data.md, "speculators data")."""
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:

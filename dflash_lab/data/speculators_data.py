@@ -104,14 +104,11 @@ def layer_rows(their_ids: list[int], target_layer_ids: list[int],
 
 
 class SpeculatorsDataset(Dataset):
-    """A speculators prepare-data directory and its states, as :class:`ShardDataset` items plus
-    ``target_last_hidden`` [S, H]; ``hidden`` [S, nL*H] is in our ``target_layer_ids`` order,
-    ``sample_id`` is the prepare-data row.
-
-    ``target``: the target the states came from (its final norm and LM head, copied to the CPU,
-    derive the argmax and last state; head-only loads do). Headers and token ids are checked at
-    construction.
-    """
+    """A speculators prepare-data directory and its states as :class:`ShardDataset` items
+    (``hidden`` [S, nL*H] in our ``target_layer_ids`` order, ``sample_id``: the prepare-data row)
+    plus ``target_last_hidden`` [S, H]. ``target``: the states' target (its final norm and LM
+    head, copied to the CPU, derive argmax and last state; head-only loads do). Headers and token
+    ids are checked at construction."""
 
     def __init__(self, path: str | Path, *, target: Any, target_layer_ids: list[int],
                  layer_ids: list[int] | None = None, hidden_states_path: str | Path | None = None,

@@ -204,13 +204,10 @@ def _content_span(text: str, content: str, start: int, k: int) -> tuple[int, int
 def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], *,
                          last_turn_only: bool = False, enable_thinking: bool | None = None,
                          turn_end: TurnEnd | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation; returns (text, [(start, end) char spans of assistant turns]).
-
-    A turn starts where its generation prompt ends (header glue such as an empty think block is
-    excluded) and ends just after ``turn_end`` (:func:`find_turn_end` by default). Raises
-    BadConversation for roles :func:`check_roles` refuses, a template error, or a template not
-    rendering the conversation prefix-consistently.
-    """
+    """Render the conversation; returns (text, [(start, end) char spans of assistant turns]). A
+    turn starts where its generation prompt ends (excluding header glue such as an empty think
+    block) and ends just after ``turn_end`` (default :func:`find_turn_end`). BadConversation for
+    roles :func:`check_roles` refuses, a template error, or a render not prefix-consistent."""
     check_roles(messages)
     if turn_end is None:
         turn_end = find_turn_end(tokenizer, enable_thinking=enable_thinking)

@@ -151,14 +151,11 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                      attention_mask_bs: torch.Tensor | None = None,
                      out_device: torch.device | str | None = None,
                      topk: int = 0, target_hidden_size: int | None = None) -> TargetFeatures:
-    """Run the frozen target once and return its features at every position.
-
-    ``attention_mask_bs`` [Bt, S]: 1 = real token (right padding leaves real positions as they
-    are). argmax = final-normed state through the LM head (``logits.argmax(-1)`` without
-    [Bt, S, V]), which comes along as ``last_bsh``; ``topk`` > 0 adds top-k tokens and
-    log-probabilities. ``out_device``: the ids' by default (a ``device_map`` target's states are
-    gathered there); ``target_hidden_size``: per-layer width (None = H; :func:`layer_features`).
-    """
+    """Run the frozen target once; its features at every position. ``attention_mask_bs`` [Bt, S]:
+    1 = real token (right pads change no real position). argmax = final-normed state (``last_bsh``)
+    through the LM head, ``logits.argmax(-1)`` without [Bt, S, V]; ``topk`` > 0 adds the top-k.
+    ``out_device``: the ids' by default (a ``device_map`` target's states are gathered there);
+    ``target_hidden_size``: per-layer width (None = H; :func:`layer_features`)."""
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     check_layer_ids_for_streams(model.config, target_layer_ids)
     width = check_feature_width(model.config, target_hidden_size, "target_hidden_size")

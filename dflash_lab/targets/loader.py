@@ -110,11 +110,10 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 local_files_only: bool | None = None, head_only: bool = False,
                 chat_template: str | None = None) -> Target:
     """Load a frozen causal LM and its tokenizer: the ONE target loader of every entry point.
-    ``name_or_path``: a directory, hub id (``HF_HUB_OFFLINE=1``: cache only) or ``.gguf`` file
-    (or ``gguf_file=``; needs ``gguf``). ``device_map`` overrides ``device``;
-    ``attn_implementation`` None lets transformers choose; ``head_only``:
-    embedding, norm and LM head (:mod:`dflash_lab.targets.head_only`); ``chat_template``: a file
-    or built-in name replacing the tokenizer's, often missing in GGUF (docs/targets.md)."""
+    ``name_or_path``: a directory, hub id (``HF_HUB_OFFLINE=1``: cache only) or ``.gguf`` file (or
+    ``gguf_file=``; needs ``gguf``). ``device_map`` overrides ``device``; ``attn_implementation``
+    None: transformers chooses; ``head_only``: embedding, norm, LM head (targets/head_only.py);
+    ``chat_template``: a file or built-in name replacing the tokenizer's (docs/targets.md)."""
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
     template = read_chat_template(chat_template) if chat_template else None
