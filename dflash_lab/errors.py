@@ -66,12 +66,10 @@ def output_error(err: BaseException, kept: str = KEPT_DEFAULT) -> UserError | No
 
 
 def reported(err: BaseException, kept: str = KEPT_DEFAULT) -> Exception | None:
-    """The user error behind ``err``: a ValueError or a :class:`UserError` itself (e.g. a
-    ServerError: a server unreachable or refusing, its message naming the URL and the fix), or
-    the ValueError Hydra's ``instantiate`` wrapped in an InstantiationException (a
-    ``target.*`` value refused while the target is built), or a full disk or unwritable
-    location (:func:`output_error`, ``kept``: what the command keeps); None for anything else (a
-    bug: its traceback is shown)."""
+    """The user error behind ``err``, or None for a bug (its traceback is shown): a ValueError or
+    :class:`UserError` (e.g. a ServerError naming the URL and the fix), the ValueError inside
+    Hydra's InstantiationException (a ``target.*`` value refused while building the target), or
+    a full disk or unwritable location (:func:`output_error`; ``kept``: what the command keeps)."""
     if isinstance(err, (ValueError, UserError)):
         return err
     if (output := output_error(err, kept)) is not None:

@@ -44,15 +44,11 @@ def temp_beside(path: Path) -> Path:
 @contextmanager
 def atomic_path(path: str | Path, *, temp: Path | None = None,
                 finish: Callable[[Path, Path], None] = os.replace) -> Iterator[Path]:
-    """Yield a temporary file name beside ``path`` to write; on a clean exit ``finish(temp,
-    path)`` moves it onto ``path`` (default ``os.replace``, atomic on one filesystem), on an
-    error the temporary file is removed. Readers see the old file or the whole new one, never
-    half of it.
-
-    ``temp``: the temporary name, when writers share one (every rank writes one sharded
-    checkpoint; default :func:`temp_beside`, unique to this process). ``finish``: another last
-    step ending in the rename (a checkpoint's fsync, checksum and rotation). A directory left at
-    ``temp`` by an error (a sharded checkpoint, other ranks may still write it) is kept."""
+    """Yield a temporary name beside ``path`` to write; a clean exit runs ``finish(temp, path)``
+    (default ``os.replace``: readers see the old file or the whole new one), an error removes it.
+    ``temp``: a name writers share (every rank writes one sharded checkpoint; default
+    :func:`temp_beside`, per process); a directory an error leaves there is kept (other ranks may
+    still write it). ``finish``: a last step ending in the rename (fsync, checksum, rotation)."""
     path = Path(path)
     tmp = temp_beside(path) if temp is None else Path(temp)
     try:
@@ -112,13 +108,11 @@ def temp_dir_beside(path: str | Path) -> Iterator[Path]:
 
 def publish_dir(tmp: Path, path: str | Path,
                 replace_existing: Callable[[Path], bool] = _always) -> bool:
-    """Rename the finished directory ``tmp`` onto ``path``; True when it is there.
-
-    Where ``path`` exists (also when another builder renamed its own onto it meanwhile),
-    ``replace_existing(path)`` decides: True renames the old one aside (``.NAME.old-<random>``),
-    renames ``tmp`` in and then deletes the old one, so readers see the old or the new
-    directory whole; False keeps ``path`` and ``tmp`` (an equal result is already there); it
-    may raise to refuse. A rename failing for another reason puts the old one back."""
+    """Rename the finished directory ``tmp`` onto ``path``; True when it is there. Where ``path``
+    exists (or another builder's rename won), ``replace_existing(path)`` decides: True moves the
+    old one aside (``.NAME.old-<random>``), renames ``tmp`` in, then deletes the old (readers see
+    old or new whole); False keeps both (an equal result is there); it may raise to refuse. A
+    rename failing otherwise puts the old one back."""
     path = Path(path)
     while True:
         old = None

@@ -75,15 +75,11 @@ def latest_config(out_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
-    """Write ``config.yaml`` (resolved, when ``cfg`` is an OmegaConf config or dict) and
-    ``run_info.json`` (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``.
-
-    A directory's first record is never overwritten: a later run there (a resume, a rerun)
-    writes ``config.N.yaml`` / ``run_info.N.json`` beside it (:func:`record_paths`). Callers
-    validate first and write after, so a refused run leaves no record at all.
-    Only the job's global rank 0 writes (every process of a multi-node job shares the run
-    directory on one filesystem); the others return the path without touching it.
-    """
+    """Write ``config.yaml`` (resolved ``cfg``, an OmegaConf config or dict) and ``run_info.json``
+    (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``; only global rank 0 writes,
+    the others return the path. A first record is never overwritten: later runs write
+    ``config.N.yaml`` / ``run_info.N.json`` (:func:`record_paths`); callers validate first, so a
+    refused run leaves none."""
     out_dir = Path(out_dir)
     n = len(record_paths(out_dir))
     suffix = f".{n}" if n else ""

@@ -180,12 +180,9 @@ def _heartbeat(path: Path, token: str, every: float, stop: threading.Event) -> N
 def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
                 command: str | None = None, lease_s: float = LEASE_S,
                 env: dict | None = None) -> Iterator[Path | None]:
-    """Hold ``directory``'s writer lock for the block; yields the lock's path (None on a rank
-    other than the global rank 0, which takes no lock).
-
-    ``what``: the setting that named the directory (``paths.output_dir``, ``OUT_DIR``), for the
-    message. ``beside``: the lock lives beside the directory (:func:`lock_path_for`).
-    """
+    """Hold ``directory``'s writer lock for the block; yields its path (None off global rank 0,
+    which alone locks). ``what``: the setting that named the directory, for the message;
+    ``beside``: the lock lives beside the directory (:func:`lock_path_for`)."""
     if not is_global_zero(env):
         yield None
         return

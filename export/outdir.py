@@ -96,12 +96,9 @@ def refuse_overlap(out_dir: str | Path, reads: Iterable[str | Path], name: str =
 def check_output_dir(out_dir: str | Path, reads: Iterable[str | Path], *, force: bool,
                      owner: str | Path | None = None, name: str = "OUT_DIR") -> None:
     """Refuse an ``out_dir`` whose replacement could delete anything the export did not write.
-
-    ``reads``: the paths the export reads (SOURCE, the run directory, the checkpoint). Raises
-    ValueError when ``out_dir`` is one of them or contains one; FileExistsError when it exists
-    and ``force`` is off, or when it is not an empty directory or a previous export (of a source
-    inside ``owner``, when given). ``name`` is how the message calls the setting.
-    """
+    ``reads``: SOURCE, run directory, checkpoint. ValueError when ``out_dir`` is or contains one;
+    FileExistsError when it exists without ``force``, or is neither empty nor a previous export
+    (of a source inside ``owner``, if given). ``name``: the setting's name in messages."""
     out = Path(out_dir)
     refuse_overlap(out, reads, name)
     if not (out.exists() or out.is_symlink()):

@@ -40,14 +40,10 @@ def _is_cuda(device: torch.device | str) -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str, *, packed: bool) -> str:
-    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or what ``auto`` means.
-
-    ``packed``: the call attends many blocks per row (training and validation, the eval's
-    features mode); otherwise it is the one-block inference layout (a block right after its
-    cached context). ``auto`` is sdpa on CPU; on CUDA flex for packed layouts and flash for the
-    inference layout when flash-attn is installed (else flex). flash cannot express packed
-    blocks, so asking for it there is an error rather than a fallback.
-    """
+    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or what ``auto`` means: sdpa
+    on CPU; on CUDA flex when ``packed`` (many blocks per row: training, validation, features
+    mode), else flash if installed, else flex. flash cannot express packed blocks: asking for it
+    there is an error, not a fallback."""
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown attention backend '{name}': use one of {list(BACKENDS)} or "
                          "'auto'")

@@ -38,12 +38,9 @@ def _recompile_limit() -> int:
 
 
 def _note_compiled_shape(shape: tuple[int, int, int]) -> None:
-    """Warn once when the compiled kernels have seen more shapes than torch recompiles for.
-
-    ``dynamic=False`` compiles one graph per (Bt, Q, K); past torch's recompile limit new shapes
-    run the unfused eager flex path (slow, and it materialises the scores). Variable-length
-    batches hit this unless their length is rounded (``data.pad_to_multiple_of``).
-    """
+    """Warn once when the compiled kernels have seen more shapes than torch recompiles for: one
+    graph per (Bt, Q, K) (``dynamic=False``); past the limit new shapes run the slow unfused eager
+    path, which materialises the scores. Fix: round lengths (``data.pad_to_multiple_of``)."""
     if shape in SEEN_SHAPES:
         return
     SEEN_SHAPES.add(shape)

@@ -26,14 +26,10 @@ class LayerSpec(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class BlockLayout:
-    """Where the blocks of one attention call sit.
-
-    anchors_bn: [Bt, N] long, anchor positions in the row (sorted ascending per row for speed).
-    num_context: S, the number of context key slots (padded length of the context).
-    block_size: B.
-    doc_starts_bn: [Bt, N] long, the row position where each anchor's document starts (packed
-      rows); None = every row is one document starting at 0.
-    """
+    """Where the blocks of one attention call sit: ``anchors_bn`` [Bt, N] long anchor positions
+    (sorted per row, for speed), ``num_context`` S context key slots (padded), ``block_size`` B,
+    ``doc_starts_bn`` [Bt, N] long start of each anchor's document (packed rows; None: one
+    document per row, starting at 0)."""
 
     anchors_bn: Tensor
     num_context: int
@@ -67,13 +63,10 @@ class BlockLayout:
 
 def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int,
             block_size: int, spec: LayerSpec, starts_b_n: Tensor | None = None) -> Tensor:
-    """The predicate. Broadcasting index tensors in, bool out.
-
-    ``anchors_b_n`` is the anchor row [N] of the batch element the indices belong to (indexed
-    with the block index ``q_idx // block_size``); ``starts_b_n`` [N] the start of each anchor's
-    document (None: 0, an unpacked row). :func:`dense_mask` maps them over the rows with
-    ``torch.vmap``, flex calls it per element.
-    """
+    """The predicate: broadcasting index tensors in, bool out. ``anchors_b_n`` [N]: the anchors
+    of the indices' batch element (indexed by block ``q_idx // block_size``); ``starts_b_n`` [N]:
+    each anchor's document start (None: 0). :func:`dense_mask` vmaps it over rows; flex calls it
+    per element."""
     j = q_idx // block_size
     t = q_idx % block_size
     anchor = anchors_b_n[j]
@@ -101,12 +94,9 @@ def dense_mask(layout: BlockLayout, spec: LayerSpec) -> Tensor:
 
 def mask_tile(layout: BlockLayout, spec: LayerSpec, q0: int, q1: int, k0: int, k1: int
               ) -> Tensor:
-    """Boolean mask [Bt, 1, q1-q0, k1-k0] of queries [q0, q1) x keys [k0, k1): equal to
-    ``dense_mask(layout, spec)[:, :, q0:q1, k0:k1]`` without building the rest.
-
-    One vectorised evaluation of :func:`visible` over all rows (``torch.vmap`` over the anchor
-    rows, no Python loop over rows or blocks); the batch-sized temporaries are booleans.
-    """
+    """Boolean mask [Bt, 1, q1-q0, k1-k0] of queries [q0, q1) x keys [k0, k1), equal to that
+    slice of :func:`dense_mask` without building the rest: one ``torch.vmap`` of :func:`visible`
+    over the anchor rows (no Python loop); the batch-sized temporaries are booleans."""
     dev = layout.anchors_bn.device
     q_idx = torch.arange(q0, q1, device=dev)[:, None]
     kv_idx = torch.arange(k0, k1, device=dev)[None, :]
@@ -124,15 +114,11 @@ def mask_tile(layout: BlockLayout, spec: LayerSpec, q0: int, q1: int, k0: int, k
 
 def visible_key_ranges(layout: BlockLayout, spec: LayerSpec, n0: int, n1: int
                        ) -> list[tuple[int, int]]:
-    """Key ranges ``[(k0, k1), ...]`` outside which blocks [n0, n1) see nothing, in any row.
-
-    The context part runs from the lowest first visible key of these blocks (their document
-    start, raised to ``a_j - (W-1)`` for a window: slot t = 0 reaches furthest back) to the last
-    anchor (context keys are ``p < a_j``); it is dropped when empty. The block part is the blocks'
-    own slots ``S + n0*B .. S + n1*B``. Inside the ranges :func:`mask_tile` decides per pair, so
-    this is a bound, not a second rule. For a sliding layer the context part is at most
-    ``W - 1`` plus the span of the run's anchors: tiles stay a fixed size as rows grow.
-    """
+    """Key ranges ``[(k0, k1), ...]`` outside which blocks [n0, n1) see nothing, in any row (a
+    bound; :func:`mask_tile` decides inside): the context from the blocks' lowest first visible
+    key (document start, or ``a_j - (W-1)`` under a window) to the last anchor (keys ``p < a_j``),
+    dropped when empty, and the slots ``S + n0*B .. S + n1*B``. Sliding layers' tiles keep a fixed
+    size as rows grow (docs/training.md, "The mask predicate")."""
     s, b = layout.num_context, layout.block_size
     anchors = layout.anchors_bn[:, n0:n1]
     first = layout.starts_bn()[:, n0:n1]
@@ -160,13 +146,9 @@ def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):
 
 
 def document_starts(document_ids_bs: Tensor) -> Tensor:
-    """Row position where the document of each position starts [Bt, S] long.
-
-    ``document_ids_bs`` [Bt, S]: a packed row's document index per token (contiguous runs;
-    padding is one more run). A run starts wherever the id changes; ``cummax`` carries the
-    latest start to the right. ``arange(S) - starts`` is each token's position in its document
-    (the RoPE position, restarting at 0 like an unpacked row).
-    """
+    """Row position where each position's document starts [Bt, S] long, from ``document_ids_bs``
+    [Bt, S] (contiguous runs; padding is one more run): ``cummax`` carries each run's start right.
+    ``arange(S) - starts`` is the RoPE position, restarting at 0 as in an unpacked row."""
     s = document_ids_bs.shape[1]
     pos = torch.arange(s, device=document_ids_bs.device).expand_as(document_ids_bs)
     new = torch.ones_like(document_ids_bs, dtype=torch.bool)
@@ -175,12 +157,9 @@ def document_starts(document_ids_bs: Tensor) -> Tensor:
 
 
 def flash_window_args(spec: LayerSpec) -> tuple[tuple[int, int], bool]:
-    """flash-attn ``(window_size=(left, right), causal)`` for the inference layout.
-
-    Valid when the block's B queries are the LAST B keys (keys = [context ; block], anchor right
-    after the context), because flash-attn aligns causal masks and windows bottom-right:
-    causal window W -> (W-1, 0), bidirectional window W -> (W-1, W-1), no window -> (-1, -1).
-    """
+    """flash-attn ``(window_size=(left, right), causal)`` for the inference layout, where the
+    B queries are the LAST B keys (flash aligns causal masks and windows bottom-right): causal
+    window W -> (W-1, 0), bidirectional W -> (W-1, W-1), none -> (-1, -1)."""
     if spec.window is None:
         return (-1, -1), spec.causal
     reach = spec.window - 1

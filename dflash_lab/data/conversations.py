@@ -26,16 +26,11 @@ def _looks_local(path: str) -> bool:
 
 def load_conversations(path: str, *, split: str = "train", limit: int | None = None,
                        shuffle_seed: int | None = None):
-    """A ``datasets.Dataset`` of conversation rows, shuffled (if a seed is given) then limited.
-
-    Local files: ``.jsonl``/``.json`` (one row per line or a JSON list) and ``.parquet``; anything
-    else is treated as a hub dataset id (needs network). Rows must carry ``messages`` (OpenAI) or
-    ``conversations`` (ShareGPT). A column ``input_row`` (INPUT_ROW, replacing any of that name)
-    keeps each row's number in the file, so reports name a row the user can find. Raises
-    ValueError for a missing file, an unknown format, an empty dataset, missing conversation
-    columns, and (:func:`~dflash_lab.data.row_files.read_row_file`) a file line that is not
-    UTF-8, JSON or an object, or a file pyarrow cannot read.
-    """
+    """A ``datasets.Dataset`` of conversation rows (``messages`` or ``conversations``), shuffled (if
+    a seed is given) then limited; ``path``: a ``.jsonl``/``.json``/``.parquet`` file, else a hub
+    id. Column INPUT_ROW (replacing any of that name) keeps each row's file number for reports.
+    ValueError: missing file, unknown format, empty dataset, no conversation column, or a bad
+    file (:func:`~dflash_lab.data.row_files.read_row_file`)."""
     import datasets
 
     local = Path(path) if _looks_local(path) else None
@@ -87,12 +82,9 @@ def input_row(row: dict[str, Any], position: int) -> int:
 
 @dataclass
 class TokenizedRows:
-    """What :func:`tokenize_rows` made of some rows.
-
-    ``samples``: (position, TokenizedConversation) of rows with at least one loss token after
-    truncation; ``bad_rows``: {"row": input row, "reason"} of rows that cannot be trained on;
-    ``zero_loss_rows``: input rows left with no loss token (e.g. cut by ``max_length``).
-    """
+    """What :func:`tokenize_rows` made of some rows: ``samples`` (position, TokenizedConversation)
+    with a loss token left after truncation, ``bad_rows`` [{"row", "reason"}] that cannot be
+    trained on, ``zero_loss_rows`` (input rows left with no loss token, e.g. cut by max_length)."""
 
     samples: list[tuple[int, Any]] = field(default_factory=list)
     bad_rows: list[dict[str, Any]] = field(default_factory=list)
@@ -101,13 +93,10 @@ class TokenizedRows:
 
 def tokenize_rows(tokenizer, rows, first: int, *, source: str, bad_rows: str, setting: str,
                   **tokenize_kwargs: Any) -> TokenizedRows:
-    """Chat template + loss mask of ``rows`` (positions ``first``, ``first + 1``, ...).
-
-    A bad row (:class:`~dflash_lab.targets.chat.BadConversation`) is logged with its input row
-    and skipped when ``bad_rows == "skip"``; with ``"error"`` it raises a ValueError naming the
-    row, ``source`` (the input file) and the ``setting`` that would skip it. Rows without loss
-    tokens are logged together. ``tokenize_kwargs`` go to ``tokenize_conversation``.
-    """
+    """Chat template + loss mask of ``rows`` (positions ``first``, ``first + 1``, ...). A
+    :class:`~dflash_lab.targets.chat.BadConversation` is logged and skipped (``bad_rows=skip``) or
+    raises a ValueError naming the row, ``source`` and the ``setting`` that skips it; rows without
+    loss tokens are logged together. ``tokenize_kwargs``: ``tokenize_conversation``'s."""
     out = TokenizedRows()
     for k, row in enumerate(rows):
         row_id = input_row(row, first + k)
@@ -149,13 +138,9 @@ class Conversations:
 def open_conversations(path: str, split: str = "train", limit: int | None = None,
                        shuffle_seed: int | None = 0, demo_rows: int = 512, demo_seed: int = 1,
                        demo_file: str = "outputs/demo/conversations.jsonl") -> Conversations:
-    """The conversations every command reads, by one set of names (``data.path``, ``data.split``,
-    ``data.limit``, ``data.shuffle_seed``, ``data.demo_*``): the ``_target_`` of
-    conf/conversations/ (dflash-capture, dflash-regenerate) and what dflash-train's online data
-    opens. The rows are shuffled, then limited.
-
-    ``path=demo`` first writes ``demo_rows`` built-in demo conversations to ``demo_file``.
-    """
+    """The conversations every command reads (``data.path``, ``split``, ``limit``,
+    ``shuffle_seed``, ``demo_*``), shuffled then limited: conf/conversations/'s ``_target_`` and
+    dflash-train's online data. ``path=demo`` first writes ``demo_rows`` rows to ``demo_file``."""
     if path == "demo":
         path = str(write_demo_jsonl(demo_file, num=demo_rows, seed=demo_seed))
     dataset = load_conversations(str(path), split=split, limit=limit, shuffle_seed=shuffle_seed)

@@ -37,14 +37,10 @@ PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax"
 
 def pad_collate(samples: Sequence[dict[str, Tensor]],
                 pad_to_multiple_of: int = 1) -> dict[str, Tensor]:
-    """Right-pad the per-sample tensors ([S] or [S, F]) of PAD_VALUES' keys to the longest
-    sample, rounded up to ``pad_to_multiple_of``, and add ``attention_mask`` [Bt, S] (True on
-    real tokens); other keys (e.g. ``sample_id``) are dropped.
-
-    Rounding bounds the number of distinct batch shapes: compiled kernels (flex attention and
-    its mask builder on CUDA) recompile for every new shape and fall back to slow eager code
-    past torch's recompile limit. Pads carry no loss and no anchor, and no block sees them.
-    """
+    """Right-pad PAD_VALUES' keys ([S] or [S, F]) to the longest sample rounded up to
+    ``pad_to_multiple_of`` (fewer shapes for compiled kernels to recompile for), add
+    ``attention_mask`` [Bt, S] (True on real tokens), drop other keys. Pads carry no loss and no
+    anchor, and no block sees them."""
     real = max(s["input_ids"].shape[0] for s in samples)
     longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}
@@ -88,13 +84,10 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """This rank's share of a permutation that depends only on (seed, epoch): padded by
-    repeating its head to a multiple of the world size, rank r takes every world-th index from
-    r, as torch's DistributedSampler does (so the trainer configs set
-    ``use_distributed_sampler: false``). Lightning calls ``set_epoch``; :meth:`resume_at` makes
-    the next iteration skip the first ``samples_done`` indices all ranks consumed (``__len__``
-    unchanged).
-    """
+    """This rank's share of a permutation fixed by (seed, epoch), split as torch's
+    DistributedSampler (head repeated to a multiple of the world size, rank r takes every
+    world-th index from r; trainer configs set ``use_distributed_sampler: false``).
+    :meth:`resume_at` skips the first ``samples_done`` indices all ranks consumed (same length)."""
 
     def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):
         self.num, self.seed, self.epoch = num, seed, 0
@@ -128,17 +121,11 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 class BlockDataModule(L.LightningDataModule):
-    """Split, collate and loaders shared by the online and offline modules.
-
-    What ``dflash-train`` needs to know about a data module is declared here, on the class, so
-    the entry code asks the configured class (``hydra.utils.get_class(cfg.data._target_)``)
-    instead of matching its name: :attr:`runs_target`, :meth:`drafter_inputs`,
-    :meth:`check_config` and :meth:`sequence_limit`.
-
-    ``pack``: serve packed rows of whole documents, each row up to ``max_tokens_per_row``
-    tokens (``batch_size`` then counts rows); ``train_set`` / ``val_set`` stay the documents,
-    ``train_rows`` / ``val_rows`` are what the loaders serve (the same sets when unpacked).
-    """
+    """Split, collate and loaders shared by the online and offline modules, and what
+    ``dflash-train`` asks the configured class instead of matching its name (:attr:`runs_target`,
+    :meth:`drafter_inputs`, :meth:`check_config`, :meth:`sequence_limit`). ``pack``: packed rows of
+    whole documents (docs/data.md, "Packed rows"); ``train_set``/``val_set`` stay the documents,
+    ``train_rows``/``val_rows`` are what the loaders serve (the same sets when unpacked)."""
 
     #: The module computes features with the whole in-process target (online data), so the
     #: run cannot load only the target's head (``target.head_only=true``).
@@ -297,12 +284,10 @@ class _TokenizedConversations(Dataset):
 
 
 class OnlineDataModule(BlockDataModule):
-    """Conversations -> chat template + loss mask -> features from the in-process target.
-    ``conversations``: a file or hub id, or ``demo`` (``demo_rows`` rows from ``demo_seed``);
-    ``target``: a loaded, frozen :class:`dflash_lab.targets.target.Target`. Features are computed
-    by the training step (:meth:`feature_source`, no_grad, the capture's function). ``bad_rows``:
-    ``skip`` logs and drops each bad row with its input row, ``error`` stops at the first (as
-    ``capture.bad_rows``).
+    """Conversations -> chat template + loss mask -> features of the in-process ``target`` (a
+    frozen :class:`dflash_lab.targets.target.Target`), computed in the training step
+    (:meth:`feature_source`: no_grad, the capture's function). ``conversations``: a file, hub id
+    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``.
     """
 
     runs_target: ClassVar[bool] = True
@@ -387,14 +372,11 @@ def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[
 
 
 class OfflineDataModule(BlockDataModule):
-    """Captured shards (``dflash-capture`` output), validated against the drafter at start-up:
-    ``target_layer_ids`` / ``hidden_size`` / ``vocab_size`` must match (else refused naming both
-    values), and an optional loaded ``target``'s config, tokenizer and weights fingerprint too
-    (``allow_other_target_weights``: another checkpoint of the same config). ``format``: ``auto``
-    (by the files in ``path``), ``dflash_lab`` or ``speculators``
-    (:mod:`dflash_lab.data.speculators_data`, with ``speculators_layer_ids`` and
-    ``hidden_states_path``: docs/data.md, "speculators data").
-    """
+    """Captured shards, checked at start-up against the drafter (``target_layer_ids``,
+    ``hidden_size``, ``vocab_size``) and an optional ``target`` (config, tokenizer, weights;
+    ``allow_other_target_weights``: another checkpoint of the same config), each refusal naming
+    both values. ``format``: ``auto`` (by the files), ``dflash_lab`` or ``speculators`` (with
+    ``speculators_layer_ids``, ``hidden_states_path``: docs/data.md, "speculators data")."""
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:

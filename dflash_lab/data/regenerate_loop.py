@@ -82,11 +82,8 @@ def _generation_config(s: RegenerateSettings, stops: list[int], pad: int):
 def generate_replies(target, histories: list[list[dict[str, Any]]], s: RegenerateSettings,
                      server: CompletionServer | None = None) -> list[tuple[str, int] | None]:
     """The target's next assistant turn for each history: (text, new tokens), or None when the
-    prompt plus ``max_new_tokens`` would exceed ``max_length``.
-
-    Prompts are rendered and tokenized here with the target's chat template in both backends;
-    ``server`` None runs ``transformers.generate`` on ``target``, else the served model.
-    """
+    prompt plus ``max_new_tokens`` exceeds ``max_length``. Prompts are templated here for both
+    backends; ``server`` None runs ``transformers.generate`` on ``target``."""
     tok = target.tokenizer
     prompts = [tok(render_prompt(tok, h, s.enable_thinking), add_special_tokens=False)[
         "input_ids"] for h in histories]
@@ -120,13 +117,9 @@ def _hf_replies(target, prompts: list[list[int]], s: RegenerateSettings,
 
 
 def decode_reply(tok, ids: list[int], stops: list[int]) -> tuple[str, int]:
-    """(text, token count) of a reply from its generated ids, the same for both backends.
-
-    The text stops before the first end-of-turn token (the count includes it) and skips special
-    tokens. A reply cut by ``max_new_tokens`` inside a multi-byte character drops that partial
-    character: ``decode`` would render it as U+FFFD, a token the target never wrote, and
-    servers' incremental detokenizers withhold it.
-    """
+    """(text, token count) of a reply, the same for both backends: the text stops before the first
+    end-of-turn token (counted) and skips special tokens; a partial multi-byte character at the
+    budget is dropped (``decode`` would invent a U+FFFD; servers withhold it)."""
     end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
     text = tok.decode(ids[:end], skip_special_tokens=True)
     if end == len(ids):
@@ -152,12 +145,9 @@ def _server_replies(server: CompletionServer, prompts: list[list[int]], s: Regen
 def regenerate_batch(target, conversations: list[list[dict[str, Any]]], s: RegenerateSettings,
                      server: CompletionServer | None = None
                      ) -> tuple[list[list[dict[str, Any]] | None], int]:
-    """Regenerate every assistant turn, turn by turn across the batch.
-
-    Returns (new conversations, generated tokens). A conversation stops before a turn that does
-    not fit ``max_length``; one left without an assistant turn, or whose first assistant turn
-    has no history to answer, becomes None (dropped).
-    """
+    """Regenerate every assistant turn, turn by turn across the batch; returns (conversations,
+    generated tokens). A conversation stops before a turn that does not fit ``max_length``; one
+    left with no assistant turn, or no history for its first, becomes None (dropped)."""
     done: list[list[dict[str, Any]]] = [[] for _ in conversations]
     open_ = [True] * len(conversations)
     tokens = 0
@@ -263,12 +253,9 @@ class _Progress:
 def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any], *,
                    rank: int = 0, world_size: int = 1, progress: bool = True,
                    server: CompletionServer | None = None) -> dict[str, Any] | None:
-    """This process's parts (index % world_size == rank), then the merge once all exist.
-
-    ``server``: generate through a running vLLM/SGLang server (the target then only supplies
-    the tokenizer, chat template and stop tokens). Returns the manifest when the output is
-    complete, else None (other ranks still working).
-    """
+    """This process's parts (index % world_size == rank), then the merge once all exist; returns
+    the manifest when complete, else None. ``server``: generate through a running vLLM/SGLang
+    server (the target then supplies only tokenizer, chat template and stop tokens)."""
     if server is None and getattr(target, "head_only", False):
         raise ValueError("regeneration runs the target: load it whole (target.head_only=false) "
                          "or generate through a server (regenerate.backend=server)")

@@ -35,11 +35,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 def read_row_file(path: Path, name: str):
     """The rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file as a ``datasets.Dataset``.
 
-    ``name`` is how messages name the file (e.g. ``data.path='p.jsonl'``, the setting the user
-    gave). Raises a one-line ValueError for an empty file, a line that is not UTF-8, not JSON or
-    not an object (its line number), and a file pyarrow cannot read (pyarrow's reason). The
-    caller checks that the file exists and has a suffix of LOCAL_BUILDERS (its own fix text).
-    """
+    ``name``: how messages name the file (the user's setting). One-line ValueError for an empty
+    file, a line not UTF-8/JSON/an object (its number), a file pyarrow cannot read. The caller
+    checks existence and suffix (LOCAL_BUILDERS)."""
     import datasets
 
     builder = LOCAL_BUILDERS[path.suffix]

@@ -92,13 +92,9 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
                 hidden_dtype: str = "bfloat16", feature_dim: int | None = None,
                 report: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write one shard (temporary name, then rename) and its record; returns the record.
-
-    The record (``shard-XXXXX.json``) is written last and marks the shard as finished.
-    ``feature_dim`` is needed only when ``samples`` is empty. ``report``: what the capture
-    loop saw in the shard's rows (``bad_rows`` [{"row", "reason"}], ``zero_loss_rows``
-    [input rows], ``min_loss_tokens`` / ``max_loss_tokens`` per sample), kept in the record.
-    """
+    """Write one shard (temporary name, then rename) and then its record ``shard-XXXXX.json``,
+    which marks it finished; returns the record. ``feature_dim``: needed only for no ``samples``;
+    ``report``: the capture's ``bad_rows``, ``zero_loss_rows``, min/max loss tokens, kept."""
     out_dir = Path(out_dir)
     dim = samples[0].hidden.shape[-1] if samples else feature_dim
     if dim is None:
@@ -255,12 +251,9 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
                    vocab_size: int | None = None, target_hidden_size: int | None = None,
                    target: dict[str, Any] | None = None,
                    allow_other_weights: bool = False) -> None:
-    """Refuse a capture that does not match what the caller (e.g. a drafter) expects.
-
-    ``target`` is a target identity (``Target.identity()``); its config and tokenizer hashes
-    must match, and its weights fingerprint (:func:`check_weights`). Each ValueError names
-    both values and the fix.
-    """
+    """Refuse a capture that does not match what the caller expects; ``target``: a target
+    identity (``Target.identity()``) whose config, tokenizer and weights (:func:`check_weights`)
+    must match. Each ValueError names both values and the fix."""
     expected = {"target_layer_ids": target_layer_ids, "hidden_size": hidden_size,
                 "vocab_size": vocab_size, "target_hidden_size": target_hidden_size}
     actual = {"target_layer_ids": manifest["target_layer_ids"],
@@ -324,11 +317,9 @@ VERIFY_MODES = (True, "first_use", False)
 class ShardDataset(Dataset):
     """Memory-mapped samples of a capture directory, validated at construction.
 
-    Item k: dict with ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D]
-    (stored dtype), ``target_argmax`` [S] int64, ``sample_id`` int. Keyword arguments are the
-    expectations of :func:`check_manifest`. Sizes and headers are always checked;
-    ``verify_checksums`` (:data:`VERIFY_MODES`) says when the sha256 of each shard is.
-    """
+    Item: ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D] (stored dtype),
+    ``target_argmax`` [S] int64, ``sample_id``. Keywords: :func:`check_manifest`'s; sizes and
+    headers are always checked, each shard's sha256 per ``verify_checksums`` (VERIFY_MODES)."""
 
     def __init__(self, capture_dir: str | Path, *, verify_checksums: bool | str = "first_use",
                  **expect: Any):

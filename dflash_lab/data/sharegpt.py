@@ -49,12 +49,9 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def iter_json_array(text: str, info: TruncatedArray | None = None) -> Iterator[Any]:
-    """Yield the elements of a JSON array text, tolerating a truncated tail.
-
-    Stops silently at the first element that fails to decode (recorded in ``info``: truncated,
-    offset). Raises ValueError when the text does not start with ``[`` or when elements are
-    separated by anything but ``,`` (that is corruption, not truncation).
-    """
+    """Yield the elements of a JSON array text, stopping silently at a truncated tail (recorded in
+    ``info``). ValueError when the text does not start with ``[`` or elements are separated by
+    anything but ``,`` (corruption, not truncation)."""
     info = info if info is not None else TruncatedArray()
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
@@ -92,12 +89,9 @@ def find_source() -> Path:
 
 
 def clean_conversation(row: Any) -> list[dict[str, str]] | None:
-    """The row's turns as ``[{"from", "value"}]``, or None when the row is unusable.
-
-    Kept: a list of turns with string values and known speakers, at least one non-empty user turn
-    followed later by a non-empty assistant turn. Leading assistant turns (ShareGPT continuation
-    parts often start mid-chat) are dropped so every conversation starts with a user/system turn.
-    """
+    """The row's turns as ``[{"from", "value"}]``, or None when unusable: kept are string values,
+    known speakers, a non-empty user turn followed later by a non-empty assistant turn. Leading
+    assistant turns (continuation parts start mid-chat) are dropped."""
     if not isinstance(row, dict) or not isinstance(row.get("conversations"), list):
         return None
     turns = []

@@ -104,14 +104,11 @@ def layer_rows(their_ids: list[int], target_layer_ids: list[int],
 
 
 class SpeculatorsDataset(Dataset):
-    """A speculators prepare-data directory and its states, as :class:`ShardDataset` items.
-
-    Item k: ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, nL*H] (stored dtype,
-    our ``target_layer_ids`` order), ``target_argmax`` [S] int64, ``target_last_hidden`` [S, H],
-    ``sample_id`` (the prepare-data row). ``target``: the loaded target the states came from (its
-    final norm and LM head are copied to the CPU to derive the last two; head-only loads do).
-    Every file's header and token ids are checked at construction.
-    """
+    """A speculators prepare-data directory and its states as :class:`ShardDataset` items
+    (``hidden`` [S, nL*H] in our ``target_layer_ids`` order, ``sample_id``: the prepare-data row)
+    plus ``target_last_hidden`` [S, H]. ``target``: the states' target (its final norm and LM
+    head, copied to the CPU, derive argmax and last state; head-only loads do). Headers and token
+    ids are checked at construction."""
 
     def __init__(self, path: str | Path, *, target: Any, target_layer_ids: list[int],
                  layer_ids: list[int] | None = None, hidden_states_path: str | Path | None = None,

@@ -35,13 +35,10 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
                  dtype: torch.dtype = torch.float32, block_size: int | None = None,
                  assume: str | None = None, verify_checksums: bool = True,
                  target_vocab_size: int | None = None) -> LoadedDrafter:
-    """Load a drafter from a checkpoint, run directory or serving directory.
-
-    ``block_size`` (<= the trained one) sets the inference block; ``assume`` names the engine
-    rule set used to read a third-party serving directory (default: the exporter's);
-    ``verify_checksums``: a serving directory is checked against its ``SHA256SUMS`` first;
-    ``target_vocab_size``: the vocabulary taken when the format records none (Muse Glimmer).
-    """
+    """Load a drafter from a checkpoint, run directory or serving directory. ``block_size`` (<= the
+    trained one): the inference block; ``assume``: the engine rules that read a third-party
+    serving directory (default: the exporter's); ``verify_checksums``: check its ``SHA256SUMS``
+    first; ``target_vocab_size``: the vocabulary when the format records none (Muse Glimmer)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"drafter.path={str(path)!r} does not exist; pass a training checkpoint "
@@ -91,12 +88,9 @@ def check_pair(drafter: DFlashDrafter, target, depth_recorded: bool = True) -> N
 
 
 def resolve_eval_target(cfg: DictConfig) -> None:
-    """Complete ``cfg.target`` in place before anything is loaded (and recorded).
-
-    The target comes from the ``target`` group (conf/target/*.yaml), instantiated as dflash-train
-    does. ``target=hf`` without ``target.name_or_path``: mode=features takes the target (and its
-    GGUF file) recorded in the capture manifest; mode=generate raises ValueError with the fix.
-    """
+    """Complete ``cfg.target`` (conf/target/, instantiated as dflash-train does) in place before
+    anything is loaded. ``target=hf`` without ``target.name_or_path``: mode=features takes the
+    target (and GGUF file) of the capture manifest; mode=generate raises ValueError with the fix."""
     if not OmegaConf.is_missing(cfg.target, "name_or_path"):  # given, or target=tiny
         return
     if cfg.mode != "features":

@@ -1,32 +1,11 @@
 """Speculative decoding with a DFlash drafter, and the plain target decoding it must reproduce.
 
-One round (dflash.md section 1), with the anchor a (the last committed token) at position C:
+One round (dflash.md section 1): draft from the cached context and the anchor, verify with ONE
+target forward, commit the matching drafts plus the bonus token, crop the target cache, extend the
+drafter context. Round for round as z-lab's ``dflash_generate`` (tests/eval/test_dflash2.py); the
+budget, stop token and DFlash 2 unary acceptance lengths are in (docs/eval.md, "The loop").
 
-1. draft: the proposer turns its cached context (features of positions 0..C-1) and a into
-   drafts d_1..d_{B-1} for positions C+1..C+B-1;
-2. verify: ONE target forward over [a, d_1..d_{B-1}] at positions C..C+B-1 gives the target's
-   choice for positions C+1..C+B and the features at C..C+B-1;
-3. accept the leading drafts that match (see :mod:`dflash_lab.eval.sampling`), commit them plus
-   the bonus token; crop the target cache to C + accepted + 1 (a and the accepted drafts stay,
-   their cached keys/values are exactly those of the committed tokens); append the features of
-   those accepted + 1 positions to the drafter context. The bonus becomes the next anchor.
-
-Per round we record the acceptance length ``accepted + 1`` (counted up to the token budget or a
-stop token, as the reference implementation does), so ``len(output) == 1 + sum(lengths)``.
-
-As in z-lab's ``dflash_generate`` (the reference loop, checked round for round by
-tests/eval/test_dflash2.py): the first output token is the target's choice after the prefill;
-a round with r tokens left in the budget drafts min(B-1, r) tokens with a block of that many
-slots + 1 and verifies only those; a stop token ends the output just after it.
-
-DFlash 2 drafters at T = 0 also get a unary acceptance length per round
-(``Generation.unary_acceptance_lengths``): what the unary argmax draft of the same hidden states
-would have accepted at the same anchor, scored against the committed output (at T = 0 the
-target's own greedy continuation), cut at the budget and stop token like the committed rounds.
-It is measured beside the selector path and never changes the output.
-
-Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at a time).
-"""
+Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at a time)."""
 
 from __future__ import annotations
 

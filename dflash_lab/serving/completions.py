@@ -92,12 +92,9 @@ class CompletionServer:
     # -- API -----------------------------------------------------------------------------------
     def connect(self, max_length: int,
                 setting: str = "regenerate.settings.max_length") -> dict[str, Any]:
-        """Pick the served model and check it can hold ``max_length`` tokens (``setting``: the
-        config key an error names).
-
-        Returns the model id and, where the server says (vLLM and SGLang do), its root path
-        and max_model_len (None otherwise).
-        """
+        """Pick the served model and check it holds ``max_length`` tokens (``setting``: the key an
+        error names). Returns the model id and, where the server says (vLLM, SGLang), its root
+        path and max_model_len (else None)."""
         card = pick_served_model(self._request("/models").get("data") or [], self.model,
                                  self.base, "server.model", ServerError)
         self.model = card.get("id")

@@ -165,14 +165,11 @@ def _closing_text(tokenizer, enable_thinking: bool | None) -> str:
 
 def find_turn_end(tokenizer, stop_ids: list[int] | tuple[int, ...] = (),
                   enable_thinking: bool | None = None) -> TurnEnd:
-    """The end of an assistant turn as this chat template writes it.
-
-    In the closing text (:func:`_closing_text`) the turn ends just past the first token that is
-    a stop id (``stop_ids``, e.g. :func:`target_stop_ids`, plus the tokenizer's EOS), else the
-    first added/special token. Warns when the template writes no such token (the drafter then
-    never learns to end a turn) or when the token is not a stop id (the target would not stop
-    generating there: check ``generation_config.eos_token_id``).
-    """
+    """The end of an assistant turn as this chat template writes it: in the closing text
+    (:func:`_closing_text`), just past the first stop id (``stop_ids`` plus the tokenizer's EOS),
+    else the first added/special token. Warns when there is none (the drafter never learns to end
+    a turn) or it is no stop id (the target would not stop there: check
+    ``generation_config.eos_token_id``)."""
     closing = _closing_text(tokenizer, enable_thinking)
     stops = {int(i) for i in stop_ids} | ({tokenizer.eos_token_id} - {None})
     added = (set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)) - {
@@ -207,14 +204,10 @@ def _content_span(text: str, content: str, start: int, k: int) -> tuple[int, int
 def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], *,
                          last_turn_only: bool = False, enable_thinking: bool | None = None,
                          turn_end: TurnEnd | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation and return (text, [(start, end) char spans of assistant turns]).
-
-    A turn starts where the template's generation prompt for it ends (so header glue such as an
-    empty think block is excluded) and ends just after ``turn_end`` (default: derived from the
-    template, :func:`find_turn_end`), which must follow the content. Raises BadConversation for
-    a conversation :func:`check_roles` refuses, a template error, or a template that does not
-    render the conversation prefix-consistently.
-    """
+    """Render the conversation; returns (text, [(start, end) char spans of assistant turns]). A
+    turn starts where its generation prompt ends (excluding header glue such as an empty think
+    block) and ends just after ``turn_end`` (default :func:`find_turn_end`). BadConversation for
+    roles :func:`check_roles` refuses, a template error, or a render not prefix-consistent."""
     check_roles(messages)
     if turn_end is None:
         turn_end = find_turn_end(tokenizer, enable_thinking=enable_thinking)
@@ -241,12 +234,9 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], *,
                           max_length: int | None = None, last_turn_only: bool = False,
                           enable_thinking: bool | None = None,
                           turn_end: TurnEnd | None = None) -> TokenizedConversation:
-    """Token ids and loss mask of one conversation (truncated to ``max_length`` tokens).
-
-    A token is in the loss mask when its first character lies inside an assistant span.
-    Needs a fast tokenizer (offset mapping). Pass ``turn_end`` (:func:`find_turn_end`, once per
-    dataset) to skip re-deriving it per conversation.
-    """
+    """Token ids and loss mask (tokens whose first character is in an assistant span) of one
+    conversation, truncated to ``max_length``. Needs a fast tokenizer (offsets); ``turn_end``
+    (:func:`find_turn_end`, once per dataset) saves re-deriving it per conversation."""
     text, spans = assistant_char_spans(tokenizer, messages, last_turn_only=last_turn_only,
                                        enable_thinking=enable_thinking, turn_end=turn_end)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

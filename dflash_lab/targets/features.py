@@ -17,15 +17,11 @@ from dflash_lab.targets.target import text_config
 
 
 class TargetFeatures(NamedTuple):
-    """``hidden_bsf`` [Bt, S, F = nL*H] (target dtype, concatenated in ``target_layer_ids``
-    order) and ``argmax_bs`` [Bt, S] int64: the target's greedy next token after each position.
-
-    The target's next-token distribution after each position, for the distribution losses
-    (docs/capture.md, "The target distribution"): ``last_bsh`` [Bt, S, H], its final-normed last
-    hidden state (the exact distribution through its LM head), and, when asked for, its top-k
-    ``top_ids_bsk`` [Bt, S, k] int64 and ``top_logprobs_bsk`` [Bt, S, k] float32
-    (log-probabilities over the whole vocabulary, best first).
-    """
+    """``hidden_bsf`` [Bt, S, F = nL*H] (target dtype, in ``target_layer_ids`` order),
+    ``argmax_bs`` [Bt, S] int64 (the greedy next token after each position), and for the
+    distribution losses (docs/capture.md, "The target distribution") ``last_bsh`` [Bt, S, H]
+    (final-normed last state) and optionally top-k ``top_ids_bsk`` [Bt, S, k] int64 and
+    ``top_logprobs_bsk`` [Bt, S, k] float32 (full-vocabulary log-probabilities, best first)."""
 
     hidden_bsf: torch.Tensor
     argmax_bs: torch.Tensor
@@ -155,14 +151,11 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                      attention_mask_bs: torch.Tensor | None = None,
                      out_device: torch.device | str | None = None,
                      topk: int = 0, target_hidden_size: int | None = None) -> TargetFeatures:
-    """Run the frozen target once and return its features at every position: ``input_ids_bs``
-    and ``attention_mask_bs`` [Bt, S] (1 = real token; right padding leaves the real positions
-    unaffected). The argmax comes from the final-normed hidden state through the LM head, equal
-    to ``logits.argmax(-1)`` without [Bt, S, V] logits; that state comes along (``last_bsh``),
-    ``topk`` > 0 adds the top-k next tokens and log-probabilities. ``out_device``: the input
-    ids' device by default (a ``device_map`` target's states are gathered there).
-    ``target_hidden_size``: the per-layer width (None = H; :func:`layer_features`).
-    """
+    """Run the frozen target once; its features at every position. ``attention_mask_bs`` [Bt, S]:
+    1 = real token (right pads change no real position). argmax = final-normed state (``last_bsh``)
+    through the LM head, ``logits.argmax(-1)`` without [Bt, S, V]; ``topk`` > 0 adds the top-k.
+    ``out_device``: the ids' by default (a ``device_map`` target's states are gathered there);
+    ``target_hidden_size``: per-layer width (None = H; :func:`layer_features`)."""
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     check_layer_ids_for_streams(model.config, target_layer_ids)
     width = check_feature_width(model.config, target_hidden_size, "target_hidden_size")
@@ -188,16 +181,11 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
 
 
 class OnlineFeatures:
-    """The frozen target as a feature source for a training batch (online data).
-
-    ``__call__(input_ids_bs)`` [Bt, S] -> :class:`TargetFeatures` on the ids' device. The model
-    moves to that device on first use (not when spread with ``device_map``). Runs under no_grad
-    and outside autocast: the features are the target's own, whatever the drafter's precision
-    (``bf16-mixed`` must not re-round the target's forward). Right padding needs no attention
-    mask: a causal target's features at real positions do not depend on the pads after them.
-    Not an ``nn.Module`` on purpose: the target is never a parameter of the training module,
-    never in its checkpoints, never moved or cast by Lightning.
-    """
+    """The frozen target as a training batch's feature source (online data): ``__call__``
+    ``input_ids_bs`` [Bt, S] -> :class:`TargetFeatures` on the ids' device (moved there on first
+    use, unless spread with ``device_map``). no_grad and outside autocast, so ``bf16-mixed``
+    never re-rounds the target; right pads need no mask (causal). Not an ``nn.Module``: the
+    target is never a parameter, checkpointed, moved or cast by Lightning."""
 
     def __init__(self, model, target_layer_ids: list[int],
                  target_hidden_size: int | None = None):
@@ -223,12 +211,9 @@ class OnlineFeatures:
 def per_document_features(model, input_ids_bs: torch.Tensor, document_ids_bs: torch.Tensor,
                           target_layer_ids: list[int],
                           target_hidden_size: int | None = None) -> TargetFeatures:
-    """Target features of packed rows, each document computed ALONE: the documents are cut out
-    (one right-padded row each), run through :func:`extract_features` and put back in place.
-
-    A causal target run over the packed row would let a document attend to the ones before it;
-    alone, its features are exactly those of the unpacked run. Padding positions get zeros.
-    """
+    """Target features of packed rows, each document computed ALONE (cut out, one right-padded row
+    each, :func:`extract_features`, put back): a causal run over the packed row would let it see
+    the documents before it. Padding positions get zeros."""
     spans = []  # (row, start, length) of every document
     for row in range(input_ids_bs.shape[0]):
         ids, counts = torch.unique_consecutive(document_ids_bs[row], return_counts=True)

@@ -110,13 +110,10 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 local_files_only: bool | None = None, head_only: bool = False,
                 chat_template: str | None = None) -> Target:
     """Load a frozen causal LM and its tokenizer: the ONE target loader of every entry point.
-    ``name_or_path``: a local directory, a hub id (HF cache; offline with ``HF_HUB_OFFLINE=1``)
-    or a ``.gguf`` file (or ``gguf_file=`` in a directory; needs ``gguf``). ``device_map``
-    overrides ``device``; ``attn_implementation`` None lets transformers choose; ``head_only``:
-    embedding, final norm and LM head only (:mod:`dflash_lab.targets.head_only`);
-    ``chat_template``: a file or built-in name (:func:`read_chat_template`) replacing the
-    tokenizer's, which GGUF files often lack (docs/targets.md).
-    """
+    ``name_or_path``: a directory, hub id (``HF_HUB_OFFLINE=1``: cache only) or ``.gguf`` file (or
+    ``gguf_file=``; needs ``gguf``). ``device_map`` overrides ``device``; ``attn_implementation``
+    None: transformers chooses; ``head_only``: embedding, norm, LM head (targets/head_only.py);
+    ``chat_template``: a file or built-in name replacing the tokenizer's (docs/targets.md)."""
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
     template = read_chat_template(chat_template) if chat_template else None
@@ -150,12 +147,9 @@ def _gguf_arch_and_head_dim(path: str) -> tuple[str, int | None]:
 
 
 def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
-    """The transformers config of a GGUF target, ``head_dim`` taken from the file.
-
-    transformers' GGUF mapping of some architectures (qwen3) drops
-    ``{arch}.attention.key_length``, so ``head_dim`` falls back to the config class default
-    (Qwen3: 128) and any other head width fails at load with a size mismatch.
-    """
+    """The transformers config of a GGUF target with ``head_dim`` from the file: transformers'
+    mapping of some architectures (qwen3) drops ``{arch}.attention.key_length``, so another head
+    width would fail at load against the class default (Qwen3: 128)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.utils import cached_file

@@ -23,14 +23,10 @@ _FROM_TARGET = {
 
 
 def _flat_rope_parameters(config) -> dict[str, Any]:
-    """The target's RoPE as one flat dict (``rope_type``, ``rope_theta``, scaling keys).
-
-    transformers >= 5 keeps RoPE in ``rope_parameters``: flat, or for targets with per-layer-type
-    RoPE (Gemma 3: 1e4 on sliding, 1e6 on full layers) nested by layer type. The drafter has one
-    RoPE for all its layers (it attends over the whole context; engines serve no nested RoPE,
-    model/rope.py), so a nested config gives its ``full_attention`` entry. transformers 4.x
-    configs have ``rope_theta`` + ``rope_scaling``.
-    """
+    """The target's RoPE as one flat dict (``rope_type``, ``rope_theta``, scaling keys): from
+    transformers 5's ``rope_parameters`` (a per-layer-type nested one gives ``full_attention``)
+    or 4.x's ``rope_theta`` + ``rope_scaling`` (docs/targets.md, "What the drafter takes from the
+    target")."""
     params = getattr(config, "rope_parameters", None)
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -50,12 +46,9 @@ def _flat_rope_parameters(config) -> dict[str, Any]:
 
 
 def target_rope(config) -> dict[str, Any]:
-    """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` and, for a
-    scaled target, its ``rope_scaling`` as the engines will apply it to the drafter; {} when the
-    target declares no RoPE. linear, yarn and llama3 are copied with the keys model/rope.py
-    reads, unread keys dropped (logged); ``dynamic`` and unimplemented types give plain RoPE at
-    the same theta (docs/targets.md, "What the drafter takes from the target").
-    """
+    """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` plus a scaled
+    target's ``rope_scaling`` as engines apply it; {} without RoPE. Per type: (docs/targets.md,
+    "What the drafter takes from the target")."""
     params = _flat_rope_parameters(config)
     theta = params.pop("rope_theta", None)
     if theta is None:

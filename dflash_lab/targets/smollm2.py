@@ -84,12 +84,8 @@ def _dequantise_into(gguf: Path, tmp: Path) -> None:
 
 def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = False) -> Path:
     """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir``; return its path.
-
-    Idempotent: returns at once when ``out_dir`` already holds the directory built from the same
-    GGUF (marker file ``dflash_smollm2.json``). Atomic: builds in a temporary directory beside
-    ``out_dir`` and renames it into place (:func:`~dflash_lab.paths.atomic_dir`), so a killed
-    run leaves no half-written target.
-    """
+    Idempotent (marker ``dflash_smollm2.json`` names the GGUF) and atomic
+    (:func:`~dflash_lab.paths.atomic_dir`): a killed run leaves no half-written target."""
     out = Path(out_dir).absolute()
     gguf = find_gguf()
     expected = _marker_payload(gguf)

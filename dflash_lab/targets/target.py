@@ -60,16 +60,10 @@ def text_config(config):
 
 
 class RawEmbedding(nn.Module):
-    """The plain table lookup ``weight[ids]`` of a target embedding whose own module does more.
-
-    Gemma's HF embedding multiplies every row by sqrt(H). z-lab's reference and vLLM give the
-    drafter the bare rows (vLLM shares the target's ``embed_tokens`` module, whose Gemma scale
-    lives in the model's forward), so training and the offline eval read the same unscaled rows
-    (times ``input_embedding_scale`` when set). SGLang 0.5.23 calls the target's
-    ``get_input_embeddings()(ids)``, which for Gemma 4 is the scaled module: the exporter's SGLang
-    rules (export/engines/sglang.py) account for that.
-    ``weight`` is the target's own parameter (not a copy). ids [...] -> [..., H].
-    """
+    """The plain table lookup ``weight[ids]`` (ids [...] -> [..., H]) of a target embedding whose
+    module does more (Gemma's x sqrt(H)): the bare rows z-lab and vLLM feed the drafter (times
+    ``input_embedding_scale`` when set). ``weight`` is the target's own parameter. SGLang:
+    (docs/capture.md, "Target architectures")."""
 
     def __init__(self, weight: nn.Parameter):
         super().__init__()
@@ -193,13 +187,9 @@ def target_weight_files(name_or_path: str, gguf_file: str | None) -> list[Path]:
 
 
 class TargetPieces(nn.Module):
-    """The target's frozen token embedding, final norm and LM head, shared with the drafter.
-
-    The modules are the target's own (not copies); every parameter has ``requires_grad=False``.
-    ``embed_tokens``: ids [...] -> [..., H], the bare table rows the engines feed the drafter
-    (:class:`RawEmbedding`); ``norm``: [..., H] -> [..., H];
-    ``lm_head``: [..., H] -> [..., V].
-    """
+    """The target's own frozen embedding (ids [...] -> [..., H], bare rows:
+    :class:`RawEmbedding`), final ``norm`` ([..., H]) and ``lm_head`` ([..., H] -> [..., V]),
+    shared with the drafter, not copied; no parameter requires grad."""
 
     def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module,
                  logit_softcap: float | None = None):

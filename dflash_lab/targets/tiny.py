@@ -184,13 +184,9 @@ def _check_replaceable(path: Path) -> None:
 
 def materialize_tiny_target(path: str | Path | None = None,
                             recipe: TinyTargetRecipe | None = None) -> Path:
-    """Build the tiny target into ``path`` (default ``outputs/tiny_target``) unless a directory
-    with the same recipe is already there; returns the absolute path (and logs it).
-
-    The directory is built under a temporary name beside ``path`` and renamed into place
-    (:func:`~dflash_lab.paths.atomic_dir`), so a crash never leaves a half-written target and
-    concurrent callers agree on one result.
-    """
+    """Build the tiny target into ``path`` (default ``outputs/tiny_target``) unless one of the same
+    recipe is there; returns the absolute path (logged). Built under a temporary name and renamed
+    (:func:`~dflash_lab.paths.atomic_dir`): never half-written, concurrent callers agree."""
     recipe = recipe or TinyTargetRecipe()
     path = Path(path or DEFAULT_TINY_TARGET_DIR).absolute()
     if _marker_ok(path, recipe):

@@ -24,13 +24,10 @@ def anchor_candidates(loss_mask_bs: Tensor, document_ids_bs: Tensor | None = Non
 
 def sample_anchors(loss_mask_bs: Tensor, num_anchors: int, generator: torch.Generator,
                    document_ids_bs: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Draw up to ``num_anchors`` sorted anchors per row (per document of a packed row, when
-    ``document_ids_bs`` [Bt, S] is given: :func:`sample_document_anchors`).
-
-    Returns (anchors_bn long [Bt, N], valid_bn bool [Bt, N]) with N = min(num_anchors, most
-    candidates in any row). Padding entries repeat the row's last anchor (0 when the row has none)
-    so rows stay sorted; they are marked invalid and carry no loss.
-    """
+    """Draw up to ``num_anchors`` sorted anchors per row (per document with ``document_ids_bs``
+    [Bt, S]: :func:`sample_document_anchors`). Returns (anchors_bn long [Bt, N], valid_bn bool
+    [Bt, N]), N = min(num_anchors, most candidates in a row); invalid padding entries repeat the
+    row's last anchor (0 if none), keeping rows sorted, and carry no loss."""
     if num_anchors < 1:
         raise ValueError(f"num_anchors={num_anchors}: must be >= 1")
     if document_ids_bs is not None:
@@ -51,13 +48,10 @@ def sample_anchors(loss_mask_bs: Tensor, num_anchors: int, generator: torch.Gene
 
 def sample_document_anchors(loss_mask_bs: Tensor, document_ids_bs: Tensor, num_anchors: int,
                             generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Up to ``num_anchors`` anchors per document of packed rows, sorted per row; same return
-    contract as :func:`sample_anchors` (N = the most anchors any row got).
-
-    One random key per position; sorting each row by (document, key descending) lines every
-    document's candidates up best-first, and a candidate is picked when its rank inside its
-    document is below ``num_anchors``: a uniform sample without replacement per document.
-    """
+    """Up to ``num_anchors`` anchors per document of packed rows, as :func:`sample_anchors`
+    returns them (N = the most any row got): one random key per position, rows sorted by
+    (document, key descending), a candidate kept when its rank in its document is below
+    ``num_anchors``: a uniform sample without replacement per document."""
     cand = anchor_candidates(loss_mask_bs, document_ids_bs).cpu()
     docs = document_ids_bs.cpu().long()
     keys = torch.rand(cand.shape, generator=generator, dtype=torch.float64)

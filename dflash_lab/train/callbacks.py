@@ -52,14 +52,10 @@ class BesideCheckpointIO(TorchCheckpointIO):
 
 
 class DFlashCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint (monitor val/tau, mode max, last.ckpt) + ``checkpoints/best.json``.
-
-    ``best.json`` = {"path": best checkpoint relative to the run directory, "val/tau": score};
-    the exporter and the eval pick a run directory's best checkpoint from it.
-    ``last_every_n_steps``: also write last.ckpt every N optimizer steps, inside epochs, so a
-    killed run loses at most N steps (the data module's state makes the resumed epoch continue
-    where it stopped); None: only at validation.
-    """
+    """ModelCheckpoint (monitor val/tau, mode max, last.ckpt) + ``checkpoints/best.json`` =
+    {"path": relative to the run directory, "val/tau"}, where the exporter and eval find the best.
+    ``last_every_n_steps``: also write last.ckpt every N optimizer steps inside epochs (a killed
+    run loses at most N; the data module's state resumes mid-epoch); None: at validation only."""
 
     def __init__(self, *args: Any, last_every_n_steps: int | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -194,13 +190,10 @@ class RunEndCallback(Callback):
 
 
 class WandbRun(RunEndCallback):
-    """wandb's part of a run, for the loggers among those given that are ``WandbLogger`` (any
-    other logger: nothing): the end-of-run export logged as the model artifact
-    ``artifact_name``, tables and images, and finishing the run at the very end so metrics and
-    artifacts are flushed (offline: to disk; Lightning's ``finalize`` runs after every stage and
-    leaves the run open). dflash-train has it as ``callbacks.wandb`` (conf/callbacks/);
-    dflash-capture, dflash-regenerate and dflash-eval, which have no trainer, call the class
-    methods with their logger (dflash_lab/entry.py, eval/cli.py)."""
+    """wandb's part of a run, for the given loggers that are ``WandbLogger``: the end-of-run export
+    as model artifact ``artifact_name``, tables and images, and finishing the run last so all is
+    flushed (Lightning's ``finalize`` leaves it open). dflash-train: ``callbacks.wandb``; the
+    trainer-less commands call the class methods (dflash_lab/entry.py, eval/cli.py)."""
 
     def __init__(self, artifact_name: str = "drafter"):
         self.artifact_name = artifact_name

@@ -32,12 +32,9 @@ def _token_items(dataset: Dataset):
 
 
 def count_label_tokens(dataset: Dataset, vocab_size: int, label_source: str) -> tuple[Tensor, str]:
-    """How often each target token is a training label [V] int64, and what was counted.
-
-    ``label_source`` as the module's: target_argmax counts the captured argmax labels
-    (``token_targets``); samples without it (online data: the target runs during training)
-    and ``dataset`` labels count the conversation's own tokens at the loss-masked positions.
-    """
+    """How often each target token is a training label [V] int64, and what was counted: captured
+    argmax labels for ``label_source=target_argmax`` (``token_targets``), else, and for samples
+    without them (online data), the conversation's tokens at loss-masked positions."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     kinds = set()
     for item in _token_items(dataset):

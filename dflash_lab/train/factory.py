@@ -20,12 +20,9 @@ from dflash_lab.train.warm_start import warm_started_drafter
 log = logging.getLogger(__name__)
 
 def drafter_config_for_target(target, **fields: Any) -> DrafterConfig:
-    """DrafterConfig with unset shape fields copied from a loaded target.
-
-    ``target``: a :class:`~dflash_lab.targets.target.Target` (anything with ``model.config``,
-    ``tokenizer`` and ``name_or_path``). ``mask_token_id`` null = the tokenizer's mask token;
-    an explicit one is checked against the tokenizer (:func:`resolve_mask_token_id`).
-    """
+    """DrafterConfig with unset shape fields copied from a loaded ``target`` (``model.config``,
+    ``tokenizer``, ``name_or_path``). ``mask_token_id`` null: the tokenizer's mask token; an
+    explicit one is checked against the tokenizer (:func:`resolve_mask_token_id`)."""
     fields = {k: v for k, v in fields.items() if v is not None}
     for key, value in target_shape(target.model.config).items():
         fields.setdefault(key, value)

@@ -30,13 +30,10 @@ def muon_params(named: Iterable[tuple[str, Tensor]]) -> tuple[list, list]:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon over the 2-D weight matrices and AdamW over the rest (:func:`muon_params`).
-
-    ``params``: ``(name, parameter)`` pairs (``DFlashModule`` passes its drafter's named
-    parameters). ``lr``, ``weight_decay``, ``betas``, ``fused``: the AdamW group; ``muon_*``:
-    the Muon group (``muon_lr`` None: ``lr``; ``match_rms_adamw`` scales Muon's update to
-    AdamW's RMS, so one lr serves both).
-    """
+    """Muon over the 2-D weight matrices, AdamW over the rest (:func:`muon_params`); ``params``:
+    ``(name, parameter)`` pairs. ``lr``, ``weight_decay``, ``betas``, ``fused``: the AdamW group;
+    ``muon_*`` the Muon group (``muon_lr`` None: ``lr``; ``match_rms_adamw`` scales Muon's update
+    to AdamW's RMS, so one lr serves both)."""
 
     def __init__(self, params, lr: float = 6e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), fused: bool | None = None,

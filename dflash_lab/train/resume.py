@@ -31,12 +31,10 @@ def _fsync(path: Path) -> None:
 
 
 def finish_checkpoint(tmp: Path, dest: Path, keep_previous_as: str | None = None) -> None:
-    """Make the fully written ``tmp`` the checkpoint ``dest``: fsync it, write
-    ``dest.sha256``, move an existing ``dest`` to ``keep_previous_as`` (same directory), rename.
-    The last step of :func:`dflash_lab.paths.atomic_path` (its ``finish``) for checkpoints.
-
-    A crash at any point leaves ``dest`` or the kept previous one whole (a sidecar that does
-    not match is detected at resume, :func:`checkpoint_problem`)."""
+    """Make the fully written ``tmp`` the checkpoint ``dest`` (the ``finish`` of
+    :func:`dflash_lab.paths.atomic_path`): fsync, write ``dest.sha256``, move an existing
+    ``dest`` to ``keep_previous_as`` (same directory), rename. A crash leaves ``dest`` or the kept
+    one whole (a sidecar that does not match is caught at resume: :func:`checkpoint_problem`)."""
     if tmp.is_dir():  # a sharded strategy's checkpoint directory: no single file to hash
         os.replace(tmp, dest)
         return

@@ -146,12 +146,10 @@ def check_resume_target(cfg: DictConfig, out_dir: Path, ckpt: str | None, target
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train and return {"val_tau_before", "val_tau_after", "best_checkpoint", "output_dir"}.
-
-    Everything that can be refused is checked before the run directory's record is written
-    (config.yaml / run_info.json, or config.N.yaml on a resume): a refused run leaves the
-    directory as it was. One run writes a run directory at a time (:func:`writer_lock`, the
-    global rank 0): a second ``dflash-train`` into it stops here naming the first."""
+    """Train; returns {"val_tau_before", "val_tau_after", "best_checkpoint", "output_dir"}. All
+    refusals come before the run record (config.yaml / run_info.json, or config.N.yaml on a
+    resume), so a refused run leaves the directory as it was; a second ``dflash-train`` into it
+    stops naming the first (:func:`writer_lock`, taken by global rank 0)."""
     check_group_keys(cfg)
     with writer_lock(cfg.paths.output_dir, what="paths.output_dir"):
         return _train(cfg)

@@ -107,12 +107,10 @@ def check_target(config: DrafterConfig, shape: dict[str, Any], where: str, name:
 
 
 def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> list[str]:
-    """ValueError when the source was recorded for a target of another depth and its layer ids
-    are kept (they would name other layers: the trained ``fc`` would read features it never
-    saw); the change, for the contradiction warning, when ``target_layer_ids`` is overridden.
-    Formats that record no depth (speculators) are not compared (docs/warm_start.md, "Which
-    config wins").
-    """
+    """ValueError when the source's recorded target depth differs and its layer ids are kept (they
+    would name other layers than ``fc`` learned); returns the change, for the contradiction
+    warning, when ``target_layer_ids`` is overridden. Sources without a depth (speculators) are
+    not compared (docs/warm_start.md, "Which config wins")."""
     old = source.config.num_target_layers
     if not source.depth_recorded or old == depth:
         return []

@@ -124,13 +124,10 @@ def architecture_of(target: dict[str, Any] | None,
 
 
 def same_attention(a: LayerReading, b: LayerReading, block_size: int) -> bool:
-    """Whether two readings of a layer attend to exactly the same keys.
-
-    A symmetric and a left-only bidirectional window agree only when W >= B: the whole own block
-    is then visible under both, and the context bound (query position - W + 1) is the same. A
-    block-end window bounds the context at (last block slot - W + 1) for every query: it agrees
-    with neither unless the block has one slot.
-    """
+    """Whether two readings of a layer attend to exactly the same keys. Symmetric and left-only
+    bidirectional windows agree only when W >= B (the own block is whole under both, and the
+    context bound is query - W + 1); a block-end window (bound last slot - W + 1 for every
+    query) agrees with neither unless B = 1."""
     if a.window != b.window or a.causal != b.causal:
         return False
     if a.window is None or a.causal or a.bidir_window == b.bidir_window:

@@ -166,12 +166,11 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
 
 def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
                        verify: bool = True) -> ImportedDrafter:
-    """Read a serving directory of format ``fmt`` into our config + weights, checked against its
-    ``SHA256SUMS`` first when ``verify``. Ours is read exactly unless ``assume`` is given; a
-    third-party directory's implicit causality is resolved by ``assume`` (default
-    ``vllm-main-v2``), recorded in ``assumed_rules``, and readings that differ go to
-    ``disagreements`` (docs/export.md, "Importing third-party directories").
-    """
+    """Read a serving directory of format ``fmt`` into our config + weights (``SHA256SUMS``
+    checked first when ``verify``). Ours is read exactly unless ``assume`` is given; a third
+    party's implicit causality is resolved by ``assume`` (default ``vllm-main-v2``), recorded in
+    ``assumed_rules``, differing readings in ``disagreements`` (docs/export.md, "Importing
+    third-party directories")."""
     integrity = checked(path, verify).note
     d = read_config_json(path)
     artifacts = artifacts_of(path)

@@ -258,12 +258,9 @@ def _causality_problems(config: DrafterConfig) -> list[str]:
 
 def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = True,
                    target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json in the Muse Glimmer layout, for a drafter :func:`export_problems` accepts:
-    the keys ``MuseGlimmerAssistantConfig.save_pretrained`` writes (every :data:`REQUIRED` key)
-    plus what makes every engine read it as trained (explicit ``is_causal`` False,
-    ``use_sliding_window``, ``vocab_size`` when known, ``num_target_layers``, :data:`AUX_KEY`,
-    the trained W as ``sliding_window``, null bos/eos/pad) (docs/export.md, "Writing the Muse
-    Glimmer layout")."""
+    """config.json in the Muse Glimmer layout for a drafter :func:`export_problems` accepts: the
+    :data:`REQUIRED` keys ``save_pretrained`` writes plus what makes engines read it as trained
+    (docs/export.md, "Writing the Muse Glimmer layout")."""
     rope = {"rope_theta": config.rope_theta, "rope_type": "default",
             **(config.rope_scaling or {})}  # every key the drafter's RoPE reads (model/rope.py)
     out: dict[str, Any] = {
