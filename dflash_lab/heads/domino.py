@@ -27,6 +27,7 @@ emb_dim, V vocab, P candidate pool.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ def lambda_base(step: int, total_steps: int | None, lambda_start: float = 1.0,
                 decay_ratio: float = 0.5) -> float:
     """SpecForge's base-loss weight: linear from ``lambda_start`` to 0 over the first
     ``total_steps * decay_ratio`` steps, then 0, clamped to [0, 1]; 0 without a horizon."""
-    if not total_steps or total_steps <= 0:
+    if not total_steps or total_steps <= 0 or math.isinf(total_steps):  # inf: max_epochs=-1
         return 0.0
     progress = min(step / max(1, int(total_steps * decay_ratio)), 1.0)
     return max(0.0, min(1.0, lambda_start * (1.0 - progress)))

@@ -106,6 +106,7 @@ def test_lambda_schedule_is_specforges():
     assert domino.lambda_base(25, 100) == 0.5
     assert domino.lambda_base(50, 100) == domino.lambda_base(90, 100) == 0.0
     assert domino.lambda_base(10, None) == 0.0  # no horizon: no base term (speculators)
+    assert domino.lambda_base(10, float("inf")) == 0.0  # max_epochs=-1: Lightning's inf
     assert domino.lambda_base(5, 20, lambda_start=0.8, decay_ratio=1.0) == pytest.approx(0.6)
 
 
