@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_lab.export.engines import ENGINES, RuleSet, anchor, get_rule_set, rule_sets_for
-from dflash_lab.export.engines.common import Artifacts, EngineReading, layouts_agree
+from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format, layouts_agree
 from dflash_lab.export.weights import (
     CONFIG_FILE,
     MASK_FILE,
@@ -337,6 +337,42 @@ class Format:
     def drafter_lines(self, config: DrafterConfig) -> list[str]:
         """The variant lines of the report's Drafter section, for a drafter it writes."""
         return []
+
+
+class ReleasedFormat(Format):
+    """A released third-party layout (Laguna, Muse Glimmer), detected by ``model_type`` or
+    ``architectures`` and read through each engine's own config class for it
+    (:meth:`engine_view`)."""
+
+    model_type = ""
+    architectures: tuple[str, ...] = ()  #: the first is the one written
+    engine_notes: dict[str, str] = {}  #: engine -> how it reads the format
+    title = ""  #: the ``--inspect`` notes heading
+
+    def detect(self, raw: dict[str, Any]) -> bool:
+        return is_format(raw, self.model_type, self.architectures)
+
+    def engine_view(self, raw: dict[str, Any], engine: str) -> dict[str, Any]:
+        """config.json as ``engine``'s config class for the format holds it."""
+        return raw
+
+    def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
+                ) -> EngineReading:
+        reading = rule_set.read(self.engine_view(raw, rule_set.engine), artifacts)
+        reading.notes.append(self.engine_notes[rule_set.engine]
+                             + ("" if rule_set.current else "; assumed for this older release"))
+        return reading
+
+    def inspect_lines(self, raw: dict[str, Any]) -> list[str]:
+        """:meth:`format_notes`: what the files leave out, and where the format's owner runs it
+        otherwise than the engines (notes, not problems: the engines serve it)."""
+        notes = self.format_notes(raw)
+        return ["", f"{self.title} format notes:"] + [f"- {n}" for n in notes] if notes else []
+
+    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
+        notes = self.format_notes(raw)
+        return {"format": f"{self.name} ({self.architectures[0]})",
+                **({"format notes": "; ".join(notes)} if notes else {})}
 
 
 #: the fields that spell the per-layer layout: equal specs (``layer_specs``) are the same

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from dflash_lab.export.engines import RuleSet
-from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format
-from dflash_lab.export.formats.base import Format
+from dflash_lab.export.engines.common import Artifacts, EngineReading
+from dflash_lab.export.formats.base import ReleasedFormat
 from dflash_lab.model.config import (
     FULL,
     HF_BOOKKEEPING_KEYS,
@@ -58,15 +58,6 @@ def engine_view(config: dict[str, Any], engine: str) -> dict[str, Any]:
         view["dflash_config"] = {k: v for k, v in (config.get("dflash_config") or {}).items()
                                  if k != "swa_window_size"}
     return view
-
-
-def vllm_refusal(config: dict[str, Any]) -> str | None:
-    """vLLM 0.32's load-time error for this config, None when it loads."""
-    types = layer_types(config)
-    if len(set(types)) > 1:
-        return (f"raises NotImplementedError: Laguna DFlash drafter requires a uniform "
-                f"layer_types (got {sorted(set(types))})")
-    return None
 
 
 def _nested(rope: dict[str, Any]) -> bool:
@@ -115,37 +106,6 @@ def _sizes(config: dict[str, Any]) -> tuple[int, int]:
         int(config["num_key_value_heads"]) * head_dim
 
 
-def our_names(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Laguna tensors (or shapes) -> ours: every ``qkv_proj`` split into q/k/v rows."""
-    q, kv = _sizes(config)
-    out: dict[str, Any] = {}
-    for name, value in tensors.items():
-        if not name.endswith(QKV):
-            out[name] = value
-            continue
-        prefix = name[: -len(QKV)] + "self_attn."
-        if isinstance(value, torch.Tensor):
-            parts = value.split([q, kv, kv], dim=0)
-        else:  # a shape tuple (inspect)
-            parts = [(n, *value[1:]) for n in (q, kv, kv)] if value[0] == q + 2 * kv else \
-                [value] * 3
-        out.update({f"{prefix}{p}.weight": t for p, t in zip(SPLIT, parts, strict=True)})
-    return out
-
-
-def laguna_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our tensors -> the Laguna format's: q/k/v rows fused into ``qkv_proj`` (vLLM's
-    ``DFlashLagunaModel.load_weights`` has no stacked-parameter mapping)."""
-    out = {k: v for k, v in state.items()
-           if not any(k.endswith(f"self_attn.{p}.weight") for p in SPLIT)}
-    for name in state:
-        if name.endswith("self_attn.q_proj.weight"):
-            prefix = name[: -len("q_proj.weight")]
-            out[prefix + "qkv_proj.weight"] = torch.cat(
-                [state[f"{prefix}{p}.weight"] for p in SPLIT], dim=0)
-    return out
-
-
 FORMAT = "laguna"  #: ``dflash-export --format`` value
 #: transformers 5.25 LagunaConfig defaults of the keys the drafter reads (tests compare them)
 OWNERS_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
@@ -166,8 +126,6 @@ DFLASH_KEYS = frozenset({"mask_token_id", "target_layer_ids", "block_size", "cau
                          "swa_window_size"})
 GATES = {True: "per-head", "per-head": "per-head", "per-element": "per-element", False: None,
          None: None}
-#: rope dict keys that are not rope_scaling (model/rope.py reads the rest)
-_ROPE_OWN = ("rope_theta", "partial_rotary_factor")
 
 
 def _get(d: dict[str, Any], key: str) -> Any:
@@ -244,48 +202,6 @@ def rope_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
             "rope_scaling": None if kind == DEFAULT else rope}
 
 
-def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
-    """Every DrafterConfig field of a Laguna config.json; the layout is the file's layer types
-    with the proposer's causality rule (``sources.resolve_third_party`` replaces it with the
-    assumed rule set's reading, as for z-lab)."""
-    dfc = _check_keys(d, source)
-    ids = dfc["target_layer_ids"]
-    if not isinstance(ids, list) or not ids:
-        raise ValueError(f"{source}: dflash_config.target_layer_ids={ids!r}: need a non-empty "
-                         "list")
-    types = layer_types(d)
-    fields = {k: d[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                "num_attention_heads", "num_key_value_heads")}
-    fields.update(
-        head_dim=_get(d, "head_dim"), rms_norm_eps=_get(d, "rms_norm_eps"),
-        max_position_embeddings=_get(d, "max_position_embeddings"),
-        vocab_size=d["draft_vocab_size"], mask_token_id=dfc["mask_token_id"],
-        target_layer_ids=ids, num_target_layers=d.get("num_target_layers", max(ids) + 1),
-        block_size=_block_size(d, dfc, source), layer_types=types,
-        sliding_window=_get(d, "sliding_window") if SLIDING in types else None,
-        aux_hidden_norms=True, context_input_norm=True, attention_gate=GATES[_get(d, "gating")],
-        **rope_fields(d, source))
-    return DrafterConfig.create(source=source, **fields)
-
-
-def format_notes(d: dict[str, Any]) -> list[str]:
-    """What the import assumed, and where SGLang's reading differs from vLLM's."""
-    notes = []
-    if "num_target_layers" not in d:
-        ids = d["dflash_config"]["target_layer_ids"]
-        notes.append(f"num_target_layers not recorded; assumed {max(ids) + 1} (training and "
-                     "eval use the loaded target's depth)")
-    if "vocab_size" in d and d["vocab_size"] != d["draft_vocab_size"]:
-        notes.append(f"vocab_size={d['vocab_size']} differs from draft_vocab_size="
-                     f"{d['draft_vocab_size']}: the head and embedding are the target's, "
-                     "draft_vocab_size (vLLM requires it to equal the target's) is used")
-    ours, theirs = _comparable(vllm_rope(d)), _comparable(sglang_rope(d))
-    if ours != theirs:
-        notes.append(f"RoPE: vLLM builds {ours}, SGLang 0.5.23 {theirs} (it reads the "
-                     "full-attention entry of a nested rope_parameters only); read as vLLM's")
-    return notes
-
-
 def _comparable(rope: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in rope.items() if k != "type"}
     out.setdefault("rope_type", rope.get("type", DEFAULT))
@@ -293,98 +209,146 @@ def _comparable(rope: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------- export
-_FIX = "export it in dflash-lab's own format instead (omit --format laguna)"
-
-
-def export_problems(config: DrafterConfig) -> list[str]:
-    """Why the engines would run the drafter otherwise, beside the fields the round trip loses
-    (export/formats/base.py ``lost_fields``: DFlash 2, a draft vocabulary, sinks, bias, scales,
-    per-layer causality and plain DFlash norms are lost fields)."""
-    out = []
-    if config.learned_mask_embedding:
-        out.append("a learned mask embedding: the Laguna drafter embeds MASK with the target's")
-    if len(set(config.layer_types)) > 1:
-        out.append(f"mixed layer types {config.layer_types}: vLLM requires uniform ones")
-    return out
-
-
-def serving_config(config: DrafterConfig, dtype: str, *,
-                   target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json in the Laguna layout for a drafter :func:`export_problems` accepts; every key
-    the engines would otherwise default is explicit (module docstring)."""
-    rope = {"rope_type": DEFAULT, **(config.rope_scaling or {}), "rope_theta": config.rope_theta,
-            "partial_rotary_factor": config.partial_rotary_factor}
-    n, kind = config.num_hidden_layers, config.layer_types[0]
-    dflash = {"mask_token_id": config.mask_token_id,
-              "target_layer_ids": list(config.target_layer_ids),
-              "block_size": config.block_size}
-    causal = config.causal_flags[0]  # export_problems refused per-layer causality
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": n, "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-        "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size, "draft_vocab_size": config.vocab_size,
-        "layer_types": [kind] * n, "mlp_layer_types": ["dense"] * n,
-        "gating": config.attention_gate or False,
-        "rope_parameters": {FULL: dict(rope), SLIDING: dict(rope)},
-        "block_size": config.block_size, "num_target_layers": config.num_target_layers,
-        "dflash_config": dflash, "tie_word_embeddings": False, "dtype": dtype,
-    }
-    if kind == SLIDING:
-        out["sliding_window"] = config.sliding_window
-    out["is_causal"] = dflash["causal"] = causal  # explicit: no engine default decides
-    if target_identity:
-        out[TARGET_IDENTITY_KEY] = target_identity
-    return out
-
-
-class Laguna(Format):
+class Laguna(ReleasedFormat):
     """The Laguna DFlash drafter layout (DFlashLagunaForCausalLM)."""
 
     name = FORMAT
     kind = "Laguna directory"
     writable = True
-    fix = _FIX
+    model_type = MODEL_TYPE
+    architectures = ARCHITECTURES
+    engine_notes = ENGINE_NOTES
+    title = "Laguna"
+    fix = "export it in dflash-lab's own format instead (omit --format laguna)"
     self_check_how = ("Laguna config.json read through each engine's view of it "
                       "(export/formats/laguna.py) and dflash-lab's importer; fused qkv_proj split "
                       "into ours")
+    engine_view = staticmethod(engine_view)
 
-    def detect(self, raw: dict[str, Any]) -> bool:
-        """By ``model_type`` or ``architectures``."""
-        return is_format(raw, MODEL_TYPE, ARCHITECTURES)
+    def base_config(self, d: dict[str, Any], source: str) -> DrafterConfig:
+        """Every DrafterConfig field of a Laguna config.json; the layout is the file's layer
+        types with the proposer's causality rule (``sources.resolve_third_party`` replaces it
+        with the assumed rule set's reading, as for z-lab)."""
+        dfc = _check_keys(d, source)
+        ids = dfc["target_layer_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"{source}: dflash_config.target_layer_ids={ids!r}: need a "
+                             "non-empty list")
+        types = layer_types(d)
+        fields = {k: d[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads")}
+        fields.update(
+            head_dim=_get(d, "head_dim"), rms_norm_eps=_get(d, "rms_norm_eps"),
+            max_position_embeddings=_get(d, "max_position_embeddings"),
+            vocab_size=d["draft_vocab_size"], mask_token_id=dfc["mask_token_id"],
+            target_layer_ids=ids, num_target_layers=d.get("num_target_layers", max(ids) + 1),
+            block_size=_block_size(d, dfc, source), layer_types=types,
+            sliding_window=_get(d, "sliding_window") if SLIDING in types else None,
+            aux_hidden_norms=True, context_input_norm=True,
+            attention_gate=GATES[_get(d, "gating")], **rope_fields(d, source))
+        return DrafterConfig.create(source=source, **fields)
 
-    base_config = staticmethod(base_config)
-    our_names = staticmethod(our_names)
-    format_notes = staticmethod(format_notes)
-    engine_problems = staticmethod(export_problems)
-    serving_names = staticmethod(laguna_names)
+    def our_names(self, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        """Laguna tensors (or shapes) -> ours: every ``qkv_proj`` split into q/k/v rows."""
+        q, kv = _sizes(config)
+        out: dict[str, Any] = {}
+        for name, value in tensors.items():
+            if not name.endswith(QKV):
+                out[name] = value
+                continue
+            prefix = name[: -len(QKV)] + "self_attn."
+            if isinstance(value, torch.Tensor):
+                parts = value.split([q, kv, kv], dim=0)
+            else:  # a shape tuple (inspect)
+                parts = [(n, *value[1:]) for n in (q, kv, kv)] if value[0] == q + 2 * kv else \
+                    [value] * 3
+            out.update({f"{prefix}{p}.weight": t for p, t in zip(SPLIT, parts, strict=True)})
+        return out
 
-    def write_config(self, config, dtype, target_identity, vocab_known):
-        return serving_config(config, dtype, target_identity=target_identity)
+    def format_notes(self, d: dict[str, Any]) -> list[str]:
+        """What the import assumed, and where SGLang's reading differs from vLLM's."""
+        notes = []
+        if "num_target_layers" not in d:
+            ids = d["dflash_config"]["target_layer_ids"]
+            notes.append(f"num_target_layers not recorded; assumed {max(ids) + 1} (training and "
+                         "eval use the loaded target's depth)")
+        if "vocab_size" in d and d["vocab_size"] != d["draft_vocab_size"]:
+            notes.append(f"vocab_size={d['vocab_size']} differs from draft_vocab_size="
+                         f"{d['draft_vocab_size']}: the head and embedding are the target's, "
+                         "draft_vocab_size (vLLM requires it to equal the target's) is used")
+        ours, theirs = _comparable(vllm_rope(d)), _comparable(sglang_rope(d))
+        if ours != theirs:
+            notes.append(f"RoPE: vLLM builds {ours}, SGLang 0.5.23 {theirs} (it reads the "
+                         "full-attention entry of a nested rope_parameters only); read as vLLM's")
+        return notes
+
+    def engine_problems(self, config: DrafterConfig) -> list[str]:
+        """Why the engines would run the drafter otherwise, beside the fields the round trip
+        loses (export/formats/base.py ``lost_fields``: DFlash 2, a draft vocabulary, sinks,
+        bias, scales, per-layer causality and plain DFlash norms are lost fields)."""
+        out = []
+        if config.learned_mask_embedding:
+            out.append("a learned mask embedding: the Laguna drafter embeds MASK with the "
+                       "target's")
+        if len(set(config.layer_types)) > 1:
+            out.append(f"mixed layer types {config.layer_types}: vLLM requires uniform ones")
+        return out
+
+    def serving_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our tensors -> the Laguna format's: q/k/v rows fused into ``qkv_proj`` (vLLM's
+        ``DFlashLagunaModel.load_weights`` has no stacked-parameter mapping)."""
+        out = {k: v for k, v in state.items()
+               if not any(k.endswith(f"self_attn.{p}.weight") for p in SPLIT)}
+        for name in state:
+            if name.endswith("self_attn.q_proj.weight"):
+                prefix = name[: -len("q_proj.weight")]
+                out[prefix + "qkv_proj.weight"] = torch.cat(
+                    [state[f"{prefix}{p}.weight"] for p in SPLIT], dim=0)
+        return out
+
+    def write_config(self, config: DrafterConfig, dtype: str,
+                     target_identity: dict[str, Any] | None, vocab_known: bool
+                     ) -> dict[str, Any]:
+        """config.json in the Laguna layout for a drafter :meth:`engine_problems` accepts;
+        every key the engines would otherwise default is explicit (module docstring)."""
+        rope = {"rope_type": DEFAULT, **(config.rope_scaling or {}),
+                "rope_theta": config.rope_theta,
+                "partial_rotary_factor": config.partial_rotary_factor}
+        n, kind = config.num_hidden_layers, config.layer_types[0]
+        dflash = {"mask_token_id": config.mask_token_id,
+                  "target_layer_ids": list(config.target_layer_ids),
+                  "block_size": config.block_size}
+        causal = config.causal_flags[0]  # engine_problems refused per-layer causality
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+            "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": n, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+            "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_position_embeddings,
+            "vocab_size": config.vocab_size, "draft_vocab_size": config.vocab_size,
+            "layer_types": [kind] * n, "mlp_layer_types": ["dense"] * n,
+            "gating": config.attention_gate or False,
+            "rope_parameters": {FULL: dict(rope), SLIDING: dict(rope)},
+            "block_size": config.block_size, "num_target_layers": config.num_target_layers,
+            "dflash_config": dflash, "tie_word_embeddings": False, "dtype": dtype,
+        }
+        if kind == SLIDING:
+            out["sliding_window"] = config.sliding_window
+        out["is_causal"] = dflash["causal"] = causal  # explicit: no engine default decides
+        if target_identity:
+            out[TARGET_IDENTITY_KEY] = target_identity
+        return out
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
                 ) -> EngineReading:
-        """The layout from the engine's view; vLLM refuses mixed layer types."""
-        refusal = vllm_refusal(raw) if rule_set.engine == "vllm" else None
-        if refusal is not None:
-            return EngineReading(rule_set.name, None, refusal=refusal)
-        reading = rule_set.read(engine_view(raw, rule_set.engine), artifacts)
-        reading.notes.append(ENGINE_NOTES[rule_set.engine]
-                             + ("" if rule_set.current else "; assumed for this older release"))
-        return reading
-
-    def inspect_lines(self, raw: dict[str, Any]) -> list[str]:
-        notes = format_notes(raw)
-        return ["", "Laguna format notes:"] + [f"- {n}" for n in notes] if notes else []
-
-    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
-        notes = format_notes(raw)
-        return {"format": f"{FORMAT} ({ARCHITECTURE})",
-                **({"format notes": "; ".join(notes)} if notes else {})}
+        """The layout from the engine's view; vLLM 0.32 refuses mixed layer types."""
+        types = layer_types(raw)
+        if rule_set.engine == "vllm" and len(set(types)) > 1:
+            return EngineReading(rule_set.name, None, refusal=(
+                "raises NotImplementedError: Laguna DFlash drafter requires a uniform "
+                f"layer_types (got {sorted(set(types))})"))
+        return super().reading(rule_set, raw, artifacts)
 
 
 def features(config: DrafterConfig) -> dict[str, Any]:

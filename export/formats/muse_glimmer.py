@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_lab.export.engines import RuleSet
-from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format
-from dflash_lab.export.formats.base import Format
+from dflash_lab.export.formats.base import Format, ReleasedFormat
 from dflash_lab.export.formats.ours import Ours
 from dflash_lab.model.config import (
     DFLASH2,
@@ -59,11 +57,6 @@ def sglang_view(config: dict[str, Any]) -> dict[str, Any]:
             "is_causal": config.get("is_causal", False)}
 
 
-def engine_view(config: dict[str, Any], engine: str) -> dict[str, Any]:
-    """The view of ``engine`` ("vllm" | "sglang")."""
-    return vllm_view(config) if engine == "vllm" else sglang_view(config)
-
-
 def _renamed(tensors: dict[str, Any], prefixes: dict[str, str]) -> dict[str, Any]:
     out = {}
     for name, value in tensors.items():
@@ -72,16 +65,6 @@ def _renamed(tensors: dict[str, Any], prefixes: dict[str, str]) -> dict[str, Any
                 name = new + name[len(old):]
         out[name] = value
     return out
-
-
-def our_names(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Muse Glimmer tensor names (``encoder.fc.weight``...) -> ours (``fc.weight``...)."""
-    return _renamed(tensors, RENAMES)
-
-
-def muse_names(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Our tensor names -> the Muse Glimmer format's (what its ``save_pretrained`` writes)."""
-    return _renamed(tensors, {ours: theirs for theirs, ours in RENAMES.items()})
 
 
 def owners_window_note(config: dict[str, Any]) -> str | None:
@@ -147,46 +130,6 @@ def _int(d: dict[str, Any], key: str, source: str) -> int:
     return value
 
 
-def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
-    """Every DrafterConfig field of a Muse Glimmer config.json on a placeholder layout (all
-    layers full): the caller replaces the layout with a rule set's reading, as for z-lab."""
-    _check_keys(d, source)
-    if "rope_theta" not in (d.get("rope_parameters") or {}):
-        raise ValueError(f"{source}: rope_parameters has no rope_theta; write the theta the "
-                         "drafter was trained with (the owners' default is 500000)")
-    fields = shape_fields(d, source)
-    ids = d["target_layer_ids"]
-    if not isinstance(ids, list) or not ids:
-        raise ValueError(f"{source}: target_layer_ids={ids!r}: need a non-empty list of target "
-                         "layer ids (z-lab convention: the output of target layer i)")
-    if AUX_KEY in d and d[AUX_KEY] != [i + 1 for i in ids]:
-        raise ValueError(f"{source}: {AUX_KEY}={d[AUX_KEY]!r} (the layers vLLM captures) is not "
-                         f"target_layer_ids + 1 = {[i + 1 for i in ids]}: vLLM would feed the "
-                         "drafter other target layers; fix one of the two keys")
-    fields.update(block_size=_int(d, "block_size", source),
-                  mask_token_id=_int(d, "mask_token_id", source), target_layer_ids=ids)
-    fields.setdefault("vocab_size", VLLM_DEFAULT_VOCAB)
-    fields.setdefault("num_target_layers", max(ids) + 1)
-    fields.setdefault("max_position_embeddings", OWNERS_MAX_POSITIONS)
-    return DrafterConfig.create(source=source, **fields)
-
-
-def format_notes(d: dict[str, Any]) -> list[str]:
-    """What the import assumed because the format does not record it."""
-    notes = []
-    if "vocab_size" not in d:
-        notes.append(f"Muse Glimmer format: no vocab_size (the head is the target's); "
-                     f"{VLLM_DEFAULT_VOCAB} assumed as vLLM does until a target is given: "
-                     "dflash-train and dflash-eval take the loaded target's, dflash-export the "
-                     "--target's")
-    if "num_target_layers" not in d:
-        notes.append(f"num_target_layers not recorded; assumed {max(d['target_layer_ids']) + 1} "
-                     "(training and eval use the loaded target's depth)")
-    aux = vllm_aux_note(d)
-    window = owners_window_note(d)
-    return notes + ([aux] if aux else []) + ([window] if window else [])
-
-
 def vllm_aux_note(d: dict[str, Any]) -> str | None:
     """Where vLLM 0.32 would feed the drafter other target layers (no :data:`AUX_KEY`)."""
     if AUX_KEY in d:
@@ -207,9 +150,6 @@ def vllm_aux_note(d: dict[str, Any]) -> str | None:
 
 # ---------------------------------------------------------------------------- export
 FORMAT = "muse-glimmer"  #: ``dflash-export --format`` value
-#: What to do instead when the format cannot carry a drafter.
-_FIX = ("export it in dflash-lab's own format instead (omit --format muse-glimmer; vLLM and "
-        "SGLang serve that format)")
 
 
 #: The DFlash 2 form of the Muse Glimmer assistant in released code: z-lab's checkpoint of that
@@ -222,24 +162,6 @@ _FIX = ("export it in dflash-lab's own format instead (omit --format muse-glimme
 #: That layout is our own DFlash 2 export, so ``--format muse-glimmer`` writes it for a DFlash 2
 #: drafter and the import reads it as a z-lab directory.
 DFLASH2_RELEASE = "z-lab/Muse-Glimmer-30B-DFlash2"
-
-
-def dflash2_report_header() -> dict[str, str]:
-    """EXPORT_REPORT.md header line of ``--format muse-glimmer`` for a DFlash 2 drafter."""
-    return {"format": f"{FORMAT} DFlash 2 (DFlash2DraftModel, the layout of {DFLASH2_RELEASE}: "
-                      "z-lab's DFlash 2 layout, which is dflash-lab's own)"}
-
-
-def export_problems(config: DrafterConfig) -> list[str]:
-    """Why the format's owner would run the drafter otherwise, beside the fields the round trip
-    loses (export/formats/base.py ``lost_fields``: a draft vocabulary, sinks, bias, scales and
-    the Laguna features are lost fields): ``MuseGlimmerAssistantModel`` embeds MASK with the
-    target's row and runs every layer bidirectional."""
-    out = []
-    if config.learned_mask_embedding:
-        out.append("a learned mask embedding: the owners' class embeds MASK slots with the "
-                   "target's embedding row and reads no mask_embedding.pt")
-    return out + _causality_problems(config)
 
 
 def _causality_problems(config: DrafterConfig) -> list[str]:
@@ -256,62 +178,84 @@ def _causality_problems(config: DrafterConfig) -> list[str]:
             "vLLM and SGLang only), so the format's owner would run another drafter"]
 
 
-def serving_config(config: DrafterConfig, dtype: str, *, vocab_known: bool = True,
-                   target_identity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json in the Muse Glimmer layout for a drafter :func:`export_problems` accepts: the
-    :data:`REQUIRED` keys ``save_pretrained`` writes plus what makes engines read it as trained
-    (docs/export.md, "Writing the Muse Glimmer layout")."""
-    rope = {"rope_theta": config.rope_theta, "rope_type": "default",
-            **(config.rope_scaling or {})}  # every key the drafter's RoPE reads (model/rope.py)
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0,
-        "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
-        "max_position_embeddings": config.max_position_embeddings,
-        "layer_types": [SLIDING if s.window is not None else FULL for s in config.layer_specs()],
-        "use_sliding_window": config.any_sliding, "is_causal": False,
-        "block_size": config.block_size, "mask_token_id": config.mask_token_id,
-        "target_layer_ids": list(config.target_layer_ids),
-        AUX_KEY: [i + 1 for i in config.target_layer_ids],  # what vLLM's runner captures
-        "num_target_layers": config.num_target_layers,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": dtype,
-    }
-    if config.any_sliding:
-        out["sliding_window"] = config.sliding_window
-    if vocab_known:
-        out["vocab_size"] = config.vocab_size
-    if target_identity:
-        out[TARGET_IDENTITY_KEY] = target_identity
-    return out
-
-
-class MuseGlimmer(Format):
+class MuseGlimmer(ReleasedFormat):
     """The Muse Glimmer assistant layout (DFlash 1); a DFlash 2 drafter is written in the
     layout of its released DFlash 2 form (:class:`MuseDFlash2`)."""
 
     name = FORMAT
     kind = "Muse Glimmer directory"
     writable = True
-    fix = _FIX
+    model_type = MODEL_TYPE
+    architectures = ARCHITECTURES
+    engine_notes = ENGINE_NOTES
+    title = "Muse Glimmer"
+    fix = ("export it in dflash-lab's own format instead (omit --format muse-glimmer; vLLM and "
+           "SGLang serve that format)")
     self_check_how = ("Muse Glimmer config.json read through each engine's config class for it "
                       "(export/formats/muse_glimmer.py) and dflash-lab's importer; tensors "
                       "renamed to ours")
 
-    def detect(self, raw: dict[str, Any]) -> bool:
-        """By ``model_type`` or ``architectures``."""
-        return is_format(raw, MODEL_TYPE, ARCHITECTURES)
+    def engine_view(self, raw: dict[str, Any], engine: str) -> dict[str, Any]:
+        return vllm_view(raw) if engine == "vllm" else sglang_view(raw)
 
-    base_config = staticmethod(base_config)
-    format_notes = staticmethod(format_notes)
-    engine_problems = staticmethod(export_problems)
-    serving_names = staticmethod(muse_names)
+    def base_config(self, d: dict[str, Any], source: str) -> DrafterConfig:
+        """Every DrafterConfig field of a Muse Glimmer config.json on a placeholder layout (all
+        layers full): the caller replaces the layout with a rule set's reading, as for z-lab."""
+        _check_keys(d, source)
+        if "rope_theta" not in (d.get("rope_parameters") or {}):
+            raise ValueError(f"{source}: rope_parameters has no rope_theta; write the theta the "
+                             "drafter was trained with (the owners' default is 500000)")
+        fields = shape_fields(d, source)
+        ids = d["target_layer_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"{source}: target_layer_ids={ids!r}: need a non-empty list of target "
+                             "layer ids (z-lab convention: the output of target layer i)")
+        if AUX_KEY in d and d[AUX_KEY] != [i + 1 for i in ids]:
+            raise ValueError(f"{source}: {AUX_KEY}={d[AUX_KEY]!r} (the layers vLLM captures) "
+                             f"is not target_layer_ids + 1 = {[i + 1 for i in ids]}: vLLM would "
+                             "feed the drafter other target layers; fix one of the two keys")
+        fields.update(block_size=_int(d, "block_size", source),
+                      mask_token_id=_int(d, "mask_token_id", source), target_layer_ids=ids)
+        fields.setdefault("vocab_size", VLLM_DEFAULT_VOCAB)
+        fields.setdefault("num_target_layers", max(ids) + 1)
+        fields.setdefault("max_position_embeddings", OWNERS_MAX_POSITIONS)
+        return DrafterConfig.create(source=source, **fields)
 
-    def our_names(self, state, raw):
-        return our_names(state)
+    def format_notes(self, d: dict[str, Any]) -> list[str]:
+        """What the import assumed because the format does not record it."""
+        notes = []
+        if "vocab_size" not in d:
+            notes.append(f"Muse Glimmer format: no vocab_size (the head is the target's); "
+                         f"{VLLM_DEFAULT_VOCAB} assumed as vLLM does until a target is given: "
+                         "dflash-train and dflash-eval take the loaded target's, dflash-export the "
+                         "--target's")
+        if "num_target_layers" not in d:
+            notes.append("num_target_layers not recorded; assumed "
+                         f"{max(d['target_layer_ids']) + 1} (training and eval use the loaded "
+                         "target's depth)")
+        aux = vllm_aux_note(d)
+        window = owners_window_note(d)
+        return notes + ([aux] if aux else []) + ([window] if window else [])
+
+    def engine_problems(self, config: DrafterConfig) -> list[str]:
+        """Why the format's owner would run the drafter otherwise, beside the fields the round
+        trip loses (export/formats/base.py ``lost_fields``: a draft vocabulary, sinks, bias,
+        scales and the Laguna features are lost fields): ``MuseGlimmerAssistantModel`` embeds
+        MASK with the target's row and runs every layer bidirectional."""
+        out = []
+        if config.learned_mask_embedding:
+            out.append("a learned mask embedding: the owners' class embeds MASK slots with the "
+                       "target's embedding row and reads no mask_embedding.pt")
+        return out + _causality_problems(config)
+
+    def our_names(self, state: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+        """Muse Glimmer tensor names (``encoder.fc.weight``...) -> ours (``fc.weight``...)."""
+        return _renamed(state, RENAMES)
+
+    def serving_names(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Our tensor names -> the Muse Glimmer format's (what its ``save_pretrained``
+        writes)."""
+        return _renamed(state, {ours: theirs for theirs, ours in RENAMES.items()})
 
     def mask_differences(self, raw: dict[str, Any]) -> list[str]:
         window = owners_window_note(raw)
@@ -321,28 +265,39 @@ class MuseGlimmer(Format):
         super().writer_for(config)
         return MUSE_DFLASH2 if config.variant == DFLASH2 else self
 
-    def write_config(self, config, dtype, target_identity, vocab_known):
-        return serving_config(config, dtype, vocab_known=vocab_known,
-                              target_identity=target_identity)
-
-    def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
-                ) -> EngineReading:
-        """Through each engine's own config class for the format."""
-        reading = rule_set.read(engine_view(raw, rule_set.engine), artifacts)
-        reading.notes.append(ENGINE_NOTES[rule_set.engine]
-                             + ("" if rule_set.current else "; assumed for this older release"))
-        return reading
-
-    def inspect_lines(self, raw: dict[str, Any]) -> list[str]:
-        """What its format leaves out, and where the owners' class runs it otherwise than the
-        engines (notes, not problems: the engines serve it)."""
-        notes = format_notes(raw)
-        return ["", "Muse Glimmer format notes:"] + [f"- {n}" for n in notes] if notes else []
-
-    def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
-        notes = format_notes(raw)
-        return {"format": f"{FORMAT} ({ARCHITECTURE})",
-                **({"format notes": "; ".join(notes)} if notes else {})}
+    def write_config(self, config: DrafterConfig, dtype: str,
+                     target_identity: dict[str, Any] | None, vocab_known: bool
+                     ) -> dict[str, Any]:
+        """config.json in the Muse Glimmer layout for a drafter :meth:`engine_problems` accepts:
+        the :data:`REQUIRED` keys ``save_pretrained`` writes plus what makes engines read it as
+        trained (docs/export.md, "Writing the Muse Glimmer layout")."""
+        rope = {"rope_theta": config.rope_theta, "rope_type": "default",
+                **(config.rope_scaling or {})}  # every key the drafter's RoPE reads (model/rope.py)
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+            "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": config.num_hidden_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0,
+            "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
+            "max_position_embeddings": config.max_position_embeddings,
+            "layer_types": [SLIDING if s.window is not None else FULL
+                            for s in config.layer_specs()],
+            "use_sliding_window": config.any_sliding, "is_causal": False,
+            "block_size": config.block_size, "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            AUX_KEY: [i + 1 for i in config.target_layer_ids],  # what vLLM's runner captures
+            "num_target_layers": config.num_target_layers,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": dtype,
+        }
+        if config.any_sliding:
+            out["sliding_window"] = config.sliding_window
+        if vocab_known:
+            out["vocab_size"] = config.vocab_size
+        if target_identity:
+            out[TARGET_IDENTITY_KEY] = target_identity
+        return out
 
 
 class MuseDFlash2(Ours):
@@ -350,7 +305,9 @@ class MuseDFlash2(Ours):
     :data:`DFLASH2_RELEASE`, which is ours."""
 
     def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
-        return dflash2_report_header()
+        return {"format": f"{FORMAT} DFlash 2 (DFlash2DraftModel, the layout of "
+                          f"{DFLASH2_RELEASE}: z-lab's DFlash 2 layout, which is dflash-lab's "
+                          "own)"}
 
 
 MUSE_GLIMMER, MUSE_DFLASH2 = MuseGlimmer(), MuseDFlash2()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from dflash_lab.export import export_drafter, formats, import_drafter, inspect_dir
 from dflash_lab.export.cli import EXIT_OK, EXIT_USAGE, main
-from dflash_lab.export.formats.muse_glimmer import export_problems
+from dflash_lab.export.formats.muse_glimmer import MUSE_GLIMMER
 from dflash_lab.model.config import DrafterConfig, LayerSpec
 from tests.export_doubles import BASE, S, random_state, write_checkpoint, write_muse_dir
 
@@ -217,7 +217,7 @@ def test_inspect_of_a_sliding_export_names_only_the_known_exceptions(checkpoint,
 ])
 def test_what_the_format_cannot_carry_is_named(layout, message):
     """The fields lost in the write -> read round trip, each by name, and why the owners'
-    class runs it otherwise (export_problems) where the round trip cannot see it."""
+    class runs it otherwise (engine_problems) where the round trip cannot see it."""
     with pytest.raises(ValueError, match="cannot be exported --format muse-glimmer") as err:
         formats.write_config("muse-glimmer", config_of(**layout), "float32", None, True)
     assert re.search(message, str(err.value)), str(err.value)
@@ -232,7 +232,7 @@ def test_a_refusal_writes_nothing_and_names_the_fix(tmp_path, capsys):
     assert main([str(ckpt), str(tmp_path / "out"), "--format", "muse-glimmer"]) == EXIT_USAGE
     assert "omit --format muse-glimmer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    assert export_problems(config_of(**SLIDING_BIDIR)) == []
+    assert MUSE_GLIMMER.engine_problems(config_of(**SLIDING_BIDIR)) == []
 
 
 def test_command_line_format_option(checkpoint, tmp_path, capsys):
