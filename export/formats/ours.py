@@ -15,10 +15,10 @@ from typing import Any
 from dflash_lab.export.engines.zlab import base_config
 from dflash_lab.export.formats.base import OUR_SPEC, Format
 from dflash_lab.export.formats.dspark import DSPARK_FORMAT
+from dflash_lab.export.formats.laguna import features
 from dflash_lab.model.config import (
     DFLASH2,
     DSPARK,
-    LAGUNA_DEFAULTS,
     TARGET_IDENTITY_KEY,
     TRAINING_SPEC_KEY,
     DrafterConfig,
@@ -83,8 +83,7 @@ class Ours(ZLab):
         return out
 
     def engine_problems(self, config: DrafterConfig) -> list[str]:
-        on = {k: getattr(config, k) for k, off in LAGUNA_DEFAULTS.items()
-              if getattr(config, k) != off}
+        on = features(config)
         if not on:
             return []
         return [f"the Laguna features {on}, which no engine reads from dflash-lab's own format"]
