@@ -1,36 +1,11 @@
 """DFlash 2 (dflash.md section 7): DFlash 1 plus a grouped dynamic causal conv around every
 sublayer of every draft layer and a candidate selector that re-ranks the unary top-K of every
 slot, trained with the selector CE beside the unary loss and walked left to right when drafting.
-Served as z-lab's ``DFlash2DraftModel``. Everything DFlash 2 adds is here:
-
-- modules: :class:`GroupedDynamicCausalConv` wraps a sublayer (attention or MLP) of a draft
-  layer: ``prepare`` convolves the normed sublayer input along the block slots and returns the
-  dynamic taps of the output side, ``finish`` convolves the sublayer output with them. For slot
-  t, channel c: ``out[t, c] = sum_{o<K} (base[side, o, c] + delta[t, o, group(c)]) * x[t - o, c]``,
-  ``delta`` = ``kernel_projection`` of the normed input at slot t (both sides from one
-  projection), and ``x[t - o]`` is zero before the block's first slot: taps never cross a block
-  start, in the training layout (N packed blocks of B slots per row) as in the inference layout
-  (one block). :class:`CandidateSelector` re-ranks the top-K of the unary logits along the block:
-  ``score[c] = unary[c] + <A[prev] * (W h_t), S[c]>`` with the predecessor codebook A, the
-  successor codebook S (both [V, R]) and the hidden projection W [R, H]. Serving walks left to
-  right from the anchor (:meth:`CandidateSelector.walk`); training scores the candidates against
-  the true previous tokens (:meth:`CandidateSelector.score`). Initialisation makes a fresh DFlash
-  2 drafter compute exactly what DFlash 1 computes: the conv is the identity (``base[:, 0] = 1``,
-  other taps 0, projection 0) and the successor codebook is zero (scores = unary logits, so the
-  walk picks the unary argmax).
-- training: the unary DFlash loss plus ``alpha(step)`` x a K-way cross-entropy of the selector
-  over the unary top-K of each valid slot (:func:`selector_loss`), teacher-forced: slot t's
-  predecessor is the TRUE previous token (the anchor token for slot 1, the label of slot t-1
-  after). Slot weights follow the unary ones (``exp(-(t-1)/gamma)``, or D-PACE from the
-  selector's own CE with ``module.position_weighting=dpace``), and the selector term is
-  normalised by the GLOBAL sum of the weights of the slots it trains (with ``missing_gold: swap``
-  that is every valid slot, as for the unary term; with ``exclude`` only the slots whose gold
-  token is among the K), so it is a weighted mean of a K-way CE whatever the recall. Metrics
-  (:class:`SelectorMetrics`): candidate recall@K (gold among the unary top-K), selector accuracy
-  (teacher-forced argmax over the serving candidates == gold), and three exact acceptance
-  lengths per block: selector path (the greedy walk on its OWN previous picks, what serving
-  gets), unary (the unary argmax) and oracle (a slot counts when gold is a candidate).
-- drafting: :func:`selector_draft` (eval's loop), :func:`selector_flags` (features mode).
+Served as z-lab's ``DFlash2DraftModel``. Everything DFlash 2 adds is here: the modules
+(:class:`GroupedDynamicCausalConv`, :class:`CandidateSelector`, each initialised so that a fresh
+drafter computes what DFlash 1 computes), the training term (:func:`selector_loss`) and its
+metrics (:class:`SelectorMetrics`), drafting (:func:`selector_draft` for eval's loop,
+:func:`selector_flags` for features mode). What each computes (docs/losses.md, "DFlash 2").
 
 Shape legend: Bt batch, N blocks, B block size, Q = N*B block slots of a row, T = B-1 drafted
 (scored) slots, H hidden, M valid slots, K conv taps, G conv groups (H / conv_group_size), V
