@@ -1,25 +1,9 @@
 """Domino (docs/design/new_heads.md, "Domino"): the DFlash 1 backbone plus a GRU over the block's
 previous tokens whose state corrects the base logits of every slot from the second drafted one.
-
-Served by SGLang 0.5.23 only, as a plain ``DFlashDraftModel`` with ``dflash_config.projector_type:
-"domino"`` (``srt/models/dflash.py:777-803``); vLLM and z-lab do not serve it. Modules, SGLang's
-names: ``prefix_gru`` = ``nn.GRU(H, G, bias=False, batch_first=True)`` over the target's
-embedding of the tokens, ``embed_proj`` = ``Linear(H + G, E) -> SiLU -> Linear(E, V)`` (no bias).
-
-Draft (``domino_greedy_rollout``, ``srt/speculative/domino_utils.py:311-491``), slots 1..k of a
-block (z_t their final-normed rows, base_t = lm_head(z_t)): d_1 = argmax base_1; g = GRU over
-E[anchor, d_1]; then d_t = argmax(base_t + embed_proj(z_t, g)), g = GRUCell(E[d_t], g). With a
-candidate pool 0 < P < V (SGLang's ``--speculative-domino-candidate-pool-size``, default 2048)
-the argmax of slots >= 2 runs over the block's top-P of max_t base_t only. Greedy only: at
-T > 0 the draft is a point mass (q one-hot), as SGLang verifies it.
-
-Training (SpecForge ``OnlineDominoModel``): the GRU runs over the gold block tokens
-[anchor, y_1, ..., y_{B-2}] (teacher forcing: our labels, as DSpark's ``markov_prev_ids``);
-slot t >= 2 gets base_t + the bias, slots 0 and 1 keep the base logits. The correction is
-linear in c_t = silu(embed_proj.0([z_t, g])), so final logits are ONE linear head over
-[z; c] (DSpark's :class:`ConcatHead`) and the CE pass runs unchanged on it. Objective:
-(1 - lambda) CE(final) + lambda CE(base), lambda = SpecForge's ``linear_lambda_base``
-(``module.head``: lambda_start, decay_ratio).
+Served by SGLang 0.5.23 only (``dflash_config.projector_type: "domino"``); the modules, the
+greedy draft (:func:`domino_walk`, a point mass at T > 0) and SpecForge's training objective
+(:func:`lambda_base`; the correction as one linear head over [z; c], DSpark's
+:class:`ConcatHead`): docs/domino.md.
 
 Shape legend: Bt batch, N blocks, B block size, k drafted slots, H hidden, G GRU hidden, E
 emb_dim, V vocab, P candidate pool.
@@ -36,6 +20,7 @@ from torch import Tensor, nn
 
 from dflash_lab.heads.dflash1 import DFlash1
 from dflash_lab.heads.dspark import ConcatHead, markov_prev_ids
+from dflash_lab.model.config import SCALE_DEFAULTS
 from dflash_lab.model.heads import register
 from dflash_lab.train.objective import Term, dflash_loss
 
@@ -44,8 +29,6 @@ DEFAULTS = {"projector_type": "domino", "shift_label": False, "pure_draft_prefix
             "gru_hidden_dim": 1024, "emb_dim": 256}
 #: ``module.head`` settings: SpecForge's ``linear_lambda_base`` defaults.
 SETTINGS = {"lambda_start": 1.0, "decay_ratio": 0.5}
-_SCALES_OFF = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
-               "final_logit_softcapping": None}
 
 
 def lambda_base(step: int, total_steps: int | None, lambda_start: float = 1.0,
@@ -143,7 +126,7 @@ class Domino(DFlash1):
         if config.draft_vocab_size is not None:
             config._fail("draft_vocab_size", config.draft_vocab_size, "must be null for Domino "
                          "(SGLang needs the target's vocabulary)")
-        for key, off in _SCALES_OFF.items():
+        for key, off in SCALE_DEFAULTS.items():
             if getattr(config, key) != off:
                 config._fail(key, getattr(config, key), f"is not applied by SGLang's Domino "
                              f"rollout; leave it at {off}")

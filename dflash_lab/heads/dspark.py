@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from dflash_lab.eval.sampling import probs_at
 from dflash_lab.heads.dflash1 import DFlash1
+from dflash_lab.model.config import SCALE_DEFAULTS
 from dflash_lab.model.heads import register
 from dflash_lab.train.loss import LossOutput, position_weights, slot_positions
 from dflash_lab.train.objective import Term
@@ -243,9 +244,6 @@ def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
 #: ``DSparkSpeculatorConfig`` defaults.
 DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
             "confidence_head_with_markov": True}
-#: The logit scales every other head honours, at their "off" values.
-_SCALES_OFF = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
-               "final_logit_softcapping": None}
 
 
 class DSpark(DFlash1):
@@ -273,7 +271,7 @@ class DSpark(DFlash1):
             config._fail("confidence_head_with_markov", True,
                          "needs markov_rank > 0 (its input is the Markov embedding); set it "
                          "false or give a markov_rank")
-        for key, off in _SCALES_OFF.items():
+        for key, off in SCALE_DEFAULTS.items():
             if getattr(config, key) != off:
                 config._fail(key, getattr(config, key), "is not implemented for "
                              "variant='dspark' (vLLM scales the backbone logits and the Markov "
