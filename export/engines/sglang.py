@@ -38,22 +38,20 @@ class Release:
     plain_sinks: bool  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
     merges_mask: bool  #: ``mask_embedding.pt`` merged into the target's embedding table
     dflash2: bool  #: ``DFlash2DraftModel`` exists
-    per_backend: bool  #: the backends' bidirectional windows were read (else LEFT_ONLY assumed)
 
 
 RELEASES: dict[str, Release] = {r.name: r for r in (
     Release("0.5.23", "sglang==0.5.23 (PyPI wheel): srt/models/dflash.py, "
             "srt/speculative/dflash_utils.py, srt/speculative/dflash_worker_v2.py, "
             "srt/layers/attention/{flashattention,flashinfer,triton,trtllm_mha}_backend.py",
-            "after-34524", plain_sinks=True, merges_mask=True, dflash2=True, per_backend=True),
+            "after-34524", plain_sinks=True, merges_mask=True, dflash2=True),
     Release("#34524", "sgl-project/sglang main after PR #34524, before 0.5.23, as this project "
             "read it then: no plain-DFlash sinks, no mask merge, no DFlash 2", "after-34524",
-            plain_sinks=False, merges_mask=False, dflash2=False, per_backend=False),
+            plain_sinks=False, merges_mask=False, dflash2=False),
     Release("#34262..#34524", "sgl-project/sglang PR #34262 (regression fixed by #34524)",
-            "between", plain_sinks=False, merges_mask=False, dflash2=False, per_backend=False),
+            "between", plain_sinks=False, merges_mask=False, dflash2=False),
     Release("<#34262", "sgl-project/sglang models/dflash.py before #34262 (no is_causal)",
-            "before-34262", plain_sinks=False, merges_mask=False, dflash2=False,
-            per_backend=False),
+            "before-34262", plain_sinks=False, merges_mask=False, dflash2=False),
 )}
 DEFAULT_RELEASE = "0.5.23"
 
@@ -210,7 +208,7 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release
     reading.refusal = reading.refusal or _sinks_refusal(view, rel, backend)
     if reading.refusal:
         return reading
-    bidir = BACKENDS[backend] if backend is not None else LEFT_ONLY
+    bidir = BACKENDS[backend] if backend is not None else LEFT_ONLY  # backends not read
     reading.layers = _layers(view, rel, bidir, reading)
     return reading
 

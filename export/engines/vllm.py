@@ -96,21 +96,12 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     return reading
 
 
-def read_main_v1(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """vLLM recent main (0.32), default V1 model runner."""
-    return read(config, artifacts, rule_set="vllm-main-v1", runner="v1", honors_is_causal=True)
+def reader(rule_set: str, runner: str, honors_is_causal: bool):
+    """The ``(config, artifacts) -> EngineReading`` of one vLLM release (recent main 0.32, or
+    <= 0.26: ``honors_is_causal`` false, it ignores top-level is_causal) and model runner
+    ("v1", the default, or "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
+    def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
+        return read(config, artifacts, rule_set=rule_set, runner=runner,
+                    honors_is_causal=honors_is_causal)
 
-
-def read_main_v2(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """vLLM recent main (0.32) with VLLM_USE_V2_MODEL_RUNNER=1."""
-    return read(config, artifacts, rule_set="vllm-main-v2", runner="v2", honors_is_causal=True)
-
-
-def read_legacy_v1(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """vLLM <= 0.26 (ignores top-level is_causal), default V1 model runner."""
-    return read(config, artifacts, rule_set="vllm<=0.26-v1", runner="v1", honors_is_causal=False)
-
-
-def read_legacy_v2(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-    """vLLM <= 0.26 (ignores top-level is_causal) with the V2 model runner."""
-    return read(config, artifacts, rule_set="vllm<=0.26-v2", runner="v2", honors_is_causal=False)
+    return read_one
