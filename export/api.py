@@ -252,9 +252,9 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     config = src.config
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
-    writer = formats.writer_for(format, dataclasses.replace(config, _source=src.description))
-    raw = format_config(format, dataclasses.replace(config, _source=src.description), dtype,
-                        src.target_identity,
+    named_config = dataclasses.replace(config, _source=src.description)
+    writer = formats.writer_for(format, named_config)
+    raw = format_config(format, named_config, dtype, src.target_identity,
                         vocab_known=src.vocab_recorded or target_vocab_size(target) is not None)
     arch = architecture_of(target, src.target_identity)
     readings, findings = plan_export(config, engines, target=target, allow_lossy=allow_lossy,

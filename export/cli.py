@@ -148,12 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         section = recipe_export_section(args.recipe) if args.recipe else None
         opts = resolve_options(args, section, f"recipe {args.recipe}")
         return _inspect(args, opts) if args.inspect else _export(args, opts, argv)
-    except ExportRefused as err:
+    except (ExportRefused, SelfCheckFailed) as err:
         print(f"dflash-export: {err}", file=sys.stderr)
-        return EXIT_REFUSED
-    except SelfCheckFailed as err:
-        print(f"dflash-export: {err}", file=sys.stderr)
-        return EXIT_SELF_CHECK
+        return EXIT_REFUSED if isinstance(err, ExportRefused) else EXIT_SELF_CHECK
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"dflash-export: error: {err}", file=sys.stderr)
         return EXIT_USAGE

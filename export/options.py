@@ -106,12 +106,10 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     """``--KEY`` for every option (default None: not given, so a recipe's value or the default
     applies), and the deprecated former spellings."""
     for o in EXPORT_OPTIONS:
-        if o.choices is None:
-            parser.add_argument(f"--{o.key}", dest=o.key, action=argparse.BooleanOptionalAction,
-                                default=None, help=f"{o.help} (default: {o.default})")
-        else:
-            parser.add_argument(f"--{o.key}", dest=o.key, choices=list(o.choices),
-                                default=None, help=f"{o.help} (default: {o.default})")
+        kind = ({"action": argparse.BooleanOptionalAction} if o.choices is None
+                else {"choices": list(o.choices)})
+        parser.add_argument(f"--{o.key}", dest=o.key, default=None,
+                            help=f"{o.help} (default: {o.default})", **kind)
         if o.old is not None:
             new = f"--{o.key}" if o.old[1] in (None, True) else f"--no-{o.key}"
             parser.add_argument(o.old[0], dest=o.key, action=_Deprecated, new=new,

@@ -167,28 +167,18 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
         return None
     flat = fmt.engine_config(view)  # the engine's draft config (DSpark: vLLM's flat one)
     base = format_of(flat).base_config(flat, f"{out_dir} as {rule_set.name}")  # not our spec
-    is_vllm = rule_set.engine == "vllm"
-    config = config_from_reading(
-        base, reading, artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
-        base.attention_sink_bias and (is_vllm or reading.serves_sinks))
-    config = dataclasses.replace(config, **reading.overrides)
-    state = _exported_weights(out_dir, view)
+    config = dataclasses.replace(config_from_reading(base, reading, rule_set, artifacts),
+                                 **reading.overrides)
+    state = _exported(out_dir, config, view)
     if not config.attention_sink_bias:
         state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}
-    if config.learned_mask_embedding:
-        state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)
     return config, state
 
 
-def _exported_weights(out_dir: Path, raw: dict[str, Any]) -> dict[str, Tensor]:
-    """model.safetensors under our tensor names (``raw``: the directory's config.json)."""
-    return format_of(raw).our_names(load_weights(out_dir), raw)
-
-
-def _exported_for_source(out_dir: Path, config: DrafterConfig, raw: dict[str, Any]
-                         ) -> dict[str, Tensor]:
-    """Every exported tensor (safetensors + mask file), arranged for the source config."""
-    state = _exported_weights(out_dir, raw)
+def _exported(out_dir: Path, config: DrafterConfig, raw: dict[str, Any]) -> dict[str, Tensor]:
+    """Every exported tensor under our names (safetensors + the mask file ``config`` reads;
+    ``raw``: the directory's config.json)."""
+    state = format_of(raw).our_names(load_weights(out_dir), raw)
     if config.learned_mask_embedding:
         state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)
     return state
@@ -223,8 +213,7 @@ def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: Dra
     view, how = (raw_config, how) if how else qwen3_config_view(raw_config)
     probe = _probe(source_config)
     reference = _logits(source_config, source_state, probe)
-    same_weights = _logits(source_config,
-                           _exported_for_source(out_dir, source_config, raw_config), probe)
+    same_weights = _logits(source_config, _exported(out_dir, source_config, raw_config), probe)
     results = []
     for config, state, names in _engine_groups(out_dir, view, rule_sets, artifacts):
         got = _logits(config, state, probe)

@@ -60,10 +60,6 @@ class ImportedDrafter(NamedTuple):
     format_notes: tuple[str, ...] = ()  #: what the import assumed the format does not record
 
 
-def _warn(msg: str) -> None:
-    print(f"dflash-export: warning: {msg}", file=sys.stderr)
-
-
 def mask_file_form(file: Path) -> str:
     """How ``mask_embedding.pt`` is stored: "dict" (``{embedding, mask_token_id}``, what we write),
     "per_position" (that dict with ``per_position`` true), "no_token_id" or "tensor" (a bare
@@ -106,9 +102,11 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return d
 
 
-def config_from_reading(base: DrafterConfig, reading: EngineReading,
-                        keeps_mask: bool, keeps_sinks: bool) -> DrafterConfig:
-    """``base`` with its layer layout and features replaced by what one engine would run."""
+def config_from_reading(base: DrafterConfig, reading: EngineReading, rule_set: RuleSet,
+                        artifacts: Artifacts) -> DrafterConfig:
+    """``base`` with its layer layout and features replaced by what one engine would run (a
+    shipped mask embedding and sinks: vLLM runs them, SGLang where ``reading`` serves them)."""
+    is_vllm = rule_set.engine == "vllm"
     layers = reading.layers or []
     windows = {r.window for r in layers if r.window is not None}
     flags = [r.causal for r in layers]
@@ -117,8 +115,9 @@ def config_from_reading(base: DrafterConfig, reading: EngineReading,
         layer_types=[FULL if r.window is None else SLIDING for r in layers],
         sliding_window=windows.pop() if windows else None,
         is_causal=flags[0] if len(set(flags)) == 1 else flags,
-        learned_mask_embedding=keeps_mask,
-        attention_sink_bias=keeps_sinks,
+        learned_mask_embedding=artifacts.mask_embedding_file and (
+            is_vllm or reading.serves_learned_mask),
+        attention_sink_bias=base.attention_sink_bias and (is_vllm or reading.serves_sinks),
         _source=f"{base._source} (causality resolved by {reading.rule_set})",
     )
 
@@ -156,12 +155,8 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
         raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
                          "rule set (assume=...)")
     base = fmt.base_config(d, str(path / CONFIG_FILE))
-    is_vllm = rule_set.engine == "vllm"
-    config = config_from_reading(
-        base, reading,
-        keeps_mask=artifacts.mask_embedding_file and (is_vllm or reading.serves_learned_mask),
-        keeps_sinks=base.attention_sink_bias and (is_vllm or reading.serves_sinks))
-    return config, _disagreements(readings, rule_set.name, base.block_size)
+    return (config_from_reading(base, reading, rule_set, artifacts),
+            _disagreements(readings, rule_set.name, base.block_size))
 
 
 def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
@@ -192,7 +187,8 @@ def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
         state[MASK_KEY] = mask
     validate_state_dict({k: v for k, v in state.items() if k != MASK_KEY}, config, str(path))
     if disagree:
-        _warn(f"{path}: read with {assumed}; " + "; ".join(disagree))
+        print(f"dflash-export: warning: {path}: read with {assumed}; " + "; ".join(disagree),
+              file=sys.stderr)
     return ImportedDrafter(config, state, mask, assumed, disagree, integrity,
                            vocab_recorded="vocab_size" in d,
                            format_notes=tuple(fmt.format_notes(d)))

@@ -21,10 +21,6 @@ from dflash_lab.model.config import DrafterConfig
 DRAFTER_PREFIX = "drafter."
 
 
-def _warn(msg: str) -> None:
-    print(f"dflash-export: warning: {msg}", file=sys.stderr)
-
-
 def load_checkpoint(path: Path) -> Source:
     """A Lightning ``.ckpt``: ``state_dict`` keys prefixed ``drafter.`` and
     ``hyper_parameters["drafter_config"]`` = ``DrafterConfig.to_dict()``. A checkpoint whose
@@ -79,7 +75,8 @@ def resolve_run_dir(run: Path) -> tuple[Path, str]:
         found = sorted(p.name for p in ckdir.glob("*.ckpt"))
         raise ValueError(f"{run}: no checkpoints/best.json and no checkpoints/last.ckpt "
                          f"(found {found}); pass the .ckpt file itself")
-    _warn(f"{best} is missing; exporting {last} instead of the best checkpoint")
+    print(f"dflash-export: warning: {best} is missing; exporting {last} instead of the best "
+          "checkpoint", file=sys.stderr)
     return last, "last checkpoint (no best.json)"
 
 

@@ -83,32 +83,6 @@ def specforge_config(d: dict[str, Any], file: Path) -> DrafterConfig:
     return DrafterConfig.create(source=str(file), **fields)
 
 
-def load_specforge_checkpoint(state_file: Path):
-    """A SpecForge DFlash ``training_state.pt`` (+ its draft config) as a Source."""
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ValueError(f"{state_file}: cannot be loaded with torch.load(weights_only=True): "
-                         f"{err}") from err
-    if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
-        raise ValueError(f"{state_file}: no 'draft_state_dict'; not a SpecForge checkpoint")
-    if state.get("strategy", "dflash") != "dflash":
-        raise ValueError(f"{state_file}: written by SpecForge strategy {state['strategy']!r}; "
-                         "only plain 'dflash' drafters (no extra heads) are read")
-    config_file = _specforge_config(state_file)
-    try:
-        config = specforge_config(json.loads(config_file.read_text()), config_file)
-    except (KeyError, json.JSONDecodeError) as err:
-        raise ValueError(f"{config_file}: not a SpecForge DFlash draft config ({err!r})") from err
-    weights = {plain_key(k): v for k, v in state["draft_state_dict"].items() if "embed" not in k}
-    validate_state_dict(weights, config, str(state_file))
-    notes = [f"draft config {config_file}; SpecForge step {state.get('global_step')}; "
-             "sliding layers causal, full bidirectional (SpecForge's mask)"]
-    return Source(config, weights, "checkpoint", f"SpecForge checkpoint {state_file}", notes,
-                  reads=[state_file, config_file],
-                  depth_recorded="num_target_layers" in json.loads(config_file.read_text()))
-
-
 class SpecForge(Format):
     """A SpecForge DFlash checkpoint: the file, a ``-stepN`` directory or a run's output."""
 
@@ -119,7 +93,32 @@ class SpecForge(Format):
         return specforge_state_file(path) is not None
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        return load_specforge_checkpoint(specforge_state_file(path))
+        """A SpecForge DFlash ``training_state.pt`` (+ its draft config) as a Source."""
+        state_file = specforge_state_file(path)
+        try:
+            state = torch.load(state_file, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(f"{state_file}: cannot be loaded with torch.load(weights_only=True): "
+                             f"{err}") from err
+        if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
+            raise ValueError(f"{state_file}: no 'draft_state_dict'; not a SpecForge checkpoint")
+        if state.get("strategy", "dflash") != "dflash":
+            raise ValueError(f"{state_file}: written by SpecForge strategy {state['strategy']!r}; "
+                             "only plain 'dflash' drafters (no extra heads) are read")
+        config_file = _specforge_config(state_file)
+        try:
+            config = specforge_config(json.loads(config_file.read_text()), config_file)
+        except (KeyError, json.JSONDecodeError) as err:
+            raise ValueError(f"{config_file}: not a SpecForge DFlash draft config "
+                             f"({err!r})") from err
+        weights = {plain_key(k): v for k, v in state["draft_state_dict"].items()
+                   if "embed" not in k}
+        validate_state_dict(weights, config, str(state_file))
+        notes = [f"draft config {config_file}; SpecForge step {state.get('global_step')}; "
+                 "sliding layers causal, full bidirectional (SpecForge's mask)"]
+        return Source(config, weights, "checkpoint", f"SpecForge checkpoint {state_file}", notes,
+                      reads=[state_file, config_file],
+                      depth_recorded="num_target_layers" in json.loads(config_file.read_text()))
 
 
 SPECFORGE = SpecForge()

@@ -157,18 +157,6 @@ def drafter_tensors(state: dict[str, torch.Tensor], config: DrafterConfig
     return {k: v for k, v in state.items() if k not in SPECULATORS_KEYS or k in own}
 
 
-def load_speculators_dir(path: Path, verify: bool = True) -> Source:
-    """A speculators DFlash / DFlash 2 / DSpark directory as an export
-    :class:`~dflash_lab.export.weights.Source` (``verify``: speculators writes no checksums)."""
-    file = path / CONFIG_FILE
-    config, notes = speculators_config(json.loads(file.read_text()), file)
-    state = drafter_tensors(load_weights(path), config)
-    validate_state_dict(state, config, str(path / WEIGHTS_FILE))
-    return Source(config, state, "serving", f"speculators directory {path}", notes, reads=[path],
-                  depth_recorded=False,
-                  mask_differences=[n for n in notes if n.startswith("speculators' sliding")])
-
-
 class Speculators(Format):
     """A speculators DFlash / DFlash 2 directory (DSpark: export/formats/dspark.py)."""
 
@@ -182,7 +170,16 @@ class Speculators(Format):
         return is_speculators_dir(path)
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        return load_speculators_dir(path, verify)
+        """A speculators DFlash / DFlash 2 / DSpark directory as an export
+        :class:`~dflash_lab.export.weights.Source` (``verify``: speculators writes no
+        checksums)."""
+        file = path / CONFIG_FILE
+        config, notes = speculators_config(json.loads(file.read_text()), file)
+        state = drafter_tensors(load_weights(path), config)
+        validate_state_dict(state, config, str(path / WEIGHTS_FILE))
+        return Source(config, state, "serving", f"speculators directory {path}", notes,
+                      reads=[path], depth_recorded=False,
+                      mask_differences=[n for n in notes if n.startswith("speculators' sliding")])
 
 
 SPECULATORS = Speculators()
