@@ -181,9 +181,10 @@ def has_weights(path: Path) -> bool:
     return bool(weight_files(path))
 
 
-def _header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over every weight file, from the headers (no tensor is loaded).
-    ValueError when a name is in two shards or when the index's names differ from the shards'."""
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over every weight file, from the headers (no tensor is loaded:
+    cheap, for --inspect). ValueError when a name is in two shards or when the index's names
+    differ from the shards'."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -204,7 +205,7 @@ def _header(path: Path) -> dict[str, tuple[int, ...]]:
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory (one file or all shards), on the CPU."""
-    _header(path)  # refuses duplicate names and an index that disagrees with its shards
+    weight_shapes(path)  # refuses duplicate names and an index that disagrees with its shards
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         state.update(load_file(str(file), device="cpu"))
@@ -218,7 +219,7 @@ def draft_vocab_problems(path: Path, config: DrafterConfig) -> tuple[list[str], 
         return [], []
     lines = [f"draft vocabulary: {config.draft_vocab_size} of {config.vocab_size} target tokens "
              "(the drafter's own lm_head; vLLM scatters its logits by d2t)"]
-    names = set(weight_names(path))
+    names = set(weight_shapes(path))
     if not {"d2t", "t2d"} <= names:
         return lines, []  # the shape check names the missing tensors
     state = {}
@@ -230,16 +231,6 @@ def draft_vocab_problems(path: Path, config: DrafterConfig) -> tuple[list[str], 
     except ValueError as err:
         return lines, [str(err)]
     return lines, []
-
-
-def weight_names(path: Path) -> list[str]:
-    """Tensor names without loading the tensors (cheap, for --inspect)."""
-    return list(_header(path))
-
-
-def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from the safetensors headers (no tensor is loaded)."""
-    return _header(path)
 
 
 def load_mask_file(path: Path, mask_token_id: int | None) -> torch.Tensor | None:

@@ -11,11 +11,10 @@ from typing import Any
 
 from dflash_lab.export.engines import zlab
 from dflash_lab.export.engines.common import Artifacts, EngineReading
+from dflash_lab.model.config import SCALE_DEFAULTS
 
 DFLASH2_ARCH = "DFlash2DraftModel"
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-SCALE_OFF = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
-             "final_logit_softcapping": None}
 #: what dropping each scale does, for the finding's message
 _SCALE_EFFECT = {
     "input_embedding_scale": "every block input, hence every draft, differs",
@@ -40,7 +39,7 @@ def declared_scales(config: dict[str, Any]) -> dict[str, float]:
     """The scales z-lab's loader applies (dflash_config first, then top level), when not off."""
     dfc = config.get("dflash_config") or {}
     out = {}
-    for key in SCALE_OFF:
+    for key in SCALE_DEFAULTS:
         value = dfc.get(key, config.get(key))
         if not _off(key, value):
             out[key] = float(value)
@@ -51,7 +50,7 @@ def drop_scale(reading: EngineReading, key: str, why: str) -> None:
     """Record a dropped scale: the engine runs the drafter with it off."""
     reading.dropped.append(f"{key} ({why}; {_SCALE_EFFECT[key]}); fix: export with an engine "
                            f"that honours it, or retrain with {key} off")
-    reading.overrides[key] = SCALE_OFF[key]
+    reading.overrides[key] = SCALE_DEFAULTS[key]
 
 
 def top_level_only(config: dict[str, Any], key: str) -> bool:

@@ -32,7 +32,7 @@ from dflash_lab.export.weights import (
     load_weights,
     serving_names,
     validate_state_dict,
-    weight_names,
+    weight_shapes,
 )
 from dflash_lab.model.config import (
     DSPARK,
@@ -75,7 +75,7 @@ def mask_file_form(file: Path) -> str:
 
 
 def artifacts_of(path: Path) -> Artifacts:
-    names = weight_names(path)
+    names = weight_shapes(path)
     return Artifacts(mask_embedding_file=(path / MASK_FILE).exists(),
                      mask_file_form=mask_file_form(path / MASK_FILE),
                      sink_weights=any(n.endswith(SINK_SUFFIX) for n in names),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.export.engines.variant import DFLASH2_KEYS
 from dflash_lab.export.formats.base import Format
 from dflash_lab.export.weights import (
     CONFIG_FILE,
@@ -40,7 +41,6 @@ DRAFT_VOCAB_KEYS = ("lm_head.weight", "t2d", "d2t")
 _QWEN3_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
                 "max_position_embeddings", "attention_bias")
-_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 # ---------------------------------------------------------------------------- speculators
@@ -132,7 +132,7 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
     if kind == "dspark":  # speculators' DSparkSpeculatorConfig defaults for absent keys
         fields.update({k: d.get(k, v) for k, v in DSPARK_DEFAULTS.items()})
     if kind == "dflash2":
-        fields.update({k: int(d[k]) for k in _DFLASH2_FIELDS})
+        fields.update({k: int(d[k]) for k in DFLASH2_KEYS})
     if d.get("draft_vocab_size") is not None:  # a reduced one: lm_head [N, H], d2t and t2d
         fields["draft_vocab_size"] = int(d["draft_vocab_size"])
     # vLLM's update_dflash copies it beside hidden_size and sizes fc from it (qwen3_dflash.py);
