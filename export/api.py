@@ -202,10 +202,8 @@ def exported_identity(identity: dict[str, Any] | None) -> dict[str, Any] | None:
 def format_config(fmt: str, config: DrafterConfig, dtype: str,
                   target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
     """The config.json of format ``fmt`` (ValueError: the format cannot carry the drafter,
-    naming what and the fix: export/formats/ ``write_config``). ``muse-glimmer`` is the
-    assistant's layout for DFlash 1 and, for a DFlash 2 drafter, the layout its DFlash 2 form
-    ships in (export/formats/muse_glimmer.py); a DSpark drafter is written in vLLM's
-    speculators DSpark layout (export/formats/dspark.py)."""
+    naming what and the fix), by the format's writer for the drafter (export/formats/
+    ``writer_for``: a DFlash 2 Muse Glimmer or a DSpark drafter has its own)."""
     return formats.write_config(fmt, config, dtype, exported_identity(target_identity),
                                 vocab_known)
 
@@ -229,12 +227,11 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                    sglang_backend: str = "any", verify: bool = True,
                    format: str = OURS) -> ExportResult:
     """Export ``source`` (checkpoint, run dir, serving dir or a loaded Source) to ``out_dir``,
-    which is left as it was on any error: ValueError (bad input, or ``out_dir`` is or contains
-    what the export reads), FileExistsError (no ``force``, or not a previous export; with
-    ``owner`` only a previous export of a source inside that run), ExportRefused or
-    SelfCheckFailed. ``sglang_version`` / ``sglang_backend`` (``any`` = every backend) pick the
-    SGLang rule sets, ``target`` the target's class, ``verify`` the source's ``SHA256SUMS`` check,
-    ``format`` the layout (docs/export.md, "What is written", "Writing the Muse Glimmer layout").
+    left as it was on any error: ValueError (bad input, or ``out_dir`` is or contains what the
+    export reads), FileExistsError (no ``force``, or not a previous export; with ``owner`` only
+    one of a source inside that run), ExportRefused or SelfCheckFailed. Settings: export/
+    options.py; ``target``: the target's config.json (its class, sizes), ``verify``: the source's
+    ``SHA256SUMS`` check (docs/export.md, "What is written", "Writing the Muse Glimmer layout").
     """
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
@@ -489,15 +486,10 @@ def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpe
 
 def inspect_dir(path: str | Path, engine: str | list[str] | None = None,
                 verify: bool = True) -> InspectResult:
-    """Per layer, how each rule set resolves a serving directory; the drafter's variant, conv,
-    selector and scales, whether each rule set runs it as trained (third-party: as the importer
-    resolves it); problems if a rule set of the judged engines (``engine``, default: those the
-    export was made for, else both) disagrees or drops a feature, or the weights do not match
-    the config; the other engines' findings are notes. Without model.safetensors (a config.json
-    alone) the layout is still classified and the weight checks that were not made are listed
-    in ``unchecked``. ``verify``: check the files against the export's ``SHA256SUMS`` first (a
-    file that differs is a problem; a directory without the record says it was not
-    verified)."""
+    """``--inspect``: how each rule set runs a serving directory, judged for ``engine`` (default:
+    those the export was made for, else both; the others' findings are notes); without
+    model.safetensors the weight checks not made are ``unchecked``; ``verify``: its
+    ``SHA256SUMS`` first (docs/export.md, "What is written", "Self-check")."""
     path = Path(path)
     config_only = not has_weights(path)
     integrity = (verify_dir(path, absent_ok=(WEIGHTS_FILE,) if config_only else ()) if verify
