@@ -55,16 +55,8 @@ RELEASES: dict[str, Release] = {r.name: r for r in (
 )}
 DEFAULT_RELEASE = "0.5.23"
 
-#: How each DFlash draft backend of 0.5.23 bounds a bidirectional sliding layer (window_left W-1):
-#: - fa3 / fa4 (``flashattention_backend.py`` forward_extend): ``window_size=(W-1, W-1)`` with
-#:   ``causal=False``, i.e. symmetric, as trained;
-#: - triton (``triton_backend.py`` + ``kernels/ops/attention/extend_attention.py``): the
-#:   non-causal window mask bounds both sides: symmetric;
-#: - flashinfer (``flashinfer_backend.py``): ``window_left=W-1``, ``causal=False``, no right bound;
-#: - trtllm_mha (``trtllm_mha_backend.py``): ENCODER_ONLY verify rows are single-token decode rows
-#:   over the whole block with ``window_left=W-1``, so every query sees the W keys ending at the
-#:   block's last slot. SGLang picks it only for all-sliding or explicitly causal drafters
-#:   (``arg_groups/speculative_hook.py`` ``_resolve_dflash_draft_attention_backend``).
+#: How each DFlash draft backend of 0.5.23 bounds a bidirectional sliding layer (window_left
+#: W-1), and the files read (docs/export.md, "SGLang by release").
 BACKENDS: dict[str, str] = {"fa3": SYMMETRIC, "fa4": SYMMETRIC, "triton": SYMMETRIC,
                             "flashinfer": LEFT_ONLY, "trtllm_mha": END_ANCHORED}
 #: backends grouped into one rule set each (same reading)

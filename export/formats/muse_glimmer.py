@@ -85,12 +85,8 @@ def owners_window_note(config: dict[str, Any]) -> str | None:
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters",
             "layer_types", "block_size", "mask_token_id", "target_layer_ids")
-#: The target layers vLLM's runner captures (its convention: our id + 1). vLLM 0.32 reads this
-#: key first (``GPUModelRunner._get_eagle3_aux_layers_from_config``), else
-#: ``dflash_config.target_layer_ids``, which its ``MuseGlimmerAssistantConfig`` never has
-#: (``dflash_config = {"causal": False}``), else the target's EAGLE-3 default layers
-#: ``(2, L // 2, L - 3)``: without this key a Muse Glimmer draft gets the target layers it was
-#: trained on only by coincidence. Our export writes it; a file's value must match.
+#: The target layers vLLM's runner captures (our id + 1); without it vLLM 0.32 captures the
+#: target's EAGLE-3 default layers (docs/export.md, "Writing the Muse Glimmer layout").
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 READ = frozenset(REQUIRED) | {"max_position_embeddings", "sliding_window", "is_causal",
                               "use_sliding_window", "vocab_size", "num_target_layers",
@@ -152,15 +148,8 @@ def vllm_aux_note(d: dict[str, Any]) -> str | None:
 FORMAT = "muse-glimmer"  #: ``dflash-export --format`` value
 
 
-#: The DFlash 2 form of the Muse Glimmer assistant in released code: z-lab's checkpoint of that
-#: name ships z-lab's ``DFlash2DraftModel`` layout (``architectures: ["DFlash2DraftModel"]``,
-#: ``model_type: "qwen3"``, conv / selector / ``output_multiplier`` / ``final_logit_softcapping``
-#: in ``dflash_config``, every layer sliding and bidirectional), which z-lab's dflash 0.1.0
-#: ``DFlash2DraftModel`` (``config_class = Qwen3Config``) loads for the Muse-Glimmer-30B target
-#: and vLLM 0.32 serves as ``DFlash2DraftModel`` (``qwen3_dflash2``). transformers 5.25's
-#: ``muse_glimmer_assistant`` and vLLM's ``MuseGlimmerAssistantModel`` alias are DFlash 1 only.
-#: That layout is our own DFlash 2 export, so ``--format muse-glimmer`` writes it for a DFlash 2
-#: drafter and the import reads it as a z-lab directory.
+#: The DFlash 2 form of the Muse Glimmer assistant in released code: z-lab's DFlash2DraftModel
+#: layout, which is ours (docs/export.md, "Writing the Muse Glimmer layout").
 DFLASH2_RELEASE = "z-lab/Muse-Glimmer-30B-DFlash2"
 
 
