@@ -1,8 +1,7 @@
-"""Decide whether an export is safe: compare what each engine will run with what was trained.
-
-A finding is a refusal (the export stops, unless ``--allow_lossy`` and the finding is lossy) or a
-warning (written to EXPORT_REPORT.md and stderr). Every message names the layer, the rule set,
-what the engine would do and what to change.
+"""Whether an export is safe: what each engine will run against what was trained. A finding is
+a refusal (the export stops, unless ``--allow_lossy`` and it is lossy) or a warning (in
+EXPORT_REPORT.md and on stderr), naming the layer, the rule set, what the engine would do and
+what to change.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Which OUT_DIR an export may replace: only what an export wrote, never what it reads.
-
-An export replaces OUT_DIR by renaming it aside and deleting it. So OUT_DIR must not be, or
-contain, anything the export reads (the source, its run directory, its checkpoint), compared
-through symlinks and relative paths; and ``force`` only replaces an empty directory or a previous
-export, recognised by its files (``EXPORT_FILES`` and nothing else). The training-end export also
-names its run (``owner``): it replaces only an export whose recorded source lies inside that run.
+"""Which OUT_DIR an export may replace (renaming it aside, then deleting it): never what it
+reads (source, run directory, checkpoint; through symlinks and relative paths), and with
+``force`` only an empty directory or a previous export (``EXPORT_FILES`` and nothing else); the
+training-end export's ``owner`` run: only an export whose recorded source lies inside it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Engine rule sets: each is a pure function ``(config dict, Artifacts) -> EngineReading``.
-
-``current`` rule sets are the engine versions an export must be correct for (a mismatch there is a
-refusal); the others are older releases still in use, or SGLang draft backends the export does
-not target (a mismatch there is a loud warning). :func:`select_sglang` picks SGLang's targets.
+"""Engine rule sets, each a pure function ``(config dict, Artifacts) -> EngineReading``:
+``current`` ones are what an export must be correct for (a mismatch is a refusal); the others,
+older releases or SGLang draft backends not targeted, warn (:func:`select_sglang`).
 """
 
 from __future__ import annotations

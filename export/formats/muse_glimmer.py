@@ -1,9 +1,7 @@
-"""Read the Muse Glimmer assistant format's config.json into our DrafterConfig, and write one
-(``dflash-export --format muse-glimmer``: :func:`serving_config`, refusing what
-:func:`export_problems` names). Like a z-lab directory, its layer layout is left to the engine:
-the importer resolves it with a named rule set (``sources.resolve_third_party``) over the engine
-views built here from each config class's defaults (docs/export.md, "Muse Glimmer assistant
-directories"; the keys read, required and refused: docs/warm_start.md).
+"""The Muse Glimmer assistant format (:class:`MuseGlimmer`: read, ``--format muse-glimmer``
+write). As for z-lab, its layer layout is a named rule set's reading (``resolve_third_party``)
+of the engine views built here from each config class's defaults (docs/export.md, "Muse
+Glimmer assistant directories"; the keys read, required and refused: docs/warm_start.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""dflash-lab's own serving layout, and z-lab's DFlash 1 / DFlash 2 directories it extends.
-
-Ours (``dflash-export``'s default ``--format dflash-lab``) is z-lab's layout (``DFlashDraftModel``
-/ ``DFlash2DraftModel``, dflash.md section 4) plus our exact training spec
-(``dflash_lab_training_spec``): ``DrafterConfig.to_dict`` writes it, ``from_dict`` reads it back
-exactly. A z-lab directory has no spec: its fields are z-lab's reading
-(:mod:`dflash_lab.export.engines.zlab`), its layout one engine rule set's (base.py).
+"""dflash-lab's own serving layout (``--format dflash-lab``, the default): z-lab's
+(``DFlashDraftModel`` / ``DFlash2DraftModel``, dflash.md section 4) plus our exact training spec
+(``dflash_lab_training_spec``), read back exactly by ``DrafterConfig.from_dict``. A z-lab
+directory has no spec: its fields are z-lab's reading (engines/zlab.py), its layout one engine
+rule set's (base.py).
 """
 
 from __future__ import annotations
