@@ -1,8 +1,5 @@
-"""``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory. Exit
-codes 0 done, 2 bad input, 3 refused by the engine rules, 4 self-check failed, 5 ``--inspect``
-could not make the weight checks; nothing is written unless 0. Options are ``--KEY`` for Hydra's
-``export.KEY`` (export/options.py); ``--recipe NAME`` takes a recipe's export section
-(docs/export.md, "The options are the export section's keys").
+"""``dflash-export``: checkpoint / run dir / serving dir -> vLLM + SGLang serving directory;
+the options, ``--recipe`` and the exit codes (nothing written unless 0): docs/export.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""After writing, reload the directory the way an engine would (``config.json`` through
-``Qwen3Config``, each current rule set's per-layer reading, the weights by name) and compare its
-draft logits with the source drafter's on one random probe block: the ``config`` diff (same
-exported weights, fp32: a misread layout shows) and the ``total`` diff (adds the export dtype's
-rounding), both relative to max |reference logit| (docs/export.md, "Self-check").
+"""After writing, reload the directory as an engine would (``Qwen3Config``, each current rule
+set's reading, the weights by name) and compare draft logits with the source's on one random
+probe block: the ``config`` diff (same exported weights, fp32) and the ``total`` diff (plus the
+export dtype's rounding), relative to max |reference logit| (docs/export.md, "Self-check").
 """
 
 from __future__ import annotations

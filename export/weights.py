@@ -1,9 +1,7 @@
-"""The serving weight layout (dflash.md section 4): names, shapes, dtype casts, file I/O. Keys
-carry no ``model.`` prefix, q/k/v and gate/up stay separate, no embed_tokens / lm_head; the
-learned mask embedding goes to ``mask_embedding.pt``; DFlash 2's codebooks are bare parameters
-(no ``.weight``; z-lab's ``save_pretrained`` names are read back) (docs/export.md, "What is
-written", "DFlash 2 drafters"). ``SHA256SUMS`` over every other file is written last and checked
-by every reader unless :data:`OVERRIDES` turn it off (docs/guarantees.md, "Damaged files").
+"""The serving weight layout (dflash.md section 4; docs/export.md, "What is written", "DFlash 2
+drafters"): names, shapes, dtype casts, file I/O, and ``SHA256SUMS`` over every other file,
+written last and checked by every reader unless :data:`OVERRIDES` turn it off
+(docs/guarantees.md, "Damaged files").
 """
 
 from __future__ import annotations

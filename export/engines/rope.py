@@ -1,7 +1,6 @@
-"""How vLLM 0.32 and SGLang 0.5.23 build a drafter's rotary embedding from its config.json
-(through transformers' ``Qwen3Config``), emulated in the drafter's own vocabulary
-(dflash_lab/model/rope.py): a difference from the trained RoPE is a dropped feature, and a
-reading's overrides let the self-check build the engine's drafter (docs/export.md, "How each
+"""How vLLM 0.32 and SGLang 0.5.23 build a drafter's rotary from config.json (through
+``Qwen3Config``), in model/rope.py's terms: a difference from the trained RoPE is a dropped
+feature, its overrides build the engine's drafter for the self-check (docs/export.md, "How each
 engine builds the rotary").
 """
 

@@ -1,8 +1,6 @@
-"""How each engine sizes ``fc`` and what width of target features it feeds:
-``target_hidden_size``. A drafter's ``fc`` reads len(target_layer_ids) features of width T
-(``DrafterConfig.target_hidden_size``, written only when T != H); both engines feed H-wide
-features (a multi-stream target's stream mean), so T = n*H (flattened streams, ``hc_mult`` = n)
-is refused (docs/export.md, "Multi-stream targets: target_hidden_size"; docs/targets.md).
+"""How each engine sizes ``fc`` (len(target_layer_ids) features of width T =
+``target_hidden_size``) and feeds it H-wide features (a multi-stream target's stream mean), so
+T = n*H is refused (docs/export.md, "Multi-stream targets: target_hidden_size").
 """
 
 from __future__ import annotations

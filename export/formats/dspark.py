@@ -1,8 +1,7 @@
-"""The DSpark serving layout vLLM 0.32 reads: a speculators-format config.json (read by vLLM's
-``SpeculatorsConfig`` and ``update_dspark``) around our whole ``DrafterConfig.to_dict()`` as
-``transformer_layer_config``, plus the Markov and confidence head tensors. The import
-(:func:`config_of`) reads ours back exactly and checks that the top-level keys agree; SGLang has
-no reader for it and is refused (docs/dspark.md, "What the exporter writes").
+"""The DSpark serving layout vLLM 0.32 reads (``SpeculatorsConfig``, ``update_dspark``): our
+whole ``DrafterConfig.to_dict()`` as ``transformer_layer_config`` in a speculators config.json,
+read back exactly (:func:`config_of`); SGLang has no reader for it (docs/dspark.md, "What the
+exporter writes").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The SpecForge checkpoint format (sgl-project/SpecForge main at a6b6b02, ``CheckpointManager``):
-``{run_id}-step{N}/training_state.pt`` (``draft_state_dict``, ``strategy``) with the z-lab style
-``--draft-model-config`` JSON beside it or in the run's output directory, read into our config +
-serving-name weights with ``torch.load(weights_only=True)`` only; DFlash 1 only (docs/warm_start.md,
-"What PATH may be").
+"""SpecForge checkpoints (sgl-project/SpecForge main at a6b6b02, ``CheckpointManager``):
+``{run_id}-step{N}/training_state.pt`` with the ``--draft-model-config`` JSON beside it or in the
+run's output directory, ``torch.load(weights_only=True)`` only; DFlash 1 only
+(docs/warm_start.md, "What PATH may be").
 """
 
 from __future__ import annotations

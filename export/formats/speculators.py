@@ -1,8 +1,7 @@
-"""The speculators format (vllm-project/speculators 0.9.0, ``DFlashDraftModel.save_pretrained``),
-read into our config + serving-name weights, safetensors only. Its layer ids are ours + 1; its
-block-anchored sliding window ``W`` is read as our per-query ``W + 1``, what still differs going
-to ``Source.mask_differences`` (:func:`speculators_window_difference`); our DSpark export is read
-by export/formats/dspark.py (docs/warm_start.md, "What PATH may be").
+"""The speculators format (vllm-project/speculators 0.9.0, ``DFlashDraftModel.save_pretrained``,
+safetensors only): its layer ids are ours + 1, its block-anchored window ``W`` our per-query
+``W + 1`` (:func:`speculators_window_difference`); our DSpark export: formats/dspark.py
+(docs/warm_start.md, "What PATH may be").
 """
 
 from __future__ import annotations
