@@ -29,8 +29,7 @@ class Finding:
 
 
 def spec_label(spec: LayerSpec) -> str:
-    kind = "causal" if spec.causal else "bidir"
-    return f"full {kind}" if spec.window is None else f"W={spec.window} {kind}"
+    return LayerReading(spec.window, spec.causal).label()  # trained: symmetric windows
 
 
 def layer_matches(spec: LayerSpec, reading: LayerReading, block_size: int) -> bool:

@@ -47,7 +47,7 @@ def engine_notes(readings: dict[str, EngineReading]) -> list[str]:
 
 def drafter_lines(config: DrafterConfig) -> list[str]:
     """The variant, its DFlash 2 modules, Laguna features and the scales, one bullet each."""
-    lines = formats.variant_lines(config)
+    lines = formats.get(formats.OURS).writer_for(config).drafter_lines(config)
     lines.append(f"- fc reads {len(config.target_layer_ids)} target layers x "
                  f"{config.target_hidden_size} = {config.num_features}"
                  + (" (target_hidden_size: a multi-stream target's flattened streams)"
@@ -83,13 +83,6 @@ def as_trained_lines(specs: list[LayerSpec], readings: dict[str, EngineReading],
     return lines
 
 
-def findings_section(findings: list[Finding]) -> list[str]:
-    if not findings:
-        return ["- none"]
-    return [f"- {'REFUSED' if f.severity == REFUSE else 'WARNING'}: {f.message}"
-            for f in findings]
-
-
 def export_report(*, header: dict[str, str], config: DrafterConfig,
                   readings: dict[str, EngineReading], findings: list[Finding],
                   self_check: list[str], files: list[str]) -> str:
@@ -107,7 +100,9 @@ def export_report(*, header: dict[str, str], config: DrafterConfig,
     lines += layer_table(specs, readings, block_size)
     lines += ["", "## Engine refusals and silently dropped features", ""]
     lines += engine_notes(readings)
-    lines += ["", "## Findings", ""] + findings_section(findings)
+    lines += ["", "## Findings", ""] + ([
+        f"- {'REFUSED' if f.severity == REFUSE else 'WARNING'}: {f.message}" for f in findings]
+        or ["- none"])
     lines += ["", "## Self-check (reload as an engine would, compare draft logits)", ""]
     lines += self_check or ["- skipped"]
     lines += ["", "## Files", ""] + [f"- {f}" for f in files]

@@ -30,18 +30,10 @@ from dflash_lab.export.formats.muse_glimmer import MUSE_GLIMMER
 from dflash_lab.export.formats.ours import OURS, OURS_FORMAT, ZLAB
 from dflash_lab.export.formats.specforge import SPECFORGE
 from dflash_lab.export.formats.speculators import SPECULATORS
-from dflash_lab.model.config import DrafterConfig
 
 REGISTRY[:] = [SPECFORGE, DSPARK_FORMAT, SPECULATORS, OURS_FORMAT, LAGUNA, MUSE_GLIMMER, ZLAB,
                LIGHTNING]
 
-
-def variant_lines(config: DrafterConfig) -> list[str]:
-    """The report's variant lines, as the writer of our format for ``config`` words them."""
-    return OURS_FORMAT.writer_for(config).drafter_lines(config)
-
-
 __all__ = ["OURS", "REGISTRY", "ZLAB", "Format", "check_writable", "features_lines",
            "format_at", "format_of", "get", "import_drafter", "load_serving_dir", "load_source",
-           "options", "read_all", "register", "unregister", "variant_lines",
-           "write_config", "writer_for"]
+           "options", "read_all", "register", "unregister", "write_config", "writer_for"]
