@@ -378,19 +378,19 @@ LAYOUT_FIELDS = ("layer_types", "sliding_window", "is_causal")
 _ABSENT = object()
 
 
-def lost_fields(fmt: Format, config: DrafterConfig, artifacts: Artifacts,
-                detect: Any) -> list[str]:
+def lost_fields(fmt: Format, config: DrafterConfig) -> list[str]:
     """The dataclass fields of ``config`` (its own class's, so a subclass's extra field counts)
-    that do not survive ``fmt``'s write -> ``detect`` -> read; ``detect(raw)`` is the registry's
-    :func:`~dflash_lab.export.formats.format_of`. A written file detected as another format
-    loses everything that format reads otherwise; one nothing reads loses every field."""
+    that do not survive ``fmt``'s write -> :func:`format_of` -> read. A written file detected as
+    another format loses everything that format reads otherwise; one nothing reads loses every
+    field."""
     raw = fmt.write_config(config, "float32", None, vocab_known=True)
-    found = detect(raw)
+    artifacts = Artifacts(mask_embedding_file=config.learned_mask_embedding,
+                          sink_weights=config.attention_sink_bias)
     fields = {f.name: _default(f) for f in dataclasses.fields(config)
               if f.compare and f.name != "head_options"}
     fields.update(dict.fromkeys(config.head_options))  # a head's fields, each by name
     try:
-        back = found.read_back(raw, artifacts)
+        back = format_of(raw).read_back(raw, artifacts)
     except ValueError:
         return list(fields)
     same_layout = back.layer_specs() == config.layer_specs()
@@ -462,9 +462,8 @@ def load_source(path: str | Path, verify: bool = True, assume: str | None = None
 
 def import_drafter(path: str | Path, assume: str | None = None,
                    verify: bool = True) -> ImportedDrafter:
-    """A serving directory read into our config + weights (:func:`import_serving_dir`) with
-    its format's hooks; ``assume`` names the rule set resolving a layout the file leaves
-    implicit (our own exports are read exactly unless ``assume`` is given)."""
+    """A serving directory read into our config + weights by :func:`import_serving_dir` with
+    its format's hooks (``assume``: as there)."""
     path = Path(path)
     return import_serving_dir(path, format_of(read_config_json(path)), assume, verify)
 
@@ -479,26 +478,23 @@ def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool =
 # ---------------------------------------------------------------------------- engines
 def read_all(raw: dict[str, Any], artifacts: Artifacts,
              engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
-    """Every selected rule set's reading of one config.json, keyed by rule-set name, through
-    its format's view (a Muse Glimmer or Laguna config through each engine's config class)."""
+    """Every selected rule set's reading of one config.json by rule-set name, through its
+    format's (:meth:`Format.read_all`)."""
     return format_of(raw).read_all(raw, artifacts, engines)
 
 
 # ---------------------------------------------------------------------------- write
 def writer_for(name: str, config: DrafterConfig) -> Format:
-    """The format that writes ``config`` when ``--format name`` is asked for (ValueError:
-    none can)."""
+    """The format that writes ``config`` for ``--format name`` (ValueError: none can)."""
     return get(name).writer_for(config)
 
 
 def check_writable(fmt: Format, config: DrafterConfig) -> None:
-    """ValueError naming every field of ``config`` that does not survive ``fmt``'s write ->
-    detect -> read (:func:`~dflash_lab.export.formats.base.lost_fields`), with what the
-    engines or the format's owner would run otherwise, and the fix."""
-    artifacts = Artifacts(mask_embedding_file=config.learned_mask_embedding,
-                          sink_weights=config.attention_sink_bias)
+    """ValueError naming every field of ``config`` that does not survive ``fmt``'s round trip
+    (:func:`lost_fields`), with what the engines or the format's owner would run otherwise, and
+    the fix."""
     problems = fmt.engine_problems(config)
-    lost = lost_fields(fmt, config, artifacts, format_of)
+    lost = lost_fields(fmt, config)
     if lost:
         problems.append(f"the fields {lost} (they do not survive its write -> read round trip)")
     if problems:
