@@ -399,22 +399,15 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
                   label_temperature: float = 1.0, temperatures: tuple[float, ...] = (),
                   eval_teacher=None) -> SelectorOutput:
     """The teacher-forced K-way selector CE over the unary top-K of objective.dflash_loss's
-    valid slots (``out.top_ids`` [M, K]), and the selector metrics.
-
-    Slot weights as the unary term's (``weighting``, :func:`~dflash_lab.train.loss.slot_weights`):
-    exp_decay on the trained slots; dpace from the selector's own K-way CE, its chain running
-    over the trained slots only (an excluded slot counts as invalid), as the unary D-PACE
-    weights come from the unary CE.
-
-    Gradients reach the selector (codebooks, hidden projection) and the drafter's hidden states,
-    also through the candidates' unary logits (recomputed for the K ids only, differentiable).
-
-    ``teacher`` (:class:`~dflash_lab.train.distill.Teacher` of the valid slots): with it the
-    K-way loss is a soft CE on the target's probabilities of the K candidates, renormalised over
-    them at ``label_temperature`` (``module.selector.target=distribution``; every valid slot
-    trains, whether or not the gold token is a candidate). ``temperatures``: where to measure
-    the selector path's expected acceptance (``expected_taus``, teacher-forced along the text)
-    against ``eval_teacher`` (the same slots' target distribution).
+    valid slots (``out.top_ids`` [M, K]), and the selector metrics. Slot weights as the unary
+    term's (``weighting``: exp_decay on the trained slots; dpace from the selector's own CE, as
+    the unary one from the unary CE, its chain over the trained slots only: an excluded slot
+    counts as invalid). Gradients reach the selector (codebooks, hidden projection) and the
+    hidden states, also through the candidates' unary logits (recomputed for the K ids).
+    ``teacher`` (the valid slots' :class:`~dflash_lab.train.distill.Teacher`): a soft CE on the
+    target's probabilities of the K candidates instead (docs/losses.md, "DFlash 2").
+    ``temperatures``: where to measure the selector path's ``expected_taus`` (teacher-forced
+    along the text) against ``eval_teacher`` (the same slots' target distribution).
     """
     valid = targets.valid
     hidden_mh, gold_m = hidden_bnph[valid], targets.labels[valid]
