@@ -43,22 +43,6 @@ def layer_types(config: dict[str, Any]) -> list[str]:
     return list(config.get("layer_types") or [FULL] * int(config["num_hidden_layers"]))
 
 
-def engine_view(config: dict[str, Any], engine: str) -> dict[str, Any]:
-    """The config.json the Qwen3-style rule sets read the layout from, as ``engine``'s
-    LagunaConfig holds it: the window kept (``use_sliding_window`` true: no Qwen3 rewrite),
-    RoPE left out (read by :func:`vllm_rope` / :func:`sglang_rope`). vLLM: no
-    ``swa_window_size`` (``LagunaAttention`` reads ``sliding_window`` only)."""
-    view = {k: v for k, v in config.items()
-            if k not in ("rope_parameters", "swa_rope_parameters", "partial_rotary_factor",
-                         "rope_scaling", "rope_theta")}
-    view.update(layer_types=layer_types(config), use_sliding_window=True,
-                sliding_window=config.get("sliding_window", 512))
-    if engine == "vllm":
-        view["dflash_config"] = {k: v for k, v in (config.get("dflash_config") or {}).items()
-                                 if k != "swa_window_size"}
-    return view
-
-
 def _nested(rope: dict[str, Any]) -> bool:
     return any(isinstance(v, dict) for v in rope.values())
 
@@ -222,7 +206,21 @@ class Laguna(ReleasedFormat):
     self_check_how = ("Laguna config.json read through each engine's view of it "
                       "(export/formats/laguna.py) and dflash-lab's importer; fused qkv_proj split "
                       "into ours")
-    engine_view = staticmethod(engine_view)
+
+    def engine_view(self, config: dict[str, Any], engine: str) -> dict[str, Any]:
+        """The config.json the Qwen3-style rule sets read the layout from, as ``engine``'s
+        LagunaConfig holds it: the window kept (``use_sliding_window`` true: no Qwen3 rewrite),
+        RoPE left out (read by :func:`vllm_rope` / :func:`sglang_rope`). vLLM: no
+        ``swa_window_size`` (``LagunaAttention`` reads ``sliding_window`` only)."""
+        view = {k: v for k, v in config.items()
+                if k not in ("rope_parameters", "swa_rope_parameters", "partial_rotary_factor",
+                             "rope_scaling", "rope_theta")}
+        view.update(layer_types=layer_types(config), use_sliding_window=True,
+                    sliding_window=config.get("sliding_window", 512))
+        if engine == "vllm":
+            view["dflash_config"] = {k: v for k, v in (config.get("dflash_config") or {}).items()
+                                     if k != "swa_window_size"}
+        return view
 
     def base_config(self, d: dict[str, Any], source: str) -> DrafterConfig:
         """Every DrafterConfig field of a Laguna config.json; the layout is the file's layer

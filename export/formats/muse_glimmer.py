@@ -38,23 +38,6 @@ ENGINE_NOTES = {
 }
 
 
-def vllm_view(config: dict[str, Any]) -> dict[str, Any]:
-    """config.json as vLLM's ``MuseGlimmerAssistantConfig(Qwen3Config)`` holds it."""
-    return {**config, "use_sliding_window": config.get("use_sliding_window", True),
-            "vocab_size": config.get("vocab_size", VLLM_DEFAULT_VOCAB),
-            "dflash_config": {"causal": False} | (config.get("dflash_config") or {})}
-
-
-def sglang_view(config: dict[str, Any]) -> dict[str, Any]:
-    """config.json as SGLang's ``MuseGlimmerAssistantConfig(PretrainedConfig)`` holds it: the
-    file's window and layer types untouched (no layer_types = every layer full), is_causal
-    False unless declared."""
-    n = int(config["num_hidden_layers"])
-    return {**config, "use_sliding_window": True, "sliding_window": config.get("sliding_window"),
-            "layer_types": config.get("layer_types") or [FULL] * n,
-            "is_causal": config.get("is_causal", False)}
-
-
 def _renamed(tensors: dict[str, Any], prefixes: dict[str, str]) -> dict[str, Any]:
     out = {}
     for name, value in tensors.items():
@@ -183,7 +166,16 @@ class MuseGlimmer(ReleasedFormat):
                       "renamed to ours")
 
     def engine_view(self, raw: dict[str, Any], engine: str) -> dict[str, Any]:
-        return vllm_view(raw) if engine == "vllm" else sglang_view(raw)
+        """config.json as vLLM's ``MuseGlimmerAssistantConfig(Qwen3Config)`` holds it, or
+        SGLang's ``MuseGlimmerAssistantConfig(PretrainedConfig)``: the file's window and layer
+        types untouched (no layer_types = every layer full), is_causal False unless declared."""
+        if engine == "vllm":
+            return {**raw, "use_sliding_window": raw.get("use_sliding_window", True),
+                    "vocab_size": raw.get("vocab_size", VLLM_DEFAULT_VOCAB),
+                    "dflash_config": {"causal": False} | (raw.get("dflash_config") or {})}
+        return {**raw, "use_sliding_window": True, "sliding_window": raw.get("sliding_window"),
+                "layer_types": raw.get("layer_types") or [FULL] * int(raw["num_hidden_layers"]),
+                "is_causal": raw.get("is_causal", False)}
 
     def base_config(self, d: dict[str, Any], source: str) -> DrafterConfig:
         """Every DrafterConfig field of a Muse Glimmer config.json on a placeholder layout (all
