@@ -148,7 +148,6 @@ def save_weights(out_dir: Path, state: dict[str, torch.Tensor], mask: torch.Tens
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a serving directory: ``model.safetensors``, else the shards that
     ``model.safetensors.index.json`` names (each once, sorted); [] when it has neither.
-
     ValueError for an index that is not one, or that names a shard outside the directory or not
     in it: such a directory cannot be read whole, and a partial read would drop tensors."""
     path = Path(path)

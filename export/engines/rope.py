@@ -112,7 +112,12 @@ def vllm_rope(config: dict[str, Any]) -> RopeReading:
     if kind == "yarn":
         keys = (*_YARN_RAMP, "mscale", "mscale_all_dim", "attention_factor")
         return RopeReading(theta, {"rope_type": "yarn", **{k: p[k] for k in keys if k in p}})
-    if kind == "dynamic" or kind in _VLLM_OTHER:
+    return _other(kind, theta, _VLLM_OTHER)
+
+
+def _other(kind: str, theta: float, built: tuple[str, ...]) -> RopeReading:
+    """A type the drafter has no table for: the engine's class (``built``), else its refusal."""
+    if kind == "dynamic" or kind in built:
         name = "DynamicNTKAlphaRotaryEmbedding" if kind == "dynamic" else f"{kind} RoPE"
         return RopeReading(theta, None, other=name)
     return RopeReading(theta, None, refusal=f"raises ValueError: Unknown RoPE scaling type {kind}")
@@ -145,10 +150,7 @@ def sglang_rope(config: dict[str, Any]) -> RopeReading:
                            None)
     if kind == "yarn":
         return _sglang_yarn(p, theta)
-    if kind == "dynamic" or kind in _SGLANG_OTHER:
-        name = "DynamicNTKAlphaRotaryEmbedding" if kind == "dynamic" else f"{kind} RoPE"
-        return RopeReading(theta, None, other=name)
-    return RopeReading(theta, None, refusal=f"raises ValueError: Unknown RoPE scaling type {kind}")
+    return _other(kind, theta, _SGLANG_OTHER)
 
 
 def declared_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None] | str:

@@ -71,8 +71,7 @@ def _speculators_layout(d: dict[str, Any], tl: dict[str, Any], kind: str) -> dic
 def speculators_window_difference(window: int, block_size: int, causal: bool) -> str:
     """What our window ``W + 1`` hides that speculators 0.9.0's block-anchored sliding window
     ``W`` shows (``create_anchor_block_mask_mod``): per block whose anchor has at least ``W``
-    context positions (docs/warm_start.md, "What PATH may be").
-    """
+    context positions (docs/warm_start.md, "What PATH may be")."""
     b = block_size
     ctx = sum(min(t, window) for t in range(b))
     blk = sum(1 for t in range(b) for u in range(b)
@@ -169,9 +168,8 @@ class Speculators(Format):
         return is_speculators_dir(path)
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        """A speculators DFlash / DFlash 2 / DSpark directory as an export
-        :class:`~dflash_lab.export.weights.Source` (``verify``: speculators writes no
-        checksums)."""
+        """A speculators DFlash / DFlash 2 / DSpark directory as an export Source (``verify``:
+        speculators writes no checksums)."""
         file = path / CONFIG_FILE
         config, notes = speculators_config(json.loads(file.read_text()), file)
         state = drafter_tensors(load_weights(path), config)
