@@ -404,13 +404,6 @@ def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
     return _Declared(config, resolved.layer_specs(), assumed)
 
 
-def _artifacts(path: Path) -> Artifacts:
-    """What the directory ships; without model.safetensors only the mask file can be seen."""
-    if has_weights(path):
-        return artifacts_of(path)
-    return Artifacts(mask_embedding_file=(path / MASK_FILE).is_file())
-
-
 def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[str]:
     """The checks ``--inspect`` makes from model.safetensors (and mask_embedding.pt), worded
     for a directory that lacks them: each could still make an engine run another drafter."""
@@ -495,7 +488,9 @@ def inspect_dir(path: str | Path, engine: str | list[str] | None = None,
     integrity = (verify_dir(path, absent_ok=(WEIGHTS_FILE,) if config_only else ()) if verify
                  else Verification("skipped", []))
     d = read_config_json(path)
-    artifacts = _artifacts(path)
+    # without model.safetensors only the mask file can be seen
+    artifacts = Artifacts(mask_embedding_file=(path / MASK_FILE).is_file()) if config_only \
+        else artifacts_of(path)
     judged, why = _judged_engines(path, engine)
     readings = read_all(d, artifacts, ENGINES)
     declared = _declared(d, path, artifacts)

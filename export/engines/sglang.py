@@ -213,8 +213,6 @@ def reader(release: str, backend_group: str | None = None):
     def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
         return read(config, artifacts, rule_set=name, release=release, backend=backend)
 
-    read_one.__doc__ = f"SGLang {release}" + (f", draft backend {backend_group}"
-                                              if backend_group else "")
     return read_one
 
 

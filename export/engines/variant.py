@@ -27,19 +27,14 @@ def builds_selector(config: dict[str, Any]) -> bool:
     return DFLASH2_ARCH in (config.get("architectures") or [])
 
 
-def _off(key: str, value: Any) -> bool:
-    if key == "final_logit_softcapping":
-        return value is None or float(value) <= 0  # z-lab and both engines: <= 0 is off
-    return value is None or float(value) == 1.0
-
-
 def declared_scales(config: dict[str, Any]) -> dict[str, float]:
     """The scales z-lab's loader applies (dflash_config first, then top level), when not off."""
     dfc = config.get("dflash_config") or {}
     out = {}
     for key in SCALE_DEFAULTS:
         value = dfc.get(key, config.get(key))
-        if not _off(key, value):
+        cap = key == "final_logit_softcapping"  # z-lab and both engines: a cap <= 0 is off
+        if value is not None and not (float(value) <= 0 if cap else float(value) == 1.0):
             out[key] = float(value)
     return out
 

@@ -83,12 +83,6 @@ OWNERS_ROPE = {FULL: {"rope_type": "default", "rope_theta": 500000.0,
                          "partial_rotary_factor": 1.0}}
 
 
-def _sizes(config: dict[str, Any]) -> tuple[int, int]:
-    head_dim = int(config.get("head_dim") or 128)
-    return int(config["num_attention_heads"]) * head_dim, \
-        int(config["num_key_value_heads"]) * head_dim
-
-
 FORMAT = "laguna"  #: ``dflash-export --format`` value
 #: transformers 5.25 LagunaConfig defaults of the keys the drafter reads (tests compare them)
 OWNERS_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
@@ -247,7 +241,9 @@ class Laguna(ReleasedFormat):
 
     def our_names(self, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
         """Laguna tensors (or shapes) -> ours: every ``qkv_proj`` split into q/k/v rows."""
-        q, kv = _sizes(config)
+        head_dim = int(config.get("head_dim") or 128)
+        q = int(config["num_attention_heads"]) * head_dim
+        kv = int(config["num_key_value_heads"]) * head_dim
         out: dict[str, Any] = {}
         for name, value in tensors.items():
             if not name.endswith(QKV):
