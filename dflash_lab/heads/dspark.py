@@ -1,9 +1,8 @@
 """DSpark: the DFlash 1 backbone plus a Markov logit-bias head over the previous token and a
-confidence head; their training terms (:class:`ConcatHead`, :func:`markov_prev_ids`), the draft
-walk (:meth:`MarkovHead.walk`) and the head, in one module (docs/dspark.md, "Heads" to "Identity
-init"). Shape legend: x any leading dims, k slots of one block, H hidden, r markov rank, V target
-vocab; N is the draft vocab in the heads and blocks in training; Bt batch, S sequence, B block
-size, M supervised slots, V' head vocabulary (V, or N with a draft vocabulary).
+confidence head, their training terms, draft walk and head (docs/dspark.md, "Heads" to "Identity
+init"). Shapes: x any leading dims, k slots of one block, H hidden, r markov rank, V target
+vocab; N the draft vocab in the heads, blocks in training; Bt batch, S sequence, B block size,
+M supervised slots, V' head vocabulary (V, or N with a draft vocabulary).
 """
 
 from __future__ import annotations
@@ -98,12 +97,10 @@ class MarkovHead(nn.Module):
     def walk(self, base_logits_kv: Tensor, hidden_kh: Tensor, anchor_id: int,
              pick: Callable[[Tensor], Tensor], to_vocab: Callable[[Tensor], Tensor]
              ) -> tuple[Tensor, Tensor]:
-        """vLLM's sequential draft of one block: (tokens [k], embeddings e [k, r]).
-
-        ``base_logits_kv``: the drafting slots' backbone logits [k, V'] (V' = what ``pick``
-        reads); ``to_vocab`` turns a bias [N] into that space (identity without a draft
-        vocabulary); ``pick``: logits [V'] -> token id (argmax, or a sample). The first ``prev``
-        is the anchor, then each drafted token."""
+        """vLLM's sequential draft of one block: (tokens [k], embeddings e [k, r]) from the
+        drafting slots' backbone logits [k, V'] (V' = what ``pick`` reads); ``to_vocab``: a bias
+        [N] into that space (identity without a draft vocabulary); ``pick``: logits [V'] ->
+        token id (argmax, or a sample). ``prev``: the anchor, then each drafted token."""
         prev = torch.tensor(anchor_id, dtype=torch.long, device=base_logits_kv.device)
         state, tokens, embs = None, [], []
         for k in range(base_logits_kv.shape[0]):
@@ -220,11 +217,10 @@ def bias_in_vocab(drafter, bias_xn: Tensor) -> Tensor:
 def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
                  temperature: float, mode: str, generator: torch.Generator | None
                  ) -> tuple[Tensor, Tensor | None]:
-    """DSpark draft tokens [k] (and q [k, V] for rejection sampling, else None): vLLM's
-    sequential walk (:meth:`~MarkovHead.walk`) over the unary logits
-    ``unary_kv`` of the drafting slots, each biased by the token before it (the anchor first).
-    q of slot t is softmax((unary_t + bias(prev_t)) / T): the distribution the token was drawn
-    from, which rejection sampling needs."""
+    """DSpark draft tokens [k] (and q [k, V] for rejection sampling, else None): vLLM's walk
+    (:meth:`~MarkovHead.walk`) over the drafting slots' unary logits, each biased by the token
+    before it (the anchor first); q of slot t = softmax((unary_t + bias(prev_t)) / T), the
+    distribution the token was drawn from."""
     rows: list[Tensor] = []
     sample = temperature > 0 and mode == "rejection"
 

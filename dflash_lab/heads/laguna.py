@@ -1,8 +1,8 @@
-"""The Laguna features (vLLM's ``laguna_dflash.py``; export/laguna.py writes their serving
-layout): one RMSNorm per target-layer slice of the features before fc, context K/V through each
-layer's ``input_layernorm``, a softplus output gate on attention, partial rotary. Any head may
-switch them on; off, the drafter is today's DFlash drafter. No engine reads them from our own
-layout, so they are kept in our training spec (``dflash_lab_training_spec.laguna``)."""
+"""The Laguna features (vLLM's ``laguna_dflash.py``; export/formats/laguna.py writes their
+serving layout): one RMSNorm per target-layer slice of the features before fc, context K/V
+through each layer's ``input_layernorm``, a softplus output gate on attention, partial rotary.
+Any head may switch them on (off: a plain DFlash drafter); no engine reads them from our own
+layout, so our training spec keeps them (``dflash_lab_training_spec.laguna``)."""
 
 from __future__ import annotations
 
