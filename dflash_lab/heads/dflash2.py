@@ -43,11 +43,9 @@ from dflash_lab.train.objective import Term
 
 def grouped_dynamic_conv(x_bqh: Tensor, dyn_bqkg: Tensor, base_kh: Tensor,
                          block_size: int) -> Tensor:
-    """``out[t, c] = sum_o (base[o, c] + dyn[t, o, c // group_size]) * x[t - o, c]`` per block.
-
-    x [Bt, Q, H] with Q a multiple of ``block_size`` (blocks contiguous); dyn [Bt, Q, K, G];
-    base [K, H]. Shifting inside the [N, B] view with zero fill keeps every tap in its block.
-    """
+    """``out[t, c] = sum_o (base[o, c] + dyn[t, o, c // group_size]) * x[t - o, c]`` per block:
+    x [Bt, Q, H] (Q a multiple of ``block_size``, blocks contiguous), dyn [Bt, Q, K, G], base
+    [K, H]. Shifting inside the [N, B] view with zero fill keeps every tap in its block."""
     bt, q, h = x_bqh.shape
     k, g = base_kh.shape[0], dyn_bqkg.shape[-1]
     if q % block_size:
@@ -150,11 +148,9 @@ def _argmax(scores_bc: Tensor) -> Tensor:
 
 
 class CandidateSelector(nn.Module):
-    """Re-ranks the unary top-C with a low-rank (predecessor, successor) interaction.
-
-    Codebooks are bare parameters so the state_dict keys are the serving names
-    ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``).
-    """
+    """Re-ranks the unary top-C with a low-rank (predecessor, successor) interaction; the
+    codebooks are bare parameters, so their state_dict keys are the serving names
+    ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``)."""
 
     owns_init = True  #: re-initialised by reset_parameters after the drafter's init
 
@@ -214,12 +210,10 @@ class CandidateSelector(nn.Module):
 
     def score(self, hidden_xh: Tensor, prev_x: Tensor, cand_ids_xc: Tensor,
               cand_unary_xc: Tensor) -> Tensor:
-        """Candidate scores [x, C] given each slot's predecessor token ``prev_x``.
-
-        Training (teacher forcing): hidden [Bt, N, T, H] of slots 1..B-1, prev = the true tokens
-        at slots 0..B-2 (slot 0 = the anchor), candidates from :meth:`candidates` (the caller
-        may swap the gold token in before scoring).
-        """
+        """Candidate scores [x, C] given each slot's predecessor token ``prev_x``. Training
+        (teacher forcing): hidden [Bt, N, T, H] of slots 1..B-1, prev = the true tokens at slots
+        0..B-2 (slot 0 = the anchor), candidates from :meth:`candidates` (the caller may swap
+        the gold token in before scoring)."""
         succ_xcr = self._lookup("successor_codebook", cand_ids_xc)
         inter = torch.einsum("...r,...cr->...c", self._pair(hidden_xh, prev_x), succ_xcr)
         return cand_unary_xc + inter.to(cand_unary_xc.dtype)
@@ -472,11 +466,8 @@ def selector_flags(drafter: Any, lm_head: nn.Module, hidden_bnph: Tensor, anchor
                    labels_bnp: Tensor, valid_bnp: Tensor) -> tuple[Tensor, Tensor]:
     """Features-mode per-slot flags [Bt, N, B] (False at slot 0 and invalid slots): the serving
     walk's pick equals the label; the label is among the slot's K candidates (recall, oracle
-    path).
-
-    Candidates are the top-K of the unary logits (output_multiplier, softcap), as in serving.
-    Slots past a block's first invalid one are walked on placeholder labels but never counted.
-    """
+    path). Candidates: the top-K of the unary logits (output_multiplier, softcap), as served.
+    Slots past a block's first invalid one are walked on placeholder labels, never counted."""
     selector = drafter.candidate_selector
     bt, n, b, h = hidden_bnph.shape
     hidden_xth = hidden_bnph[:, :, 1:].reshape(bt * n, b - 1, h)
@@ -557,14 +548,11 @@ class SelectorMetrics:
 def selector_draft(selector: CandidateSelector, hidden_kh: Tensor, unary_kv: Tensor,
                    anchor_id: int, temperature: float, mode: str,
                    generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """DFlash 2 draft tokens [k] (and q [k, V] for rejection sampling, else None).
-
-    ``hidden_kh``: the drafter's final-normed hidden states of slots 1..k; ``unary_kv``: their
-    unary logits (multiplier and softcap applied), whose top-K are the candidates. The walk's
-    first predecessor is the anchor. q is dense over the vocabulary (zero outside the K
-    candidates) so :func:`~dflash_lab.eval.sampling.rejection_sample` reads p(x)/q(x) and the
-    residual as for DFlash 1.
-    """
+    """DFlash 2 draft tokens [k] (and q [k, V] for rejection sampling, else None) from the
+    final-normed hidden states of slots 1..k and their unary logits (multiplier and softcap
+    applied; their top-K are the candidates), walked from the anchor. q is dense over the
+    vocabulary (zero outside the K candidates) so :func:`~dflash_lab.eval.sampling.
+    rejection_sample` reads p(x)/q(x) and the residual as for DFlash 1."""
     cand_unary, cand_ids = selector.candidates(unary_kv[None])
     anchor = torch.tensor([anchor_id], dtype=torch.long, device=cand_ids.device)
     if not (temperature > 0 and mode == "rejection"):
