@@ -258,13 +258,10 @@ SELECTOR_TARGETS = ("argmax", "distribution")
 
 @dataclass(frozen=True)
 class SelectorSettings:
-    """``module.selector`` (conf/module/default.yaml).
-
-    alpha: weight of the selector CE once ramped. alpha_warmup_steps: optimizer steps with
-    alpha 0. alpha_ramp_steps: then a linear ramp to alpha (0 = jump). missing_gold: what a slot
-    whose gold token is not among the K does: ``exclude`` (no selector loss there) or ``swap``
-    (the gold replaces the last, K-th best, candidate).
-    """
+    """``module.selector`` (conf/module/default.yaml). alpha: weight of the selector CE once
+    ramped. alpha_warmup_steps: optimizer steps with alpha 0. alpha_ramp_steps: then a linear
+    ramp to alpha (0 = jump). missing_gold: what a slot whose gold token is not among the K
+    does: ``exclude`` (no selector loss there) or ``swap`` (the gold replaces the K-th best)."""
 
     alpha: float = 1.0
     alpha_warmup_steps: int = 0
@@ -364,12 +361,10 @@ def _train_candidates(ids_mk: Tensor, hit_mk: Tensor, gold_m: Tensor, missing_go
 @torch.no_grad()
 def walk_correct(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOutput,
                  labels_bnp: Tensor, anchor_ids_bn: Tensor) -> Tensor:
-    """[Bt, N, B]: the serving walk's pick at slot t equals its label (valid slots only).
-
-    The walk uses its own previous picks from the anchor on (never the gold). Invalid slots get
-    placeholder candidates: their picks are never counted, and a block's acceptance stops at its
-    first invalid slot, so later slots' placeholders cannot change any counted result.
-    """
+    """[Bt, N, B]: the serving walk's pick at slot t (on its own previous picks from the anchor
+    on, never the gold) equals its label, valid slots only. Invalid slots get placeholder
+    candidates: never counted, and a block's acceptance stops at its first invalid slot, so they
+    cannot change any counted result."""
     valid = out.valid
     # detached: a view made under no_grad of a tensor that requires grad still says it does
     # (with no grad_fn), which hooks on module inputs (FlopCounterMode's tracker) reject
