@@ -231,8 +231,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     export reads), FileExistsError (no ``force``, or not a previous export; with ``owner`` only
     one of a source inside that run), ExportRefused or SelfCheckFailed. Settings: export/
     options.py; ``target``: the target's config.json (its class, sizes), ``verify``: the source's
-    ``SHA256SUMS`` check (docs/export.md, "What is written", "Writing the Muse Glimmer layout").
-    """
+    ``SHA256SUMS`` check (docs/export.md, "What is written", "Writing the Muse Glimmer
+    layout")."""
     out_dir, engines = Path(out_dir), parse_engines(engine)
     if dtype not in DTYPES:
         raise ValueError(f"dtype '{dtype}' is not one of {list(DTYPES)}")

@@ -33,11 +33,9 @@ def spec_label(spec: LayerSpec) -> str:
 
 
 def layer_matches(spec: LayerSpec, reading: LayerReading, block_size: int) -> bool:
-    """True when the engine's attention for this layer equals the trained one.
-
-    Training uses a symmetric in-block window for bidirectional sliding layers; a left-only
-    window only agrees with it when W >= B (the whole block is then visible either way).
-    """
+    """True when the engine's attention for this layer equals the trained one (a symmetric
+    in-block window for bidirectional sliding layers; a left-only window agrees only when W >= B,
+    the whole block then visible either way)."""
     return same_attention(LayerReading(spec.window, spec.causal, SYMMETRIC), reading, block_size)
 
 

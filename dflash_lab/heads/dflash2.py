@@ -396,8 +396,7 @@ def selector_loss(selector: CandidateSelector, hidden_bnph: Tensor, out: LossOut
     ``teacher`` (the valid slots' :class:`~dflash_lab.train.distill.Teacher`): a soft CE on the
     target's probabilities of the K candidates instead (docs/losses.md, "DFlash 2").
     ``temperatures``: where to measure the selector path's ``expected_taus`` (teacher-forced
-    along the text) against ``eval_teacher`` (the same slots' target distribution).
-    """
+    along the text) against ``eval_teacher`` (the same slots' target distribution)."""
     valid = targets.valid
     hidden_mh, gold_m = hidden_bnph[valid], targets.labels[valid]
     prev_m = previous_tokens(targets.labels, anchor_ids_bn)[valid]
