@@ -1,9 +1,8 @@
 """The Format interface, its default serving-directory reader and the registry
-(docs/architecture.md, "Add a format", "Loading a drafter for eval"). Everything that depends on
-a file's format is a method of :class:`Format` and callers ask the registry (filled in match
-order by export/formats/__init__.py), never branching on a format or a variant; what a writable
-format cannot carry is found by :func:`lost_fields` (write, detect, read back, name every
-changed field).
+(docs/architecture.md, "Add a format", "Loading a drafter for eval"): what depends on a file's
+format is a :class:`Format` method callers reach through the registry (filled in match order by
+formats/__init__.py), never a branch on a format or variant; :func:`lost_fields` finds what a
+writable format cannot carry (write, detect, read back, name every changed field).
 """
 
 from __future__ import annotations
