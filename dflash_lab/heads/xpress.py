@@ -104,15 +104,13 @@ def jacobi_walk(refiner: Refiner, hidden_bh: Tensor, base_kv: Tensor, anchor_id:
 def am1_prev_ids(batch: dict[str, Tensor], prev_bnp: Tensor, anchors_bn: Tensor) -> Tensor:
     """``prev_bnp`` with slot 0 set to the token before the anchor (the anchor itself at a
     sequence or document start), as speculators trains (``core.py:141-148``)."""
-    ids = batch["input_ids"]
+    ids, docs = batch["input_ids"], batch.get("document_ids")
     before = (anchors_bn - 1).clamp(min=0)
-    am1 = ids.gather(1, before)
     start = anchors_bn == 0
-    docs = batch.get("document_ids")
     if docs is not None:
         start |= docs.gather(1, before) != docs.gather(1, anchors_bn)
     prev = prev_bnp.clone()
-    prev[..., 0] = torch.where(start, ids.gather(1, anchors_bn), am1)
+    prev[..., 0] = torch.where(start, ids.gather(1, anchors_bn), ids.gather(1, before))
     return prev
 
 
