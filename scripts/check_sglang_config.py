@@ -78,6 +78,7 @@ RECIPES: dict[str, tuple[str, str]] = {
 #: :func:`refused_rows` without the SGLang venv): recipe -> golden layout
 SGLANG_REFUSED: dict[str, str] = {
     "tiny_cpu_dspark": "tiny_cpu_dspark",  # vLLM's speculators DSpark layout (export/dspark.py)
+    "tiny_cpu_xpress": "tiny_cpu_xpress",  # Qwen3XPressModel: vLLM 0.34 only (docs/xpress.md)
 }
 #: layouts checked besides the recipes: z-lab's DFlash 2 layout with all three scales, and the
 #: Muse Glimmer drafters at the released sizes (z-lab/Muse-Glimmer-30B-DFlash2's config: every
@@ -114,7 +115,9 @@ def refused_rows() -> dict[str, list[str]]:
     out = {}
     for name, layout in SGLANG_REFUSED.items():
         path = GOLDEN / f"{layout}.json"
-        config, _ = speculators_config(json.loads(path.read_text()), path)
+        raw = json.loads(path.read_text())  # ours (XPress) or the speculators DSpark layout
+        config = (DrafterConfig.from_dict(raw, source=str(path)) if "dflash_config" in raw
+                  else speculators_config(raw, path)[0])
         _, findings = plan_export(config, ("sglang",))
         out[name] = [f.message for f in refusals(findings)]
     return out

@@ -158,10 +158,12 @@ class DFlashProposer:
         if not 1 <= num_drafts <= self.num_draft_tokens:
             raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
         num_slots = max(num_drafts + first, self.min_slots)
-        hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
+        hidden_bh = self._hidden(anchor_id, num_slots)
+        hidden_kh = hidden_bh[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
-        walked = self.drafter.config.head.draft(self.drafter, hidden_kh, unary_kv, anchor_id,
-                                                temperature, mode, generator, self.embed_tokens)
+        head = self.drafter.config.head
+        walked = head.draft(self.drafter, hidden_bh if head.block_rows else hidden_kh, unary_kv,
+                            anchor_id, temperature, mode, generator, self.embed_tokens)
         if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv, temperature, mode, generator))
         return Draft(*walked, unary_kv.argmax(-1))

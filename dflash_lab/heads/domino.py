@@ -41,6 +41,26 @@ def lambda_base(step: int, total_steps: int | None, lambda_start: float = 1.0,
     return max(0.0, min(1.0, lambda_start * (1.0 - progress)))
 
 
+def refuse_unserved(config: Any, positive: tuple[str, ...], engine: str) -> None:
+    """Refuse ``positive`` fields that are no integer >= 1, and what ``engine``'s walk of the
+    head does not compute: sample_from_anchor, a draft vocabulary, logit scales."""
+    title = config.head.title
+    for key in positive:
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            config._fail(key, value, "must be an integer >= 1")
+    if config.sample_from_anchor:
+        config._fail("sample_from_anchor", True, f"must be false for {title} (the fill-in "
+                     "layout: slot 0 is the anchor)")
+    if config.draft_vocab_size is not None:
+        config._fail("draft_vocab_size", config.draft_vocab_size, f"must be null for {title} "
+                     f"({engine} needs the target's vocabulary)")
+    for key, off in SCALE_DEFAULTS.items():
+        if getattr(config, key) != off:
+            config._fail(key, getattr(config, key), f"is not applied by {engine}'s {title} "
+                         f"walk; leave it at {off}")
+
+
 def correction_inputs(drafter, embed: nn.Module, hidden_bnph: Tensor, prev_bnp: Tensor) -> Tensor:
     """Teacher-forced c [Bt, N, B, E]: silu(embed_proj.0([z_t, g_t])) for slots t >= 2, 0 for
     slots 0 and 1. ``prev_bnp``: the token before each slot (slot 1: the anchor), so the GRU
@@ -116,20 +136,7 @@ class Domino(DFlash1):
         if isinstance(prefix, bool) or prefix != 1:
             config._fail("pure_draft_prefix_len", prefix, "must be exactly 1 (SGLang: an "
                          "integer >= 0, and 1; slot 1 keeps the base logits)")
-        for key in ("gru_hidden_dim", "emb_dim"):
-            value = getattr(config, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                config._fail(key, value, "must be an integer >= 1")
-        if config.sample_from_anchor:
-            config._fail("sample_from_anchor", True, "must be false for Domino (shift_label "
-                         "false: slot 0 is the anchor)")
-        if config.draft_vocab_size is not None:
-            config._fail("draft_vocab_size", config.draft_vocab_size, "must be null for Domino "
-                         "(SGLang needs the target's vocabulary)")
-        for key, off in SCALE_DEFAULTS.items():
-            if getattr(config, key) != off:
-                config._fail(key, getattr(config, key), f"is not applied by SGLang's Domino "
-                             f"rollout; leave it at {off}")
+        refuse_unserved(config, ("gru_hidden_dim", "emb_dim"), "SGLang")
 
     def attach(self, drafter: Any) -> None:
         c = drafter.config

@@ -279,10 +279,12 @@ class DFlashDrafter(nn.Module):
         the head's greedy walk of each row from its anchor (``Head.draft`` at T = 0: DFlash 2's
         selector, DSpark's Markov walk, Domino's GRU walk, which reads ``embed_tokens``), else
         the unary argmax."""
-        hidden_bph = hidden_bph[:, self.config.first_draft_slot:]
-        unary = self.unary_logits(hidden_bph, lm_head)
-        walked = [self.config.head.draft(self, hidden_bph[i], unary[i], int(anchor_ids_b[i]),
-                                         0.0, "exact_match", None, embed_tokens)
+        head = self.config.head
+        slots = hidden_bph[:, self.config.first_draft_slot:]
+        unary = self.unary_logits(slots, lm_head)
+        rows = hidden_bph if head.block_rows else slots  # XPress: the block's B rows
+        walked = [head.draft(self, rows[i], unary[i], int(anchor_ids_b[i]), 0.0,
+                             "exact_match", None, embed_tokens)
                   for i in range(unary.shape[0])]
         if any(w is None for w in walked):
             return unary.argmax(dim=-1)

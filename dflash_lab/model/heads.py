@@ -27,7 +27,8 @@ from typing import Any
 DEFAULT = "dflash1"
 #: Built-in heads: variant name -> the module that defines (and registers) it.
 BUILTIN = {"dflash1": "dflash_lab.heads.dflash1", "dflash2": "dflash_lab.heads.dflash2",
-           "dspark": "dflash_lab.heads.dspark", "domino": "dflash_lab.heads.domino"}
+           "dspark": "dflash_lab.heads.dspark", "domino": "dflash_lab.heads.domino",
+           "xpress": "dflash_lab.heads.xpress"}
 #: Built-in features: applied to every drafter, in this order.
 FEATURES = ("dflash_lab.heads.laguna", "dflash_lab.heads.draft_vocab")
 #: Environment variable naming modules outside the package that register heads.
@@ -66,6 +67,12 @@ class Head:
     engines: tuple[str, ...] = ("vllm", "sglang")
     #: its ``module.head`` training settings and their defaults (Domino: lambda_start, ...)
     module_settings: Mapping[str, Any] = {}
+    #: its :meth:`serving_keys` go at the config.json top level, not in ``dflash_config``
+    #: (vLLM reads XPress's ``xpress_*`` there)
+    top_level_keys: bool = False
+    #: its :meth:`draft` reads the hidden rows of the whole block [B, H] (anchor row 0
+    #: included; XPress's refiner), not the drafted slots' [k, H]
+    block_rows: bool = False
 
     # ---------------------------------------------------------------- config
     def validate(self, config: Any) -> None:

@@ -65,7 +65,9 @@ def serving_dict(config: Any) -> dict[str, Any]:
         # always explicit: engines default it differently (vLLM false, llama.cpp true)
         "sample_from_anchor": config.sample_from_anchor,
     }
-    dflash.update(config.head.serving_keys(config))
+    own = config.head.serving_keys(config)
+    if not config.head.top_level_keys:
+        dflash.update(own)
     dflash.update({k: getattr(config, k) for k, off in SCALE_DEFAULTS.items()
                    if getattr(config, k) != off})
     out: dict[str, Any] = {
@@ -102,6 +104,8 @@ def serving_dict(config: Any) -> dict[str, Any]:
     if uniform is not None:
         out["is_causal"] = uniform
         dflash["causal"] = uniform
+    if config.head.top_level_keys:
+        out.update(own)
     out["dflash_config"] = dflash
     out[TRAINING_SPEC_KEY] = {
         "format_version": 1,
@@ -254,7 +258,8 @@ def parse_ours(cls: type, d: dict[str, Any], *, source: str) -> Any:
             "(z-lab, vLLM-style) config.json is read by dflash_lab.export.import_drafter "
             "(dflash-export SRC OUT, dflash-export --inspect DIR), which resolves its layout "
             "with a named engine rule set")
-    reject_unknown_keys(set(d), OUR_TOP_KEYS | HF_BOOKKEEPING_KEYS, "", source)
+    top = {k for h in heads.heads() if h.top_level_keys for k in h.fields}
+    reject_unknown_keys(set(d), OUR_TOP_KEYS | HF_BOOKKEEPING_KEYS | top, "", source)
     reject_unknown_keys(set(dfc), CORE_DFLASH_KEYS | set(variant_keys()), "dflash_config.",
                         source)
     spec = d[TRAINING_SPEC_KEY]
@@ -265,7 +270,8 @@ def parse_ours(cls: type, d: dict[str, Any], *, source: str) -> Any:
         raise ValueError(f"{source}: missing dflash_config.target_layer_ids; re-export the drafter")
     kwargs = shape_fields(d, source)
     kwargs["variant"] = variant_of(d, dfc, source)
-    kwargs.update({k: dfc[k] for k in variant_keys() if dfc.get(k) is not None})
+    kwargs.update({k: dfc.get(k, d.get(k)) for k in variant_keys()
+                   if dfc.get(k, d.get(k)) is not None})
     require_head_keys(kwargs, source)
     kwargs.update(
         block_size=_our_block_size(d, dfc, source), mask_token_id=dfc["mask_token_id"],

@@ -40,6 +40,11 @@ DRAFT_VOCAB_KEYS = ("lm_head.weight", "t2d", "d2t")
 _QWEN3_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
                 "max_position_embeddings", "attention_bias")
+#: speculators 0.9.0's XPress refiner (``refiner_head.*``) -> vLLM's names (``xpress_head.*``;
+#: docs/design/new_heads.md XPress (b)); the mixer stays raw (vLLM folds it after loading)
+XPRESS_NAMES = {"token_embed.weight": "w1.weight", "readout.weight": "w2.weight",
+                "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
+                "mlp_down.weight": "mlp.down_proj.weight", "mix_l": "mix.L"}
 
 
 # ---------------------------------------------------------------------------- speculators
@@ -107,9 +112,9 @@ def _refuse_speculators_features(d: dict[str, Any], file: Path) -> None:
 def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]]:
     """Our DrafterConfig of a speculators config.json dict, and notes on what was assumed."""
     kind = d.get("speculators_model_type")
-    if kind not in ("dflash", "dflash2", "dspark"):
+    if kind not in ("dflash", "dflash2", "dspark", "xpress"):
         raise ValueError(f"{file}: speculators_model_type={kind!r} is not a DFlash drafter "
-                         "(dflash, dflash2 or dspark)")
+                         "(dflash, dflash2, dspark or xpress)")
     tl = dict(d.get("transformer_layer_config") or {})
     _refuse_speculators_features(d, file)
     aux = d.get("aux_hidden_state_layer_ids")
@@ -122,7 +127,8 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
     fields.update(_rope(tl), **_speculators_layout(d, tl, kind))
     fields.update(mask_token_id=int(d["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=ids, num_target_layers=max(ids) + 1,
-                  variant={"dflash2": DFLASH2, "dspark": DSPARK}.get(kind, DFLASH1),
+                  variant={"dflash2": DFLASH2, "dspark": DSPARK, "xpress": "xpress"}.get(
+                      kind, DFLASH1),
                   # speculators 0.9.0 models/dflash/config.py: absent = false (every slot of
                   # the block predicts when true: slot k -> the token at anchor + k + 1);
                   # models/dspark/config.py: absent = true
@@ -131,6 +137,13 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
         fields.update({k: d.get(k, v) for k, v in DSPARK_DEFAULTS.items()})
     if kind == "dflash2":
         fields.update({k: int(d[k]) for k in DFLASH2_KEYS})
+    if kind == "xpress":  # XPressSpeculatorConfig (models/xpress/config.py); no top-C stored
+        rank = int(d.get("xpress_rank", 256))
+        fields.update(xpress_rank=rank,
+                      xpress_mlp_hidden=rank * int(d.get("xpress_mlp_ratio", 2)),
+                      xpress_num_passes=int(d.get("num_jacobi_passes", 6)),
+                      xpress_topc=min(512, int(tl["vocab_size"])))
+        d = {**d, "draft_vocab_size": None} if d.get("draft_vocab_size") == tl["vocab_size"] else d
     if d.get("draft_vocab_size") is not None:  # a reduced one: lm_head [N, H], d2t and t2d
         fields["draft_vocab_size"] = int(d["draft_vocab_size"])
     # vLLM's update_dflash copies it beside hidden_size and sizes fc from it (qwen3_dflash.py);
@@ -152,11 +165,14 @@ def drafter_tensors(state: dict[str, torch.Tensor], config: DrafterConfig
     """The drafter's tensors of a speculators ``model.safetensors``: the verifier-owned ones
     left out, except the head and id maps of a reduced draft vocabulary (the drafter's)."""
     own = DRAFT_VOCAB_KEYS if own_head(config) else ()
-    return {k: v for k, v in state.items() if k not in SPECULATORS_KEYS or k in own}
+    prefix = "refiner_head."
+    return {(f"xpress_head.{XPRESS_NAMES.get(k[len(prefix):], k[len(prefix):])}"
+             if k.startswith(prefix) else k): v
+            for k, v in state.items() if k not in SPECULATORS_KEYS or k in own}
 
 
 class Speculators(Format):
-    """A speculators DFlash / DFlash 2 directory (DSpark: export/formats/dspark.py)."""
+    """A speculators DFlash / DFlash 2 / XPress directory (DSpark: export/formats/dspark.py)."""
 
     name = "speculators"
     kind = "speculators directory"

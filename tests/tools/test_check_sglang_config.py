@@ -131,7 +131,9 @@ def test_the_refused_rows_are_refused_by_the_exporter_naming_sglang():
     refused = csc.refused_rows()
     assert set(refused) == set(csc.SGLANG_REFUSED)
     for name, why in refused.items():
-        assert why and "SGLang 0.5.23" in why[0] and "speculators" in why[0], (name, why)
+        # DSpark: its speculators layout; XPress: a head SGLang does not serve
+        assert why and ("SGLang 0.5.23" in why[0] and "speculators" in why[0]
+                        or why[0].startswith("sglang does not serve a")), (name, why)
 
 
 #: written by `make sglang-venv` once the venv is complete
