@@ -19,13 +19,12 @@ from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.model import heads
-from dflash_lab.model.rope import ROPE_TYPES, normalize_scaling
+from dflash_lab.model.rope import normalize_scaling
 from dflash_lab.model.serving_form import (  # noqa: F401  (the serving form's names, re-exported)
     CORE_DFLASH_KEYS,
     HF_BOOKKEEPING_KEYS,
     OUR_TOP_KEYS,
     SCALE_DEFAULTS,
-    SHAPE_KEYS,
     TARGET_IDENTITY_KEY,
     TRAINING_SPEC_KEY,
     _suggest,
@@ -44,7 +43,6 @@ log = logging.getLogger(__name__)
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
-SUPPORTED_ROPE_TYPES = ROPE_TYPES  #: model/rope.py defines them and what each computes
 
 DFLASH1 = heads.DEFAULT
 DFLASH2 = "dflash2"
@@ -64,10 +62,6 @@ def __getattr__(name: str) -> Any:
         return {head.name: head.architecture for head in heads.heads()}
     if name == "VARIANTS":
         return tuple(heads.names())
-    if name == "VARIANT_KEYS":
-        return variant_keys()
-    if name == "OUR_DFLASH_KEYS":
-        return CORE_DFLASH_KEYS | set(variant_keys())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

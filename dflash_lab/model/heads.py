@@ -191,11 +191,6 @@ def get(name: str) -> Head:
     return _HEADS[name]
 
 
-def get_feature(name: str) -> Head:
-    """The feature registered as ``name``."""
-    return {part.name: part for part in features()}[name]
-
-
 def names() -> list[str]:
     """Every head name: built in, registered and named by ``DFLASH_LAB_HEADS``."""
     _load_builtins()
