@@ -36,8 +36,7 @@ def check_recipe(overrides: list[str]) -> None:
 
 
 def check_renamed_keys(overrides: list[str]) -> None:
-    """Refuse a former key on the command line (Hydra's own message would not name the new
-    one)."""
+    """Refuse a former key on the command line (Hydra's own message would not name the new one)."""
     for arg in overrides:
         key = arg.lstrip("+~").split("=", 1)[0]
         if key in RENAMED_KEYS:

@@ -363,8 +363,7 @@ def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
 
 
 def run(req: Request) -> int:
-    """Run (or skip) each selected stage in order; 0, or the exit code of the stage that
-    failed."""
+    """Run (or skip) each selected stage in order; 0, or the exit code of the stage that failed."""
     stages = check_selection(req, plan(req))
     selected = req.stages if req.stages is not None else [s.name for s in stages]
     todo = [s for s in stages if s.name in selected]

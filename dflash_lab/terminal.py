@@ -59,9 +59,8 @@ def one_handler(names: tuple[str, ...] = ("lightning", "lightning.pytorch", "lig
                 ) -> None:
     """Each log line once. Lightning's package loggers get their own console handler at import
     (``lightning`` always) and still pass records up to the root logger's handler (Hydra's):
-    imported after Hydra set logging up, every Lightning INFO line printed twice ("INFO:
-    Restoring states ..." and "Restoring states ..."). Keep the root's; call after importing
-    Lightning."""
+    imported after Hydra set logging up, every Lightning INFO line printed twice ("INFO: Restoring
+    states ..." and "Restoring states ..."). Keep the root's; call after importing Lightning."""
     if not logging.getLogger().handlers:
         return
     for name in names:

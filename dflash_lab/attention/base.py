@@ -75,10 +75,9 @@ def _log_once(key: Any, level: int, msg: str, *args: Any) -> None:
 
 def get_backend(name: str, device: torch.device | str = "cpu", *, packed: bool = True,
                 static_shapes: bool = False) -> AttentionBackend:
-    """The backend for one layout kind (:func:`resolve_backend_name`); ``auto``'s choice is
-    logged once per device and layout kind. ``static_shapes``: the caller is compiled and needs
-    the same shapes every step (sdpa then makes one dense call instead of anchor-dependent key
-    tiles)."""
+    """The backend for one layout kind (:func:`resolve_backend_name`); ``auto``'s choice is logged
+    once per device and layout kind. ``static_shapes``: the caller is compiled and needs the same
+    shapes every step (sdpa then makes one dense call instead of anchor-dependent key tiles)."""
     chosen = resolve_backend_name(name, device, packed=packed)
     if name == "auto":
         kind = "packed blocks" if packed else "inference"

@@ -1,7 +1,6 @@
 """Load what the eval needs: the target's config, the drafter from any path a registered format
-reads (export/formats/, the sources ``drafter.init_from`` reads: docs/warm_start.md) turned into
-a :class:`DFlashDrafter`, and the check that they belong together (the trace:
-docs/architecture.md).
+reads (export/formats/, the sources ``drafter.init_from`` reads: docs/warm_start.md) turned into a
+:class:`DFlashDrafter`, and the check that they belong together (the trace: docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""RoPE: THE definition of the drafter's rotary embedding (types, parameters, tables): a
-drafter's RoPE is ``rope_theta`` plus ``rope_scaling`` (None = plain RoPE), which
-:func:`normalize_scaling` validates and :func:`rope_tables` turns into the inverse frequencies and
-cos/sin scale, per type what vLLM 0.32 computes for that config.json, transformers 5 being the
-numerical reference; ``longrope``, nested per-layer-type and unread keys are refused
-(docs/export.md, "RoPE").
+"""RoPE: THE definition of the drafter's rotary embedding (types, parameters, tables): a drafter's
+RoPE is ``rope_theta`` plus ``rope_scaling`` (None = plain RoPE), which :func:`normalize_scaling`
+validates and :func:`rope_tables` turns into the inverse frequencies and cos/sin scale, per type
+what vLLM 0.32 computes for that config.json, transformers 5 being the numerical reference;
+``longrope``, nested per-layer-type and unread keys are refused (docs/export.md, "RoPE").
 """
 
 from __future__ import annotations

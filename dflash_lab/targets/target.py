@@ -154,11 +154,10 @@ def _file_fingerprint(h, path: Path) -> None:
 
 
 def weights_fingerprint(files: list[Path]) -> str:
-    """sha256 over each weight file's name, size, header (names, dtypes, shapes) and sampled
-    data: 64 bytes at the start, middle and end of every safetensors tensor (16 evenly spaced
-    samples of other files). Reads kilobytes per tensor, not the weights, yet two checkpoints
-    with the same config but other weights differ (a fine-tune changes every tensor it
-    trains, so its samples)."""
+    """sha256 over each weight file's name, size, header (names, dtypes, shapes) and sampled data:
+    64 bytes at the start, middle and end of every safetensors tensor (16 evenly spaced samples of
+    other files). Reads kilobytes per tensor, not the weights, yet two checkpoints with the same
+    config but other weights differ (a fine-tune changes every tensor it trains, so its samples)."""
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         _file_fingerprint(h, path)

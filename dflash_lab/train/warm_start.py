@@ -126,11 +126,10 @@ def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> li
 
 
 def other_target_weights(source, target, where: str) -> None:
-    """Warn when the source's checkpoint recorded a target weights fingerprint other than the
-    loaded target's: same shapes, other values (a fine-tune of the target). Legitimate for a
-    warm start (adapting a drafter to a fine-tuned target), so not refused; step 0 then
-    validates below the source's own tau. Our checkpoints and exports record it; the peers'
-    formats record none."""
+    """Warn when the source's checkpoint recorded a target weights fingerprint other than the loaded
+    target's: same shapes, other values (a fine-tune of the target). Legitimate for a warm start
+    (adapting a drafter to a fine-tuned target), so not refused; step 0 then validates below the
+    source's own tau. Our checkpoints and exports record it; the peers' formats record none."""
     recorded = (source.target_identity or {}).get("weights_fingerprint")
     if not recorded:
         return
