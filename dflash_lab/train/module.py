@@ -8,19 +8,11 @@ One training step (:meth:`DFlashModule.step`), top-down, each a named call:
   3. drafter          ``draft``: the drafter forward over the packed anchored blocks;
   4. loss             ``loss``: labels at anchored slots, chunked position-weighted CE through
      the frozen LM head, then the head's pieces (DFlash 2's selector term, heads/dflash2.py);
-then ``objective`` sums the named terms of those pieces (train/objective.py: the label term,
-the accept objective, DSpark's confidence BCE, DFlash 2's ``alpha(step)`` x selector CE over the
-unary top-K), each normalised by its GLOBAL count across devices, and one loop logs them (loss,
-per-slot accuracy, exact acceptance tau). A head that drafts with its own walk (``walk_metrics``)
-logs that walk's tau as ``val/tau`` (what serving gets; DFlash 2: its selector's, beside
-``val/unary_tau`` and ``val/oracle_tau``).
-
-Batch contract (from the data module), Bt rows padded to S:
-  input_ids [Bt, S], loss_mask [Bt, S] (0 on padding); from a capture, or added by step 1:
-  hidden [Bt, S, F] target features, target_argmax [Bt, S] (the target's greedy next token);
-  packed rows (``data.pack``) add document_ids [Bt, S] (document of each token, -1 on padding):
-  anchors are drawn per document, RoPE positions and context restart per document, and no slot
-  is supervised across a document end, so each document trains exactly as it does unpacked.
+then ``objective`` sums the named terms of those pieces (train/objective.py), each normalised by
+its GLOBAL count across devices, and one loop logs them (loss, per-slot accuracy, exact
+acceptance tau; a head with its own walk, ``walk_metrics``, logs that walk's tau as ``val/tau``).
+The batch contract (``input_ids``, ``loss_mask``, ``hidden``, ``target_argmax``, packed rows'
+``document_ids``): docs/data.md; packed rows train each document exactly as unpacked.
 """
 
 from __future__ import annotations
@@ -71,17 +63,13 @@ TARGET_PREFIX = "target_head."
 class DFlashModule(L.LightningModule):
     """Owns loss, metrics and optimisation of one drafter.
 
-    drafter: the DFlashDrafter to train. target_head: frozen module with ``embed_tokens`` and
-    ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
-    (``params -> Optimizer``, ``optimizer -> LRScheduler``; the scheduler steps every step).
-    ce_chunk_size / ce_chunk_bytes: rows per chunk of the vocab projection if set, else as many
-    rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``). selector: the
-    ``module.selector`` settings, read and validated by the head (``check_training``: DFlash 2's
-    ``SelectorSettings``; a DFlash 1 drafter accepts only the defaults). head: the head's own
-    ``module.head`` settings (``Head.module_settings``; Domino's lambda schedule).
-    feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden``
-    (the data module's ``feature_source()``: the frozen target for online data, None for
-    captures).
+    target_head: frozen ``embed_tokens`` and ``lm_head`` (never trained, never saved).
+    optimizer / scheduler: Hydra partials (``params -> Optimizer``, ``optimizer ->
+    LRScheduler``, stepped every step). ce_chunk_size / ce_chunk_bytes: ``loss.ce_chunk_rows``.
+    selector / head: ``module.selector`` (validated by the head's ``check_training``: DFlash 2's
+    ``SelectorSettings``; DFlash 1 accepts only the defaults) and ``module.head``
+    (``Head.module_settings``: Domino's lambda schedule). feature_source: ``input_ids [Bt, S] ->
+    TargetFeatures`` for batches without ``hidden`` (the online target; None for captures).
     """
 
     def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
