@@ -1,14 +1,10 @@
-"""What the speculative loop asks of a drafter, and the DFlash implementation of it.
-
-The loop talks to a :class:`Proposer` only, so tests can plug in doubles (an oracle that knows
-the target's continuation) and benchmarks could plug in other drafters. Position bookkeeping:
-the proposer's context holds the features of committed positions 0..C-1; the anchor (the last
-committed token, the target's bonus) sits at position C and its features are not known yet.
-
-A proposer returns draft logits (:meth:`Proposer.propose`; the loop samples from them) or, when
-it has a ``draft`` method like :class:`DFlashProposer`, the drafts themselves (:class:`Draft`):
-a DFlash 2 drafter's selector walk picks each slot given the previous pick, so its drafts and q
-cannot come from one logits tensor.
+"""What the speculative loop asks of a drafter (:class:`Proposer`, so tests plug in doubles such
+as an oracle of the target's continuation), and the DFlash implementation of it. The context
+holds the features of committed positions 0..C-1; the anchor (the last committed token, the
+target's bonus) sits at C, its features not known yet. A proposer returns draft logits
+(:meth:`Proposer.propose`; the loop samples from them) or, with a ``draft`` method like
+:class:`DFlashProposer`, the drafts themselves (:class:`Draft`): a selector walk picks each slot
+given the previous pick, so its drafts and q cannot come from one logits tensor.
 
 Shape legend: n new positions, F = nL*H target features, B block size, k drafts, V vocab.
 """
@@ -76,14 +72,12 @@ def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature
 class DFlashProposer:
     """A :class:`DFlashDrafter` over the target's frozen embedding and LM head.
 
-    ``block_size`` may be smaller than the trained one: the drafter then runs blocks of that
-    size (anchor + block_size-1 MASK slots), as serving engines do with
-    ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near the token
-    budget) runs a block of just that many slots, as z-lab's ``dflash_generate`` does: with
-    bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
-    one. A head with a walk of its own drafts with it (``Head.draft``: DFlash 2's candidate
-    selector, DSpark's Markov walk). A ``sample_from_anchor`` drafter drafts
-    from every slot, slot 0 included: B drafts per round (``num_draft_tokens``).
+    ``block_size`` may be below the trained one: blocks of that size (anchor + block_size-1 MASK
+    slots), as engines run ``num_speculative_tokens = block_size - 1``. A round asking for fewer
+    drafts (near the budget) runs a block of just that many slots, as z-lab's
+    ``dflash_generate``: with bidirectional attention and the DFlash 2 conv a shorter block is
+    not a prefix of a longer one. A head with its own walk drafts with it (``Head.draft``); a
+    ``sample_from_anchor`` drafter drafts from slot 0 too: B drafts (``num_draft_tokens``).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module,

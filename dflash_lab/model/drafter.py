@@ -1,18 +1,15 @@
 """DFlashDrafter: fused target features -> draft layers -> norm, over the target's frozen embedding.
 
-Two call paths share every weight and the same attention code:
-
-- training (:meth:`DFlashDrafter.forward`): a packed sequence of ``S`` context positions and ``N``
-  anchored blocks; context K/V computed once per layer, all blocks attend in one call.
-- inference (:meth:`extend_context`, :meth:`crop_context`, :meth:`draft`): per-layer context K/V
-  cached (appendable, croppable) and one block per sequence anchored right after the context.
-
-The target's embedding and LM head are passed in and never become part of ``state_dict()``, whose
-keys are already the serving layout (dflash.md section 4). Output is the final-normed hidden state
-of every block slot; the unary logits are :meth:`DFlashDrafter.unary_logits` (``lm_head(hidden)``
-times ``output_multiplier``, softcapped; the loss chunks that projection). A head's modules
-(dflash_lab/heads/) are attached by the head (model/heads.py ``attach``, ``layer_modules``) and
-read by its own hooks only; :meth:`propose` drafts through the head's ``draft``.
+Two call paths share every weight and the attention code: training (:meth:`forward`: ``S``
+context positions and ``N`` anchored blocks packed in one sequence, context K/V once per layer,
+all blocks in one call) and inference (:meth:`extend_context`, :meth:`crop_context`,
+:meth:`draft`: per-layer context K/V cached, one block per sequence right after the context).
+The target's embedding and LM head are passed in, never in ``state_dict()``, whose keys are the
+serving layout (dflash.md section 4). Output: the final-normed hidden state of every slot; the
+unary logits are :meth:`unary_logits` (``lm_head(hidden) * output_multiplier``, softcapped; the
+loss chunks that projection). A head's modules are attached by the head (model/heads.py
+``attach``, ``layer_modules``) and read by its hooks only; :meth:`propose` drafts through its
+``draft``.
 
 Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
 concatenated target features, Hkv key/value heads, D head dim, V vocab, T = B-1 drafted
