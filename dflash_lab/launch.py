@@ -34,12 +34,6 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from err
 
 
-def _torchrun(env: Mapping[str, str]) -> Launch:
-    world, local_world = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
-    return Launch("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK"), local_world,
-                  max(world // local_world, 1))
-
-
 def _slurm(env: Mapping[str, str]) -> Launch:
     world, nodes = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NNODES")
     if "SLURM_NTASKS_PER_NODE" in env and env["SLURM_NTASKS_PER_NODE"].isdigit():
@@ -59,7 +53,9 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
     launcher)."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env:
-        return _torchrun(env)
+        world, local_world = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
+        return Launch("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK"), local_world,
+                      max(world // local_world, 1))
     if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in _SLURM_INTERACTIVE:
         return _slurm(env)
     return None

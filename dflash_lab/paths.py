@@ -19,14 +19,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 
-def _find_conf_dir() -> Path:
-    """``$DFLASH_LAB_CONF`` if set, else the repository's ``conf/`` beside the package."""
-    env = os.environ.get("DFLASH_LAB_CONF")
-    return Path(env).resolve() if env else REPO_ROOT / "conf"
-
-
-#: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...).
-CONF_DIR = _find_conf_dir()
+#: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...):
+#: ``$DFLASH_LAB_CONF`` if set, else the repository's ``conf/`` beside the package.
+CONF_DIR = (Path(os.environ["DFLASH_LAB_CONF"]).resolve() if os.environ.get("DFLASH_LAB_CONF")
+            else REPO_ROOT / "conf")
 
 
 #: Ready experiments selected with ``recipe=NAME`` (conf/recipe links here).

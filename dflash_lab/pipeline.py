@@ -315,7 +315,8 @@ class Live:
         now = time.monotonic()
         line = "      " + out.status(now - self.started, now)
         if self.tty:
-            self.stream.write("\r" + line[:_width() - 1] + "\033[K")
+            width = shutil.get_terminal_size((100, 20)).columns
+            self.stream.write("\r" + line[:width - 1] + "\033[K")
         elif self.shown is None or now - self.shown >= self.every_s:
             self.stream.write(line + "\n")
         else:
@@ -327,10 +328,6 @@ class Live:
         if self.tty:
             self.stream.write("\r\033[K")
             self.stream.flush()
-
-
-def _width() -> int:
-    return shutil.get_terminal_size((100, 20)).columns
 
 
 def upstream(stages: list[Stage], stage: Stage) -> Stage | None:

@@ -41,7 +41,9 @@ def read_row_file(path: Path, name: str):
     import datasets
 
     builder = LOCAL_BUILDERS[path.suffix]
-    if _is_blank(path):
+    with open(path, "rb") as f:  # first 4 KiB empty or whitespace: the file holds nothing
+        blank = not f.read(4096).strip()
+    if blank:
         raise ValueError(f"{name} is empty: no rows to read ({_SHAPES[path.suffix]})")
     try:
         with _quiet_builder_logs():
@@ -192,12 +194,6 @@ def _json_kind(value: Any) -> str:
     names = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean",
              int: "a JSON number", float: "a JSON number", type(None): "JSON null"}
     return names.get(type(value), "a JSON value")
-
-
-def _is_blank(path: Path) -> bool:
-    """Whether the file's first 4 KiB are empty or whitespace (the file holds nothing)."""
-    with open(path, "rb") as f:
-        return not f.read(4096).strip()
 
 
 def _holds_no_rows(path: Path) -> bool:

@@ -259,7 +259,9 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
     actual = {"target_layer_ids": manifest["target_layer_ids"],
               "hidden_size": manifest["hidden_size"],
               "vocab_size": manifest["target"]["vocab_size"],
-              "target_hidden_size": manifest_feature_width(manifest)}
+              # recorded only when not hidden_size (a multi-stream target's flattened streams)
+              "target_hidden_size": int(manifest.get("target_hidden_size",
+                                                     manifest["hidden_size"]))}
     for key in ("config_hash", "tokenizer_hash") if target is not None else ():
         expected[f"target.{key}"] = target[key]
         actual[f"target.{key}"] = manifest["target"][key]
@@ -272,12 +274,6 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
             )
     if target is not None:
         check_weights(manifest["target"], target, source, allow_other_weights)
-
-
-def manifest_feature_width(manifest: dict[str, Any]) -> int:
-    """Width of one layer's features in a capture: its ``target_hidden_size`` (recorded only
-    when it is not ``hidden_size``: the flattened streams of a multi-stream target)."""
-    return int(manifest.get("target_hidden_size", manifest["hidden_size"]))
 
 
 #: The override that accepts features of another checkpoint (same config and tokenizer).

