@@ -114,7 +114,9 @@ class StageOutput:
         self.snapshot = time.monotonic()
 
     def feed(self, data: bytes) -> None:
-        for ch in _split_keep(self.decoder.decode(data).replace("\r\n", "\n")):
+        text = self.decoder.decode(data).replace("\r\n", "\n")
+        # runs of plain characters and the single \r / \n between them
+        for ch in (piece for piece in re.split(r"([\r\n])", text) if piece):
             if ch == "\n":
                 self._end_line()
             elif ch == "\r":
@@ -180,8 +182,3 @@ class StageOutput:
         if p["done"] <= done0 or now <= t0:
             return None
         return (now - t0) * (p["total"] - p["done"]) / (p["done"] - done0)
-
-
-def _split_keep(text: str) -> list[str]:
-    """``text`` as runs of plain characters and the single ``\\r`` / ``\\n`` between them."""
-    return [piece for piece in re.split(r"([\r\n])", text) if piece]

@@ -121,11 +121,11 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 class BlockDataModule(L.LightningDataModule):
-    """Split, collate and loaders shared by the online and offline modules, and what
-    ``dflash-train`` asks the configured class instead of matching its name (:attr:`runs_target`,
-    :meth:`drafter_inputs`, :meth:`check_config`, :meth:`sequence_limit`). ``pack``: packed rows of
-    whole documents (docs/data.md, "Packed rows"); ``train_set``/``val_set`` stay the documents,
-    ``train_rows``/``val_rows`` are what the loaders serve (the same sets when unpacked)."""
+    """Split, collate and loaders of the online and offline modules, and what ``dflash-train`` asks
+    the configured class instead of matching its name (:attr:`runs_target`, :meth:`drafter_inputs`,
+    :meth:`check_config`, :meth:`sequence_limit`). ``pack``: packed rows of whole documents
+    (docs/data.md, "Packed rows"): ``train_set``/``val_set`` stay the documents, the loaders serve
+    ``train_rows``/``val_rows`` (the same sets when unpacked)."""
 
     #: The module computes features with the whole in-process target (online data), so the
     #: run cannot load only the target's head (``target.head_only=true``).
@@ -284,11 +284,10 @@ class _TokenizedConversations(Dataset):
 
 
 class OnlineDataModule(BlockDataModule):
-    """Conversations -> chat template + loss mask -> features of the in-process ``target`` (a
-    frozen :class:`dflash_lab.targets.target.Target`), computed in the training step
+    """Conversations -> chat template + loss mask -> features of the in-process frozen ``target``
+    (:class:`dflash_lab.targets.target.Target`), computed in the training step
     (:meth:`feature_source`: no_grad, the capture's function). ``conversations``: a file, hub id
-    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``.
-    """
+    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``."""
 
     runs_target: ClassVar[bool] = True
 

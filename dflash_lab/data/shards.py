@@ -169,10 +169,8 @@ def write_plan(out_dir: str | Path, plan: dict[str, Any]) -> None:
 
 
 def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
-    """Build ``manifest.json`` from the plan and all shard records (every rank's).
-
-    Returns the manifest, or None when some shard is not finished yet (other ranks running).
-    """
+    """Build ``manifest.json`` from the plan and all shard records (every rank's); None when some
+    shard is not finished yet (other ranks running)."""
     out_dir = Path(out_dir)
     plan = json.loads((out_dir / PLAN_FILE).read_text())
     records = [finished_shard(out_dir, i, verify) for i in range(plan["num_shards"])]
@@ -311,9 +309,8 @@ VERIFY_MODES = (True, "first_use", False)
 
 
 class ShardDataset(Dataset):
-    """Memory-mapped samples of a capture directory, validated at construction.
-
-    Item: ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D] (stored dtype),
+    """Memory-mapped samples of a capture directory, validated at construction. Item:
+    ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D] (stored dtype),
     ``target_argmax`` [S] int64, ``sample_id``. Keywords: :func:`check_manifest`'s; sizes and
     headers are always checked, each shard's sha256 per ``verify_checksums`` (VERIFY_MODES)."""
 

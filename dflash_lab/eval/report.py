@@ -367,15 +367,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     datasets = report.get("datasets") or {}
     if len(datasets) > 1:
         for name, row in datasets.items():
+            safe = "".join(c if c.isalnum() or c in "-." else "_" for c in name)  # file prefix
             files += _plot_pair(plt, row["acceptance_histogram"], row["per_position_acceptance"],
                                 f"{name}: tau macro = {_fmt(row['tau_macro'], 2)}", out_dir,
-                                prefix=f"{_safe(name)}_")
+                                prefix=f"{safe}_")
     return files
-
-
-def _safe(name: str) -> str:
-    """A dataset name as a file-name prefix."""
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
@@ -387,8 +383,6 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
     path = out_dir / REPORT_JSON
     atomic_write_text(path, dumps(report))
     return path
-
-
 
 
 def dumps(report: dict[str, Any]) -> str:

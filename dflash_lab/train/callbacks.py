@@ -38,11 +38,10 @@ def write_checkpoint_file(checkpoint: dict[str, Any], path: str | Path) -> None:
 
 
 class BesideCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer without its staging: ``_atomic_save`` writes through an
-    fsspec transaction, a file in the system temp folder copied over at the end (a small
-    ``$TMPDIR`` fails a large checkpoint, and the copy crosses filesystems), after a second copy
-    of the checkpoint in memory. :class:`DFlashCheckpoint` already writes a temporary file
-    beside its target, so this writes that file directly."""
+    """Lightning's checkpoint writer without its staging (``_atomic_save``: an fsspec transaction
+    through a file in the system temp folder, copied over at the end, after a second in-memory
+    copy: a small ``$TMPDIR`` fails a large checkpoint). :class:`DFlashCheckpoint` already
+    writes a temporary file beside its target, so this writes that file directly."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
@@ -236,10 +235,8 @@ class WandbRun(RunEndCallback):
 
 
 def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None = None) -> None:
-    """Log the resolved config and the run's final numbers, then close the logger.
-
-    Only plain numbers are logged (bools as 0/1); anything else in ``metrics`` is skipped.
-    """
+    """Log the resolved config and the run's final numbers (plain numbers only, bools as 0/1),
+    then close the logger."""
     if logger is None:
         return
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -255,7 +252,6 @@ def close_logger(logger) -> None:
     logger.save()
     logger.finalize("success")
     WandbRun.finish(logger)
-
 
 
 def check_same_start_step(trainer, device: torch.device) -> None:

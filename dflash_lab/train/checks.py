@@ -1,8 +1,6 @@
-"""Start-up checks of a training config: user mistakes found before any loading, each a
-one-line ValueError naming the value and the fix (the entry point prints it as ``error: ...``).
-
-These are the values that otherwise fail late (at the first validation, after an epoch) or not
-at all; values checked where they are used (drafter, data, module constructors) stay there.
+"""Start-up checks of a training config: the mistakes that otherwise fail late (at the first
+validation) or never, each one ValueError naming the value and the fix (printed as ``error:``),
+before any loading; values checked where they are used (constructors) stay there.
 """
 
 from __future__ import annotations
