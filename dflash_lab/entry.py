@@ -122,7 +122,5 @@ def check_group_keys(cfg: DictConfig) -> None:
 
 def make_logger(logger_cfg: DictConfig):
     """The configured Lightning logger, or None for ``logger=none`` (``_target_: null``).
-
-    Building it touches no file and no network: wandb starts on the first call that logs.
-    """
+    Building it touches no file and no network: wandb starts on the first call that logs."""
     return instantiate(logger_cfg) if logger_cfg.get("_target_") else None

@@ -1,9 +1,8 @@
 """Where the Hydra configs live, found the same way from a checkout or an installed package;
 and the one way outputs are written: under a temporary name beside the output, then renamed
 onto it (files: :func:`atomic_path`, :func:`atomic_write_text`; directories: :func:`atomic_dir`,
-or its two steps :func:`temp_dir_beside` and :func:`publish_dir`).
-
-Imports only the standard library: dflash_lab.export (no Lightning, no Hydra) may use it."""
+or its two steps :func:`temp_dir_beside` and :func:`publish_dir`). Imports only the standard
+library: dflash_lab.export (no Lightning, no Hydra) may use it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
 """The one signature every attention backend implements, and backend selection by name.
-
 Shape legend: Bt batch, Hq query heads, Hkv key/value heads (GQA: Hkv divides Hq), Q queries,
 K keys, D head dim. ``sink_h`` is one sink logit per query head (dflash.md section 1): it adds an
 extra softmax column with no value and is NOT multiplied by the softmax scale.

@@ -1,5 +1,4 @@
 """dflash-eval: offline speculative evaluation of a DFlash drafter (conf/eval.yaml, docs/eval.md).
-
 Thin entry point: config (groups target and logger, as dflash-train) -> run info ->
 run_generate / run_features -> report files -> the logger (none | csv | wandb).
 """

@@ -1,9 +1,8 @@
 """Speculative decoding with a DFlash drafter, and the plain target decoding it must reproduce.
-
 One round (dflash.md section 1): draft from the cached context and the anchor, verify with ONE
 target forward, commit the matching drafts plus the bonus token, crop the target cache, extend the
 drafter context. Round for round as z-lab's ``dflash_generate`` (tests/eval/test_dflash2.py); the
-budget, stop token and DFlash 2 unary acceptance lengths are in (docs/eval.md, "The loop").
+budget, stop token and DFlash 2 unary acceptance lengths: docs/eval.md, "The loop".
 
 Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at a time)."""
 
@@ -54,11 +53,11 @@ MAX_AUTO_THREADS = 4
 
 
 def set_threads(option: int | str) -> int:
-    """Set torch's CPU threads for the timed loops (``threads`` in conf/eval.yaml) and return
-    it: an int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`,
-    the CPUs left idle by the 1-minute load average), at least 1. Why idle CPUs: a thread whose
-    core is busy stalls the others at every op (2 threads on 2 busy cores: 15-20x slower per
-    forward than 1 thread; docs/eval.md, Timing)."""
+    """Set torch's CPU threads for the timed loops (``threads`` in conf/eval.yaml) and return it:
+    an int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`, the
+    CPUs left idle by the 1-minute load average), at least 1: a thread whose core is busy stalls
+    the others at every op (2 threads on 2 busy cores: 15-20x slower per forward than 1 thread;
+    docs/eval.md, Timing)."""
     if option == "auto":
         idle = int((os.cpu_count() or 1) - os.getloadavg()[0])
         n = max(1, min(TORCH_DEFAULT_THREADS, MAX_AUTO_THREADS, idle))

@@ -143,11 +143,9 @@ class DFlashProposer:
     def draft(self, anchor_id: int, num_drafts: int, temperature: float, mode: str,
               generator: torch.Generator | None) -> Draft:
         """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (``num_drafts`` with
-        sample_from_anchor, at least 2; see the class doc).
-
-        A DFlash 2 conv with more taps than a short tail block can run (``min_slots``) gets
-        the shortest block it runs on and keeps its first drafts (z-lab's loop fails there).
-        """
+        sample_from_anchor, at least 2; see the class doc). A DFlash 2 conv with more taps than
+        a short tail block can run (``min_slots``) gets the shortest block it runs on and keeps
+        its first drafts (z-lab's loop fails there)."""
         first = self.first_slot
         if not 1 <= num_drafts <= self.num_draft_tokens:
             raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
@@ -162,14 +160,11 @@ class DFlashProposer:
 
 
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
-    """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long.
-
-    Built on the meta device from a config of that block length and given ``drafter``'s
-    tensors, so a short block costs no memory and a head's block-aware modules (DFlash 2's
-    convs, whose taps are cut at the block start) are built for it. The config is copied
-    without re-validation because a tail block may be shorter than the conv kernel
-    (``conv_kernel_size <= block_size`` is a training rule).
-    """
+    """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long: built
+    on the meta device from a config of that block length and given ``drafter``'s tensors, so a
+    short block costs no memory and a head's block-aware modules (DFlash 2's convs, cut at the
+    block start) are built for it. The config is copied without re-validation: a tail block may
+    be shorter than the conv kernel (``conv_kernel_size <= block_size`` is a training rule)."""
     config = copy.copy(drafter.config)
     config.block_size = block_size
     with torch.device("meta"):

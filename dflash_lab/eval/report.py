@@ -1,10 +1,9 @@
-"""The eval report: metrics from per-round acceptance lengths, and the files in the output dir.
-
-Files: ``report.json`` (every field, see docs/eval.md), ``report.md`` (the per-dataset table with
-both taus, TTFT, TPOT and the decode speedup, text histograms, the command) and PNG plots
-``acceptance_histogram.png`` and ``per_position_acceptance.png`` (matplotlib, Agg backend; a run
-over several datasets adds ``<dataset>_acceptance_histogram.png`` etc.). The per-response metrics
-come from :mod:`dflash_lab.eval.records`.
+"""The eval report: metrics from per-round acceptance lengths (per response:
+:mod:`dflash_lab.eval.records`) and the files in the output dir: ``report.json`` (every field,
+docs/eval.md), ``report.md`` (the per-dataset table with both taus, TTFT, TPOT and the decode
+speedup, text histograms, the command) and the PNG plots ``acceptance_histogram.png`` and
+``per_position_acceptance.png`` (matplotlib, Agg; several datasets add
+``<dataset>_acceptance_histogram.png`` etc.).
 """
 
 from __future__ import annotations

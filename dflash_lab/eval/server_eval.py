@@ -1,10 +1,9 @@
 """``dflash-eval backend=server``: the configured dataset(s) through a serving engine, response
-by response as the local loop runs them, into the same records and report fields.
-
-The client, what each engine reports and the tokens-per-round convention are in
-:mod:`dflash_lab.serving.engine`; this module walks the data (one data option or a suite,
-MT-Bench's second turn after the engine's first answer), the untimed warm-up, and builds
-report.json (:func:`dflash_lab.eval.report.records_report` plus the engine's own curves).
+by response as the local loop runs them, into the same records and report fields. The client,
+what each engine reports and the tokens-per-round convention: :mod:`dflash_lab.serving.engine`;
+here the data walk (one data option or a suite, MT-Bench's second turn after the engine's first
+answer), the untimed warm-up and report.json (:func:`dflash_lab.eval.report.records_report` plus
+the engine's own curves).
 """
 
 from __future__ import annotations
@@ -128,9 +127,7 @@ def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     """``dflash-eval backend=server``: the configured dataset(s) through the engine -> report.
-
-    ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau).
-    """
+    ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau)."""
     settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]

@@ -77,13 +77,10 @@ def resolve_target_layer_ids(ids: Any, num_target_layers: int, key: str) -> list
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
-    """Evenly spread target layer ids (z-lab convention) from layer 1 to layer L-3.
-
-    ``round(1 + i * (L - 4) / (n - 1))`` for i in 0..n-1, and ``[L // 2]`` for n == 1, with
-    Python's ``round`` (half to even) as z-lab's ``build_target_layer_ids`` and SGLang compute
-    it: Qwen3-8B (L=36, n=5) gives [1, 9, 17, 25, 33]; SmolLM2 (L=30, n=5) [1, 8, 14, 20, 27]
-    (20.5 rounds to 20).
-    """
+    """Evenly spread target layer ids (z-lab convention) from layer 1 to layer L-3:
+    ``round(1 + i * (L - 4) / (n - 1))`` for i in 0..n-1, ``[L // 2]`` for n == 1, with Python's
+    ``round`` (half to even) as z-lab's ``build_target_layer_ids`` and SGLang compute it: Qwen3-8B
+    (L=36, n=5) gives [1, 9, 17, 25, 33]; SmolLM2 (L=30, n=5) [1, 8, 14, 20, 27] (20.5 -> 20)."""
     if num_draft_inputs < 1:
         raise ValueError(f"num_draft_inputs={num_draft_inputs}: need at least one target layer")
     if num_target_layers < 4 and num_draft_inputs > 1:
@@ -99,13 +96,10 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
 
 @dataclass(kw_only=True)
 class DrafterConfig:
-    """Shape and attention layout of a DFlash drafter (Qwen3-style decoder layers).
-
-    Shapes follow HF Qwen3 names. ``hidden_size`` must equal the target's hidden size because the
-    drafter shares the target's embedding and LM head. ``target_hidden_size`` is the width of
-    one target layer's features (``fc`` reads len(target_layer_ids) of them): H, except for
-    the flattened streams of a multi-stream target (n*H; targets/features.py).
-    """
+    """Shape and attention layout of a DFlash drafter (Qwen3-style decoder layers, HF Qwen3
+    names). ``hidden_size`` must equal the target's (the drafter shares its embedding and LM
+    head). ``target_hidden_size``: the width of one target layer's features (``fc`` reads
+    len(target_layer_ids) of them): H, except a multi-stream target's flattened streams (n*H)."""
 
     hidden_size: int  #: = target hidden size H
     num_hidden_layers: int  #: number of draft layers (paper: 5)
@@ -406,10 +400,8 @@ class DrafterConfig:
 
     @classmethod
     def create(cls, source: str = "<drafter config>", **kwargs: Any) -> DrafterConfig:
-        """Strict constructor for our own configs (Hydra ``_target_``): unknown keys are errors.
-
-        ``target_layer_ids`` may be an int n, meaning ``build_target_layer_ids(L, n)``.
-        """
+        """Strict constructor for our own configs (Hydra ``_target_``): unknown keys are errors;
+        ``target_layer_ids`` may be an int n, meaning ``build_target_layer_ids(L, n)``."""
         known = cls.field_names()
         for key in kwargs:
             if key not in known:

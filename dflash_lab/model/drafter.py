@@ -141,10 +141,8 @@ class DFlashDrafter(nn.Module):
 
     def compile_layers(self, **compile_kwargs: Any) -> None:
         """``torch.compile`` each draft layer in place (state_dict keys keep the serving names).
-
-        Compiled layers get the same attention shapes every step: the sdpa backend's key tiles,
-        whose sizes follow the sampled anchors, are turned off (they would recompile each step).
-        """
+        The sdpa backend's key tiles, whose sizes follow the sampled anchors, are turned off:
+        compiled layers need the same attention shapes every step (else they recompile)."""
         self.static_shapes = True
         for layer in self.layers:
             layer.compile(**compile_kwargs)
@@ -207,15 +205,12 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------ training path
     def forward(self, target_hidden_bsf: Tensor, input_ids_bs: Tensor, anchors_bn: Tensor,
                 embed_tokens: nn.Module, document_ids_bs: Tensor | None = None) -> Tensor:
-        """Packed training forward.
-
-        target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S], anchors_bn [Bt, N] (sorted anchor
-        positions; padded entries may repeat a valid anchor and must be excluded from the loss).
-        document_ids_bs [Bt, S]: packed rows (``data.pack``), the document of each token; each
-        document then gets RoPE positions from 0 and only its own context (attention/mask.py),
-        i.e. exactly what it gets alone in an unpacked row. None: one document per row.
-        Returns hidden [Bt, N, B, H]; slot t of block j predicts the token at anchors[j] + t.
-        """
+        """Packed training forward: target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S],
+        anchors_bn [Bt, N] (sorted; padded entries may repeat a valid anchor and must be excluded
+        from the loss). document_ids_bs [Bt, S]: packed rows' document of each token (each
+        document gets RoPE positions from 0 and only its own context, attention/mask.py, as
+        alone in an unpacked row); None: one document per row. Returns hidden [Bt, N, B, H]; slot
+        t of block j predicts the token at anchors[j] + t."""
         bt, s, _ = target_hidden_bsf.shape
         ctx = self.fuse(target_hidden_bsf)
         positions = torch.arange(s, device=ctx.device)

@@ -32,11 +32,8 @@ _OWNERS: dict[str, Head] = {}
 
 class Head:
     """A drafter head: every hook's default is "adds nothing" (a plain DFlash 1 drafter).
-
-    ``fields``: the config fields the head owns and their defaults (a field left unset takes
-    its default; a field of another head must stay unset). ``serving_keys``: those written to
-    ``dflash_config`` (default: all of ``fields``).
-    """
+    ``fields``: the config fields it owns and their defaults (unset takes the default; another
+    head's field must stay unset); ``serving_keys``: those in ``dflash_config`` (default: all)."""
 
     name: str = ""  #: the ``drafter.variant`` value (a feature: its own name)
     title: str = ""  #: how messages name it ("DFlash 2")

@@ -75,14 +75,12 @@ def _check_values(kind: str, out: dict[str, Any], fail) -> None:
 
 def normalize_scaling(scaling: dict[str, Any] | None, *, rope_theta: float,
                       max_position_embeddings: int, where: str) -> dict[str, Any] | None:
-    """The drafter's ``rope_scaling`` in one spelling, or ValueError naming the value and fix.
-
-    None and ``{"rope_type": "default"}`` give None (plain RoPE). Otherwise: ``rope_type`` (the
-    legacy ``type`` accepted), exactly the keys the type reads, ``original_max_position_embeddings``
-    written explicitly for yarn / llama3 (default ``max_position_embeddings``, as transformers
-    fills it), a ``rope_theta`` key only if it equals ``rope_theta``. ``where``: the config's
-    source, named in errors.
-    """
+    """The drafter's ``rope_scaling`` in one spelling, or ValueError naming the value and fix
+    (``where``: the config's source). None and ``{"rope_type": "default"}`` give None (plain
+    RoPE). Otherwise: ``rope_type`` (legacy ``type`` accepted), exactly the keys the type reads,
+    ``original_max_position_embeddings`` explicit for yarn / llama3 (default
+    ``max_position_embeddings``, as transformers fills it), a ``rope_theta`` key only if it
+    equals ``rope_theta``."""
     if scaling is None:
         return None
     scaling = dict(scaling)

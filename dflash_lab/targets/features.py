@@ -97,11 +97,9 @@ def check_layer_ids_for_streams(config, target_layer_ids: list[int]) -> None:
 
 
 def layer_features(state: torch.Tensor, width: int) -> torch.Tensor:
-    """One target layer's output as a drafter reads it: [Bt, S, T = width].
-
-    ``state``: HF ``hidden_states[i + 1]``, [Bt, S, H] or, multi-stream, [Bt, S, n, H]; width H
-    takes the streams' mean (vLLM's and SGLang's feed), width n*H the flattened streams.
-    """
+    """One target layer's output as a drafter reads it: [Bt, S, T = width]. ``state``: HF
+    ``hidden_states[i + 1]``, [Bt, S, H] or, multi-stream, [Bt, S, n, H]; width H takes the
+    streams' mean (vLLM's and SGLang's feed), width n*H the flattened streams."""
     if state.dim() == 3:
         if state.shape[-1] != width:
             raise ValueError(f"target layer output is {state.shape[-1]} wide, the drafter reads "

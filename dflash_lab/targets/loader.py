@@ -1,9 +1,8 @@
-"""Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it.
-
-A target comes from a local directory, a hub id (through the HF cache; offline with
-``HF_HUB_OFFLINE=1``) or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs the
-``gguf`` package), with an optional replacement chat template. It is always frozen (eval mode,
-no grad). :func:`load_target` is the one loader every entry point uses.
+"""Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it. A target
+comes from a local directory, a hub id (through the HF cache; offline with ``HF_HUB_OFFLINE=1``)
+or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs ``gguf``), with an optional
+replacement chat template; always frozen (eval mode, no grad). :func:`load_target` is the one
+loader every entry point uses.
 """
 
 from __future__ import annotations

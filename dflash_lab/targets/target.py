@@ -1,9 +1,8 @@
 """A loaded target: its frozen pieces (embedding, final norm, LM head) and its fingerprint.
-
 :class:`Target` is what every entry point gets from :func:`dflash_lab.targets.loader.load_target`
-(a full model) or :mod:`dflash_lab.targets.head_only` (the embedding, final norm and LM head
-only); the fingerprints (config, tokenizer, chat template and weight hashes) identify it in
-captures, checkpoints and exports.
+(a full model) or :mod:`dflash_lab.targets.head_only` (embedding, final norm and LM head only);
+its fingerprints (config, tokenizer, chat template and weight hashes) identify it in captures,
+checkpoints and exports.
 """
 
 from __future__ import annotations

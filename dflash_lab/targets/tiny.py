@@ -1,10 +1,8 @@
-"""The built-in tiny target: a small Qwen3 with its own byte-level BPE tokenizer and chat template.
-
-Built deterministically from a seed with no downloads, briefly pre-trained on the demo corpus so its
-greedy outputs are structured (a random model that repeats one token would make every drafter look
-perfect), and materialised as an ordinary Hugging Face directory (config.json, model.safetensors,
-tokenizer files) that transformers and vLLM load as is. A marker file records the recipe; a rerun
-with the same recipe reuses the directory.
+"""The built-in tiny target: a small Qwen3 with its own byte-level BPE tokenizer and chat template,
+built from a seed (no downloads), briefly pre-trained on the demo corpus so its greedy outputs are
+structured (a model repeating one token would make every drafter look perfect), and saved as an
+ordinary HF directory (config.json, model.safetensors, tokenizer files) that transformers and
+vLLM load as is. A marker file records the recipe; a rerun with the same recipe reuses it.
 """
 
 from __future__ import annotations
