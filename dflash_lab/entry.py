@@ -114,9 +114,8 @@ def _check_node(node: Any, where: str) -> None:
 
 
 def check_group_keys(cfg: DictConfig) -> None:
-    """Refuse a key that no ``_target_`` of ``cfg`` takes (every group: data, module, trainer,
-    callbacks, target, logger, ...), naming it, the nearest valid key and those it takes, before
-    anything is built."""
+    """Refuse a key no ``_target_`` of ``cfg`` takes (every group: data, module, trainer,
+    callbacks, target, logger, ...), naming it, the nearest valid key and those it takes."""
     _check_node(OmegaConf.to_container(cfg, resolve=False), "")
 
 

@@ -275,9 +275,8 @@ def set_aside(stage: Stage, root: Path) -> None:
 
 
 def run_stage(stage: Stage, log: Path, live: Live | None = None) -> int:
-    """Run the stage's command, its output appended to ``log`` line by line (bars as their
-    states: :class:`~dflash_lab.terminal.StageOutput`), its progress lines shown by ``live``;
-    its exit code."""
+    """Run the stage's command, its output appended to ``log`` line by line (bars as their states:
+    :class:`~dflash_lab.terminal.StageOutput`), progress lines shown by ``live``; its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", module_of(stage.name), *stage.args]
     live = live or Live()

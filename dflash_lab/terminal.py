@@ -101,10 +101,9 @@ def clock(seconds: float) -> str:
 
 
 class StageOutput:
-    """A stage's merged stdout/stderr, fed in chunks: progress lines update :attr:`latest`
-    (and :attr:`tau`); everything else goes to ``log`` as lines. A bar redrawn with ``\\r``
-    is written as its state when its line ends, and every ``snapshot_s`` seconds while it runs,
-    so the log reads line by line."""
+    """A stage's merged stdout/stderr, fed in chunks: progress lines update :attr:`latest` (and
+    :attr:`tau`), the rest goes to ``log`` as lines; a bar redrawn with ``\\r`` is written as its
+    state when its line ends and every ``snapshot_s`` seconds, so the log reads line by line."""
 
     def __init__(self, log, snapshot_s: float = 30.0):
         self.log, self.snapshot_s = log, snapshot_s

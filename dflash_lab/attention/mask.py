@@ -63,10 +63,9 @@ class BlockLayout:
 
 def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int,
             block_size: int, spec: LayerSpec, starts_b_n: Tensor | None = None) -> Tensor:
-    """The predicate: broadcasting index tensors in, bool out. ``anchors_b_n`` [N]: the anchors
-    of the indices' batch element (indexed by block ``q_idx // block_size``); ``starts_b_n`` [N]:
-    each anchor's document start (None: 0). :func:`dense_mask` vmaps it over rows; flex calls it
-    per element."""
+    """The predicate: broadcasting index tensors in, bool out. ``anchors_b_n`` [N]: the anchors of
+    the indices' batch element (by block ``q_idx // block_size``); ``starts_b_n`` [N]: each
+    anchor's document start (None: 0). :func:`dense_mask` vmaps it over rows; flex, per element."""
     j = q_idx // block_size
     t = q_idx % block_size
     anchor = anchors_b_n[j]

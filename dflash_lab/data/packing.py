@@ -27,10 +27,9 @@ def sample_lengths(dataset: Dataset) -> list[int]:
 
 
 def first_fit(lengths: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
-    """Greedy first-fit: documents in ``order`` go into the first row with room for them; returns
-    rows of document indices (each row's total <= ``capacity``, as every length must be). A max
-    segment tree over the rows' free space finds that row in O(log n): 100k documents pack in a
-    second, not minutes."""
+    """Greedy first-fit: documents in ``order`` go into the first row with room; returns rows of
+    document indices (each total <= ``capacity``, as every length must be). A max segment tree
+    over the rows' free space finds that row in O(log n): 100k documents pack in a second."""
     size = 1 << max(0, (len(order) - 1).bit_length())
     free = [0] * size + [capacity] * size  # leaves at [size, 2 size)
     for i in range(size - 1, 0, -1):

@@ -72,9 +72,8 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -> None:
-    """Scalars under ``eval/``, the per-position curve ``eval/acc_posT`` and (wandb:
-    :class:`~dflash_lab.train.callbacks.WandbRun`) the plots and the suite's table; then the
-    logger is closed."""
+    """Scalars under ``eval/``, the curve ``eval/acc_posT`` and (wandb:
+    :class:`~dflash_lab.train.callbacks.WandbRun`) the plots and suite table; then closes it."""
     metrics = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     metrics |= {f"eval/acc_pos{t}": v
                 for t, v in enumerate(report["per_position_acceptance"], start=1) if v is not None}

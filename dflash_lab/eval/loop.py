@@ -71,10 +71,9 @@ def set_threads(option: int | str) -> int:
 
 
 def machine_load(timing: dict) -> dict:
-    """``timing`` with the 1/5/15-minute load average appended to its ``load_average`` list
-    (called before and after the timed loops) and, when the machine had more runnable threads
-    than CPUs (``os.cpu_count``), a ``warning``: the timings (and the speedup) then measure the
-    contention as much as the decoding."""
+    """``timing`` with the 1/5/15-minute load average appended to ``load_average`` (before and
+    after the timed loops) and, when more threads were runnable than CPUs (``os.cpu_count``), a
+    ``warning``: the timings (and speedup) then measure the contention as much as decoding."""
     load = [round(x, 2) for x in os.getloadavg()]
     cpus = os.cpu_count() or 1
     timing = {**timing, "cpus": cpus, "load_average": [*timing.get("load_average", []), load]}

@@ -23,8 +23,7 @@ from dflash_lab.model.drafter import DFlashDrafter
 
 class Draft(NamedTuple):
     """One round's drafts: ``tokens`` [k]; ``probs`` q [k, V] (rejection sampling) or None;
-    ``unary_tokens`` [k]: a DFlash 2 drafter's unary argmax of the same hidden states (for the
-    unary tau; None otherwise)."""
+    ``unary_tokens`` [k]: a DFlash 2 drafter's unary argmax (for the unary tau) or None."""
 
     tokens: Tensor
     probs: Tensor | None = None
@@ -59,9 +58,8 @@ def max_drafts(proposer: Proposer) -> int:
 
 def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature: float,
                 mode: str, generator: torch.Generator | None) -> Draft:
-    """``num_drafts`` (<= B-1) drafts from any proposer: its own ``draft`` when it has one,
-    else sampled (:func:`~dflash_lab.eval.sampling.propose`) from the first ``num_drafts`` rows
-    of its logits."""
+    """``num_drafts`` (<= B-1) drafts from any proposer: its own ``draft``, else sampled
+    (:func:`~dflash_lab.eval.sampling.propose`) from the first ``num_drafts`` rows of its logits."""
     own = getattr(proposer, "draft", None)
     if own is not None:
         return own(anchor_id, num_drafts, temperature, mode, generator)

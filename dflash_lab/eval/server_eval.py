@@ -35,9 +35,8 @@ from dflash_lab.targets.chat import target_stop_ids
 
 
 def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str, Any]:
-    """Histogram (rounds by acceptance length 1..B) and per-position acceptance from the
-    engine's own counts, summed over ``responses``; n/a and zeros unless every response with
-    rounds brought them."""
+    """Histogram (rounds by acceptance length 1..B) and per-position acceptance from the engine's
+    own counts over ``responses``; n/a and zeros unless every response with rounds brought them."""
     counted = [r for r in responses if r.rounds]
     engine = [r.engine_tau for r in counted if r.engine_tau is not None]
     row: dict[str, Any] = {"engine_tau_mean": sum(engine) / len(engine) if engine else None}

@@ -270,11 +270,10 @@ Respond = Callable[[Item, int, list[int]], str]
 
 def ask_every_turn(items: list[Item], tokenizer, d, respond: Respond, *, desc: str,
                    progress: bool = True) -> None:
-    """Ask every turn of every item in order, the one prompt loop of both eval backends (the
-    local decoder and an engine's server): turn 0 is the item's messages; each later turn adds
-    the item's follow-up to the conversation so far, whose assistant messages are the answers
-    ``respond`` gave (the speculative or served answer, not the dataset's), so a multi-turn
-    score follows what was actually generated."""
+    """Ask every turn of every item in order, the one prompt loop of both eval backends: turn 0
+    is the item's messages; each later turn adds the item's follow-up to the conversation so
+    far, whose assistant messages are ``respond``'s answers (the speculative or served one, not
+    the dataset's), so a multi-turn score follows what was actually generated."""
     kwargs = template_kwargs(tokenizer, d)
     for item in Bar(items, desc=desc, unit="prompt", disable=not progress):
         messages = list(item.messages)

@@ -267,10 +267,9 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module,
                 embed_tokens: nn.Module | None = None) -> Tensor:
-        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]:
-        the head's greedy walk of each row from its anchor (``Head.draft`` at T = 0: DFlash 2's
-        selector, DSpark's Markov walk, Domino's GRU walk, which reads ``embed_tokens``), else
-        the unary argmax."""
+        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
+        head's greedy walk from each row's anchor (``Head.draft`` at T = 0: DFlash 2's selector,
+        DSpark's Markov walk, Domino's GRU walk reading ``embed_tokens``), else the unary argmax."""
         hidden_bph = hidden_bph[:, self.config.first_draft_slot:]
         unary = self.unary_logits(hidden_bph, lm_head)
         walked = [self.config.head.draft(self, hidden_bph[i], unary[i], int(anchor_ids_b[i]),

@@ -179,10 +179,9 @@ class SwiGLU(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer. The context gets no query and no MLP, and no input norm unless
-    ``config.context_input_norm`` (Laguna). DFlash 2: ``attention_conv`` / ``mlp_conv`` (None
-    otherwise) convolve each sublayer's normed input (``prepare``) and output (``finish``)
-    along the block slots."""
+    """Pre-norm decoder layer. The context gets no query, no MLP and no input norm unless
+    ``config.context_input_norm`` (Laguna). DFlash 2's ``attention_conv`` / ``mlp_conv`` convolve
+    each sublayer's normed input (``prepare``) and output (``finish``) along the block slots."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()

@@ -100,9 +100,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def client_of(settings: Any, log_path: Path, make: Callable[[Any], Client]) -> Iterator[Client]:
-    """``make(settings)``: a client of the server at ``settings.url`` (a ``ServerSettings``),
-    or, with ``settings.launch``, of a server started for the block (its output in
-    ``log_path``) and stopped after it."""
+    """``make(settings)``: a client of the server at ``settings.url``, or, with
+    ``settings.launch``, of one started for the block (output in ``log_path``), then stopped."""
     if settings.launch is None:
         yield make(settings)
         return

@@ -28,9 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def read_chat_template(spec: str) -> str:
-    """``target.chat_template``: a built-in name (:data:`BUILTIN_CHAT_TEMPLATES`) or a file
-    holding the Jinja text (``.jinja``/``.txt``) or a tokenizer_config.json-style JSON with a
-    ``chat_template`` key."""
+    """``target.chat_template``: a built-in name (:data:`BUILTIN_CHAT_TEMPLATES`), a Jinja file
+    (``.jinja``/``.txt``) or a tokenizer_config.json-style JSON with a ``chat_template`` key."""
     if spec in BUILTIN_CHAT_TEMPLATES:
         return BUILTIN_CHAT_TEMPLATES[spec]
     path = Path(spec)

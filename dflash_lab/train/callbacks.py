@@ -64,10 +64,9 @@ class DFlashCheckpoint(ModelCheckpoint):
         self.last_every_n_steps = last_every_n_steps
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Rebase the saved paths (absolute, in the directory the checkpoint was written in)
-        onto this run's ``dirpath``: Lightning keeps a stale ``best_model_path`` when the
-        directory moved and forgets ``last_model_path`` (the next save then goes to
-        last-v1.ckpt beside a stale last.ckpt)."""
+        """Rebase the saved absolute paths onto this run's ``dirpath``: Lightning keeps a stale
+        ``best_model_path`` when the directory moved and forgets ``last_model_path`` (the next
+        save then goes to last-v1.ckpt beside a stale last.ckpt)."""
         old = state_dict.get("dirpath")
         if old and self.dirpath and old != self.dirpath:
             state_dict = {**state_dict, "dirpath": self.dirpath,

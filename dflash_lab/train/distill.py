@@ -135,9 +135,9 @@ class Teacher:
 
 @dataclass
 class Buckets:
-    """Both distributions of a chunk over the same buckets: a slice of the vocabulary (dense:
-    one bucket per token) or the teacher's K ids plus the tail (sparse: K + 1, the tail last).
-    Each [B, m] fp32."""
+    """Both distributions of a chunk over the same buckets, each [B, m] fp32: a vocabulary slice
+    (dense: one bucket per token) or the teacher's K ids plus the tail (sparse: K + 1, tail
+    last)."""
 
     p: Tensor
     logp: Tensor
@@ -297,9 +297,8 @@ CAPTURE_OPTION = "capture.distribution=[last_hidden]"
 def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where: str,
                  also: str | None = None) -> str:
     """Which teacher a run uses: ``dense`` (the last hidden state: exact, every temperature),
-    ``sparse`` (top-k: T = 1 only) or ``none`` (the spec needs no distribution, no
-    temperature is asked and no ``also``: another setting that needs it, named). ValueError
-    naming the option to rerun with otherwise."""
+    ``sparse`` (top-k: T = 1 only) or ``none`` (no distribution, temperature or ``also``, another
+    setting needing it, named); else a ValueError naming the option to rerun with."""
     available = dict(available or {})
     need = spec.needs_distribution or bool(temperatures) or also is not None
     if not need:

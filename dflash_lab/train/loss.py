@@ -341,10 +341,9 @@ def _picked_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module) -> Ten
 def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
                      chunk_bytes: int = CE_CHUNK_BYTES,
                      scale: LogitScale = NO_SCALE) -> Tensor:
-    """Scaled unary logits of K given tokens per row [M, K] fp32, differentiable in hidden
-    (cast to the head's dtype first). A Linear head gathers only the K weight rows per row
-    ([m, K, H] per chunk of ``chunk_bytes``, recomputed in backward); any other head projects
-    whole rows in chunks."""
+    """Scaled unary logits of K given tokens per row [M, K] fp32, differentiable in hidden (cast
+    to the head's dtype first). A Linear head gathers only the K weight rows per row ([m, K, H]
+    per ``chunk_bytes`` chunk, recomputed in backward); another head projects whole rows."""
     weight = getattr(lm_head, "weight", None)
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
     linear = isinstance(lm_head, nn.Linear)

@@ -61,9 +61,8 @@ def remove_checkpoint(path: Path, sidecar_only: bool = False) -> None:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be resumed from, or None: a sidecar mismatch, else (no sidecar: an
-    older run) a file ``torch.load`` cannot open (a truncated zip fails at once, mmap reads no
-    tensor data)."""
+    """Why ``path`` cannot be resumed from, or None: a sidecar mismatch, else (no sidecar: older
+    run) a file ``torch.load`` cannot open (a truncated zip fails at once; mmap reads no data)."""
     problem = checksum_problem(path)
     if problem is not None or sidecar(path).is_file():
         return problem
