@@ -75,9 +75,8 @@ def is_global_zero(env: Mapping[str, str] | None = None) -> bool:
 
 # ------------------------------------------------------------------------------ training checks
 def trainer_devices(trainer: Mapping[str, Any]) -> int | None:
-    """The number of processes per node a trainer config asks for (``devices``): an int, a
-    list's length, ``auto`` resolved as Lightning does (CPU: 1, GPU: visible GPUs); None when
-    it cannot be told here (no GPU visible, exotic values)."""
+    """Processes per node a trainer config asks for (``devices``): an int, a list's length, or
+    ``auto`` as Lightning resolves it (CPU: 1, GPU: visible GPUs); None when not known here."""
     devices = trainer.get("devices", "auto")
     if not isinstance(devices, (str, int)) and hasattr(devices, "__len__"):
         return len(devices)  # a list of device indices

@@ -39,10 +39,9 @@ def _is_cuda(device: torch.device | str) -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str, *, packed: bool) -> str:
-    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or what ``auto`` means: sdpa
-    on CPU; on CUDA flex when ``packed`` (many blocks per row: training, validation, features
-    mode), else flash if installed, else flex. flash cannot express packed blocks: asking for it
-    there is an error, not a fallback."""
+    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or ``auto``: sdpa on CPU; on
+    CUDA flex when ``packed`` (many blocks per row: training, validation, features mode), else
+    flash if installed, else flex. flash for packed blocks is an error, not a fallback."""
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown attention backend '{name}': use one of {list(BACKENDS)} or "
                          "'auto'")

@@ -28,8 +28,7 @@ class LayerSpec(NamedTuple):
 class BlockLayout:
     """Where the blocks of one attention call sit: ``anchors_bn`` [Bt, N] long anchor positions
     (sorted per row, for speed), ``num_context`` S context key slots (padded), ``block_size`` B,
-    ``doc_starts_bn`` [Bt, N] long start of each anchor's document (packed rows; None: one
-    document per row, starting at 0)."""
+    ``doc_starts_bn`` [Bt, N] long document start of each anchor (packed; None: 0)."""
 
     anchors_bn: Tensor
     num_context: int

@@ -99,9 +99,8 @@ def make_server_settings(cfg) -> ServerSettings | None:
 
 
 def open_capture_server(settings: ServerSettings, target, capture, world_size: int = 1):
-    """:func:`~dflash_lab.serving.hidden_states.open_hidden_states_server` for this capture:
-    the aux layers of its ``target_layer_ids``, the connector's files under
-    ``OUT/server_hidden_states`` and the server's output in ``OUT/server.log``."""
+    """:func:`~dflash_lab.serving.hidden_states.open_hidden_states_server` for this capture: its aux
+    layers, the connector's files in ``OUT/server_hidden_states``, output in ``OUT/server.log``."""
     out = Path(capture.out_dir)
     check_target_layer_ids(capture.target_layer_ids, target.num_hidden_layers)
     width = capture.target_hidden_size

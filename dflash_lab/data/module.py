@@ -38,9 +38,8 @@ PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax"
 def pad_collate(samples: Sequence[dict[str, Tensor]],
                 pad_to_multiple_of: int = 1) -> dict[str, Tensor]:
     """Right-pad PAD_VALUES' keys ([S] or [S, F]) to the longest sample rounded up to
-    ``pad_to_multiple_of`` (fewer shapes for compiled kernels to recompile for), add
-    ``attention_mask`` [Bt, S] (True on real tokens), drop other keys. Pads carry no loss and no
-    anchor, and no block sees them."""
+    ``pad_to_multiple_of`` (fewer shapes to recompile for), add ``attention_mask`` [Bt, S] (True
+    on real tokens), drop other keys. Pads carry no loss and no anchor; no block sees them."""
     real = max(s["input_ids"].shape[0] for s in samples)
     longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}

@@ -34,9 +34,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def read_row_file(path: Path, name: str):
     """The rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file as a ``datasets.Dataset``
-    (``name``: the user's setting, for messages). One-line ValueError for an empty file, a line
-    not UTF-8/JSON/an object (its number), a file pyarrow cannot read. The caller checks
-    existence and suffix (LOCAL_BUILDERS)."""
+    (``name``: the user's setting). One-line ValueError for an empty file, a line not
+    UTF-8/JSON/an object (its number), a file pyarrow cannot read. Existence and suffix
+    (LOCAL_BUILDERS): the caller's."""
     import datasets
 
     builder = LOCAL_BUILDERS[path.suffix]

@@ -40,9 +40,8 @@ def hs_file(index: int) -> str:
 
 
 def detect_format(path: str | Path, requested: str = "auto") -> str:
-    """``dflash_lab`` (a ``manifest.json``) or ``speculators`` (a ``save_to_disk`` directory);
-    ``requested`` other than auto is returned when its files are there, else a ValueError naming
-    the directory and what each format holds."""
+    """``dflash_lab`` (a ``manifest.json``) or ``speculators`` (a ``save_to_disk`` directory); an
+    explicit ``requested`` needs its files, else a ValueError naming the directory and formats."""
     if requested not in FORMATS:
         raise ValueError(f"data.format={requested!r}: use one of {list(FORMATS)}")
     root = Path(path)

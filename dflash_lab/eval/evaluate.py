@@ -144,9 +144,8 @@ def _load_pair(cfg, packed: bool = False):
 
 @dataclass
 class LocalResponder:
-    """The local decoder as a :class:`~dflash_lab.eval.suite.Responder`: speculative decoding
-    (and the baseline) of each prompt; a later turn follows the speculative answer, decoded
-    without special tokens (as the reference)."""
+    """The local decoder as a :class:`~dflash_lab.eval.suite.Responder`: speculative decoding (and
+    baseline) per prompt; a later turn follows the speculative answer without special tokens."""
 
     decoder: Decoder
     tokenizer: Any

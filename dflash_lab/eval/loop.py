@@ -53,11 +53,10 @@ MAX_AUTO_THREADS = 4
 
 
 def set_threads(option: int | str) -> int:
-    """Set torch's CPU threads for the timed loops (``threads`` in conf/eval.yaml) and return it:
-    an int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`, the
-    CPUs left idle by the 1-minute load average), at least 1: a thread whose core is busy stalls
-    the others at every op (2 threads on 2 busy cores: 15-20x slower per forward than 1 thread;
-    docs/eval.md, Timing)."""
+    """Set torch's CPU threads for the timed loops (``threads``, conf/eval.yaml) and return it: an
+    int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`, CPUs left
+    idle by the 1-minute load average), at least 1: a thread on a busy core stalls the others at
+    every op (2 threads on 2 busy cores: 15-20x slower per forward; docs/eval.md, Timing)."""
     if option == "auto":
         idle = int((os.cpu_count() or 1) - os.getloadavg()[0])
         n = max(1, min(TORCH_DEFAULT_THREADS, MAX_AUTO_THREADS, idle))

@@ -121,8 +121,7 @@ def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = No
 def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: bool = True,
                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the prompt: chat template + generation prompt (``template_kwargs``, e.g. the
-    reasoning switch, passed to the template), or the raw text of the messages when
-    ``chat_template`` is false (base models)."""
+    reasoning switch), or the messages' raw text when ``chat_template`` is false (base models)."""
     if chat_template:
         require_chat_template(tokenizer, "data.chat_template=true (false: raw text prompts)")
         text = tokenizer.apply_chat_template(messages, tokenize=False,

@@ -65,9 +65,8 @@ def propose(draft_logits_kv: Tensor, temperature: float, mode: str,
 
 def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Tensor,
            temperature: float, mode: str, generator: torch.Generator | None) -> Verdict:
-    """Apply the round's verification rule. ``target_logits_kv`` [k + 1, V]: row t is the
-    target's distribution for the position of draft t (row k: the position after the last
-    draft). Returns how many drafts are kept and the bonus."""
+    """Apply the round's verification rule. ``target_logits_kv`` [k + 1, V]: row t is the target's
+    distribution at draft t's position (row k: after the last). Returns drafts kept and bonus."""
     if temperature == 0:
         choice = target_logits_kv.argmax(-1)
         accepted = leading_matches(draft_k, choice[:-1])
@@ -84,9 +83,9 @@ def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Ten
 
 def rejection_sample(draft_k: Tensor, q_kv: Tensor, p_kv: Tensor,
                      generator: torch.Generator | None) -> Verdict:
-    """Leviathan et al. speculative sampling for one block: draft_k [k] sampled from q_kv [k, V];
-    p_kv [k + 1, V] the target's probabilities. Draft t is kept iff u_t < p_t(x_t) / q_t(x_t)
-    (u_t uniform) for it and every draft before it."""
+    """Leviathan et al. speculative sampling for one block: draft_k [k] from q_kv [k, V]; p_kv
+    [k + 1, V] the target's. Draft t is kept iff u_t < p_t(x_t) / q_t(x_t) (u_t uniform) for it
+    and every draft before it."""
     k = draft_k.shape[0]
     rows = torch.arange(k, device=draft_k.device)
     p_x = p_kv[rows, draft_k]

@@ -113,9 +113,8 @@ class EngineResponder:
 
 
 def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
-    """The report's per-response record: totals only (engines give no per-round lengths);
-    round tokens = output tokens - 1 (the first comes from the prefill), its tau
-    :attr:`ServerResponse.tau`."""
+    """The report's per-response record: totals only (engines give no per-round lengths); round
+    tokens = output tokens - 1 (the first is the prefill's), tau :attr:`ServerResponse.tau`."""
     return ResponseRecord(dataset=where.dataset, index=where.index, turn=where.turn,
                           prompt_tokens=prompt_tokens, num_output_tokens=resp.num_output_tokens,
                           num_rounds=resp.rounds,

@@ -181,9 +181,8 @@ def check_long_fits(d, max_new: int, max_positions: int | None) -> None:
 
 
 def items_before_target(configs: list, num_prompts: int | None) -> list[list[Item] | None]:
-    """Each data config's items, read before anything loads (a bad file stops the run first);
-    None for a long-context option, whose source is only read here (it needs the tokenizer:
-    :func:`items_with_target`)."""
+    """Each data config's items, read before anything loads (a bad file stops the run first); None
+    for a long-context option (read here; items need the tokenizer: :func:`items_with_target`)."""
     out: list[list[Item] | None] = []
     for d in configs:
         if is_long(d):

@@ -35,9 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def server_layer_ids(target_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
-    """vLLM aux-layer ids to serve for our z-lab ``target_layer_ids``: each i + 1, plus
-    ``num_hidden_layers`` (the final hidden state, for the labels); ascending and distinct,
-    the order vLLM writes them in."""
+    """vLLM aux-layer ids for our z-lab ``target_layer_ids``: each i + 1, plus ``num_hidden_layers``
+    (the final hidden state, for the labels); ascending and distinct, as vLLM writes them."""
     return sorted({int(i) + 1 for i in target_layer_ids} | {int(num_hidden_layers)})
 
 

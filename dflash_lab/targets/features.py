@@ -86,9 +86,8 @@ def check_feature_width(config, target_hidden_size: int | None, where: str) -> i
 
 
 def check_layer_ids_for_streams(config, target_layer_ids: list[int]) -> None:
-    """Refuse the last layer's id on a multi-stream target: transformers ties
-    ``hidden_states[L]`` to the collapsed, normed final state (hc_head), not the streams the
-    engines average, so the feature would differ from what they feed."""
+    """Refuse the last layer's id on a multi-stream target: transformers ties ``hidden_states[L]``
+    to the collapsed, normed final state (hc_head), not the streams the engines average."""
     last = int(text_config(config).num_hidden_layers) - 1
     if num_streams(config) > 1 and last in [int(i) for i in target_layer_ids]:
         raise ValueError(f"target_layer_ids={list(target_layer_ids)}: id {last} (the last "

@@ -1,6 +1,5 @@
-"""What a drafter copies from a target's (text) config: its layer shape and its RoPE, as
-DrafterConfig fields (train/factory.py fills unset fields with them; train/warm_start.py checks a
-trained drafter against them)."""
+"""What a drafter copies from a target's (text) config: layer shape and RoPE, as DrafterConfig
+fields (train/factory.py fills unset fields; train/warm_start.py checks a drafter against them)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,8 @@ _FROM_TARGET = {
 def _flat_rope_parameters(config) -> dict[str, Any]:
     """The target's RoPE as one flat dict (``rope_type``, ``rope_theta``, scaling keys): from
     transformers 5's ``rope_parameters`` (a per-layer-type nested one gives ``full_attention``)
-    or 4.x's ``rope_theta`` + ``rope_scaling`` (docs/targets.md, "What the drafter takes...")."""
+    or 4.x's ``rope_theta`` + ``rope_scaling`` (docs/targets.md, "What the drafter takes from the
+    target")."""
     params = getattr(config, "rope_parameters", None)
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -46,8 +46,8 @@ def _flat_rope_parameters(config) -> dict[str, Any]:
 
 def target_rope(config) -> dict[str, Any]:
     """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` plus a scaled
-    target's ``rope_scaling`` as engines apply it; {} without RoPE. Per type: (docs/targets.md,
-    "What the drafter takes from the target")."""
+    target's ``rope_scaling`` as engines apply it; {} without RoPE. Per type: docs/targets.md,
+    "What the drafter takes from the target"."""
     params = _flat_rope_parameters(config)
     theta = params.pop("rope_theta", None)
     if theta is None:

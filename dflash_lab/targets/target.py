@@ -116,9 +116,8 @@ _PROBE, _NUM_SAMPLES, _HEAD_BYTES = 64, 16, 1 << 20
 
 
 def _safetensors_probes(f, size: int) -> tuple[int, list[int]] | None:
-    """(header length, offsets to sample) of a safetensors file: 64 bytes at the start, middle
-    and end of every tensor's data, so a change to any one tensor changes the fingerprint.
-    None when the file is not a readable safetensors file."""
+    """(header length, offsets to sample) of a safetensors file: 64 bytes at the start, middle and
+    end of every tensor, so any tensor's change shows; None when not a readable safetensors."""
     try:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n)) if 8 + n <= size else None
@@ -185,9 +184,8 @@ def target_weight_files(name_or_path: str, gguf_file: str | None) -> list[Path]:
 
 
 class TargetPieces(nn.Module):
-    """The target's own frozen embedding (ids [...] -> [..., H], bare rows:
-    :class:`RawEmbedding`), final ``norm`` ([..., H]) and ``lm_head`` ([..., H] -> [..., V]),
-    shared with the drafter, not copied; no parameter requires grad."""
+    """The target's own frozen embedding (ids [...] -> [..., H], bare rows: :class:`RawEmbedding`),
+    ``norm`` and ``lm_head`` ([..., H] -> [..., V]), shared with the drafter; none requires grad."""
 
     def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module,
                  logit_softcap: float | None = None):

@@ -89,10 +89,9 @@ class DFlashCheckpoint(ModelCheckpoint):
             trainer.strategy.checkpoint_io = BesideCheckpointIO()
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        """Lightning's save, but atomic: write ``.<name>.tmp`` beside ``filepath`` (one name
-        for every rank: a sharded strategy writes it together), then on global rank 0
-        :func:`~dflash_lab.train.resume.finish_checkpoint`, as the ``finish`` of
-        :func:`~dflash_lab.paths.atomic_path`."""
+        """Lightning's save, but atomic: ``.<name>.tmp`` beside ``filepath`` (one name for every
+        rank: a sharded strategy writes it together), then on global rank 0
+        :func:`~dflash_lab.train.resume.finish_checkpoint` (``finish`` of ``atomic_path``)."""
         tmp = Path(filepath).with_name(f".{Path(filepath).name}.tmp")
         keep = PREVIOUS_LAST if Path(filepath).name == "last.ckpt" else None
         # rank 0 renames (a failed write, e.g. a full disk, is removed: the old one stays)

@@ -337,9 +337,8 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
                       top_k: int = 0, temperatures: tuple[float, ...] = (),
                       need_overlap: bool = True) -> DistillPass:
     """The distribution losses, label CE, overlaps and top-K of M rows in one chunked pass.
-    ``teacher``: the same rows' target distribution; ``temperatures``: where to measure the
-    acceptance probability (``overlaps``). A head other than a frozen bias-free Linear (the
-    target's) is a ValueError naming it."""
+    ``teacher``: the rows' target distribution; ``temperatures``: where ``overlaps`` are measured.
+    A head other than a frozen bias-free Linear (the target's): ValueError naming it."""
     weight = getattr(lm_head, "weight", None)
     if not (isinstance(lm_head, nn.Linear) and lm_head.bias is None and weight is not None
             and not weight.requires_grad):
@@ -382,8 +381,7 @@ def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_b
                   chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
                   temperatures) -> LossOutput:
     """objective.dflash_loss through the distribution pass. D-PACE's per-slot confidence is the
-    slot's acceptance probability: q(y) = exp(-CE) for the label CE alone, the overlap
-    sum min(p, q) as soon as a term compares distributions."""
+    acceptance probability: q(y) = exp(-CE) for CE alone, else the overlap sum min(p, q)."""
     spec = spec or LossSpec()
     if teacher is None:
         raise ValueError(f"module.loss={spec.describe()} needs the target's distribution and "

@@ -137,10 +137,9 @@ def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
 
 def ce_chunk_rows(vocab_size: int, chunk_size: int | None = None,
                   chunk_bytes: int = CE_CHUNK_BYTES) -> int:
-    """Rows per chunk of the vocab projection: an explicit ``chunk_size``, else as many as keep
-    one chunk's fp32 logits [rows, V] within ``chunk_bytes`` (``chunk_bytes // (V * 4)``, at least
-    1, at most ``CE_MAX_ROWS``). Head-dtype temporaries (bf16 logits before the cast, the
-    per-chunk input gradient [rows, H]) come on top."""
+    """Rows per chunk of the vocab projection: an explicit ``chunk_size``, else as many as keep a
+    chunk's fp32 logits [rows, V] within ``chunk_bytes`` (at least 1, at most ``CE_MAX_ROWS``).
+    Head-dtype temporaries (bf16 logits, the chunk's input gradient [rows, H]) come on top."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"module.ce_chunk_size={chunk_size}: give a row count >= 1, or null "
@@ -197,9 +196,8 @@ class LogitScale:
         return deriv
 
     def derivative_at(self, scaled: Tensor) -> Tensor | float:
-        """d(scaled)/d(raw) from the scaled logits themselves (any shape): the multiplier, or
-        ``m * (1 - (scaled / c)^2)`` under a softcap (tanh = scaled / c), so a pass that keeps
-        only the scaled logits needs no derivative buffer."""
+        """d(scaled)/d(raw) from the scaled logits (any shape): the multiplier, or ``m * (1 -
+        (scaled / c)^2)`` under a softcap (tanh = scaled / c): no derivative buffer needed."""
         if self.softcap is None:
             return self.multiplier
         return (scaled / self.softcap).square_().neg_().add_(1.0).mul_(self.multiplier)
@@ -367,9 +365,9 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
 
 @dataclass
 class LossOutput:
-    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid).
-    ``top_values`` / ``top_ids`` [M, K]: the unary top-K of the M valid slots (row-major), when
-    asked (DFlash 2's selector re-ranks them)."""
+    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid); the unary
+    top-K ``top_values`` / ``top_ids`` [M, K] of the valid slots when asked (DFlash 2's
+    selector)."""
 
     weighted_sum: Tensor  # sum_slots w_t * CE (local)
     weight_sum: Tensor  # sum_slots w_t (local)

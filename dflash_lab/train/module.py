@@ -278,9 +278,8 @@ class DFlashModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
-        """``module.optimizer`` over the drafter's trainable parameters, passed with their
-        names (every torch optimizer takes ``(name, parameter)`` pairs; Muon's split reads
-        them: dflash_lab/train/optim.py)."""
+        """``module.optimizer`` over the drafter's trainable ``(name, parameter)`` pairs (every
+        torch optimizer takes them; Muon's split reads the names: dflash_lab/train/optim.py)."""
         params = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:

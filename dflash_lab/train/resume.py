@@ -84,9 +84,8 @@ def _set_aside(path: Path) -> None:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
-    """``auto``: ``<output_dir>/checkpoints/last.ckpt``, else ``last.prev.ckpt`` when that is
-    missing or damaged (warned), else None (start fresh). A given path must exist and pass
-    :func:`checkpoint_problem`."""
+    """``auto``: ``<output_dir>/checkpoints/last.ckpt``, else ``last.prev.ckpt`` when missing or
+    damaged (warned), else None (fresh). A given path must pass :func:`checkpoint_problem`."""
     if ckpt_path is None:
         return None
     if ckpt_path != "auto":
