@@ -49,8 +49,7 @@ def _slurm(env: Mapping[str, str]) -> Launch:
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
-    """The torchrun or SLURM launch of this process, or None (one process, or Lightning's own
-    launcher)."""
+    """The torchrun or SLURM launch of this process, or None (one process, Lightning's launcher)."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env:
         world, local_world = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")

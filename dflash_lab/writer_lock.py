@@ -70,8 +70,7 @@ def _record(directory: Path, command: str, lease_s: float) -> dict:
 
 
 def _read(path: Path) -> dict | None:
-    """The lock's record; None when it vanished; {} when it cannot be parsed (being written, or
-    damaged)."""
+    """The lock's record; None when it vanished; {} when unparsable (being written, or damaged)."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

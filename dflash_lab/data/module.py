@@ -378,8 +378,7 @@ class OfflineDataModule(BlockDataModule):
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:
-        """The capture is checked against the drafter's layer ids, hidden size, per-layer
-        feature width and vocab size."""
+        """Checked against the drafter's layer ids, hidden size, per-layer width, vocab size."""
         return {**super().drafter_inputs(drafter_config),
                 "hidden_size": drafter_config.hidden_size,
                 "target_hidden_size": drafter_config.target_hidden_size,

@@ -97,8 +97,7 @@ class Clock:
 
 
 def _keep(new_ids: list[int], budget: int, stop_ids: tuple[int, ...]) -> tuple[list[int], bool]:
-    """Cut ``new_ids`` to the remaining token budget and just after the first stop token;
-    returns (kept, finished)."""
+    """Cut ``new_ids`` to the token budget and after the first stop; returns (kept, finished)."""
     kept = new_ids[:budget]
     for i, tok in enumerate(kept):
         if tok in stop_ids:

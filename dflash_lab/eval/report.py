@@ -211,8 +211,7 @@ def dataset_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def suite_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
-    """The paper's layout: datasets as columns, tau (macro) and decode speedup as rows, and
-    their mean over datasets."""
+    """The paper's layout: datasets as columns, tau (macro) and decode speedup rows, their mean."""
     names = list(datasets)
     lines = ["| | " + " | ".join(names) + " | mean |", "|---" * (len(names) + 2) + "|"]
     for label, key in (("tau", "tau_macro"), ("speedup", "decode_speedup")):

@@ -25,8 +25,7 @@ from dflash_lab.targets.target import text_config
 
 
 class StepOutput(NamedTuple):
-    """``logits_nv`` [n, V] float32 (rows asked for), ``features_nf`` [1, n, F] or None, both on
-    the runner's device."""
+    """``logits_nv`` [n, V] fp32 (rows asked for), ``features_nf`` [1, n, F] or None; on device."""
 
     logits_nv: Tensor
     features_nf: Tensor | None

@@ -69,8 +69,7 @@ class Head:
         return {}
 
     def check_read(self, fields: dict[str, Any], source: str) -> None:
-        """Refuse a config.json whose keys this head's owners could not load (``fields``:
-        what was read from it)."""
+        """Refuse a config.json (``fields``: what was read) this head's owners could not load."""
 
     # ---------------------------------------------------------------- modules
     def attach(self, drafter: Any) -> None:

@@ -30,8 +30,7 @@ _PROBE = ("dflashprobeuserone", "dflashprobeassistantone", "dflashprobeusertwo",
 
 
 class BadConversation(ValueError):
-    """A conversation that cannot be trained on; the message says why (no row id: the data
-    loop that read the row adds it)."""
+    """A conversation that cannot be trained on, saying why (the data loop adds the row id)."""
 
 
 @dataclass

@@ -57,8 +57,7 @@ def chunked_topk(lm_head: torch.nn.Module, normed_bsh: torch.Tensor, k: int,
 
 
 def num_streams(config) -> int:
-    """n residual streams of a multi-stream target (``hc_mult``; Qwen4-exp: ``hc_count``), 1
-    for an ordinary one."""
+    """n residual streams of a multi-stream target (``hc_mult``, Qwen4-exp ``hc_count``), else 1."""
     text = text_config(config)
     return int(getattr(text, "hc_mult", None) or getattr(text, "hc_count", None) or 1)
 

@@ -133,8 +133,7 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
 
 
 def _gguf_arch_and_head_dim(path: str) -> tuple[str, int | None]:
-    """``general.architecture`` and ``{arch}.attention.key_length`` (None when absent) of the
-    GGUF file at ``path``."""
+    """``general.architecture``, ``{arch}.attention.key_length`` (or None) of the GGUF ``path``."""
     from gguf import GGUFReader
 
     fields = GGUFReader(path).fields
@@ -166,8 +165,7 @@ def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
 
 
 def _check_loaded(name_or_path: str, gguf_file: str | None, info: dict) -> None:
-    """A GGUF whose tensors transformers does not map loads as random weights with a warning:
-    refuse it instead."""
+    """Refuse a GGUF whose tensors transformers does not map (it loads random weights, warning)."""
     bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
     if gguf_file and bad:
         raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "

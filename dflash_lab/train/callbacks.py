@@ -233,8 +233,7 @@ class WandbRun(RunEndCallback):
 
 
 def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None = None) -> None:
-    """Log the resolved config and the run's final numbers (plain numbers only, bools as 0/1),
-    then close the logger."""
+    """Log the resolved config and final numbers (plain numbers, bools as 0/1); close the logger."""
     if logger is None:
         return
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

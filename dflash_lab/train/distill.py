@@ -274,8 +274,7 @@ def chain(alpha_bnp: Tensor, valid_bnp: Tensor, first_slot: int = 1) -> Tensor:
 
 
 def on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
-    """[M] values of the valid slots (row-major order) -> [Bt, N, B], 0 elsewhere;
-    differentiable in the values."""
+    """[M] values of the valid slots (row-major) -> [Bt, N, B], 0 elsewhere; differentiable."""
     return values_m.new_zeros(valid_bnp.shape).masked_scatter(valid_bnp, values_m)
 
 

@@ -62,8 +62,7 @@ POSITION_WEIGHTINGS = ("exp_decay", "dpace")
 
 
 def check_position_weighting(weighting: str, dpace_alpha: float) -> None:
-    """Refuse an unknown ``module.position_weighting``, or a dpace ``module.dpace_alpha``
-    outside (0, 1]."""
+    """Refuse an unknown ``module.position_weighting``, or a dpace_alpha outside (0, 1]."""
     if weighting not in POSITION_WEIGHTINGS:
         raise ValueError(f"module.position_weighting='{weighting}': use one of "
                          f"{list(POSITION_WEIGHTINGS)} (exp_decay: exp(-(t-1)/gamma); dpace: "
