@@ -70,8 +70,7 @@ def temp_dir_prefix(path: Path) -> str:
 
 
 def remove_path(path: Path) -> None:
-    """Delete ``path``: a directory tree, a file or a symlink (never what a symlink points
-    at); nothing when it does not exist."""
+    """Delete ``path``: a tree, file or symlink (never its target); nothing if it does not exist."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():

@@ -138,8 +138,7 @@ class BlockDataModule(L.LightningDataModule):
 
     @classmethod
     def check_config(cls, data_cfg: Any) -> None:
-        """Start-up check of the ``data.*`` config before anything loads (ValueError naming
-        the key and the fix); nothing to check here."""
+        """Start-up check of ``data.*`` before any load (ValueError naming key and fix); none."""
 
     @classmethod
     def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:

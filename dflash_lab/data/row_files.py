@@ -99,15 +99,13 @@ def row_lines(path: Path) -> list[int] | None:
 
 
 def row_place(name: str, row: int, lines: list[int] | None) -> str:
-    """``NAME row I`` (counted from 0, in file order) plus ``(line N)`` when ``lines`` (from
-    :func:`row_lines`) knows it."""
+    """``NAME row I`` (from 0, file order), plus ``(line N)`` when ``lines`` (row_lines) has it."""
     line = f" (line {lines[row]})" if lines is not None and row < len(lines) else ""
     return f"{name} row {row}{line}"
 
 
 def parse_jsonl(data: bytes, name: str) -> list[dict[str, Any]]:
-    """The rows of JSONL bytes read without ``datasets`` (e.g. a gzipped file), with the same
-    one-line errors as :func:`read_row_file`."""
+    """Rows of JSONL bytes without ``datasets`` (e.g. gzipped), with read_row_file's errors."""
     where = _jsonl_error(data)
     if where is not None:
         raise _place_error(name, where, ".jsonl")

@@ -136,8 +136,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-eval``) without a recipe (``recipe=NAME``:
-    :mod:`dflash_lab.commands`)."""
+    """Console entry point (``dflash-eval``) without a recipe (with one: dflash_lab.commands)."""
     global COMMAND
     with user_errors():
         check_old_spellings(sys.argv[1:])

@@ -86,8 +86,7 @@ def row_where(path: str) -> Callable[[int], str]:
 
 
 def set_fields(row: dict[str, Any]) -> list[str]:
-    """The row's fields that hold a value (``datasets`` gives every row every column of the
-    file, None where the row had none)."""
+    """The row's fields holding a value (``datasets`` gives each row every column; None: unset)."""
     return sorted(k for k, v in row.items() if v is not None)
 
 

@@ -300,8 +300,7 @@ class Responder(Protocol):
         """An untimed answer before the first measured one (kernels, caches)."""
 
     def respond(self, ids: list[int], max_new: int, where: Turn) -> tuple[ResponseRecord, str]:
-        """Answer one prompt (``ids``, at most ``max_new`` new tokens): its record and the
-        answer text a later turn follows."""
+        """Answer ``ids`` (<= ``max_new`` new tokens): the record and text a later turn follows."""
 
 
 def answer_every_prompt(responder: Responder, tokenizer, configs: list, items: list[list[Item]],

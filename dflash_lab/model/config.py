@@ -424,8 +424,7 @@ class DrafterConfig:
 
     # ------------------------------------------------------------------ serving config.json
     def to_dict(self) -> dict[str, Any]:
-        """The serving config.json (dflash.md section 4), plus our exact training spec
-        (model/serving_form.py)."""
+        """The serving config.json (dflash.md section 4) plus our training spec (serving_form)."""
         return serving_dict(self)
 
     @classmethod

@@ -166,8 +166,7 @@ class HiddenStatesServer(CompletionServer):
                              "tokenised it again or mixed requests up")
 
     def hidden_states_many(self, prompts: list[list[int]]) -> list[ServedStates]:
-        """:meth:`hidden_states` of every prompt at once (the server batches them), in input
-        order; the first failure cancels the rest."""
+        """:meth:`hidden_states` of all prompts at once, in order; a failure cancels the rest."""
         return all_at_once([partial(self.hidden_states, p) for p in prompts], "hs")
 
 

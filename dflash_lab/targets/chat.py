@@ -111,8 +111,7 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
             enable_thinking: bool | None) -> str:
-    """The template's text (``enable_thinking`` passed when set); a template error (e.g.
-    Gemma's alternation check) is a bad row."""
+    """The template's text (``enable_thinking`` if set); a template error (Gemma's) is a bad row."""
     from jinja2.exceptions import TemplateError
 
     require_chat_template(tokenizer, "rendering conversations")

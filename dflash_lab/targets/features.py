@@ -70,8 +70,7 @@ def stream_widths(config) -> tuple[int, ...]:
 
 
 def check_feature_width(config, target_hidden_size: int | None, where: str) -> int:
-    """``target_hidden_size`` (None = H) if this target can give it, else a ValueError naming
-    the widths it gives and the fix."""
+    """``target_hidden_size`` (None = H) if the target gives it, else ValueError naming widths."""
     widths = stream_widths(config)
     width = widths[0] if target_hidden_size is None else int(target_hidden_size)
     if width not in widths:

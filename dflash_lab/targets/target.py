@@ -270,8 +270,7 @@ class Target:
         return self._fingerprint or None
 
     def identity(self) -> dict[str, Any]:
-        """What a capture manifest records to recognise this target later (config, tokenizer
-        and weights: ``weights_fingerprint``)."""
+        """What a capture manifest records to recognise this target (config, tokenizer, weights)."""
         return {
             "name_or_path": self.name_or_path,
             "gguf_file": self.gguf_file,
