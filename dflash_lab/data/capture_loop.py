@@ -180,11 +180,10 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
 def capture_shard(target, rows, index: int, settings: CaptureSettings, where: str = "data",
                   turn_end: TurnEnd | None = None, server=None
                   ) -> tuple[list[shards.CapturedSample], dict[str, Any]]:
-    """Features of the rows of shard ``index`` (batched longest-first, returned in row order),
-    and the shard record's report: ``bad_rows`` ({"row", "reason"}), ``zero_loss_rows`` and
-    per-sample loss-token ``min_loss_tokens`` / ``max_loss_tokens``. With ``server`` (a
-    :class:`~dflash_lab.serving.hidden_states.HiddenStatesServer`) the hidden states come from
-    the serving engine and the target only supplies its final norm and LM head."""
+    """Features of the rows of shard ``index`` (batched longest-first, returned in row order) and
+    the shard record's report: ``bad_rows`` ({"row", "reason"}), ``zero_loss_rows``, per-sample
+    ``min_loss_tokens`` / ``max_loss_tokens``. With ``server`` (a ``HiddenStatesServer``) the
+    hidden states come from the engine, the target supplying only its final norm and LM head."""
     if turn_end is None:
         turn_end = find_turn_end(target.tokenizer, target_stop_ids(target),
                                  settings.enable_thinking)

@@ -84,9 +84,9 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 class EpochShuffleSampler(Sampler[int]):
     """This rank's share of a permutation fixed by (seed, epoch), split as torch's
-    DistributedSampler (head repeated to a multiple of the world size, rank r takes every
-    world-th index from r; trainer configs set ``use_distributed_sampler: false``).
-    :meth:`resume_at` skips the first ``samples_done`` indices all ranks consumed (same length)."""
+    DistributedSampler (head repeated to a multiple of the world size, rank r takes every world-th
+    index from r; trainer configs set ``use_distributed_sampler: false``); :meth:`resume_at`
+    skips the first ``samples_done`` indices all ranks consumed (same length)."""
 
     def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):
         self.num, self.seed, self.epoch = num, seed, 0
@@ -307,10 +307,9 @@ class OnlineDataModule(BlockDataModule):
                  enable_thinking: bool | None = None, demo_rows: int = 512, demo_seed: int = 1,
                  demo_file: str = "outputs/demo/train_conversations.jsonl",
                  bad_rows: str = "skip", target_hidden_size: int | None = None, **kw: Any):
-        """``path``, ``split``, ``limit``, ``shuffle_seed``, ``demo_*``: the conversations by
-        the names dflash-capture and dflash-regenerate use (one reader:
-        :func:`~dflash_lab.data.conversations.open_conversations`). ``target_hidden_size``: the
-        drafter's per-layer feature width (None = the target's hidden size)."""
+        """``path``, ``split``, ``limit``, ``shuffle_seed``, ``demo_*``: the conversations as
+        dflash-capture and dflash-regenerate name them (one reader: ``open_conversations``).
+        ``target_hidden_size``: the drafter's per-layer width (None = the target's hidden size)."""
         for old in (k for k in kw if f"data.{k}" in RENAMED_KEYS):
             raise renamed_key_error(f"data.{old}", "the data config of the recipe or command")
         super().__init__(**kw)
@@ -371,9 +370,9 @@ def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[
 class OfflineDataModule(BlockDataModule):
     """Captured shards, checked at start-up against the drafter (``target_layer_ids``,
     ``hidden_size``, ``vocab_size``) and an optional ``target`` (config, tokenizer, weights;
-    ``allow_other_target_weights``: another checkpoint of the same config), each refusal naming
-    both values. ``format``: ``auto`` (by the files), ``dflash_lab`` or ``speculators`` (with
-    ``speculators_layer_ids``, ``hidden_states_path``: docs/data.md, "speculators data")."""
+    ``allow_other_target_weights``: another checkpoint of its config), naming both values.
+    ``format``: ``auto``, ``dflash_lab`` or ``speculators`` (``speculators_layer_ids``,
+    ``hidden_states_path``: docs/data.md, "speculators data")."""
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:

@@ -158,10 +158,9 @@ def _json_line_error(raw: bytes) -> str | None:
 
 
 def _json_document_error(data: bytes) -> str | None:
-    """Why a whole .json file is not rows: its first byte that is not UTF-8 or its JSON error
-    (by line; a file of JSON lines line by line), a top level that is neither a list nor an
-    object, or a list item that is not an object (by row). An object is left to
-    :func:`check_columns` (``datasets`` reads it as a row)."""
+    """Why a whole .json file is not rows: its first non-UTF-8 byte or its JSON error (by line;
+    JSON lines line by line), a top level neither a list nor an object, or a list item not an
+    object (by row). An object is left to :func:`check_columns` (``datasets`` reads it as a row)."""
     try:
         text = data.decode("utf-8-sig")  # a leading BOM, as datasets strips it
     except UnicodeDecodeError as err:

@@ -106,8 +106,7 @@ class SpeculatorsDataset(Dataset):
     """A speculators prepare-data directory and its states as :class:`ShardDataset` items
     (``hidden`` [S, nL*H] in our ``target_layer_ids`` order, ``sample_id``: the prepare-data row)
     plus ``target_last_hidden`` [S, H]. ``target``: the states' target (its final norm and LM
-    head, copied to the CPU, derive argmax and last state; head-only loads do). Headers and token
-    ids are checked at construction."""
+    head, copied to the CPU: head-only loads do). Headers and token ids checked at construction."""
 
     def __init__(self, path: str | Path, *, target: Any, target_layer_ids: list[int],
                  layer_ids: list[int] | None = None, hidden_states_path: str | Path | None = None,

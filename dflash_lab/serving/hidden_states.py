@@ -43,10 +43,9 @@ def server_layer_ids(target_layer_ids: list[int], num_hidden_layers: int) -> lis
 def server_args(aux_layer_ids: list[int], storage_dir: str | Path, *,
                 connector: str = CONNECTOR_CLASS,
                 module: str | None = CONNECTOR_MODULE) -> list[str]:
-    """The ``vllm serve`` arguments that make a server answer with hidden states of
-    ``aux_layer_ids`` written under ``storage_dir``. ``connector="ExampleHiddenStatesConnector",
-    module=None`` is vLLM's own (GPU only); the default is ours (CPU and GPU), which needs this
-    repository on the server's PYTHONPATH."""
+    """The ``vllm serve`` arguments for hidden states of ``aux_layer_ids`` under ``storage_dir``.
+    ``connector="ExampleHiddenStatesConnector", module=None``: vLLM's own (GPU only); default:
+    ours (CPU and GPU), which needs this repository on the server's PYTHONPATH."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
                 "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids]}}}

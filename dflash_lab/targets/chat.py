@@ -164,10 +164,9 @@ def _closing_text(tokenizer, enable_thinking: bool | None) -> str:
 def find_turn_end(tokenizer, stop_ids: list[int] | tuple[int, ...] = (),
                   enable_thinking: bool | None = None) -> TurnEnd:
     """The end of an assistant turn as this chat template writes it: in the closing text
-    (:func:`_closing_text`), just past the first stop id (``stop_ids`` plus the tokenizer's EOS),
+    (:func:`_closing_text`), just past the first stop id (``stop_ids`` and the tokenizer's EOS),
     else the first added/special token. Warns when there is none (the drafter never learns to end
-    a turn) or it is no stop id (the target would not stop there: check
-    ``generation_config.eos_token_id``)."""
+    a turn) or it is no stop id (the target would not stop: check its eos_token_id)."""
     closing = _closing_text(tokenizer, enable_thinking)
     stops = {int(i) for i in stop_ids} | ({tokenizer.eos_token_id} - {None})
     added = (set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)) - {
