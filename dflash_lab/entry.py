@@ -62,10 +62,9 @@ _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 def accepted_keys(target: str) -> frozenset[str] | None:
     """The keyword arguments the ``_target_`` ``target`` takes, from its signature; a class's
-    ``**kwargs`` is followed into its bases' ``__init__`` (a data module hands them to
-    BlockDataModule); a function declares what its ``**kwargs`` take as ``fn.keyword_fields()``
-    (build_drafter: the DrafterConfig fields). None when a ``**kwargs`` goes elsewhere
-    undeclared or ``target`` is not found (instantiate names it)."""
+    ``**kwargs`` is followed into its bases' ``__init__`` (a data module's to BlockDataModule); a
+    function declares its ``**kwargs`` as ``fn.keyword_fields()`` (build_drafter: DrafterConfig's
+    fields). None when a ``**kwargs`` goes elsewhere undeclared or ``target`` is not found."""
     try:
         obj = get_object(target)
     except Exception:

@@ -104,9 +104,9 @@ def publish_dir(tmp: Path, path: str | Path,
                 replace_existing: Callable[[Path], bool] = _always) -> bool:
     """Rename the finished directory ``tmp`` onto ``path``; True when it is there. Where ``path``
     exists (or another builder's rename won), ``replace_existing(path)`` decides: True moves the
-    old one aside (``.NAME.old-<random>``), renames ``tmp`` in, then deletes the old (readers see
-    old or new whole); False keeps both (an equal result is there); it may raise to refuse. A
-    rename failing otherwise puts the old one back."""
+    old aside (``.NAME.old-<random>``), renames ``tmp`` in, deletes the old (readers see old or new
+    whole); False keeps both (an equal result is there); it may raise to refuse. A rename failing
+    otherwise puts the old one back."""
     path = Path(path)
     while True:
         old = None

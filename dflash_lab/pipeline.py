@@ -394,11 +394,10 @@ STAGE_COMMANDS = {"regenerate": "dflash-regenerate", "capture": "dflash-capture"
 
 
 def stage_request(stage: str, argv: list[str]) -> Request:
-    """``dflash-capture recipe=X [root=DIR] [OVERRIDE ...]`` -> the request ``dflash-lab run
-    recipe=X [root=DIR] stages=[capture] capture:OVERRIDE ...``: the same arguments, folders,
-    record and skip as the pipeline's stage. Export options are given bare
-    (``--dtype=bfloat16``); an argument already addressed to a stage (``train:KEY=VALUE``,
-    which the other stages' settings derive from) is passed as it is."""
+    """``dflash-capture recipe=X [root=DIR] [OVERRIDE ...]`` -> ``dflash-lab run recipe=X
+    [root=DIR] stages=[capture] capture:OVERRIDE ...``: the same arguments, folders, record and
+    skip as the pipeline's stage. Export options are given bare (``--dtype=bfloat16``); an
+    argument addressed to a stage (``train:KEY=VALUE``, whence all settings derive) passes as is."""
     if any(a.startswith(("stages=", "force=")) for a in argv):
         raise ValueError(f"{STAGE_COMMANDS[stage]} recipe=NAME runs the {stage} stage only: "
                          f"for stages=/force= use dflash-lab run\n{USAGE}")

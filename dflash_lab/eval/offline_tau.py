@@ -169,11 +169,10 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
                  num_anchors: int | None = None, seed: int = 1234, anchors_per_forward: int = 256,
                  progress: bool = True, temperatures=None) -> dict[str, Any]:
     """tau, per-position acceptance and accuracy of ``drafter`` over captured samples (DFlash 2:
-    of the selector path, with the unary and oracle taus and recall@K beside). ``temperatures``:
-    where to report the expected acceptance length ``tau_T{t}`` (exact, from the per-slot
-    overlaps sum min(p_T, q_T) against the captured target distribution, as ``val/tau_T{t}``);
-    null: [1.0] when the capture holds the distribution. DFlash 1 only: a DFlash 2 drafter
-    samples from its selector, not from the unary q (refused)."""
+    the selector path's, with the unary and oracle taus and recall@K). ``temperatures``: where
+    to report the expected acceptance length ``tau_T{t}`` (exact: per-slot sum min(p_T, q_T)
+    against the captured distribution, as ``val/tau_T{t}``); null: [1.0] when the capture holds
+    it. DFlash 1 only (DFlash 2 samples from its selector, not the unary q: refused)."""
     from dflash_lab.data.shards import distribution_of
     from dflash_lab.train.distill import LossSpec, resolve_val_temperatures, teacher_kind
 

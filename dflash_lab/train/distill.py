@@ -114,8 +114,7 @@ class Teacher:
     ``hidden_mh`` [M, H], its final-normed last hidden state at the position BEFORE each slot
     (whose logits are the slot token's distribution), projected per chunk by the target head;
     ``softcap``: its ``final_logit_softcapping`` (Gemma). Sparse: ``top_ids_mk``,
-    ``top_logprobs_mk`` [M, K] (at T = 1 over the whole vocabulary, best first); the rest of the
-    mass is the tail bucket."""
+    ``top_logprobs_mk`` [M, K] (T = 1, whole vocabulary, best first); the rest: the tail bucket."""
 
     hidden_mh: Tensor | None = None
     top_ids_mk: Tensor | None = None

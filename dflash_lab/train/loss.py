@@ -113,11 +113,10 @@ class BlockTargets:
 def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
                   anchor_valid_bn: Tensor, block_size: int,
                   document_ids_bs: Tensor | None = None, label_shift: int = 0) -> BlockTargets:
-    """Gather labels only at anchored positions; slot t predicts position
-    p = :func:`slot_positions` (a + t + ``label_shift``) and counts when t >= 1 - label_shift,
-    p < S, p is in the loss mask, and its block is a real (not padding) anchor. Packed rows
-    (``document_ids_bs`` [Bt, S]): also when p is in the anchor's document, so a slot past
-    its document's end gets no loss, as a slot past an unpacked row's end gets none."""
+    """Gather labels only at anchored positions: slot t predicts p = :func:`slot_positions` (a + t
+    + ``label_shift``) and counts when t >= 1 - label_shift, p < S, p is in the loss mask and its
+    block a real (not padding) anchor; packed rows (``document_ids_bs`` [Bt, S]): also when p is
+    in the anchor's document (a slot past its document's end gets no loss, as past a row's end)."""
     seq = targets_bs.shape[1]
     first = 1 - int(label_shift)
     pos = slot_positions(anchors_bn, block_size, label_shift)

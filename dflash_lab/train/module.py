@@ -61,16 +61,14 @@ TARGET_PREFIX = "target_head."
 
 
 class DFlashModule(L.LightningModule):
-    """Owns loss, metrics and optimisation of one drafter.
-
-    target_head: frozen ``embed_tokens`` and ``lm_head`` (never trained, never saved).
-    optimizer / scheduler: Hydra partials (``params -> Optimizer``, ``optimizer ->
-    LRScheduler``, stepped every step). ce_chunk_size / ce_chunk_bytes: ``loss.ce_chunk_rows``.
-    selector / head: ``module.selector`` (validated by the head's ``check_training``: DFlash 2's
-    ``SelectorSettings``; DFlash 1 accepts only the defaults) and ``module.head``
-    (``Head.module_settings``: Domino's lambda schedule). feature_source: ``input_ids [Bt, S] ->
-    TargetFeatures`` for batches without ``hidden`` (the online target; None for captures).
-    """
+    """Owns loss, metrics and optimisation of one drafter. target_head: frozen ``embed_tokens``
+    and ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
+    (``params -> Optimizer``, ``optimizer -> LRScheduler``, stepped every step). ce_chunk_size /
+    ce_chunk_bytes: ``loss.ce_chunk_rows``. selector / head: ``module.selector`` (validated by the
+    head's ``check_training``: DFlash 2's ``SelectorSettings``; DFlash 1 accepts only the
+    defaults) and ``module.head`` (``Head.module_settings``: Domino's lambda schedule).
+    feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden`` (the
+    online target; None for captures)."""
 
     def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
                  optimizer: Callable[..., torch.optim.Optimizer],
@@ -292,10 +290,10 @@ class DFlashModule(L.LightningModule):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int,
                             optimizer: torch.optim.Optimizer) -> None:
         """Lightning's ``optimizer.zero_grad()`` (gradients set to None), except the dense CPU
-        gradients a head's module zeroes in place (``zero_grads_in_place_()`` returns those
-        parameters; DFlash 2's codebooks): their next backward adds the few looked-up rows into
-        them instead of mapping and page-faulting a fresh [V, R] buffer every step (the same
-        gradient, bitwise, and AdamW still steps every parameter)."""
+        gradients a head's module zeroes in place (``zero_grads_in_place_()`` returns them;
+        DFlash 2's codebooks): the next backward adds the few looked-up rows into them instead
+        of page-faulting a fresh [V, R] buffer each step (same gradient, bitwise; AdamW still
+        steps every parameter)."""
         kept = [(p, p.grad) for m in self._grad_keepers for p in m.zero_grads_in_place_()]
         optimizer.zero_grad(set_to_none=True)
         for param, grad in kept:
@@ -304,13 +302,10 @@ class DFlashModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clip as configured, also with the fused AdamW under ``bf16-mixed``.
-
-        Lightning refuses to clip for any optimizer that unscales gradients in its own step
-        (fused AdamW) under mixed precision, because a GradScaler (fp16) would leave the
-        gradients scaled at clipping time. bf16-mixed has no scaler: the gradients are already
-        true, so clipping before the step is exact. fp16 keeps Lightning's refusal.
-        """
+        """Clip as configured, also with the fused AdamW under ``bf16-mixed``: Lightning refuses
+        to clip for an optimizer that unscales in its own step (fused AdamW) under mixed
+        precision, since a GradScaler (fp16) leaves gradients scaled at clipping time; bf16-mixed
+        has no scaler, so clipping before the step is exact. fp16 keeps Lightning's refusal."""
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and getattr(plugin, "scaler", "absent") is None:
             algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")

@@ -92,10 +92,9 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
 
 def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     """Refuse at start-up a run whose end-of-run export the engine rules would refuse (e.g. a
-    Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings), instead of
-    failing after training: same rules, same target class as ``dflash-export`` applies, on the
-    config.json of ``export.format`` (which refuses what that layout cannot carry: a DFlash 2
-    drafter as a Muse Glimmer assistant, Laguna features in our own format, ...)."""
+    Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings): the rules and target
+    class ``dflash-export`` applies, on the config.json of ``export.format`` (which refuses what
+    that layout cannot carry: DFlash 2 as a Muse Glimmer assistant, Laguna features in ours)."""
     opts = export_kwargs(export_section(cfg))
     where = f"the drafter of this run (export.format={opts['format']})"
     raw = format_config(opts["format"], dataclasses.replace(drafter.config, _source=where),
