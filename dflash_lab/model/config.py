@@ -430,11 +430,10 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
         """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly: the layout
-        comes from the recorded training spec (``dflash_lab_training_spec``) alone, an unknown
-        key is a ValueError naming it and its close matches, two ``block_size`` copies must
-        agree. No engine rule is emulated: a third-party config.json is read by
-        ``dflash_lab.export.import_drafter`` (docs/export.md, "Importing third-party directories").
-        """
+        from the recorded training spec (``dflash_lab_training_spec``) alone, an unknown key a
+        ValueError naming it and its close matches, two ``block_size`` copies agreeing. No engine
+        rule is emulated: a third-party config.json is ``dflash_lab.export.import_drafter``'s
+        (docs/export.md, "Importing third-party directories")."""
         return parse_ours(cls, d, source=source)
 
     @classmethod

@@ -205,12 +205,11 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------ training path
     def forward(self, target_hidden_bsf: Tensor, input_ids_bs: Tensor, anchors_bn: Tensor,
                 embed_tokens: nn.Module, document_ids_bs: Tensor | None = None) -> Tensor:
-        """Packed training forward: target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S],
-        anchors_bn [Bt, N] (sorted; padded entries may repeat a valid anchor and must be excluded
-        from the loss). document_ids_bs [Bt, S]: packed rows' document of each token (each
-        document gets RoPE positions from 0 and only its own context, attention/mask.py, as
-        alone in an unpacked row); None: one document per row. Returns hidden [Bt, N, B, H]; slot
-        t of block j predicts the token at anchors[j] + t."""
+        """Packed training forward: target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S], anchors_bn
+        [Bt, N] (sorted; padded entries may repeat a valid anchor: no loss). document_ids_bs
+        [Bt, S]: packed rows' document of each token (each gets RoPE positions from 0 and only its
+        own context, attention/mask.py, as alone in a row); None: one per row. Returns hidden
+        [Bt, N, B, H]; slot t of block j predicts the token at anchors[j] + t."""
         bt, s, _ = target_hidden_bsf.shape
         ctx = self.fuse(target_hidden_bsf)
         positions = torch.arange(s, device=ctx.device)

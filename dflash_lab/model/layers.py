@@ -43,9 +43,8 @@ def vocab_topk(logits: Tensor, k: int, dim: int = -1) -> tuple[Tensor, Tensor]:
     Exact: of blocks of ``TOPK_BLOCK`` entries, every top-k entry lies in one whose maximum is
     among the k largest block maxima (any other block has k blocks above it, each holding an
     entry at least as large), so the top-k of those k blocks (plus the ragged tail) is the top-k.
-    Values equal ``torch.topk``'s; ids too, except which of exactly equal logits is kept
-    (unspecified there as well). ``dim``: the vocabulary dimension, 0 ([V, m], the loss's
-    vocab-major chunks) or -1 ([m, V])."""
+    Values equal ``torch.topk``'s; ids too, except which of exactly equal logits is kept (also
+    unspecified there). ``dim``: the vocabulary dim, 0 ([V, m], vocab-major chunks) or -1."""
     if logits.dim() != 2 or dim not in (0, 1, -1):
         raise ValueError(f"vocab_topk takes a 2-D tensor and dim 0 or -1, got "
                          f"{tuple(logits.shape)} and dim={dim}")

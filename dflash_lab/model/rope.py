@@ -77,9 +77,9 @@ def normalize_scaling(scaling: dict[str, Any] | None, *, rope_theta: float,
                       max_position_embeddings: int, where: str) -> dict[str, Any] | None:
     """The drafter's ``rope_scaling`` in one spelling, or ValueError naming the value and fix
     (``where``: the config's source). None and ``{"rope_type": "default"}`` give None (plain).
-    Else: ``rope_type`` (legacy ``type`` accepted), exactly the keys the type reads,
-    ``original_max_position_embeddings`` explicit for yarn / llama3 (default
-    ``max_position_embeddings``, as transformers), ``rope_theta`` only if equal to rope_theta."""
+    Else: ``rope_type`` (legacy ``type`` accepted), exactly the keys the type reads, explicit
+    ``original_max_position_embeddings`` for yarn / llama3 (default: max_position_embeddings,
+    as transformers), ``rope_theta`` only if equal to rope_theta."""
     if scaling is None:
         return None
     scaling = dict(scaling)
