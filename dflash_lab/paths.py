@@ -29,10 +29,9 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 
 
 def temp_beside(path: Path) -> Path:
-    """A temporary name beside ``path`` for write-then-rename, unique to this process. Ranks of
-    a job, on one node or several, write some files at the same moment (a capture plan, the demo
-    data, a manifest that two ranks finishing together both merge); with one shared temporary
-    name a rank renames the other's half-written file and then fails its own rename."""
+    """A temporary name beside ``path`` for write-then-rename, unique to this process: ranks of a
+    job write some files at the same moment (a capture plan, the demo data, a merged manifest);
+    with one shared name a rank renames the other's half-written file, then fails its rename."""
     return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
@@ -104,9 +103,9 @@ def publish_dir(tmp: Path, path: str | Path,
                 replace_existing: Callable[[Path], bool] = _always) -> bool:
     """Rename the finished directory ``tmp`` onto ``path``; True when it is there. Where ``path``
     exists (or another builder's rename won), ``replace_existing(path)`` decides: True moves the
-    old aside (``.NAME.old-<random>``), renames ``tmp`` in, deletes the old (readers see old or new
-    whole); False keeps both (an equal result is there); it may raise to refuse. A rename failing
-    otherwise puts the old one back."""
+    old one aside (``.NAME.old-<random>``), renames ``tmp`` in, then deletes the old (readers see
+    old or new whole); False keeps both (an equal result is there); it may raise to refuse. A
+    rename failing otherwise puts the old one back."""
     path = Path(path)
     while True:
         old = None

@@ -259,10 +259,9 @@ def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Pat
 
 
 def set_aside(stage: Stage, root: Path) -> None:
-    """Before a stage reruns from scratch (changed inputs, or ``force``): drop its record and
-    move its folder to ``<folder>.prev`` (replacing an older one), so a new run never resumes
-    or mixes with the old outputs. Without a record the folder is a killed run's: kept, so that
-    train resumes from its last.ckpt and capture from its finished shards."""
+    """Before a stage reruns from scratch (changed inputs, ``force``): drop its record and move its
+    folder to ``<folder>.prev`` (replacing an older one), so a new run never mixes with the old.
+    Without a record the folder is a killed run's: kept (train resumes, capture continues)."""
     record = record_path(root, stage.name)
     if not record.is_file():
         return

@@ -112,11 +112,11 @@ def mask_tile(layout: BlockLayout, spec: LayerSpec, q0: int, q1: int, k0: int, k
 
 def visible_key_ranges(layout: BlockLayout, spec: LayerSpec, n0: int, n1: int
                        ) -> list[tuple[int, int]]:
-    """Key ranges ``[(k0, k1), ...]`` outside which blocks [n0, n1) see nothing in any row (a bound;
-    :func:`mask_tile` decides inside): the context from the blocks' lowest first visible key
-    (document start, or ``a_j - (W-1)`` in a window) to the last anchor (keys ``p < a_j``), dropped
-    when empty, and slots ``S + n0*B .. S + n1*B``. Sliding layers' tiles keep a fixed size as
-    rows grow (docs/training.md, "The mask predicate")."""
+    """Key ranges ``[(k0, k1), ...]`` outside which blocks [n0, n1) see nothing, in any row (a
+    bound; :func:`mask_tile` decides inside): the context from the blocks' lowest first visible
+    key (document start, or ``a_j - (W-1)`` under a window) to the last anchor (keys ``p < a_j``),
+    dropped when empty, and the slots ``S + n0*B .. S + n1*B``. Sliding layers' tiles keep a fixed
+    size as rows grow (docs/training.md, "The mask predicate")."""
     s, b = layout.num_context, layout.block_size
     anchors = layout.anchors_bn[:, n0:n1]
     first = layout.starts_bn()[:, n0:n1]

@@ -35,10 +35,10 @@ BACKENDS = ("local", "server")
 def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
                     target_layer_ids: list[int], pieces, topk: int = 0) -> TargetFeatures:
     """One sequence's features (no batch axis) from ``states_tkh`` [T, k, H], the served states of
-    ``aux_layer_ids`` (vLLM ids, ascending; the last, ``num_hidden_layers``, is the pre-norm final
-    state), with the target's ``pieces``: ``hidden_bsf`` [T, nL*H] in ``target_layer_ids`` order
-    (z-lab id i = vLLM id i + 1), ``argmax_bs`` [T], final-normed ``last_bsh`` [T, H] and, with
-    ``topk``, the top-k ids and log-probabilities [T, k]."""
+    ``aux_layer_ids`` (vLLM ids, ascending; the last, ``num_hidden_layers``, is the final state
+    before the norm), with the target's ``pieces`` (TargetPieces): ``hidden_bsf`` [T, nL*H] in
+    ``target_layer_ids`` order (z-lab id i = vLLM id i + 1), ``argmax_bs`` [T], final-normed
+    ``last_bsh`` [T, H] and, with ``topk``, the top-k ids and log-probabilities [T, k]."""
     where = {vllm_id: n for n, vllm_id in enumerate(aux_layer_ids)}
     hidden = torch.cat([states_tkh[:, where[int(i) + 1]] for i in target_layer_ids], dim=-1)
     head = pieces.lm_head.weight
@@ -120,11 +120,11 @@ PROBE_TEXT = "The capital of France is Paris. The capital of Italy is"
 
 
 def check_server(server, target, max_length: int) -> dict[str, Any]:
-    """Before any shard: one served model fits ``max_length`` + 1 tokens (a request generates one),
-    returns hidden states of the expected shape, and its greedy token after a probe is among the 5
-    likeliest labels computed here from its last layer (another model or layer count fails; vLLM
-    reports no layer ids: a wrong set of the right size may pass). Returns engine,
-    engine_version, engine_model, engine_dtype (the states') for the plan."""
+    """Before any shard: one served model fits ``max_length`` + 1 tokens (a request generates
+    one), returns hidden states of the expected shape, and its greedy token after a probe is among
+    the 5 likeliest labels computed here from its last layer (another model or layer count fails;
+    vLLM reports no layer ids, so a wrong set of the right size may pass). Returns engine,
+    engine_version, engine_model, engine_dtype (the states' dtype) for the plan."""
     card = server.connect(max_length, "capture.max_length")
     if card["max_model_len"] is not None and max_length >= card["max_model_len"]:
         # vLLM refuses a prompt that leaves no room for the one token each request generates

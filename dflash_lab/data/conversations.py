@@ -26,11 +26,11 @@ def _looks_local(path: str) -> bool:
 
 def load_conversations(path: str, *, split: str = "train", limit: int | None = None,
                        shuffle_seed: int | None = None):
-    """A ``datasets.Dataset`` of conversation rows (``messages`` or ``conversations``), shuffled
-    (given a seed) then limited; ``path``: a ``.jsonl``/``.json``/``.parquet`` file, else a hub id.
-    Column INPUT_ROW (replacing any of that name) keeps each row's file number. ValueError:
-    missing file, unknown format, empty dataset, no conversation column, a bad file
-    (:func:`~dflash_lab.data.row_files.read_row_file`)."""
+    """A ``datasets.Dataset`` of conversation rows (``messages`` or ``conversations``), shuffled (if
+    a seed is given) then limited; ``path``: a ``.jsonl``/``.json``/``.parquet`` file, else a hub
+    id. Column INPUT_ROW (replacing any of that name) keeps each row's file number for reports.
+    ValueError: missing file, unknown format, empty dataset, no conversation column, or a bad
+    file (:func:`~dflash_lab.data.row_files.read_row_file`)."""
     import datasets
 
     local = Path(path) if _looks_local(path) else None

@@ -84,9 +84,9 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 
 class EpochShuffleSampler(Sampler[int]):
     """This rank's share of a permutation fixed by (seed, epoch), split as torch's
-    DistributedSampler (head repeated to a multiple of the world size, rank r takes every world-th
-    index from r; trainer configs set ``use_distributed_sampler: false``); :meth:`resume_at`
-    skips the first ``samples_done`` indices all ranks consumed (same length)."""
+    DistributedSampler (head repeated to a multiple of the world size, rank r takes every
+    world-th index from r; trainer configs set ``use_distributed_sampler: false``).
+    :meth:`resume_at` skips the first ``samples_done`` indices all ranks consumed (same length)."""
 
     def __init__(self, num: int, seed: int, world: int | None = None, rank: int | None = None):
         self.num, self.seed, self.epoch = num, seed, 0
@@ -120,11 +120,11 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 class BlockDataModule(L.LightningDataModule):
-    """Split, collate and loaders of the online and offline modules, and what ``dflash-train`` asks
-    the configured class instead of matching its name (:attr:`runs_target`, :meth:`drafter_inputs`,
-    :meth:`check_config`, :meth:`sequence_limit`). ``pack``: packed rows of whole documents
-    (docs/data.md, "Packed rows"): ``train_set``/``val_set`` stay the documents, the loaders serve
-    ``train_rows``/``val_rows`` (the same sets when unpacked)."""
+    """Split, collate and loaders shared by the online and offline modules, and what
+    ``dflash-train`` asks the configured class instead of matching its name (:attr:`runs_target`,
+    :meth:`drafter_inputs`, :meth:`check_config`, :meth:`sequence_limit`). ``pack``: packed rows of
+    whole documents (docs/data.md, "Packed rows"); ``train_set``/``val_set`` stay the documents,
+    ``train_rows``/``val_rows`` are what the loaders serve (the same sets when unpacked)."""
 
     #: The module computes features with the whole in-process target (online data), so the
     #: run cannot load only the target's head (``target.head_only=true``).
@@ -370,9 +370,9 @@ def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[
 class OfflineDataModule(BlockDataModule):
     """Captured shards, checked at start-up against the drafter (``target_layer_ids``,
     ``hidden_size``, ``vocab_size``) and an optional ``target`` (config, tokenizer, weights;
-    ``allow_other_target_weights``: another checkpoint of its config), naming both values.
-    ``format``: ``auto``, ``dflash_lab`` or ``speculators`` (``speculators_layer_ids``,
-    ``hidden_states_path``: docs/data.md, "speculators data")."""
+    ``allow_other_target_weights``: another checkpoint of the same config), each refusal naming
+    both values. ``format``: ``auto`` (by the files), ``dflash_lab`` or ``speculators`` (with
+    ``speculators_layer_ids``, ``hidden_states_path``: docs/data.md, "speculators data")."""
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:

@@ -139,11 +139,11 @@ def bucket_name(edges: tuple[int, ...], i: int) -> str:
 
 
 def tau_by_context(records: list[ResponseRecord], edges=CONTEXT_BUCKETS) -> list[dict[str, Any]]:
-    """Acceptance by context length: each verify round in the bucket of the context the drafter
-    read (the turn's prompt + tokens committed before the round); a record with totals only (an
-    engine's) counts its rounds at its prompt length (``basis`` responses: coarser); records
-    without ``prompt_tokens`` are left out. One row per bucket holding a round: bucket, rounds,
-    tokens, tau (tokens per round), basis."""
+    """Acceptance by context length: each verify round counted in the bucket of the context the
+    drafter read (the turn's prompt + the tokens committed before the round). A record with
+    totals only (an engine's server) counts its rounds at its prompt length (``basis``
+    responses: coarser); records without ``prompt_tokens`` are left out. One row per bucket
+    that holds a round: bucket, rounds, tokens, tau (tokens per round), basis."""
     edges = tuple(sorted(int(e) for e in edges))
     rows = [{"rounds": 0, "tokens": 0, "bases": set()} for _ in range(len(edges) + 1)]
 

@@ -53,9 +53,9 @@ def _is_recurrent(layer) -> bool:
 class TargetRunner:
     """An HF causal LM with a cache that grows by forwards and shrinks by :meth:`crop`;
     ``target_layer_ids`` (z-lab convention) selects the features (None: none, the baseline).
-    Logits: the model's own forward (Gemma's soft-capping included). Hybrid targets' linear layers
-    (Qwen3.5/3.6) are copied before a multi-token forward, restored and replayed by :meth:`crop`
-    (docs/eval.md, "Report")."""
+    Logits come from the model's own forward (Gemma's soft-capping included). Hybrid targets'
+    linear layers (Qwen3.5/3.6) are copied before a multi-token forward; :meth:`crop` restores
+    them and replays the kept tokens (docs/eval.md, "Report")."""
 
     def __init__(self, model, target_layer_ids: list[int] | None = None,
                  target_hidden_size: int | None = None):

@@ -92,9 +92,9 @@ class CompletionServer:
     # -- API -----------------------------------------------------------------------------------
     def connect(self, max_length: int,
                 setting: str = "regenerate.settings.max_length") -> dict[str, Any]:
-        """Pick the served model and check it holds ``max_length`` tokens (``setting``: the key
-        errors name); the model id and, where the server says (vLLM, SGLang), root and
-        max_model_len."""
+        """Pick the served model and check it holds ``max_length`` tokens (``setting``: the key an
+        error names). Returns the model id and, where the server says (vLLM, SGLang), its root
+        path and max_model_len (else None)."""
         card = pick_served_model(self._request("/models").get("data") or [], self.model,
                                  self.base, "server.model", ServerError)
         self.model = card.get("id")

@@ -252,10 +252,9 @@ def close_logger(logger) -> None:
 
 
 def check_same_start_step(trainer, device: torch.device) -> None:
-    """Every rank must start training from the same step. ``ckpt_path=auto`` looks for
-    last.ckpt in each process; nodes that see different files (run directory not on a shared
-    filesystem, a stale NFS cache) would resume some ranks and start others afresh, and then
-    diverge or hang. All ranks raise together (they all see the gathered steps)."""
+    """Every rank must start from the same step: ``ckpt_path=auto`` looks for last.ckpt in each
+    process, and nodes seeing different files (no shared filesystem, a stale NFS cache) would
+    resume some ranks and start others afresh, then diverge or hang. All ranks raise together."""
     steps = trainer.strategy.all_gather(torch.tensor(trainer.global_step, device=device))
     steps = steps.flatten().tolist()
     if min(steps) != max(steps):

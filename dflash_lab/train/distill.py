@@ -134,9 +134,9 @@ class Teacher:
 
 @dataclass
 class Buckets:
-    """Both distributions of a chunk over the same buckets, each [B, m] fp32: a vocabulary slice
-    (dense: one bucket per token) or the teacher's K ids plus the tail (sparse: K + 1, tail
-    last)."""
+    """Both distributions of a chunk over the same buckets: a slice of the vocabulary (dense:
+    one bucket per token) or the teacher's K ids plus the tail (sparse: K + 1, the tail last).
+    Each [B, m] fp32."""
 
     p: Tensor
     logp: Tensor
@@ -339,9 +339,9 @@ def slot_teacher(kind: str, batch: Mapping[str, Tensor], anchors_bn: Tensor,
 
 
 def resolve_val_temperatures(given, available: Mapping | None) -> tuple[float, ...]:
-    """``module.val_temperatures``: null logs ``val/tau_T1`` when the data carries the target
-    distribution (else nothing); a list is asked as is (:func:`teacher_kind` refuses the
-    impossible)."""
+    """``module.val_temperatures``: null logs ``val/tau_T1`` whenever the data carries the
+    target distribution (and nothing otherwise); a list is what is asked (refused by
+    :func:`teacher_kind` when the data cannot give it)."""
     if given is None:
         held = dict(available or {})
         return (1.0,) if held.get("last_hidden") or held.get("topk") else ()

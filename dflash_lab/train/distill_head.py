@@ -50,11 +50,11 @@ VOCAB_SLICES = 32
 
 
 def distill_buffers(spec: LossSpec, dense: bool) -> int:
-    """fp32 [V, m] buffers a chunk holds at once (the CE pass: one, the logits): the drafter's
-    logits (a sparse teacher's dL/dz is written over them), a dense teacher's logits (over which
-    h, then dL/dz, is written) and the accept objective's own dL/dz. Slice temporaries (a few
-    [V / VOCAB_SLICES, m]) and the head-dtype product before its fp32 cast come on top. Rows per
-    chunk: the CE pass's rows over this."""
+    """fp32 [V, m] buffers a chunk holds at once, where the CE pass holds one (the logits): the
+    drafter's logits (a sparse teacher's dL/dz is written over them), a dense teacher's logits
+    (over which h, then dL/dz, is written) and the accept objective's own dL/dz. The slice
+    temporaries (a few [V / VOCAB_SLICES, m]) and the head-dtype product before its fp32 cast
+    (as in the CE pass) come on top. Rows per chunk: the CE pass's rows over this."""
     return 1 + int(dense) + int(bool(spec.accept_weight))
 
 

@@ -290,10 +290,10 @@ class DFlashModule(L.LightningModule):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int,
                             optimizer: torch.optim.Optimizer) -> None:
         """Lightning's ``optimizer.zero_grad()`` (gradients set to None), except the dense CPU
-        gradients a head's module zeroes in place (``zero_grads_in_place_()`` returns them;
-        DFlash 2's codebooks): the next backward adds the few looked-up rows into them instead
-        of page-faulting a fresh [V, R] buffer each step (same gradient, bitwise; AdamW still
-        steps every parameter)."""
+        gradients a head's module zeroes in place (``zero_grads_in_place_()`` returns those
+        parameters; DFlash 2's codebooks): their next backward adds the few looked-up rows into
+        them instead of mapping and page-faulting a fresh [V, R] buffer every step (the same
+        gradient, bitwise, and AdamW still steps every parameter)."""
         kept = [(p, p.grad) for m in self._grad_keepers for p in m.zero_grads_in_place_()]
         optimizer.zero_grad(set_to_none=True)
         for param, grad in kept:
