@@ -222,7 +222,8 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     start, num_tokens = time.time(), 0
     for index in todo:
         lo = index * settings.shard_size
-        rows = _slice(dataset, lo, lo + _rows_in(index, plan))
+        hi = lo + _rows_in(index, plan)  # rows of a datasets.Dataset or a list of row dicts
+        rows = dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]
         samples, report = capture_shard(target, rows, index, settings,
                                         str(source.get("path", "data")), turn_end, server)
         _check_plan_unchanged(out_dir, plan)
@@ -282,8 +283,3 @@ def _log_summary(manifest: dict[str, Any]) -> None:
 
 def _rows_in(index: int, plan: dict) -> int:
     return min(plan["shard_size"], plan["num_input_rows"] - index * plan["shard_size"])
-
-
-def _slice(dataset, lo: int, hi: int):
-    """Rows lo..hi of a ``datasets.Dataset`` or a plain list of row dicts."""
-    return dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]

@@ -120,13 +120,6 @@ def is_heldout(conversation_id: str, heldout_fraction: float, salt: str = "dflas
     return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
 
 
-def _first_user_prompt(turns: list[dict[str, str]], max_chars: int) -> dict[str, Any] | None:
-    text = next((t["value"].strip() for t in turns
-                 if t["from"] in _USER_ROLES and t["value"].strip()), "")
-    return {"messages": [{"role": "user", "content": text}]} if 0 < len(text) <= max_chars \
-        else None
-
-
 def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction: float = 0.02,
                      max_prompt_chars: int = 2000, source: str | Path | None = None,
                      force: bool = False) -> dict[str, Any]:
@@ -156,9 +149,10 @@ def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction:
         record = {"id": cid, "conversations": turns}
         if is_heldout(cid, heldout_fraction):
             heldout.append(record)
-            prompt = _first_user_prompt(turns, max_prompt_chars)
-            if prompt is not None:
-                prompts.append({"id": cid, **prompt})
+            text = next((t["value"].strip() for t in turns  # the first user prompt
+                         if t["from"] in _USER_ROLES and t["value"].strip()), "")
+            if 0 < len(text) <= max_prompt_chars:
+                prompts.append({"id": cid, "messages": [{"role": "user", "content": text}]})
         else:
             train.append(record)
     out.mkdir(parents=True, exist_ok=True)

@@ -273,10 +273,13 @@ def markdown(report: dict[str, Any]) -> str:
             "num_prompts", "num_output_tokens", "num_samples", "num_blocks"]
     lines += ["## All responses", "",
               *_table(["metric", "value"], [[k, _fmt(report[k])] for k in keys if k in report])]
+    # (row name, report key) of each curve: DFlash 2 reports name the selector path, unary beside
+    curves = ([("acc", "per_position_acceptance")]
+              if report.get("unary_per_position_acceptance") is None else
+              [("selector", "per_position_acceptance"), ("unary", "unary_per_position_acceptance")])
     lines += ["", "Per-position acceptance (fraction of rounds accepting at least t drafts):", "",
               *_table(["t", *(str(t) for t in range(1, s["block_size"]))],
-                      [[name, *(_fmt(v, 2) for v in report[key])]
-                       for name, key in _curves(report)])]
+                      [[name, *(_fmt(v, 2) for v in report[key])] for name, key in curves])]
     lines += _context_section(report.get("tau_by_context"))
     lines += _responses_section(report)
     lines += ["", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
@@ -316,14 +319,6 @@ def _context_section(rows: list[dict[str, Any]] | None) -> list[str]:
                 "far; basis `responses`: an engine's totals, counted at the prompt length):", "",
             *_table(["context", "rounds", "tau", "basis"],
                     [[r["context"], str(r["rounds"]), _fmt(r["tau"]), r["basis"]] for r in rows])]
-
-
-def _curves(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """(row name, report key) of the per-position curves to print: DFlash 2 reports name the
-    selector path and add the unary one beside it."""
-    if report.get("unary_per_position_acceptance") is None:
-        return [("acc", "per_position_acceptance")]
-    return [("selector", "per_position_acceptance"), ("unary", "unary_per_position_acceptance")]
 
 
 def _plot_pair(plt, hist: list[int], curve: list[float | None], title: str, out_dir: Path,
