@@ -111,9 +111,8 @@ def draft_spans(gen: Generation) -> list[tuple[int, int]]:
 
 def marked_text(ids: list[int], spans: list[tuple[int, int]],
                 decode: Callable[[list[int]], str]) -> str:
-    """``decode(ids)`` with each span wrapped in the markers. Each piece is the difference of
-    two decoded prefixes, so a tokenizer that merges across tokens (leading spaces, bytes of
-    one character) still reads as the plain decode."""
+    """``decode(ids)`` with each span wrapped in the markers; each piece is the difference of two
+    decoded prefixes, so a tokenizer merging across tokens still reads as the plain decode."""
     cuts = sorted({0, len(ids), *(i for span in spans for i in span)})
     prefix = {c: decode(ids[:c]) for c in cuts}
     starts, ends = {s for s, _ in spans}, {e for _, e in spans}

@@ -131,9 +131,8 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]],
 
 
 def target_stop_ids(target) -> list[int]:
-    """Ids that end a generation: the tokenizer's EOS and the generation config's EOS list
-    (sorted, no repeats). The one definition: capture's turn end, regeneration's replies and
-    the eval's stop ids (local and backend=server) all read it."""
+    """Ids that end a generation: the tokenizer's EOS and the generation config's EOS list (sorted,
+    distinct); the one definition capture, regeneration and the eval (local and server) read."""
     ids = [target.tokenizer.eos_token_id]
     gen = getattr(getattr(target, "model", None), "generation_config", None)
     eos = getattr(gen, "eos_token_id", None)

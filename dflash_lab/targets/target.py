@@ -256,9 +256,8 @@ class Target:
         return int(tid)
 
     def weights_fingerprint(self) -> str | None:
-        """:func:`weights_fingerprint` of the files this target was loaded from (computed once;
-        the same for full and head-only loads of one directory or hub snapshot), None when the
-        weights are not in files (a model built in memory)."""
+        """:func:`weights_fingerprint` of the files this target was loaded from (once; the same for
+        full and head-only loads of one snapshot), None when not from files (built in memory)."""
         if self._fingerprint is None:
             try:
                 files = target_weight_files(self.name_or_path, self.gguf_file)
