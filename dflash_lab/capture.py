@@ -136,8 +136,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-capture``) without a recipe (``recipe=NAME``:
-    :mod:`dflash_lab.commands`)."""
+    """Console entry point (``dflash-capture``) without a recipe (with one: dflash_lab.commands)."""
     with user_errors():
         check_renamed_keys(sys.argv[1:])
     _hydra_main()

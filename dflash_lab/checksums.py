@@ -1,10 +1,8 @@
-"""Checksum sidecars of checkpoint files: ``<file>.sha256`` in ``sha256sum`` format.
-
-Written with every checkpoint (:mod:`dflash_lab.train.callbacks`); checked at resume and by the
-exporter, so flipped bytes in a ``.ckpt`` are an error naming the file instead of a silently
-different drafter. :func:`sha256_json` seals a JSON record with a checksum of itself (capture
-manifests). Imports nothing beyond the standard library (the exporter runs in serving
-environments).
+"""Checksum sidecars of checkpoint files: ``<file>.sha256`` in ``sha256sum`` format, written with
+every checkpoint (:mod:`dflash_lab.train.callbacks`) and checked at resume and by the exporter,
+so flipped bytes in a ``.ckpt`` are an error naming the file, not a silently different drafter.
+:func:`sha256_json` seals a JSON record with a checksum of itself (capture manifests). Standard
+library only (the exporter runs in serving environments).
 """
 
 from __future__ import annotations

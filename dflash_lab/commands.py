@@ -1,10 +1,9 @@
 """The stage commands' console entries (pyproject ``[project.scripts]``): each runs its stage
 alone, or with ``recipe=NAME`` that stage of the recipe's pipeline (:func:`dflash_lab.pipeline.
-stage_main`: the same folders, record and skip as ``dflash-lab run``).
-
-Each first calls :func:`dflash_lab.terminal.setup` (not for library users of the stage modules).
-The top of the import graph: only this file imports the orchestrator, and only when a recipe is
-named (the exporter's command stays importable without Hydra)."""
+stage_main`: the same folders, record and skip as ``dflash-lab run``). Each first calls
+:func:`dflash_lab.terminal.setup` (not for library users of the stage modules). The top of the
+import graph: only this file imports the orchestrator, and only when a recipe is named (the
+exporter's command stays importable without Hydra)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
 """The one table of dtype names -> torch dtypes (target loading, capture shards, export).
-
 Imports only torch: dflash_lab.export (no Lightning, no Hydra) reads it too.
 """
 

@@ -36,8 +36,7 @@ def check_recipe(overrides: list[str]) -> None:
 
 
 def check_renamed_keys(overrides: list[str]) -> None:
-    """Refuse a former key on the command line (Hydra's own message would not name the new
-    one)."""
+    """Refuse a former key on the command line (Hydra's own message would not name the new one)."""
     for arg in overrides:
         key = arg.lstrip("+~").split("=", 1)[0]
         if key in RENAMED_KEYS:
@@ -63,10 +62,9 @@ _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 def accepted_keys(target: str) -> frozenset[str] | None:
     """The keyword arguments the ``_target_`` ``target`` takes, from its signature; a class's
-    ``**kwargs`` is followed into its bases' ``__init__`` (a data module hands them to
-    BlockDataModule); a function declares what its ``**kwargs`` take as ``fn.keyword_fields()``
-    (build_drafter: the DrafterConfig fields). None when a ``**kwargs`` goes elsewhere
-    undeclared or ``target`` is not found (instantiate names it)."""
+    ``**kwargs`` is followed into its bases' ``__init__`` (a data module's to BlockDataModule); a
+    function declares its ``**kwargs`` as ``fn.keyword_fields()`` (build_drafter: DrafterConfig's
+    fields). None when a ``**kwargs`` goes elsewhere undeclared or ``target`` is not found."""
     try:
         obj = get_object(target)
     except Exception:
@@ -115,15 +113,12 @@ def _check_node(node: Any, where: str) -> None:
 
 
 def check_group_keys(cfg: DictConfig) -> None:
-    """Refuse a key that no ``_target_`` of ``cfg`` takes (every group: data, module, trainer,
-    callbacks, target, logger, ...), naming it, the nearest valid key and those it takes, before
-    anything is built."""
+    """Refuse a key no ``_target_`` of ``cfg`` takes (every group: data, module, trainer,
+    callbacks, target, logger, ...), naming it, the nearest valid key and those it takes."""
     _check_node(OmegaConf.to_container(cfg, resolve=False), "")
 
 
 def make_logger(logger_cfg: DictConfig):
     """The configured Lightning logger, or None for ``logger=none`` (``_target_: null``).
-
-    Building it touches no file and no network: wandb starts on the first call that logs.
-    """
+    Building it touches no file and no network: wandb starts on the first call that logs."""
     return instantiate(logger_cfg) if logger_cfg.get("_target_") else None

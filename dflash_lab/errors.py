@@ -1,9 +1,8 @@
-"""User errors at the entry points: one line, a non-zero exit, no traceback.
-
-Our validation raises ValueError naming the value, the file and the fix; the entry points run
-their body inside :func:`user_errors`, which prints ``error: <message>`` to stderr and exits
-with status 2. ``DFLASH_DEBUG=1`` or Hydra's ``HYDRA_FULL_ERROR=1`` re-raise instead (the full
-traceback). Hydra catches exceptions, not ``SystemExit``, so the exit passes through it.
+"""User errors at the entry points: one line, a non-zero exit, no traceback. Our validation
+raises ValueError naming the value, the file and the fix; the entry points run their body inside
+:func:`user_errors`, which prints ``error: <message>`` to stderr and exits with status 2.
+``DFLASH_DEBUG=1`` or Hydra's ``HYDRA_FULL_ERROR=1`` re-raise instead (the full traceback).
+Hydra catches exceptions, not ``SystemExit``, so the exit passes through it.
 """
 
 from __future__ import annotations

@@ -34,12 +34,6 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from err
 
 
-def _torchrun(env: Mapping[str, str]) -> Launch:
-    world, local_world = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
-    return Launch("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK"), local_world,
-                  max(world // local_world, 1))
-
-
 def _slurm(env: Mapping[str, str]) -> Launch:
     world, nodes = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NNODES")
     if "SLURM_NTASKS_PER_NODE" in env and env["SLURM_NTASKS_PER_NODE"].isdigit():
@@ -55,11 +49,12 @@ def _slurm(env: Mapping[str, str]) -> Launch:
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
-    """The torchrun or SLURM launch of this process, or None (one process, or Lightning's own
-    launcher)."""
+    """The torchrun or SLURM launch of this process, or None (one process, Lightning's launcher)."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env:
-        return _torchrun(env)
+        world, local_world = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
+        return Launch("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK"), local_world,
+                      max(world // local_world, 1))
     if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in _SLURM_INTERACTIVE:
         return _slurm(env)
     return None
@@ -79,9 +74,8 @@ def is_global_zero(env: Mapping[str, str] | None = None) -> bool:
 
 # ------------------------------------------------------------------------------ training checks
 def trainer_devices(trainer: Mapping[str, Any]) -> int | None:
-    """The number of processes per node a trainer config asks for (``devices``): an int, a
-    list's length, ``auto`` resolved as Lightning does (CPU: 1, GPU: visible GPUs); None when
-    it cannot be told here (no GPU visible, exotic values)."""
+    """Processes per node a trainer config asks for (``devices``): an int, a list's length, or
+    ``auto`` as Lightning resolves it (CPU: 1, GPU: visible GPUs); None when not known here."""
     devices = trainer.get("devices", "auto")
     if not isinstance(devices, (str, int)) and hasattr(devices, "__len__"):
         return len(devices)  # a list of device indices

@@ -1,9 +1,8 @@
 """Where the Hydra configs live, found the same way from a checkout or an installed package;
 and the one way outputs are written: under a temporary name beside the output, then renamed
 onto it (files: :func:`atomic_path`, :func:`atomic_write_text`; directories: :func:`atomic_dir`,
-or its two steps :func:`temp_dir_beside` and :func:`publish_dir`).
-
-Imports only the standard library: dflash_lab.export (no Lightning, no Hydra) may use it."""
+or its two steps :func:`temp_dir_beside` and :func:`publish_dir`). Imports only the standard
+library: dflash_lab.export (no Lightning, no Hydra) may use it."""
 
 from __future__ import annotations
 
@@ -19,14 +18,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 
-def _find_conf_dir() -> Path:
-    """``$DFLASH_LAB_CONF`` if set, else the repository's ``conf/`` beside the package."""
-    env = os.environ.get("DFLASH_LAB_CONF")
-    return Path(env).resolve() if env else REPO_ROOT / "conf"
-
-
-#: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...).
-CONF_DIR = _find_conf_dir()
+#: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...):
+#: ``$DFLASH_LAB_CONF`` if set, else the repository's ``conf/`` beside the package.
+CONF_DIR = (Path(os.environ["DFLASH_LAB_CONF"]).resolve() if os.environ.get("DFLASH_LAB_CONF")
+            else REPO_ROOT / "conf")
 
 
 #: Ready experiments selected with ``recipe=NAME`` (conf/recipe links here).
@@ -34,10 +29,9 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 
 
 def temp_beside(path: Path) -> Path:
-    """A temporary name beside ``path`` for write-then-rename, unique to this process. Ranks of
-    a job, on one node or several, write some files at the same moment (a capture plan, the demo
-    data, a manifest that two ranks finishing together both merge); with one shared temporary
-    name a rank renames the other's half-written file and then fails its own rename."""
+    """A temporary name beside ``path`` for write-then-rename, unique to this process: ranks of a
+    job write some files at the same moment (a capture plan, the demo data, a merged manifest);
+    with one shared name a rank renames the other's half-written file, then fails its rename."""
     return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
@@ -75,8 +69,7 @@ def temp_dir_prefix(path: Path) -> str:
 
 
 def remove_path(path: Path) -> None:
-    """Delete ``path``: a directory tree, a file or a symlink (never what a symlink points
-    at); nothing when it does not exist."""
+    """Delete ``path``: a tree, file or symlink (never its target); nothing if it does not exist."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():

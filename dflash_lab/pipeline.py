@@ -259,10 +259,9 @@ def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Pat
 
 
 def set_aside(stage: Stage, root: Path) -> None:
-    """Before a stage reruns from scratch (changed inputs, or ``force``): drop its record and
-    move its folder to ``<folder>.prev`` (replacing an older one), so a new run never resumes
-    or mixes with the old outputs. Without a record the folder is a killed run's: kept, so that
-    train resumes from its last.ckpt and capture from its finished shards."""
+    """Before a stage reruns from scratch (changed inputs, ``force``): drop its record and move its
+    folder to ``<folder>.prev`` (replacing an older one), so a new run never mixes with the old.
+    Without a record the folder is a killed run's: kept (train resumes, capture continues)."""
     record = record_path(root, stage.name)
     if not record.is_file():
         return
@@ -275,9 +274,8 @@ def set_aside(stage: Stage, root: Path) -> None:
 
 
 def run_stage(stage: Stage, log: Path, live: Live | None = None) -> int:
-    """Run the stage's command, its output appended to ``log`` line by line (bars as their
-    states: :class:`~dflash_lab.terminal.StageOutput`), its progress lines shown by ``live``;
-    its exit code."""
+    """Run the stage's command, its output appended to ``log`` line by line (bars as their states:
+    :class:`~dflash_lab.terminal.StageOutput`), progress lines shown by ``live``; its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", module_of(stage.name), *stage.args]
     live = live or Live()
@@ -315,7 +313,8 @@ class Live:
         now = time.monotonic()
         line = "      " + out.status(now - self.started, now)
         if self.tty:
-            self.stream.write("\r" + line[:_width() - 1] + "\033[K")
+            width = shutil.get_terminal_size((100, 20)).columns
+            self.stream.write("\r" + line[:width - 1] + "\033[K")
         elif self.shown is None or now - self.shown >= self.every_s:
             self.stream.write(line + "\n")
         else:
@@ -327,10 +326,6 @@ class Live:
         if self.tty:
             self.stream.write("\r\033[K")
             self.stream.flush()
-
-
-def _width() -> int:
-    return shutil.get_terminal_size((100, 20)).columns
 
 
 def upstream(stages: list[Stage], stage: Stage) -> Stage | None:
@@ -363,8 +358,7 @@ def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
 
 
 def run(req: Request) -> int:
-    """Run (or skip) each selected stage in order; 0, or the exit code of the stage that
-    failed."""
+    """Run (or skip) each selected stage in order; 0, or the exit code of the stage that failed."""
     stages = check_selection(req, plan(req))
     selected = req.stages if req.stages is not None else [s.name for s in stages]
     todo = [s for s in stages if s.name in selected]
@@ -399,11 +393,10 @@ STAGE_COMMANDS = {"regenerate": "dflash-regenerate", "capture": "dflash-capture"
 
 
 def stage_request(stage: str, argv: list[str]) -> Request:
-    """``dflash-capture recipe=X [root=DIR] [OVERRIDE ...]`` -> the request ``dflash-lab run
-    recipe=X [root=DIR] stages=[capture] capture:OVERRIDE ...``: the same arguments, folders,
-    record and skip as the pipeline's stage. Export options are given bare
-    (``--dtype=bfloat16``); an argument already addressed to a stage (``train:KEY=VALUE``,
-    which the other stages' settings derive from) is passed as it is."""
+    """``dflash-capture recipe=X [root=DIR] [OVERRIDE ...]`` -> ``dflash-lab run recipe=X
+    [root=DIR] stages=[capture] capture:OVERRIDE ...``: the same arguments, folders, record and
+    skip as the pipeline's stage. Export options are given bare (``--dtype=bfloat16``); an
+    argument addressed to a stage (``train:KEY=VALUE``, whence all settings derive) passes as is."""
     if any(a.startswith(("stages=", "force=")) for a in argv):
         raise ValueError(f"{STAGE_COMMANDS[stage]} recipe=NAME runs the {stage} stage only: "
                          f"for stages=/force= use dflash-lab run\n{USAGE}")

@@ -49,8 +49,7 @@ def hydra_value(value: Any) -> str:
 
 
 def target_args(train_cfg: DictConfig) -> list[str]:
-    """The train stage's target (group and identity keys) as capture / eval overrides: one
-    target for the whole pipeline."""
+    """The train stage's target (group, identity keys) as capture / eval overrides: one target."""
     section = OmegaConf.to_container(train_cfg.target, resolve=True)
     args = [f"target={train_cfg.hydra.runtime.choices.target}"]
     return args + [f"target.{k}={hydra_value(v)}" for k, v in section.items()

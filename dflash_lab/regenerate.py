@@ -1,10 +1,9 @@
 """dflash-regenerate: rewrite a conversation set's assistant turns with the target (on-policy).
-
 Thin entry point: Hydra config (conf/regenerate.yaml: groups target, conversations at ``data``,
-logger) -> target -> conversations -> run_regenerate,
-generating here (``regenerate.backend=hf``) or through a running vLLM/SGLang server (``server``).
-One process or several (``torchrun``; RANK / WORLD_SIZE split the part files), resumable; the
-result, ``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-train read.
+logger) -> target -> conversations -> run_regenerate, generating here (``regenerate.backend=hf``)
+or through a running vLLM/SGLang server (``server``). One process or several (``torchrun``;
+RANK / WORLD_SIZE split the part files), resumable; the result,
+``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-train read.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-regenerate``) without a recipe (``recipe=NAME``:
-    :mod:`dflash_lab.commands`)."""
+    """Console entry (``dflash-regenerate``) without a recipe (with one: dflash_lab.commands)."""
     with user_errors():
         check_renamed_keys(sys.argv[1:])
     _hydra_main()

@@ -75,11 +75,10 @@ def latest_config(out_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
-    """Write ``config.yaml`` (resolved ``cfg``, an OmegaConf config or dict) and ``run_info.json``
-    (git SHA, argv, versions, time, launch, ``extra``) into ``out_dir``; only global rank 0 writes,
-    the others return the path. A first record is never overwritten: later runs write
-    ``config.N.yaml`` / ``run_info.N.json`` (:func:`record_paths`); callers validate first, so a
-    refused run leaves none."""
+    """Write ``config.yaml`` (resolved ``cfg``: OmegaConf or dict) and ``run_info.json`` (git SHA,
+    argv, versions, time, launch, ``extra``) into ``out_dir``; only global rank 0 writes, others
+    return the path. A first record is never overwritten: later runs write ``config.N.yaml`` /
+    ``run_info.N.json`` (:func:`record_paths`); callers validate first (a refused run: none)."""
     out_dir = Path(out_dir)
     n = len(record_paths(out_dir))
     suffix = f".{n}" if n else ""

@@ -59,9 +59,8 @@ def one_handler(names: tuple[str, ...] = ("lightning", "lightning.pytorch", "lig
                 ) -> None:
     """Each log line once. Lightning's package loggers get their own console handler at import
     (``lightning`` always) and still pass records up to the root logger's handler (Hydra's):
-    imported after Hydra set logging up, every Lightning INFO line printed twice ("INFO:
-    Restoring states ..." and "Restoring states ..."). Keep the root's; call after importing
-    Lightning."""
+    imported after Hydra set logging up, every Lightning INFO line printed twice ("INFO: Restoring
+    states ..." and "Restoring states ..."). Keep the root's; call after importing Lightning."""
     if not logging.getLogger().handlers:
         return
     for name in names:
@@ -102,10 +101,9 @@ def clock(seconds: float) -> str:
 
 
 class StageOutput:
-    """A stage's merged stdout/stderr, fed in chunks: progress lines update :attr:`latest`
-    (and :attr:`tau`); everything else goes to ``log`` as lines. A bar redrawn with ``\\r``
-    is written as its state when its line ends, and every ``snapshot_s`` seconds while it runs,
-    so the log reads line by line."""
+    """A stage's merged stdout/stderr, fed in chunks: progress lines update :attr:`latest` (and
+    :attr:`tau`), the rest goes to ``log`` as lines; a bar redrawn with ``\\r`` is written as its
+    state when its line ends and every ``snapshot_s`` seconds, so the log reads line by line."""
 
     def __init__(self, log, snapshot_s: float = 30.0):
         self.log, self.snapshot_s = log, snapshot_s
@@ -115,7 +113,9 @@ class StageOutput:
         self.snapshot = time.monotonic()
 
     def feed(self, data: bytes) -> None:
-        for ch in _split_keep(self.decoder.decode(data).replace("\r\n", "\n")):
+        text = self.decoder.decode(data).replace("\r\n", "\n")
+        # runs of plain characters and the single \r / \n between them
+        for ch in (piece for piece in re.split(r"([\r\n])", text) if piece):
             if ch == "\n":
                 self._end_line()
             elif ch == "\r":
@@ -181,8 +181,3 @@ class StageOutput:
         if p["done"] <= done0 or now <= t0:
             return None
         return (now - t0) * (p["total"] - p["done"]) / (p["done"] - done0)
-
-
-def _split_keep(text: str) -> list[str]:
-    """``text`` as runs of plain characters and the single ``\\r`` / ``\\n`` between them."""
-    return [piece for piece in re.split(r"([\r\n])", text) if piece]

@@ -28,8 +28,7 @@ LEASE_S = 600.0
 
 
 class DirectoryBusy(ValueError):
-    """Another live process holds the directory's lock (a ValueError: the entry points print it
-    as one ``error:`` line and exit 2)."""
+    """Another live process holds the directory's lock (ValueError: one ``error:`` line, exit 2)."""
 
 
 def lock_path_for(directory: Path, *, beside: bool = False) -> Path:
@@ -41,8 +40,7 @@ def lock_path_for(directory: Path, *, beside: bool = False) -> Path:
 
 
 def _process_start(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (field 22 of /proc/PID/stat), None where unknown: a
-    recycled pid has another start time."""
+    """Kernel start time of ``pid`` (/proc/PID/stat field 22, or None): differs if recycled."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -70,8 +68,7 @@ def _record(directory: Path, command: str, lease_s: float) -> dict:
 
 
 def _read(path: Path) -> dict | None:
-    """The lock's record; None when it vanished; {} when it cannot be parsed (being written, or
-    damaged)."""
+    """The lock's record; None when it vanished; {} when unparsable (being written, or damaged)."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

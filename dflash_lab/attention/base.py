@@ -1,5 +1,4 @@
 """The one signature every attention backend implements, and backend selection by name.
-
 Shape legend: Bt batch, Hq query heads, Hkv key/value heads (GQA: Hkv divides Hq), Q queries,
 K keys, D head dim. ``sink_h`` is one sink logit per query head (dflash.md section 1): it adds an
 extra softmax column with no value and is NOT multiplied by the softmax scale.
@@ -40,10 +39,9 @@ def _is_cuda(device: torch.device | str) -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device | str, *, packed: bool) -> str:
-    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or what ``auto`` means: sdpa
-    on CPU; on CUDA flex when ``packed`` (many blocks per row: training, validation, features
-    mode), else flash if installed, else flex. flash cannot express packed blocks: asking for it
-    there is an error, not a fallback."""
+    """THE backend choice: ``sdpa`` | ``flex`` | ``flash`` as given, or ``auto``: sdpa on CPU; on
+    CUDA flex when ``packed`` (many blocks per row: training, validation, features mode), else
+    flash if installed, else flex. flash for packed blocks is an error, not a fallback."""
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown attention backend '{name}': use one of {list(BACKENDS)} or "
                          "'auto'")
@@ -75,10 +73,9 @@ def _log_once(key: Any, level: int, msg: str, *args: Any) -> None:
 
 def get_backend(name: str, device: torch.device | str = "cpu", *, packed: bool = True,
                 static_shapes: bool = False) -> AttentionBackend:
-    """The backend for one layout kind (:func:`resolve_backend_name`); ``auto``'s choice is
-    logged once per device and layout kind. ``static_shapes``: the caller is compiled and needs
-    the same shapes every step (sdpa then makes one dense call instead of anchor-dependent key
-    tiles)."""
+    """The backend for one layout kind (:func:`resolve_backend_name`); ``auto``'s choice is logged
+    once per device and layout kind. ``static_shapes``: the caller is compiled and needs the same
+    shapes every step (sdpa then makes one dense call instead of anchor-dependent key tiles)."""
     chosen = resolve_backend_name(name, device, packed=packed)
     if name == "auto":
         kind = "packed blocks" if packed else "inference"

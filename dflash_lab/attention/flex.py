@@ -1,9 +1,8 @@
-"""flex_attention backend: a BlockMask (H=None) built from the one predicate.
-
-Sorted anchors make most (query tile, key tile) pairs empty, so the BlockMask skips them. On CUDA
-the mask builder and the kernel are compiled. torch 2.13 has no flex backward on CPU: there this
-backend is forward-only and says so instead of failing deep inside torch.
-Sinks use the returned log-sum-exp (natural log).
+"""flex_attention backend: a BlockMask (H=None) built from the one predicate. Sorted anchors make
+most (query tile, key tile) pairs empty, so the BlockMask skips them. On CUDA the mask builder and
+the kernel are compiled. torch 2.13 has no flex backward on CPU: there this backend is
+forward-only and says so instead of failing deep inside torch. Sinks use the returned
+log-sum-exp (natural log).
 """
 
 from __future__ import annotations

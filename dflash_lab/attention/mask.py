@@ -28,8 +28,7 @@ class LayerSpec(NamedTuple):
 class BlockLayout:
     """Where the blocks of one attention call sit: ``anchors_bn`` [Bt, N] long anchor positions
     (sorted per row, for speed), ``num_context`` S context key slots (padded), ``block_size`` B,
-    ``doc_starts_bn`` [Bt, N] long start of each anchor's document (packed rows; None: one
-    document per row, starting at 0)."""
+    ``doc_starts_bn`` [Bt, N] long document start of each anchor (packed; None: 0)."""
 
     anchors_bn: Tensor
     num_context: int
@@ -63,10 +62,9 @@ class BlockLayout:
 
 def visible(q_idx: Tensor, kv_idx: Tensor, anchors_b_n: Tensor, num_context: int,
             block_size: int, spec: LayerSpec, starts_b_n: Tensor | None = None) -> Tensor:
-    """The predicate: broadcasting index tensors in, bool out. ``anchors_b_n`` [N]: the anchors
-    of the indices' batch element (indexed by block ``q_idx // block_size``); ``starts_b_n`` [N]:
-    each anchor's document start (None: 0). :func:`dense_mask` vmaps it over rows; flex calls it
-    per element."""
+    """The predicate: broadcasting index tensors in, bool out. ``anchors_b_n`` [N]: the anchors of
+    the indices' batch element (by block ``q_idx // block_size``); ``starts_b_n`` [N]: each
+    anchor's document start (None: 0). :func:`dense_mask` vmaps it over rows; flex, per element."""
     j = q_idx // block_size
     t = q_idx % block_size
     anchor = anchors_b_n[j]

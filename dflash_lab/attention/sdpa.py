@@ -114,8 +114,7 @@ class SdpaBackend:
 
     def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[StreamTile]:
         """Runs of ``stream_queries // B`` blocks, each attended over only the keys it can see
-        (context range + its own slots); neither the dense mask nor all runs' masks at once is
-        ever built."""
+        (context range + own slots); neither the dense mask nor all runs' masks is ever built."""
         per_run = max(1, self.stream_queries // layout.block_size)
         return [StreamTile(layout, spec, n0, min(n0 + per_run, layout.num_blocks))
                 for n0 in range(0, layout.num_blocks, per_run)]

@@ -1,8 +1,7 @@
 """The capture loop: conversations -> target features -> shards, split over ranks, resumable.
-
-Input rows are cut into shards of ``shard_size`` consecutive rows; shard s belongs to rank
-``s % world_size``. Shard names do not depend on the world size, so a capture can be resumed
-with a different number of processes. The last rank to finish merges ``manifest.json``.
+Shard s (``shard_size`` consecutive input rows) belongs to rank ``s % world_size``; names do not
+depend on the world size, so a capture resumes with any number of processes. The last rank to
+finish merges ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -135,11 +134,8 @@ def build_plan(target, settings: CaptureSettings, num_rows: int,
 
 def _tokenize_rows(target, rows, first_row: int, settings: CaptureSettings, where: str,
                    turn_end: TurnEnd) -> TokenizedRows:
-    """Samples of ``rows`` (positions from ``first_row``) plus their bad / zero-loss rows.
-
-    Raises when every row of a shard of several is bad: that is a template or data-format
-    problem to fix, not a few rows to skip.
-    """
+    """Samples of ``rows`` (positions from ``first_row``) plus their bad / zero-loss rows. Every
+    row of a shard of several bad raises: a template or data-format problem, not rows to skip."""
     out = tokenize_rows(target.tokenizer, rows, first_row, source=where,
                         bad_rows=settings.bad_rows, setting="capture.bad_rows",
                         max_length=settings.max_length, last_turn_only=settings.last_turn_only,
@@ -184,11 +180,10 @@ def _capture_batch(target, batch, settings: CaptureSettings) -> list[shards.Capt
 def capture_shard(target, rows, index: int, settings: CaptureSettings, where: str = "data",
                   turn_end: TurnEnd | None = None, server=None
                   ) -> tuple[list[shards.CapturedSample], dict[str, Any]]:
-    """Features of the rows of shard ``index`` (batched longest-first, returned in row order),
-    and the shard record's report: ``bad_rows`` ({"row", "reason"}), ``zero_loss_rows`` and
-    per-sample loss-token ``min_loss_tokens`` / ``max_loss_tokens``. With ``server`` (a
-    :class:`~dflash_lab.serving.hidden_states.HiddenStatesServer`) the hidden states come from
-    the serving engine and the target only supplies its final norm and LM head."""
+    """Features of the rows of shard ``index`` (batched longest-first, returned in row order) and
+    the shard record's report: ``bad_rows`` ({"row", "reason"}), ``zero_loss_rows``, per-sample
+    ``min_loss_tokens`` / ``max_loss_tokens``. With ``server`` (a ``HiddenStatesServer``) the
+    hidden states come from the engine, the target supplying only its final norm and LM head."""
     if turn_end is None:
         turn_end = find_turn_end(target.tokenizer, target_stop_ids(target),
                                  settings.enable_thinking)
@@ -209,11 +204,10 @@ def capture_shard(target, rows, index: int, settings: CaptureSettings, where: st
 def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, Any], *,
                 rank: int = 0, world_size: int = 1, progress: bool = True, server=None,
                 engine: dict[str, Any] | None = None) -> dict | None:
-    """Capture this rank's shards of ``dataset`` (rows with messages/conversations), skipping
-    shards already finished; then merge the manifest if every shard is done (returned, else
-    None). An interrupted run loses at most the shard in flight. ``server``: take the hidden
-    states from that engine (:func:`capture_shard`); ``engine`` (its name and version) is then
-    recorded in the plan's target identity (:func:`build_plan`)."""
+    """Capture this rank's unfinished shards of ``dataset`` (rows with messages/conversations),
+    then merge the manifest if every shard is done (returned, else None); an interrupted run
+    loses at most the shard in flight. ``server``: the hidden states from that engine
+    (:func:`capture_shard`), whose name and version ``engine`` joins the plan's target identity."""
     out_dir = Path(settings.out_dir)
     plan = build_plan(target, settings, len(dataset), source, engine)
     turn_end = find_turn_end(target.tokenizer, target_stop_ids(target), settings.enable_thinking)
@@ -228,7 +222,8 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     start, num_tokens = time.time(), 0
     for index in todo:
         lo = index * settings.shard_size
-        rows = _slice(dataset, lo, lo + _rows_in(index, plan))
+        hi = lo + _rows_in(index, plan)  # rows of a datasets.Dataset or a list of row dicts
+        rows = dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]
         samples, report = capture_shard(target, rows, index, settings,
                                         str(source.get("path", "data")), turn_end, server)
         _check_plan_unchanged(out_dir, plan)
@@ -288,8 +283,3 @@ def _log_summary(manifest: dict[str, Any]) -> None:
 
 def _rows_in(index: int, plan: dict) -> int:
     return min(plan["shard_size"], plan["num_input_rows"] - index * plan["shard_size"])
-
-
-def _slice(dataset, lo: int, hi: int):
-    """Rows lo..hi of a ``datasets.Dataset`` or a plain list of row dicts."""
-    return dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]

@@ -53,11 +53,10 @@ def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
 
 
 def server_capture_batch(server, pieces, batch, settings) -> list[shards.CapturedSample]:
-    """:func:`~dflash_lab.data.capture_loop._capture_batch` through a server: ``batch``
-    [(row id, TokenizedConversation)] goes out as concurrent requests; each answer becomes a
-    sample. The engine's own greedy token after each prompt is checked against the label
-    computed here (``server.argmax_checks``), which catches a server extracting other layers or
-    serving another model."""
+    """:func:`~dflash_lab.data.capture_loop._capture_batch` through a server: ``batch`` [(row id,
+    TokenizedConversation)] goes out as concurrent requests, each answer a sample. The engine's
+    greedy token after each prompt is checked against the label computed here
+    (``server.argmax_checks``): a server extracting other layers or serving another model fails."""
     answers = server.hidden_states_many([tc.input_ids.tolist() for _, tc in batch])
     dtype = shards.HIDDEN_DTYPES[settings.hidden_dtype]
     topk = settings.distribution_topk if "topk" in settings.distribution else 0
@@ -100,9 +99,8 @@ def make_server_settings(cfg) -> ServerSettings | None:
 
 
 def open_capture_server(settings: ServerSettings, target, capture, world_size: int = 1):
-    """:func:`~dflash_lab.serving.hidden_states.open_hidden_states_server` for this capture:
-    the aux layers of its ``target_layer_ids``, the connector's files under
-    ``OUT/server_hidden_states`` and the server's output in ``OUT/server.log``."""
+    """:func:`~dflash_lab.serving.hidden_states.open_hidden_states_server` for this capture: its aux
+    layers, the connector's files in ``OUT/server_hidden_states``, output in ``OUT/server.log``."""
     out = Path(capture.out_dir)
     check_target_layer_ids(capture.target_layer_ids, target.num_hidden_layers)
     width = capture.target_hidden_size

@@ -38,9 +38,8 @@ PAD_VALUES = {"input_ids": 0, "loss_mask": False, "hidden": 0.0, "target_argmax"
 def pad_collate(samples: Sequence[dict[str, Tensor]],
                 pad_to_multiple_of: int = 1) -> dict[str, Tensor]:
     """Right-pad PAD_VALUES' keys ([S] or [S, F]) to the longest sample rounded up to
-    ``pad_to_multiple_of`` (fewer shapes for compiled kernels to recompile for), add
-    ``attention_mask`` [Bt, S] (True on real tokens), drop other keys. Pads carry no loss and no
-    anchor, and no block sees them."""
+    ``pad_to_multiple_of`` (fewer shapes to recompile for), add ``attention_mask`` [Bt, S] (True
+    on real tokens), drop other keys. Pads carry no loss and no anchor; no block sees them."""
     real = max(s["input_ids"].shape[0] for s in samples)
     longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}
@@ -139,8 +138,7 @@ class BlockDataModule(L.LightningDataModule):
 
     @classmethod
     def check_config(cls, data_cfg: Any) -> None:
-        """Start-up check of the ``data.*`` config before anything loads (ValueError naming
-        the key and the fix); nothing to check here."""
+        """Start-up check of ``data.*`` before any load (ValueError naming key and fix); none."""
 
     @classmethod
     def sequence_limit(cls, data_cfg: Any) -> tuple[int | None, str]:
@@ -284,11 +282,10 @@ class _TokenizedConversations(Dataset):
 
 
 class OnlineDataModule(BlockDataModule):
-    """Conversations -> chat template + loss mask -> features of the in-process ``target`` (a
-    frozen :class:`dflash_lab.targets.target.Target`), computed in the training step
+    """Conversations -> chat template + loss mask -> features of the in-process frozen ``target``
+    (:class:`dflash_lab.targets.target.Target`), computed in the training step
     (:meth:`feature_source`: no_grad, the capture's function). ``conversations``: a file, hub id
-    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``.
-    """
+    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``."""
 
     runs_target: ClassVar[bool] = True
 
@@ -310,10 +307,9 @@ class OnlineDataModule(BlockDataModule):
                  enable_thinking: bool | None = None, demo_rows: int = 512, demo_seed: int = 1,
                  demo_file: str = "outputs/demo/train_conversations.jsonl",
                  bad_rows: str = "skip", target_hidden_size: int | None = None, **kw: Any):
-        """``path``, ``split``, ``limit``, ``shuffle_seed``, ``demo_*``: the conversations by
-        the names dflash-capture and dflash-regenerate use (one reader:
-        :func:`~dflash_lab.data.conversations.open_conversations`). ``target_hidden_size``: the
-        drafter's per-layer feature width (None = the target's hidden size)."""
+        """``path``, ``split``, ``limit``, ``shuffle_seed``, ``demo_*``: the conversations as
+        dflash-capture and dflash-regenerate name them (one reader: ``open_conversations``).
+        ``target_hidden_size``: the drafter's per-layer width (None = the target's hidden size)."""
         for old in (k for k in kw if f"data.{k}" in RENAMED_KEYS):
             raise renamed_key_error(f"data.{old}", "the data config of the recipe or command")
         super().__init__(**kw)
@@ -380,8 +376,7 @@ class OfflineDataModule(BlockDataModule):
 
     @classmethod
     def drafter_inputs(cls, drafter_config: Any) -> dict[str, Any]:
-        """The capture is checked against the drafter's layer ids, hidden size, per-layer
-        feature width and vocab size."""
+        """Checked against the drafter's layer ids, hidden size, per-layer width, vocab size."""
         return {**super().drafter_inputs(drafter_config),
                 "hidden_size": drafter_config.hidden_size,
                 "target_hidden_size": drafter_config.target_hidden_size,

@@ -27,10 +27,9 @@ def sample_lengths(dataset: Dataset) -> list[int]:
 
 
 def first_fit(lengths: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
-    """Greedy first-fit: documents in ``order`` go into the first row with room for them; returns
-    rows of document indices (each row's total <= ``capacity``, as every length must be). A max
-    segment tree over the rows' free space finds that row in O(log n): 100k documents pack in a
-    second, not minutes."""
+    """Greedy first-fit: documents in ``order`` go into the first row with room; returns rows of
+    document indices (each total <= ``capacity``, as every length must be). A max segment tree
+    over the rows' free space finds that row in O(log n): 100k documents pack in a second."""
     size = 1 << max(0, (len(order) - 1).bit_length())
     free = [0] * size + [capacity] * size  # leaves at [size, 2 size)
     for i in range(size - 1, 0, -1):
@@ -67,11 +66,9 @@ def check_fits(lengths: Sequence[int], capacity: int, where: str) -> None:
 
 
 class PackedRows(Dataset):
-    """Rows of whole documents of ``dataset``: item r concatenates the documents ``rows[r]``.
-
-    Item: every per-token tensor of the documents (``keys`` present in them), concatenated
-    ([L] or [L, F]), plus ``document_ids`` [L] long (0 for the row's first document, 1, ...).
-    """
+    """Rows of whole documents of ``dataset``: item r concatenates the per-token tensors (``keys``
+    present) of the documents ``rows[r]`` ([L] or [L, F]), plus ``document_ids`` [L] long (0 for
+    the row's first document, 1, ...)."""
 
     def __init__(self, dataset: Dataset, rows: list[list[int]], keys: Sequence[str]):
         self.dataset, self.rows, self.keys = dataset, rows, tuple(keys)

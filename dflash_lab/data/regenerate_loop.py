@@ -130,9 +130,8 @@ def decode_reply(tok, ids: list[int], stops: list[int]) -> tuple[str, int]:
 def _server_replies(server: CompletionServer, prompts: list[list[int]], s: RegenerateSettings,
                     tok, stops: list[int]) -> list[tuple[str, int]]:
     """The served model's replies, decoded here from the token ids the server returns (vLLM and
-    SGLang do when asked), else the server's own text. When sampling, each request gets a seed
-    drawn from torch's generator (seeded per part), so a part is reproducible where the engine
-    honours seeds."""
+    SGLang do when asked), else its own text. Sampling: each request gets a seed from torch's
+    generator (seeded per part): a part is reproducible where the engine honours seeds."""
     seeds = (torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if s.temperature > 0
              else [None] * len(prompts))
     replies = server.complete_many(prompts, seeds, max_tokens=s.max_new_tokens,

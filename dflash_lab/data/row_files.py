@@ -33,15 +33,16 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def read_row_file(path: Path, name: str):
-    """The rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file as a ``datasets.Dataset``.
-
-    ``name``: how messages name the file (the user's setting). One-line ValueError for an empty
-    file, a line not UTF-8/JSON/an object (its number), a file pyarrow cannot read. The caller
-    checks existence and suffix (LOCAL_BUILDERS)."""
+    """The rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file as a ``datasets.Dataset``
+    (``name``: the user's setting). One-line ValueError for an empty file, a line not
+    UTF-8/JSON/an object (its number), a file pyarrow cannot read. Existence and suffix
+    (LOCAL_BUILDERS): the caller's."""
     import datasets
 
     builder = LOCAL_BUILDERS[path.suffix]
-    if _is_blank(path):
+    with open(path, "rb") as f:  # first 4 KiB empty or whitespace: the file holds nothing
+        blank = not f.read(4096).strip()
+    if blank:
         raise ValueError(f"{name} is empty: no rows to read ({_SHAPES[path.suffix]})")
     try:
         with _quiet_builder_logs():
@@ -98,15 +99,13 @@ def row_lines(path: Path) -> list[int] | None:
 
 
 def row_place(name: str, row: int, lines: list[int] | None) -> str:
-    """``NAME row I`` (counted from 0, in file order) plus ``(line N)`` when ``lines`` (from
-    :func:`row_lines`) knows it."""
+    """``NAME row I`` (from 0, file order), plus ``(line N)`` when ``lines`` (row_lines) has it."""
     line = f" (line {lines[row]})" if lines is not None and row < len(lines) else ""
     return f"{name} row {row}{line}"
 
 
 def parse_jsonl(data: bytes, name: str) -> list[dict[str, Any]]:
-    """The rows of JSONL bytes read without ``datasets`` (e.g. a gzipped file), with the same
-    one-line errors as :func:`read_row_file`."""
+    """Rows of JSONL bytes without ``datasets`` (e.g. gzipped), with read_row_file's errors."""
     where = _jsonl_error(data)
     if where is not None:
         raise _place_error(name, where, ".jsonl")
@@ -159,10 +158,9 @@ def _json_line_error(raw: bytes) -> str | None:
 
 
 def _json_document_error(data: bytes) -> str | None:
-    """Why a whole .json file is not rows: its first byte that is not UTF-8 or its JSON error
-    (by line; a file of JSON lines line by line), a top level that is neither a list nor an
-    object, or a list item that is not an object (by row). An object is left to
-    :func:`check_columns` (``datasets`` reads it as a row)."""
+    """Why a whole .json file is not rows: its first non-UTF-8 byte or its JSON error (by line;
+    JSON lines line by line), a top level neither a list nor an object, or a list item not an
+    object (by row). An object is left to :func:`check_columns` (``datasets`` reads it as a row)."""
     try:
         text = data.decode("utf-8-sig")  # a leading BOM, as datasets strips it
     except UnicodeDecodeError as err:
@@ -192,12 +190,6 @@ def _json_kind(value: Any) -> str:
     names = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean",
              int: "a JSON number", float: "a JSON number", type(None): "JSON null"}
     return names.get(type(value), "a JSON value")
-
-
-def _is_blank(path: Path) -> bool:
-    """Whether the file's first 4 KiB are empty or whitespace (the file holds nothing)."""
-    with open(path, "rb") as f:
-        return not f.read(4096).strip()
 
 
 def _holds_no_rows(path: Path) -> bool:

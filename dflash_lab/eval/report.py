@@ -1,10 +1,9 @@
-"""The eval report: metrics from per-round acceptance lengths, and the files in the output dir.
-
-Files: ``report.json`` (every field, see docs/eval.md), ``report.md`` (the per-dataset table with
-both taus, TTFT, TPOT and the decode speedup, text histograms, the command) and PNG plots
-``acceptance_histogram.png`` and ``per_position_acceptance.png`` (matplotlib, Agg backend; a run
-over several datasets adds ``<dataset>_acceptance_histogram.png`` etc.). The per-response metrics
-come from :mod:`dflash_lab.eval.records`.
+"""The eval report: metrics from per-round acceptance lengths (per response:
+:mod:`dflash_lab.eval.records`) and the files in the output dir: ``report.json`` (every field,
+docs/eval.md), ``report.md`` (the per-dataset table with both taus, TTFT, TPOT and the decode
+speedup, text histograms, the command) and the PNG plots ``acceptance_histogram.png`` and
+``per_position_acceptance.png`` (matplotlib, Agg; several datasets add
+``<dataset>_acceptance_histogram.png`` etc.).
 """
 
 from __future__ import annotations
@@ -112,9 +111,8 @@ def draft_spans(gen: Generation) -> list[tuple[int, int]]:
 
 def marked_text(ids: list[int], spans: list[tuple[int, int]],
                 decode: Callable[[list[int]], str]) -> str:
-    """``decode(ids)`` with each span wrapped in the markers. Each piece is the difference of
-    two decoded prefixes, so a tokenizer that merges across tokens (leading spaces, bytes of
-    one character) still reads as the plain decode."""
+    """``decode(ids)`` with each span wrapped in the markers; each piece is the difference of two
+    decoded prefixes, so a tokenizer merging across tokens still reads as the plain decode."""
     cuts = sorted({0, len(ids), *(i for span in spans for i in span)})
     prefix = {c: decode(ids[:c]) for c in cuts}
     starts, ends = {s for s, _ in spans}, {e for _, e in spans}
@@ -212,8 +210,7 @@ def dataset_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def suite_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
-    """The paper's layout: datasets as columns, tau (macro) and decode speedup as rows, and
-    their mean over datasets."""
+    """The paper's layout: datasets as columns, tau (macro) and decode speedup rows, their mean."""
     names = list(datasets)
     lines = ["| | " + " | ".join(names) + " | mean |", "|---" * (len(names) + 2) + "|"]
     for label, key in (("tau", "tau_macro"), ("speedup", "decode_speedup")):
@@ -275,10 +272,13 @@ def markdown(report: dict[str, Any]) -> str:
             "num_prompts", "num_output_tokens", "num_samples", "num_blocks"]
     lines += ["## All responses", "",
               *_table(["metric", "value"], [[k, _fmt(report[k])] for k in keys if k in report])]
+    # (row name, report key) of each curve: DFlash 2 reports name the selector path, unary beside
+    curves = ([("acc", "per_position_acceptance")]
+              if report.get("unary_per_position_acceptance") is None else
+              [("selector", "per_position_acceptance"), ("unary", "unary_per_position_acceptance")])
     lines += ["", "Per-position acceptance (fraction of rounds accepting at least t drafts):", "",
               *_table(["t", *(str(t) for t in range(1, s["block_size"]))],
-                      [[name, *(_fmt(v, 2) for v in report[key])]
-                       for name, key in _curves(report)])]
+                      [[name, *(_fmt(v, 2) for v in report[key])] for name, key in curves])]
     lines += _context_section(report.get("tau_by_context"))
     lines += _responses_section(report)
     lines += ["", "Settings:", "", "```json", json.dumps(s, indent=2, default=str), "```"]
@@ -320,14 +320,6 @@ def _context_section(rows: list[dict[str, Any]] | None) -> list[str]:
                     [[r["context"], str(r["rounds"]), _fmt(r["tau"]), r["basis"]] for r in rows])]
 
 
-def _curves(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """(row name, report key) of the per-position curves to print: DFlash 2 reports name the
-    selector path and add the unary one beside it."""
-    if report.get("unary_per_position_acceptance") is None:
-        return [("acc", "per_position_acceptance")]
-    return [("selector", "per_position_acceptance"), ("unary", "unary_per_position_acceptance")]
-
-
 def _plot_pair(plt, hist: list[int], curve: list[float | None], title: str, out_dir: Path,
                prefix: str = "") -> list[str]:
     """Histogram and per-position curve of one set of rounds -> [histogram file, curve file]."""
@@ -367,15 +359,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     datasets = report.get("datasets") or {}
     if len(datasets) > 1:
         for name, row in datasets.items():
+            safe = "".join(c if c.isalnum() or c in "-." else "_" for c in name)  # file prefix
             files += _plot_pair(plt, row["acceptance_histogram"], row["per_position_acceptance"],
                                 f"{name}: tau macro = {_fmt(row['tau_macro'], 2)}", out_dir,
-                                prefix=f"{_safe(name)}_")
+                                prefix=f"{safe}_")
     return files
-
-
-def _safe(name: str) -> str:
-    """A dataset name as a file-name prefix."""
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
@@ -387,8 +375,6 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
     path = out_dir / REPORT_JSON
     atomic_write_text(path, dumps(report))
     return path
-
-
 
 
 def dumps(report: dict[str, Any]) -> str:

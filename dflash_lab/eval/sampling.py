@@ -1,26 +1,12 @@
-"""Draft proposal and verification rules of one speculative round.
-
-Three verification rules, all lossless with respect to the target:
-
-- ``greedy`` (T = 0): drafts are the drafter's argmax; accept while a draft equals the target's
-  argmax; the bonus is the target's argmax after the accepted prefix. Output equals plain greedy
-  decoding token for token.
-- ``exact_match`` (T > 0): drafts are the drafter's argmax; the target samples its own token at
-  every block position; accept while a draft equals the target's sample; the bonus is the
-  target's sample at the first mismatch. A draft x passes with probability p(x): the same law as
-  rejection sampling with a one-hot q, which is vLLM 0.32's default (``draft_sample_method:
-  greedy``). Every emitted token is a target sample
-  given the emitted prefix, so the output distribution is the target's.
-- ``rejection`` (T > 0, the default; Leviathan et al. 2023; the rule of z-lab's released
-  ``dflash_generate`` and of vLLM with ``draft_sample_method: probabilistic``): drafts are
-  sampled from the drafter's
-  distribution q; draft x at slot t is accepted with probability min(1, p(x) / q(x)); on the first
-  rejection the bonus is drawn from norm(max(0, p - q)); after a fully accepted block it is drawn
-  from p at the last position. Same output distribution, more drafts accepted than exact match.
-
-A head that drafts with its own walk (``Head.draft``: DFlash 2's selector, DSpark's Markov walk,
-dflash_lab/heads/) gives its tokens and the q each was drawn from; the rules above then run
-unchanged with that q, so they stay lossless.
+"""Draft proposal and verification rules of one speculative round, all lossless with respect to
+the target (docs/eval.md, "The loop"): ``greedy`` (T = 0: accept while the drafter's argmax
+equals the target's; output = plain greedy decoding), ``exact_match`` (T > 0: argmax drafts
+against the target's own samples, rejection sampling with a one-hot q: vLLM 0.32's default
+``draft_sample_method: greedy``) and ``rejection`` (T > 0, the default; Leviathan et al. 2023,
+z-lab's ``dflash_generate``, vLLM's ``probabilistic``: accept x ~ q with min(1, p(x) / q(x));
+the bonus from norm(max(0, p - q)), or from p after a full block). A head with its own walk
+(``Head.draft``: DFlash 2's selector, DSpark's Markov walk) gives its tokens and the q each was
+drawn from, and the rules run unchanged with that q, so they stay lossless.
 
 Shape legend: k drafts in a round (= block size - 1), V vocab. ``p``/``q`` are probabilities at
 the sampling temperature, float32.
@@ -69,10 +55,8 @@ def leading_matches(draft_k: Tensor, choice_k: Tensor) -> int:
 
 def propose(draft_logits_kv: Tensor, temperature: float, mode: str,
             generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """Draft tokens [k] (and q [k, V] for rejection sampling, else None).
-
-    Greedy and exact-match drafting take the drafter's argmax: the most likely token to match.
-    """
+    """Draft tokens [k] (and q [k, V] for rejection sampling, else None). Greedy and exact-match
+    drafting take the drafter's argmax: the most likely token to match."""
     if temperature > 0 and mode == "rejection":
         q = probs_at(draft_logits_kv, temperature)
         return sample_from(q, generator), q
@@ -81,11 +65,8 @@ def propose(draft_logits_kv: Tensor, temperature: float, mode: str,
 
 def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Tensor,
            temperature: float, mode: str, generator: torch.Generator | None) -> Verdict:
-    """Apply the round's verification rule.
-
-    ``target_logits_kv`` [k + 1, V]: row t is the target's distribution for the position of draft
-    t (row k: the position after the last draft). Returns how many drafts are kept and the bonus.
-    """
+    """Apply the round's verification rule. ``target_logits_kv`` [k + 1, V]: row t is the target's
+    distribution at draft t's position (row k: after the last). Returns drafts kept and bonus."""
     if temperature == 0:
         choice = target_logits_kv.argmax(-1)
         accepted = leading_matches(draft_k, choice[:-1])
@@ -102,11 +83,9 @@ def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Ten
 
 def rejection_sample(draft_k: Tensor, q_kv: Tensor, p_kv: Tensor,
                      generator: torch.Generator | None) -> Verdict:
-    """Leviathan et al. speculative sampling for one block.
-
-    draft_k [k] sampled from q_kv [k, V]; p_kv [k + 1, V] the target's probabilities. Draft t is
-    kept iff u_t < p_t(x_t) / q_t(x_t) (u_t uniform) for it and every draft before it.
-    """
+    """Leviathan et al. speculative sampling for one block: draft_k [k] from q_kv [k, V]; p_kv
+    [k + 1, V] the target's. Draft t is kept iff u_t < p_t(x_t) / q_t(x_t) (u_t uniform) for it
+    and every draft before it."""
     k = draft_k.shape[0]
     rows = torch.arange(k, device=draft_k.device)
     p_x = p_kv[rows, draft_k]

@@ -1,10 +1,9 @@
 """``dflash-eval backend=server``: the configured dataset(s) through a serving engine, response
-by response as the local loop runs them, into the same records and report fields.
-
-The client, what each engine reports and the tokens-per-round convention are in
-:mod:`dflash_lab.serving.engine`; this module walks the data (one data option or a suite,
-MT-Bench's second turn after the engine's first answer), the untimed warm-up, and builds
-report.json (:func:`dflash_lab.eval.report.records_report` plus the engine's own curves).
+by response as the local loop runs them, into the same records and report fields. The client,
+what each engine reports and the tokens-per-round convention: :mod:`dflash_lab.serving.engine`;
+here the data walk (one data option or a suite, MT-Bench's second turn after the engine's first
+answer), the untimed warm-up and report.json (:func:`dflash_lab.eval.report.records_report` plus
+the engine's own curves).
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ from dflash_lab.targets.chat import target_stop_ids
 
 
 def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str, Any]:
-    """Histogram (rounds by acceptance length 1..B) and per-position acceptance from the
-    engine's own counts, summed over ``responses``; n/a and zeros unless every response with
-    rounds brought them."""
+    """Histogram (rounds by acceptance length 1..B) and per-position acceptance from the engine's
+    own counts over ``responses``; n/a and zeros unless every response with rounds brought them."""
     counted = [r for r in responses if r.rounds]
     engine = [r.engine_tau for r in counted if r.engine_tau is not None]
     row: dict[str, Any] = {"engine_tau_mean": sum(engine) / len(engine) if engine else None}
@@ -115,9 +113,8 @@ class EngineResponder:
 
 
 def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
-    """The report's per-response record: totals only (engines give no per-round lengths);
-    round tokens = output tokens - 1 (the first comes from the prefill), its tau
-    :attr:`ServerResponse.tau`."""
+    """The report's per-response record: totals only (engines give no per-round lengths); round
+    tokens = output tokens - 1 (the first is the prefill's), tau :attr:`ServerResponse.tau`."""
     return ResponseRecord(dataset=where.dataset, index=where.index, turn=where.turn,
                           prompt_tokens=prompt_tokens, num_output_tokens=resp.num_output_tokens,
                           num_rounds=resp.rounds,
@@ -128,9 +125,7 @@ def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     """``dflash-eval backend=server``: the configured dataset(s) through the engine -> report.
-
-    ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau).
-    """
+    ``on_prompt(n, response)`` is called after each response (the logger's per-prompt tau)."""
     settings = server_settings(cfg.get("server"))
     configs = data_configs(cfg)
     budgets = [budget(cfg, d) for d in configs]

@@ -181,9 +181,8 @@ def check_long_fits(d, max_new: int, max_positions: int | None) -> None:
 
 
 def items_before_target(configs: list, num_prompts: int | None) -> list[list[Item] | None]:
-    """Each data config's items, read before anything loads (a bad file stops the run first);
-    None for a long-context option, whose source is only read here (it needs the tokenizer:
-    :func:`items_with_target`)."""
+    """Each data config's items, read before anything loads (a bad file stops the run first); None
+    for a long-context option (read here; items need the tokenizer: :func:`items_with_target`)."""
     out: list[list[Item] | None] = []
     for d in configs:
         if is_long(d):
@@ -270,11 +269,10 @@ Respond = Callable[[Item, int, list[int]], str]
 
 def ask_every_turn(items: list[Item], tokenizer, d, respond: Respond, *, desc: str,
                    progress: bool = True) -> None:
-    """Ask every turn of every item in order, the one prompt loop of both eval backends (the
-    local decoder and an engine's server): turn 0 is the item's messages; each later turn adds
-    the item's follow-up to the conversation so far, whose assistant messages are the answers
-    ``respond`` gave (the speculative or served answer, not the dataset's), so a multi-turn
-    score follows what was actually generated."""
+    """Ask every turn of every item in order, the one prompt loop of both eval backends: turn 0
+    is the item's messages; each later turn adds the item's follow-up to the conversation so
+    far, whose assistant messages are ``respond``'s answers (the speculative or served one, not
+    the dataset's), so a multi-turn score follows what was actually generated."""
     kwargs = template_kwargs(tokenizer, d)
     for item in Bar(items, desc=desc, unit="prompt", disable=not progress):
         messages = list(item.messages)
@@ -302,8 +300,7 @@ class Responder(Protocol):
         """An untimed answer before the first measured one (kernels, caches)."""
 
     def respond(self, ids: list[int], max_new: int, where: Turn) -> tuple[ResponseRecord, str]:
-        """Answer one prompt (``ids``, at most ``max_new`` new tokens): its record and the
-        answer text a later turn follows."""
+        """Answer ``ids`` (<= ``max_new`` new tokens): the record and text a later turn follows."""
 
 
 def answer_every_prompt(responder: Responder, tokenizer, configs: list, items: list[list[Item]],

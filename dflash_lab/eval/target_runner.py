@@ -1,7 +1,6 @@
-"""The target side of speculative decoding: incremental forwards over one KV cache.
-
-Each forward returns the logits at the fed positions and, optionally, the drafter's context
-features there (``target_layer_ids`` concatenated in order, indexed by
+"""The target side of speculative decoding: incremental forwards over one KV cache, each
+returning the logits at the fed positions and, optionally, the drafter's context features there
+(``target_layer_ids`` concatenated in order, indexed by
 :func:`dflash_lab.targets.features.hf_hidden_state_indices`, as in capture and training).
 
 Shape legend: n fed positions, F = nL*H concatenated features, V vocab. Batch size is 1."""
@@ -26,8 +25,7 @@ from dflash_lab.targets.target import text_config
 
 
 class StepOutput(NamedTuple):
-    """``logits_nv`` [n, V] float32 (rows asked for), ``features_nf`` [1, n, F] or None, both on
-    the runner's device."""
+    """``logits_nv`` [n, V] fp32 (rows asked for), ``features_nf`` [1, n, F] or None; on device."""
 
     logits_nv: Tensor
     features_nf: Tensor | None
@@ -99,10 +97,8 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, ids_n: Tensor, last_only: bool = False) -> StepOutput:
-        """Feed ``ids_n`` [n] at positions length..length+n-1 and append them to the cache.
-
-        ``last_only`` projects only the last position to logits (prefill, plain decoding).
-        """
+        """Feed ``ids_n`` [n] at positions length..length+n-1 and append them to the cache;
+        ``last_only`` projects only the last position to logits (prefill, plain decoding)."""
         if self.cache is None:
             self.reset()
         if self._recurrent and ids_n.numel() > 1 and self.length > 0:

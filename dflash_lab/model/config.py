@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +18,12 @@ from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
 from dflash_lab.model import heads
-from dflash_lab.model.rope import ROPE_TYPES, normalize_scaling
+from dflash_lab.model.rope import normalize_scaling, positive_number
 from dflash_lab.model.serving_form import (  # noqa: F401  (the serving form's names, re-exported)
     CORE_DFLASH_KEYS,
     HF_BOOKKEEPING_KEYS,
     OUR_TOP_KEYS,
     SCALE_DEFAULTS,
-    SHAPE_KEYS,
     TARGET_IDENTITY_KEY,
     TRAINING_SPEC_KEY,
     _suggest,
@@ -44,7 +42,6 @@ log = logging.getLogger(__name__)
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
-SUPPORTED_ROPE_TYPES = ROPE_TYPES  #: model/rope.py defines them and what each computes
 
 DFLASH1 = heads.DEFAULT
 DFLASH2 = "dflash2"
@@ -64,10 +61,6 @@ def __getattr__(name: str) -> Any:
         return {head.name: head.architecture for head in heads.heads()}
     if name == "VARIANTS":
         return tuple(heads.names())
-    if name == "VARIANT_KEYS":
-        return variant_keys()
-    if name == "OUR_DFLASH_KEYS":
-        return CORE_DFLASH_KEYS | set(variant_keys())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -84,13 +77,10 @@ def resolve_target_layer_ids(ids: Any, num_target_layers: int, key: str) -> list
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
-    """Evenly spread target layer ids (z-lab convention) from layer 1 to layer L-3.
-
-    ``round(1 + i * (L - 4) / (n - 1))`` for i in 0..n-1, and ``[L // 2]`` for n == 1, with
-    Python's ``round`` (half to even) as z-lab's ``build_target_layer_ids`` and SGLang compute
-    it: Qwen3-8B (L=36, n=5) gives [1, 9, 17, 25, 33]; SmolLM2 (L=30, n=5) [1, 8, 14, 20, 27]
-    (20.5 rounds to 20).
-    """
+    """Evenly spread target layer ids (z-lab convention) from layer 1 to layer L-3:
+    ``round(1 + i * (L - 4) / (n - 1))`` for i in 0..n-1, ``[L // 2]`` for n == 1, with Python's
+    ``round`` (half to even) as z-lab's ``build_target_layer_ids`` and SGLang compute it: Qwen3-8B
+    (L=36, n=5) gives [1, 9, 17, 25, 33]; SmolLM2 (L=30, n=5) [1, 8, 14, 20, 27] (20.5 -> 20)."""
     if num_draft_inputs < 1:
         raise ValueError(f"num_draft_inputs={num_draft_inputs}: need at least one target layer")
     if num_target_layers < 4 and num_draft_inputs > 1:
@@ -104,20 +94,12 @@ def build_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> lis
     return [round(1 + i * span / (num_draft_inputs - 1)) for i in range(num_draft_inputs)]
 
 
-def _positive_number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
-
-
 @dataclass(kw_only=True)
 class DrafterConfig:
-    """Shape and attention layout of a DFlash drafter (Qwen3-style decoder layers).
-
-    Shapes follow HF Qwen3 names. ``hidden_size`` must equal the target's hidden size because the
-    drafter shares the target's embedding and LM head. ``target_hidden_size`` is the width of
-    one target layer's features (``fc`` reads len(target_layer_ids) of them): H, except for
-    the flattened streams of a multi-stream target (n*H; targets/features.py).
-    """
+    """Shape and attention layout of a DFlash drafter (Qwen3-style decoder layers, HF Qwen3
+    names). ``hidden_size`` must equal the target's (the drafter shares its embedding and LM
+    head). ``target_hidden_size``: the width of one target layer's features (``fc`` reads
+    len(target_layer_ids) of them): H, except a multi-stream target's flattened streams (n*H)."""
 
     hidden_size: int  #: = target hidden size H
     num_hidden_layers: int  #: number of draft layers (paper: 5)
@@ -340,7 +322,7 @@ class DrafterConfig:
 
     def _validate_rope(self) -> None:
         """model/rope.py's rules; the normalized dict replaces the given one."""
-        if not _positive_number(self.rope_theta):
+        if not positive_number(self.rope_theta):
             self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
         self.rope_scaling = normalize_scaling(
             self.rope_scaling, rope_theta=self.rope_theta,
@@ -360,10 +342,10 @@ class DrafterConfig:
 
     def _validate_scales(self) -> None:
         for key in ("input_embedding_scale", "output_multiplier"):
-            if not _positive_number(getattr(self, key)):
+            if not positive_number(getattr(self, key)):
                 self._fail(key, getattr(self, key), "must be a finite number > 0 (1.0 = off)")
         cap = self.final_logit_softcapping
-        if cap is not None and not _positive_number(cap):
+        if cap is not None and not positive_number(cap):
             self._fail("final_logit_softcapping", cap, "must be a finite number > 0, or null (off)")
 
     # ------------------------------------------------------------------ resolved layout
@@ -418,10 +400,8 @@ class DrafterConfig:
 
     @classmethod
     def create(cls, source: str = "<drafter config>", **kwargs: Any) -> DrafterConfig:
-        """Strict constructor for our own configs (Hydra ``_target_``): unknown keys are errors.
-
-        ``target_layer_ids`` may be an int n, meaning ``build_target_layer_ids(L, n)``.
-        """
+        """Strict constructor for our own configs (Hydra ``_target_``): unknown keys are errors;
+        ``target_layer_ids`` may be an int n, meaning ``build_target_layer_ids(L, n)``."""
         known = cls.field_names()
         for key in kwargs:
             if key not in known:
@@ -444,18 +424,16 @@ class DrafterConfig:
 
     # ------------------------------------------------------------------ serving config.json
     def to_dict(self) -> dict[str, Any]:
-        """The serving config.json (dflash.md section 4), plus our exact training spec
-        (model/serving_form.py)."""
+        """The serving config.json (dflash.md section 4) plus our training spec (serving_form)."""
         return serving_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "<config dict>") -> DrafterConfig:
         """Read OUR serving config.json dict (what :meth:`to_dict` writes), strictly: the layout
-        comes from the recorded training spec (``dflash_lab_training_spec``) alone, an unknown
-        key is a ValueError naming it and its close matches, two ``block_size`` copies must
-        agree. No engine rule is emulated: a third-party config.json is read by
-        ``dflash_lab.export.import_drafter`` (docs/export.md, "Importing third-party directories").
-        """
+        from the recorded training spec (``dflash_lab_training_spec``) alone, an unknown key a
+        ValueError naming it and its close matches, two ``block_size`` copies agreeing. No engine
+        rule is emulated: a third-party config.json is ``dflash_lab.export.import_drafter``'s
+        (docs/export.md, "Importing third-party directories")."""
         return parse_ours(cls, d, source=source)
 
     @classmethod

@@ -1,18 +1,15 @@
 """DFlashDrafter: fused target features -> draft layers -> norm, over the target's frozen embedding.
 
-Two call paths share every weight and the same attention code:
-
-- training (:meth:`DFlashDrafter.forward`): a packed sequence of ``S`` context positions and ``N``
-  anchored blocks; context K/V computed once per layer, all blocks attend in one call.
-- inference (:meth:`extend_context`, :meth:`crop_context`, :meth:`draft`): per-layer context K/V
-  cached (appendable, croppable) and one block per sequence anchored right after the context.
-
-The target's embedding and LM head are passed in and never become part of ``state_dict()``, whose
-keys are already the serving layout (dflash.md section 4). Output is the final-normed hidden state
-of every block slot; the unary logits are :meth:`DFlashDrafter.unary_logits` (``lm_head(hidden)``
-times ``output_multiplier``, softcapped; the loss chunks that projection). A head's modules
-(dflash_lab/heads/) are attached by the head (model/heads.py ``attach``, ``layer_modules``) and
-read by its own hooks only; :meth:`propose` drafts through the head's ``draft``.
+Two call paths share every weight and the attention code: training (:meth:`forward`: ``S``
+context positions and ``N`` anchored blocks packed in one sequence, context K/V once per layer,
+all blocks in one call) and inference (:meth:`extend_context`, :meth:`crop_context`,
+:meth:`draft`: per-layer context K/V cached, one block per sequence right after the context).
+The target's embedding and LM head are passed in, never in ``state_dict()``, whose keys are the
+serving layout (dflash.md section 4). Output: the final-normed hidden state of every slot; the
+unary logits are :meth:`unary_logits` (``lm_head(hidden) * output_multiplier``, softcapped; the
+loss chunks that projection). A head's modules are attached by the head (model/heads.py
+``attach``, ``layer_modules``) and read by its hooks only; :meth:`propose` drafts through its
+``draft``.
 
 Shape legend: Bt batch, S context slots, N blocks, B block size, Q = N*B, H hidden, F = nL*H
 concatenated target features, Hkv key/value heads, D head dim, V vocab, T = B-1 drafted
@@ -144,10 +141,8 @@ class DFlashDrafter(nn.Module):
 
     def compile_layers(self, **compile_kwargs: Any) -> None:
         """``torch.compile`` each draft layer in place (state_dict keys keep the serving names).
-
-        Compiled layers get the same attention shapes every step: the sdpa backend's key tiles,
-        whose sizes follow the sampled anchors, are turned off (they would recompile each step).
-        """
+        The sdpa backend's key tiles, whose sizes follow the sampled anchors, are turned off:
+        compiled layers need the same attention shapes every step (else they recompile)."""
         self.static_shapes = True
         for layer in self.layers:
             layer.compile(**compile_kwargs)
@@ -210,15 +205,11 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------ training path
     def forward(self, target_hidden_bsf: Tensor, input_ids_bs: Tensor, anchors_bn: Tensor,
                 embed_tokens: nn.Module, document_ids_bs: Tensor | None = None) -> Tensor:
-        """Packed training forward.
-
-        target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S], anchors_bn [Bt, N] (sorted anchor
-        positions; padded entries may repeat a valid anchor and must be excluded from the loss).
-        document_ids_bs [Bt, S]: packed rows (``data.pack``), the document of each token; each
-        document then gets RoPE positions from 0 and only its own context (attention/mask.py),
-        i.e. exactly what it gets alone in an unpacked row. None: one document per row.
-        Returns hidden [Bt, N, B, H]; slot t of block j predicts the token at anchors[j] + t.
-        """
+        """Packed training forward: target_hidden_bsf [Bt, S, F], input_ids_bs [Bt, S], anchors_bn
+        [Bt, N] (sorted; padded entries may repeat a valid anchor: no loss). document_ids_bs
+        [Bt, S]: packed rows' document of each token (each gets RoPE positions from 0 and only its
+        own context, attention/mask.py, as alone in a row); None: one per row. Returns hidden
+        [Bt, N, B, H]; slot t of block j predicts the token at anchors[j] + t."""
         bt, s, _ = target_hidden_bsf.shape
         ctx = self.fuse(target_hidden_bsf)
         positions = torch.arange(s, device=ctx.device)
@@ -275,10 +266,9 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module,
                 embed_tokens: nn.Module | None = None) -> Tensor:
-        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]:
-        the head's greedy walk of each row from its anchor (``Head.draft`` at T = 0: DFlash 2's
-        selector, DSpark's Markov walk, Domino's GRU walk, which reads ``embed_tokens``), else
-        the unary argmax."""
+        """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
+        head's greedy walk from each row's anchor (``Head.draft`` at T = 0: DFlash 2's selector,
+        DSpark's Markov walk, Domino's GRU walk reading ``embed_tokens``), else the unary argmax."""
         head = self.config.head
         slots = hidden_bph[:, self.config.first_draft_slot:]
         unary = self.unary_logits(slots, lm_head)

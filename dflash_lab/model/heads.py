@@ -1,18 +1,10 @@
-"""The head interface and its registry: what a drafter variant adds to the shared DFlash backbone.
-
-A head (``drafter.variant``: dflash1, dflash2, dspark, ...) is ONE module under
-``dflash_lab/heads/`` holding a :class:`Head`: its config fields with their defaults and
-validation, the modules it adds to the backbone, its training terms, its draft walk, and its
-serving form (``architectures``, ``dflash_config`` keys). A feature that any head may switch on
-(the Laguna features, a reduced draft vocabulary) is a :class:`Head` too, listed in
-``FEATURES``: it declares fields and modules the same way and is applied to every drafter.
-
-The core (DrafterConfig, the drafter, the training step, the eval loop) calls these hooks and
-never asks which head it holds. The registry maps a name to the module that defines the head
-and imports it on first use, so the core depends on this interface only (heads may import the
-training and eval code they build on). A head outside the package registers itself with
-:func:`register` when its module is imported; list that module in ``DFLASH_LAB_HEADS``
-(comma-separated module names) and every process, each stage command too, imports it
+"""The head interface and its registry: what a drafter variant (``drafter.variant``: dflash1,
+dflash2, dspark, ...) adds to the shared DFlash backbone. A head is ONE module under
+``dflash_lab/heads/`` holding a :class:`Head` (fields, modules, training terms, draft walk,
+serving form); a feature any head may switch on (Laguna's, a draft vocabulary) is a
+:class:`Head` listed in ``FEATURES``. The core calls the hooks and never asks which head it
+holds; the registry imports a head's module on first use, and a head outside the package
+registers itself when the module ``DFLASH_LAB_HEADS`` names (comma-separated) is imported
 (docs/architecture.md, "Add a head").
 """
 
@@ -41,11 +33,8 @@ _OWNERS: dict[str, Head] = {}
 
 class Head:
     """A drafter head: every hook's default is "adds nothing" (a plain DFlash 1 drafter).
-
-    ``fields``: the config fields the head owns and their defaults (a field left unset takes
-    its default; a field of another head must stay unset). ``serving_keys``: those written to
-    ``dflash_config`` (default: all of ``fields``).
-    """
+    ``fields``: the config fields it owns and their defaults (unset takes the default; another
+    head's field must stay unset); ``serving_keys``: those in ``dflash_config`` (default: all)."""
 
     name: str = ""  #: the ``drafter.variant`` value (a feature: its own name)
     title: str = ""  #: how messages name it ("DFlash 2")
@@ -87,8 +76,7 @@ class Head:
         return {}
 
     def check_read(self, fields: dict[str, Any], source: str) -> None:
-        """Refuse a config.json whose keys this head's owners could not load (``fields``:
-        what was read from it)."""
+        """Refuse a config.json (``fields``: what was read) this head's owners could not load."""
 
     # ---------------------------------------------------------------- modules
     def attach(self, drafter: Any) -> None:
@@ -196,11 +184,6 @@ def get(name: str) -> Head:
     if name not in _HEADS:
         _load_builtins()
     return _HEADS[name]
-
-
-def get_feature(name: str) -> Head:
-    """The feature registered as ``name``."""
-    return {part.name: part for part in features()}[name]
 
 
 def names() -> list[str]:

@@ -24,10 +24,8 @@ from dflash_lab.model.rope import rope_tables
 
 def scale_logits(logits_xv: Tensor, output_multiplier: float,
                  softcap: float | None) -> Tensor:
-    """Unary logits: ``logits * output_multiplier``, then ``c * tanh(logits / c)`` if capped.
-
-    Both are monotone, so the argmax is unchanged; they matter for sampling and the losses.
-    """
+    """Unary logits: ``logits * output_multiplier``, then ``c * tanh(logits / c)`` if capped. Both
+    are monotone, so the argmax is unchanged; they matter for sampling and the losses."""
     if output_multiplier != 1.0:
         logits_xv = logits_xv * output_multiplier
     if softcap is not None:
@@ -42,14 +40,11 @@ TOPK_BLOCK = 64
 def vocab_topk(logits: Tensor, k: int, dim: int = -1) -> tuple[Tensor, Tensor]:
     """``logits.topk(k, dim)`` (values and ids, best first) for a 2-D tensor over a large
     vocabulary, ~5-10x faster on CPU than ``torch.topk`` there (49k-152k entries; benchmark 2).
-
-    Exact: the vocabulary is cut into blocks of ``TOPK_BLOCK`` entries; every top-k entry lies
-    in a block whose maximum is among the k largest block maxima (a block outside them has k
-    blocks above it, each holding an entry at least as large), so the top-k of those k blocks
-    (plus the ragged tail) is the top-k. Values equal ``torch.topk``'s; ids too, except which
-    of exactly equal logits is kept, which ``torch.topk`` leaves unspecified as well.
-    ``dim``: the vocabulary dimension, 0 ([V, m], the loss's vocab-major chunks) or -1 ([m, V]).
-    """
+    Exact: of blocks of ``TOPK_BLOCK`` entries, every top-k entry lies in one whose maximum is
+    among the k largest block maxima (any other block has k blocks above it, each holding an
+    entry at least as large), so the top-k of those k blocks (plus the ragged tail) is the top-k.
+    Values equal ``torch.topk``'s; ids too, except which of exactly equal logits is kept (also
+    unspecified there). ``dim``: the vocabulary dim, 0 ([V, m], vocab-major chunks) or -1."""
     if logits.dim() != 2 or dim not in (0, 1, -1):
         raise ValueError(f"vocab_topk takes a 2-D tensor and dim 0 or -1, got "
                          f"{tuple(logits.shape)} and dim={dim}")
@@ -85,14 +80,10 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables for arbitrary absolute positions (HF Qwen3 half-rotation convention).
-
-    inv_freq and the cos/sin scale (YaRN's attention factor, else 1) come from model/rope.py,
-    which defines every rope_type the drafter accepts as the engines compute it; the scale
-    multiplies cos and sin as in transformers' ``Qwen3RotaryEmbedding``. Positions are absolute
-    and need no cache: a table entry is computed for any position, beyond
-    ``max_position_embeddings`` too.
-    """
+    """RoPE tables for any absolute position (HF Qwen3 half-rotation convention; no cache, beyond
+    ``max_position_embeddings`` too). inv_freq and the cos/sin scale (YaRN's attention factor,
+    else 1) come from model/rope.py, which defines every rope_type as the engines compute it;
+    the scale multiplies cos and sin as in transformers' ``Qwen3RotaryEmbedding``."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -187,12 +178,9 @@ class SwiGLU(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer. The context gets no query and no MLP, and no input norm unless
-    ``config.context_input_norm`` (Laguna).
-
-    DFlash 2: ``attention_conv`` / ``mlp_conv`` (None under DFlash 1) convolve each sublayer's
-    normed input (``prepare``) and its output (``finish``) along the block slots.
-    """
+    """Pre-norm decoder layer. The context gets no query, no MLP and no input norm unless
+    ``config.context_input_norm`` (Laguna). DFlash 2's ``attention_conv`` / ``mlp_conv`` convolve
+    each sublayer's normed input (``prepare``) and output (``finish``) along the block slots."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()

@@ -1,9 +1,8 @@
-"""RoPE: THE definition of the drafter's rotary embedding (types, parameters, tables): a
-drafter's RoPE is ``rope_theta`` plus ``rope_scaling`` (None = plain RoPE), which
-:func:`normalize_scaling` validates and :func:`rope_tables` turns into the inverse frequencies and
-cos/sin scale, per type what vLLM 0.32 computes for that config.json, transformers 5 being the
-numerical reference; ``longrope``, nested per-layer-type and unread keys are refused
-(docs/export.md, "RoPE").
+"""RoPE: THE definition of the drafter's rotary embedding (types, parameters, tables): a drafter's
+RoPE is ``rope_theta`` plus ``rope_scaling`` (None = plain RoPE), which :func:`normalize_scaling`
+validates and :func:`rope_tables` turns into the inverse frequencies and cos/sin scale, per type
+what vLLM 0.32 computes for that config.json, transformers 5 being the numerical reference;
+``longrope``, nested per-layer-type and unread keys are refused (docs/export.md, "RoPE").
 """
 
 from __future__ import annotations
@@ -52,7 +51,8 @@ def is_nested(scaling: dict[str, Any]) -> bool:
     return bool(scaling) and all(isinstance(v, dict) for v in scaling.values())
 
 
-def _positive(value: Any) -> bool:
+def positive_number(value: Any) -> bool:
+    """A finite int or float > 0 (not a bool)."""
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and math.isfinite(value) and value > 0)
 
@@ -60,7 +60,7 @@ def _positive(value: Any) -> bool:
 def _check_values(kind: str, out: dict[str, Any], fail) -> None:
     for key in ("factor", "attention_factor", "low_freq_factor", "high_freq_factor",
                 "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if key in out and out[key] is not None and not _positive(out[key]):
+        if key in out and out[key] is not None and not positive_number(out[key]):
             fail(f"{key}={out[key]!r} must be a finite number > 0")
     original = out.get("original_max_position_embeddings")
     if original is not None and (isinstance(original, bool) or not isinstance(original, int)
@@ -75,14 +75,11 @@ def _check_values(kind: str, out: dict[str, Any], fail) -> None:
 
 def normalize_scaling(scaling: dict[str, Any] | None, *, rope_theta: float,
                       max_position_embeddings: int, where: str) -> dict[str, Any] | None:
-    """The drafter's ``rope_scaling`` in one spelling, or ValueError naming the value and fix.
-
-    None and ``{"rope_type": "default"}`` give None (plain RoPE). Otherwise: ``rope_type`` (the
-    legacy ``type`` accepted), exactly the keys the type reads, ``original_max_position_embeddings``
-    written explicitly for yarn / llama3 (default ``max_position_embeddings``, as transformers
-    fills it), a ``rope_theta`` key only if it equals ``rope_theta``. ``where``: the config's
-    source, named in errors.
-    """
+    """The drafter's ``rope_scaling`` in one spelling, or ValueError naming the value and fix
+    (``where``: the config's source). None and ``{"rope_type": "default"}`` give None (plain).
+    Else: ``rope_type`` (legacy ``type`` accepted), exactly the keys the type reads, explicit
+    ``original_max_position_embeddings`` for yarn / llama3 (default: max_position_embeddings,
+    as transformers), ``rope_theta`` only if equal to rope_theta."""
     if scaling is None:
         return None
     scaling = dict(scaling)

@@ -1,11 +1,9 @@
 """The serving form of a drafter config: the config.json our exporter writes and reads back.
-
 :func:`serving_dict` writes it (dflash.md section 4: the engines' keys, plus our exact training
-spec under ``dflash_lab_training_spec``) and :func:`parse_ours` reads it back strictly (what
-``DrafterConfig.to_dict`` / ``from_dict`` call); the key sets and the readers' building blocks
-(``shape_fields``, ``variant_of``, ``reject_unknown_keys``) serve the third-party readers in
-export/formats too. The architecture (fields, validation, layout) is model/config.py's; each
-head's own keys are its module's (model/heads.py ``serving_keys``).
+spec under ``dflash_lab_training_spec``), :func:`parse_ours` reads it back strictly (for
+``DrafterConfig.to_dict`` / ``from_dict``); the key sets and the readers' building blocks
+(``shape_fields``, ``variant_of``, ``reject_unknown_keys``) serve export/formats' third-party
+readers. The architecture is model/config.py's; each head's keys its module's (``serving_keys``).
 """
 
 from __future__ import annotations

@@ -136,9 +136,8 @@ class CompletionServer:
 
 
 def all_at_once(calls: list[Callable[[], Any]], name: str) -> list[Any]:
-    """Every call in flight at once (threads named ``name``), results in input order. The first
-    failure or Ctrl-C cancels the calls not yet started and returns at once, without waiting
-    for those in flight (their results are discarded)."""
+    """Every call in flight at once (threads ``name``), results in input order; the first failure
+    or Ctrl-C cancels the unstarted calls and returns at once (in-flight results discarded)."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(calls)), thread_name_prefix=name)
     try:
         futures = [pool.submit(call) for call in calls]

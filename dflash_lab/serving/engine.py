@@ -181,11 +181,9 @@ class EngineClient:
 
     # -- set-up ----------------------------------------------------------------------------------
     def connect(self) -> dict[str, Any]:
-        """Pick the served model, check the engine reports acceptance, find B.
-
-        Returns ``{"model", "root", "block_size"}`` (``root``: the served directory, where the
-        server says).
-        """
+        """Pick the served model, check the engine reports acceptance, find B. Returns
+        ``{"model", "root", "block_size"}`` (``root``: the served directory, where the server
+        says)."""
         card = pick_served_model(self._json(self.base + "/models").get("data") or [],
                                  self.model, self.base, "server.model", EngineError)
         self.model = card.get("id")
@@ -230,9 +228,8 @@ class EngineClient:
         return resp
 
     def _settled(self, before: SpecCounters, num_output_tokens: int) -> SpecCounters:
-        """The counters after a response. vLLM records a step's stats in the same event-loop
-        turn that finishes the request, so they are normally in place; a response of 2+
-        tokens without a round is read again for up to ``settle_s``."""
+        """The counters after a response (vLLM records a step's stats in the turn that finishes
+        the request); a response of 2+ tokens without a round is read again up to ``settle_s``."""
         deadline = time.monotonic() + self.settings.settle_s
         now = self.counters()
         while now.drafts == before.drafts and num_output_tokens > 1 \

@@ -35,19 +35,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def server_layer_ids(target_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
-    """vLLM aux-layer ids to serve for our z-lab ``target_layer_ids``: each i + 1, plus
-    ``num_hidden_layers`` (the final hidden state, for the labels); ascending and distinct,
-    the order vLLM writes them in."""
+    """vLLM aux-layer ids for our z-lab ``target_layer_ids``: each i + 1, plus ``num_hidden_layers``
+    (the final hidden state, for the labels); ascending and distinct, as vLLM writes them."""
     return sorted({int(i) + 1 for i in target_layer_ids} | {int(num_hidden_layers)})
 
 
 def server_args(aux_layer_ids: list[int], storage_dir: str | Path, *,
                 connector: str = CONNECTOR_CLASS,
                 module: str | None = CONNECTOR_MODULE) -> list[str]:
-    """The ``vllm serve`` arguments that make a server answer with hidden states of
-    ``aux_layer_ids`` written under ``storage_dir``. ``connector="ExampleHiddenStatesConnector",
-    module=None`` is vLLM's own (GPU only); the default is ours (CPU and GPU), which needs this
-    repository on the server's PYTHONPATH."""
+    """The ``vllm serve`` arguments for hidden states of ``aux_layer_ids`` under ``storage_dir``.
+    ``connector="ExampleHiddenStatesConnector", module=None``: vLLM's own (GPU only); default:
+    ours (CPU and GPU), which needs this repository on the server's PYTHONPATH."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
                 "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids]}}}
@@ -167,8 +165,7 @@ class HiddenStatesServer(CompletionServer):
                              "tokenised it again or mixed requests up")
 
     def hidden_states_many(self, prompts: list[list[int]]) -> list[ServedStates]:
-        """:meth:`hidden_states` of every prompt at once (the server batches them), in input
-        order; the first failure cancels the rest."""
+        """:meth:`hidden_states` of all prompts at once, in order; a failure cancels the rest."""
         return all_at_once([partial(self.hidden_states, p) for p in prompts], "hs")
 
 

@@ -1,9 +1,8 @@
 """What the two clients of a served model share: the request, the error detail and the choice
-of the served model on an OpenAI-compatible vLLM or SGLang server.
-
-The clients are dflash-regenerate's :class:`~dflash_lab.serving.completions.CompletionServer`
-(retries transient failures) and dflash-eval's :class:`~dflash_lab.serving.engine.EngineClient`
-(one request at a time, no retries). Standard-library ``urllib`` only: no client package.
+of the served model on an OpenAI-compatible vLLM or SGLang server, for dflash-regenerate's
+:class:`~dflash_lab.serving.completions.CompletionServer` (retries transient failures) and
+dflash-eval's :class:`~dflash_lab.serving.engine.EngineClient` (one request at a time, no
+retries). Standard-library ``urllib`` only: no client package.
 """
 
 from __future__ import annotations

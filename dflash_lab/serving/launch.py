@@ -48,10 +48,9 @@ def log_tail(log: Path, lines: int = 30) -> str:
 @contextmanager
 def launched_server(command: Sequence[str], log: Path, *, start_timeout_s: float = 1800.0,
                     env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run ``command`` (``{port}`` replaced by a free port) for the block; yields the API base
-    ``http://127.0.0.1:PORT/v1`` once ``/v1/models`` lists a model. ValueError for a command
-    without ``{port}`` or no such program; RuntimeError (with the log's tail) when the server
-    exits or is not ready within ``start_timeout_s``."""
+    """Run ``command`` (``{port}``: a free port) for the block; yields the API base
+    ``http://127.0.0.1:PORT/v1`` once ``/v1/models`` lists a model. ValueError: no ``{port}`` or
+    no such program; RuntimeError (the log's tail): exited or not ready in ``start_timeout_s``."""
     if not command or not any(PORT in str(part) for part in command):
         raise ValueError(f"server.launch={list(command)!r} must contain {PORT} where "
                          "the server takes its port, e.g. [vllm, serve, /models/X, --port, "
@@ -100,9 +99,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def client_of(settings: Any, log_path: Path, make: Callable[[Any], Client]) -> Iterator[Client]:
-    """``make(settings)``: a client of the server at ``settings.url`` (a ``ServerSettings``),
-    or, with ``settings.launch``, of a server started for the block (its output in
-    ``log_path``) and stopped after it."""
+    """``make(settings)``: a client of the server at ``settings.url``, or, with
+    ``settings.launch``, of one started for the block (output in ``log_path``), then stopped."""
     if settings.launch is None:
         yield make(settings)
         return

@@ -1,10 +1,9 @@
 """The one description of a served model: conf/server/default.yaml, the ``server`` group that
 dflash-regenerate (``regenerate.backend=server``) and dflash-eval (``backend=server``) compose.
-
 :class:`ServerSettings` holds every key of the group with its one validation; each client reads
-the keys it uses (regeneration: the connection and ``retries``; the eval: the connection and
-``engine``, ``stream``, ``block_size``, ``settle_s``). :func:`server_settings` builds it from the
-composed config and refuses a key the group does not have by name.
+its keys (regeneration: the connection and ``retries``; the eval: the connection, ``engine``,
+``stream``, ``block_size``, ``settle_s``). :func:`server_settings` builds it from the composed
+config, refusing a key the group does not have by name.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ _PROBE = ("dflashprobeuserone", "dflashprobeassistantone", "dflashprobeusertwo",
 
 
 class BadConversation(ValueError):
-    """A conversation that cannot be trained on; the message says why (no row id: the data
-    loop that read the row adds it)."""
+    """A conversation that cannot be trained on, saying why (the data loop adds the row id)."""
 
 
 @dataclass
@@ -112,8 +111,7 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
             enable_thinking: bool | None) -> str:
-    """The template's text (``enable_thinking`` passed when set); a template error (e.g.
-    Gemma's alternation check) is a bad row."""
+    """The template's text (``enable_thinking`` if set); a template error (Gemma's) is a bad row."""
     from jinja2.exceptions import TemplateError
 
     require_chat_template(tokenizer, "rendering conversations")
@@ -133,9 +131,8 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]],
 
 
 def target_stop_ids(target) -> list[int]:
-    """Ids that end a generation: the tokenizer's EOS and the generation config's EOS list
-    (sorted, no repeats). The one definition: capture's turn end, regeneration's replies and
-    the eval's stop ids (local and backend=server) all read it."""
+    """Ids that end a generation: the tokenizer's EOS and the generation config's EOS list (sorted,
+    distinct); the one definition capture, regeneration and the eval (local and server) read."""
     ids = [target.tokenizer.eos_token_id]
     gen = getattr(getattr(target, "model", None), "generation_config", None)
     eos = getattr(gen, "eos_token_id", None)
@@ -166,10 +163,9 @@ def _closing_text(tokenizer, enable_thinking: bool | None) -> str:
 def find_turn_end(tokenizer, stop_ids: list[int] | tuple[int, ...] = (),
                   enable_thinking: bool | None = None) -> TurnEnd:
     """The end of an assistant turn as this chat template writes it: in the closing text
-    (:func:`_closing_text`), just past the first stop id (``stop_ids`` plus the tokenizer's EOS),
+    (:func:`_closing_text`), just past the first stop id (``stop_ids`` and the tokenizer's EOS),
     else the first added/special token. Warns when there is none (the drafter never learns to end
-    a turn) or it is no stop id (the target would not stop there: check
-    ``generation_config.eos_token_id``)."""
+    a turn) or it is no stop id (the target would not stop: check its eos_token_id)."""
     closing = _closing_text(tokenizer, enable_thinking)
     stops = {int(i) for i in stop_ids} | ({tokenizer.eos_token_id} - {None})
     added = (set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)) - {

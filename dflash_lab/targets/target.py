@@ -1,9 +1,8 @@
 """A loaded target: its frozen pieces (embedding, final norm, LM head) and its fingerprint.
-
 :class:`Target` is what every entry point gets from :func:`dflash_lab.targets.loader.load_target`
-(a full model) or :mod:`dflash_lab.targets.head_only` (the embedding, final norm and LM head
-only); the fingerprints (config, tokenizer, chat template and weight hashes) identify it in
-captures, checkpoints and exports.
+(a full model) or :mod:`dflash_lab.targets.head_only` (embedding, final norm and LM head only);
+its fingerprints (config, tokenizer, chat template and weight hashes) identify it in captures,
+checkpoints and exports.
 """
 
 from __future__ import annotations
@@ -117,9 +116,8 @@ _PROBE, _NUM_SAMPLES, _HEAD_BYTES = 64, 16, 1 << 20
 
 
 def _safetensors_probes(f, size: int) -> tuple[int, list[int]] | None:
-    """(header length, offsets to sample) of a safetensors file: 64 bytes at the start, middle
-    and end of every tensor's data, so a change to any one tensor changes the fingerprint.
-    None when the file is not a readable safetensors file."""
+    """(header length, offsets to sample) of a safetensors file: 64 bytes at the start, middle and
+    end of every tensor, so any tensor's change shows; None when not a readable safetensors."""
     try:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n)) if 8 + n <= size else None
@@ -154,11 +152,10 @@ def _file_fingerprint(h, path: Path) -> None:
 
 
 def weights_fingerprint(files: list[Path]) -> str:
-    """sha256 over each weight file's name, size, header (names, dtypes, shapes) and sampled
-    data: 64 bytes at the start, middle and end of every safetensors tensor (16 evenly spaced
-    samples of other files). Reads kilobytes per tensor, not the weights, yet two checkpoints
-    with the same config but other weights differ (a fine-tune changes every tensor it
-    trains, so its samples)."""
+    """sha256 over each weight file's name, size, header (names, dtypes, shapes) and sampled data:
+    64 bytes at the start, middle and end of every safetensors tensor (16 evenly spaced samples of
+    other files). Reads kilobytes per tensor, not the weights, yet two checkpoints with the same
+    config but other weights differ (a fine-tune changes every tensor it trains, so its samples)."""
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         _file_fingerprint(h, path)
@@ -187,9 +184,8 @@ def target_weight_files(name_or_path: str, gguf_file: str | None) -> list[Path]:
 
 
 class TargetPieces(nn.Module):
-    """The target's own frozen embedding (ids [...] -> [..., H], bare rows:
-    :class:`RawEmbedding`), final ``norm`` ([..., H]) and ``lm_head`` ([..., H] -> [..., V]),
-    shared with the drafter, not copied; no parameter requires grad."""
+    """The target's own frozen embedding (ids [...] -> [..., H], bare rows: :class:`RawEmbedding`),
+    ``norm`` and ``lm_head`` ([..., H] -> [..., V]), shared with the drafter; none requires grad."""
 
     def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module,
                  logit_softcap: float | None = None):
@@ -260,9 +256,8 @@ class Target:
         return int(tid)
 
     def weights_fingerprint(self) -> str | None:
-        """:func:`weights_fingerprint` of the files this target was loaded from (computed once;
-        the same for full and head-only loads of one directory or hub snapshot), None when the
-        weights are not in files (a model built in memory)."""
+        """:func:`weights_fingerprint` of the files this target was loaded from (once; the same for
+        full and head-only loads of one snapshot), None when not from files (built in memory)."""
         if self._fingerprint is None:
             try:
                 files = target_weight_files(self.name_or_path, self.gguf_file)
@@ -274,8 +269,7 @@ class Target:
         return self._fingerprint or None
 
     def identity(self) -> dict[str, Any]:
-        """What a capture manifest records to recognise this target later (config, tokenizer
-        and weights: ``weights_fingerprint``)."""
+        """What a capture manifest records to recognise this target (config, tokenizer, weights)."""
         return {
             "name_or_path": self.name_or_path,
             "gguf_file": self.gguf_file,

@@ -1,10 +1,8 @@
-"""The built-in tiny target: a small Qwen3 with its own byte-level BPE tokenizer and chat template.
-
-Built deterministically from a seed with no downloads, briefly pre-trained on the demo corpus so its
-greedy outputs are structured (a random model that repeats one token would make every drafter look
-perfect), and materialised as an ordinary Hugging Face directory (config.json, model.safetensors,
-tokenizer files) that transformers and vLLM load as is. A marker file records the recipe; a rerun
-with the same recipe reuses the directory.
+"""The built-in tiny target: a small Qwen3 with its own byte-level BPE tokenizer and chat template,
+built from a seed (no downloads), briefly pre-trained on the demo corpus so its greedy outputs are
+structured (a model repeating one token would make every drafter look perfect), and saved as an
+ordinary HF directory (config.json, model.safetensors, tokenizer files) that transformers and
+vLLM load as is. A marker file records the recipe; a rerun with the same recipe reuses it.
 """
 
 from __future__ import annotations
@@ -149,16 +147,13 @@ def build_tiny_target(recipe: TinyTargetRecipe | None = None):
 
     recipe = recipe or TinyTargetRecipe()
     convs = demo_conversations(recipe.corpus_size, seed=recipe.seed)
-    tokenizer = build_tiny_tokenizer(recipe, [_plain_text(c) for c in convs])
+    plain = ["\n".join(f"{m['role']}\n{m['content']}" for m in c) for c in convs]
+    tokenizer = build_tiny_tokenizer(recipe, plain)
     texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in convs]
     torch.manual_seed(recipe.seed)
     model = Qwen3ForCausalLM(build_tiny_config(recipe, tokenizer))
     loss = _pretrain(model, tokenizer, texts, recipe)
     return tokenizer, model, loss
-
-
-def _plain_text(conv: list[dict[str, str]]) -> str:
-    return "\n".join(f"{m['role']}\n{m['content']}" for m in conv)
 
 
 def _marker_ok(path: Path, recipe: TinyTargetRecipe) -> bool:

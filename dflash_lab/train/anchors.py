@@ -74,8 +74,7 @@ def sample_document_anchors(loss_mask_bs: Tensor, document_ids_bs: Tensor, num_a
 
 
 def step_generator(seed: int, step: int, rank: int = 0) -> torch.Generator:
-    """A CPU generator for one (seed, step, rank): same anchors after a resume, different per
-    step and per rank."""
+    """A CPU generator per (seed, step, rank): same anchors after a resume, other per step/rank."""
     g = torch.Generator()
     g.manual_seed((seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1))
     return g

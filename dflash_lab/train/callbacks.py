@@ -38,11 +38,10 @@ def write_checkpoint_file(checkpoint: dict[str, Any], path: str | Path) -> None:
 
 
 class BesideCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer without its staging: ``_atomic_save`` writes through an
-    fsspec transaction, a file in the system temp folder copied over at the end (a small
-    ``$TMPDIR`` fails a large checkpoint, and the copy crosses filesystems), after a second copy
-    of the checkpoint in memory. :class:`DFlashCheckpoint` already writes a temporary file
-    beside its target, so this writes that file directly."""
+    """Lightning's checkpoint writer without its staging (``_atomic_save``: an fsspec transaction
+    through a file in the system temp folder, copied over at the end, after a second in-memory
+    copy: a small ``$TMPDIR`` fails a large checkpoint). :class:`DFlashCheckpoint` already
+    writes a temporary file beside its target, so this writes that file directly."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
@@ -65,10 +64,9 @@ class DFlashCheckpoint(ModelCheckpoint):
         self.last_every_n_steps = last_every_n_steps
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Rebase the saved paths (absolute, in the directory the checkpoint was written in)
-        onto this run's ``dirpath``: Lightning keeps a stale ``best_model_path`` when the
-        directory moved and forgets ``last_model_path`` (the next save then goes to
-        last-v1.ckpt beside a stale last.ckpt)."""
+        """Rebase the saved absolute paths onto this run's ``dirpath``: Lightning keeps a stale
+        ``best_model_path`` when the directory moved and forgets ``last_model_path`` (the next
+        save then goes to last-v1.ckpt beside a stale last.ckpt)."""
         old = state_dict.get("dirpath")
         if old and self.dirpath and old != self.dirpath:
             state_dict = {**state_dict, "dirpath": self.dirpath,
@@ -91,10 +89,9 @@ class DFlashCheckpoint(ModelCheckpoint):
             trainer.strategy.checkpoint_io = BesideCheckpointIO()
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        """Lightning's save, but atomic: write ``.<name>.tmp`` beside ``filepath`` (one name
-        for every rank: a sharded strategy writes it together), then on global rank 0
-        :func:`~dflash_lab.train.resume.finish_checkpoint`, as the ``finish`` of
-        :func:`~dflash_lab.paths.atomic_path`."""
+        """Lightning's save, but atomic: ``.<name>.tmp`` beside ``filepath`` (one name for every
+        rank: a sharded strategy writes it together), then on global rank 0
+        :func:`~dflash_lab.train.resume.finish_checkpoint` (``finish`` of ``atomic_path``)."""
         tmp = Path(filepath).with_name(f".{Path(filepath).name}.tmp")
         keep = PREVIOUS_LAST if Path(filepath).name == "last.ckpt" else None
         # rank 0 renames (a failed write, e.g. a full disk, is removed: the old one stays)
@@ -236,10 +233,7 @@ class WandbRun(RunEndCallback):
 
 
 def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None = None) -> None:
-    """Log the resolved config and the run's final numbers, then close the logger.
-
-    Only plain numbers are logged (bools as 0/1); anything else in ``metrics`` is skipped.
-    """
+    """Log the resolved config and final numbers (plain numbers, bools as 0/1); close the logger."""
     if logger is None:
         return
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -257,12 +251,10 @@ def close_logger(logger) -> None:
     WandbRun.finish(logger)
 
 
-
 def check_same_start_step(trainer, device: torch.device) -> None:
-    """Every rank must start training from the same step. ``ckpt_path=auto`` looks for
-    last.ckpt in each process; nodes that see different files (run directory not on a shared
-    filesystem, a stale NFS cache) would resume some ranks and start others afresh, and then
-    diverge or hang. All ranks raise together (they all see the gathered steps)."""
+    """Every rank must start from the same step: ``ckpt_path=auto`` looks for last.ckpt in each
+    process, and nodes seeing different files (no shared filesystem, a stale NFS cache) would
+    resume some ranks and start others afresh, then diverge or hang. All ranks raise together."""
     steps = trainer.strategy.all_gather(torch.tensor(trainer.global_step, device=device))
     steps = steps.flatten().tolist()
     if min(steps) != max(steps):

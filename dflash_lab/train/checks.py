@@ -1,8 +1,6 @@
-"""Start-up checks of a training config: user mistakes found before any loading, each a
-one-line ValueError naming the value and the fix (the entry point prints it as ``error: ...``).
-
-These are the values that otherwise fail late (at the first validation, after an epoch) or not
-at all; values checked where they are used (drafter, data, module constructors) stay there.
+"""Start-up checks of a training config: the mistakes that otherwise fail late (at the first
+validation) or never, each one ValueError naming the value and the fix (printed as ``error:``),
+before any loading; values checked where they are used (constructors) stay there.
 """
 
 from __future__ import annotations
@@ -87,13 +85,6 @@ def check_data(cfg: DictConfig) -> None:
                          "raise the sequence length")
 
 
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _writable(directory: Path) -> bool:
     """Whether a file can be created in ``directory`` (tried, then removed: permission bits
     do not tell for root, read-only mounts or quotas)."""
@@ -111,7 +102,9 @@ def check_writable(cfg: DictConfig) -> None:
     writable now, not at the first save after an epoch. Leaves nothing behind."""
     callback = (cfg.get("callbacks") or {}).get("checkpoint") or {}
     dirpath = callback.get("dirpath") or Path(cfg.paths.output_dir) / "checkpoints"
-    where = _nearest_existing(Path(str(dirpath)))
+    where = Path(str(dirpath)).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
     if not where.is_dir() or not _writable(where):
         raise ValueError(f"{where} is not a writable directory: checkpoints go to {dirpath}; "
                          "fix its permissions or choose paths.output_dir / "

@@ -44,11 +44,6 @@ def share_run_name(cfg: DictConfig, env: MutableMapping[str, str]) -> None:
         env[RUN_NAME_ENV] = str(cfg.run_name)
 
 
-def _trainer_source() -> str:
-    choice = HydraConfig.get().runtime.choices.get("trainer")
-    return f"conf/trainer/{choice}.yaml and the command line" if choice else "the command line"
-
-
 #: what a run stopped by a full disk keeps (docs/guarantees.md, "A full disk")
 KEPT = ("the checkpoints saved before it (last.ckpt whole: a half-written one is removed); the "
         "rerun resumes from last.ckpt (ckpt_path=auto)")
@@ -57,7 +52,9 @@ KEPT = ("the checkpoints saved before it (last.ckpt whole: a half-written one is
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     with user_errors(KEPT):
-        check_launch(cfg, _trainer_source())
+        choice = HydraConfig.get().runtime.choices.get("trainer")
+        check_launch(cfg, f"conf/trainer/{choice}.yaml and the command line" if choice
+                     else "the command line")
         from dflash_lab.train.run import train
 
         one_handler()  # Lightning is imported now, after Hydra's logging set-up

@@ -35,13 +35,10 @@ TINY = 1e-30  # floor of a bucket's probability where it divides
 
 @dataclass(frozen=True)
 class LossSpec:
-    """``module.loss`` resolved: the weight of each term (only non-zero ones are kept).
-
-    ``label_temperature``: T_label of the target distribution p = softmax(logits / T_label).
-    ``lk_eta``: the blend temperature of ``lk_hybrid``. ``accept_temperature``: the temperature
-    of the ``accept`` objective (0: greedy, whose smooth surrogate is q(y), the drafter's
-    probability of the target's argmax).
-    """
+    """``module.loss`` resolved: the weight of each non-zero term. ``label_temperature``: T_label
+    of p = softmax(logits / T_label); ``lk_eta``: ``lk_hybrid``'s blend temperature;
+    ``accept_temperature``: the ``accept`` objective's (0: greedy, whose smooth surrogate is
+    q(y), the drafter's probability of the target's argmax)."""
 
     weights: tuple[tuple[str, float], ...] = (("ce", 1.0),)
     label_temperature: float = 1.0
@@ -113,14 +110,11 @@ class LossSpec:
 # ------------------------------------------------------------------------------ the teacher
 @dataclass
 class Teacher:
-    """The target's next-token distribution for M rows (valid slots), dense or sparse.
-
-    Dense: ``hidden_mh`` [M, H], the target's final-normed last hidden state at the position
-    BEFORE each slot (its logits there are the distribution of the slot's token), projected per
-    chunk by the target head; ``softcap``: the target's own ``final_logit_softcapping`` (Gemma).
-    Sparse: ``top_ids_mk`` [M, K] and ``top_logprobs_mk`` [M, K] (log-probabilities at T = 1
-    over the whole vocabulary, best first); the remaining mass is the tail bucket.
-    """
+    """The target's next-token distribution for M rows (valid slots), dense or sparse. Dense:
+    ``hidden_mh`` [M, H], its final-normed last hidden state at the position BEFORE each slot
+    (whose logits are the slot token's distribution), projected per chunk by the target head;
+    ``softcap``: its ``final_logit_softcapping`` (Gemma). Sparse: ``top_ids_mk``,
+    ``top_logprobs_mk`` [M, K] (T = 1, whole vocabulary, best first); the rest: the tail bucket."""
 
     hidden_mh: Tensor | None = None
     top_ids_mk: Tensor | None = None
@@ -279,21 +273,17 @@ def chain(alpha_bnp: Tensor, valid_bnp: Tensor, first_slot: int = 1) -> Tensor:
 
 
 def on_slots(values_m: Tensor, valid_bnp: Tensor) -> Tensor:
-    """[M] values of the valid slots (row-major order) -> [Bt, N, B], 0 elsewhere;
-    differentiable in the values."""
+    """[M] values of the valid slots (row-major) -> [Bt, N, B], 0 elsewhere; differentiable."""
     return values_m.new_zeros(valid_bnp.shape).masked_scatter(valid_bnp, values_m)
 
 
 def expected_accepted(alpha_bnp: Tensor, valid_bnp: Tensor, block_valid_bn: Tensor,
                       first_slot: int = 1) -> Tensor:
-    """Expected number of accepted drafts of each real block [K]: sum_t P_t.
-
-    With per-slot acceptance probabilities alpha_t (rejection sampling: sum min(p_t, q_t)) the
-    drafts of a block are accepted left to right until the first rejection, so slot t is
-    accepted with probability alpha_1 ... alpha_t and the expected tau is 1 + sum_t P_t.
-    Differentiable in alpha (the ``accept`` objective); at alpha in {0, 1} it is the greedy count
-    of :func:`~dflash_lab.train.loss.acceptance_lengths` minus one.
-    """
+    """Expected number of accepted drafts of each real block [K]: sum_t P_t. Drafts are accepted
+    left to right until the first rejection, so with per-slot acceptance probabilities alpha_t
+    (rejection sampling: sum min(p_t, q_t)) slot t passes with P_t = alpha_1 ... alpha_t and the
+    expected tau is 1 + sum_t P_t. Differentiable in alpha (``accept``); at alpha in {0, 1}:
+    :func:`~dflash_lab.train.loss.acceptance_lengths` minus one."""
     return chain(alpha_bnp, valid_bnp, first_slot).sum(-1)[block_valid_bn]
 
 
@@ -305,9 +295,8 @@ CAPTURE_OPTION = "capture.distribution=[last_hidden]"
 def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where: str,
                  also: str | None = None) -> str:
     """Which teacher a run uses: ``dense`` (the last hidden state: exact, every temperature),
-    ``sparse`` (top-k: T = 1 only) or ``none`` (the spec needs no distribution, no
-    temperature is asked and no ``also``: another setting that needs it, named). ValueError
-    naming the option to rerun with otherwise."""
+    ``sparse`` (top-k: T = 1 only) or ``none`` (no distribution, temperature or ``also``, another
+    setting needing it, named); else a ValueError naming the option to rerun with."""
     available = dict(available or {})
     need = spec.needs_distribution or bool(temperatures) or also is not None
     if not need:
@@ -334,13 +323,10 @@ def teacher_kind(spec: LossSpec, available: Mapping | None, temperatures, where:
 
 def slot_teacher(kind: str, batch: Mapping[str, Tensor], anchors_bn: Tensor,
                  valid_bnp: Tensor, softcap: float | None, label_shift: int = 0) -> Teacher | None:
-    """The teacher of the valid slots (row-major order) of a batch.
-
-    Slot t of the block anchored at a predicts the token at p = a + t + label_shift
-    (loss.py ``slot_positions``), which the target distributes after reading positions
-    <= p - 1: the teacher of the slot is the target's output at position p - 1 (the argmax
-    labels' alignment, loss.py ``token_targets``).
-    """
+    """The teacher of the valid slots (row-major) of a batch. Slot t of the block anchored at a
+    predicts the token at p = a + t + label_shift (loss.py ``slot_positions``), which the target
+    distributes after reading <= p - 1: the teacher is its output at p - 1 (the argmax labels'
+    alignment, loss.py ``token_targets``)."""
     if kind == "none":
         return None
     pos_bnp = slot_positions(anchors_bn, valid_bnp.shape[-1], label_shift)
@@ -369,13 +355,10 @@ def resolve_val_temperatures(given, available: Mapping | None) -> tuple[float, .
 # ------------------------------------------------------------------------------ candidates
 def candidate_logprobs(teacher: Teacher, ids_mk: Tensor, lm_head, temperature: float = 1.0,
                        renormalise: bool = True, chunk_rows: int = 256) -> Tensor:
-    """The target's log-probabilities of K candidate tokens per row [M, K] fp32 (no grad).
-
-    ``renormalise``: over the K candidates (the DFlash 2 selector's K-way target), else over
-    the whole vocabulary (what rejection sampling compares; a dense teacher then runs one
-    chunked pass over the vocabulary for the log-normaliser). A sparse teacher (T = 1) gives a
-    candidate outside its top-k an equal share of the tail: tail / (V - k).
-    """
+    """The target's log-probabilities of K candidate tokens per row [M, K] fp32 (no grad),
+    ``renormalise``d over the K (the DFlash 2 selector's K-way target) or over the vocabulary
+    (what rejection sampling compares; a dense teacher runs one chunked pass for the
+    normaliser). A sparse teacher (T = 1) gives a candidate outside its top-k tail / (V - k)."""
     with torch.no_grad():
         if teacher.dense:
             logp = _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise,

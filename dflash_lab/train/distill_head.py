@@ -60,16 +60,13 @@ def distill_buffers(spec: LossSpec, dense: bool) -> int:
 
 @dataclass
 class DistillPass:
-    """Per-row results [M] of the distribution head pass.
-
-    ``loss``: sum over the spec's slot terms of weight x value (ce included), differentiable.
-    ``accept``: the acceptance probability of each slot at ``spec.accept_temperature``
-    (differentiable; only when the spec has ``accept``). ``ce``, ``correct``: the label CE and
-    whether the label attains the max. ``overlap``: sum min(p, q) at T_label (the D-PACE
-    confidence; zeros unless ``need_overlap``). ``terms`` [C, M]: each distribution term's
-    value. ``overlaps`` [T, M]: the acceptance probability at each asked temperature (0: the
-    greedy match). ``top_values`` / ``top_ids`` [M, K]: the unary top-K when asked.
-    """
+    """Per-row results [M] of the distribution head pass. ``loss``: the spec's slot terms' weight
+    x value (ce included), differentiable; ``accept``: each slot's acceptance probability at
+    ``spec.accept_temperature`` (differentiable; with ``accept`` only); ``ce``, ``correct``: the
+    label CE and whether the label is the max; ``overlap``: sum min(p, q) at T_label (D-PACE's
+    confidence; zeros unless ``need_overlap``); ``terms`` [C, M]: each distribution term's value;
+    ``overlaps`` [T, M]: acceptance at each asked temperature (0: the greedy match);
+    ``top_values`` / ``top_ids`` [M, K]: the unary top-K when asked."""
 
     loss: Tensor
     ce: Tensor
@@ -282,10 +279,6 @@ def _logit_grads(chunk: _Chunk, spec: LossSpec, hsums: dict, ce_weight: float,
     return out, acc
 
 
-def _cat(parts: list, dim: int = 0):
-    return None if parts[0] is None else torch.cat(parts, dim=dim)
-
-
 def _passes(hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher, temperatures,
             want_grad, need_overlap=True):
     """Run every chunk; returns (outputs as DistillPass fields, gradient parts)."""
@@ -298,7 +291,8 @@ def _passes(hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher, t
         grads.append(g)
     cols = list(zip(*outs, strict=True))
     dims = (0, 0, 0, 0, 1, 0, 1, 0, 0)  # terms [C, m] and overlaps [T, m] join on rows
-    return [_cat(list(c), d) for c, d in zip(cols, dims, strict=True)], grads
+    return [None if c[0] is None else torch.cat(c, dim=d)
+            for c, d in zip(cols, dims, strict=True)], grads
 
 
 class _FusedDistill(torch.autograd.Function):
@@ -343,11 +337,8 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
                       top_k: int = 0, temperatures: tuple[float, ...] = (),
                       need_overlap: bool = True) -> DistillPass:
     """The distribution losses, label CE, overlaps and top-K of M rows in one chunked pass.
-
-    ``teacher``: the target distribution of the same M rows. ``temperatures``: where to
-    measure the acceptance probability (``overlaps``). Needs a frozen bias-free Linear head
-    (the target's): ValueError otherwise, naming the head.
-    """
+    ``teacher``: the rows' target distribution; ``temperatures``: where ``overlaps`` are measured.
+    A head other than a frozen bias-free Linear (the target's): ValueError naming it."""
     weight = getattr(lm_head, "weight", None)
     if not (isinstance(lm_head, nn.Linear) and lm_head.bias is None and weight is not None
             and not weight.requires_grad):
@@ -390,8 +381,7 @@ def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_b
                   chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
                   temperatures) -> LossOutput:
     """objective.dflash_loss through the distribution pass. D-PACE's per-slot confidence is the
-    slot's acceptance probability: q(y) = exp(-CE) for the label CE alone, the overlap
-    sum min(p, q) as soon as a term compares distributions."""
+    acceptance probability: q(y) = exp(-CE) for CE alone, else the overlap sum min(p, q)."""
     spec = spec or LossSpec()
     if teacher is None:
         raise ValueError(f"module.loss={spec.describe()} needs the target's distribution and "

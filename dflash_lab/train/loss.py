@@ -62,8 +62,7 @@ POSITION_WEIGHTINGS = ("exp_decay", "dpace")
 
 
 def check_position_weighting(weighting: str, dpace_alpha: float) -> None:
-    """Refuse an unknown ``module.position_weighting``, or a dpace ``module.dpace_alpha``
-    outside (0, 1]."""
+    """Refuse an unknown ``module.position_weighting``, or a dpace_alpha outside (0, 1]."""
     if weighting not in POSITION_WEIGHTINGS:
         raise ValueError(f"module.position_weighting='{weighting}': use one of "
                          f"{list(POSITION_WEIGHTINGS)} (exp_decay: exp(-(t-1)/gamma); dpace: "
@@ -74,12 +73,10 @@ def check_position_weighting(weighting: str, dpace_alpha: float) -> None:
 
 
 def dpace_weights(ce_bnp: Tensor, valid_bnp: Tensor, alpha: float) -> Tensor:
-    """D-PACE slot weights [Bt, N, B] (fp32, no gradient) from the per-slot CE [Bt, N, B]:
-    ``s_t = alpha + (1 - alpha) exp(-CE_t)`` on valid slots (1 on invalid ones),
+    """D-PACE slot weights [Bt, N, B] (fp32, no_grad: step constants) from the per-slot CE
+    [Bt, N, B]: ``s_t = alpha + (1 - alpha) exp(-CE_t)`` on valid slots (1 elsewhere),
     ``P_t = prod_{i <= t} s_i``, ``w_t = valid_t * sum_{j >= t, valid_j} P_j``: what raising slot
-    t's log-probability adds to the expected acceptance length (docs/training.md,
-    ``position_weighting: dpace``). Computed under no_grad: the weights are step constants.
-    """
+    t's log-probability adds to the expected acceptance length (docs/training.md, dpace)."""
     with torch.no_grad():
         mask = valid_bnp.to(torch.float32)
         q = torch.exp(-ce_bnp.detach().float())
@@ -116,11 +113,10 @@ class BlockTargets:
 def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
                   anchor_valid_bn: Tensor, block_size: int,
                   document_ids_bs: Tensor | None = None, label_shift: int = 0) -> BlockTargets:
-    """Gather labels only at anchored positions; slot t predicts position
-    p = :func:`slot_positions` (a + t + ``label_shift``) and counts when t >= 1 - label_shift,
-    p < S, p is in the loss mask, and its block is a real (not padding) anchor. Packed rows
-    (``document_ids_bs`` [Bt, S]): also when p is in the anchor's document, so a slot past
-    its document's end gets no loss, as a slot past an unpacked row's end gets none."""
+    """Gather labels only at anchored positions: slot t predicts p = :func:`slot_positions` (a + t
+    + ``label_shift``) and counts when t >= 1 - label_shift, p < S, p is in the loss mask and its
+    block a real (not padding) anchor; packed rows (``document_ids_bs`` [Bt, S]): also when p is
+    in the anchor's document (a slot past its document's end gets no loss, as past a row's end)."""
     seq = targets_bs.shape[1]
     first = 1 - int(label_shift)
     pos = slot_positions(anchors_bn, block_size, label_shift)
@@ -139,13 +135,9 @@ def block_targets(targets_bs: Tensor, loss_mask_bs: Tensor, anchors_bn: Tensor,
 
 def ce_chunk_rows(vocab_size: int, chunk_size: int | None = None,
                   chunk_bytes: int = CE_CHUNK_BYTES) -> int:
-    """Rows per chunk of the vocab projection.
-
-    An explicit ``chunk_size`` wins. Otherwise the chunk follows the vocab, so one chunk's fp32
-    logits [rows, V] stay within ``chunk_bytes``: ``chunk_bytes // (V * 4)`` rows, at least 1, at
-    most ``CE_MAX_ROWS``. Temporaries in the head's dtype (bf16 logits before the cast, the
-    per-chunk input gradient [rows, H]) come on top.
-    """
+    """Rows per chunk of the vocab projection: an explicit ``chunk_size``, else as many as keep a
+    chunk's fp32 logits [rows, V] within ``chunk_bytes`` (at least 1, at most ``CE_MAX_ROWS``).
+    Head-dtype temporaries (bf16 logits, the chunk's input gradient [rows, H]) come on top."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"module.ce_chunk_size={chunk_size}: give a row count >= 1, or null "
@@ -170,11 +162,9 @@ def _vocab_size(lm_head: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class LogitScale:
-    """How unary logits leave the head: ``z * multiplier``, then ``c * tanh(. / c)`` if capped.
-
-    The drafter's ``output_multiplier`` / ``final_logit_softcapping`` (both variants; defaults
-    mean off). Both maps are monotone: the argmax and the top-K set do not change, the CE does.
-    """
+    """How unary logits leave the head: ``z * multiplier``, then ``c * tanh(. / c)`` if capped (the
+    drafter's ``output_multiplier`` / ``final_logit_softcapping``; defaults mean off). Both maps
+    are monotone: the argmax and the top-K set do not change, the CE does."""
 
     multiplier: float = 1.0
     softcap: float | None = None
@@ -204,9 +194,8 @@ class LogitScale:
         return deriv
 
     def derivative_at(self, scaled: Tensor) -> Tensor | float:
-        """d(scaled)/d(raw) from the scaled logits themselves (any shape): the multiplier, or
-        ``m * (1 - (scaled / c)^2)`` under a softcap (tanh = scaled / c), so a pass that keeps
-        only the scaled logits needs no derivative buffer."""
+        """d(scaled)/d(raw) from the scaled logits (any shape): the multiplier, or ``m * (1 -
+        (scaled / c)^2)`` under a softcap (tanh = scaled / c): no derivative buffer needed."""
         if self.softcap is None:
             return self.multiplier
         return (scaled / self.softcap).square_().neg_().add_(1.0).mul_(self.multiplier)
@@ -265,10 +254,9 @@ def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
                       chunk_size: int | None = None, chunk_bytes: int = CE_CHUNK_BYTES, *,
                       scale: LogitScale = NO_SCALE, top_k: int = 0) -> HeadPass:
     """CE of the (scaled) unary logits per row, and their running top-K, one chunk at a time
-    (:func:`ce_chunk_rows` rows), so nothing [M, V] is held, only [M, K]. A frozen bias-free
-    head with gradients takes the fused path (:class:`_FusedHeadCE`: two matmuls); otherwise
-    each chunk is checkpointed (three) (docs/losses.md, "Implementation and cost").
-    """
+    (:func:`ce_chunk_rows` rows), so nothing [M, V] is held. A frozen bias-free head with
+    gradients takes the fused path (:class:`_FusedHeadCE`: two matmuls), else each chunk is
+    checkpointed (three) (docs/losses.md, "Implementation and cost")."""
     weight = getattr(lm_head, "weight", None)
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
     if hidden_mh.shape[0] == 0:
@@ -294,11 +282,9 @@ def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
 
 
 class _FusedHeadCE(torch.autograd.Function):
-    """CE of ``scale(hidden @ weight.T)`` per row, chunked, with d(CE)/d(hidden) computed in
-    forward; optionally the top-K of each row's scaled logits (non-differentiable outputs).
-    Chunks are vocab-major [V, m] and walked in place; only the [M, H] gradient is kept for
-    backward, and the frozen weight gets none (docs/losses.md, "Implementation and cost").
-    """
+    """CE of ``scale(hidden @ weight.T)`` per row, chunked, d(CE)/d(hidden) computed in forward;
+    optionally each row's top-K (non-differentiable). Chunks are vocab-major [V, m], walked in
+    place; only the [M, H] gradient is kept, the frozen weight gets none (docs/losses.md)."""
 
     @staticmethod
     def forward(ctx, hidden_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, chunk_size: int,
@@ -351,12 +337,9 @@ def _picked_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module) -> Ten
 def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
                      chunk_bytes: int = CE_CHUNK_BYTES,
                      scale: LogitScale = NO_SCALE) -> Tensor:
-    """Scaled unary logits of K given tokens per row [M, K] fp32, differentiable in hidden.
-
-    A Linear head gathers only the K weight rows per row ([m, K, H] per chunk, chunks sized by
-    ``chunk_bytes`` and recomputed in backward); any other head projects whole rows in chunks.
-    Hidden states are cast to the head's dtype first (the dtype policy of the unary pass).
-    """
+    """Scaled unary logits of K given tokens per row [M, K] fp32, differentiable in hidden (cast
+    to the head's dtype first). A Linear head gathers only the K weight rows per row ([m, K, H]
+    per ``chunk_bytes`` chunk, recomputed in backward); another head projects whole rows."""
     weight = getattr(lm_head, "weight", None)
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
     linear = isinstance(lm_head, nn.Linear)
@@ -380,11 +363,9 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
 
 @dataclass
 class LossOutput:
-    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid).
-
-    ``top_values`` / ``top_ids`` [M, K]: the unary top-K of the M valid slots (``valid`` in
-    row-major order), when the loss was asked for them (DFlash 2's selector re-ranks them).
-    """
+    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid); the unary
+    top-K ``top_values`` / ``top_ids`` [M, K] of the valid slots when asked (DFlash 2's
+    selector)."""
 
     weighted_sum: Tensor  # sum_slots w_t * CE (local)
     weight_sum: Tensor  # sum_slots w_t (local)
@@ -415,13 +396,10 @@ class LossOutput:
 
 def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: int = 1,
                          all_reduce_sum=None) -> Tensor:
-    """``sum(w * CE) / GLOBAL sum(w)``, scaled for DDP's gradient averaging.
-
-    Each rank holds its local sums. DDP averages gradients over ranks (divides by world size),
-    so the local loss is ``world_size * local_sum / global_weight``: the averaged gradient then
-    equals the gradient of one big batch's weighted mean, whatever each rank's share of slots.
-    ``all_reduce_sum``: a function summing a tensor over ranks (None on one process).
-    """
+    """``sum(w * CE) / GLOBAL sum(w)``, scaled for DDP's gradient averaging: DDP divides the
+    summed gradients by the world size, so the local loss is ``world_size * local_sum /
+    global_weight`` and the averaged gradient is one big batch's weighted mean, whatever each
+    rank's share of slots. ``all_reduce_sum``: sums a tensor over ranks (None on one process)."""
     total = weight_sum.detach().clone()
     if world_size > 1:
         total = all_reduce_sum(total)
@@ -430,10 +408,8 @@ def global_weighted_loss(weighted_sum: Tensor, weight_sum: Tensor, world_size: i
 
 def acceptance_lengths(correct_bnp: Tensor, block_valid_bn: Tensor, first_slot: int = 1) -> Tensor:
     """Exact greedy acceptance per real block [K]: 1 + number of leading correct slots
-    t >= ``first_slot`` (1 DFlash; 0 sample_from_anchor, whose slot 0 drafts).
-
-    An invalid slot (past the sequence or outside the loss mask) ends the run like a miss.
-    """
+    t >= ``first_slot`` (1 DFlash; 0 sample_from_anchor, whose slot 0 drafts). An invalid slot
+    (past the sequence or outside the loss mask) ends the run like a miss."""
     run = correct_bnp[..., first_slot:].long().cumprod(dim=-1).sum(-1)
     return (1 + run)[block_valid_bn].float()
 

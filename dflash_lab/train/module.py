@@ -8,19 +8,11 @@ One training step (:meth:`DFlashModule.step`), top-down, each a named call:
   3. drafter          ``draft``: the drafter forward over the packed anchored blocks;
   4. loss             ``loss``: labels at anchored slots, chunked position-weighted CE through
      the frozen LM head, then the head's pieces (DFlash 2's selector term, heads/dflash2.py);
-then ``objective`` sums the named terms of those pieces (train/objective.py: the label term,
-the accept objective, DSpark's confidence BCE, DFlash 2's ``alpha(step)`` x selector CE over the
-unary top-K), each normalised by its GLOBAL count across devices, and one loop logs them (loss,
-per-slot accuracy, exact acceptance tau). A head that drafts with its own walk (``walk_metrics``)
-logs that walk's tau as ``val/tau`` (what serving gets; DFlash 2: its selector's, beside
-``val/unary_tau`` and ``val/oracle_tau``).
-
-Batch contract (from the data module), Bt rows padded to S:
-  input_ids [Bt, S], loss_mask [Bt, S] (0 on padding); from a capture, or added by step 1:
-  hidden [Bt, S, F] target features, target_argmax [Bt, S] (the target's greedy next token);
-  packed rows (``data.pack``) add document_ids [Bt, S] (document of each token, -1 on padding):
-  anchors are drawn per document, RoPE positions and context restart per document, and no slot
-  is supervised across a document end, so each document trains exactly as it does unpacked.
+then ``objective`` sums the named terms of those pieces (train/objective.py), each normalised by
+its GLOBAL count across devices, and one loop logs them (loss, per-slot accuracy, exact
+acceptance tau; a head with its own walk, ``walk_metrics``, logs that walk's tau as ``val/tau``).
+The batch contract (``input_ids``, ``loss_mask``, ``hidden``, ``target_argmax``, packed rows'
+``document_ids``): docs/data.md; packed rows train each document exactly as unpacked.
 """
 
 from __future__ import annotations
@@ -69,20 +61,14 @@ TARGET_PREFIX = "target_head."
 
 
 class DFlashModule(L.LightningModule):
-    """Owns loss, metrics and optimisation of one drafter.
-
-    drafter: the DFlashDrafter to train. target_head: frozen module with ``embed_tokens`` and
-    ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
-    (``params -> Optimizer``, ``optimizer -> LRScheduler``; the scheduler steps every step).
-    ce_chunk_size / ce_chunk_bytes: rows per chunk of the vocab projection if set, else as many
-    rows as fit ce_chunk_bytes of fp32 logits (``loss.ce_chunk_rows``). selector: the
-    ``module.selector`` settings, read and validated by the head (``check_training``: DFlash 2's
-    ``SelectorSettings``; a DFlash 1 drafter accepts only the defaults). head: the head's own
-    ``module.head`` settings (``Head.module_settings``; Domino's lambda schedule).
-    feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden``
-    (the data module's ``feature_source()``: the frozen target for online data, None for
-    captures).
-    """
+    """Owns loss, metrics and optimisation of one drafter. target_head: frozen ``embed_tokens``
+    and ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
+    (``params -> Optimizer``, ``optimizer -> LRScheduler``, stepped every step). ce_chunk_size /
+    ce_chunk_bytes: ``loss.ce_chunk_rows``. selector / head: ``module.selector`` (validated by the
+    head's ``check_training``: DFlash 2's ``SelectorSettings``; DFlash 1 accepts only the
+    defaults) and ``module.head`` (``Head.module_settings``: Domino's lambda schedule).
+    feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden`` (the
+    online target; None for captures)."""
 
     def __init__(self, drafter: DFlashDrafter, target_head: nn.Module,
                  optimizer: Callable[..., torch.optim.Optimizer],
@@ -290,9 +276,8 @@ class DFlashModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
-        """``module.optimizer`` over the drafter's trainable parameters, passed with their
-        names (every torch optimizer takes ``(name, parameter)`` pairs; Muon's split reads
-        them: dflash_lab/train/optim.py)."""
+        """``module.optimizer`` over the drafter's trainable ``(name, parameter)`` pairs (every
+        torch optimizer takes them; Muon's split reads the names: dflash_lab/train/optim.py)."""
         params = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
@@ -317,13 +302,10 @@ class DFlashModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clip as configured, also with the fused AdamW under ``bf16-mixed``.
-
-        Lightning refuses to clip for any optimizer that unscales gradients in its own step
-        (fused AdamW) under mixed precision, because a GradScaler (fp16) would leave the
-        gradients scaled at clipping time. bf16-mixed has no scaler: the gradients are already
-        true, so clipping before the step is exact. fp16 keeps Lightning's refusal.
-        """
+        """Clip as configured, also with the fused AdamW under ``bf16-mixed``: Lightning refuses
+        to clip for an optimizer that unscales in its own step (fused AdamW) under mixed
+        precision, since a GradScaler (fp16) leaves gradients scaled at clipping time; bf16-mixed
+        has no scaler, so clipping before the step is exact. fp16 keeps Lightning's refusal."""
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and getattr(plugin, "scaler", "absent") is None:
             algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")

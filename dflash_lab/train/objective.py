@@ -32,14 +32,12 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
                 top_k: int = 0, weighting: str = "exp_decay",
                 dpace_alpha: float = 0.5, spec=None, teacher=None,
                 temperatures: tuple[float, ...] = ()) -> LossOutput:
-    """Weighted CE over valid slots; only the M valid slots go through the vocab projection
-    (chunked as :func:`chunked_head_pass` says). ``scale``: the drafter's logit scale; ``top_k`` >
-    0 also returns the unary top-K of every valid slot; slot weights: :func:`slot_weights`
-    (exp_decay with ``gamma`` | dpace with ``dpace_alpha``, from this pass's CE). A ``spec`` with
-    terms beyond the label CE, or ``temperatures`` for the expected acceptance, take the
-    distribution pass (:func:`~dflash_lab.train.distill_head.distill_head_pass`) against
-    ``teacher`` (the valid slots' target distribution, row-major); CE alone takes the CE pass.
-    """
+    """Weighted CE over the M valid slots only, chunked (:func:`chunked_head_pass`). ``scale``:
+    the drafter's logit scale; ``top_k`` > 0: also the unary top-K per valid slot; slot weights:
+    :func:`slot_weights` (exp_decay with ``gamma`` | dpace with ``dpace_alpha``). A ``spec`` with
+    terms beyond the label CE, or ``temperatures`` (expected acceptance), take the distribution
+    pass (:func:`~dflash_lab.train.distill_head.distill_head_pass`) against ``teacher`` (the
+    valid slots' target distribution, row-major); CE alone takes the CE pass."""
     if (spec is not None and not spec.ce_only) or temperatures:
         return distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_bn,
                             chunk_bytes, scale, top_k, weighting, dpace_alpha, spec, teacher,
@@ -57,11 +55,9 @@ def dflash_loss(hidden_bnph: Tensor, targets: BlockTargets, lm_head: nn.Module, 
 
 @dataclass(frozen=True)
 class Term:
-    """One named term of the objective: ``coef x weighted_sum / GLOBAL count``.
-
-    ``weighted_sum`` and ``count`` are this rank's (differentiable sum; its normaliser).
-    ``metric`` names its train log, ``shown`` x its local mean (the accept term is logged as the
-    expected accepted drafts, its negated mean); ``extra``: further train logs it brings."""
+    """One named term of the objective: ``coef x weighted_sum / GLOBAL count`` (this rank's
+    differentiable sum and normaliser). ``metric`` names its train log, ``shown`` x its local mean
+    (accept: the expected accepted drafts, its negated mean); ``extra``: further train logs."""
 
     name: str
     weighted_sum: Tensor

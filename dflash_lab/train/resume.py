@@ -61,9 +61,8 @@ def remove_checkpoint(path: Path, sidecar_only: bool = False) -> None:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be resumed from, or None: a sidecar mismatch, else (no sidecar: an
-    older run) a file ``torch.load`` cannot open (a truncated zip fails at once, mmap reads no
-    tensor data)."""
+    """Why ``path`` cannot be resumed from, or None: a sidecar mismatch, else (no sidecar: older
+    run) a file ``torch.load`` cannot open (a truncated zip fails at once; mmap reads no data)."""
     problem = checksum_problem(path)
     if problem is not None or sidecar(path).is_file():
         return problem
@@ -85,9 +84,8 @@ def _set_aside(path: Path) -> None:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
-    """``auto``: ``<output_dir>/checkpoints/last.ckpt``, else ``last.prev.ckpt`` when that is
-    missing or damaged (warned), else None (start fresh). A given path must exist and pass
-    :func:`checkpoint_problem`."""
+    """``auto``: ``<output_dir>/checkpoints/last.ckpt``, else ``last.prev.ckpt`` when missing or
+    damaged (warned), else None (fresh). A given path must pass :func:`checkpoint_problem`."""
     if ckpt_path is None:
         return None
     if ckpt_path != "auto":

@@ -1,7 +1,6 @@
-"""Wire a composed training config into objects and run it (the body of ``dflash-train``).
-
-Order matters for fail-fast start-up: load the target, build the drafter for it, then the data
-module (which validates captures against the drafter) and the module, all before any long work.
+"""Wire a composed training config into objects and run it (the body of ``dflash-train``), failing
+fast: target, then the drafter for it, the data module (which validates captures against the
+drafter) and the module, all before any long work.
 """
 
 from __future__ import annotations
@@ -36,10 +35,8 @@ log = logging.getLogger("dflash_lab.train")
 
 
 def export_run(cfg: DictConfig, run_dir: Path) -> str:
-    """Export the run's best checkpoint (logging it anywhere is the callbacks' work:
-    ``WandbRun.on_run_end``).
-
-    Replaces only an earlier export of this run (``owner``), never other files: train() checks
+    """Export the run's best checkpoint (logging it is ``WandbRun.on_run_end``'s work), replacing
+    only an earlier export of this run (``owner``), never other files: train() checks
     ``export.out_dir`` the same way at start-up, so a bad one is refused before training."""
     from dflash_lab.export import export_drafter  # looked up per call (tests replace it)
 
@@ -59,10 +56,8 @@ def best_line(best: str) -> str:
 
 
 def build_components(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate target, drafter, data module, module, trainer (no training yet).
-
-    Objects go in through partials: Hydra would turn the Target dataclass into a config node.
-    """
+    """Instantiate target, drafter, data module, module, trainer (no training yet). Objects go in
+    through partials: Hydra would turn the Target dataclass into a config node."""
     target = instantiate(cfg.target)
     drafter = instantiate(cfg.drafter, _partial_=True)(target=target)
     dc = drafter.config
@@ -97,10 +92,9 @@ def build_components(cfg: DictConfig) -> dict[str, Any]:
 
 def check_export_plan(cfg: DictConfig, drafter, target) -> None:
     """Refuse at start-up a run whose end-of-run export the engine rules would refuse (e.g. a
-    Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings), instead of
-    failing after training: same rules, same target class as ``dflash-export`` applies, on the
-    config.json of ``export.format`` (which refuses what that layout cannot carry: a DFlash 2
-    drafter as a Muse Glimmer assistant, Laguna features in our own format, ...)."""
+    Gemma 4 drafter for SGLang, which feeds that target's scaled embeddings): the rules and target
+    class ``dflash-export`` applies, on the config.json of ``export.format`` (which refuses what
+    that layout cannot carry: DFlash 2 as a Muse Glimmer assistant, Laguna features in ours)."""
     opts = export_kwargs(export_section(cfg))
     where = f"the drafter of this run (export.format={opts['format']})"
     raw = format_config(opts["format"], dataclasses.replace(drafter.config, _source=where),

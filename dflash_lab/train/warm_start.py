@@ -108,9 +108,8 @@ def check_target(config: DrafterConfig, shape: dict[str, Any], where: str, name:
 
 def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> list[str]:
     """ValueError when the source's recorded target depth differs and its layer ids are kept (they
-    would name other layers than ``fc`` learned); returns the change, for the contradiction
-    warning, when ``target_layer_ids`` is overridden. Sources without a depth (speculators) are
-    not compared (docs/warm_start.md, "Which config wins")."""
+    would name other layers than ``fc`` learned); the change, for the contradiction warning, when
+    ``target_layer_ids`` is overridden. Depth-less sources (speculators) are not compared."""
     old = source.config.num_target_layers
     if not source.depth_recorded or old == depth:
         return []
@@ -127,10 +126,8 @@ def check_depth(source, depth: int, overrides: dict[str, Any], where: str) -> li
 
 def other_target_weights(source, target, where: str) -> None:
     """Warn when the source's checkpoint recorded a target weights fingerprint other than the
-    loaded target's: same shapes, other values (a fine-tune of the target). Legitimate for a
-    warm start (adapting a drafter to a fine-tuned target), so not refused; step 0 then
-    validates below the source's own tau. Our checkpoints and exports record it; the peers'
-    formats record none."""
+    loaded target's (same shapes, other values: a fine-tune). Legitimate for a warm start, so not
+    refused; step 0 then validates below the source's own tau. Ours record it; peers' do not."""
     recorded = (source.target_identity or {}).get("weights_fingerprint")
     if not recorded:
         return
