@@ -161,7 +161,8 @@ class DFlashProposer:
         hidden_kh = self._hidden(anchor_id, num_slots)[first:first + num_drafts]
         unary_kv = self._unary(hidden_kh)
         walked = self.drafter.config.head.draft(self.drafter, hidden_kh, unary_kv, anchor_id,
-                                                temperature, mode, generator, self.embed_tokens)
+                                                temperature, mode, generator, self.embed_tokens,
+                                                self.cache.rows[0, -1])
         if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv, temperature, mode, generator))
         return Draft(*walked, unary_kv.argmax(-1))

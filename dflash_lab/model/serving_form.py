@@ -175,8 +175,10 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     # heads sharing a class (DFlash 1, Domino) are told apart by their keys
     keyed = [name for name in found if name in present]
     found = keyed if len(keyed) == 1 else [heads.DEFAULT if heads.DEFAULT in found else found[0]]
+    own = heads.get(found[0]).fields
     for name, keys in present.items():
-        if name != found[0]:
+        keys = [k for k in keys if k not in own]  # a shared field (conv) is the found head's
+        if name != found[0] and keys:
             head = heads.get(name)
             raise ValueError(f"{source}: has the {head.title} keys {keys} but architectures="
                              f"{arch}; set architectures to ['{head.architecture}'] or remove "
