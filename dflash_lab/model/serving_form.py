@@ -165,8 +165,10 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     present = {head.name: sorted(k for k in head.fields if k in dfc or k in d)
                for head in heads.heads()}
     present = {name: keys for name, keys in present.items() if keys}
-    if not arch:
-        return next(iter(present)) if len(present) == 1 else heads.DEFAULT
+    if not arch:  # the head whose keys hold every other's (a shared field: LiLiCorr's conv)
+        best = max(present, key=lambda n: len(present[n]), default=heads.DEFAULT)
+        mine = set(present.get(best, ()))
+        return best if all(set(k) <= mine for k in present.values()) else heads.DEFAULT
     found = [h.name for h in heads.heads() if h.architecture in arch]
     if not found or len(arch) != 1:
         known = sorted({h.architecture for h in heads.heads()})

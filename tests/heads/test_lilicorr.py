@@ -56,6 +56,8 @@ def test_engine_names_and_shapes_and_config_round_trip(conv):
     assert {k: data["dflash_config"][k] for k in FIELDS} == FIELDS
     assert ("conv_kernel_size" in data["dflash_config"]) == bool(conv)
     assert DrafterConfig.from_dict(data) == config
+    bare = {k: v for k, v in data.items() if k != "architectures"}  # told apart by its keys
+    assert DrafterConfig.from_dict(bare).variant == "lilicorr"
     assert "lilicorr.token_proj.weight" not in _config(lilicorr_hidden_size=0).head.weight_shapes(
         _config(lilicorr_hidden_size=0))
 
