@@ -53,6 +53,10 @@ SGLANG_VERSION = DEFAULT_RELEASE  # the release the exporter's rules emulate (Ma
 #: Domino's keys SGLang's parser reads (None for any other head: it reads them for Domino only)
 DOMINO_KEYS = ("projector_type", "shift_label", "pure_draft_prefix_len", "gru_hidden_dim",
                "emb_dim")
+#: LiLiCorr's keys SGLang's ``_parse_lilicorr_config`` reads (None: it builds no LiLiCorr head)
+LILICORR_KEYS = ("lilicorr_candidate_topk", "lilicorr_hidden_size", "lilicorr_num_layers",
+                 "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
+                 "lilicorr_vector_eps", "lilicorr_logit_scale")
 #: recipe -> (golden layout it exports, the SGLang class of its target). The classes are the
 #: published checkpoints' ``architectures[0]`` (tests/tiny_archs.py builds each); the built-in
 #: tiny target is a Qwen3 model. finetune_cpu warm-starts from the demo's export: tiny_cpu's
@@ -62,6 +66,8 @@ RECIPES: dict[str, tuple[str, str]] = {
     "tiny_cpu_swa": ("tiny_cpu_swa", "Qwen3ForCausalLM"),
     "tiny_cpu_dflash2": ("tiny_cpu_dflash2", "Qwen3ForCausalLM"),
     "tiny_cpu_domino": ("tiny_cpu_domino", "Qwen3ForCausalLM"),
+    "tiny_cpu_lilicorr": ("tiny_cpu_lilicorr", "Qwen3ForCausalLM"),
+    "tiny_cpu_lilicorr_conv": ("tiny_cpu_lilicorr_conv", "Qwen3ForCausalLM"),
     "finetune_cpu": ("tiny_cpu", "Qwen3ForCausalLM"),
     "qwen3_8b_b16": ("qwen3_8b_b16", "Qwen3ForCausalLM"),
     "smollm2_sharegpt_cpu": ("smollm2_sharegpt_cpu", "LlamaForCausalLM"),
@@ -145,7 +151,7 @@ def trained(config: DrafterConfig, architecture: str | None = None) -> dict[str,
         "conv_kernel_size": config.conv_kernel_size or 0,
         "conv_group_size": config.conv_group_size or 0,
         "selector_rank": config.selector_rank or 0, "selector_top_k": config.selector_top_k or 0,
-        **{k: config.head_options.get(k) for k in DOMINO_KEYS},
+        **{k: config.head_options.get(k) for k in (*DOMINO_KEYS, *LILICORR_KEYS)},
     }
 
 
@@ -171,6 +177,7 @@ def sglang_reading(result: dict[str, Any], shipped_mask: bool) -> tuple[dict | N
     if errors:
         return None, errors
     draft, model = result["draft"]["value"], result["model_class"]["value"]
+    lilicorr = result["lilicorr"]["value"] or dict.fromkeys(LILICORR_KEYS)
     scale, why = _fed_scale(result["target"]["value"])
     if not model["known"]:
         return None, [f"architectures[0]={model['architecture']!r} is none of SGLang's DFlash "
@@ -188,7 +195,7 @@ def sglang_reading(result: dict[str, Any], shipped_mask: bool) -> tuple[dict | N
                                  "selector_top_k", *DOMINO_KEYS)},
         "sinks": bool(draft["attention_sink_bias"] and result["sinks_built"]["value"]),
         "mask_embedding": bool(shipped_mask and result["merges_mask"]["value"]),
-        "input_embedding_scale": scale,
+        "input_embedding_scale": scale, **lilicorr,
     }, []
 
 

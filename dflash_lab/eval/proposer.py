@@ -153,7 +153,8 @@ class DFlashProposer:
         unary_kv = self._unary(hidden_kh)
         head = self.drafter.config.head
         walked = head.draft(self.drafter, hidden_bh if head.block_rows else hidden_kh, unary_kv,
-                            anchor_id, temperature, mode, generator, self.embed_tokens)
+                            anchor_id, temperature, mode, generator, self.embed_tokens,
+                            self.cache.rows[0, -1])
         if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv, temperature, mode, generator))
         return Draft(*walked, unary_kv.argmax(-1))

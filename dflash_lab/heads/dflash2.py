@@ -683,7 +683,7 @@ class DFlash2(Head):
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
-              embed_tokens: Any = None) -> tuple[Any, Any]:
+              embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any]:
         return selector_draft(drafter.candidate_selector, hidden_kh, unary_kv, anchor_id,
                               temperature, mode, generator)
 

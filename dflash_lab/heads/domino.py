@@ -203,7 +203,7 @@ class Domino(DFlash1):
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
-              embed_tokens: Any = None) -> tuple[Any, Any]:
+              embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any]:
         """The greedy walk; q one-hot (a point mass) under rejection sampling at T > 0."""
         if embed_tokens is None:
             raise ValueError("a Domino draft needs the target's embedding table (embed_tokens)")

@@ -356,7 +356,7 @@ class DSpark(DFlash1):
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
-              embed_tokens: Any = None) -> tuple[Any, Any] | None:
+              embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any] | None:
         if drafter.markov_head is None:  # markov_rank 0: the backbone's draft
             return None
         return markov_draft(drafter, hidden_kh, unary_kv, anchor_id, temperature, mode,

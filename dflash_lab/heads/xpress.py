@@ -235,7 +235,7 @@ class XPress(DFlash1):
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
-              embed_tokens: Any = None) -> tuple[Any, Any]:
+              embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any]:
         """The Jacobi walk (``hidden_kh``: the block's B rows, ``block_rows``); q one-hot (a
         point mass) under rejection sampling at T > 0."""
         c = drafter.config

@@ -261,11 +261,11 @@ class DrafterConfig:
         head and of every feature with their defaults."""
         if self.variant not in heads.names():
             self._fail("variant", self.variant, f"must be one of {heads.names()}")
-        mine = self.parts
+        mine = {key: part.fields[key] for part in self.parts for key in part.fields}
         for key, owner in heads.field_owners().items():
-            if owner in mine:
+            if key in mine:
                 if self.head_options.get(key) is None:
-                    self.head_options[key] = owner.fields[key]
+                    self.head_options[key] = mine[key]
             elif self.head_options.get(key) is not None:
                 self._fail(key, self.head_options[key], f"is a {owner.title} field; set "
                            f"variant='{owner.name}' or remove it")

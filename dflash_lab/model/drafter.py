@@ -34,10 +34,12 @@ from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding, scale_
 
 @dataclass
 class ContextCache:
-    """Per-layer context K/V [Bt, Hkv, C, D] of the committed positions 0..C-1."""
+    """Per-layer context K/V [Bt, Hkv, C, D] of the committed positions 0..C-1, and their
+    fused rows [Bt, C, H] (a head's ``draft`` reads the last: ``context_h``)."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
+    rows: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -49,6 +51,7 @@ class ContextCache:
             raise ValueError(f"cannot crop a context cache of length {self.length} to {length}")
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
+        self.rows = None if self.rows is None else self.rows[:, :length]
 
 
 class DFlashDrafter(nn.Module):
@@ -238,6 +241,7 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(start, start + ctx.shape[1], device=ctx.device)
         cs = self.rotary(positions, ctx.dtype)
         new = [layer.context_kv(ctx, cs) for layer in self.layers]
+        cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
         if not cache.keys:
             cache.keys = [k for k, _ in new]
             cache.values = [v for _, v in new]
@@ -265,16 +269,18 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module,
-                embed_tokens: nn.Module | None = None) -> Tensor:
+                embed_tokens: nn.Module | None = None, context_bh: Tensor | None = None) -> Tensor:
         """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
         head's greedy walk from each row's anchor (``Head.draft`` at T = 0: DFlash 2's selector,
-        DSpark's Markov walk, Domino's GRU walk reading ``embed_tokens``), else the unary argmax."""
+        DSpark's Markov walk, Domino's GRU walk reading ``embed_tokens``, LiLiCorr's lattice walk
+        reading the context row ``context_bh``), else the unary argmax."""
         head = self.config.head
         slots = hidden_bph[:, self.config.first_draft_slot:]
         unary = self.unary_logits(slots, lm_head)
         rows = hidden_bph if head.block_rows else slots  # XPress: the block's B rows
         walked = [head.draft(self, rows[i], unary[i], int(anchor_ids_b[i]), 0.0,
-                             "exact_match", None, embed_tokens)
+                             "exact_match", None, embed_tokens,
+                             None if context_bh is None else context_bh[i])
                   for i in range(unary.shape[0])]
         if any(w is None for w in walked):
             return unary.argmax(dim=-1)

@@ -20,7 +20,7 @@ DEFAULT = "dflash1"
 #: Built-in heads: variant name -> the module that defines (and registers) it.
 BUILTIN = {"dflash1": "dflash_lab.heads.dflash1", "dflash2": "dflash_lab.heads.dflash2",
            "dspark": "dflash_lab.heads.dspark", "domino": "dflash_lab.heads.domino",
-           "xpress": "dflash_lab.heads.xpress"}
+           "xpress": "dflash_lab.heads.xpress", "lilicorr": "dflash_lab.heads.lilicorr"}
 #: Built-in features: applied to every drafter, in this order.
 FEATURES = ("dflash_lab.heads.laguna", "dflash_lab.heads.draft_vocab")
 #: Environment variable naming modules outside the package that register heads.
@@ -34,7 +34,9 @@ _OWNERS: dict[str, Head] = {}
 class Head:
     """A drafter head: every hook's default is "adds nothing" (a plain DFlash 1 drafter).
     ``fields``: the config fields it owns and their defaults (unset takes the default; another
-    head's field must stay unset); ``serving_keys``: those in ``dflash_config`` (default: all)."""
+    head's field must stay unset; two heads may declare one field, each with its own default:
+    LiLiCorr reuses DFlash 2's conv fields); ``serving_keys``: those in ``dflash_config``
+    (default: all)."""
 
     name: str = ""  #: the ``drafter.variant`` value (a feature: its own name)
     title: str = ""  #: how messages name it ("DFlash 2")
@@ -146,10 +148,11 @@ class Head:
 
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
-              embed_tokens: Any = None) -> tuple[Any, Any] | None:
+              embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any] | None:
         """This head's draft walk over one block: (tokens [k], their probabilities or None),
         or None for the unary head's draft (argmax, or a sample at ``temperature``).
-        ``embed_tokens``: the target's embedding table (Domino's GRU reads it)."""
+        ``embed_tokens``: the target's embedding table (Domino's GRU reads it); ``context_h``
+        [H]: the fused context row of the last committed position (LiLiCorr's anchor row)."""
         return None
 
 
@@ -205,7 +208,9 @@ def heads() -> list[Head]:
 
 
 def field_owners() -> dict[str, Head]:
-    """Every field a head or feature declares -> the one that declares it."""
+    """Every field a head or feature declares -> the first (by name) that declares it."""
     if not _OWNERS:
-        _OWNERS.update((key, part) for part in (*heads(), *features()) for key in part.fields)
+        for part in (*heads(), *features()):
+            for key in part.fields:
+                _OWNERS.setdefault(key, part)
     return _OWNERS

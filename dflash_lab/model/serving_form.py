@@ -167,8 +167,10 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     present = {head.name: sorted(k for k in head.fields if k in dfc or k in d)
                for head in heads.heads()}
     present = {name: keys for name, keys in present.items() if keys}
-    if not arch:
-        return next(iter(present)) if len(present) == 1 else heads.DEFAULT
+    if not arch:  # the head whose keys hold every other's (a shared field: LiLiCorr's conv)
+        best = max(present, key=lambda n: len(present[n]), default=heads.DEFAULT)
+        mine = set(present.get(best, ()))
+        return best if all(set(k) <= mine for k in present.values()) else heads.DEFAULT
     found = [h.name for h in heads.heads() if h.architecture in arch]
     if not found or len(arch) != 1:
         known = sorted({h.architecture for h in heads.heads()})
@@ -177,8 +179,10 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     # heads sharing a class (DFlash 1, Domino) are told apart by their keys
     keyed = [name for name in found if name in present]
     found = keyed if len(keyed) == 1 else [heads.DEFAULT if heads.DEFAULT in found else found[0]]
+    own = heads.get(found[0]).fields
     for name, keys in present.items():
-        if name != found[0]:
+        keys = [k for k in keys if k not in own]  # a shared field (conv) is the found head's
+        if name != found[0] and keys:
             head = heads.get(name)
             raise ValueError(f"{source}: has the {head.title} keys {keys} but architectures="
                              f"{arch}; set architectures to ['{head.architecture}'] or remove "

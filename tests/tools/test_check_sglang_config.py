@@ -34,12 +34,25 @@ def fake_result(config, *, target_scale: float = 1.0) -> dict:
                                   "conv_kernel_size", "conv_group_size", "selector_rank",
                                   "selector_top_k", *csc.DOMINO_KEYS)}
     draft["attention_sink_bias"] = want["sinks"]
+    lilicorr = {k: want[k] for k in csc.LILICORR_KEYS}
     return {"layers": {"value": layers}, "draft": {"value": draft},
+            "lilicorr": {"value": lilicorr if any(v is not None for v in lilicorr.values())
+                         else None},
             "model_class": {"value": {"architecture": want["architecture"], "known": True,
                                       "entry_classes": [want["architecture"]]}},
             "sinks_built": {"value": True}, "merges_mask": {"value": True},
             "target": {"value": {"capture_hook": True, "noise_scale_hook": False,
                                  "embedding_scale": target_scale}}}
+
+
+def test_a_lilicorr_key_sglang_reads_otherwise_fails_the_row():
+    config = _config("tiny_cpu_lilicorr")
+    result = fake_result(config)
+    assert csc.verdict(config, "Qwen3ForCausalLM", result, ACCEPTS)["ok"]
+    result["lilicorr"]["value"]["lilicorr_logit_scale"] = 1.0
+    v = csc.verdict(config, "Qwen3ForCausalLM", result, ACCEPTS)
+    assert not v["ok"] and v["sglang_differs"] == [
+        "lilicorr_logit_scale: trained 8.0, SGLang 1.0"]
 
 
 def test_sglang_reading_the_trained_layout_passes():
