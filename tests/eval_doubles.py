@@ -236,3 +236,69 @@ def assert_lossless_greedy(target, proposer, layers, prompts, max_new_tokens: in
         base = baseline_generate(TargetRunner(target.model), prompt, settings)
         assert spec.output_ids == base.output_ids
         assert all(1 <= n <= most for n in spec.acceptance_lengths)
+
+
+def proposer_for(target, drafter: DFlashDrafter):
+    """The drafter's proposer over the target's own embedding and LM head."""
+    from dflash_lab.eval.proposer import DFlashProposer
+
+    pieces = target.pieces()
+    return DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head)
+
+
+def head_proposer(target, drafter: DFlashDrafter, block: int):
+    """A head's drafter in the decode loop: greedy decoding of two demo prompts is lossless
+    (:func:`assert_lossless_greedy`); returns its proposer for the head's own checks."""
+    from dflash_lab.eval.prompts import encode_prompt
+    from dflash_lab.targets.demo_corpus import demo_conversations
+
+    proposer = proposer_for(target, drafter)
+    prompts = [encode_prompt(target.tokenizer, c[:1]) for c in demo_conversations(2, seed=5)]
+    assert_lossless_greedy(target, proposer, drafter.config.target_layer_ids, prompts, 20, block)
+    return proposer
+
+
+def sampled_draft(target, drafter: DFlashDrafter, block: int):
+    """A head's drafter decoding at T = 1 (rejection sampling): 24 tokens, each round keeping
+    1..B; returns one block drafted at T = 1 (``tokens`` [B-1], ``probs`` q [B-1, V])."""
+    from dflash_lab.eval.loop import DecodeSettings, speculative_generate
+    from dflash_lab.eval.prompts import encode_prompt
+    from dflash_lab.eval.target_runner import TargetRunner
+    from dflash_lab.targets.demo_corpus import demo_conversations
+
+    proposer = proposer_for(target, drafter)
+    prompt = encode_prompt(target.tokenizer, demo_conversations(1, seed=7)[0][:1])
+    gen = speculative_generate(TargetRunner(target.model, drafter.config.target_layer_ids),
+                               proposer, prompt, DecodeSettings(max_new_tokens=24, temperature=1.0),
+                               torch.Generator().manual_seed(0))
+    assert len(gen.output_ids) >= 24
+    assert all(1 <= n <= block for n in gen.acceptance_lengths)
+    return proposer.draft(5, block - 1, 1.0, "rejection", torch.Generator().manual_seed(0))
+
+
+def export_decodes_losslessly(export_dir: Path, target) -> DFlashDrafter:
+    """The drafter eval loads from ``export_dir`` decodes [1, 2, 3] greedily exactly as the
+    target alone does (24 tokens); returns it for the format's own checks."""
+    from dflash_lab.eval.loading import load_drafter
+
+    drafter = load_drafter(export_dir).drafter
+    assert_lossless_greedy(target, proposer_for(target, drafter),
+                           drafter.config.target_layer_ids, [[1, 2, 3]], 24,
+                           drafter.config.block_size)
+    return drafter
+
+
+def refused_then_served(source, out: Path, refused: tuple[str, ...], served: str, dtype: str,
+                        match: str) -> Path:
+    """Export ``source``: each engine of ``refused`` raises ExportRefused matching ``match``
+    before anything is written; then ``served`` writes it. Returns ``out``."""
+    import pytest
+
+    from dflash_lab.export.api import ExportRefused, export_drafter
+
+    for engine in refused:
+        with pytest.raises(ExportRefused, match=match):
+            export_drafter(source, out, engine=engine, dtype=dtype)
+        assert not out.exists()  # refused before anything was written
+    export_drafter(source, out, engine=served, dtype=dtype)
+    return out

@@ -7,10 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lab.eval.prompts import encode_prompt
-from dflash_lab.eval.proposer import DFlashProposer
-from dflash_lab.targets.demo_corpus import demo_conversations
-from tests.eval_doubles import assert_lossless_greedy, tiny_drafter_for
+from tests.eval_doubles import head_proposer, sampled_draft, tiny_drafter_for
 
 B = 4
 
@@ -28,9 +25,7 @@ def domino(tiny_target):
 
 def test_domino_walk_is_lossless_and_is_the_drafters_propose(tiny_target, domino):
     pieces = tiny_target.pieces()
-    proposer = DFlashProposer(domino, pieces.embed_tokens, pieces.lm_head)
-    prompts = [encode_prompt(tiny_target.tokenizer, c[:1]) for c in demo_conversations(2, seed=5)]
-    assert_lossless_greedy(tiny_target, proposer, domino.config.target_layer_ids, prompts, 20, B)
+    proposer = head_proposer(tiny_target, domino, B)
     proposer.start(torch.randn(1, 3, domino.fc.weight.shape[1]))
     walked = proposer.draft(5, B - 1, 0.0, "greedy", None)
     hidden = domino.draft(proposer.cache, torch.tensor([5]), pieces.embed_tokens)
@@ -40,18 +35,7 @@ def test_domino_walk_is_lossless_and_is_the_drafters_propose(tiny_target, domino
 
 
 def test_domino_at_temperature_rejection_samples_its_point_mass_drafts(tiny_target, domino):
-    from dflash_lab.eval.loop import DecodeSettings, speculative_generate
-    from dflash_lab.eval.target_runner import TargetRunner
-
-    pieces = tiny_target.pieces()
-    proposer = DFlashProposer(domino, pieces.embed_tokens, pieces.lm_head)
-    prompt = encode_prompt(tiny_target.tokenizer, demo_conversations(1, seed=7)[0][:1])
-    settings = DecodeSettings(max_new_tokens=24, temperature=1.0)
-    gen = speculative_generate(TargetRunner(tiny_target.model, domino.config.target_layer_ids),
-                               proposer, prompt, settings, torch.Generator().manual_seed(0))
-    assert len(gen.output_ids) >= 24
-    assert all(1 <= n <= B for n in gen.acceptance_lengths)
-    sampled = proposer.draft(5, B - 1, 1.0, "rejection", torch.Generator().manual_seed(0))
+    sampled = sampled_draft(tiny_target, domino, B)
     assert torch.equal(sampled.probs.argmax(-1), sampled.tokens)
     torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(B - 1))
     assert set(sampled.probs.unique().tolist()) == {0.0, 1.0}

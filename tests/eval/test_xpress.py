@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
-from dflash_lab.targets.demo_corpus import demo_conversations
-from tests.eval_doubles import assert_lossless_greedy, tiny_drafter_for
+from tests.eval_doubles import head_proposer, sampled_draft, tiny_drafter_for
 
 B = 4
 
@@ -29,9 +27,7 @@ def xpress(tiny_target):
 
 def test_xpress_walk_is_lossless_and_is_the_drafters_propose(tiny_target, xpress):
     pieces = tiny_target.pieces()
-    proposer = DFlashProposer(xpress, pieces.embed_tokens, pieces.lm_head)
-    prompts = [encode_prompt(tiny_target.tokenizer, c[:1]) for c in demo_conversations(2, seed=5)]
-    assert_lossless_greedy(tiny_target, proposer, xpress.config.target_layer_ids, prompts, 20, B)
+    proposer = head_proposer(tiny_target, xpress, B)
     proposer.start(torch.randn(1, 3, xpress.fc.weight.shape[1]))
     walked = proposer.draft(5, B - 1, 0.0, "greedy", None)
     hidden = xpress.draft(proposer.cache, torch.tensor([5]), pieces.embed_tokens)
@@ -43,17 +39,6 @@ def test_xpress_walk_is_lossless_and_is_the_drafters_propose(tiny_target, xpress
 
 
 def test_xpress_at_temperature_rejection_samples_its_point_mass_drafts(tiny_target, xpress):
-    from dflash_lab.eval.loop import DecodeSettings, speculative_generate
-    from dflash_lab.eval.target_runner import TargetRunner
-
-    pieces = tiny_target.pieces()
-    proposer = DFlashProposer(xpress, pieces.embed_tokens, pieces.lm_head)
-    prompt = encode_prompt(tiny_target.tokenizer, demo_conversations(1, seed=7)[0][:1])
-    settings = DecodeSettings(max_new_tokens=24, temperature=1.0)
-    gen = speculative_generate(TargetRunner(tiny_target.model, xpress.config.target_layer_ids),
-                               proposer, prompt, settings, torch.Generator().manual_seed(0))
-    assert len(gen.output_ids) >= 24
-    assert all(1 <= n <= B for n in gen.acceptance_lengths)
-    sampled = proposer.draft(5, B - 1, 1.0, "rejection", torch.Generator().manual_seed(0))
+    sampled = sampled_draft(tiny_target, xpress, B)
     assert torch.equal(sampled.probs.argmax(-1), sampled.tokens)
     assert set(sampled.probs.unique().tolist()) == {0.0, 1.0}

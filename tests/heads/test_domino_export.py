@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_lab.export import inspect_dir
-from dflash_lab.export.api import ExportRefused, export_drafter
 from dflash_lab.export.weights import Source
 from dflash_lab.heads.domino import domino_walk
 from dflash_lab.model.drafter import DFlashDrafter
 from scripts import engine_sources as es
+from tests.eval_doubles import export_decodes_losslessly, refused_then_served
 from tests.export.test_golden import _recipe_config
 
 POOLS = (0, 16)
@@ -33,35 +33,17 @@ def exported(tmp_path_factory, tiny_target_dir):
         drafter.embed_proj[2].weight.normal_(std=2.0)
     out = tmp / "cache" / es.DOMINO_CASE / "export"
     source = Source(config, drafter.state_dict(), "checkpoint", "tiny domino")
-    for engine in ("both", "vllm"):
-        with pytest.raises(ExportRefused, match="vllm does not serve a Domino drafter .*"
-                                                "--engine sglang"):
-            export_drafter(source, out, engine=engine, dtype="bfloat16")
-        assert not out.exists()  # refused before anything was written
-    export_drafter(source, out, engine="sglang", dtype="bfloat16")
-    return out
+    return refused_then_served(source, out, ("both", "vllm"), "sglang", "bfloat16",
+                               "vllm does not serve a Domino drafter .*--engine sglang")
 
 
 def test_the_export_inspects_and_decodes_losslessly_with_the_walk(exported, tiny_target):
-    from dflash_lab.eval.loading import load_drafter
-    from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
-    from dflash_lab.eval.proposer import DFlashProposer
-    from dflash_lab.eval.target_runner import TargetRunner
-
     inspected = inspect_dir(exported)  # the engines it was made for: SGLang's rule sets
     assert inspected.status == "ok", inspected.problems
     assert "- variant: domino (DFlashDraftModel)" in inspected.text
     assert "gru_hidden_dim=64" in inspected.text
-    loaded = load_drafter(exported)
-    drafter = loaded.drafter
+    drafter = export_decodes_losslessly(exported, tiny_target)
     assert drafter.config.head.name == "domino" and drafter.config.gru_hidden_dim == 64
-    pieces, ids = tiny_target.pieces(), drafter.config.target_layer_ids
-    proposer = DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head)
-    settings = DecodeSettings(max_new_tokens=24)
-    spec = speculative_generate(TargetRunner(tiny_target.model, ids), proposer, [1, 2, 3],
-                                settings)
-    base = baseline_generate(TargetRunner(tiny_target.model), [1, 2, 3], settings)
-    assert spec.output_ids == base.output_ids  # lossless under greedy decoding
 
 
 def _case(exported: Path, tiny_target) -> tuple[dict, list[list[int]]]:

@@ -16,6 +16,7 @@ from dflash_lab.export.api import ExportRefused, export_drafter
 from dflash_lab.export.weights import Source
 from dflash_lab.model.drafter import DFlashDrafter
 from scripts import engine_sources as es
+from tests.eval_doubles import export_decodes_losslessly
 from tests.export.test_golden import _recipe_config
 
 RECIPES = dict(zip(es.LILICORR_OURS, ("tiny_cpu_lilicorr", "tiny_cpu_lilicorr_conv")))
@@ -49,24 +50,12 @@ def exported(tmp_path_factory, tiny_target_dir):
 
 @pytest.mark.parametrize("name", es.LILICORR_OURS)
 def test_the_export_inspects_and_decodes_losslessly_with_the_walk(exported, name, tiny_target):
-    from dflash_lab.eval.loading import load_drafter
-    from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
-    from dflash_lab.eval.proposer import DFlashProposer
-    from dflash_lab.eval.target_runner import TargetRunner
-
     inspected = inspect_dir(exported[name])
     assert inspected.status == "ok", inspected.problems
     assert "- variant: lilicorr (LiLiCorrDraftModel)" in inspected.text
-    drafter = load_drafter(exported[name]).drafter
+    drafter = export_decodes_losslessly(exported[name], tiny_target)
     assert drafter.config.head.name == "lilicorr"
     assert (drafter.config.conv_kernel_size == 2) == ("conv" in name)
-    pieces, ids = tiny_target.pieces(), drafter.config.target_layer_ids
-    proposer = DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head)
-    settings = DecodeSettings(max_new_tokens=24)
-    spec = speculative_generate(TargetRunner(tiny_target.model, ids), proposer, [1, 2, 3],
-                                settings)
-    base = baseline_generate(TargetRunner(tiny_target.model), [1, 2, 3], settings)
-    assert spec.output_ids == base.output_ids  # lossless under greedy decoding
 
 
 def _write_case(export: Path, tiny_target) -> None:

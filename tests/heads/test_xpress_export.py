@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_lab.export import inspect_dir
-from dflash_lab.export.api import ExportRefused, export_drafter
 from dflash_lab.export.weights import Source
 from dflash_lab.heads.xpress import jacobi_walk
 from dflash_lab.model.drafter import DFlashDrafter
 from scripts import engine_sources as es
+from tests.eval_doubles import export_decodes_losslessly, refused_then_served
 from tests.export.test_golden import _recipe_config
 
 
@@ -34,34 +34,17 @@ def exported(tmp_path_factory, tiny_target_dir):
             p.normal_(std=0.2)
     out = tmp / "export"
     source = Source(config, drafter.state_dict(), "checkpoint", "tiny xpress")
-    for engine in ("both", "sglang"):
-        with pytest.raises(ExportRefused, match="sglang does not serve a XPress drafter .*"
-                                                "--engine vllm"):
-            export_drafter(source, out, engine=engine, dtype="float32")
-        assert not out.exists()  # refused before anything was written
-    export_drafter(source, out, engine="vllm", dtype="float32")
-    return out
+    return refused_then_served(source, out, ("both", "sglang"), "vllm", "float32",
+                               "sglang does not serve a XPress drafter .*--engine vllm")
 
 
 def test_the_export_inspects_and_decodes_losslessly_with_the_walk(exported, tiny_target):
-    from dflash_lab.eval.loading import load_drafter
-    from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
-    from dflash_lab.eval.proposer import DFlashProposer
-    from dflash_lab.eval.target_runner import TargetRunner
-
     inspected = inspect_dir(exported)
     assert inspected.status == "ok", inspected.problems
     assert "- variant: xpress (Qwen3XPressModel)" in inspected.text
     assert "xpress_rank=32" in inspected.text
-    drafter = load_drafter(exported).drafter
+    drafter = export_decodes_losslessly(exported, tiny_target)
     assert drafter.config.head.name == "xpress" and drafter.config.xpress_block_size == 8
-    pieces, ids = tiny_target.pieces(), drafter.config.target_layer_ids
-    proposer = DFlashProposer(drafter, pieces.embed_tokens, pieces.lm_head)
-    settings = DecodeSettings(max_new_tokens=24)
-    spec = speculative_generate(TargetRunner(tiny_target.model, ids), proposer, [1, 2, 3],
-                                settings)
-    base = baseline_generate(TargetRunner(tiny_target.model), [1, 2, 3], settings)
-    assert spec.output_ids == base.output_ids  # lossless under greedy decoding
 
 
 def _vllm_head(exported):
