@@ -17,6 +17,7 @@ The batch contract (``input_ids``, ``loss_mask``, ``hidden``, ``target_argmax``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -282,8 +283,13 @@ class DFlashModule(L.LightningModule):
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
             return optimizer
-        total = int(self.trainer.estimated_stepping_batches) if self._trainer else 1
-        scheduler = self.scheduler_factory(optimizer, total_steps=max(1, total))
+        total = self.trainer.estimated_stepping_batches if self._trainer else 1
+        if not math.isfinite(total):
+            raise ValueError("module.scheduler needs a finite number of steps, and the trainer "
+                             "has none (trainer.max_epochs=-1 without trainer.max_steps): set "
+                             "trainer.max_steps=N or trainer.max_epochs=N, or module.scheduler="
+                             "null for a constant learning rate")
+        scheduler = self.scheduler_factory(optimizer, total_steps=max(1, int(total)))
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

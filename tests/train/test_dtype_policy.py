@@ -114,3 +114,20 @@ def test_every_dtype_and_precision_trains_exports_and_evaluates(dtype, precision
     assert all(len(g.output_ids) > 0 and g.acceptance_lengths for g in spec)
     if cfg.target.dtype == "float32":  # fp32 greedy is exactly lossless; bf16 may drift
         assert [g.output_ids for g in spec] == [g.output_ids for g in base]
+
+
+def test_a_schedule_without_a_horizon_is_refused_naming_the_fix():
+    """max_epochs=-1 and no max_steps: Lightning's estimate is inf; the warmup-cosine schedule
+    needs a step count, so the module says which setting to give (not int(inf)'s OverflowError)."""
+    from functools import partial
+
+    from dflash_lab.train.schedule import warmup_cosine
+
+    module, _ = _module_with_big_grads(None)
+    module.scheduler_factory = partial(warmup_cosine, warmup_ratio=0.04, min_lr_ratio=0.0)
+    module._trainer.estimated_stepping_batches = float("inf")
+    with pytest.raises(ValueError, match=r"module.scheduler needs a finite number of steps.*"
+                                         r"trainer.max_steps=N or trainer.max_epochs=N"):
+        module.configure_optimizers()
+    module._trainer.estimated_stepping_batches = 40
+    assert module.configure_optimizers()["lr_scheduler"]["interval"] == "step"
