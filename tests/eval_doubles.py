@@ -207,9 +207,10 @@ def demo_prompts(path: Path, n: int = 2, seed: int = 21) -> Path:
 
 
 def cli_eval_report(monkeypatch, target_dir: str | Path, drafter_dir: str | Path,
-                    prompts: str | Path, out: str | Path) -> dict:
+                    prompts: str | Path, out: str | Path, *extra: str) -> dict:
     """``dflash-eval`` (the CLI entry point, in process) of ``drafter_dir`` on the first two
-    ``prompts`` with the hf target at ``target_dir``, 12 new tokens each: its report.json."""
+    ``prompts`` with the hf target at ``target_dir``, 12 new tokens each (``extra``: more
+    overrides): its report.json."""
     import sys
 
     from dflash_lab.eval import cli
@@ -217,7 +218,7 @@ def cli_eval_report(monkeypatch, target_dir: str | Path, drafter_dir: str | Path
     monkeypatch.setattr(sys, "argv", [
         "dflash-eval", "target=hf", f"target.name_or_path={target_dir}",
         f"drafter.path={drafter_dir}", f"data.path={prompts}", f"output_dir={out}",
-        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false"])
+        "num_prompts=2", "max_new_tokens=12", "target.device=cpu", "progress=false", *extra])
     cli.main()
     return json.loads((Path(out) / "report.json").read_text())
 

@@ -139,6 +139,9 @@ def _load_pair(cfg, packed: bool = False):
                           verify_checksums=bool(cfg.drafter.get("verify_checksums", True)),
                           target_vocab_size=target.vocab_size)
     check_pair(loaded.drafter, target, loaded.depth_recorded)
+    drafter = loaded.drafter
+    drafter.walk_settings = drafter.config.head.walk_with(drafter.config,
+                                                          dict(cfg.drafter.get("walk") or {}))
     return target, loaded, backend
 
 

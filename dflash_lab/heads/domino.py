@@ -120,8 +120,17 @@ class Domino(DFlash1):
     engines = ("sglang",)
     #: no val/tau_T: the distribution pass reads a plain Linear head, not [W | embed_proj.2]
     expected_taus = False
-    #: the walk's candidate pool (SGLang's flag; 0 = exact): eval drafts exactly
-    candidate_pool_size = 0
+    #: the walk's candidate pool: SGLang's --speculative-domino-candidate-pool-size and its
+    #: default (0, or >= the vocabulary: the exact walk)
+    walk_settings = {"candidate_pool_size": 2048}
+
+    def walk_with(self, config: Any, settings: Any) -> dict[str, Any]:
+        out = super().walk_with(config, settings)
+        pool = out["candidate_pool_size"]
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+            raise ValueError(f"drafter.walk.candidate_pool_size={pool!r}: give an integer >= 0 "
+                             f"(0, or >= vocab_size={config.vocab_size}: the exact walk)")
+        return out
 
     def validate(self, config: Any) -> None:
         """SGLang's ``parse_dflash_draft_config`` rules (``dflash_utils.py:727-791``), plus the
@@ -208,7 +217,7 @@ class Domino(DFlash1):
         if embed_tokens is None:
             raise ValueError("a Domino draft needs the target's embedding table (embed_tokens)")
         tokens = domino_walk(drafter.prefix_gru, drafter.embed_proj, embed_tokens, hidden_kh,
-                             unary_kv, anchor_id, self.candidate_pool_size)
+                             unary_kv, anchor_id, drafter.walk_settings["candidate_pool_size"])
         point = temperature > 0 and mode == "rejection"
         return tokens, (F.one_hot(tokens, unary_kv.shape[-1]).float() if point else None)
 

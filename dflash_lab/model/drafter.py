@@ -74,6 +74,8 @@ class DFlashDrafter(nn.Module):
         # modules; Laguna's aux_hidden_norms (one RMSNorm per target-layer slice before fc), a
         # draft vocabulary's lm_head [N, H] with d2t [N] / t2d [V]
         self.aux_hidden_norms = self.lm_head = None
+        #: the head's walk settings at serving time (``Head.walk_with``; eval's drafter.walk)
+        self.walk_settings = dict(config.head.walk_settings)
         for part in config.parts:
             part.attach(self)
         self._specs = config.layer_specs()

@@ -64,10 +64,22 @@ class Head:
     #: its :meth:`draft` reads the hidden rows of the whole block [B, H] (anchor row 0
     #: included; XPress's refiner), not the drafted slots' [k, H]
     block_rows: bool = False
+    #: the serving engine's runtime settings of its draft walk and their defaults; eval sets
+    #: them with ``drafter.walk={KEY: VALUE}`` (Domino: SGLang's candidate pool)
+    walk_settings: Mapping[str, Any] = {}
 
     # ---------------------------------------------------------------- config
     def validate(self, config: Any) -> None:
         """Refuse bad values of this head's fields (``config._fail(key, value, fix)``)."""
+
+    def walk_with(self, config: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """:attr:`walk_settings` with ``settings`` (``drafter.walk``) applied; ValueError naming
+        a key the head's walk does not take."""
+        unknown = sorted(set(settings) - set(self.walk_settings))
+        if unknown:
+            raise ValueError(f"drafter.walk.{unknown[0]}: the {self.title} walk takes "
+                             f"{sorted(self.walk_settings) or 'no settings'}")
+        return {**self.walk_settings, **settings}
 
     def serving_keys(self, config: Any) -> dict[str, Any]:
         """The head's entries of ``dflash_config`` in the serving config.json."""

@@ -101,6 +101,25 @@ def test_draft_hook_point_mass_at_temperature_and_needs_the_embedding():
         drafter.config.head.draft(drafter, hidden, unary, 5, 0.0, "exact_match", None)
 
 
+def test_evals_walk_setting_sets_the_candidate_pool_and_refuses_bad_ones():
+    """``drafter.walk={candidate_pool_size: P}`` (dflash-eval) drafts as SGLang's pool P."""
+    drafter, embed = _drafter(), torch.nn.Embedding(97, 48)
+    head = drafter.config.head
+    assert drafter.walk_settings == {"candidate_pool_size": 2048}  # SGLang's default
+    hidden, unary = torch.randn(B - 1, 48), torch.randn(B - 1, 97)
+    drafter.walk_settings = head.walk_with(drafter.config, {"candidate_pool_size": 3})
+    tokens, _ = head.draft(drafter, hidden, unary, 5, 0.0, "exact_match", None, embed)
+    assert torch.equal(tokens, domino.domino_walk(drafter.prefix_gru, drafter.embed_proj, embed,
+                                                  hidden, unary, 5, 3))
+    with pytest.raises(ValueError, match=r"drafter.walk.pool_size: the Domino walk takes "
+                                         r"\['candidate_pool_size'\]"):
+        head.walk_with(drafter.config, {"pool_size": 3})
+    with pytest.raises(ValueError, match=r"candidate_pool_size=-1: give an integer >= 0"):
+        head.walk_with(drafter.config, {"candidate_pool_size": -1})
+    with pytest.raises(ValueError, match="the DFlash 1 walk takes no settings"):
+        tiny_drafter_config().head.walk_with(None, {"candidate_pool_size": 3})
+
+
 def test_lambda_schedule_is_specforges():
     assert domino.lambda_base(0, 100) == 1.0
     assert domino.lambda_base(25, 100) == 0.5

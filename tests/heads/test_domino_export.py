@@ -87,3 +87,22 @@ def test_sglang_parses_loads_and_drafts_our_export_as_our_walk(exported, tiny_ta
                                      "prefix_gru.weight_hh_l0", "prefix_gru.weight_ih_l0"]
     for pool in POOLS:
         assert result[f"drafts_pool{pool}"] == ours[pool], pool
+
+
+def test_dflash_eval_sets_the_walks_candidate_pool(exported, tiny_target_dir, tmp_path,
+                                                   monkeypatch, capsys):
+    """``drafter.walk={candidate_pool_size:P}`` reaches the walk; a key it does not take is one
+    error line naming the keys it takes (exit 2)."""
+    from tests.eval_doubles import cli_eval_report, demo_prompts
+
+    prompts = demo_prompts(tmp_path / "prompts.jsonl")
+    report = cli_eval_report(monkeypatch, tiny_target_dir, exported, prompts, tmp_path / "ev",
+                             "drafter.walk={candidate_pool_size:0}")
+    assert report["lossless"] is True
+    with pytest.raises(SystemExit) as stop:
+        cli_eval_report(monkeypatch, tiny_target_dir, exported, prompts, tmp_path / "bad",
+                        "drafter.walk={pool:3}")
+    assert stop.value.code == 2
+    assert "drafter.walk.pool: the Domino walk takes ['candidate_pool_size']" in (
+        capsys.readouterr().err)
+
