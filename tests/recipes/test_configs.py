@@ -194,7 +194,10 @@ def _dummy_head(cfg):
 
 def _instantiate_train_rest(cfg, drafter):
     """Module (with its optimizer and scheduler partials), callbacks, logger and trainer."""
-    module = instantiate(cfg.module, drafter=drafter, target_head=_dummy_head(drafter.config))
+    online = cfg.data._target_.endswith("OnlineDataModule")  # the batches carry the target's
+    held = {"last_hidden": online, "topk": 0}  # last hidden state (OnlineDataModule's answer)
+    module = instantiate(cfg.module, drafter=drafter, target_head=_dummy_head(drafter.config),
+                         target_distribution=held)
     assert isinstance(module, DFlashModule)
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
     trainer_cfg = dict(cfg.trainer)
@@ -214,8 +217,20 @@ def _instantiate_train_rest(cfg, drafter):
 
 
 def check_train_part(cfg, package, *, tiny_target_dir, **_):
-    """drafter, module, trainer, callbacks, paths: the whole trainer side on the tiny shape."""
-    _instantiate_train_rest(cfg, _tiny_drafter(cfg, tiny_target_dir))
+    """drafter, module, trainer, callbacks, paths: the whole trainer side on the tiny shape. An
+    option that leaves its head's own fields null (LiLiCorr: no engine defaults them) is refused
+    naming the first; its tiny recipe's values complete it."""
+    try:
+        drafter = _tiny_drafter(cfg, tiny_target_dir)
+    except ValueError as err:
+        head = cfg.drafter.variant
+        unset = [k for k, v in cfg.drafter.items() if v is None and k.startswith(f"{head}_")]
+        assert unset and f"invalid {unset[0]}=None" in str(err), err
+        recipe = yaml.safe_load((RECIPES_DIR / f"tiny_cpu_{head}.yaml").read_text())
+        for key in unset:
+            cfg.drafter[key] = recipe["drafter"][key]
+        drafter = _tiny_drafter(cfg, tiny_target_dir)
+    _instantiate_train_rest(cfg, drafter)
 
 
 def check_data(cfg, package, *, tiny_target_dir, tmp_path, **_):
