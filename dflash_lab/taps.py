@@ -74,20 +74,23 @@ def anchor_rows(dataset: ShardDataset, block: int, max_anchors: int, seed: int
 
 
 def probe_tau(x: torch.Tensor, future: torch.Tensor, labels: torch.Tensor, lm_head,
-              ridge: float, fit_fraction: float = 0.8) -> tuple[float, list[float]]:
-    """Fit ridge maps x [N, F] -> future [N, B-1, H] on the first ``fit_fraction`` of anchors;
-    on the rest, greedy tokens ``argmax lm_head(x W_j)`` against ``labels`` [N, B-1].
+              ridge: float, folds: int = 5) -> tuple[float, list[float]]:
+    """Ridge maps x [N, F] -> future [N, B-1, H], scored by ``folds``-fold cross-validation
+    (every anchor is scored once, by maps fitted on the other folds): greedy tokens
+    ``argmax lm_head(x W_j)`` against ``labels`` [N, B-1].
 
     Returns (1 + mean count of leading correct tokens, the per-offset accuracy): the acceptance
     length a drafter would get that proposed exactly these tokens."""
-    n_fit = int(len(x) * fit_fraction)
-    mean, std = x[:n_fit].mean(0), x[:n_fit].std(0).clamp_min(1e-6)
-    z = (x - mean) / std
-    zf, yf = z[:n_fit], future[:n_fit].flatten(1)
-    gram = zf.T @ zf + ridge * n_fit * torch.eye(z.shape[1])
-    weights = torch.linalg.solve(gram, zf.T @ (yf - yf.mean(0)))
-    pred = (z[n_fit:] @ weights + yf.mean(0)).view(len(x) - n_fit, *future.shape[1:])
-    hits = (chunked_argmax(lm_head, pred) == labels[n_fit:]).float()
+    hits = torch.empty(labels.shape)
+    for held in torch.arange(len(x)).chunk(folds):
+        fit = torch.ones(len(x), dtype=torch.bool)
+        fit[held] = False
+        mean, std = x[fit].mean(0), x[fit].std(0).clamp_min(1e-6)
+        zf, yf = (x[fit] - mean) / std, future[fit].flatten(1)
+        gram = zf.T @ zf + ridge * len(zf) * torch.eye(x.shape[1])
+        weights = torch.linalg.solve(gram, zf.T @ (yf - yf.mean(0)))
+        pred = ((x[held] - mean) / std @ weights + yf.mean(0)).view(len(held), *future.shape[1:])
+        hits[held] = (chunked_argmax(lm_head, pred) == labels[held]).float()
     accepted = hits.cumprod(dim=1).sum(dim=1)
     return 1.0 + float(accepted.mean()), [round(float(a), 4) for a in hits.mean(0)]
 
@@ -147,8 +150,8 @@ def taps(cfg: DictConfig) -> list[dict[str, Any]]:
     results = rank_sets(ShardDataset(settings.out_dir), lm_head, sets, int(t.block_size),
                         int(t.max_anchors), float(t.ridge), int(t.seed), bool(t.progress))
     record = out / "taps.json"
-    atomic_write_text(record, json.dumps({"block_size": int(t.block_size), "ranking": results},
-                                         indent=1) + "\n")
+    probe = {k: t[k] for k in ("block_size", "max_anchors", "ridge", "seed")}
+    atomic_write_text(record, json.dumps(probe | {"ranking": results}, indent=1) + "\n")
     for r in results:
         print(f"probe_tau {r['probe_tau']:.3f}  target_layer_ids={r['target_layer_ids']}")
     print(f"ranking -> {record}")
