@@ -26,7 +26,7 @@ from dflash_lab.paths import REPO_ROOT
 README = REPO_ROOT / "README.md"
 CONF_DIR = REPO_ROOT / "conf"
 HYDRA_ENTRIES = {"dflash-train": "train", "dflash-capture": "capture", "dflash-eval": "eval",
-                 "dflash-regenerate": "regenerate"}
+                 "dflash-regenerate": "regenerate", "dflash-taps": "taps"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 
