@@ -23,9 +23,9 @@ LAYERS = (
     ("train", ("dflash_lab.train",)),
     ("eval", ("dflash_lab.eval",)),
     ("heads", ("dflash_lab.heads",)),
-    ("stage commands", ("dflash_lab.capture", "dflash_lab.regenerate", "dflash_lab.taps", "dflash_lab.entry",
-                        "dflash_lab.train.cli", "dflash_lab.train.run", "dflash_lab.eval.cli",
-                        "dflash_lab.export.cli")),
+    ("stage commands", ("dflash_lab.capture", "dflash_lab.regenerate", "dflash_lab.taps",
+                        "dflash_lab.entry", "dflash_lab.train.cli", "dflash_lab.train.run",
+                        "dflash_lab.eval.cli", "dflash_lab.export.cli")),
     ("orchestrator", ("dflash_lab.pipeline", "dflash_lab.pipeline_args")),
     ("console", ("dflash_lab.commands",)),
 )
