@@ -290,6 +290,72 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# ---------------------------------------------------------------------------- heads
+#: conf/drafter keys that are no head setting (the backbone's shape comes from ``SHAPES``).
+NOT_HEAD_FIELDS = ("_target_", "backend", "init_from", "verify_checksums", "defaults")
+
+
+def _composed(path: Path) -> dict[str, Any]:
+    """A Hydra config file with its ``defaults`` list merged in order (plain names of the same
+    folder, and ``_self_``; ``override /group: x`` entries are skipped): the file as Hydra
+    composes it within its own group, without Hydra."""
+    from omegaconf import OmegaConf
+
+    own = OmegaConf.load(path)
+    names = [d for d in own.get("defaults", []) if isinstance(d, str)]
+    merged = OmegaConf.create()
+    for name in names if "_self_" in names else [*names, "_self_"]:
+        part = own if name == "_self_" else _composed(path.parent / f"{name}.yaml")
+        merged = OmegaConf.merge(merged, part)
+    out = OmegaConf.to_container(merged, resolve=True)
+    out.pop("defaults", None)
+    return out
+
+
+def head_names() -> list[str]:
+    """dflash1 (conf/drafter/default.yaml) and every conf/drafter/NAME.yaml that sets a
+    ``variant`` (laguna.yaml sets backbone features, no head), in file-name order."""
+    from dflash_lab.paths import CONF_DIR
+
+    files = sorted((CONF_DIR / "drafter").glob("*.yaml"))
+    return ["dflash1", *(f.stem for f in files if "variant" in _composed(f))]
+
+
+def head_fields(name: str) -> dict[str, Any]:
+    """The DrafterConfig fields conf/drafter/NAME.yaml sets beyond default.yaml (the one source
+    of a head's settings); a field it leaves null (LiLiCorr's lattice: no engine defaults it)
+    is taken from the head's tiny recipe, recipes/tiny_cpu_NAME.yaml, where that sets it."""
+    from dflash_lab.paths import CONF_DIR, RECIPES_DIR
+
+    if name == "dflash1":
+        return {}
+    path = CONF_DIR / "drafter" / f"{name}.yaml"
+    if name not in head_names():
+        raise ValueError(f"head {name!r}: no conf/drafter/{name}.yaml sets a variant "
+                         f"(heads: {head_names()})")
+    base, own = _composed(CONF_DIR / "drafter" / "default.yaml"), _composed(path)
+    fields = {k: v for k, v in own.items()
+              if k not in NOT_HEAD_FIELDS and (k not in base or v != base[k])}
+    recipe = RECIPES_DIR / f"tiny_cpu_{name}.yaml"
+    tiny = _composed(recipe).get("drafter", {}) if recipe.is_file() else {}
+    return {k: tiny.get(k) if v is None else v for k, v in fields.items()
+            if v is not None or tiny.get(k) is not None}
+
+
+def teacher_batch(batch: dict, head, seed: int = 1, topk: int = 64) -> dict:
+    """The batch with a target distribution: last hidden states [Bt, S, H] (unit scale, as a
+    final norm leaves them) and their top-``topk`` ids / log-probabilities through ``head``."""
+    g = torch.Generator().manual_seed(seed)
+    bt, s = batch["input_ids"].shape
+    last = torch.randn(bt, s, head.lm_head.weight.shape[1], generator=g)
+    last = (last * 8.0).to(batch["hidden"].device, batch["hidden"].dtype)  # peaked logits
+    with torch.no_grad():
+        logp = head.lm_head(last).float().log_softmax(-1)
+        values, ids = logp.topk(topk, dim=-1)
+    return {**batch, "target_last_hidden": last, "target_top_ids": ids,
+            "target_top_logprobs": values}
+
+
 def product_optimizer(params) -> torch.optim.Optimizer:
     """The optimizer ``conf/module/default.yaml`` selects (its ``optimizer`` defaults group,
     ``conf/module/optimizer/<choice>.yaml``), built without Hydra (the GPU

@@ -8,6 +8,13 @@ one anchor at C): the cache's speed-up per block, at several C.
 Part A also times, for a DFlash 2 drafter of that shape, what its selector adds per block:
 the top-K candidates of the B-1 slots' unary logits and the left-to-right walk.
 
+Part A, every head (``--heads``, default all: dflash1 and each conf/drafter/NAME.yaml setting a
+variant, its fields from that file): one drafting round at the longest context of the size,
+``DFlashProposer.draft`` as the loop calls it (block forward, LM head, the head's own walk:
+DFlash 2's selector, LiLiCorr's lattice, XPress's Jacobi passes, Domino's GRU, DSpark's Markov
+bias), the heads' rounds rotated every repeat; per head the median round and the median of
+round-by-round ratios to DFlash 1's round.
+
 Part B, loop overhead on the built-in tiny target, a DFlash 1 and a DFlash 2 drafter side by
 side (alternating prompt by prompt): ``speculative_generate`` with every target forward,
 drafter call (block forward + LM head, + the selector's candidates and walk for DFlash 2) and
@@ -18,11 +25,12 @@ acceptance); default: freshly initialised drafters.
 
     python -m benchmarks.draft_latency [--device cpu|cuda] [--size toy|cpu|paper]
         [--drafter outputs/runs/RUN] [--drafter2 outputs/runs/RUN2]
-        [--tiny-target outputs/tiny_target]
+        [--tiny-target outputs/tiny_target] [--heads all|dflash2,xpress,...]
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -32,6 +40,7 @@ from benchmarks.common import (
     SHAPES,
     base_parser,
     drafter_config,
+    head_fields,
     report,
     resolve,
     sync,
@@ -218,6 +227,41 @@ def selector_latency(size: str, device: torch.device, repeats: int) -> dict:
             "walk_ms": t_walk * 1e3, "selector / lm_head": (t_cand + t_walk) / t_head}
 
 
+def head_latency(size: str, device: torch.device, repeats: int, heads: list[str]) -> list[dict]:
+    """Part A per head: one round of ``DFlashProposer.draft`` (all its drafts, greedy) at the
+    size's longest context C, every head's drafter of the benchmark shape plus its conf fields
+    over the same frozen head and the same context features; the rounds rotate every repeat
+    (``interleaved_seconds``), so load changes hit every head alike."""
+    from benchmarks.train_step import interleaved_seconds
+    from dflash_lab.eval.proposer import DFlashProposer
+
+    dtype, c = SHAPES[size]["dtype"], CONTEXTS[size][-1]
+    proposers = {}
+    for name in heads:
+        cfg = drafter_config(size, **head_fields(name))
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(cfg, backend="sdpa").to(device, dtype).eval()
+        head = target_head(cfg, device, dtype)
+        proposers[name] = DFlashProposer(drafter, head.embed_tokens, head.lm_head)
+        g = torch.Generator().manual_seed(1)
+        proposers[name].start(torch.randn(1, c, cfg.num_features, generator=g).to(device, dtype))
+    rounds = {n: (lambda p=p: p.draft(1, p.num_draft_tokens, 0.0, "exact_match", None))
+              for n, p in proposers.items()}
+    for fn in rounds.values():  # warm-up
+        fn()
+        fn()
+    times = interleaved_seconds(rounds, device, repeats)
+    base = times.get("dflash1")
+    rows = []
+    for name, secs in times.items():
+        row = {"head": name, "context": c, "drafts": proposers[name].num_draft_tokens,
+               "round_ms": statistics.median(secs) * 1e3}
+        if base is not None:
+            row["round / dflash1"] = statistics.median(b / a for a, b in zip(base, secs))
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0], allocator="default")  # times only
     p.add_argument("--drafter", default=None, help="trained DFlash 1 drafter for the tiny target")
@@ -225,8 +269,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny-target", default="outputs/tiny_target")
     p.add_argument("--prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--heads", default="all",
+                   help="Part A per head: all (every head) or comma-separated heads, each timed "
+                        "against dflash1 (common.head_names)")
     args = p.parse_args(argv)
     device, size = resolve(args)
+    from benchmarks.train_step import chosen_heads
+
+    heads = chosen_heads("all", None if args.heads == "all" else args.heads)
     for flag, path in (("--drafter", args.drafter), ("--drafter2", args.drafter2)):
         if path and not Path(path).exists():
             raise SystemExit(f"{flag} {path}: not found")
@@ -242,6 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"DFlash 2 selector per block (same shape, V={shape['config']['vocab_size']}):")
     table([sel], ["slots", "lm_head_ms", "candidates_ms", "torch.topk_ms", "walk_ms",
                   "selector / lm_head"])
+    per_head = head_latency(size, device, repeats, heads)
+    print(f"draft round per head (DFlashProposer.draft, C={per_head[0]['context']}, "
+          f"fields: conf/drafter/HEAD.yaml; rounds rotated, {repeats} each):")
+    table(per_head, ["head", "drafts", "round_ms", "round / dflash1"])
     loops = loop_overhead(device, {"dflash1": args.drafter, "dflash2": args.drafter2},
                           args.tiny_target, args.prompts or (2 if size == "toy" else 8),
                           args.max_new_tokens or (16 if size == "toy" else 96))
@@ -260,8 +314,12 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"ratio recompute / cached draft at C={r['context']}: {r['recompute/cached']:.3g}")
     print(f"ratio DFlash 2 selector / LM head per block: {sel['selector / lm_head']:.3g}")
+    for r in per_head[1:]:
+        print(f"ratio {r['head']} / dflash1 draft round: {r['round / dflash1']:.3g}")
     return report("draft_latency", args, {"device": str(device), "size": size,
-                                          "draft": rows, "selector": sel, "loops": loops})
+                                          "draft": rows, "selector": sel, "heads": per_head,
+                                          "head_fields": {h: head_fields(h) for h in heads},
+                                          "loops": loops})
 
 
 if __name__ == "__main__":

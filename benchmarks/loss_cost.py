@@ -37,6 +37,7 @@ from benchmarks.common import (
     resolve,
     table,
     target_head,
+    teacher_batch,
     training_batch,
 )
 from benchmarks.train_step import interleaved_seconds, make_step, step_peak_mib
@@ -55,20 +56,6 @@ LOSSES = {
 TOPK = 64
 
 
-def teacher_batch(batch: dict, head, seed: int = 1) -> dict:
-    """The batch with a target distribution: last hidden states [Bt, S, H] (unit scale, as a
-    final norm leaves them) and their top-64 ids / log-probabilities through ``head``."""
-    g = torch.Generator().manual_seed(seed)
-    bt, s = batch["input_ids"].shape
-    last = torch.randn(bt, s, head.lm_head.weight.shape[1], generator=g)
-    last = (last * 8.0).to(batch["hidden"].device, batch["hidden"].dtype)  # peaked logits
-    with torch.no_grad():
-        logp = head.lm_head(last).float().log_softmax(-1)
-        values, ids = logp.topk(TOPK, dim=-1)
-    return {**batch, "target_last_hidden": last, "target_top_ids": ids,
-            "target_top_logprobs": values}
-
-
 def build(name: str, size: str, device: torch.device, backend: str):
     loss, kind = LOSSES[name]
     cfg = drafter_config(size)
@@ -80,7 +67,8 @@ def build(name: str, size: str, device: torch.device, backend: str):
                           num_anchors=SHAPES[size]["num_anchors"], val_temperatures=[],
                           target_distribution=held).to(device)
     opt = product_optimizer([p for p in drafter.parameters() if p.requires_grad])
-    batch = teacher_batch(training_batch(cfg, size, device, SHAPES[size]["dtype"]), head)
+    batch = teacher_batch(training_batch(cfg, size, device, SHAPES[size]["dtype"]), head,
+                          topk=TOPK)
     step = make_step(module, opt, batch)
     return module, (with_teacher_projection(step, head, batch, size, cfg) if name == "floor"
                     else step)

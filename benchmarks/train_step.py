@@ -8,14 +8,18 @@ attention, the chunked-CE recompute) / step time / the machine's dense matmul th
 measured in the same run. ``--compile`` adds the same step with the layer stack compiled.
 
 ``--variant both`` (the default) builds a DFlash 1 and a DFlash 2 drafter of the same shape in
-one process and alternates their steps (who goes first swaps every pair), so a load change on
+one process and alternates their steps (who goes first rotates every round), so a load change on
 the machine hits both; the ratio DFlash 2 / DFlash 1 is the median over step pairs (goal
-<= 1.15). DFlash 2 (``DFLASH2`` below): the released conv and selector setting, with the
-selector loss on (alpha 1, ``missing_gold: swap``) and its metrics, as ``module.selector``
-trains it.
+<= 1.15). ``--variant all`` (or ``--heads dflash2,xpress,...``) does the same for every head
+(``common.head_names``: dflash1 and each conf/drafter/NAME.yaml setting a variant), each ratio
+against DFlash 1 measured in that run. A head's drafter fields come from its
+conf/drafter/NAME.yaml (``common.head_fields``), its loss settings (``module.head``) from the
+head's own defaults; DFlash 2 trains its selector (alpha 1, ``missing_gold: swap``), and a
+head whose loss reads the target's distribution (LiLiCorr's penalty) gets a dense teacher.
 
     python -m benchmarks.train_step [--device cpu|cuda] [--size toy|cpu|paper] [--compile]
-        [--variant dflash1|dflash2|both] [--width qwen3] [--no-peak]
+        [--variant dflash1|dflash2|both|all|HEAD] [--heads dflash2,dspark,...]
+        [--width qwen3] [--no-peak]
 
 ``--width qwen3`` keeps the size's sequence, anchors and blocks and takes a Qwen3 width
 (``WIDTHS``), where the two selector codebooks are a small share of the drafter.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -35,6 +40,8 @@ from benchmarks.common import (
     SHAPES,
     base_parser,
     drafter_config,
+    head_fields,
+    head_names,
     matmul_peak_flops,
     peak_memory,
     pinned_child,
@@ -44,6 +51,7 @@ from benchmarks.common import (
     sync,
     table,
     target_head,
+    teacher_batch,
     training_batch,
 )
 from dflash_lab.model.drafter import DFlashDrafter
@@ -51,12 +59,11 @@ from dflash_lab.train.anchors import step_generator
 from dflash_lab.train.module import DFlashModule
 
 VARIANTS = ("dflash1", "dflash2")
-#: The DFlash 2 drafter fields: the released Qwen3.8-27B-DFlash2 setting (dflash.md section 7),
-#: taken as is: K=2 taps and group 16 act per channel, top-16 and rank 256 per token, none of
-#: them scales with the width (at H=576, V=49152 the two [V, 256] codebooks hold 25.2 M
-#: parameters, twice the rest of the drafter: the selector's share is larger than at 27B).
-DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16,
-           "selector_rank": 256, "selector_top_k": 16}
+#: The DFlash 2 drafter fields, conf/drafter/dflash2.yaml's: the released Qwen3.8-27B-DFlash2
+#: setting (dflash.md section 7): K=2 taps and group 16 per channel, top-16 and rank 256 per
+#: token, none of them scaling with the width (at H=576, V=49152 the two [V, 256] codebooks
+#: hold 25.2 M parameters, twice the rest of the drafter).
+DFLASH2 = head_fields("dflash2")
 
 
 #: ``--width``: drafter fields over the size's own (its sequence, anchors and block stay).
@@ -73,28 +80,32 @@ WIDTHS = {"qwen3": dict(hidden_size=2048, num_attention_heads=16, num_key_value_
 def build(size: str, device: torch.device, backend: str, compile_layers: bool = False,
           batch: int | None = None, variant: str = "dflash1", missing_gold: str = "swap",
           selector_rank: int | None = None, width: str | None = None):
-    """(module, optimizer, batch) for one size on one device. ``variant``: dflash1 | dflash2
-    (``DFLASH2``; ``missing_gold``: the selector's rule for a gold token outside the top-K;
+    """(module, optimizer, batch) for one size on one device. ``variant``: a head name
+    (``head_names``; dflash2: ``DFLASH2``; ``missing_gold``: the selector's rule for a gold
+    token outside the top-K;
     ``swap`` by default, so every valid slot trains the selector: random labels are almost
     never among a random drafter's top-16 of 49k, and ``exclude`` would train none);
-    ``selector_rank``: overrides ``DFLASH2``'s rank (the codebooks' size); ``width``: a key
+    ``selector_rank``: overrides DFlash 2's rank (the codebooks' size); ``width``: a key
     of ``WIDTHS`` (None: the size's own width)."""
     shape = SHAPES[size]
-    fields = {**DFLASH2, "selector_rank": selector_rank or DFLASH2["selector_rank"]}
-    cfg = drafter_config(size, **WIDTHS.get(width, {}),
-                         **(fields if variant == "dflash2" else {}))
+    fields = head_fields(variant)
+    if selector_rank and "selector_rank" in fields:
+        fields["selector_rank"] = selector_rank
+    cfg = drafter_config(size, **WIDTHS.get(width, {}), **fields)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, backend=backend).to(device)
     head = target_head(cfg, device, shape["dtype"])
     selector = {"alpha": 1.0, "missing_gold": missing_gold} if variant == "dflash2" else None
+    # a dense teacher on offer; val_temperatures=[]: only a head whose loss needs it reads it
     module = DFlashModule(drafter, head, product_optimizer, gamma=4.0,
                           num_anchors=shape["num_anchors"], compile=compile_layers,
-                          selector=selector)
+                          selector=selector, target_distribution={"last_hidden": True},
+                          val_temperatures=[])
     module = module.to(device)
     if shape["dtype"] != torch.float32:
         drafter.to(shape["dtype"])
     opt = product_optimizer([p for p in drafter.parameters() if p.requires_grad])
-    data = training_batch(cfg, size, device, shape["dtype"], batch=batch)
+    data = teacher_batch(training_batch(cfg, size, device, shape["dtype"], batch=batch), head)
     return module, opt, data
 
 
@@ -116,8 +127,24 @@ def make_step(module: DFlashModule, opt, batch: dict):
     return step
 
 
+class _TotalOnly:
+    """FlopCounterMode's module tracker reduced to the total it reports (``Global``): torch's
+    tracker hooks every module and asserts on one called on grad-requiring leaves outside
+    autograd (XPress's argmax passes), where the total needs no per-module split."""
+
+    parents = ("Global",)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 def count_flops(step) -> int:
-    with FlopCounterMode(display=False) as counter:
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _TotalOnly()
+    with counter:
         step()
     return counter.get_total_flops()
 
@@ -208,24 +235,46 @@ def run_variants(variants: list[str], size: str, device: torch.device, backend: 
 
 
 def variant_ratios(rows: list[dict], times: dict[str, list], prefix: str) -> dict[str, float]:
-    """DFlash 2 / DFlash 1: median of paired steps (goal <= 1.15), medians, peaks."""
-    if set(times) != set(VARIANTS):
+    """Every head / DFlash 1 measured in this run: median of paired steps (the steps of one
+    round; DFlash 2's goal <= 1.15), median / median, peaks."""
+    if "dflash1" not in times or len(times) < 2:
         return {}
     by = {r["variant"].rsplit("/", 1)[1]: r for r in rows}
-    one, two = by["dflash1"], by["dflash2"]
-    pairs = [b / a for a, b in zip(times["dflash1"], times["dflash2"])]
-    return {
-        f"dflash2 / dflash1 step, median of paired steps ({prefix})": statistics.median(pairs),
-        f"dflash2 / dflash1 step, median / median ({prefix})": two["step_ms"] / one["step_ms"],
-        f"dflash2 / dflash1 peak ({prefix})": two["peak_MiB"] / max(one["peak_MiB"], 1e-9),
-    }
+    one, out = by["dflash1"], {}
+    for v in (v for v in times if v != "dflash1"):
+        pairs = [b / a for a, b in zip(times["dflash1"], times[v])]
+        out[f"{v} / dflash1 step, median of paired steps ({prefix})"] = statistics.median(pairs)
+        out[f"{v} / dflash1 step, median / median ({prefix})"] = (by[v]["step_ms"]
+                                                                  / one["step_ms"])
+        out[f"{v} / dflash1 peak ({prefix})"] = by[v]["peak_MiB"] / max(one["peak_MiB"], 1e-9)
+    return out
+
+
+def chosen_heads(variant: str, heads: str | None) -> list[str]:
+    """``--variant`` / ``--heads`` as a list of head names, DFlash 1 first (every ratio's base)
+    unless a single head is asked; an unknown name: one ``error:`` line, exit 2."""
+    known = head_names()
+    if heads:
+        names = [h.strip() for h in heads.split(",") if h.strip()]
+        names = ["dflash1", *(h for h in names if h != "dflash1")]
+    else:
+        names = {"both": list(VARIANTS), "all": known}.get(variant, [variant])
+    bad = [h for h in names if h not in known]
+    if bad:
+        print(f"error: head {bad[0]!r} (--variant/--heads): no conf/drafter/{bad[0]}.yaml sets "
+              f"a variant; use one of {','.join(known)} (or both, all)", file=sys.stderr)
+        raise SystemExit(2)
+    return names
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0], allocator="default")
     p.add_argument("--compile", action="store_true", help="also time the compiled layer stack")
-    p.add_argument("--variant", default="both", choices=[*VARIANTS, "both"],
-                   help="drafter variant(s); both: DFlash 1 and DFlash 2 steps interleaved")
+    p.add_argument("--variant", default="both",
+                   help="a head (common.head_names), both (DFlash 1 and DFlash 2) or all "
+                        "(every head): their steps interleaved")
+    p.add_argument("--heads", default=None,
+                   help="comma-separated heads timed against dflash1 (overrides --variant)")
     p.add_argument("--selector-rank", type=int, default=None,
                    help=f"DFlash 2 selector rank (default {DFLASH2['selector_rank']}, released)")
     p.add_argument("--width", default=None, choices=sorted(WIDTHS),
@@ -235,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # BACKEND: child mode
     args = p.parse_args(argv)
     device, size = resolve(args)
-    variants = list(VARIANTS) if args.variant == "both" else [args.variant]
+    variants = chosen_heads(args.variant, args.heads)
     if args.peak_of:  # a pinned child of run_variants: one step's peak, as JSON
         print(json.dumps({"peak_MiB": child_peak_mib(size, device, args.peak_of, args.compile,
                                                      variants[0], args.selector_rank,
@@ -261,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     peak_after, _ = matmul_peak_flops(device, dtype if device.type == "cuda" else None,
                                       n=256 if size == "toy" else None)
     dflash2 = {**DFLASH2, "selector_rank": args.selector_rank or DFLASH2["selector_rank"]}
-    print_shape(size, device, repeats, args.allocator, variants, dflash2, args.width)
+    print_shape(size, device, repeats, args.allocator, variants, args.width)
     table(rows, ["variant", "step_ms", "tokens/s", "anchors/s", "slots/s", "GFLOP/step", "MFU",
                  "trainable_params", "peak_MiB"])
     ratios = {"matmul peak after / before (machine drift)": peak_after / peak_flops,
@@ -274,19 +323,21 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'met' if ratios[key] <= 1.15 else 'NOT met'}")
     return report("train_step", args, {"device": str(device), "size": size, "width": args.width,
                                        "allocator": args.allocator, "dflash2": dflash2,
+                                       "heads": {v: head_fields(v) for v in variants},
                                        "matmul_peak_flops": peak_flops, "matmul": what,
                                        "rows": rows, "ratios": ratios, "step_s": step_s})
 
 
 def print_shape(size: str, device: torch.device, repeats: int, allocator: str,
-                variants: list[str], dflash2: dict, width: str | None = None) -> None:
+                variants: list[str], width: str | None = None) -> None:
     shape, dtype = SHAPES[size], SHAPES[size]["dtype"]
     cfg = {**shape["config"], **WIDTHS.get(width, {})}
     print(f"size {size}{f' at width {width}' if width else ''}: S={shape['seq_len']} "
           f"N={shape['num_anchors']} B={cfg['block_size']} Bt={shape['batch']} "
           f"H={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
           f"V={cfg['vocab_size']} {str(dtype).removeprefix('torch.')} on {device}; "
-          f"variants {variants} (dflash2: {dflash2}); median of {repeats} interleaved steps; "
+          f"heads {variants} (fields: conf/drafter/HEAD.yaml); "
+          f"median of {repeats} interleaved steps; "
           f"steps timed with the {allocator} allocator")
 
 

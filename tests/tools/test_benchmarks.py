@@ -72,6 +72,33 @@ def test_train_step_benchmark_times_dflash1_and_dflash2_interleaved(tmp_path):
     assert len(rec["step_s"]["eager/sdpa"]["dflash2"]) == 1
 
 
+def test_train_step_benchmark_times_every_head_against_dflash1(tmp_path):
+    from benchmarks.common import head_fields, head_names
+
+    heads = head_names()
+    assert {"dflash1", "dflash2", "dspark", "domino", "lilicorr", "lilicorr_conv",
+            "xpress"} <= set(heads) and "laguna" not in heads  # laguna: no head, features
+    rec = _run(train_step, tmp_path, "--variant", "all", "--no-peak")
+    by = {r["variant"].rsplit("/", 1)[1]: r for r in rec["rows"]}
+    assert set(by) == set(heads) and all(r["step_ms"] > 0 for r in by.values())
+    for h in heads[1:]:  # every head's ratio, and a drafter that is not DFlash 1's
+        assert rec["ratios"][f"{h} / dflash1 step, median of paired steps (eager/sdpa)"] > 0
+        assert by[h]["trainable_params"] != by["dflash1"]["trainable_params"], h
+        assert rec["heads"][h] == head_fields(h)
+    # the fields come from conf/drafter/NAME.yaml (LiLiCorr's nulls from its tiny recipe)
+    assert head_fields("xpress")["xpress_rank"] == 256
+    assert head_fields("lilicorr_conv")["variant"] == "lilicorr"
+    assert head_fields("lilicorr_conv")["conv_kernel_size"] == 2
+    assert head_fields("lilicorr")["lilicorr_candidate_topk"] == 4
+
+
+def test_train_step_benchmark_refuses_an_unknown_head(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_step.main(["--device", "cpu", "--size", "toy", "--heads", "dflash3"])
+    assert exit_.value.code == 2
+    assert "error: head 'dflash3'" in capsys.readouterr().err
+
+
 def test_packing_benchmark_reports_padding_and_throughput_side_by_side(tmp_path):
     rec = _run(packing, tmp_path, "--lengths", "lognormal", "--limit", "40",
                 "--median", "16")
@@ -110,6 +137,11 @@ def test_draft_latency_and_capture_benchmarks(tmp_path, tiny_target_dir):
     assert all(0 <= r["overhead_share"] < 1 and r["drafter_s"] > 0 for r in loops.values())
     assert 0 < loops["dflash2"]["selector_s"] < loops["dflash2"]["drafter_s"]
     assert rec["selector"]["walk_ms"] > 0
+    heads = {r["head"]: r for r in rec["heads"]}  # Part A: every head's draft round
+    assert set(heads) == set(rec["head_fields"]) and "xpress" in heads
+    assert heads["dflash1"]["round / dflash1"] == 1.0
+    assert all(r["round_ms"] > 0 for r in heads.values())
+    assert heads["dspark"]["drafts"] == heads["dflash1"]["drafts"] + 1  # sample_from_anchor
     rec = _run(capture, tmp_path, "--tiny-target", str(tiny_target_dir))
     assert 1.9 < rec["ratios"]["disk bytes/token float32 / bfloat16"] < 2.1
 
