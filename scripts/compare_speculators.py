@@ -257,7 +257,7 @@ class Knobs:
                           "export.enabled=false", *self.variant_set, *self.our_set,
                           *self.opt_set)
         stages = cfg.stages if cfg.stages is not None else list(DEFAULT_STAGES)
-        stages = list(stages) if isinstance(stages, ListConfig) else [stages]
+        stages = list(stages) if isinstance(stages, (ListConfig, list)) else [stages]
         for s in stages:
             if s not in ALL_STAGES:
                 raise KnobError(f"stages={stages}: unknown stage {s} ({' '.join(ALL_STAGES)})")

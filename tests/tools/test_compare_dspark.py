@@ -44,13 +44,24 @@ def test_dspark_names_every_file_and_composes_our_dspark_drafter(tmp_path):
     assert "run_loss.0" not in dist and dist["capture"].endswith("_dist")
 
 
-@pytest.mark.parametrize("knobs", [{"our_loss": "{kl: 1.0}", "distribution": "last_hidden"},
-                                   {"our_loss": "tv", "distribution": "last_hidden"}])
-def test_dspark_refuses_a_distribution_loss_arm_by_name(tmp_path, knobs):
-    done = run_driver(tmp_path / "cmp", "capture", variant="dspark", **knobs)
+@pytest.mark.parametrize("variant,knobs", [
+    ("dspark", {"our_loss": "{kl: 1.0}", "distribution": "last_hidden"}),
+    ("dspark", {"our_loss": "tv", "distribution": "last_hidden"}),
+    ("domino", {"our_loss": "tv", "distribution": "last_hidden", "arms": "[ours]"}),
+    ("xpress", {"our_loss": "{kl: 1.0}", "distribution": "last_hidden", "arms": "[ours]"})])
+def test_ce_only_heads_refuse_a_distribution_loss_arm_by_name(tmp_path, variant, knobs):
+    done = run_driver(tmp_path / "cmp", "capture", variant=variant, **knobs)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "our DSpark drafter trains module.loss=ce only" in done.stdout
+    assert f"the comparison's {variant} arm trains module.loss=ce only" in done.stdout
+    assert f"no loss arm with variant={variant}" in done.stdout
     assert not (tmp_path / "cmp").exists()
+
+
+def test_heads_without_a_peer_trainer_refuse_their_arm(tmp_path):
+    done = run_driver(tmp_path / "cmp", "capture", variant="lilicorr")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "variant=lilicorr: no peer trainer of this head runs here" in done.stdout
+    assert "arms=[ours]" in done.stdout and not (tmp_path / "cmp").exists()
 
 
 def test_serve_refuses_dspark_saying_why(tmp_path):
