@@ -145,6 +145,19 @@ def _seeds(value) -> list[int]:
     return seeds
 
 
+def _taps(value) -> list[int]:
+    """The ``taps`` knob: [] (null: the recipe's five evenly spread layers) or distinct
+    non-negative layer ids in increasing order."""
+    if value is None:
+        return []
+    taps = list(value) if isinstance(value, ListConfig) else [value]
+    if not taps or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in taps) \
+            or taps != sorted(set(taps)):
+        raise KnobError(f"taps={taps}: expected increasing distinct layer ids of the target, "
+                        "e.g. taps=[0,4,7,10,14] (or null for the recipe's set)")
+    return taps
+
+
 def loss_text(value) -> str:
     """module.loss's text of an our_loss value: a name, or ``{name: weight, ...}``."""
     if isinstance(value, DictConfig):
@@ -241,11 +254,18 @@ class Knobs:
                               " (off: ShareGPT's own answers; on: target-regenerated)")
         psuf = "_onpolicy" if self.policy == "on" else ""
         self.psuf = psuf
-        self.name = f"compare_speculators{psuf}{self.dsuf}{self.msuf}"
+        self.taps = _taps(cfg.taps)
+        tsuf = "_taps" + "-".join(map(str, self.taps)) if self.taps else ""
+        self.tap_set = (f"drafter.target_layer_ids=[{','.join(map(str, self.taps))}]",) \
+            if self.taps else ()
+        self.cap_taps = (f"[{','.join(map(str, self.taps))}]" if self.taps else "5")
+        self.name = f"compare_speculators{psuf}{self.dsuf}{self.msuf}{tsuf}"
         self.out = cfg.out or f"outputs/{self.name}_s{self.steps}"
         self.regen = cfg.regen
-        self.capture = f"outputs/capture/smollm2_sharegpt{psuf}_n{cfg.num_conversations}{self.dsuf}"
-        self.heldout = f"outputs/capture/smollm2_sharegpt_heldout_n{cfg.num_heldout}{self.dsuf}"
+        self.capture = (f"outputs/capture/smollm2_sharegpt{psuf}_n{cfg.num_conversations}"
+                        f"{self.dsuf}{tsuf}")
+        self.heldout = (f"outputs/capture/smollm2_sharegpt_heldout_n{cfg.num_heldout}"
+                        f"{self.dsuf}{tsuf}")
         self.archive = cfg.archive or f"results_archive/{Path(self.out).name}"
         self.tw = f"{self.vsuf}_{self.their_weighting}"
         self.plan = f"{self.out}/plan{self.vsuf}.json"
@@ -254,7 +274,7 @@ class Knobs:
         # the recipe with a fixed step budget (cosine to 0 at steps); data.seed stays 0
         self.base_args = ("recipe=smollm2_sharegpt_cpu", f"data.path={self.capture}",
                           "trainer.max_epochs=1000", f"trainer.max_steps={self.steps}",
-                          "export.enabled=false", *self.variant_set, *self.our_set,
+                          "export.enabled=false", *self.variant_set, *self.tap_set, *self.our_set,
                           *self.opt_set)
         stages = cfg.stages if cfg.stages is not None else list(DEFAULT_STAGES)
         stages = list(stages) if isinstance(stages, (ListConfig, list)) else [stages]
@@ -378,8 +398,9 @@ class Driver:
                     shuffle: str = "data.shuffle_seed=0") -> None:
         self.sh(self.tool("dflash-capture"), "target=hf", f"target.name_or_path={TARGET}",
                 "target.dtype=bfloat16", f"data.path={data_path}", f"data.limit={limit}", shuffle,
-                "capture.max_length=512", "capture.target_layer_ids=5", "capture.batch_size=4",
-                "capture.shard_size=32", f"capture.out_dir={out_dir}", *self.k.cap_set)
+                "capture.max_length=512", f"capture.target_layer_ids={self.k.cap_taps}",
+                "capture.batch_size=4", "capture.shard_size=32", f"capture.out_dir={out_dir}",
+                *self.k.cap_set)
 
     def capture(self) -> None:
         k = self.k

@@ -123,3 +123,18 @@ def test_their_dspark_trains_the_plan_and_both_sides_curves_score_dspark(
     rows = both_sides_rows(args, tiny_target, tiny_target_dir, tiny_capture, theirs, tmp_path)
     # sample_from_anchor: B drafts + the bonus
     assert all(1.0 <= r["tau_mean"] <= 9 and r["num_blocks"] > 0 for r in rows)
+
+
+def test_taps_knob_names_its_own_capture_and_trains_those_layers(tmp_path):
+    """A tap-layer study (docs/taps.md): the set's own captures, OUT and drafter layers; the
+    default names are unchanged."""
+    got = driver_paths(None, taps="[0,4,7,10,14]", distribution="last_hidden", steps="160")
+    assert got["capture"].endswith("_n320_dist_taps0-4-7-10-14")
+    assert got["heldout"].endswith("_heldout_n32_dist_taps0-4-7-10-14")
+    assert got["out"] == "outputs/compare_speculators_dist_muon_taps0-4-7-10-14_s160"
+    args = driver_lines(None, "args", taps="[0,4,7,10,14]")
+    assert "drafter.target_layer_ids=[0,4,7,10,14]" in args
+    assert driver_paths(None, distribution="last_hidden", steps="160")["capture"] == \
+        "outputs/capture/smollm2_sharegpt_n320_dist"
+    done = run_driver(tmp_path / "cmp", "capture", taps="[7,3]")
+    assert done.returncode == 2 and "taps=[7, 3]: expected increasing distinct" in done.stdout
