@@ -60,8 +60,9 @@ Their defaults (speculators 0.9.0, ``speculators/train/config/schema.py``
   schema cannot express is refused naming the field (an ``xpress_mlp_hidden`` that is not a
   multiple of the rank; an ``xpress_topc`` other than the ``min(512, vocab)`` that our reader
   gives their checkpoints, which store no top-C). Like every variant: the layer count, block
-  size, target layers, mask id, gamma, anchor budget, float32 and eager losses (their fused
-  ones need Triton) are the plan's.
+  size (their XPress defaults: 5 layers, block 16; the SmolLM2 plan: 3 and 8), target layers,
+  mask id, gamma, anchor budget, float32 and eager losses (their fused ones need Triton) are
+  the plan's.
 - Either way the weighted per-slot loss is summed and divided by the count of valid slots (+1e-5),
   not by the weight sum as ours.
 
