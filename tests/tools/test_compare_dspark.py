@@ -49,7 +49,7 @@ def test_dspark_names_every_file_and_composes_our_dspark_drafter(tmp_path):
 def test_dspark_refuses_a_distribution_loss_arm_by_name(tmp_path, knobs):
     done = run_driver(tmp_path / "cmp", "capture", variant="dspark", **knobs)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "our DSpark drafter trains module.loss=ce only" in done.stdout
+    assert "the comparison's dspark arm trains module.loss=ce only" in done.stdout
     assert not (tmp_path / "cmp").exists()
 
 
