@@ -113,18 +113,13 @@ def schedule_lrs(cfg, num_steps: int) -> list[float]:
 
 
 def variant_fields(dc) -> dict[str, Any]:
-    """The plan drafter's variant and, for DFlash 2, its conv and selector shape; for DSpark,
-    its Markov and confidence heads and ``sample_from_anchor`` (speculators' drafter is built
-    with the same values)."""
-    from dflash_lab.model.config import DFLASH2_DEFAULTS, DSPARK_DEFAULTS
+    """The plan drafter's variant, its head's fields (DFlash 2's conv and selector, DSpark's
+    Markov and confidence heads, XPress's refiner, ...) and ``sample_from_anchor``:
+    speculators' drafter is built with the same values."""
+    from dflash_lab.model import heads
 
-    fields = {"variant": dc.variant}
-    if dc.variant == "dflash2":
-        fields.update({k: getattr(dc, k) for k in DFLASH2_DEFAULTS})
-    if dc.variant == "dspark":
-        fields.update({k: getattr(dc, k) for k in DSPARK_DEFAULTS},
-                      sample_from_anchor=bool(dc.sample_from_anchor))
-    return fields
+    return {"variant": dc.variant, **{k: getattr(dc, k) for k in heads.get(dc.variant).fields},
+            "sample_from_anchor": bool(dc.sample_from_anchor)}
 
 
 def build_plan(overrides: list[str]) -> dict[str, Any]:
@@ -404,12 +399,12 @@ def _cell(st: dict[str, float] | None, of: int, why: str) -> str:
 
 def t1_reason(variant: str, heldout_holds: bool) -> str:
     """Why the held-out expected tau at T = 1 is not there, in the words the table shows."""
-    if variant == "dflash2":
-        return ("n/a (DFlash 2 drafts from its selector: features mode measures tau_T1 for "
-                "DFlash 1 only; see decoding T=1)")
-    if variant == "dspark":
-        return ("n/a (DSpark drafts through its Markov walk: features mode measures tau_T1 for "
-                "DFlash 1 only; see decoding T=1)")
+    from dflash_lab.model import heads
+
+    head = heads.get(variant)
+    if head.walk:  # DFlash 2's selector, DSpark's Markov walk, XPress's Jacobi walk, ...
+        return (f"n/a ({head.title} drafts through its {head.walk}: features mode measures "
+                "tau_T1 for DFlash 1 only; see decoding T=1)")
     if not heldout_holds:
         return ("n/a (needs a held-out capture with capture.distribution=[last_hidden]: "
                 "distribution=last_hidden)")
@@ -522,6 +517,8 @@ def parse_others(items: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from dflash_lab.model import heads
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan")
@@ -544,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="one arm at one seed (repeat for every arm and seed)")
     ps.add_argument("--step", type=int, required=True, help="the final drafters' step")
     ps.add_argument("--heldout", required=True, help="the held-out capture of the curves")
-    ps.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2", "dspark"])
+    ps.add_argument("--variant", default="dflash1", choices=heads.names())
     for k in ("out", "plot"):
         ps.add_argument(f"--{k}", required=True)
     ps.add_argument("--json", default=None, help="also write the numbers here")

@@ -3,7 +3,8 @@
 (``.venv-speculators``): it must not import dflash_lab.
 
 Trains speculators 0.9.0's own DFlash drafter (``--variant dflash1``, the default), DFlash 2
-drafter (``--variant dflash2``) or DSpark drafter (``--variant dspark``) on the batches of
+drafter (``--variant dflash2``), DSpark drafter (``--variant dspark``) or XPress drafter
+(``--variant xpress``) on the batches of
 ``plan.json`` (``benchmarks/peer_quality.py plan``: the samples our trainer's loader serves at
 each optimizer step, and our schedule's lr at that step) and saves it with their
 ``save_pretrained`` every ``--save-every`` steps (``OUT/step-N/``; our importer reads those
@@ -43,6 +44,25 @@ Their defaults (speculators 0.9.0, ``speculators/train/config/schema.py``
   tokens are the data tokens. The heads are built at the plan's fields (ours: their
   ``DSparkSpeculatorConfig`` defaults, rank 256 vanilla); run.json records their defaults and
   any field where the plan differs (``dspark_not_default``).
+- XPress (``xpress``, ``XPressDraftModel``: the DFlash backbone plus their causal refiner):
+  their schema's unset ``--loss-fn`` for xpress, ``{"ce": 0.1, "tv": 0.9}`` (CE on the argmax of
+  the verifier's logits plus TV to their softmax), with ``fixed-exp-decay`` position weights, on
+  the teacher-forced refine pass + ``consistency_weight`` (0.3) x the mean over
+  ``consistency_passes`` (3) free-running Jacobi rounds (round j reads round j - 1's stop-grad
+  argmax) + ``base_anchor_weight`` (0.6) x the same loss on the backbone's own logits
+  (``XPressArgs()`` of their schema, read at run time: ``ce_from_data`` false,
+  ``base_anchor_full_weight`` false); their fill-in block (``sample_from_anchor`` false: slot 0
+  is the anchor). ``--weighting dpace`` switches their loss to ``ce`` (their config refuses
+  D-PACE without it). Forced by the plan (:func:`xpress_fields`; run.json records each one that
+  differs from their defaults, ``xpress_not_default``): ``xpress_rank``, ``xpress_mlp_ratio`` =
+  our ``xpress_mlp_hidden / xpress_rank``, ``num_jacobi_passes`` = our ``xpress_num_passes``
+  (stored in their config only; not used in training), ``sample_from_anchor``; a plan their
+  schema cannot express is refused naming the field (an ``xpress_mlp_hidden`` that is not a
+  multiple of the rank; an ``xpress_topc`` other than the ``min(512, vocab)`` that our reader
+  gives their checkpoints, which store no top-C). Like every variant: the layer count, block
+  size (their XPress defaults: 5 layers, block 16; the SmolLM2 plan: 3 and 8), target layers,
+  mask id, gamma, anchor budget, float32 and eager losses (their fused ones need Triton) are
+  the plan's.
 - Either way the weighted per-slot loss is summed and divided by the count of valid slots (+1e-5),
   not by the weight sum as ours.
 
@@ -149,15 +169,21 @@ class OneHotVerifierHead(torch.nn.Module):
         return one_hot * POINT_MASS_LOGIT
 
 
+#: Their schema's unset ``--loss-fn`` per speculator type (``_DEFAULT_LOSS_FN`` of speculators
+#: 0.9.0 ``train/config/schema.py``; :func:`their_xpress_defaults` checks it at run time).
+THEIR_DEFAULT_LOSS = {"dflash": "ce", "xpress": '{"ce": 0.1, "tv": 0.9}'}
+
+
 def their_loss(variant: str, weighting: str | None) -> tuple[str, str]:
     """(loss_fn, per_position_loss_weight) as their ``TrainConfig`` resolves them for
     ``--speculator-type VARIANT`` with ``--per-position-loss-weight WEIGHTING`` (None: unset)
     and ``--loss-fn`` unset: weighting dpace for dflash, fixed-exp-decay otherwise; loss ce for
-    dflash, kl_div otherwise, except that their config refuses dpace without ce (so dflash2 with
-    dpace trains ce, what ``--loss-fn ce`` would give)."""
+    dflash, ``{"ce": 0.1, "tv": 0.9}`` for xpress, kl_div otherwise, except that their config
+    refuses dpace without ce (so dflash2 with dpace trains ce, what ``--loss-fn ce`` would
+    give)."""
     kind = "dflash" if variant == "dflash1" else variant
     weighting = weighting or ("dpace" if kind == "dflash" else "fixed-exp-decay")
-    loss_fn = "ce" if kind == "dflash" or weighting == "dpace" else "kl_div"
+    loss_fn = "ce" if weighting == "dpace" else THEIR_DEFAULT_LOSS.get(kind, "kl_div")
     return loss_fn, weighting
 
 
@@ -245,10 +271,53 @@ def their_dspark_defaults() -> dict:
     return {**found, "sample_from_anchor": True if unset is None else unset}
 
 
+#: The top-C our reader gives a speculators XPress checkpoint (they store none:
+#: export/formats/speculators.py, ``min(XPRESS_READ_TOPC, vocab)``; vLLM's default).
+XPRESS_READ_TOPC = 512
+
+
+def xpress_fields(plan: dict) -> dict:
+    """Their ``XPressDraftModel.from_training_args`` refiner kwargs for the plan drafter's
+    XPress fields (module docstring); ValueError naming the field when the plan is not an XPress
+    drafter's or has a field their schema cannot express."""
+    d = _plan_drafter(plan, "xpress", "XPress")
+    rank, hidden, vocab = int(d["xpress_rank"]), int(d["xpress_mlp_hidden"]), d["vocab_size"]
+    if hidden % rank:
+        raise ValueError(f"the plan's drafter has xpress_mlp_hidden={hidden}, not a multiple of "
+                         f"xpress_rank={rank}: their refiner's MLP hidden is rank x "
+                         "xpress_mlp_ratio (an integer); write the plan with "
+                         f"drafter.xpress_mlp_hidden={2 * rank} (their ratio 2)")
+    if d["xpress_topc"] != min(XPRESS_READ_TOPC, vocab):
+        raise ValueError(f"the plan's drafter has xpress_topc={d['xpress_topc']}: their XPress "
+                         "checkpoints store no top-C and our reader gives them "
+                         f"{min(XPRESS_READ_TOPC, vocab)} (min(512, vocab)), so both sides "
+                         "would not draft alike; write the plan with drafter.xpress_topc="
+                         f"{min(XPRESS_READ_TOPC, vocab)}")
+    return {"xpress_rank": rank, "xpress_mlp_ratio": hidden // rank,
+            "num_jacobi_passes": int(d["xpress_num_passes"]),
+            "sample_from_anchor": bool(d.get("sample_from_anchor", False))}
+
+
+def their_xpress_defaults() -> dict:
+    """Their CLI's XPress defaults (``XPressArgs()`` of their schema: refiner shape, consistency
+    rounds, base anchor), their unset ``sample_from_anchor`` for xpress (false) and their unset
+    ``--loss-fn`` (checked equal to :data:`THEIR_DEFAULT_LOSS`)."""
+    from speculators.models.xpress import XPressSpeculatorConfig
+    from speculators.train.config.schema import _DEFAULT_LOSS_FN, XPressArgs
+
+    loss = _DEFAULT_LOSS_FN.get("xpress")
+    if loss != THEIR_DEFAULT_LOSS["xpress"]:  # 0.9.0's; another release needs a look
+        raise ValueError(f"speculators' default xpress loss is {loss!r}, this harness knows "
+                         f"{THEIR_DEFAULT_LOSS['xpress']!r} (speculators 0.9.0; "
+                         "make speculators-venv installs it)")
+    sample = XPressSpeculatorConfig.model_fields["sample_from_anchor"].default
+    return {**XPressArgs().model_dump(), "sample_from_anchor": sample, "loss_fn": loss}
+
+
 def their_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
-    """speculators' DFlash (``variant`` dflash1) or DFlash 2 drafter for the verifier at
-    ``target`` exactly as their CLI builds one (their ``set_seed(seed)`` first; all layers full
-    attention), shaped by the plan's drafter (DFlash 2: its conv and selector fields too), their
+    """speculators' DFlash (``variant`` dflash1), DFlash 2, DSpark or XPress drafter for the
+    verifier at ``target`` exactly as their CLI builds one (their ``set_seed(seed)`` first; all
+    layers full attention), shaped by the plan's drafter (the head's fields too), their
     ``verifier_norm`` and ``verifier_lm_head`` as their loader filled them."""
     from speculators.train.cli import create_transformer_layer_config, set_seed
 
@@ -260,6 +329,10 @@ def their_model(target: str, plan: dict, seed: int, variant: str = "dflash1"):
         from speculators.models.dspark import DSparkDraftModel as model_cls
 
         extra = dspark_fields(plan)
+    elif variant == "xpress":
+        from speculators.models.xpress import XPressDraftModel as model_cls
+
+        extra = xpress_fields(plan)
     else:
         from speculators.models.dflash import DFlashDraftModel as model_cls
 
@@ -327,16 +400,18 @@ def check_agreement(found: dict, capture: str | Path, target: str) -> None:
 
 
 def trainer_kwargs(model, plan: dict, loss_fn: str, weighting: str,
-                   confidence_head_alpha: float = 1.0) -> dict:
+                   head_defaults: dict | None = None) -> dict:
     """The forward kwargs their trainer passes every step (``get_trainer_kwargs`` of the model's
-    class, eager losses: their fused ones need Triton). ``confidence_head_alpha``: their
-    DSparkArgs default (DSpark only; the others ignore it, as DFlash 1 ignores the selector's)."""
-    return type(model).get_trainer_kwargs(
-        loss_fn=loss_fn, loss_implementation="eager", dflash_decay_gamma=plan["gamma"],
-        max_anchors=plan["num_anchors_per_sequence"] * plan["batch_size"],
-        per_position_loss_weight=weighting, dpace_alpha=0.5,
-        selector_loss_alpha=1.0,  # their DFlash2Args default (DFlash 1 ignores it)
-        confidence_head_alpha=confidence_head_alpha)[0]
+    class, eager losses: their fused ones need Triton). ``head_defaults``: their schema's
+    defaults of the head's group (DSpark's ``confidence_head_alpha``, XPress's consistency and
+    anchor knobs), passed as their CLI passes every argument; each class reads its own."""
+    head = {k: v for k, v in (head_defaults or {}).items() if k != "loss_fn"}
+    return type(model).get_trainer_kwargs(**{
+        **head, "loss_fn": loss_fn, "loss_implementation": "eager",
+        "dflash_decay_gamma": plan["gamma"],
+        "max_anchors": plan["num_anchors_per_sequence"] * plan["batch_size"],
+        "per_position_loss_weight": weighting, "dpace_alpha": 0.5,
+        "selector_loss_alpha": 1.0})[0]  # their DFlash2Args default (the others ignore it)
 
 
 #: Per-sample tensors read from a shard; ``target_last_hidden`` is added in real-logits mode.
@@ -448,10 +523,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", required=True, help="the verifier directory (HF)")
     p.add_argument("--out", required=True)
     p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--variant", default="dflash1", choices=["dflash1", "dflash2", "dspark"])
+    p.add_argument("--variant", default="dflash1",
+                   choices=["dflash1", "dflash2", "dspark", "xpress"])
     p.add_argument("--weighting", default=None, choices=["dpace", "fixed-exp-decay"],
                    help="position weights (default: theirs for the variant, dpace for dflash1, "
-                        "fixed-exp-decay for dflash2)")
+                        "fixed-exp-decay for the others)")
     p.add_argument("--seed", type=int, default=0,
                    help="their set_seed before the model is built: init and anchor sampling")
     p.add_argument("--optimizer", default="default", choices=list(OPTIMIZERS),
@@ -471,19 +547,21 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     opts, scheds, opt_info = build_optimizer(model, plan, a.optimizer)
-    dspark = their_dspark_defaults() if a.variant == "dspark" else {}
-    kwargs = trainer_kwargs(model, plan, loss_fn, weighting,
-                            dspark.get("confidence_head_alpha", 1.0))
+    defaults, fields = {"dspark": (their_dspark_defaults, dspark_fields),
+                        "xpress": (their_xpress_defaults, xpress_fields)}.get(
+        a.variant, (dict, None))
+    head = defaults()
+    kwargs = trainer_kwargs(model, plan, loss_fn, weighting, head)
     shards = Shards(plan["capture"], SAMPLE_KEYS + (("target_last_hidden",) if mode == "real"
                                                     else ()))
     info = {"variant": a.variant, "trainable_params": sum(q.numel() for q in params),
             "loss_fn": loss_fn, "weighting": weighting, "max_anchors": kwargs["max_anchors"],
             "steps": plan["num_steps"], "seed": a.seed, "verifier_logits": mode,
             "ours_trainable_params": plan["drafter"]["trainable_params"], "optimizer": opt_info}
-    if dspark:  # their heads at the plan's fields: say where those differ from their defaults
-        info["dspark_defaults"] = dspark
-        info["dspark_not_default"] = {k: v for k, v in dspark_fields(plan).items()
-                                      if dspark.get(k) != v}
+    if fields:  # their heads at the plan's fields: say where those differ from their defaults
+        info[f"{a.variant}_defaults"] = head
+        info[f"{a.variant}_not_default"] = {k: v for k, v in fields(plan).items()
+                                            if head.get(k) != v}
     if mode == "real":  # before any step: a mismatched head must not train anything
         first = [shards.sample(*r) for r in plan["steps"][0]["rows"]]
         cat = {k: torch.cat([s[k] for s in first]) for k in first[0]}

@@ -35,8 +35,9 @@ Stages (each skipped once done: ``OUT/done/STAGE``; delete it to redo one):
   args / args_loss / paths: print our arms' dflash-train overrides / the directories and marks
 
 Names (the archives in results_archive/ and docs/experiments/ depend on them): variant=dflash2 adds
-_dflash2 (variant=dspark: _dspark) to every file, directory and stage mark; seed N > 0 appends
-_seedN; our_weighting=dpace names our side's stages and files _ours-dpace; W = their_weighting.
+_dflash2 (variant=dspark: _dspark; xpress: _xpress; ...) to every file, directory and stage mark;
+seed N > 0 appends _seedN; our_weighting=dpace names our side's stages and files _ours-dpace;
+W = their_weighting.
 Logs in OUT/logs/, times in OUT/times.tsv. Needs ``make prepare-smollm2`` first (target and data).
 """
 
@@ -95,7 +96,7 @@ VARIANTS = {"dflash1": ("", (), "dpace", ""),
             "lilicorr": ("_lilicorr", ("drafter=lilicorr", *LILICORR_SET), None, "LiLiCorr, "),
             "lilicorr_conv": ("_lilicorr_conv", ("drafter=lilicorr_conv", *LILICORR_SET), None,
                               "LiLiCorr+conv, "),
-            "xpress": ("_xpress", ("drafter=xpress",), None, "XPress, ")}
+            "xpress": ("_xpress", ("drafter=xpress",), "fixed-exp-decay", "XPress, ")}
 #: the variants whose distribution-loss arm (module.loss) trains every module of the head
 LOSS_ARM_VARIANTS = ("dflash1", "dflash2")
 

@@ -485,7 +485,7 @@ def test_summary_marks_t1_not_measured_and_names_missing_inputs(tmp_path):
         numbers["missing"])
     assert "Missing inputs" in text
     text2, _ = summarize(runs[:2], 4, "dflash2", heldout_holds=True)
-    assert "n/a (DFlash 2 drafts from its selector" in text2
+    assert "n/a (DFlash 2 drafts through its selector" in text2
 
 
 @pytest.fixture(scope="module")
