@@ -171,22 +171,20 @@ def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], val
 
 
 def _walk_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
-    """The unary path's fields, and the oracle's (None without one: a walk scored by its own
-    draft has no candidate set to test the label against)."""
-    unary = acceptance_summary([paths["unary"].lengths()], b)
-    fields = {
+    """The unary path's fields and the oracle's (None: a walk scored by its own draft has no
+    candidate set to find the label in)."""
+    unary, oracle = acceptance_summary([paths["unary"].lengths()], b), paths.get("oracle")
+    found = sum(int(c[:, 1:].sum()) for c in oracle.correct) if oracle else 0
+    total = sum(int(v[:, 1:].sum()) for v in valid)
+    return {
         "unary_tau_mean": unary["tau_mean"],
         "unary_per_position_acceptance": unary["per_position_acceptance"],
         "unary_per_position_accuracy": _accuracy(paths["unary"].correct, valid, b),
-        "oracle_tau_mean": None, "recall_at_k": None, "recall_per_position": None,
+        "oracle_tau_mean": acceptance_summary([oracle.lengths()], b)["tau_mean"] if oracle
+        else None,
+        "recall_at_k": found / total if oracle and total else None,
+        "recall_per_position": _accuracy(oracle.correct, valid, b) if oracle else None,
     }
-    if "oracle" in paths:
-        found = sum(int(c[:, 1:].sum()) for c in paths["oracle"].correct)
-        total = sum(int(v[:, 1:].sum()) for v in valid)
-        fields.update(oracle_tau_mean=acceptance_summary([paths["oracle"].lengths()], b)[
-            "tau_mean"], recall_at_k=found / total if total else None,
-            recall_per_position=_accuracy(paths["oracle"].correct, valid, b))
-    return fields
 
 
 def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | None = None,
