@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dflash_lab.model import heads
 from dflash_lab.paths import atomic_path, atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,12 +114,11 @@ def schedule_lrs(cfg, num_steps: int) -> list[float]:
 
 
 def variant_fields(dc) -> dict[str, Any]:
-    """The plan drafter's variant, its head's fields (DFlash 2's conv and selector, DSpark's
-    Markov and confidence heads, XPress's refiner, ...) and ``sample_from_anchor``:
-    speculators' drafter is built with the same values."""
-    from dflash_lab.model import heads
-
-    return {"variant": dc.variant, **{k: getattr(dc, k) for k in heads.get(dc.variant).fields},
+    """The plan drafter's variant, its head's declared fields (``Head.fields``: DFlash 2's conv
+    and selector shape, DSpark's Markov and confidence heads, Domino's GRU, LiLiCorr's lattice
+    and conv, XPress's refiner) and ``sample_from_anchor`` (speculators' drafter is built with
+    the same values)."""
+    return {"variant": dc.variant, **{k: getattr(dc, k) for k in dc.head.fields},
             "sample_from_anchor": bool(dc.sample_from_anchor)}
 
 
@@ -399,12 +399,10 @@ def _cell(st: dict[str, float] | None, of: int, why: str) -> str:
 
 def t1_reason(variant: str, heldout_holds: bool) -> str:
     """Why the held-out expected tau at T = 1 is not there, in the words the table shows."""
-    from dflash_lab.model import heads
-
-    head = heads.get(variant)
-    if head.walk:  # DFlash 2's selector, DSpark's Markov walk, XPress's Jacobi walk, ...
-        return (f"n/a ({head.title} drafts through its {head.walk}: features mode measures "
-                "tau_T1 for DFlash 1 only; see decoding T=1)")
+    head = heads.get(variant.removesuffix("_conv"))  # lilicorr_conv: the lilicorr head
+    if head.walk:
+        return (f"n/a ({head.title} drafts from its {head.walk}: features mode measures tau_T1 "
+                "for DFlash 1 only; see decoding T=1)")
     if not heldout_holds:
         return ("n/a (needs a held-out capture with capture.distribution=[last_hidden]: "
                 "distribution=last_hidden)")
@@ -517,8 +515,6 @@ def parse_others(items: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from dflash_lab.model import heads
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan")
@@ -541,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="one arm at one seed (repeat for every arm and seed)")
     ps.add_argument("--step", type=int, required=True, help="the final drafters' step")
     ps.add_argument("--heldout", required=True, help="the held-out capture of the curves")
-    ps.add_argument("--variant", default="dflash1", choices=heads.names())
+    ps.add_argument("--variant", default="dflash1", choices=[*heads.names(), "lilicorr_conv"])
     for k in ("out", "plot"):
         ps.add_argument(f"--{k}", required=True)
     ps.add_argument("--json", default=None, help="also write the numbers here")

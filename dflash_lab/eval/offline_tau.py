@@ -5,10 +5,11 @@ valid anchor (``loss_mask[p] and loss_mask[p+1]``) by default (deterministic), e
 ``num_anchors`` sampled as validation does. ``tau_mean``: over every evaluated anchor (what
 validation logs); ``tau_chained`` (all anchors only): the rounds a greedy run makes on this text
 (anchor + tau from each loss-mask span's start; generation tau on target-regenerated data;
-``tau_mean`` is higher: the inspection paradox). A head with its own walk
-(``Head.walk_metrics``) is scored by that walk, with the unary, oracle tau and recall@K beside;
-DSpark's Markov bias is teacher-forced (``markov_prev_ids``, heads/dspark.py) (docs/eval.md,
-"Features mode and how it relates to generation", "Report").
+``tau_mean`` is higher: the inspection paradox). A head with a draft walk (``Head.walk``) is
+scored by that walk, the unary tau beside: DFlash 2 by its ``walk_metrics`` (with the oracle
+tau and recall@K), every other walk (DSpark, Domino, LiLiCorr, XPress) by its own greedy
+``Head.draft`` on each block, given what generate mode gives it (:func:`walk_drafts`)
+(docs/eval.md, "Features mode and how it relates to generation", "Report").
 
 Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
 K selector candidates, V vocab. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from dflash_lab.train.loss import (
     per_position_accuracy,
     token_targets,
 )
-from dflash_lab.train.objective import StepParts, dflash_loss
+from dflash_lab.train.objective import dflash_loss
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def sample_anchor_sets(loss_mask_s: Tensor, num_anchors: int | None, seed: int, 
 @torch.no_grad()
 def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor,
              temperatures: tuple[float, ...] = (), teacher: str = "none"):
-    """(hidden [1, N, B, H], anchor token ids [1, N], block targets, unary LossOutput; with
+    """(hidden [1, N, B, H], anchor token ids [1, N], block targets, the unary LossOutput (the
+    backbone's argmax: no head's teacher-forced change, unlike training's CE pass); with
     ``temperatures``, its ``expected_taus`` against the captured target distribution)."""
     device = drafter.fc.weight.device
     ids = sample["input_ids"][None].to(device)
@@ -73,11 +74,7 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
     cfg = drafter.config
     tgt = block_targets(targets, mask, anchors, valid, cfg.block_size, label_shift=cfg.label_shift)
     rows = {k: v[None].to(device) for k, v in sample.items() if k.startswith("target_")}
-    # the head's change to the CE pass (DSpark: the Markov bias on teacher-forced tokens)
-    step = StepParts({"input_ids": ids}, hidden, anchors, targets, tgt, pieces.lm_head,
-                     head_in=hidden)
-    cfg.head.head_inputs(SimpleNamespace(drafter=drafter), step)
-    out = dflash_loss(step.head_in.to(pieces.lm_head.weight.dtype), tgt, step.lm_head, _GAMMA,
+    out = dflash_loss(hidden.to(pieces.lm_head.weight.dtype), tgt, pieces.lm_head, _GAMMA,
                       block_valid_bn=valid, temperatures=temperatures,
                       teacher=slot_teacher(teacher, rows, anchors, tgt.valid,
                                            getattr(pieces, "logit_softcap", None),
@@ -89,6 +86,21 @@ def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
                  anchors_n: Tensor) -> LossOutput:
     """Unary correctness of every slot of the blocks anchored at ``anchors_n`` in one sample."""
     return _forward(drafter, pieces, sample, anchors_n)[3]
+
+
+@torch.no_grad()
+def walk_drafts(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor,
+                hidden_bnph: Tensor, anchor_ids_bn: Tensor) -> Tensor:
+    """[N, k]: the head's own greedy walk on each block (:meth:`DFlashDrafter.propose`:
+    ``Head.draft`` at T = 0), given what generate mode's proposer gives it: the block's hidden
+    rows, the unary logits, the anchor id, the target's embedding table and the fused context
+    row of the position before the anchor (``cache.rows[0, -1]`` there; LiLiCorr's anchor
+    row). 16 blocks at a time: their unary logits [16, k, V] float32 are held at once."""
+    before = (anchors_n.to(hidden_bnph.device) - 1).clamp(min=0)  # generation never anchors at 0
+    context_nh = drafter.fuse(sample["hidden"].to(hidden_bnph.device)[before][None])[0]
+    return torch.cat([drafter.propose(h, a, pieces.lm_head, pieces.embed_tokens, c) for h, a, c
+                      in zip(*(x.split(16) for x in (hidden_bnph[0], anchor_ids_bn[0],
+                                                      context_nh)))])
 
 
 def chained_rounds(loss_mask_s: Tensor, anchors_n: Tensor, taus_n: Tensor) -> list[int]:
@@ -134,34 +146,44 @@ def _accuracy(correct: list[Tensor], valid: list[Tensor], b: int,
 
 def _sample_paths(drafter, pieces, sample, anchors, paths: dict[str, _Pool], valid: list,
                   expected: dict[float, list[Tensor]], teacher: str, walker: Any):
-    """Score one anchor chunk on every path (``walker``: the head's walk metrics, or None);
-    returns the taus of the path serving gets."""
+    """Score one anchor chunk on every path (``walker``: the head's walk metrics, or None:
+    its own draft, :func:`walk_drafts`, when it has a walk); returns the taus of the path
+    serving gets."""
     hidden, anchor_ids, tgt, out = _forward(drafter, pieces, sample, anchors,
                                             tuple(expected), teacher)
     valid.append(out.valid[0].cpu())
     for t, taus in (out.expected_taus or {}).items():
         expected[t].append(taus.cpu())
     unary = paths["unary"].add(out.correct, out.block_valid)
-    if walker is None:
+    if "selector" not in paths:
         return unary
-    walked, found = walker.features(drafter, pieces.lm_head, hidden, anchor_ids, tgt.labels,
-                                  out.valid)
-    paths["oracle"].add(found, out.block_valid)
+    if walker is None:  # slot t correct when the walk drafts its label
+        first = drafter.config.first_draft_slot
+        walked = torch.zeros_like(out.valid)
+        walked[0, :, first:] = walk_drafts(drafter, pieces, sample, anchors, hidden,
+                                           anchor_ids) == tgt.labels[0, :, first:]
+        walked &= out.valid
+    else:
+        walked, found = walker.features(drafter, pieces.lm_head, hidden, anchor_ids,
+                                        tgt.labels, out.valid)
+        paths["oracle"].add(found, out.block_valid)
     return paths["selector"].add(walked, out.block_valid)
 
 
 def _walk_fields(paths: dict[str, _Pool], valid: list[Tensor], b: int) -> dict[str, Any]:
-    unary = acceptance_summary([paths["unary"].lengths()], b)
-    recall = _accuracy(paths["oracle"].correct, valid, b)
-    found = sum(int(c[:, 1:].sum()) for c in paths["oracle"].correct)
+    """The unary path's fields and the oracle's (None: a walk scored by its own draft has no
+    candidate set to find the label in)."""
+    unary, oracle = acceptance_summary([paths["unary"].lengths()], b), paths.get("oracle")
+    found = sum(int(c[:, 1:].sum()) for c in oracle.correct) if oracle else 0
     total = sum(int(v[:, 1:].sum()) for v in valid)
     return {
         "unary_tau_mean": unary["tau_mean"],
         "unary_per_position_acceptance": unary["per_position_acceptance"],
         "unary_per_position_accuracy": _accuracy(paths["unary"].correct, valid, b),
-        "oracle_tau_mean": acceptance_summary([paths["oracle"].lengths()], b)["tau_mean"],
-        "recall_at_k": found / total if total else None,
-        "recall_per_position": recall,
+        "oracle_tau_mean": acceptance_summary([oracle.lengths()], b)["tau_mean"] if oracle
+        else None,
+        "recall_at_k": found / total if oracle and total else None,
+        "recall_per_position": _accuracy(oracle.correct, valid, b) if oracle else None,
     }
 
 
@@ -192,10 +214,11 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
                            f"the capture {getattr(dataset, 'root', '(samples)')}")
     expected: dict[float, list[Tensor]] = {t: [] for t in temps}
     count = len(dataset) if num_samples is None else min(int(num_samples), len(dataset))
-    walker = head.walk_metrics()  # a walk of its own: the selector (walk), unary, oracle paths
+    walker = head.walk_metrics()  # DFlash 2: its selector, unary and oracle paths
     first = drafter.config.first_draft_slot
-    paths = {name: _Pool(first) for name in (("selector", "unary", "oracle") if walker
-                                              else ("unary",))}
+    names = ("selector", "unary", "oracle") if walker else ("selector", "unary") if walk \
+        else ("unary",)
+    paths = {name: _Pool(first) for name in names}
     valid: list[Tensor] = []
     chained: list[int] = []
     for k in tqdm(range(count), desc="features", unit="sample", disable=not progress):
@@ -210,7 +233,7 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
             chained += chained_rounds(sample["loss_mask"], torch.cat(anchor_chunks).cpu(),
                                       torch.cat(sample_taus))
     b = drafter.config.block_size
-    served = paths["selector" if walker else "unary"]
+    served = paths["selector" if walk else "unary"]
     lengths = served.lengths()
     # the longest round: drafts + the bonus (B, or B + 1 with sample_from_anchor)
     summary = acceptance_summary([lengths], drafter.config.num_draft_tokens + 1)
@@ -228,6 +251,6 @@ def feature_eval(drafter: DFlashDrafter, pieces, dataset, *, num_samples: int | 
     for t, parts in expected.items():
         taus = torch.cat(parts) if parts else torch.ones(0)
         report[f"tau_T{t:g}"] = taus.mean().item() if taus.numel() else None
-    if walker:
+    if walk:
         report.update(_walk_fields(paths, valid, b))
     return report

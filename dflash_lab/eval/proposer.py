@@ -141,23 +141,25 @@ class DFlashProposer:
     def draft(self, anchor_id: int, num_drafts: int, temperature: float, mode: str,
               generator: torch.Generator | None) -> Draft:
         """``num_drafts`` drafts from a block of ``num_drafts + 1`` slots (``num_drafts`` with
-        sample_from_anchor, at least 2; see the class doc). A DFlash 2 conv with more taps than
-        a short tail block can run (``min_slots``) gets the shortest block it runs on and keeps
-        its first drafts (z-lab's loop fails there)."""
+        sample_from_anchor, at least 2; see the class doc). A head whose walk needs more slots
+        than a short tail round drafts (``min_slots``: a DFlash 2 conv's taps, LiLiCorr's and
+        XPress's whole block) walks the shortest block it runs on, every slot of it (LiLiCorr's
+        lattice attends over all of them, as the engines' fixed-length draft), and keeps the
+        first drafts (z-lab's loop fails there)."""
         first = self.first_slot
         if not 1 <= num_drafts <= self.num_draft_tokens:
             raise ValueError(f"num_drafts={num_drafts}: must be in [1, {self.num_draft_tokens}]")
-        num_slots = max(num_drafts + first, self.min_slots)
-        hidden_bh = self._hidden(anchor_id, num_slots)
-        hidden_kh = hidden_bh[first:first + num_drafts]
-        unary_kv = self._unary(hidden_kh)
+        hidden_bh = self._hidden(anchor_id, max(num_drafts + first, self.min_slots))
+        unary_kv = self._unary(hidden_bh[first:])
         head = self.drafter.config.head
-        walked = head.draft(self.drafter, hidden_bh if head.block_rows else hidden_kh, unary_kv,
-                            anchor_id, temperature, mode, generator, self.embed_tokens,
-                            self.cache.rows[0, -1])
+        walked = head.draft(self.drafter, hidden_bh if head.block_rows else hidden_bh[first:],
+                            unary_kv, anchor_id, temperature, mode, generator,
+                            self.embed_tokens, self.cache.rows[0, -1])
         if walked is None:  # the unary head's draft
-            return Draft(*propose(unary_kv, temperature, mode, generator))
-        return Draft(*walked, unary_kv.argmax(-1))
+            return Draft(*propose(unary_kv[:num_drafts], temperature, mode, generator))
+        tokens, q = walked
+        return Draft(tokens[:num_drafts], None if q is None else q[:num_drafts],
+                     unary_kv[:num_drafts].argmax(-1))
 
 
 def _with_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:

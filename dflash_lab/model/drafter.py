@@ -278,7 +278,8 @@ class DFlashDrafter(nn.Module):
         reading the context row ``context_bh``), else the unary argmax."""
         head = self.config.head
         slots = hidden_bph[:, self.config.first_draft_slot:]
-        unary = self.unary_logits(slots, lm_head)
+        # float32 logits from hidden in the head's dtype: what DFlashProposer's walk reads
+        unary = self.unary_logits(slots.to(lm_head.weight.dtype), lm_head).float()
         rows = hidden_bph if head.block_rows else slots  # XPress: the block's B rows
         walked = [head.draft(self, rows[i], unary[i], int(anchor_ids_b[i]), 0.0,
                              "exact_match", None, embed_tokens,

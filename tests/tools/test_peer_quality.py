@@ -485,7 +485,43 @@ def test_summary_marks_t1_not_measured_and_names_missing_inputs(tmp_path):
         numbers["missing"])
     assert "Missing inputs" in text
     text2, _ = summarize(runs[:2], 4, "dflash2", heldout_holds=True)
-    assert "n/a (DFlash 2 drafts through its selector" in text2
+    assert "n/a (DFlash 2 drafts from its selector" in text2
+
+
+@pytest.mark.parametrize(("variant", "walk"), [
+    ("dspark", "DSpark drafts from its Markov walk"), ("domino", "Domino drafts from its GRU walk"),
+    ("lilicorr", "LiLiCorr drafts from its lattice walk"),
+    ("lilicorr_conv", "LiLiCorr drafts from its lattice walk"),
+    ("xpress", "XPress drafts from its Jacobi walk")])
+def test_a_walk_heads_summary_says_why_t1_is_not_held_out(tmp_path, variant, walk):
+    from benchmarks.peer_quality import main, t1_reason
+
+    assert t1_reason(variant, heldout_holds=True).startswith(f"n/a ({walk}: features mode")
+    # argparse takes the variant (a refused choice exits); the empty held-out capture fails next
+    with pytest.raises(ValueError, match="manifest"):
+        main(["summary", "--variant", variant, "--step", "1", "--heldout", str(tmp_path),
+              "--run", "a", "ours", "0", "c", "e0", "e1", "--out", "o", "--plot", "p"])
+
+
+@pytest.mark.parametrize(("fields", "declared"), [
+    ({"variant": "domino", "gru_hidden_dim": 8, "emb_dim": 4},
+     {"projector_type": "domino", "shift_label": False, "pure_draft_prefix_len": 1,
+      "gru_hidden_dim": 8, "emb_dim": 4}),
+    ({"variant": "lilicorr", "lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16,
+      "lilicorr_num_layers": 1, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2.0,
+      "lilicorr_factor_dim": 8, "lilicorr_vector_eps": 1e-4, "lilicorr_logit_scale": 8.0,
+      "conv_kernel_size": 2, "conv_group_size": 16}, None),
+    ({"variant": "xpress", "xpress_rank": 8, "xpress_mlp_hidden": 16, "xpress_topc": 0},
+     {"xpress_rank": 8, "xpress_mlp_hidden": 16, "xpress_topc": 0, "xpress_num_passes": 6,
+      "xpress_block_size": 4})])
+def test_the_plan_records_each_heads_declared_fields(fields, declared):
+    from benchmarks.peer_quality import variant_fields
+    from tests.doubles import tiny_drafter_config
+
+    recorded = variant_fields(tiny_drafter_config(**fields))
+    expected = {k: v for k, v in fields.items() if k != "variant"} if declared is None \
+        else declared
+    assert recorded == {"variant": fields["variant"], **expected, "sample_from_anchor": False}
 
 
 @pytest.fixture(scope="module")
