@@ -154,7 +154,7 @@ class DFlashProposer:
         head = self.drafter.config.head
         walked = head.draft(self.drafter, hidden_bh if head.block_rows else hidden_kh, unary_kv,
                             anchor_id, temperature, mode, generator, self.embed_tokens,
-                            self.cache.rows[0, -1])
+                            None if self.cache.rows is None else self.cache.rows[0, -1])
         if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv, temperature, mode, generator))
         return Draft(*walked, unary_kv.argmax(-1))

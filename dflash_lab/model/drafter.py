@@ -35,7 +35,8 @@ from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding, scale_
 @dataclass
 class ContextCache:
     """Per-layer context K/V [Bt, Hkv, C, D] of the committed positions 0..C-1, and their
-    fused rows [Bt, C, H] (a head's ``draft`` reads the last: ``context_h``)."""
+    fused rows [Bt, C, H] only for a head whose ``draft`` reads the last (``reads_context``:
+    ``context_h``); None otherwise."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
@@ -243,7 +244,8 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(start, start + ctx.shape[1], device=ctx.device)
         cs = self.rotary(positions, ctx.dtype)
         new = [layer.context_kv(ctx, cs) for layer in self.layers]
-        cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
+        if self.config.head.reads_context:
+            cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
         if not cache.keys:
             cache.keys = [k for k, _ in new]
             cache.values = [v for _, v in new]
