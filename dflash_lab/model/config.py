@@ -29,7 +29,6 @@ from dflash_lab.model.serving_form import (  # noqa: F401  (the serving form's n
     _suggest,
     parse_ours,
     reject_unknown_keys,
-    require_head_keys,
     require_keys,
     serving_dict,
     shape_fields,
@@ -57,10 +56,6 @@ def __getattr__(name: str) -> Any:
     if name in _HEAD_VIEWS:
         part = {p.name: p for p in (*heads.heads(), *heads.features())}[_HEAD_VIEWS[name]]
         return dict(part.fields)
-    if name == "ARCHITECTURES":
-        return {head.name: head.architecture for head in heads.heads()}
-    if name == "VARIANTS":
-        return tuple(heads.names())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

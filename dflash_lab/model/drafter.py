@@ -2,7 +2,7 @@
 
 Two call paths share every weight and the attention code: training (:meth:`forward`: ``S``
 context positions and ``N`` anchored blocks packed in one sequence, context K/V once per layer,
-all blocks in one call) and inference (:meth:`extend_context`, :meth:`crop_context`,
+all blocks in one call) and inference (:meth:`extend_context`, ``ContextCache.crop``,
 :meth:`draft`: per-layer context K/V cached, one block per sequence right after the context).
 The target's embedding and LM head are passed in, never in ``state_dict()``, whose keys are the
 serving layout (dflash.md section 4). Output: the final-normed hidden state of every slot; the
@@ -252,9 +252,6 @@ class DFlashDrafter(nn.Module):
             return
         cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
         cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
-
-    def crop_context(self, cache: ContextCache, length: int) -> None:
-        cache.crop(length)
 
     # ------------------------------------------------------------------ tokens from hidden states
     def unary_logits(self, hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:

@@ -147,8 +147,7 @@ class Buckets:
 def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
     """Dense teacher logits [V, m] fp32 of a chunk: the target head (and its softcap)."""
     logits_vm = (weight_vh @ teacher.hidden_mh.to(weight_vh.dtype).t()).float()
-    logits_vm = scale_logits(logits_vm, 1.0, teacher.softcap)
-    return logits_vm
+    return scale_logits(logits_vm, 1.0, teacher.softcap)
 
 
 def sparse_buckets(teacher: Teacher, logq_km: Tensor) -> Buckets:
