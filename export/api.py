@@ -383,9 +383,8 @@ class _Declared:
 
 
 def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
-    """A format read exactly (ours: the strict reader and the recorded training spec): that
-    reading. Third-party: the format's reading of the fields and the layout resolved exactly as
-    ``import_drafter`` resolves it."""
+    """A format read exactly (ours: the strict reader, the recorded training spec): that reading;
+    third-party: the format's reading of the fields, the layout resolved as ``import_drafter``'s."""
     source, fmt = path / CONFIG_FILE, format_of(d)
     exact = fmt.exact_reading(d)
     assumed = exact or DEFAULT_ASSUMED_RULES
@@ -469,8 +468,7 @@ def _judged_engines(path: Path, engine: str | list[str] | None) -> tuple[tuple[s
 
 def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
                       block: int) -> list[str]:
-    """The rule sets' disagreements, dropped features and (ours) layers run otherwise than
-    trained."""
+    """The rule sets' disagreements, dropped features and (ours) layers not run as trained."""
     out = _disagreement_lines(readings, block)
     for reading in readings.values() if trained is not None else ():
         out += [f.message for f in mismatches(trained, reading, block, "warn")]

@@ -34,9 +34,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def read_row_file(path: Path, name: str):
     """The rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file as a ``datasets.Dataset``
-    (``name``: the user's setting). One-line ValueError for an empty file, a line not
-    UTF-8/JSON/an object (its number), a file pyarrow cannot read. Existence and suffix
-    (LOCAL_BUILDERS): the caller's."""
+    (``name``: the user's setting; existence and suffix, LOCAL_BUILDERS, are the caller's).
+    One-line ValueError: an empty file, a line not UTF-8/JSON/an object (its number), a file
+    pyarrow cannot read."""
     import datasets
 
     builder = LOCAL_BUILDERS[path.suffix]

@@ -273,8 +273,7 @@ class SelectorSettings:
 
     @classmethod
     def create(cls, given: Mapping[str, Any] | None) -> SelectorSettings:
-        """Validated settings (a head without a selector refuses non-default ones:
-        :func:`refuse_selector_settings`)."""
+        """Validated settings (without a selector: :func:`refuse_selector_settings`)."""
         given = dict(given or {})
         known = {f.name for f in fields(cls)}
         for key in given:
@@ -518,9 +517,8 @@ class SelectorMetrics:
             self.expected.setdefault(f"val/tau_T{t:g}", []).append(taus.cpu())
 
     def compute(self) -> dict[str, float]:
-        """``val/...`` metrics: tau (selector path), unary_tau, oracle_tau, tau_T{t} (the
-        selector path's), recall_at_k, selector_acc, recall_pos{t}, selector_acc_pos{t},
-        selector_loss."""
+        """``val/...`` metrics: tau and tau_T{t} (selector path), unary_tau, oracle_tau,
+        recall_at_k, selector_acc, recall_pos{t}, selector_acc_pos{t}, selector_loss."""
         result = {f"val/{k}": (torch.cat(v).mean().item() if v and torch.cat(v).numel() else 1.0)
                   for k, v in self.taus.items()}
         result.update((k, torch.cat(v).mean().item() if torch.cat(v).numel() else 1.0)
@@ -639,8 +637,7 @@ class DFlash2(Head):
             temperatures=step.temperatures, eval_teacher=step.teacher)
 
     def terms(self, module: Any, out: Any, step: int) -> list[Term]:
-        """The selector CE at ``alpha(step)``, even at alpha 0 (every parameter stays in the
-        graph under DDP)."""
+        """The selector CE at ``alpha(step)``, also at 0 (every parameter stays in DDP's graph)."""
         alpha = module.selector_settings.alpha_at(step)
         sel = out.head_pieces["selector"]
         return [Term("selector", sel.weighted_sum, sel.weight_sum, alpha, "selector_loss",

@@ -286,9 +286,8 @@ class DSpark(DFlash1):
                                                      c.confidence_head_with_markov)
 
     def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """speculators' and vLLM's names: Markov w1 [V, r], w2 [N, r], gated gate_proj
-        [r, H + r] + bias, rnn joint_proj [3r, 2r + H] + bias; confidence proj [1, H (+ r)]
-        + bias."""
+        """speculators' and vLLM's names: Markov w1 [V, r], w2 [N, r], gated gate_proj [r, H + r]
+        + bias, rnn joint_proj [3r, 2r + H] + bias; confidence proj [1, H (+ r)] + bias."""
         h, r = config.hidden_size, config.markov_rank
         n = config.draft_vocab_size or config.vocab_size
         shapes: dict[str, tuple[int, ...]] = {}

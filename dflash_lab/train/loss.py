@@ -363,9 +363,8 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
 
 @dataclass
 class LossOutput:
-    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid); the unary
-    top-K ``top_values`` / ``top_ids`` [M, K] of the valid slots when asked (DFlash 2's
-    selector)."""
+    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid); when asked
+    (DFlash 2's selector), the valid slots' unary top-K ``top_values`` / ``top_ids`` [M, K]."""
 
     weighted_sum: Tensor  # sum_slots w_t * CE (local)
     weight_sum: Tensor  # sum_slots w_t (local)

@@ -379,9 +379,8 @@ _ABSENT = object()
 
 def lost_fields(fmt: Format, config: DrafterConfig) -> list[str]:
     """The dataclass fields of ``config`` (its own class's, so a subclass's extra field counts)
-    that do not survive ``fmt``'s write -> :func:`format_of` -> read. A written file detected as
-    another format loses everything that format reads otherwise; one nothing reads loses every
-    field."""
+    that do not survive ``fmt``'s write -> :func:`format_of` -> read; a file detected as another
+    format loses all that format reads otherwise, one nothing reads loses every field."""
     raw = fmt.write_config(config, "float32", None, vocab_known=True)
     artifacts = Artifacts(mask_embedding_file=config.learned_mask_embedding,
                           sink_weights=config.attention_sink_bias)
@@ -477,8 +476,7 @@ def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool =
 # ---------------------------------------------------------------------------- engines
 def read_all(raw: dict[str, Any], artifacts: Artifacts,
              engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
-    """Every selected rule set's reading of one config.json by rule-set name, through its
-    format's (:meth:`Format.read_all`)."""
+    """Every selected rule set's reading of one config.json by name (:meth:`Format.read_all`)."""
     return format_of(raw).read_all(raw, artifacts, engines)
 
 
@@ -489,9 +487,8 @@ def writer_for(name: str, config: DrafterConfig) -> Format:
 
 
 def check_writable(fmt: Format, config: DrafterConfig) -> None:
-    """ValueError naming every field of ``config`` that does not survive ``fmt``'s round trip
-    (:func:`lost_fields`), with what the engines or the format's owner would run otherwise, and
-    the fix."""
+    """ValueError naming every field of ``config`` lost in ``fmt``'s round trip
+    (:func:`lost_fields`), what the engines or the format's owner would run otherwise, the fix."""
     problems = fmt.engine_problems(config)
     lost = lost_fields(fmt, config)
     if lost:
