@@ -344,8 +344,7 @@ class OnlineDataModule(BlockDataModule):
         return _TokenizedConversations(items)
 
     def feature_source(self):
-        """The frozen target as the training step's feature source (``DFlashModule``'s first
-        step: online batches carry only ids and masks)."""
+        """The frozen target, the training step's feature source (batches carry ids and masks)."""
         return OnlineFeatures(self.target.model, self.target_layer_ids, self.target_hidden_size)
 
     def target_distribution(self) -> dict[str, Any]:

@@ -225,8 +225,7 @@ def _reason(err: BaseException) -> str:
 
 @contextmanager
 def _quiet_builder_logs() -> Iterator[None]:
-    """Silence the builders' own error log for one read: we raise the same fault with its
-    file and line, so the user sees it once."""
+    """Silence the builders' own error log for one read: we raise the fault (file, line) once."""
     loggers = [logging.getLogger(n) for n in _BUILDER_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

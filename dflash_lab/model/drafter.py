@@ -139,8 +139,7 @@ class DFlashDrafter(nn.Module):
         return torch.where(target_ids >= 0, table[safe], target_ids)
 
     def init_mask_embedding(self, embed_tokens: nn.Embedding) -> None:
-        """Start the learned mask embedding from the target's row of ``mask_token_id`` (a
-        warm-started drafter keeps its trained one)."""
+        """The learned mask embedding starts as the target's ``mask_token_id`` row (warm: kept)."""
         if self.mask_embedding is not None and not self.warm_started:
             with torch.no_grad():
                 self.mask_embedding.copy_(embed_tokens.weight[self.config.mask_token_id])

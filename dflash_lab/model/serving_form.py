@@ -52,8 +52,7 @@ def variant_keys() -> tuple[str, ...]:
 
 
 def serving_dict(config: Any) -> dict[str, Any]:
-    """The serving config.json of a DrafterConfig (dflash.md section 4), plus our exact training
-    spec: what :meth:`DrafterConfig.to_dict` returns."""
+    """:meth:`DrafterConfig.to_dict`: the serving config.json (dflash.md sec. 4) + training spec."""
     uniform = config.uniform_causal
     dflash: dict[str, Any] = {
         "mask_token_id": config.mask_token_id,

@@ -96,8 +96,7 @@ class LossSpec:
 
     @property
     def needs_distribution(self) -> bool:
-        """Some term compares with the target's distribution (ce alone does not; accept at
-        T = 0 does not either: its surrogate is q(y))."""
+        """Some term compares with the target's distribution (not ce, nor accept at T = 0: q(y))."""
         names = {n for n, _ in self.weights}
         return bool(names & set(DISTRIBUTION_LOSSES)) or (
             ACCEPT in names and self.accept_temperature > 0)
