@@ -245,7 +245,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
     named_config = dataclasses.replace(config, _source=src.description)
-    writer = formats.writer_for(format, named_config)
+    writer = formats.get(format).writer_for(named_config)
     raw = format_config(format, named_config, dtype, src.target_identity,
                         vocab_known=src.vocab_recorded or target_vocab_size(target) is not None)
     arch = architecture_of(target, src.target_identity)

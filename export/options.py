@@ -80,8 +80,7 @@ def check_section(section: Mapping[str, Any], where: str) -> None:
 
 
 def export_kwargs(section: Mapping[str, Any], where: str = "the export section") -> dict:
-    """The :func:`~dflash_lab.export.api.export_drafter` keyword arguments of an export
-    section: each option's value there, else its default."""
+    """``export_drafter``'s keyword arguments of an export section (its values, else defaults)."""
     check_section(section, where)
     return {o.kwarg: (str(section[o.key]) if o.choices is not None else bool(section[o.key]))
             if section.get(o.key) is not None else o.default for o in EXPORT_OPTIONS}

@@ -474,11 +474,6 @@ def read_all(raw: dict[str, Any], artifacts: Artifacts,
 
 
 # ---------------------------------------------------------------------------- write
-def writer_for(name: str, config: DrafterConfig) -> Format:
-    """The format that writes ``config`` for ``--format name`` (ValueError: none can)."""
-    return get(name).writer_for(config)
-
-
 def check_writable(fmt: Format, config: DrafterConfig) -> None:
     """ValueError naming every field of ``config`` lost in ``fmt``'s round trip
     (:func:`lost_fields`), what the engines or the format's owner would run otherwise, the fix."""
@@ -494,6 +489,6 @@ def check_writable(fmt: Format, config: DrafterConfig) -> None:
 def write_config(name: str, config: DrafterConfig, dtype: str,
                  target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
     """``--format name``'s config.json of ``config``; ValueError if it cannot (check_writable)."""
-    fmt = writer_for(name, config)
+    fmt = get(name).writer_for(config)
     check_writable(fmt, config)
     return fmt.write_config(config, dtype, target_identity, vocab_known)

@@ -159,8 +159,7 @@ def read_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]
 
 
 class DSpark(Format):
-    """vLLM 0.32's speculators-format DSpark layout: the one serving layout of a DSpark
-    drafter (what ``--format dflash-lab`` writes for one)."""
+    """vLLM 0.32's speculators DSpark layout: a DSpark drafter's one (``--format dflash-lab``'s)."""
 
     name = KIND
     kind = "DSpark directory"
