@@ -51,8 +51,7 @@ class Proposer(Protocol):
 
 
 def max_drafts(proposer: Proposer) -> int:
-    """Drafts one round may ask of ``proposer``: its ``num_draft_tokens`` (B with
-    sample_from_anchor, whose slot 0 drafts), else B-1."""
+    """Drafts per round of ``proposer``: ``num_draft_tokens`` (B: sample_from_anchor), else B-1."""
     return int(getattr(proposer, "num_draft_tokens", proposer.block_size - 1))
 
 
