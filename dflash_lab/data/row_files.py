@@ -214,8 +214,7 @@ def _is_one_object(path: Path, ds) -> bool:
 
 
 def _reason(err: BaseException) -> str:
-    """``Type: message`` of the error under ``datasets``' DatasetGenerationError wrapper (the
-    pyarrow error that says what is wrong), on one line."""
+    """``Type: message`` on one line of the (pyarrow) error under ``datasets``' wrapper."""
     from datasets.exceptions import DatasetGenerationError
 
     while isinstance(err, DatasetGenerationError) and err.__cause__ is not None:
