@@ -67,15 +67,13 @@ def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature
 
 
 class DFlashProposer:
-    """A :class:`DFlashDrafter` over the target's frozen embedding and LM head.
-
-    ``block_size`` may be below the trained one: blocks of that size (anchor + block_size-1 MASK
-    slots), as engines run ``num_speculative_tokens = block_size - 1``. A round asking for fewer
-    drafts (near the budget) runs a block of just that many slots, as z-lab's
-    ``dflash_generate``: with bidirectional attention and the DFlash 2 conv a shorter block is
-    not a prefix of a longer one. A head with its own walk drafts with it (``Head.draft``); a
-    ``sample_from_anchor`` drafter drafts from slot 0 too: B drafts (``num_draft_tokens``).
-    """
+    """A :class:`DFlashDrafter` over the target's frozen embedding and LM head. ``block_size``
+    may be below the trained one: blocks of that size (anchor + block_size-1 MASK slots), as
+    engines run ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near
+    the budget) runs a block of just that many slots, as z-lab's ``dflash_generate``: with
+    bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
+    one. A head with its own walk drafts with it (``Head.draft``); a ``sample_from_anchor``
+    drafter drafts from slot 0 too: B drafts (``num_draft_tokens``)."""
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module,
                  block_size: int | None = None):

@@ -136,10 +136,9 @@ class ConfidenceHead(nn.Module):
 
 
 class ConcatHead(nn.Module):
-    """``lm_head(h) + markov_w2(f)`` as one linear map of ``[h; f]`` [x, H + r] -> [x, V'].
-
-    The weight is built once per step (it carries markov_w2's gradient); it is in the LM head's
-    dtype, as the unary head computes."""
+    """``lm_head(h) + markov_w2(f)`` as one linear map of ``[h; f]`` [x, H + r] -> [x, V']; the
+    weight, built once per step (it carries markov_w2's gradient), is in the LM head's dtype, as
+    the unary head computes."""
 
     def __init__(self, lm_head: nn.Module, markov_w2: nn.Linear):
         super().__init__()
