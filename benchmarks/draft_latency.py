@@ -140,7 +140,7 @@ def _loop_parts(target, device: torch.device, drafter_path: str | None, variant:
     runner.forward, proposer.draft = timers["target_s"], timers["drafter_s"]
     proposer.extend = timers["context_append_s"]
     selector = getattr(drafter, "candidate_selector", None)  # DFlash 2's (heads/dflash2.py)
-    if selector is not None:  # instance attributes shadow the methods selector_draft calls
+    if selector is not None:  # instance attributes shadow the methods DFlash2.draft calls
         timers["selector_s"] = Timed(selector.walk, device)
         timers["candidates_s"] = Timed(selector.candidates, device)
         selector.walk, selector.candidates = timers["selector_s"], timers["candidates_s"]

@@ -45,8 +45,7 @@ def sidecar_text(digest: str, path: Path) -> str:
 
 
 def checksum_problem(path: Path) -> str | None:
-    """Why ``path`` does not match its sidecar, or None when it does or has no sidecar (files
-    written before checksums, or by other tools)."""
+    """Why ``path`` does not match its sidecar; None if it does or has none (old, others' files)."""
     side = sidecar(Path(path))
     if not side.is_file():
         return None

@@ -406,15 +406,13 @@ def stage_request(stage: str, argv: list[str]) -> Request:
 
 
 def _is_routed(arg: str) -> bool:
-    """``train:KEY=VALUE`` and the like: already addressed to a stage (the recipe's train config
-    is what every stage's settings derive from)."""
+    """``train:KEY=VALUE`` etc.: addressed to a stage (all stages derive from the train config)."""
     prefix, sep, _ = arg.partition(":")
     return bool(sep) and "=" not in prefix and is_stage_name(prefix)
 
 
 def stage_main(stage: str, argv: list[str]) -> int:
-    """Entry of a stage command given ``recipe=NAME`` (:func:`stage_request`); exit 2 on a
-    bad command line or recipe, as ``dflash-lab``."""
+    """A stage command's entry on ``recipe=NAME`` (:func:`stage_request`); exit 2 as dflash-lab."""
     try:
         return run(stage_request(stage, argv))
     except (ValueError, HydraException, OmegaConfBaseException) as err:

@@ -47,11 +47,10 @@ def candidate_sets(num_layers: int, n: int) -> list[list[int]]:
 
 def anchor_rows(dataset: ShardDataset, block: int, max_anchors: int, seed: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample anchors t (the row before an assistant token, with B - 1 rows after it).
-
-    Returns ``hidden`` [N, D] (every captured layer at t, float32), ``future`` [N, B-1, H] (the
-    target's final-normed state at t+1..t+B-1) and ``labels`` [N, B-1] (its argmax there: the
-    tokens a drafter must propose after the anchor token)."""
+    """Sample anchors t (the row before an assistant token, with B - 1 rows after it); returns
+    ``hidden`` [N, D] (every captured layer at t, float32), ``future`` [N, B-1, H] (the target's
+    final-normed state at t+1..t+B-1) and ``labels`` [N, B-1] (its argmax there: the tokens a
+    drafter must propose after the anchor token)."""
     rows = []
     for k in range(len(dataset)):
         loss = dataset.tokens(k)["loss_mask"]
@@ -77,10 +76,9 @@ def probe_tau(x: torch.Tensor, future: torch.Tensor, labels: torch.Tensor, lm_he
               ridge: float, folds: int = 5) -> tuple[float, list[float]]:
     """Ridge maps x [N, F] -> future [N, B-1, H], scored by ``folds``-fold cross-validation
     (every anchor is scored once, by maps fitted on the other folds): greedy tokens
-    ``argmax lm_head(x W_j)`` against ``labels`` [N, B-1].
-
-    Returns (1 + mean count of leading correct tokens, the per-offset accuracy): the acceptance
-    length a drafter would get that proposed exactly these tokens."""
+    ``argmax lm_head(x W_j)`` against ``labels`` [N, B-1]. Returns (1 + mean count of leading
+    correct tokens, the per-offset accuracy): the acceptance length of a drafter proposing exactly
+    these tokens."""
     hits = torch.empty(labels.shape)
     for held in torch.arange(len(x)).chunk(folds):
         fit = torch.ones(len(x), dtype=torch.bool)

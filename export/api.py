@@ -192,20 +192,15 @@ EXPORTED_IDENTITY = ("architecture", "config_hash", "tokenizer_hash", "weights_f
                      "chat_template_hash", "num_hidden_layers", "hidden_size", "vocab_size")
 
 
-def exported_identity(identity: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What ``config.json`` records of the training target (:data:`TARGET_IDENTITY_KEY`)."""
-    if not identity:
-        return None
-    return {k: identity[k] for k in EXPORTED_IDENTITY if identity.get(k) is not None} or None
-
-
 def format_config(fmt: str, config: DrafterConfig, dtype: str,
                   target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
     """The config.json of format ``fmt`` (ValueError: the format cannot carry the drafter,
     naming what and the fix), by the format's writer for the drafter (export/formats/
-    ``writer_for``: a DFlash 2 Muse Glimmer or a DSpark drafter has its own)."""
-    return formats.write_config(fmt, config, dtype, exported_identity(target_identity),
-                                vocab_known)
+    ``writer_for``: a DFlash 2 Muse Glimmer or a DSpark drafter has its own), recording
+    :data:`EXPORTED_IDENTITY` of the training target (``TARGET_IDENTITY_KEY``)."""
+    identity = {k: target_identity[k] for k in EXPORTED_IDENTITY
+                if target_identity.get(k) is not None} if target_identity else None
+    return formats.write_config(fmt, config, dtype, identity or None, vocab_known)
 
 
 def _write_dir(tmp: Path, raw: dict[str, Any], writer: formats.Format, state: dict,
@@ -250,7 +245,7 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
     state, mask = split_mask_embedding(src.state_dict, config, src.description)
     validate_state_dict(state, config, src.description)
     named_config = dataclasses.replace(config, _source=src.description)
-    writer = formats.writer_for(format, named_config)
+    writer = formats.get(format).writer_for(named_config)
     raw = format_config(format, named_config, dtype, src.target_identity,
                         vocab_known=src.vocab_recorded or target_vocab_size(target) is not None)
     arch = architecture_of(target, src.target_identity)
@@ -383,9 +378,8 @@ class _Declared:
 
 
 def _declared(d: dict[str, Any], path: Path, artifacts: Artifacts) -> _Declared:
-    """A format read exactly (ours: the strict reader and the recorded training spec): that
-    reading. Third-party: the format's reading of the fields and the layout resolved exactly as
-    ``import_drafter`` resolves it."""
+    """A format read exactly (ours: the strict reader, the recorded training spec): that reading;
+    third-party: the format's reading of the fields, the layout resolved as ``import_drafter``'s."""
     source, fmt = path / CONFIG_FILE, format_of(d)
     exact = fmt.exact_reading(d)
     assumed = exact or DEFAULT_ASSUMED_RULES
@@ -456,8 +450,7 @@ def _layout_lines(declared: _Declared, readings: dict[str, EngineReading], block
 
 
 def _judged_engines(path: Path, engine: str | list[str] | None) -> tuple[tuple[str, ...], str]:
-    """(engines ``--inspect`` judges, why): ``engine`` when given, else those the export was
-    made for (its report), else every engine."""
+    """(engines ``--inspect`` judges, why): ``engine``, else the export's (its report), else all."""
     if engine is not None:
         return parse_engines(engine), "chosen with --engine"
     recorded = recorded_engines(path)
@@ -469,8 +462,7 @@ def _judged_engines(path: Path, engine: str | list[str] | None) -> tuple[tuple[s
 
 def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
                       block: int) -> list[str]:
-    """The rule sets' disagreements, dropped features and (ours) layers run otherwise than
-    trained."""
+    """The rule sets' disagreements, dropped features and (ours) layers not run as trained."""
     out = _disagreement_lines(readings, block)
     for reading in readings.values() if trained is not None else ():
         out += [f.message for f in mismatches(trained, reading, block, "warn")]

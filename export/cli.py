@@ -125,9 +125,8 @@ def _export(args: argparse.Namespace, opts: dict[str, Any], argv: list[str]) -> 
 
 
 def recipe_stage_only(argv: list[str]) -> bool:
-    """``recipe=NAME`` without SOURCE and OUT_DIR (or --inspect): the recipe's export stage,
-    from its run root's train folder to its export folder (docs/pipeline.md). With paths,
-    ``recipe=`` only supplies the recipe's export section."""
+    """``recipe=NAME`` without SOURCE and OUT_DIR (or --inspect): the recipe's export stage, its
+    run root's train folder -> export folder (docs/pipeline.md); with paths, only its settings."""
     positional = [a for a in argv if not a.startswith("-") and "=" not in a]
     return (any(a.startswith("recipe=") for a in argv) and not positional
             and not any(a.startswith("--inspect") for a in argv))

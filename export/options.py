@@ -63,8 +63,7 @@ BY_KEY = {o.key: o for o in EXPORT_OPTIONS}
 
 
 def check_section(section: Mapping[str, Any], where: str) -> None:
-    """Refuse an unknown key or value in an ``export:`` section (a typo would otherwise fall
-    back to the default silently)."""
+    """Refuse an unknown key or value in an ``export:`` section (else a typo is the default)."""
     known = [*BY_KEY, *TRAIN_ONLY_KEYS]
     for key, value in section.items():
         if key not in known:
@@ -81,8 +80,7 @@ def check_section(section: Mapping[str, Any], where: str) -> None:
 
 
 def export_kwargs(section: Mapping[str, Any], where: str = "the export section") -> dict:
-    """The :func:`~dflash_lab.export.api.export_drafter` keyword arguments of an export
-    section: each option's value there, else its default."""
+    """``export_drafter``'s keyword arguments of an export section (its values, else defaults)."""
     check_section(section, where)
     return {o.kwarg: (str(section[o.key]) if o.choices is not None else bool(section[o.key]))
             if section.get(o.key) is not None else o.default for o in EXPORT_OPTIONS}
@@ -119,8 +117,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
 
 def resolve_options(args: argparse.Namespace, section: Mapping[str, Any] | None,
                     where: str = "") -> dict[str, Any]:
-    """{key: value}: given on the command line, else the recipe's ``section``, else the
-    default."""
+    """{key: value}: from the command line, else the recipe's ``section``, else the default."""
     base = {o.key: o.default for o in EXPORT_OPTIONS}
     if section:
         check_section(section, where)

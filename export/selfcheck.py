@@ -175,8 +175,8 @@ def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
 
 
 def _exported(out_dir: Path, config: DrafterConfig, raw: dict[str, Any]) -> dict[str, Tensor]:
-    """Every exported tensor under our names (safetensors + the mask file ``config`` reads;
-    ``raw``: the directory's config.json)."""
+    """Every exported tensor under our names (safetensors + the mask file ``config`` reads), the
+    format known from ``raw``, the directory's config.json."""
     state = format_of(raw).our_names(load_weights(out_dir), raw)
     if config.learned_mask_embedding:
         state[MASK_KEY] = load_mask_file(out_dir, config.mask_token_id)

@@ -69,8 +69,7 @@ def own_head(config: DrafterConfig) -> bool:
 
 def check_draft_vocab(state: dict[str, torch.Tensor], config: DrafterConfig, source: str) -> None:
     """``d2t`` [N] (offsets: target id = i + d2t[i]) and ``t2d`` [V] (bool) name the same N
-    distinct target ids, ascending, inside the vocabulary: what vLLM's ``compute_logits``
-    scatters the draft logits by."""
+    distinct in-vocabulary target ids, ascending: vLLM's ``compute_logits`` scatters by them."""
     if not own_head(config):
         return
     d2t, t2d = state["d2t"], state["t2d"]

@@ -266,21 +266,6 @@ def _check_pack(pack: bool, max_tokens_per_row: int | None) -> tuple[bool, int |
     return True, int(max_tokens_per_row)
 
 
-class _TokenizedConversations(Dataset):
-    def __init__(self, items: list[dict[str, Tensor]]):
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict[str, Tensor]:
-        return self.items[i]
-
-    def lengths(self) -> list[int]:
-        """Tokens of every item (what packing plans rows by)."""
-        return [int(it["input_ids"].shape[0]) for it in self.items]
-
-
 class OnlineDataModule(BlockDataModule):
     """Conversations -> chat template + loss mask -> features of the in-process frozen ``target``
     (:class:`dflash_lab.targets.target.Target`), computed in the training step
@@ -322,7 +307,7 @@ class OnlineDataModule(BlockDataModule):
         self.max_length = max_length
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
 
-    def load_samples(self) -> Dataset:
+    def load_samples(self) -> list[dict[str, Tensor]]:
         opened = open_conversations(**self.opening)  # path=demo: written to demo_file first
         rows, self.conversations = opened.dataset, opened.source["path"]
         turn_end = find_turn_end(self.target.tokenizer, target_stop_ids(self.target),
@@ -341,11 +326,10 @@ class OnlineDataModule(BlockDataModule):
             raise ValueError(f"{self.conversations}: fewer than 2 usable conversations "
                              "(each needs >= 2 assistant tokens within max_length; "
                              f"{len(done.bad_rows)} bad rows were skipped)")
-        return _TokenizedConversations(items)
+        return items  # in memory: a list serves as the dataset (packing reads its lengths)
 
     def feature_source(self):
-        """The frozen target as the training step's feature source (``DFlashModule``'s first
-        step: online batches carry only ids and masks)."""
+        """The frozen target, the training step's feature source (batches carry ids and masks)."""
         return OnlineFeatures(self.target.model, self.target_layer_ids, self.target_hidden_size)
 
     def target_distribution(self) -> dict[str, Any]:

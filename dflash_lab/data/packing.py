@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, Subset
 
 def sample_lengths(dataset: Dataset) -> list[int]:
     """Token count of every sample, without reading features where the dataset can tell:
-    a ``lengths()`` method (captured shards, tokenised conversations), through ``Subset``."""
+    a ``lengths()`` method (captured shards), through ``Subset``."""
     if isinstance(dataset, Subset):
         inner = sample_lengths(dataset.dataset)
         return [inner[i] for i in dataset.indices]

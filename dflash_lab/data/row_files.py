@@ -34,9 +34,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def read_row_file(path: Path, name: str):
     """The rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file as a ``datasets.Dataset``
-    (``name``: the user's setting). One-line ValueError for an empty file, a line not
-    UTF-8/JSON/an object (its number), a file pyarrow cannot read. Existence and suffix
-    (LOCAL_BUILDERS): the caller's."""
+    (``name``: the user's setting; existence and suffix, LOCAL_BUILDERS, are the caller's).
+    One-line ValueError: an empty file, a line not UTF-8/JSON/an object (its number), a file
+    pyarrow cannot read."""
     import datasets
 
     builder = LOCAL_BUILDERS[path.suffix]
@@ -214,8 +214,7 @@ def _is_one_object(path: Path, ds) -> bool:
 
 
 def _reason(err: BaseException) -> str:
-    """``Type: message`` of the error under ``datasets``' DatasetGenerationError wrapper (the
-    pyarrow error that says what is wrong), on one line."""
+    """``Type: message`` on one line of the (pyarrow) error under ``datasets``' wrapper."""
     from datasets.exceptions import DatasetGenerationError
 
     while isinstance(err, DatasetGenerationError) and err.__cause__ is not None:
@@ -225,8 +224,7 @@ def _reason(err: BaseException) -> str:
 
 @contextmanager
 def _quiet_builder_logs() -> Iterator[None]:
-    """Silence the builders' own error log for one read: we raise the same fault with its
-    file and line, so the user sees it once."""
+    """Silence the builders' own error log for one read: we raise the fault (file, line) once."""
     loggers = [logging.getLogger(n) for n in _BUILDER_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

@@ -38,8 +38,7 @@ HIDDEN_DTYPES = DTYPES  #: what a shard may store its hidden states as (every na
 
 @dataclass
 class CapturedSample:
-    """One captured sequence: ``input_ids``/``loss_mask``/``target_argmax`` [S], ``hidden``
-    [S, D]."""
+    """One captured sequence: ``input_ids``, ``loss_mask``, ``target_argmax`` [S], hidden [S, D]."""
 
     sample_id: int
     input_ids: torch.Tensor

@@ -93,8 +93,7 @@ def log_report(logger, cfg: DictConfig, report: dict[str, Any], out_dir: Path) -
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Run one evaluation from a composed config; writes everything into ``cfg.output_dir``
-    (one evaluation at a time: :func:`writer_lock`)."""
+    """One evaluation of a composed config into ``cfg.output_dir`` (one at a time: writer_lock)."""
     check_group_keys(cfg)
     with writer_lock(cfg.output_dir, what="output_dir"):
         return _evaluate(cfg)

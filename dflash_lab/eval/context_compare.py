@@ -22,8 +22,7 @@ PromptBuckets = list[list[list[int]]]
 
 
 def prompt_buckets(report: dict[str, Any], edges: list[int], where: str) -> PromptBuckets:
-    """Each response's rounds and committed tokens per context bucket (its prompt length from
-    the record, then + each round's tokens)."""
+    """Each response's rounds and committed tokens per context bucket (prompt + tokens so far)."""
     out = []
     for r in report.get("records") or []:
         if r.get("prompt_tokens") is None or r.get("acceptance_lengths") is None:

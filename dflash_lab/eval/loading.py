@@ -63,9 +63,8 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
 
 def check_pair(drafter: DFlashDrafter, target, depth_recorded: bool = True) -> None:
     """ValueError when the drafter was not built for this target: hidden size, vocab, layer ids
-    inside the target's depth, and the recorded target depth (``depth_recorded``: formats that
-    record none, such as speculators', are not compared): ids picked on a target of another
-    depth read other layers than the drafter was trained on."""
+    inside the target's depth, the recorded target depth (not compared where the format records
+    none, ``depth_recorded``: speculators'): ids picked on another depth read other layers."""
     cfg = drafter.config
     problems = [f"{key}={want} but the target has {have}" for key, want, have in (
         ("hidden_size", cfg.hidden_size, target.hidden_size),

@@ -51,8 +51,7 @@ class Proposer(Protocol):
 
 
 def max_drafts(proposer: Proposer) -> int:
-    """Drafts one round may ask of ``proposer``: its ``num_draft_tokens`` (B with
-    sample_from_anchor, whose slot 0 drafts), else B-1."""
+    """Drafts per round of ``proposer``: ``num_draft_tokens`` (B: sample_from_anchor), else B-1."""
     return int(getattr(proposer, "num_draft_tokens", proposer.block_size - 1))
 
 
@@ -68,15 +67,13 @@ def draft_block(proposer: Proposer, anchor_id: int, num_drafts: int, temperature
 
 
 class DFlashProposer:
-    """A :class:`DFlashDrafter` over the target's frozen embedding and LM head.
-
-    ``block_size`` may be below the trained one: blocks of that size (anchor + block_size-1 MASK
-    slots), as engines run ``num_speculative_tokens = block_size - 1``. A round asking for fewer
-    drafts (near the budget) runs a block of just that many slots, as z-lab's
-    ``dflash_generate``: with bidirectional attention and the DFlash 2 conv a shorter block is
-    not a prefix of a longer one. A head with its own walk drafts with it (``Head.draft``); a
-    ``sample_from_anchor`` drafter drafts from slot 0 too: B drafts (``num_draft_tokens``).
-    """
+    """A :class:`DFlashDrafter` over the target's frozen embedding and LM head. ``block_size``
+    may be below the trained one: blocks of that size (anchor + block_size-1 MASK slots), as
+    engines run ``num_speculative_tokens = block_size - 1``. A round asking for fewer drafts (near
+    the budget) runs a block of just that many slots, as z-lab's ``dflash_generate``: with
+    bidirectional attention and the DFlash 2 conv a shorter block is not a prefix of a longer
+    one. A head with its own walk drafts with it (``Head.draft``); a ``sample_from_anchor``
+    drafter drafts from slot 0 too: B drafts (``num_draft_tokens``)."""
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module,
                  block_size: int | None = None):
@@ -153,8 +150,8 @@ class DFlashProposer:
         unary_kv = self._unary(hidden_bh[first:])
         head = self.drafter.config.head
         walked = head.draft(self.drafter, hidden_bh if head.block_rows else hidden_bh[first:],
-                            unary_kv, anchor_id, temperature, mode, generator,
-                            self.embed_tokens, self.cache.rows[0, -1])
+                            unary_kv, anchor_id, temperature, mode, generator, self.embed_tokens,
+                            None if self.cache.rows is None else self.cache.rows[0, -1])
         if walked is None:  # the unary head's draft
             return Draft(*propose(unary_kv[:num_drafts], temperature, mode, generator))
         tokens, q = walked

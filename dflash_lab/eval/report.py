@@ -52,8 +52,7 @@ def acceptance_summary(per_prompt: list[list[int]], block_size: int) -> dict[str
 
 
 def _own_walk(settings: dict[str, Any]) -> bool:
-    """Whether the report's head drafts with a walk whose tau replaces the unary one
-    (model/heads.py ``walk_metrics``: DFlash 2's selector)."""
+    """Whether the report's head has a walk whose tau replaces the unary one (DFlash 2's)."""
     try:
         return heads.get(settings.get("variant")).walk_metrics() is not None
     except KeyError:  # a report of a head this process does not know

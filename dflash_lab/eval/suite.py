@@ -225,8 +225,7 @@ def load_items(d, num_prompts: int | None) -> list[Item]:
 
 
 def template_kwargs(tokenizer, d) -> dict[str, Any]:
-    """Chat-template keyword arguments: ``chat_template_kwargs`` plus the reasoning switch,
-    refused when the template does not read the switch."""
+    """``chat_template_kwargs`` plus the reasoning switch (refused if the template ignores it)."""
     kwargs = dict(d.get("chat_template_kwargs") or {})
     template = str(getattr(tokenizer, "chat_template", "") or "")
     name = getattr(tokenizer, "name_or_path", "") or "the target"

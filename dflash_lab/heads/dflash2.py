@@ -4,7 +4,7 @@ slot, trained with the selector CE beside the unary loss and walked left to righ
 Served as z-lab's ``DFlash2DraftModel``. Everything DFlash 2 adds is here: the modules
 (:class:`GroupedDynamicCausalConv`, :class:`CandidateSelector`, each initialised so that a fresh
 drafter computes what DFlash 1 computes), the training term (:func:`selector_loss`) and its
-metrics (:class:`SelectorMetrics`), drafting (:func:`selector_draft` for eval's loop,
+metrics (:class:`SelectorMetrics`), drafting (:meth:`DFlash2.draft` for eval's loop,
 :func:`selector_flags` for features mode). What each computes (docs/losses.md, "DFlash 2").
 
 Shape legend: Bt batch, N blocks, B block size, Q = N*B block slots of a row, T = B-1 drafted
@@ -273,8 +273,7 @@ class SelectorSettings:
 
     @classmethod
     def create(cls, given: Mapping[str, Any] | None) -> SelectorSettings:
-        """Validated settings (a head without a selector refuses non-default ones:
-        :func:`refuse_selector_settings`)."""
+        """Validated settings (without a selector: :func:`refuse_selector_settings`)."""
         given = dict(given or {})
         known = {f.name for f in fields(cls)}
         for key in given:
@@ -518,9 +517,8 @@ class SelectorMetrics:
             self.expected.setdefault(f"val/tau_T{t:g}", []).append(taus.cpu())
 
     def compute(self) -> dict[str, float]:
-        """``val/...`` metrics: tau (selector path), unary_tau, oracle_tau, tau_T{t} (the
-        selector path's), recall_at_k, selector_acc, recall_pos{t}, selector_acc_pos{t},
-        selector_loss."""
+        """``val/...`` metrics: tau and tau_T{t} (selector path), unary_tau, oracle_tau,
+        recall_at_k, selector_acc, recall_pos{t}, selector_acc_pos{t}, selector_loss."""
         result = {f"val/{k}": (torch.cat(v).mean().item() if v and torch.cat(v).numel() else 1.0)
                   for k, v in self.taus.items()}
         result.update((k, torch.cat(v).mean().item() if torch.cat(v).numel() else 1.0)
@@ -537,31 +535,6 @@ class SelectorMetrics:
                 result[f"val/recall_pos{t + 1}"] = (found[t] / valid[t]).item()
                 result[f"val/selector_acc_pos{t + 1}"] = (right[t] / valid[t]).item()
         return result
-
-
-def selector_draft(selector: CandidateSelector, hidden_kh: Tensor, unary_kv: Tensor,
-                   anchor_id: int, temperature: float, mode: str,
-                   generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """DFlash 2 draft tokens [k] (and q [k, V] for rejection sampling, else None) from the
-    final-normed hidden states of slots 1..k and their unary logits (multiplier and softcap
-    applied; their top-K are the candidates), walked from the anchor. q is dense over the
-    vocabulary (zero outside the K candidates) so :func:`~dflash_lab.eval.sampling.
-    rejection_sample` reads p(x)/q(x) and the residual as for DFlash 1."""
-    cand_unary, cand_ids = selector.candidates(unary_kv[None])
-    anchor = torch.tensor([anchor_id], dtype=torch.long, device=cand_ids.device)
-    if not (temperature > 0 and mode == "rejection"):
-        return selector.walk(hidden_kh[None], cand_ids, cand_unary, anchor)[0][0], None
-    rows: list[Tensor] = []
-
-    def pick(scores_bc: Tensor) -> Tensor:
-        q_bc = torch.softmax(scores_bc.float() / temperature, dim=-1)
-        rows.append(q_bc)
-        return torch.multinomial(q_bc, 1, generator=generator)[:, 0]
-
-    tokens = selector.walk(hidden_kh[None], cand_ids, cand_unary, anchor, pick=pick)[0][0]
-    q_kc = torch.cat(rows)
-    q_kv = q_kc.new_zeros(unary_kv.shape).scatter_(-1, cand_ids[0], q_kc)
-    return tokens, q_kv
 
 
 #: Defaults when ``variant=dflash2`` leaves them unset: the released Qwen3.8-27B-DFlash2 setting.
@@ -664,8 +637,7 @@ class DFlash2(Head):
             temperatures=step.temperatures, eval_teacher=step.teacher)
 
     def terms(self, module: Any, out: Any, step: int) -> list[Term]:
-        """The selector CE at ``alpha(step)``, even at alpha 0 (every parameter stays in the
-        graph under DDP)."""
+        """The selector CE at ``alpha(step)``, also at 0 (every parameter stays in DDP's graph)."""
         alpha = module.selector_settings.alpha_at(step)
         sel = out.head_pieces["selector"]
         return [Term("selector", sel.weighted_sum, sel.weight_sum, alpha, "selector_loss",
@@ -684,8 +656,27 @@ class DFlash2(Head):
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
               embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any]:
-        return selector_draft(drafter.candidate_selector, hidden_kh, unary_kv, anchor_id,
-                              temperature, mode, generator)
+        """DFlash 2 draft tokens [k] (and q [k, V] for rejection sampling, else None) from the
+        final-normed hidden states of slots 1..k and their unary logits (multiplier and softcap
+        applied; their top-K are the candidates), walked from the anchor. q is dense over the
+        vocabulary (zero outside the K candidates) so :func:`~dflash_lab.eval.sampling.
+        rejection_sample` reads p(x)/q(x) and the residual as for DFlash 1."""
+        selector = drafter.candidate_selector
+        cand_unary, cand_ids = selector.candidates(unary_kv[None])
+        anchor = torch.tensor([anchor_id], dtype=torch.long, device=cand_ids.device)
+        if not (temperature > 0 and mode == "rejection"):
+            return selector.walk(hidden_kh[None], cand_ids, cand_unary, anchor)[0][0], None
+        rows: list[Tensor] = []
+
+        def pick(scores_bc: Tensor) -> Tensor:
+            q_bc = torch.softmax(scores_bc.float() / temperature, dim=-1)
+            rows.append(q_bc)
+            return torch.multinomial(q_bc, 1, generator=generator)[:, 0]
+
+        tokens = selector.walk(hidden_kh[None], cand_ids, cand_unary, anchor, pick=pick)[0][0]
+        q_kc = torch.cat(rows)
+        q_kv = q_kc.new_zeros(unary_kv.shape).scatter_(-1, cand_ids[0], q_kc)
+        return tokens, q_kv
 
 
 HEAD = register(DFlash2())

@@ -74,12 +74,6 @@ def correction_inputs(drafter, embed: nn.Module, hidden_bnph: Tensor, prev_bnp: 
     return F.pad(c, (0, 0, 2, 0))
 
 
-def _gru_step(gru: nn.GRU, x_1h: Tensor, g_1g: Tensor) -> Tensor:
-    """One GRU step without biases, the op SGLang's ``_domino_gru_cell`` calls."""
-    return torch.ops.aten.gru_cell.default(x_1h, g_1g, gru.weight_ih_l0, gru.weight_hh_l0,
-                                           None, None)
-
-
 @torch.no_grad()
 def domino_walk(gru: nn.GRU, proj: nn.Sequential, embed: nn.Module, hidden_kh: Tensor,
                 base_kv: Tensor, anchor_id: int, pool: int = 0) -> Tensor:
@@ -103,8 +97,9 @@ def domino_walk(gru: nn.GRU, proj: nn.Sequential, embed: nn.Module, hidden_kh: T
         else:
             tok = cand[(cand_base[i - 1] + cand_w @ c[0]).argmax(-1)]
         tokens.append(tok)
-        if i + 1 < k:
-            g = _gru_step(gru, embed(tok)[None].to(g.dtype), g)
+        if i + 1 < k:  # one bias-free GRU step: the op SGLang's ``_domino_gru_cell`` calls
+            g = torch.ops.aten.gru_cell.default(embed(tok)[None].to(g.dtype), g,
+                                                gru.weight_ih_l0, gru.weight_hh_l0, None, None)
     return torch.stack(tokens)
 
 

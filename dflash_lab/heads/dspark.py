@@ -19,7 +19,7 @@ from dflash_lab.eval.sampling import probs_at
 from dflash_lab.heads.dflash1 import DFlash1
 from dflash_lab.model.config import SCALE_DEFAULTS
 from dflash_lab.model.heads import register
-from dflash_lab.train.loss import LossOutput, position_weights, slot_positions
+from dflash_lab.train.loss import position_weights, slot_positions
 from dflash_lab.train.objective import Term
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -136,10 +136,9 @@ class ConfidenceHead(nn.Module):
 
 
 class ConcatHead(nn.Module):
-    """``lm_head(h) + markov_w2(f)`` as one linear map of ``[h; f]`` [x, H + r] -> [x, V'].
-
-    The weight is built once per step (it carries markov_w2's gradient); it is in the LM head's
-    dtype, as the unary head computes."""
+    """``lm_head(h) + markov_w2(f)`` as one linear map of ``[h; f]`` [x, H + r] -> [x, V']; the
+    weight, built once per step (it carries markov_w2's gradient), is in the LM head's dtype, as
+    the unary head computes."""
 
     def __init__(self, lm_head: nn.Module, markov_w2: nn.Linear):
         super().__init__()
@@ -166,18 +165,6 @@ def markov_prev_ids(input_ids_bs: Tensor, targets_bs: Tensor, anchors_bn: Tensor
     return torch.where(before <= anchors_bn[..., None], anchor_tok, inner)
 
 
-def markov_inputs(drafter, hidden_bnph: Tensor, prev_bnp: Tensor,
-                  lm_head: nn.Module) -> tuple[Tensor, nn.Module, Tensor | None]:
-    """(what the CE reads [Bt, N, B, H(+r)], the head it reads it with, e [Bt, N, B, r] or
-    None): ``[h; f]`` and :class:`ConcatHead` with a Markov head, else ``h`` and the head."""
-    markov = drafter.markov_head
-    if markov is None:
-        return hidden_bnph, lm_head, None
-    feats, emb = markov.features(prev_bnp, hidden_bnph)
-    return (torch.cat([hidden_bnph, feats.to(hidden_bnph.dtype)], -1),
-            ConcatHead(lm_head, markov.markov_w2), emb)
-
-
 @dataclass
 class ConfidenceOutput:
     """The confidence BCE's local pieces: sum of w_t x BCE, the number of supervised slots,
@@ -188,22 +175,6 @@ class ConfidenceOutput:
     abs_error_sum: Tensor
 
 
-def confidence_loss(drafter, hidden_bnph: Tensor, emb_bnpr: Tensor | None, out: LossOutput,
-                    gamma: float) -> ConfidenceOutput | None:
-    """speculators' confidence term on the M valid slots (module docstring); None without a
-    confidence head or when the loss pass gave no per-slot CE (validation at temperatures)."""
-    head = drafter.confidence_head
-    if head is None or out.slot_ce is None:
-        return None
-    sel = out.valid
-    target = torch.exp(-out.slot_ce.detach().float())  # q(label): one-hot teacher's 1 - TV
-    logits = head(hidden_bnph[sel], None if emb_bnpr is None else emb_bnpr[sel])
-    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
-    w = position_weights(sel.shape[-1], gamma, sel.device, out.first_slot).expand_as(sel)[sel]
-    err = (torch.sigmoid(logits.detach()) - target).abs().sum()
-    return ConfidenceOutput((w * bce).sum(), sel.sum().float(), err)
-
-
 def bias_in_vocab(drafter, bias_xn: Tensor) -> Tensor:
     """A Markov bias over the draft vocabulary [x, N] in the target vocabulary [x, V] (0
     outside the draft vocabulary, whose logits are -inf anyway)."""
@@ -212,28 +183,6 @@ def bias_in_vocab(drafter, bias_xn: Tensor) -> Tensor:
     full = bias_xn.new_zeros((*bias_xn.shape[:-1], drafter.config.vocab_size))
     full[..., drafter.draft_token_ids()] = bias_xn
     return full
-
-
-def markov_draft(drafter, hidden_kh: Tensor, unary_kv: Tensor, anchor_id: int,
-                 temperature: float, mode: str, generator: torch.Generator | None
-                 ) -> tuple[Tensor, Tensor | None]:
-    """DSpark draft tokens [k] (and q [k, V] for rejection sampling, else None): vLLM's walk
-    (:meth:`~MarkovHead.walk`) over the drafting slots' unary logits, each biased by the token
-    before it (the anchor first); q of slot t = softmax((unary_t + bias(prev_t)) / T), the
-    distribution the token was drawn from."""
-    rows: list[Tensor] = []
-    sample = temperature > 0 and mode == "rejection"
-
-    def pick(logits_v: Tensor) -> Tensor:
-        if not sample:
-            return logits_v.argmax(-1)
-        q_v = probs_at(logits_v, temperature)
-        rows.append(q_v)
-        return torch.multinomial(q_v, 1, generator=generator)[0]
-
-    tokens, _ = drafter.markov_head.walk(unary_kv.float(), hidden_kh, anchor_id, pick,
-                                         lambda bias_n: bias_in_vocab(drafter, bias_n))
-    return tokens, (torch.stack(rows) if sample else None)
 
 
 #: Defaults when ``variant=dspark`` leaves them unset: speculators 0.9.0's
@@ -286,9 +235,8 @@ class DSpark(DFlash1):
                                                      c.confidence_head_with_markov)
 
     def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """speculators' and vLLM's names: Markov w1 [V, r], w2 [N, r], gated gate_proj
-        [r, H + r] + bias, rnn joint_proj [3r, 2r + H] + bias; confidence proj [1, H (+ r)]
-        + bias."""
+        """speculators' and vLLM's names: Markov w1 [V, r], w2 [N, r], gated gate_proj [r, H + r]
+        + bias, rnn joint_proj [3r, 2r + H] + bias; confidence proj [1, H (+ r)] + bias."""
         h, r = config.hidden_size, config.markov_rank
         n = config.draft_vocab_size or config.vocab_size
         shapes: dict[str, tuple[int, ...]] = {}
@@ -316,16 +264,34 @@ class DSpark(DFlash1):
                              "train markov_w2); set module.loss=ce")
 
     def head_inputs(self, module: Any, step: Any) -> None:
-        """The Markov bias joins the head: ``[h; f] @ [W_lm | markov_w2]``."""
-        cfg = module.drafter.config
+        """The Markov bias joins the head: the CE reads ``[h; f]`` [Bt, N, B, H + r] with
+        :class:`ConcatHead` ``[W_lm | markov_w2]``, ``step.emb`` e [Bt, N, B, r]; without a
+        Markov head ``h``, the head and None."""
+        cfg, markov = module.drafter.config, module.drafter.markov_head
+        step.emb = None
+        if markov is None:
+            return
         prev = markov_prev_ids(step.batch["input_ids"], step.token_ids, step.anchors,
                                cfg.block_size, cfg.label_shift)
-        step.head_in, step.lm_head, step.emb = markov_inputs(module.drafter, step.hidden, prev,
-                                                             step.lm_head)
+        feats, step.emb = markov.features(prev, step.hidden)
+        step.head_in = torch.cat([step.hidden, feats.to(step.hidden.dtype)], -1)
+        step.lm_head = ConcatHead(step.lm_head, markov.markov_w2)
 
     def add_losses(self, module: Any, step: Any, out: Any) -> None:
-        out.head_pieces["confidence"] = confidence_loss(module.drafter, step.hidden, step.emb, out,
-                                         module.hparams.gamma)
+        """speculators' confidence term on the M valid slots (module docstring); None without a
+        confidence head or when the loss pass gave no per-slot CE (validation at temperatures)."""
+        head, emb = module.drafter.confidence_head, step.emb
+        if head is None or out.slot_ce is None:
+            out.head_pieces["confidence"] = None
+            return
+        sel = out.valid
+        target = torch.exp(-out.slot_ce.detach().float())  # q(label): one-hot teacher's 1 - TV
+        logits = head(step.hidden[sel], None if emb is None else emb[sel])
+        bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        w = position_weights(sel.shape[-1], module.hparams.gamma, sel.device,
+                             out.first_slot).expand_as(sel)[sel]
+        err = (torch.sigmoid(logits.detach()) - target).abs().sum()
+        out.head_pieces["confidence"] = ConfidenceOutput((w * bce).sum(), sel.sum().float(), err)
 
     def terms(self, module: Any, out: Any, step: int) -> list[Term]:
         """The confidence BCE per supervised slot (speculators' mean), where a head is."""
@@ -357,10 +323,26 @@ class DSpark(DFlash1):
     def draft(self, drafter: Any, hidden_kh: Any, unary_kv: Any, anchor_id: int,
               temperature: float, mode: str, generator: Any,
               embed_tokens: Any = None, context_h: Any = None) -> tuple[Any, Any] | None:
-        if drafter.markov_head is None:  # markov_rank 0: the backbone's draft
+        """DSpark draft tokens [k] (and q [k, V] for rejection sampling, else None): vLLM's walk
+        (:meth:`~MarkovHead.walk`) over the drafting slots' unary logits, each biased by the
+        token before it (the anchor first); q of slot t = softmax((unary_t + bias(prev_t)) / T),
+        the distribution the token was drawn from. None without a Markov head (markov_rank 0:
+        the backbone's draft)."""
+        if drafter.markov_head is None:
             return None
-        return markov_draft(drafter, hidden_kh, unary_kv, anchor_id, temperature, mode,
-                            generator)
+        rows: list[Tensor] = []
+        sample = temperature > 0 and mode == "rejection"
+
+        def pick(logits_v: Tensor) -> Tensor:
+            if not sample:
+                return logits_v.argmax(-1)
+            q_v = probs_at(logits_v, temperature)
+            rows.append(q_v)
+            return torch.multinomial(q_v, 1, generator=generator)[0]
+
+        tokens, _ = drafter.markov_head.walk(unary_kv.float(), hidden_kh, anchor_id, pick,
+                                             lambda bias_n: bias_in_vocab(drafter, bias_n))
+        return tokens, (torch.stack(rows) if sample else None)
 
 
 HEAD = register(DSpark())

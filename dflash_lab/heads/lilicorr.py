@@ -184,6 +184,7 @@ class LiLiCorr(Head):
     tensors = "lilicorr lattice (and conv) tensors"
     weight_fields = (*list(RULES)[:6], *CONV)  # all but vector_eps and logit_scale
     expected_taus = False
+    reads_context = True
 
     def validate(self, config: Any) -> None:
         """The engines' refusals (new_heads.md LiLiCorr (a)), and the layout they compute: DFlash

@@ -29,7 +29,6 @@ from dflash_lab.model.serving_form import (  # noqa: F401  (the serving form's n
     _suggest,
     parse_ours,
     reject_unknown_keys,
-    require_head_keys,
     require_keys,
     serving_dict,
     shape_fields,
@@ -57,10 +56,6 @@ def __getattr__(name: str) -> Any:
     if name in _HEAD_VIEWS:
         part = {p.name: p for p in (*heads.heads(), *heads.features())}[_HEAD_VIEWS[name]]
         return dict(part.fields)
-    if name == "ARCHITECTURES":
-        return {head.name: head.architecture for head in heads.heads()}
-    if name == "VARIANTS":
-        return tuple(heads.names())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -247,18 +242,36 @@ class DrafterConfig:
             self._fail("mask_token_id", self.mask_token_id,
                        f"must be in [0, vocab_size={self.vocab_size}); use the target's MASK id")
         self._validate_target_layers()
-        self._validate_target_width()
+        width = self.target_hidden_size
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            self._fail("target_hidden_size", width,
+                       "must be a positive integer: the width of one target layer's features "
+                       "(null = hidden_size)")
         self._validate_layers()
-        self._validate_rope()
-        self._validate_sample_from_anchor()
-        self._validate_draft_vocab()
-        self._validate_scales()
+        if not positive_number(self.rope_theta):
+            self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
+        # model/rope.py's rules; the normalized dict replaces the given one
+        self.rope_scaling = normalize_scaling(
+            self.rope_scaling, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, where=self._source)
+        if not isinstance(self.sample_from_anchor, bool):
+            self._fail("sample_from_anchor", self.sample_from_anchor, "must be true or false")
+        n = self.draft_vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                              or not 1 <= n <= self.vocab_size):
+            self._fail("draft_vocab_size", n, f"must be an integer in [1, vocab_size="
+                       f"{self.vocab_size}], or null for the target's whole vocabulary")
+        for key in ("input_embedding_scale", "output_multiplier"):
+            if not positive_number(getattr(self, key)):
+                self._fail(key, getattr(self, key), "must be a finite number > 0 (1.0 = off)")
+        cap = self.final_logit_softcapping
+        if cap is not None and not positive_number(cap):
+            self._fail("final_logit_softcapping", cap, "must be a finite number > 0, or null (off)")
         for part in self.parts:
             part.validate(self)
 
     def _fill_head_defaults(self) -> None:
-        """Refuse an unknown head, and a field of another head; fill the unset fields of this
-        head and of every feature with their defaults."""
+        """Refuse an unknown head or another head's field; default the unset fields of the parts."""
         if self.variant not in heads.names():
             self._fail("variant", self.variant, f"must be one of {heads.names()}")
         mine = {key: part.fields[key] for part in self.parts for key in part.fields}
@@ -290,13 +303,6 @@ class DrafterConfig:
         if len(set(ids)) != len(ids):
             self._fail("target_layer_ids", ids, "ids must be distinct")
 
-    def _validate_target_width(self) -> None:
-        width = self.target_hidden_size
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            self._fail("target_hidden_size", width,
-                       "must be a positive integer: the width of one target layer's features "
-                       "(null = hidden_size)")
-
     @property
     def num_features(self) -> int:
         """fc's input width F = len(target_layer_ids) * target_hidden_size."""
@@ -319,34 +325,6 @@ class DrafterConfig:
         if isinstance(self.is_causal, list) and len(self.is_causal) != n:
             self._fail("is_causal", self.is_causal,
                        f"a per-layer list needs {n} entries; or give one bool for all layers")
-
-    def _validate_rope(self) -> None:
-        """model/rope.py's rules; the normalized dict replaces the given one."""
-        if not positive_number(self.rope_theta):
-            self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
-        self.rope_scaling = normalize_scaling(
-            self.rope_scaling, rope_theta=self.rope_theta,
-            max_position_embeddings=self.max_position_embeddings, where=self._source)
-
-    def _validate_sample_from_anchor(self) -> None:
-        if not isinstance(self.sample_from_anchor, bool):
-            self._fail("sample_from_anchor", self.sample_from_anchor, "must be true or false")
-
-    def _validate_draft_vocab(self) -> None:
-        n = self.draft_vocab_size
-        if n is None:
-            return
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size:
-            self._fail("draft_vocab_size", n, f"must be an integer in [1, vocab_size="
-                       f"{self.vocab_size}], or null for the target's whole vocabulary")
-
-    def _validate_scales(self) -> None:
-        for key in ("input_embedding_scale", "output_multiplier"):
-            if not positive_number(getattr(self, key)):
-                self._fail(key, getattr(self, key), "must be a finite number > 0 (1.0 = off)")
-        cap = self.final_logit_softcapping
-        if cap is not None and not positive_number(cap):
-            self._fail("final_logit_softcapping", cap, "must be a finite number > 0, or null (off)")
 
     # ------------------------------------------------------------------ resolved layout
     @property

@@ -2,7 +2,7 @@
 
 Two call paths share every weight and the attention code: training (:meth:`forward`: ``S``
 context positions and ``N`` anchored blocks packed in one sequence, context K/V once per layer,
-all blocks in one call) and inference (:meth:`extend_context`, :meth:`crop_context`,
+all blocks in one call) and inference (:meth:`extend_context`, ``ContextCache.crop``,
 :meth:`draft`: per-layer context K/V cached, one block per sequence right after the context).
 The target's embedding and LM head are passed in, never in ``state_dict()``, whose keys are the
 serving layout (dflash.md section 4). Output: the final-normed hidden state of every slot; the
@@ -35,7 +35,8 @@ from dflash_lab.model.layers import DraftLayer, RMSNorm, RotaryEmbedding, scale_
 @dataclass
 class ContextCache:
     """Per-layer context K/V [Bt, Hkv, C, D] of the committed positions 0..C-1, and their
-    fused rows [Bt, C, H] (a head's ``draft`` reads the last: ``context_h``)."""
+    fused rows [Bt, C, H] only for a head whose ``draft`` reads the last (``reads_context``:
+    ``context_h``); None otherwise."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
@@ -138,8 +139,7 @@ class DFlashDrafter(nn.Module):
         return torch.where(target_ids >= 0, table[safe], target_ids)
 
     def init_mask_embedding(self, embed_tokens: nn.Embedding) -> None:
-        """Start the learned mask embedding from the target's row of ``mask_token_id`` (a
-        warm-started drafter keeps its trained one)."""
+        """The learned mask embedding starts as the target's ``mask_token_id`` row (warm: kept)."""
         if self.mask_embedding is not None and not self.warm_started:
             with torch.no_grad():
                 self.mask_embedding.copy_(embed_tokens.weight[self.config.mask_token_id])
@@ -243,16 +243,14 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(start, start + ctx.shape[1], device=ctx.device)
         cs = self.rotary(positions, ctx.dtype)
         new = [layer.context_kv(ctx, cs) for layer in self.layers]
-        cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
+        if self.config.head.reads_context:
+            cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
         if not cache.keys:
             cache.keys = [k for k, _ in new]
             cache.values = [v for _, v in new]
             return
         cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
         cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
-
-    def crop_context(self, cache: ContextCache, length: int) -> None:
-        cache.crop(length)
 
     # ------------------------------------------------------------------ tokens from hidden states
     def unary_logits(self, hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:

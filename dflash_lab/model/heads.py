@@ -64,6 +64,9 @@ class Head:
     #: its :meth:`draft` reads the hidden rows of the whole block [B, H] (anchor row 0
     #: included; XPress's refiner), not the drafted slots' [k, H]
     block_rows: bool = False
+    #: its :meth:`draft` reads ``context_h`` (LiLiCorr's anchor row): only then does the
+    #: drafter's context cache keep the fused context rows [Bt, C, H]
+    reads_context: bool = False
     #: the serving engine's runtime settings of its draft walk and their defaults; eval sets
     #: them with ``drafter.walk={KEY: VALUE}`` (Domino: SGLang's candidate pool)
     walk_settings: Mapping[str, Any] = {}

@@ -52,8 +52,7 @@ def variant_keys() -> tuple[str, ...]:
 
 
 def serving_dict(config: Any) -> dict[str, Any]:
-    """The serving config.json of a DrafterConfig (dflash.md section 4), plus our exact training
-    spec: what :meth:`DrafterConfig.to_dict` returns."""
+    """:meth:`DrafterConfig.to_dict`: the serving config.json (dflash.md sec. 4) + training spec."""
     uniform = config.uniform_causal
     dflash: dict[str, Any] = {
         "mask_token_id": config.mask_token_id,
@@ -190,11 +189,6 @@ def variant_of(d: dict[str, Any], dfc: dict[str, Any], source: str) -> str:
     return found[0]
 
 
-def require_head_keys(fields: dict[str, Any], source: str) -> None:
-    """The keys a head's owners need in a config.json (``Head.check_read``)."""
-    heads.get(fields["variant"]).check_read(fields, source)
-
-
 def shape_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     """Shape and RoPE fields from the top level (``num_key_value_heads`` defaults to MHA)."""
     fields: dict[str, Any] = {k: d[k] for k in SHAPE_KEYS if d.get(k) is not None}
@@ -274,7 +268,7 @@ def parse_ours(cls: type, d: dict[str, Any], *, source: str) -> Any:
     kwargs["variant"] = variant_of(d, dfc, source)
     kwargs.update({k: dfc.get(k, d.get(k)) for k in variant_keys()
                    if dfc.get(k, d.get(k)) is not None})
-    require_head_keys(kwargs, source)
+    heads.get(kwargs["variant"]).check_read(kwargs, source)  # the keys its owners need
     kwargs.update(
         block_size=_our_block_size(d, dfc, source), mask_token_id=dfc["mask_token_id"],
         target_layer_ids=dfc["target_layer_ids"], layer_types=d.get("layer_types"),

@@ -181,9 +181,8 @@ class EngineClient:
 
     # -- set-up ----------------------------------------------------------------------------------
     def connect(self) -> dict[str, Any]:
-        """Pick the served model, check the engine reports acceptance, find B. Returns
-        ``{"model", "root", "block_size"}`` (``root``: the served directory, where the server
-        says)."""
+        """Pick the served model, check the engine reports acceptance, find B: ``{"model", "root"
+        (the served directory, where the server says), "block_size"}``."""
         card = pick_served_model(self._json(self.base + "/models").get("data") or [],
                                  self.model, self.base, "server.model", EngineError)
         self.model = card.get("id")

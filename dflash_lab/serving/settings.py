@@ -63,8 +63,7 @@ class ServerSettings:
 
 
 def server_settings(server_cfg: Any) -> ServerSettings:
-    """The composed ``server`` group (a DictConfig, a dict or None) -> :class:`ServerSettings`;
-    a key the group does not have is refused by name."""
+    """``server`` group (DictConfig/dict/None) -> :class:`ServerSettings`; unknown keys refused."""
     from omegaconf import DictConfig, OmegaConf
 
     given = (OmegaConf.to_container(server_cfg, resolve=True) if isinstance(server_cfg, DictConfig)

@@ -233,19 +233,15 @@ class WandbRun(RunEndCallback):
 
 
 def log_final(logger, cfg: DictConfig, metrics: dict[str, Any], step: int | None = None) -> None:
-    """Log the resolved config and final numbers (plain numbers, bools as 0/1); close the logger."""
+    """Log the resolved config and final numbers (plain numbers, bools as 0/1); flush and close
+    the logger: csv writes its files; a wandb run is finished (offline: on disk) by
+    :class:`WandbRun`, where the wandb-specific work lives."""
     if logger is None:
         return
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     numbers = {k: int(v) if isinstance(v, bool) else v for k, v in metrics.items()
                if isinstance(v, (int, float))}
     logger.log_metrics(numbers, step=step)
-    close_logger(logger)
-
-
-def close_logger(logger) -> None:
-    """Flush and close: csv writes its files; a wandb run is finished (offline: on disk) by
-    :class:`WandbRun`, where the wandb-specific work lives."""
     logger.save()
     logger.finalize("success")
     WandbRun.finish(logger)

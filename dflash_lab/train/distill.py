@@ -96,8 +96,7 @@ class LossSpec:
 
     @property
     def needs_distribution(self) -> bool:
-        """Some term compares with the target's distribution (ce alone does not; accept at
-        T = 0 does not either: its surrogate is q(y))."""
+        """Some term compares with the target's distribution (not ce, nor accept at T = 0: q(y))."""
         names = {n for n, _ in self.weights}
         return bool(names & set(DISTRIBUTION_LOSSES)) or (
             ACCEPT in names and self.accept_temperature > 0)
@@ -147,8 +146,7 @@ class Buckets:
 def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
     """Dense teacher logits [V, m] fp32 of a chunk: the target head (and its softcap)."""
     logits_vm = (weight_vh @ teacher.hidden_mh.to(weight_vh.dtype).t()).float()
-    logits_vm = scale_logits(logits_vm, 1.0, teacher.softcap)
-    return logits_vm
+    return scale_logits(logits_vm, 1.0, teacher.softcap)
 
 
 def sparse_buckets(teacher: Teacher, logq_km: Tensor) -> Buckets:

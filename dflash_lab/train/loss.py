@@ -244,8 +244,7 @@ def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Modul
                           chunk_size: int | None = None,
                           chunk_bytes: int = CE_CHUNK_BYTES, *,
                           scale: LogitScale = NO_SCALE) -> tuple[Tensor, Tensor]:
-    """Per-row CE [M] and correctness [M] without holding [M, V] fp32 logits at once
-    (:func:`chunked_head_pass` without the top-K)."""
+    """Per-row CE [M] and correct [M], no [M, V] fp32 logits held (:func:`chunked_head_pass`)."""
     out = chunked_head_pass(hidden_mh, labels_m, lm_head, chunk_size, chunk_bytes, scale=scale)
     return out.ce, out.correct
 
@@ -363,9 +362,8 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
 
 @dataclass
 class LossOutput:
-    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid); the unary
-    top-K ``top_values`` / ``top_ids`` [M, K] of the valid slots when asked (DFlash 2's
-    selector)."""
+    """Weighted loss pieces and per-slot correctness [Bt, N, B] (False where invalid); when asked
+    (DFlash 2's selector), the valid slots' unary top-K ``top_values`` / ``top_ids`` [M, K]."""
 
     weighted_sum: Tensor  # sum_slots w_t * CE (local)
     weight_sum: Tensor  # sum_slots w_t (local)

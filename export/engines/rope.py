@@ -190,9 +190,8 @@ _FIXES = {
 
 
 def apply_rope(reading: EngineReading, config: dict[str, Any], engine: str) -> None:
-    """Record the engine's RoPE on ``reading``: its label, a refusal, the keys it ignores (a
-    note when harmless), and a dropped feature + overrides when its table differs from the
-    drafter's."""
+    """Record the engine's RoPE on ``reading``: its label, a refusal, the keys it ignores (a note
+    when harmless), a dropped feature + overrides when its table differs from the drafter's."""
     if refusal := _missing_keys(config):
         reading.refusal = refusal
         return

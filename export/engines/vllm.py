@@ -95,9 +95,8 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
 
 
 def reader(rule_set: str, runner: str, honors_is_causal: bool):
-    """The ``(config, artifacts) -> EngineReading`` of one vLLM release (recent main 0.32, or
-    <= 0.26: ``honors_is_causal`` false, it ignores top-level is_causal) and model runner
-    ("v1", the default, or "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
+    """The ``(config, artifacts) -> EngineReading`` of one vLLM release (main 0.32; <= 0.26:
+    ``honors_is_causal`` false) and runner ("v1", default, or "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
     def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
         return read(config, artifacts, rule_set=rule_set, runner=runner,
                     honors_is_causal=honors_is_causal)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from dflash_lab.model import heads
 from dflash_lab.model.config import (
     CORE_DFLASH_KEYS,
     HF_BOOKKEEPING_KEYS,
@@ -17,7 +18,6 @@ from dflash_lab.model.config import (
     DrafterConfig,
     build_target_layer_ids,
     reject_unknown_keys,
-    require_head_keys,
     require_keys,
     shape_fields,
     variant_keys,
@@ -55,7 +55,7 @@ def _variant_fields(d: dict[str, Any], dfc: dict[str, Any], source: str) -> dict
         value = draft_value(d, key)
         if value is not None:
             fields[key] = value
-    require_head_keys(fields, source)
+    heads.get(fields["variant"]).check_read(fields, source)  # the keys its owners need
     cap = fields.get("final_logit_softcapping")
     if isinstance(cap, int | float) and not isinstance(cap, bool) and cap <= 0:
         fields["final_logit_softcapping"] = None

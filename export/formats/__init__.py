@@ -21,7 +21,6 @@ from dflash_lab.export.formats.base import (
     register,
     unregister,
     write_config,
-    writer_for,
 )
 from dflash_lab.export.formats.dspark import DSPARK_FORMAT
 from dflash_lab.export.formats.laguna import LAGUNA, features_lines
@@ -36,4 +35,4 @@ REGISTRY[:] = [SPECFORGE, DSPARK_FORMAT, SPECULATORS, OURS_FORMAT, LAGUNA, MUSE_
 
 __all__ = ["OURS", "REGISTRY", "ZLAB", "Format", "check_writable", "features_lines",
            "format_at", "format_of", "get", "import_drafter", "load_serving_dir", "load_source",
-           "options", "read_all", "register", "unregister", "write_config", "writer_for"]
+           "options", "read_all", "register", "unregister", "write_config"]

@@ -121,14 +121,6 @@ def config_from_reading(base: DrafterConfig, reading: EngineReading, rule_set: R
     )
 
 
-def _disagreements(readings: dict[str, EngineReading], chosen: str,
-                   block_size: int) -> list[str]:
-    ref = readings[chosen].layers
-    return [f"{name}: {'refuses to load' if r.layers is None else 'reads it differently'}"
-            for name, r in readings.items()
-            if name != chosen and not layouts_agree(r.layers, ref, block_size)]
-
-
 def with_target_vocab(config: DrafterConfig, vocab_size: int | None,
                       recorded: bool) -> DrafterConfig:
     """``config`` with the target's vocabulary when its format records none (Muse Glimmer);
@@ -154,8 +146,10 @@ def resolve_third_party(d: dict[str, Any], path: Path, artifacts: Artifacts,
         raise ValueError(f"{path}: {rule_set.name} {reading.refusal}; pass another assumed "
                          "rule set (assume=...)")
     base = fmt.base_config(d, str(path / CONFIG_FILE))
-    return (config_from_reading(base, reading, rule_set, artifacts),
-            _disagreements(readings, rule_set.name, base.block_size))
+    disagree = [f"{name}: {'refuses to load' if r.layers is None else 'reads it differently'}"
+                for name, r in readings.items() if name != rule_set.name
+                and not layouts_agree(r.layers, reading.layers, base.block_size)]
+    return config_from_reading(base, reading, rule_set, artifacts), disagree
 
 
 def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
@@ -379,9 +373,8 @@ _ABSENT = object()
 
 def lost_fields(fmt: Format, config: DrafterConfig) -> list[str]:
     """The dataclass fields of ``config`` (its own class's, so a subclass's extra field counts)
-    that do not survive ``fmt``'s write -> :func:`format_of` -> read. A written file detected as
-    another format loses everything that format reads otherwise; one nothing reads loses every
-    field."""
+    that do not survive ``fmt``'s write -> :func:`format_of` -> read; a file detected as another
+    format loses all that format reads otherwise, one nothing reads loses every field."""
     raw = fmt.write_config(config, "float32", None, vocab_known=True)
     artifacts = Artifacts(mask_embedding_file=config.learned_mask_embedding,
                           sink_weights=config.attention_sink_bias)
@@ -461,8 +454,7 @@ def load_source(path: str | Path, verify: bool = True, assume: str | None = None
 
 def import_drafter(path: str | Path, assume: str | None = None,
                    verify: bool = True) -> ImportedDrafter:
-    """A serving directory read into our config + weights by :func:`import_serving_dir` with
-    its format's hooks (``assume``: as there)."""
+    """A serving directory read by :func:`import_serving_dir` (``assume``), its format's hooks."""
     path = Path(path)
     return import_serving_dir(path, format_of(read_config_json(path)), assume, verify)
 
@@ -477,21 +469,14 @@ def load_serving_dir(path: str | Path, assume: str | None = None, verify: bool =
 # ---------------------------------------------------------------------------- engines
 def read_all(raw: dict[str, Any], artifacts: Artifacts,
              engines: tuple[str, ...] | list[str] = ENGINES) -> dict[str, EngineReading]:
-    """Every selected rule set's reading of one config.json by rule-set name, through its
-    format's (:meth:`Format.read_all`)."""
+    """Every selected rule set's reading of one config.json by name (:meth:`Format.read_all`)."""
     return format_of(raw).read_all(raw, artifacts, engines)
 
 
 # ---------------------------------------------------------------------------- write
-def writer_for(name: str, config: DrafterConfig) -> Format:
-    """The format that writes ``config`` for ``--format name`` (ValueError: none can)."""
-    return get(name).writer_for(config)
-
-
 def check_writable(fmt: Format, config: DrafterConfig) -> None:
-    """ValueError naming every field of ``config`` that does not survive ``fmt``'s round trip
-    (:func:`lost_fields`), with what the engines or the format's owner would run otherwise, and
-    the fix."""
+    """ValueError naming every field of ``config`` lost in ``fmt``'s round trip
+    (:func:`lost_fields`), what the engines or the format's owner would run otherwise, the fix."""
     problems = fmt.engine_problems(config)
     lost = lost_fields(fmt, config)
     if lost:
@@ -503,8 +488,7 @@ def check_writable(fmt: Format, config: DrafterConfig) -> None:
 
 def write_config(name: str, config: DrafterConfig, dtype: str,
                  target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
-    """The config.json of ``--format name`` for ``config``, refused (ValueError) where the
-    format cannot carry it (:func:`check_writable`)."""
-    fmt = writer_for(name, config)
+    """``--format name``'s config.json of ``config``; ValueError if it cannot (check_writable)."""
+    fmt = get(name).writer_for(config)
     check_writable(fmt, config)
     return fmt.write_config(config, dtype, target_identity, vocab_known)

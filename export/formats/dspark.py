@@ -159,8 +159,7 @@ def read_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]
 
 
 class DSpark(Format):
-    """vLLM 0.32's speculators-format DSpark layout: the one serving layout of a DSpark
-    drafter (what ``--format dflash-lab`` writes for one)."""
+    """vLLM 0.32's speculators DSpark layout: a DSpark drafter's one (``--format dflash-lab``'s)."""
 
     name = KIND
     kind = "DSpark directory"
@@ -178,8 +177,7 @@ class DSpark(Format):
                                                                    .read_text()))
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        """Our export exactly (checked against its ``SHA256SUMS``); a third-party one as
-        speculators' reader reads it."""
+        """Ours exactly (checked by its ``SHA256SUMS``); a third party's as speculators reads it."""
         d = json.loads((path / CONFIG_FILE).read_text())
         if not is_ours(d):
             return SPECULATORS.load(path, verify, assume)
@@ -287,8 +285,7 @@ class DSpark(Format):
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts
                 ) -> EngineReading:
-        """vLLM 0.32's V2 runner reads the layout from update_dspark's config; SGLang and
-        vLLM's V1 runner cannot load it."""
+        """vLLM 0.32's V2 runner reads the layout from update_dspark's config; SGLang, V1 refuse."""
         refusal = (SGLANG_REFUSAL if rule_set.engine == "sglang" else
                    V1_REFUSAL if rule_set.name == "vllm-main-v1" else
                    None if rule_set.current else OLD_REFUSAL)

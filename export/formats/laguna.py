@@ -217,9 +217,8 @@ class Laguna(ReleasedFormat):
         return view
 
     def base_config(self, d: dict[str, Any], source: str) -> DrafterConfig:
-        """Every DrafterConfig field of a Laguna config.json; the layout is the file's layer
-        types with the proposer's causality rule (``sources.resolve_third_party`` replaces it
-        with the assumed rule set's reading, as for z-lab)."""
+        """Every DrafterConfig field of a Laguna config.json; the layout is the file's layer types
+        with the proposer's causality rule, then the assumed rule set's reading (as for z-lab)."""
         dfc = _check_keys(d, source)
         ids = dfc["target_layer_ids"]
         if not isinstance(ids, list) or not ids:

@@ -49,8 +49,7 @@ def _renamed(tensors: dict[str, Any], prefixes: dict[str, str]) -> dict[str, Any
 
 
 def owners_window_note(config: dict[str, Any]) -> str | None:
-    """How transformers' class runs a sliding layer, against the engines' window (None when no
-    layer slides)."""
+    """How transformers' class runs a sliding layer, vs the engines' window (None: none slides)."""
     types = config.get("layer_types") or [SLIDING] * int(config["num_hidden_layers"])
     window = config.get("sliding_window")
     if SLIDING not in types or window is None:
@@ -232,8 +231,7 @@ class MuseGlimmer(ReleasedFormat):
         return _renamed(state, RENAMES)
 
     def serving_names(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Our tensor names -> the Muse Glimmer format's (what its ``save_pretrained``
-        writes)."""
+        """Our tensor names -> the Muse Glimmer format's (what its ``save_pretrained`` writes)."""
         return _renamed(state, {ours: theirs for theirs, ours in RENAMES.items()})
 
     def mask_differences(self, raw: dict[str, Any]) -> list[str]:
@@ -280,8 +278,7 @@ class MuseGlimmer(ReleasedFormat):
 
 
 class MuseDFlash2(Ours):
-    """``--format muse-glimmer`` for a DFlash 2 drafter: z-lab's DFlash2DraftModel layout of
-    :data:`DFLASH2_RELEASE`, which is ours."""
+    """``--format muse-glimmer``, DFlash 2: :data:`DFLASH2_RELEASE`'s layout, z-lab's (ours)."""
 
     def report_header(self, raw: dict[str, Any]) -> dict[str, str]:
         return {"format": f"{FORMAT} DFlash 2 (DFlash2DraftModel, the layout of "

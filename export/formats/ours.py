@@ -26,8 +26,7 @@ OURS = "dflash-lab"
 
 
 class ZLab(Format):
-    """A z-lab style serving directory (DFlash 1 or 2, no training spec): the fallback reader
-    of every serving directory no other format claims."""
+    """A z-lab style serving directory (DFlash 1 or 2, no training spec): the fallback reader."""
 
     name = "z-lab"
     fallback = True

@@ -61,7 +61,7 @@ def check_round_trip(config: DrafterConfig, name: str) -> str:
     """'kept', 'refused' or 'not its variant'; asserts the refusal names exactly the lost
     fields and a written config reads back unchanged."""
     try:
-        fmt = formats.writer_for(name, config)
+        fmt = formats.get(name).writer_for(config)
     except ValueError as err:  # e.g. a DSpark drafter has one layout; DSpark carries DSpark only
         assert "DSpark" in str(err)
         return "not its variant"

@@ -178,3 +178,28 @@ def test_settings_are_refused_as_modelopt_refuses():
         _module(_drafter(), w_ce=0.0, w_margin=0.0, w_pen=0.0)
     with pytest.raises(ValueError, match="module.head.w_pen needs the target's next-token"):
         DFlashModule(_drafter(), _module(_drafter()).target_head, optimizer=torch.optim.SGD)
+
+
+def test_context_rows_are_cached_only_for_the_head_that_reads_them():
+    """A DFlash 1 drafter's context cache holds no fused rows [Bt, C, H] (memory); LiLiCorr's holds
+    the fused rows of the committed positions (after a crop too), and its draft from the cached
+    last row is the draft from the row fused afresh."""
+    feats = torch.randn(1, 7, _config().num_features, generator=torch.Generator().manual_seed(3))
+    plain = DFlashDrafter(tiny_drafter_config(block_size=B)).eval()
+    cache = plain.new_cache()
+    plain.extend_context(cache, feats)
+    assert cache.rows is None and cache.length == 7
+    drafter, embed = _drafter(), torch.nn.Embedding(97, 48)
+    cache = drafter.new_cache()
+    drafter.extend_context(cache, feats[:, :5])
+    cache.crop(3)
+    drafter.extend_context(cache, feats[:, 5:])
+    with torch.no_grad():
+        fused = drafter.fuse(torch.cat([feats[:, :3], feats[:, 5:]], 1))
+    torch.testing.assert_close(cache.rows, fused)
+    hidden, unary, _ = _inputs(2)
+    head = drafter.config.head
+    cached = head.draft(drafter, hidden, unary, 5, 0.0, "exact_match", None, embed,
+                        cache.rows[0, -1])
+    fresh = head.draft(drafter, hidden, unary, 5, 0.0, "exact_match", None, embed, fused[0, -1])
+    assert torch.equal(cached[0], fresh[0])

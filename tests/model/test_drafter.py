@@ -147,7 +147,7 @@ def test_cache_crop_then_extend_equals_a_fresh_cache():
     grown = drafter.new_cache()
     drafter.extend_context(grown, hidden[:, :6])
     drafter.extend_context(grown, hidden[:, 6:15])  # e.g. a verify pass with a long draft
-    drafter.crop_context(grown, 9)  # only 3 of those were accepted
+    grown.crop(9)  # only 3 of those were accepted
     drafter.extend_context(grown, hidden[:, 9:12])
     fresh = drafter.new_cache()
     drafter.extend_context(fresh, hidden[:, :12])
@@ -164,7 +164,7 @@ def test_clear_errors_for_wrong_feature_width_and_empty_cache():
     cache = drafter.new_cache()
     drafter.extend_context(cache, hidden[:, :3])
     with pytest.raises(ValueError, match="cannot crop"):
-        drafter.crop_context(cache, 5)
+        cache.crop(5)
 
 
 def test_slot_zero_is_the_anchor_token_and_masks_use_the_mask_row():
