@@ -28,3 +28,12 @@ def driver_lines(out: Path | None, stage: str, /, **knobs: str) -> list[str]:
 def driver_paths(out: Path | None, /, **knobs: str) -> dict[str, str]:
     """The ``paths`` stage's KEY=VALUE lines as a dict."""
     return dict(line.split("=", 1) for line in driver_lines(out, "paths", **knobs))
+
+
+def assert_their_three_steps(theirs: Path, run: dict) -> None:
+    """Their trainer ran a 3-step plan at its default optimizer: a finite loss logged at every
+    step, ``step-N`` saves at steps 2 and 3 (``--save-every 2`` and the last)."""
+    assert run["optimizer"]["name"] == "default"  # their Muon + AdamW at their defaults
+    log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
+    assert [int(r[0]) for r in log] == [1, 2, 3] and all(0 < float(r[1]) < 100 for r in log)
+    assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]

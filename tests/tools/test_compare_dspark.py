@@ -11,7 +11,12 @@ import pytest
 from benchmarks import speculators_train
 from benchmarks.peer_quality import build_plan, compose_train, t1_reason
 from dflash_lab.paths import REPO_ROOT
-from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
+from tests.tools.compare_driver import (
+    assert_their_three_steps,
+    driver_lines,
+    driver_paths,
+    run_driver,
+)
 from tests.tools.test_peer_quality import (  # noqa: F401 (tiny_capture: a fixture)
     both_sides_rows,
     on_the_dflash1_batches,
@@ -111,12 +116,9 @@ def test_their_dspark_trains_the_plan_and_both_sides_curves_score_dspark(
     theirs, run = train_theirs(plan, tiny_target_dir, tmp_path, "dspark")
     assert (run["variant"], run["loss_fn"], run["weighting"]) == (
         "dspark", "kl_div", "fixed-exp-decay")
-    assert run["optimizer"]["name"] == "default"  # their Muon + AdamW at their defaults
     assert run["dspark_defaults"]["confidence_head_alpha"] == 1.0
     assert run["dspark_not_default"] == {"markov_rank": 16}  # the plan's rank, said so
-    log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
-    assert [int(r[0]) for r in log] == [1, 2, 3] and all(0 < float(r[1]) < 100 for r in log)
-    assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]
+    assert_their_three_steps(theirs, run)
     for step in (2, 3):
         dc = load_drafter(theirs / f"step-{step}").drafter.config
         assert dc.variant == "dspark" and dc.markov_rank == 16 and dc.sample_from_anchor
