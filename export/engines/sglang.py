@@ -177,8 +177,8 @@ def _embedding_scale(config: dict[str, Any], artifacts: Artifacts,
                    "SGLang never reads it, block inputs come from the target's embedding module")
 
 
-def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release: str,
-         backend: str | None = None) -> EngineReading:
+def read(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS, *, rule_set: str,
+         release: str, backend: str | None = None) -> EngineReading:
     """Per-layer (window, causal) as one SGLang release (and draft backend) builds its
     RadixAttention layers, what it drops, or its refusal. ``backend`` None = not read."""
     rel, view = RELEASES[release], hf_view(config)
@@ -203,17 +203,6 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release
     bidir = BACKENDS[backend] if backend is not None else LEFT_ONLY  # backends not read
     reading.layers = _layers(view, rel, bidir, reading)
     return reading
-
-
-def reader(release: str, backend_group: str | None = None):
-    """The ``(config, artifacts) -> EngineReading`` of one release and backend group."""
-    backend = BACKEND_GROUPS[backend_group][0] if backend_group else None
-    name = rule_set_name(release, backend_group)
-
-    def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-        return read(config, artifacts, rule_set=name, release=release, backend=backend)
-
-    return read_one
 
 
 def rule_set_name(release: str, backend_group: str | None = None) -> str:

@@ -61,9 +61,11 @@ def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
     return dropped
 
 
-def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner: str,
-         honors_is_causal: bool) -> EngineReading:
-    """Per-layer (window, causal) as vLLM would build the drafter, or its load-time refusal."""
+def read(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS, *, rule_set: str,
+         runner: str, honors_is_causal: bool) -> EngineReading:
+    """Per-layer (window, causal) as vLLM would build the drafter, or its load-time refusal, for
+    one release (main 0.32; <= 0.26: ``honors_is_causal`` false) and runner ("v1", default, or
+    "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
     vllm_variant(config, artifacts, reading, legacy=not honors_is_causal, runner=runner)
@@ -93,12 +95,3 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     reading.layers = layers
     return reading
 
-
-def reader(rule_set: str, runner: str, honors_is_causal: bool):
-    """The ``(config, artifacts) -> EngineReading`` of one vLLM release (main 0.32; <= 0.26:
-    ``honors_is_causal`` false) and runner ("v1", default, or "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
-    def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-        return read(config, artifacts, rule_set=rule_set, runner=runner,
-                    honors_is_causal=honors_is_causal)
-
-    return read_one
