@@ -146,19 +146,16 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     readings = read_all(raw, artifacts)
     table = select_sglang(sglang_version, sglang_backend)
     findings = check_layout(config)
+    served = ", ".join(config.head.engines)
     for engine in engines:
-        findings += check_engine(config, readings, engine, table) if engine in \
-            config.head.engines else [_unserved(config, engine)]
+        if engine in config.head.engines:
+            findings += check_engine(config, readings, engine, table)
+        else:  # the head's serving form is not for this engine (``Head.engines``)
+            findings.append(Finding(REFUSE, f"{engine} does not serve a {config.head.title} "
+                                    f"drafter (served by {served}); export with --engine "
+                                    f"{served} (export.engine={served})", engine, lossy=False))
     findings += check_target(config, target)
     return readings, apply_allow_lossy(findings, allow_lossy)
-
-
-def _unserved(config: DrafterConfig, engine: str) -> Finding:
-    """The refusal of an engine the head's serving form is not for (``Head.engines``)."""
-    served = ", ".join(config.head.engines)
-    return Finding(REFUSE, f"{engine} does not serve a {config.head.title} drafter (served by "
-                   f"{served}); export with --engine {served} (export.engine={served})",
-                   engine, lossy=False)
 
 
 def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
@@ -329,7 +326,9 @@ class InspectResult:
         return self.status == OK
 
 
-def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[str]:
+def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
+                      block: int) -> list[str]:
+    """The rule sets' disagreements, dropped features and (ours) layers not run as trained."""
     loading = {k: r for k, r in readings.items() if r.loads}
     if not loading:
         return ["no rule set loads this directory"]
@@ -342,6 +341,8 @@ def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[
             out += [f"layer {i}: {ref_name} runs '{ref.layers[i].label()}' but {name} runs "
                     f"'{reading.layers[i].label()}'" for i in diff]
     out += [f"{r.rule_set} silently drops {item}" for r in loading.values() for item in r.dropped]
+    for reading in readings.values() if trained is not None else ():
+        out += [f.message for f in mismatches(trained, reading, block, "warn")]
     return out
 
 
@@ -458,15 +459,6 @@ def _judged_engines(path: Path, engine: str | list[str] | None) -> tuple[tuple[s
         return recorded, (f"the export was made for them ({REPORT_FILE}: {ENGINES_KEY}); "
                           "--engine to choose")
     return ENGINES, f"no {REPORT_FILE} record of the engines it was made for; --engine to choose"
-
-
-def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
-                      block: int) -> list[str]:
-    """The rule sets' disagreements, dropped features and (ours) layers not run as trained."""
-    out = _disagreement_lines(readings, block)
-    for reading in readings.values() if trained is not None else ():
-        out += [f.message for f in mismatches(trained, reading, block, "warn")]
-    return out
 
 
 def inspect_dir(path: str | Path, engine: str | list[str] | None = None,
