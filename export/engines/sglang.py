@@ -35,9 +35,10 @@ class Release:
     name: str  #: the ``--sglang_version`` value
     source: str  #: where the rules were read
     causal_era: str  #: "after-34524" | "between" | "before-34262"
-    plain_sinks: bool  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
-    merges_mask: bool  #: ``mask_embedding.pt`` merged into the target's embedding table
-    dflash2: bool  #: ``DFlash2DraftModel`` exists
+    #: what came with 0.5.23 (the older releases have none of it)
+    plain_sinks: bool = False  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
+    merges_mask: bool = False  #: ``mask_embedding.pt`` merged into the target's embedding table
+    dflash2: bool = False  #: ``DFlash2DraftModel`` exists
 
 
 RELEASES: dict[str, Release] = {r.name: r for r in (
@@ -46,12 +47,11 @@ RELEASES: dict[str, Release] = {r.name: r for r in (
             "srt/layers/attention/{flashattention,flashinfer,triton,trtllm_mha}_backend.py",
             "after-34524", plain_sinks=True, merges_mask=True, dflash2=True),
     Release("#34524", "sgl-project/sglang main after PR #34524, before 0.5.23, as this project "
-            "read it then: no plain-DFlash sinks, no mask merge, no DFlash 2", "after-34524",
-            plain_sinks=False, merges_mask=False, dflash2=False),
+            "read it then: no plain-DFlash sinks, no mask merge, no DFlash 2", "after-34524"),
     Release("#34262..#34524", "sgl-project/sglang PR #34262 (regression fixed by #34524)",
-            "between", plain_sinks=False, merges_mask=False, dflash2=False),
+            "between"),
     Release("<#34262", "sgl-project/sglang models/dflash.py before #34262 (no is_causal)",
-            "before-34262", plain_sinks=False, merges_mask=False, dflash2=False),
+            "before-34262"),
 )}
 DEFAULT_RELEASE = "0.5.23"
 
