@@ -191,23 +191,12 @@ EXPORTED_IDENTITY = ("architecture", "config_hash", "tokenizer_hash", "weights_f
 
 def format_config(fmt: str, config: DrafterConfig, dtype: str,
                   target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
-    """The config.json of format ``fmt`` (ValueError: the format cannot carry the drafter,
-    naming what and the fix), by the format's writer for the drafter (export/formats/
-    ``writer_for``: a DFlash 2 Muse Glimmer or a DSpark drafter has its own), recording
-    :data:`EXPORTED_IDENTITY` of the training target (``TARGET_IDENTITY_KEY``)."""
+    """The config.json of format ``fmt`` by its writer for the drafter (``writer_for``: DSpark
+    and DFlash 2 Muse Glimmer have their own; ValueError naming what it cannot carry and the
+    fix), recording :data:`EXPORTED_IDENTITY` of the training target (``TARGET_IDENTITY_KEY``)."""
     identity = {k: target_identity[k] for k in EXPORTED_IDENTITY
                 if target_identity.get(k) is not None} if target_identity else None
     return formats.write_config(fmt, config, dtype, identity or None, vocab_known)
-
-
-def _write_dir(tmp: Path, raw: dict[str, Any], writer: formats.Format, state: dict,
-               mask: torch.Tensor | None, dtype: str, mask_token_id: int) -> None:
-    """config.json and the weights, named as the format writing them names them."""
-    (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
-    torch_dtype = DTYPES[dtype]
-    save_weights(tmp, cast(writer.serving_names(state), torch_dtype),
-                 mask.detach().to(torch_dtype).contiguous() if mask is not None else None,
-                 mask_token_id)
 
 
 def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
@@ -255,7 +244,10 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
             remove_path(stale)
         with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
-            _write_dir(tmp, raw, writer, state, mask, dtype, config.mask_token_id)
+            (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
+            save_weights(tmp, cast(writer.serving_names(state), DTYPES[dtype]),  # format's names
+                         None if mask is None else mask.detach().to(DTYPES[dtype]).contiguous(),
+                         config.mask_token_id)
             checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
                                               select_sglang(sglang_version, sglang_backend),
                                               arch)
