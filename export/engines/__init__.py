@@ -61,9 +61,9 @@ RULE_SETS: tuple[RuleSet, ...] = (
 SGLANG_BACKENDS = ("any", *sglang.BACKENDS)
 
 
-def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
-                  rule_sets: tuple[RuleSet, ...] = RULE_SETS) -> tuple[RuleSet, ...]:
-    """``rule_sets`` with SGLang's ``current`` flags set for the targeted release and draft
+def select_sglang(release: str = sglang.DEFAULT_RELEASE,
+                  backend: str = "any") -> tuple[RuleSet, ...]:
+    """:data:`RULE_SETS` with SGLang's ``current`` flags set for the targeted release and draft
     attention backend (``any`` = every backend the release was read for must run it)."""
     if release not in sglang.RELEASES:
         raise ValueError(f"--sglang_version {release!r}: use one of {list(sglang.RELEASES)}")
@@ -71,7 +71,7 @@ def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
         raise ValueError(f"--sglang_attention_backend {backend!r}: use one of "
                          f"{list(SGLANG_BACKENDS)}")
     out = []
-    for r in rule_sets:
+    for r in RULE_SETS:
         if r.engine != "sglang":
             out.append(r)
             continue
