@@ -271,8 +271,7 @@ class Format:
         """The config the import reads from a config.json this format wrote (the round trip)."""
         if self.exact_reading(raw):
             return self.read_exact(raw, Path("<round trip>"))[0]
-        config, _ = resolve_third_party(raw, Path("<round trip>"), artifacts, None, self)
-        return config
+        return resolve_third_party(raw, Path("<round trip>"), artifacts, None, self)[0]
 
     # ------------------------------------------------------------------ write
     def writer_for(self, config: DrafterConfig) -> Format:

@@ -193,9 +193,7 @@ class MuseGlimmer(ReleasedFormat):
             notes.append("num_target_layers not recorded; assumed "
                          f"{max(d['target_layer_ids']) + 1} (training and eval use the loaded "
                          "target's depth)")
-        aux = vllm_aux_note(d)
-        window = owners_window_note(d)
-        return notes + ([aux] if aux else []) + ([window] if window else [])
+        return notes + [n for n in (vllm_aux_note(d), owners_window_note(d)) if n]
 
     def engine_problems(self, config: DrafterConfig) -> list[str]:
         """Why the format's owner would run the drafter otherwise, beside the fields the round
