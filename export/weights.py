@@ -176,8 +176,7 @@ def has_weights(path: Path) -> bool:
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape over every weight file, from the headers (no tensor is loaded:
-    cheap, for --inspect). ValueError when a name is in two shards or when the index's names
-    differ from the shards'."""
+    cheap, for --inspect). ValueError: a name in two shards, or the index lists other names."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:

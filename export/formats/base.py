@@ -329,8 +329,7 @@ class Format:
 
 class ReleasedFormat(Format):
     """A released third-party layout (Laguna, Muse Glimmer), detected by ``model_type`` or
-    ``architectures`` and read through each engine's own config class for it
-    (:meth:`engine_view`)."""
+    ``architectures``, read through each engine's own config class for it (:meth:`engine_view`)."""
 
     model_type = ""
     architectures: tuple[str, ...] = ()  #: the first is the one written

@@ -180,8 +180,7 @@ class Speculators(Format):
         return is_speculators_dir(path)
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        """A speculators DFlash / DFlash 2 / DSpark directory as an export Source (``verify``:
-        speculators writes no checksums)."""
+        """The directory as a Source (``verify`` unused: speculators writes no checksums)."""
         file = path / CONFIG_FILE
         config, notes = speculators_config(json.loads(file.read_text()), file)
         state = drafter_tensors(load_weights(path), config)
