@@ -111,8 +111,6 @@ def _uses_trtllm(view: HFView) -> bool:
 
 def _layers(view: HFView, release: Release, bidir: str,
             reading: EngineReading) -> list[LayerReading] | None:
-    if view.layer_types is None:
-        return [LayerReading(None, False, bidir)] * view.num_layers
     if len(view.layer_types) < view.num_layers:
         reading.refusal = "raises ValueError: layer_types needs one entry per draft layer"
         return None

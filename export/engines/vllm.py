@@ -36,12 +36,9 @@ def _layer_causal(view: HFView, i: int, *, honors_is_causal: bool) -> bool:
 
 def _is_sliding(view: HFView, i: int) -> bool:
     """``use_swa`` makes every layer slide unless layer_types already names a sliding layer."""
-    use_swa = bool(view.dflash.get("use_swa", False))
-    types = view.layer_types
-    any_sliding = types is not None and SLIDING in types
-    if types is None or (use_swa and not any_sliding):
-        return use_swa
-    return types[i] == SLIDING
+    if view.dflash.get("use_swa", False) and SLIDING not in view.layer_types:
+        return True
+    return view.layer_types[i] == SLIDING
 
 
 def _window(view: HFView) -> int | None:
@@ -74,9 +71,8 @@ def read(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS, *, rule_se
         apply_rope(reading, config, "vllm")
     if reading.refusal:
         return reading
-    types = view.layer_types
-    num_sliding = sum(t == SLIDING for t in types) if types is not None else 0
-    if types is not None and 0 < num_sliding < len(types) and runner == "v1":
+    num_sliding = sum(t == SLIDING for t in view.layer_types)
+    if 0 < num_sliding < len(view.layer_types) and runner == "v1":
         reading.refusal = ("raises NotImplementedError: mixed sliding/full drafters need the V2 "
                            "model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
         return reading
