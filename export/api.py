@@ -412,8 +412,7 @@ def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[
     return out
 
 
-def _verdict(problems: list[str], unchecked: list[str], judged: tuple[str, ...] = ENGINES
-             ) -> str:
+def _verdict(problems: list[str], unchecked: list[str], judged: tuple[str, ...]) -> str:
     if problems:
         return f"NOT OK: {len(problems)} problem(s)" + (
             f"; {len(unchecked)} weight check(s) not made (no {WEIGHTS_FILE})" if unchecked else "")

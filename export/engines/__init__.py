@@ -61,8 +61,7 @@ RULE_SETS: tuple[RuleSet, ...] = (
 SGLANG_BACKENDS = ("any", *sglang.BACKENDS)
 
 
-def select_sglang(release: str = sglang.DEFAULT_RELEASE,
-                  backend: str = "any") -> tuple[RuleSet, ...]:
+def select_sglang(release: str, backend: str = "any") -> tuple[RuleSet, ...]:
     """:data:`RULE_SETS` with SGLang's ``current`` flags set for the targeted release and draft
     attention backend (``any`` = every backend the release was read for must run it)."""
     if release not in sglang.RELEASES:

@@ -191,8 +191,7 @@ def is_serving_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and has_weights(path)
 
 
-def serving_source(path: Path, fmt: Format, verify: bool = True,
-                   assume: str | None = None) -> Source:
+def serving_source(path: Path, fmt: Format, verify: bool, assume: str | None) -> Source:
     """A serving directory of format ``fmt`` as an export Source (:func:`import_serving_dir`;
     ``assume``: the rule set resolving its layout, default ours exactly, else vllm-main-v2)."""
     imported = import_serving_dir(path, fmt, assume, verify)
