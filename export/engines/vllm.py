@@ -42,10 +42,8 @@ def _is_sliding(view: HFView, i: int) -> bool:
 
 
 def _window(view: HFView) -> int | None:
-    """``dflash_config.get("swa_window_size", sliding_window)``: a present-but-null key wins."""
-    if "swa_window_size" in view.dflash:
-        return view.dflash["swa_window_size"]
-    return view.sliding_window
+    """vLLM's ``dflash_config.get("swa_window_size", sliding_window)``: a present null wins."""
+    return view.dflash.get("swa_window_size", view.sliding_window)
 
 
 def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
