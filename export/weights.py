@@ -50,7 +50,7 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}self_attn.{name}.weight"] = shape
             if config.attention_bias:
                 shapes[f"{p}self_attn.{name}.bias"] = (shape[0],)
-        shapes[f"{p}self_attn.q_norm.weight"] = shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+        shapes.update({f"{p}self_attn.{n}.weight": (d,) for n in ("q_norm", "k_norm")})
         if config.attention_sink_bias:
             shapes[f"{p}{SINK_SUFFIX}"] = (config.num_attention_heads,)
         shapes.update({f"{p}{name}.weight": shape for name, shape in rest.items()})

@@ -35,7 +35,7 @@ class Release:
     name: str  #: the ``--sglang_version`` value
     source: str  #: where the rules were read
     causal_era: str  #: "after-34524" | "between" | "before-34262"
-    #: what came with 0.5.23 (the older releases have none of it)
+    # what came with 0.5.23 (the older releases have none of it)
     plain_sinks: bool = False  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
     merges_mask: bool = False  #: ``mask_embedding.pt`` merged into the target's embedding table
     dflash2: bool = False  #: ``DFlash2DraftModel`` exists
