@@ -99,9 +99,8 @@ def vllm_rope(config: dict[str, Any]) -> RopeReading:
         return early
     theta = float(p["rope_theta"])
     if kind == "dynamic" and "alpha" not in p:
-        ratio = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS) / p.get(
-            "max_trained_positions",
-            config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS))
+        max_pos = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS)
+        ratio = max_pos / p.get("max_trained_positions", max_pos)
         return RopeReading(_dynamic_base(theta, p["factor"], ratio, _head_dim(config)), None)
     if kind == "yarn":
         keys = (*_YARN_RAMP, "mscale", "mscale_all_dim", "attention_factor")
