@@ -146,19 +146,16 @@ def plan_export(config: DrafterConfig, engines: tuple[str, ...], *, target: dict
     readings = read_all(raw, artifacts)
     table = select_sglang(sglang_version, sglang_backend)
     findings = check_layout(config)
+    served = ", ".join(config.head.engines)
     for engine in engines:
-        findings += check_engine(config, readings, engine, table) if engine in \
-            config.head.engines else [_unserved(config, engine)]
+        if engine in config.head.engines:
+            findings += check_engine(config, readings, engine, table)
+        else:  # the head's serving form is not for this engine (``Head.engines``)
+            findings.append(Finding(REFUSE, f"{engine} does not serve a {config.head.title} "
+                                    f"drafter (served by {served}); export with --engine "
+                                    f"{served} (export.engine={served})", engine, lossy=False))
     findings += check_target(config, target)
     return readings, apply_allow_lossy(findings, allow_lossy)
-
-
-def _unserved(config: DrafterConfig, engine: str) -> Finding:
-    """The refusal of an engine the head's serving form is not for (``Head.engines``)."""
-    served = ", ".join(config.head.engines)
-    return Finding(REFUSE, f"{engine} does not serve a {config.head.title} drafter (served by "
-                   f"{served}); export with --engine {served} (export.engine={served})",
-                   engine, lossy=False)
 
 
 def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
@@ -194,23 +191,12 @@ EXPORTED_IDENTITY = ("architecture", "config_hash", "tokenizer_hash", "weights_f
 
 def format_config(fmt: str, config: DrafterConfig, dtype: str,
                   target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
-    """The config.json of format ``fmt`` (ValueError: the format cannot carry the drafter,
-    naming what and the fix), by the format's writer for the drafter (export/formats/
-    ``writer_for``: a DFlash 2 Muse Glimmer or a DSpark drafter has its own), recording
-    :data:`EXPORTED_IDENTITY` of the training target (``TARGET_IDENTITY_KEY``)."""
+    """The config.json of format ``fmt`` by its writer for the drafter (``writer_for``: DSpark
+    and DFlash 2 Muse Glimmer have their own; ValueError naming what it cannot carry and the
+    fix), recording :data:`EXPORTED_IDENTITY` of the training target (``TARGET_IDENTITY_KEY``)."""
     identity = {k: target_identity[k] for k in EXPORTED_IDENTITY
                 if target_identity.get(k) is not None} if target_identity else None
     return formats.write_config(fmt, config, dtype, identity or None, vocab_known)
-
-
-def _write_dir(tmp: Path, raw: dict[str, Any], writer: formats.Format, state: dict,
-               mask: torch.Tensor | None, dtype: str, mask_token_id: int) -> None:
-    """config.json and the weights, named as the format writing them names them."""
-    (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
-    torch_dtype = DTYPES[dtype]
-    save_weights(tmp, cast(writer.serving_names(state), torch_dtype),
-                 mask.detach().to(torch_dtype).contiguous() if mask is not None else None,
-                 mask_token_id)
 
 
 def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
@@ -258,7 +244,10 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
         for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
             remove_path(stale)
         with temp_dir_beside(out_dir) as tmp:  # deleted unless _commit moved it into place
-            _write_dir(tmp, raw, writer, state, mask, dtype, config.mask_token_id)
+            (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
+            save_weights(tmp, cast(writer.serving_names(state), DTYPES[dtype]),  # format's names
+                         None if mask is None else mask.detach().to(DTYPES[dtype]).contiguous(),
+                         config.mask_token_id)
             checks, check_lines = _self_check(tmp, raw, src, engines, dtype, self_check,
                                               select_sglang(sglang_version, sglang_backend),
                                               arch)
@@ -329,7 +318,9 @@ class InspectResult:
         return self.status == OK
 
 
-def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[str]:
+def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
+                      block: int) -> list[str]:
+    """The rule sets' disagreements, dropped features and (ours) layers not run as trained."""
     loading = {k: r for k, r in readings.items() if r.loads}
     if not loading:
         return ["no rule set loads this directory"]
@@ -342,6 +333,8 @@ def _disagreement_lines(readings: dict[str, EngineReading], block: int) -> list[
             out += [f"layer {i}: {ref_name} runs '{ref.layers[i].label()}' but {name} runs "
                     f"'{reading.layers[i].label()}'" for i in diff]
     out += [f"{r.rule_set} silently drops {item}" for r in loading.values() for item in r.dropped]
+    for reading in readings.values() if trained is not None else ():
+        out += [f.message for f in mismatches(trained, reading, block, "warn")]
     return out
 
 
@@ -419,8 +412,7 @@ def unchecked_without_weights(config: DrafterConfig | None, path: Path) -> list[
     return out
 
 
-def _verdict(problems: list[str], unchecked: list[str], judged: tuple[str, ...] = ENGINES
-             ) -> str:
+def _verdict(problems: list[str], unchecked: list[str], judged: tuple[str, ...]) -> str:
     if problems:
         return f"NOT OK: {len(problems)} problem(s)" + (
             f"; {len(unchecked)} weight check(s) not made (no {WEIGHTS_FILE})" if unchecked else "")
@@ -458,15 +450,6 @@ def _judged_engines(path: Path, engine: str | list[str] | None) -> tuple[tuple[s
         return recorded, (f"the export was made for them ({REPORT_FILE}: {ENGINES_KEY}); "
                           "--engine to choose")
     return ENGINES, f"no {REPORT_FILE} record of the engines it was made for; --engine to choose"
-
-
-def _reading_problems(readings: dict[str, EngineReading], trained: list[LayerSpec] | None,
-                      block: int) -> list[str]:
-    """The rule sets' disagreements, dropped features and (ours) layers not run as trained."""
-    out = _disagreement_lines(readings, block)
-    for reading in readings.values() if trained is not None else ():
-        out += [f.message for f in mismatches(trained, reading, block, "warn")]
-    return out
 
 
 def inspect_dir(path: str | Path, engine: str | list[str] | None = None,

@@ -1,7 +1,6 @@
 """Whether an export is safe: what each engine will run against what was trained. A finding is
 a refusal (the export stops, unless ``--allow_lossy`` and it is lossy) or a warning (in
-EXPORT_REPORT.md and on stderr), naming the layer, the rule set, what the engine would do and
-what to change.
+EXPORT_REPORT.md and on stderr), naming the layer, rule set, what the engine would do, the fix.
 """
 
 from __future__ import annotations

@@ -82,13 +82,6 @@ def _read_target(path: str | None) -> dict[str, Any] | None:
         raise ValueError(f"--target {path}: cannot read {file} ({err})") from err
 
 
-def _inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    # --engine given: judged for it; else for the engines the export recorded (issue 47)
-    result = inspect_dir(args.inspect, args.engine, verify=not args.no_verify)
-    print(result.text)
-    return {OK: EXIT_OK, UNCHECKED: EXIT_UNCHECKED}.get(result.status, EXIT_REFUSED)
-
-
 def _check_target_weights(src: Source, target: str | None, allow: bool) -> None:
     """``--target`` must be the checkpoint the drafter was trained on: its weights fingerprint
     equals the one the training checkpoint recorded (same config and tokenizer are not enough:
@@ -143,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         section = recipe_export_section(args.recipe) if args.recipe else None
         opts = resolve_options(args, section, f"recipe {args.recipe}")
-        return _inspect(args, opts) if args.inspect else _export(args, opts, argv)
+        if args.inspect:  # judged for --engine, else for the engines the export recorded
+            result = inspect_dir(args.inspect, args.engine, verify=not args.no_verify)
+            print(result.text)
+            return {OK: EXIT_OK, UNCHECKED: EXIT_UNCHECKED}.get(result.status, EXIT_REFUSED)
+        return _export(args, opts, argv)
     except (ExportRefused, SelfCheckFailed) as err:
         print(f"dflash-export: {err}", file=sys.stderr)
         return EXIT_REFUSED if isinstance(err, ExportRefused) else EXIT_SELF_CHECK

@@ -111,14 +111,10 @@ def check_output_dir(out_dir: str | Path, reads: Iterable[str | Path], *, force:
 
 
 # ------------------------------------------------------------------ temporary directories
-# An export builds in dflash_lab.paths.temp_dir_beside(OUT_DIR), named
-# ``.OUT.tmp-<host>-<pid>-<random>`` (paths.temp_dir_prefix): the host and pid say whose it is
-# once the process is gone.
-
-
 def stale_temp_dirs(out_dir: Path) -> list[Path]:
-    """Temporary export directories beside ``out_dir`` left by a killed export on this host:
-    the pid in the name is not running, and they hold only files an export writes."""
+    """Temporary export directories beside ``out_dir`` (paths.temp_dir_prefix names them
+    ``.OUT.tmp-<host>-<pid>-<random>``) left by a killed export on this host: the pid in the
+    name is not running, and they hold only files an export writes."""
     host = socket.gethostname()
     found = []
     for path in out_dir.parent.glob(f".{out_dir.name}.tmp-{host}-*"):

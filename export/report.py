@@ -20,8 +20,7 @@ def layer_table(specs: list[LayerSpec] | None, readings: dict[str, EngineReading
         (len(r.layers) for r in readings.values() if r.layers), default=0)
     for i in range(num):
         row = [str(i)] + ([spec_label(specs[i])] if specs is not None else [])
-        for name in names:
-            row.append(_cell(readings[name], i, specs[i] if specs else None, block_size))
+        row += [_cell(readings[name], i, specs[i] if specs else None, block_size) for name in names]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

@@ -112,8 +112,8 @@ class _ProbeEmbedding(nn.Module):
         return self.table[(ids[..., None] == self.ids).long().argmax(-1)]
 
 
-def _probe(config: DrafterConfig, seed: int = 0) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
+def _probe(config: DrafterConfig) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
     window = config.sliding_window if config.any_sliding else 0
     num_ctx = min(max(32, window + 8), 520)  # long enough for the window to bite when small
     h = config.hidden_size
@@ -157,9 +157,8 @@ def _rel(a: list[Tensor], b: list[Tensor]) -> float:
 
 def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
                    artifacts: Artifacts) -> tuple[DrafterConfig, dict[str, Tensor]] | None:
-    """The drafter one engine would build from the directory, or None if it refuses to load.
-    A Muse Glimmer directory is read as the importer reads it (its own fields, each engine's
-    config class, the tensors renamed to ours)."""
+    """The drafter one engine would build from the directory, or None if it refuses to load,
+    read through its format's hooks (the engine's view, the importer's fields, our names)."""
     fmt = format_of(view)
     reading = fmt.reading(rule_set, view, artifacts)
     if not reading.loads:
@@ -205,9 +204,8 @@ def _engine_groups(out_dir: Path, view: dict[str, Any], rule_sets: list[RuleSet]
 def run_self_check(out_dir: Path, raw_config: dict[str, Any], source_config: DrafterConfig,
                    source_state: dict[str, Tensor], rule_sets: list[RuleSet],
                    artifacts: Artifacts, dtype: torch.dtype) -> tuple[list[SelfCheckResult], str]:
-    """Compare the source drafter with every distinct engine view of ``out_dir``. A Muse Glimmer
-    config.json is read by each engine's config class for it (export/formats/muse_glimmer.py),
-    not Qwen3Config directly."""
+    """Compare the source drafter with every distinct engine view of ``out_dir``, read through
+    its format's own view where it has one (``self_check_how``), else through Qwen3Config."""
     how = format_of(raw_config).self_check_how  # its own view; else through Qwen3Config
     view, how = (raw_config, how) if how else qwen3_config_view(raw_config)
     probe = _probe(source_config)

@@ -41,22 +41,19 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         "fc.weight": (h, config.num_features),
         "hidden_norm.weight": (h,), "norm.weight": (h,),
     }
+    proj = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    rest = {"mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
+            "input_layernorm": (h,), "post_attention_layernorm": (h,)}
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
-        proj = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
         for name, shape in proj.items():
             shapes[f"{p}self_attn.{name}.weight"] = shape
             if config.attention_bias:
                 shapes[f"{p}self_attn.{name}.bias"] = (shape[0],)
-        shapes[f"{p}self_attn.q_norm.weight"] = (d,)
-        shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+        shapes.update({f"{p}self_attn.{n}.weight": (d,) for n in ("q_norm", "k_norm")})
         if config.attention_sink_bias:
             shapes[f"{p}{SINK_SUFFIX}"] = (config.num_attention_heads,)
-        shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
-        shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
-        shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
-        shapes[f"{p}input_layernorm.weight"] = (h,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        shapes.update({f"{p}{name}.weight": shape for name, shape in rest.items()})
     for part in config.parts:  # the head's and the features' tensors (model/heads.py)
         shapes.update(part.weight_shapes(config))
     return shapes
@@ -179,8 +176,7 @@ def has_weights(path: Path) -> bool:
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape over every weight file, from the headers (no tensor is loaded:
-    cheap, for --inspect). ValueError when a name is in two shards or when the index's names
-    differ from the shards'."""
+    cheap, for --inspect). ValueError: a name in two shards, or the index lists other names."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from dflash_lab.export.engines import sglang, vllm
@@ -30,16 +31,17 @@ class RuleSet:
 
 
 def _sglang(release: str, group: str | None = None) -> RuleSet:
-    rel = sglang.RELEASES[release]
-    backends = sglang.BACKEND_GROUPS[group] if group else ()
-    source = rel.source + (f"; draft backend {group}" if group else "")
-    return RuleSet(sglang.rule_set_name(release, group), "sglang",
-                   release == sglang.DEFAULT_RELEASE, sglang.reader(release, group), source,
+    name, backends = sglang.rule_set_name(release, group), sglang.BACKEND_GROUPS.get(group, ())
+    read = partial(sglang.read, rule_set=name, release=release,
+                   backend=backends[0] if backends else None)
+    source = sglang.RELEASES[release].source + (f"; draft backend {group}" if group else "")
+    return RuleSet(name, "sglang", release == sglang.DEFAULT_RELEASE, read, source,
                    f"older release; upgrade to SGLang {sglang.DEFAULT_RELEASE}", release, backends)
 
 
 def _vllm(name: str, runner: str, main: bool, source: str) -> RuleSet:
-    return RuleSet(name, "vllm", main, vllm.reader(name, runner, main), source,
+    read = partial(vllm.read, rule_set=name, runner=runner, honors_is_causal=main)
+    return RuleSet(name, "vllm", main, read, source,
                    "" if main else "older release; upgrade to vLLM > 0.26")
 
 
@@ -59,9 +61,8 @@ RULE_SETS: tuple[RuleSet, ...] = (
 SGLANG_BACKENDS = ("any", *sglang.BACKENDS)
 
 
-def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
-                  rule_sets: tuple[RuleSet, ...] = RULE_SETS) -> tuple[RuleSet, ...]:
-    """``rule_sets`` with SGLang's ``current`` flags set for the targeted release and draft
+def select_sglang(release: str, backend: str = "any") -> tuple[RuleSet, ...]:
+    """:data:`RULE_SETS` with SGLang's ``current`` flags set for the targeted release and draft
     attention backend (``any`` = every backend the release was read for must run it)."""
     if release not in sglang.RELEASES:
         raise ValueError(f"--sglang_version {release!r}: use one of {list(sglang.RELEASES)}")
@@ -69,7 +70,7 @@ def select_sglang(release: str = sglang.DEFAULT_RELEASE, backend: str = "any",
         raise ValueError(f"--sglang_attention_backend {backend!r}: use one of "
                          f"{list(SGLANG_BACKENDS)}")
     out = []
-    for r in rule_sets:
+    for r in RULE_SETS:
         if r.engine != "sglang":
             out.append(r)
             continue

@@ -84,7 +84,7 @@ class HFView:
     """The fields DFlash loaders read, after transformers' Qwen3Config rewrites."""
 
     num_layers: int
-    layer_types: list[str] | None
+    layer_types: list[str]  #: never None: an absent key is invented as Qwen3Config does
     sliding_window: int | None
     is_causal: Any  #: top-level value, None when absent
     dflash: dict[str, Any]

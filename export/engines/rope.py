@@ -66,33 +66,27 @@ def _dynamic_base(theta: float, factor: float, ratio: float, dim: int) -> float:
     return theta * ((factor * ratio) - (factor - 1)) ** (dim / (dim - 2))
 
 
-def _common(p: dict[str, Any], kind: str) -> RopeReading | None:
-    """default / linear / llama3 read as transformers does, by both engines."""
-    theta = float(p["rope_theta"])
-    if kind == "default":
-        return RopeReading(theta, None)
-    if kind == "linear":
-        return RopeReading(theta, {"rope_type": "linear", "factor": p["factor"]})
-    if kind == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
-        return RopeReading(theta, {"rope_type": "llama3", **{k: p[k] for k in keys}})
-    return None
-
-
 def _engine_reading(config: dict[str, Any], cache: str
                     ) -> tuple[dict[str, Any], str, RopeReading | None]:
     """(rope parameters, rope_type, the reading when both engines read it alike) of a
     config.json: a per-layer-type dict is refused the way both engines fail on it (``cache``:
-    how this engine's get_rope caches), default/linear/llama3 are :func:`_common`; None
-    leaves the engine-specific types to the caller."""
+    how this engine's get_rope caches), default/linear/llama3 are read as transformers reads
+    them; None leaves the engine-specific types to the caller."""
     p, nested = hf_rope_parameters(config)
     if nested:
         return p, "", RopeReading(0.0, None, refusal="raises TypeError (unhashable type: "
                                   f"'dict'): get_rope {cache} and a per-layer-type dict holds "
                                   "dicts")
-    kind = p["rope_type"]
-    return p, kind, _common(p, kind)
+    kind, theta = p["rope_type"], float(p["rope_theta"])
+    if kind == "default":
+        return p, kind, RopeReading(theta, None)
+    if kind == "linear":
+        return p, kind, RopeReading(theta, {"rope_type": "linear", "factor": p["factor"]})
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+        return p, kind, RopeReading(theta, {"rope_type": "llama3", **{k: p[k] for k in keys}})
+    return p, kind, None
 
 
 _YARN_RAMP = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
@@ -105,9 +99,8 @@ def vllm_rope(config: dict[str, Any]) -> RopeReading:
         return early
     theta = float(p["rope_theta"])
     if kind == "dynamic" and "alpha" not in p:
-        ratio = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS) / p.get(
-            "max_trained_positions",
-            config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS))
+        max_pos = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS)
+        ratio = max_pos / p.get("max_trained_positions", max_pos)
         return RopeReading(_dynamic_base(theta, p["factor"], ratio, _head_dim(config)), None)
     if kind == "yarn":
         keys = (*_YARN_RAMP, "mscale", "mscale_all_dim", "attention_factor")
@@ -223,7 +216,3 @@ def _same(config: dict[str, Any], a: tuple[float, dict | None],
     dim = _head_dim(config)
     max_pos = config.get("max_position_embeddings", QWEN3_DEFAULT_MAX_POSITIONS)
     return same_rope(rope_tables(a[0], dim, a[1], max_pos), rope_tables(b[0], dim, b[1], max_pos))
-
-
-__all__ = ["RopeReading", "hf_rope_parameters", "vllm_rope", "sglang_rope", "declared_rope",
-           "apply_rope"]

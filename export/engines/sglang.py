@@ -35,9 +35,10 @@ class Release:
     name: str  #: the ``--sglang_version`` value
     source: str  #: where the rules were read
     causal_era: str  #: "after-34524" | "between" | "before-34262"
-    plain_sinks: bool  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
-    merges_mask: bool  #: ``mask_embedding.pt`` merged into the target's embedding table
-    dflash2: bool  #: ``DFlash2DraftModel`` exists
+    # what came with 0.5.23 (the older releases have none of it)
+    plain_sinks: bool = False  #: ``dflash_config.attention_sink_bias`` served for plain DFlash
+    merges_mask: bool = False  #: ``mask_embedding.pt`` merged into the target's embedding table
+    dflash2: bool = False  #: ``DFlash2DraftModel`` exists
 
 
 RELEASES: dict[str, Release] = {r.name: r for r in (
@@ -46,12 +47,11 @@ RELEASES: dict[str, Release] = {r.name: r for r in (
             "srt/layers/attention/{flashattention,flashinfer,triton,trtllm_mha}_backend.py",
             "after-34524", plain_sinks=True, merges_mask=True, dflash2=True),
     Release("#34524", "sgl-project/sglang main after PR #34524, before 0.5.23, as this project "
-            "read it then: no plain-DFlash sinks, no mask merge, no DFlash 2", "after-34524",
-            plain_sinks=False, merges_mask=False, dflash2=False),
+            "read it then: no plain-DFlash sinks, no mask merge, no DFlash 2", "after-34524"),
     Release("#34262..#34524", "sgl-project/sglang PR #34262 (regression fixed by #34524)",
-            "between", plain_sinks=False, merges_mask=False, dflash2=False),
+            "between"),
     Release("<#34262", "sgl-project/sglang models/dflash.py before #34262 (no is_causal)",
-            "before-34262", plain_sinks=False, merges_mask=False, dflash2=False),
+            "before-34262"),
 )}
 DEFAULT_RELEASE = "0.5.23"
 
@@ -111,8 +111,6 @@ def _uses_trtllm(view: HFView) -> bool:
 
 def _layers(view: HFView, release: Release, bidir: str,
             reading: EngineReading) -> list[LayerReading] | None:
-    if view.layer_types is None:
-        return [LayerReading(None, False, bidir)] * view.num_layers
     if len(view.layer_types) < view.num_layers:
         reading.refusal = "raises ValueError: layer_types needs one entry per draft layer"
         return None
@@ -177,8 +175,8 @@ def _embedding_scale(config: dict[str, Any], artifacts: Artifacts,
                    "SGLang never reads it, block inputs come from the target's embedding module")
 
 
-def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release: str,
-         backend: str | None = None) -> EngineReading:
+def read(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS, *, rule_set: str,
+         release: str, backend: str | None = None) -> EngineReading:
     """Per-layer (window, causal) as one SGLang release (and draft backend) builds its
     RadixAttention layers, what it drops, or its refusal. ``backend`` None = not read."""
     rel, view = RELEASES[release], hf_view(config)
@@ -203,17 +201,6 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, release
     bidir = BACKENDS[backend] if backend is not None else LEFT_ONLY  # backends not read
     reading.layers = _layers(view, rel, bidir, reading)
     return reading
-
-
-def reader(release: str, backend_group: str | None = None):
-    """The ``(config, artifacts) -> EngineReading`` of one release and backend group."""
-    backend = BACKEND_GROUPS[backend_group][0] if backend_group else None
-    name = rule_set_name(release, backend_group)
-
-    def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-        return read(config, artifacts, rule_set=name, release=release, backend=backend)
-
-    return read_one
 
 
 def rule_set_name(release: str, backend_group: str | None = None) -> str:

@@ -101,10 +101,8 @@ def sglang_variant(config: dict[str, Any], artifacts: Artifacts, reading: Engine
     elif dflash2 and ("conv_kernel_size" in missing) != ("conv_group_size" in missing):
         reading.refusal = ("raises ValueError: 'DFLASH grouped convolution needs "
                            "conv_kernel_size and conv_group_size together'")
-    if reading.refusal:
-        return
     # input_embedding_scale: engines/sglang.py (what SGLang feeds depends on the target)
-    if not dflash2:
+    if reading.refusal or not dflash2:
         return
     if "conv_kernel_size" in missing:
         reading.dropped.append("the grouped convs (conv_kernel_size / conv_group_size not in "

@@ -36,19 +36,14 @@ def _layer_causal(view: HFView, i: int, *, honors_is_causal: bool) -> bool:
 
 def _is_sliding(view: HFView, i: int) -> bool:
     """``use_swa`` makes every layer slide unless layer_types already names a sliding layer."""
-    use_swa = bool(view.dflash.get("use_swa", False))
-    types = view.layer_types
-    any_sliding = types is not None and SLIDING in types
-    if types is None or (use_swa and not any_sliding):
-        return use_swa
-    return types[i] == SLIDING
+    if view.dflash.get("use_swa", False) and SLIDING not in view.layer_types:
+        return True
+    return view.layer_types[i] == SLIDING
 
 
 def _window(view: HFView) -> int | None:
-    """``dflash_config.get("swa_window_size", sliding_window)``: a present-but-null key wins."""
-    if "swa_window_size" in view.dflash:
-        return view.dflash["swa_window_size"]
-    return view.sliding_window
+    """vLLM's ``dflash_config.get("swa_window_size", sliding_window)``: a present null wins."""
+    return view.dflash.get("swa_window_size", view.sliding_window)
 
 
 def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
@@ -61,9 +56,11 @@ def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
     return dropped
 
 
-def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner: str,
-         honors_is_causal: bool) -> EngineReading:
-    """Per-layer (window, causal) as vLLM would build the drafter, or its load-time refusal."""
+def read(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS, *, rule_set: str,
+         runner: str, honors_is_causal: bool) -> EngineReading:
+    """Per-layer (window, causal) as vLLM would build the drafter, or its load-time refusal, for
+    one release (main 0.32; <= 0.26: ``honors_is_causal`` false) and runner ("v1", default, or
+    "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
     view = hf_view(config)
     reading = EngineReading(rule_set, None, dropped=_dropped(view, artifacts))
     vllm_variant(config, artifacts, reading, legacy=not honors_is_causal, runner=runner)
@@ -72,9 +69,8 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
         apply_rope(reading, config, "vllm")
     if reading.refusal:
         return reading
-    types = view.layer_types
-    num_sliding = sum(t == SLIDING for t in types) if types is not None else 0
-    if types is not None and 0 < num_sliding < len(types) and runner == "v1":
+    num_sliding = sum(t == SLIDING for t in view.layer_types)
+    if 0 < num_sliding < len(view.layer_types) and runner == "v1":
         reading.refusal = ("raises NotImplementedError: mixed sliding/full drafters need the V2 "
                            "model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
         return reading
@@ -93,12 +89,3 @@ def read(config: dict[str, Any], artifacts: Artifacts, *, rule_set: str, runner:
     reading.layers = layers
     return reading
 
-
-def reader(rule_set: str, runner: str, honors_is_causal: bool):
-    """The ``(config, artifacts) -> EngineReading`` of one vLLM release (main 0.32; <= 0.26:
-    ``honors_is_causal`` false) and runner ("v1", default, or "v2": VLLM_USE_V2_MODEL_RUNNER=1)."""
-    def read_one(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS) -> EngineReading:
-        return read(config, artifacts, rule_set=rule_set, runner=runner,
-                    honors_is_causal=honors_is_causal)
-
-    return read_one

@@ -1,6 +1,5 @@
-"""The checkpoint formats: one module each, listed in :data:`REGISTRY` in match order; the
-interface, default reader and the registry's functions (:func:`format_of`, :func:`format_at`,
-:func:`get`, :func:`register`) are export/formats/base.py's, re-exported here
+"""The checkpoint formats, one module each, in :data:`REGISTRY`'s match order; the interface,
+default reader and registry functions are export/formats/base.py's, re-exported here
 (docs/architecture.md, "Add a format").
 """
 

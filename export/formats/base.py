@@ -191,8 +191,7 @@ def is_serving_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and has_weights(path)
 
 
-def serving_source(path: Path, fmt: Format, verify: bool = True,
-                   assume: str | None = None) -> Source:
+def serving_source(path: Path, fmt: Format, verify: bool, assume: str | None) -> Source:
     """A serving directory of format ``fmt`` as an export Source (:func:`import_serving_dir`;
     ``assume``: the rule set resolving its layout, default ours exactly, else vllm-main-v2)."""
     imported = import_serving_dir(path, fmt, assume, verify)
@@ -271,8 +270,7 @@ class Format:
         """The config the import reads from a config.json this format wrote (the round trip)."""
         if self.exact_reading(raw):
             return self.read_exact(raw, Path("<round trip>"))[0]
-        config, _ = resolve_third_party(raw, Path("<round trip>"), artifacts, None, self)
-        return config
+        return resolve_third_party(raw, Path("<round trip>"), artifacts, None, self)[0]
 
     # ------------------------------------------------------------------ write
     def writer_for(self, config: DrafterConfig) -> Format:
@@ -330,8 +328,7 @@ class Format:
 
 class ReleasedFormat(Format):
     """A released third-party layout (Laguna, Muse Glimmer), detected by ``model_type`` or
-    ``architectures`` and read through each engine's own config class for it
-    (:meth:`engine_view`)."""
+    ``architectures``, read through each engine's own config class for it (:meth:`engine_view`)."""
 
     model_type = ""
     architectures: tuple[str, ...] = ()  #: the first is the one written

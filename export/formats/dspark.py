@@ -226,8 +226,7 @@ class DSpark(Format):
         for key in ("mask_token_id", "block_size", "sample_from_anchor", *DSPARK_DEFAULTS):
             if key in view:
                 dfc[key] = view.pop(key)  # sample_from_anchor: update_dspark's (absent = false)
-        view.pop("target_layer_ids", None)
-        for key in RUNNER_KEYS:
+        for key in ("target_layer_ids", *RUNNER_KEYS):
             view.pop(key, None)
         view["block_size"] = dfc["block_size"]
         return view

@@ -1,6 +1,5 @@
 """Our Lightning checkpoints (``.ckpt``) and training run directories (their best checkpoint),
-opened with ``torch.load(weights_only=True)`` only: an export never executes code hidden in a
-pickle.
+opened with ``torch.load(weights_only=True)`` only: an export never runs code hidden in a pickle.
 """
 
 from __future__ import annotations

@@ -123,28 +123,11 @@ def vllm_aux_note(d: dict[str, Any]) -> str | None:
             f"writes {AUX_KEY}")
 
 
-
 # ---------------------------------------------------------------------------- export
 FORMAT = "muse-glimmer"  #: ``dflash-export --format`` value
-
-
 #: The DFlash 2 form of the Muse Glimmer assistant in released code: z-lab's DFlash2DraftModel
 #: layout, which is ours (docs/export.md, "Writing the Muse Glimmer layout").
 DFLASH2_RELEASE = "z-lab/Muse-Glimmer-30B-DFlash2"
-
-
-def _causality_problems(config: DrafterConfig) -> list[str]:
-    causal = [i for i, spec in enumerate(config.layer_specs()) if spec.causal]
-    if not causal:
-        return []
-    if len(causal) < config.num_hidden_layers:
-        return [f"per-layer causality (layers {causal} causal, the others bidirectional): the "
-                "format has no per-layer key (vLLM 0.32 reads bool(is_causal), SGLang one "
-                "is_causal for every layer) and the owners' class runs every layer "
-                "bidirectional"]
-    return [f"causal layers {causal}: MuseGlimmerAssistantAttention runs every layer "
-            "bidirectional (is_causal = False in its code; a config.json is_causal reaches "
-            "vLLM and SGLang only), so the format's owner would run another drafter"]
 
 
 class MuseGlimmer(ReleasedFormat):
@@ -200,7 +183,6 @@ class MuseGlimmer(ReleasedFormat):
         return DrafterConfig.create(source=source, **fields)
 
     def format_notes(self, d: dict[str, Any]) -> list[str]:
-        """What the import assumed because the format does not record it."""
         notes = []
         if "vocab_size" not in d:
             notes.append(f"Muse Glimmer format: no vocab_size (the head is the target's); "
@@ -211,9 +193,7 @@ class MuseGlimmer(ReleasedFormat):
             notes.append("num_target_layers not recorded; assumed "
                          f"{max(d['target_layer_ids']) + 1} (training and eval use the loaded "
                          "target's depth)")
-        aux = vllm_aux_note(d)
-        window = owners_window_note(d)
-        return notes + ([aux] if aux else []) + ([window] if window else [])
+        return notes + [n for n in (vllm_aux_note(d), owners_window_note(d)) if n]
 
     def engine_problems(self, config: DrafterConfig) -> list[str]:
         """Why the format's owner would run the drafter otherwise, beside the fields the round
@@ -224,7 +204,18 @@ class MuseGlimmer(ReleasedFormat):
         if config.learned_mask_embedding:
             out.append("a learned mask embedding: the owners' class embeds MASK slots with the "
                        "target's embedding row and reads no mask_embedding.pt")
-        return out + _causality_problems(config)
+        causal = [i for i, spec in enumerate(config.layer_specs()) if spec.causal]
+        if causal and len(causal) < config.num_hidden_layers:
+            out.append(f"per-layer causality (layers {causal} causal, the others bidirectional): "
+                       "the format has no per-layer key (vLLM 0.32 reads bool(is_causal), SGLang "
+                       "one is_causal for every layer) and the owners' class runs every layer "
+                       "bidirectional")
+        elif causal:
+            out.append(f"causal layers {causal}: MuseGlimmerAssistantAttention runs every layer "
+                       "bidirectional (is_causal = False in its code; a config.json is_causal "
+                       "reaches vLLM and SGLang only), so the format's owner would run another "
+                       "drafter")
+        return out
 
     def our_names(self, state: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
         """Muse Glimmer tensor names (``encoder.fc.weight``...) -> ours (``fc.weight``...)."""

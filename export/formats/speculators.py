@@ -103,12 +103,6 @@ def _rope(tl: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _refuse_speculators_features(d: dict[str, Any], file: Path) -> None:
-    if d.get("mask_token_id") is None:
-        raise ValueError(f"{file}: mask_token_id is null; set it in config.json to the MASK id "
-                         "the drafter was trained with")
-
-
 def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, list[str]]:
     """Our DrafterConfig of a speculators config.json dict, and notes on what was assumed."""
     kind = d.get("speculators_model_type")
@@ -116,7 +110,9 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
         raise ValueError(f"{file}: speculators_model_type={kind!r} is not a DFlash drafter "
                          "(dflash, dflash2, dspark or xpress)")
     tl = dict(d.get("transformer_layer_config") or {})
-    _refuse_speculators_features(d, file)
+    if d.get("mask_token_id") is None:
+        raise ValueError(f"{file}: mask_token_id is null; set it in config.json to the MASK id "
+                         "the drafter was trained with")
     aux = d.get("aux_hidden_state_layer_ids")
     if not aux or min(aux) < 1:
         raise ValueError(f"{file}: aux_hidden_state_layer_ids={aux}: need ids >= 1 (speculators "
@@ -184,8 +180,7 @@ class Speculators(Format):
         return is_speculators_dir(path)
 
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
-        """A speculators DFlash / DFlash 2 / DSpark directory as an export Source (``verify``:
-        speculators writes no checksums)."""
+        """The directory as a Source (``verify`` unused: speculators writes no checksums)."""
         file = path / CONFIG_FILE
         config, notes = speculators_config(json.loads(file.read_text()), file)
         state = drafter_tensors(load_weights(path), config)
