@@ -46,9 +46,8 @@ def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
     with torch.no_grad():
         normed = pieces.norm(last)
     argmax = chunked_argmax(pieces.lm_head, normed)
-    top = (None, None)
-    if topk:
-        top = chunked_topk(pieces.lm_head, normed, topk, pieces.logit_softcap)
+    top = (chunked_topk(pieces.lm_head, normed, topk, pieces.logit_softcap) if topk
+           else (None, None))
     return TargetFeatures(hidden, argmax, normed, *top)
 
 
