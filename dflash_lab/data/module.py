@@ -43,18 +43,13 @@ def pad_collate(samples: Sequence[dict[str, Tensor]],
     real = max(s["input_ids"].shape[0] for s in samples)
     longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}
-    for key in PAD_VALUES:
+    for key, value in PAD_VALUES.items():
         if key not in samples[0]:
             continue
-        rows = []
-        for s in samples:
-            t = s[key]
-            pad = longest - t.shape[0]
-            if pad:
-                fill = t.new_full((pad, *t.shape[1:]), PAD_VALUES.get(key, 0))
-                t = torch.cat([t, fill])
-            rows.append(t)
-        batch[key] = torch.stack(rows)
+        first = samples[0][key]
+        batch[key] = first.new_full((len(samples), longest, *first.shape[1:]), value)
+        for b, s in enumerate(samples):
+            batch[key][b, :s[key].shape[0]] = s[key]
     batch["loss_mask"] = batch["loss_mask"].bool()
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples])
     batch["attention_mask"] = torch.arange(longest)[None] < lengths[:, None]
@@ -416,9 +411,9 @@ class OfflineDataModule(BlockDataModule):
                 hidden_states_path=self.speculators["hidden_states_path"],
                 hidden_size=self.expect["hidden_size"], vocab_size=self.expect["vocab_size"],
                 target_hidden_size=self.expect["target_hidden_size"])
-            return self.samples
-        self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
-                                    **self.expect)
+        else:
+            self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
+                                        **self.expect)
         return self.samples
 
     def target_distribution(self) -> dict[str, Any]:

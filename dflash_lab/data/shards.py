@@ -116,8 +116,7 @@ def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
     }
     for name, dtype in DISTRIBUTION_TENSORS.items():
         if samples and getattr(samples[0], name) is not None:
-            tensors[name] = torch.cat([getattr(s, name).to("cpu", dtype or HIDDEN_DTYPES[
-                hidden_dtype]) for s in samples]).contiguous()
+            tensors[name] = cat(name, dtype or HIDDEN_DTYPES[hidden_dtype], ())
     path = out_dir / shard_file(index)
     with atomic_path(path) as tmp:
         # One metadata key only: safetensors writes metadata keys in random order, and shard
@@ -143,9 +142,8 @@ def finished_shard(out_dir: str | Path, index: int, verify: bool = True) -> dict
         record = json.loads(rec_path.read_text())
     except json.JSONDecodeError:
         return None
-    if path.stat().st_size != record.get("bytes"):
-        return None
-    if verify and sha256_file(path) != record.get("sha256"):
+    if path.stat().st_size != record.get("bytes") or (
+            verify and sha256_file(path) != record.get("sha256")):
         return None
     return record
 

@@ -144,7 +144,11 @@ class SpeculatorsDataset(Dataset):
         self.norm = copy.deepcopy(pieces.norm).to("cpu").eval().requires_grad_(False)
         self.lm_head = copy.deepcopy(pieces.lm_head).to("cpu").eval().requires_grad_(False)
         self.index = self._present_rows()
-        self.manifest = self._describe()
+        lengths = self.lengths()  # what dflash-train reads from a manifest
+        self.manifest = {"format": "speculators", "path": str(self.root),
+                         "speculators_layer_ids": self.their_ids, "num_samples": len(lengths),
+                         "max_length": max(lengths),
+                         "distribution": {"last_hidden": True, "topk": 0}}
 
     def _present_rows(self) -> list[int]:
         """Rows with a states file, each checked (header shape and token ids)."""
@@ -186,13 +190,6 @@ class SpeculatorsDataset(Dataset):
             raise ValueError(f"{path}: token_ids are not row {i}'s input_ids in {self.root}; the "
                              "states belong to another prepare-data output (set "
                              "data.hidden_states_path to the matching one)")
-
-    def _describe(self) -> dict[str, Any]:
-        """What dflash-train reads from a manifest (``max_length``, the distribution)."""
-        lengths = self.lengths()
-        return {"format": "speculators", "path": str(self.root),
-                "speculators_layer_ids": self.their_ids, "num_samples": len(lengths),
-                "max_length": max(lengths), "distribution": {"last_hidden": True, "topk": 0}}
 
     def __len__(self) -> int:
         return len(self.index)
