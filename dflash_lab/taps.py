@@ -1,10 +1,8 @@
-"""dflash-taps: rank candidate ``target_layer_ids`` for a target from one short capture.
-
-Captures every layer of the target once (with its final-normed state), then scores each
-candidate layer set by a ridge probe: from the set's features at an anchor row, predict the
-target's final state at the next B - 1 rows; the score is the greedy acceptance those
-predictions would give (``probe_tau``). Why a probe, how it was validated against trained tau,
-and its limits: docs/taps.md.
+"""dflash-taps: rank candidate ``target_layer_ids`` for a target from one short capture of every
+layer (with its final-normed state). A candidate set's score is the greedy acceptance
+(``probe_tau``) of a ridge probe predicting, from the set's features at an anchor row, the
+target's final state at the next B - 1 rows. Why a probe, how it was validated against trained
+tau, and its limits: docs/taps.md.
 """
 
 from __future__ import annotations

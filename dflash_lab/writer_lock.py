@@ -78,11 +78,10 @@ def _read(path: Path) -> dict | None:
     return record if isinstance(record, dict) else {}
 
 
-def abandoned(record: dict, path: Path, directory: Path, now: float | None = None) -> str | None:
+def abandoned(record: dict, path: Path, directory: Path) -> str | None:
     """Why the lock ``record`` at ``path`` no longer holds ``directory`` (None: it holds)."""
-    now = time.time() if now is None else now
     try:
-        age = now - path.stat().st_mtime
+        age = time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return "it is gone"
     if not record:
