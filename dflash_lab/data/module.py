@@ -262,10 +262,9 @@ def _check_pack(pack: bool, max_tokens_per_row: int | None) -> tuple[bool, int |
 
 
 class OnlineDataModule(BlockDataModule):
-    """Conversations -> chat template + loss mask -> features of the in-process frozen ``target``
-    (:class:`dflash_lab.targets.target.Target`), computed in the training step
-    (:meth:`feature_source`: no_grad, the capture's function). ``conversations``: a file, hub id
-    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``."""
+    """Conversations -> chat template + loss mask -> features of the in-process frozen ``target`` (a
+    ``Target``), computed in the training step (:meth:`feature_source`: no_grad, the capture's
+    function); ``bad_rows``: as ``capture.bad_rows``."""
 
     runs_target: ClassVar[bool] = True
 

@@ -166,8 +166,7 @@ def write_plan(out_dir: str | Path, plan: dict[str, Any]) -> None:
 
 
 def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
-    """Build ``manifest.json`` from the plan and all shard records (every rank's); None when some
-    shard is not finished yet (other ranks running)."""
+    """``manifest.json`` from the plan and all shard records; None while a shard is unfinished."""
     out_dir = Path(out_dir)
     plan = json.loads((out_dir / PLAN_FILE).read_text())
     records = [finished_shard(out_dir, i, verify) for i in range(plan["num_shards"])]

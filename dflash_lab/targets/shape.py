@@ -45,8 +45,7 @@ def _flat_rope_parameters(config) -> dict[str, Any]:
 
 def target_rope(config) -> dict[str, Any]:
     """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` plus a scaled
-    target's ``rope_scaling`` as engines apply it; {} without RoPE. Per type: (docs/targets.md,
-    "What the drafter takes from the target")."""
+    target's ``rope_scaling`` as engines apply it; {} without RoPE (per type: docs/targets.md)."""
     params = _flat_rope_parameters(config)
     theta = params.pop("rope_theta", None)
     if theta is None:

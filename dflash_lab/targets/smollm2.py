@@ -76,9 +76,8 @@ def _dequantise_into(gguf: Path, tmp: Path) -> None:
 
 
 def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = False) -> Path:
-    """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir``; return its path.
-    Idempotent (marker ``dflash_smollm2.json`` names the GGUF) and atomic
-    (:func:`~dflash_lab.paths.atomic_dir`): a killed run leaves no half-written target."""
+    """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir`` (its marker
+    ``dflash_smollm2.json`` names the GGUF), atomically (:func:`~dflash_lab.paths.atomic_dir`)."""
     out = Path(out_dir).absolute()
     gguf = find_gguf()
     expected = {"source_package": PACKAGE, "gguf_file": gguf.name,
