@@ -7,6 +7,7 @@ it) (docs/guarantees.md, "One writer per output directory").
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -210,12 +211,7 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
 
 def _missing_dirs(directory: Path) -> list[Path]:
     """``directory`` and its ancestors that do not exist yet, innermost first."""
-    missing = []
-    for d in (directory, *directory.parents):
-        if d.exists():
-            break
-        missing.append(d)
-    return missing
+    return list(itertools.takewhile(lambda d: not d.exists(), (directory, *directory.parents)))
 
 
 def _remove_if_empty(made: list[Path]) -> None:
