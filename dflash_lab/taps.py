@@ -156,15 +156,11 @@ def taps(cfg: DictConfig) -> list[dict[str, Any]]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="taps", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
+    """Console entry point (``dflash-taps``)."""
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
     with user_errors():
         taps(cfg)
-
-
-def main() -> None:
-    """Console entry point (``dflash-taps``)."""
-    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -153,13 +153,9 @@ class BlockDataModule(L.LightningDataModule):
                              "(1 = pad to the longest sample of each batch)")
         self.pack, self.max_tokens_per_row = _check_pack(pack, max_tokens_per_row)
         self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
-        self.seed, self.num_workers = seed, num_workers
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.seed, self.num_workers, self.pad_to_multiple_of = seed, num_workers, pad_to_multiple_of
         self._resume: dict[str, int] | None = None
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
-        self.train_rows: Dataset | None = None
-        self.val_rows: Dataset | None = None
+        self.train_set = self.val_set = self.train_rows = self.val_rows = None  # Datasets: setup()
 
     def load_samples(self) -> Dataset:
         """All samples (dicts of per-sample tensors); subclasses implement it."""
@@ -297,8 +293,7 @@ class OnlineDataModule(BlockDataModule):
                             demo_rows=demo_rows, demo_seed=demo_seed, demo_file=demo_file)
         self.conversations, self.target = str(path), target
         self.target_layer_ids = list(target_layer_ids)
-        self.target_hidden_size = target_hidden_size
-        self.max_length = max_length
+        self.target_hidden_size, self.max_length = target_hidden_size, max_length
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
 
     def load_samples(self) -> list[dict[str, Tensor]]:
@@ -397,8 +392,7 @@ class OfflineDataModule(BlockDataModule):
                        "target_hidden_size": target_hidden_size,
                        "target": target.identity() if target is not None else None,
                        "allow_other_weights": allow_other_target_weights}
-        self.verify_checksums = verify_checksums
-        self.format, self.target = format, target
+        self.verify_checksums, self.format, self.target = verify_checksums, format, target
         self.speculators = {"layer_ids": speculators_layer_ids,
                             "hidden_states_path": hidden_states_path}
 
