@@ -108,13 +108,6 @@ def rank_sets(dataset: ShardDataset, lm_head, sets: list[list[int]], block: int,
     return sorted(results, key=lambda r: -r["probe_tau"])
 
 
-def check_recipe(base: str | None) -> None:
-    """ValueError unless ``taps.recipe`` is null or names a recipe in recipes/."""
-    if base and not (RECIPES_DIR / f"{base}.yaml").is_file():
-        raise ValueError(f"taps.recipe={base!r}: no recipes/{base}.yaml; name an existing recipe "
-                         f"(ls {RECIPES_DIR}) or leave taps.recipe=null")
-
-
 def write_recipe(base: str, ids: list[int], ranking_file: Path) -> Path:
     """``recipes/<base>_taps.yaml``: the recipe ``base`` with the best set (atomic write)."""
     path = RECIPES_DIR / f"{base}_taps.yaml"
@@ -128,7 +121,9 @@ def write_recipe(base: str, ids: list[int], ranking_file: Path) -> Path:
 def taps(cfg: DictConfig) -> list[dict[str, Any]]:
     """Capture every layer (resumable, reused when the plan matches), rank, write the record."""
     t = cfg.taps
-    check_recipe(t.recipe)
+    if t.recipe and not (RECIPES_DIR / f"{t.recipe}.yaml").is_file():  # refused before a capture
+        raise ValueError(f"taps.recipe={t.recipe!r}: no recipes/{t.recipe}.yaml; name an existing "
+                         f"recipe (ls {RECIPES_DIR}) or leave taps.recipe=null")
     target = instantiate(cfg.target)
     every = list(range(target.num_hidden_layers))
     sets = [list(map(int, s)) for s in t.sets] if t.sets else candidate_sets(len(every),

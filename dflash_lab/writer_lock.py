@@ -60,14 +60,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _record(directory: Path, command: str, lease_s: float) -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "pid_start": _process_start(os.getpid()),
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": command, "directory": str(Path(directory).absolute()),
-            "lease_s": lease_s, "token": uuid.uuid4().hex}
-
-
 def _read(path: Path) -> dict | None:
     """The lock's record; None when it vanished; {} when unparsable (being written, or damaged)."""
     try:
@@ -185,8 +177,11 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
         return
     directory = Path(directory)
     path = lock_path_for(directory, beside=beside)
-    record = _record(directory, command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                     lease_s)
+    record = {"host": socket.gethostname(), "pid": os.getpid(),
+              "pid_start": _process_start(os.getpid()),
+              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "directory": str(directory.absolute()), "lease_s": lease_s, "token": uuid.uuid4().hex}
     made = _missing_dirs(path.parent)
     try:
         acquire(directory, path, record, what)
