@@ -307,7 +307,13 @@ class OnlineDataModule(BlockDataModule):
                              enable_thinking=self.enable_thinking, turn_end=turn_end)
         items = [{"input_ids": tc.input_ids, "loss_mask": tc.loss_mask}
                  for _, tc in done.samples if tc.loss_mask.sum() >= 2]  # >= 1 anchor
-        self.report = _online_report(done, items, len(rows))
+        loss = [int(it["loss_mask"].sum()) for it in items]
+        self.report = {"num_rows": len(rows), "num_samples": len(items),  # logged, and kept
+                       "loss_tokens_per_sample": {"min": min(loss, default=0),
+                                                  "mean": sum(loss) / max(len(loss), 1),
+                                                  "max": max(loss, default=0)},
+                       "bad_rows": done.bad_rows, "zero_loss_rows": done.zero_loss_rows,
+                       "num_dropped": len(rows) - len(items)}
         log.info("online data %s: %d of %d rows kept; loss tokens per sample min %d, mean "
                  "%.1f, max %d; %d bad rows skipped", self.conversations, len(items), len(rows),
                  *self.report["loss_tokens_per_sample"].values(), len(done.bad_rows))
@@ -327,17 +333,6 @@ class OnlineDataModule(BlockDataModule):
 
     def describe(self) -> str:
         return f"the conversations {self.conversations} (online)"
-
-
-def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[str, Any]:
-    """What the online module made of its rows (logged, and kept as ``module.report``)."""
-    loss = [int(it["loss_mask"].sum()) for it in items]
-    return {"num_rows": num_rows, "num_samples": len(items),
-            "loss_tokens_per_sample": {"min": min(loss, default=0),
-                                       "mean": sum(loss) / max(len(loss), 1),
-                                       "max": max(loss, default=0)},
-            "bad_rows": done.bad_rows, "zero_loss_rows": done.zero_loss_rows,
-            "num_dropped": num_rows - len(items)}
 
 
 class OfflineDataModule(BlockDataModule):

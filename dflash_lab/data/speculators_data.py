@@ -65,13 +65,6 @@ def detect_format(path: str | Path, requested: str = "auto") -> str:
                      "point data.path at one of those")
 
 
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """speculators' default extraction ids for a text target: ``[2, L // 2, L - 3]`` and L
-    (``launch_vllm.py`` with ``--include-last-layer``)."""
-    n = int(num_hidden_layers)
-    return [2, n // 2, n - 3, n]
-
-
 def layer_rows(their_ids: list[int], target_layer_ids: list[int],
                num_hidden_layers: int) -> tuple[list[int], int]:
     """Where each of our ``target_layer_ids`` lies among their stored states, and where their
@@ -132,7 +125,9 @@ class SpeculatorsDataset(Dataset):
             if want is not None and int(want) != int(have):
                 raise ValueError(f"{self.root}: the drafter expects {name}={want} but the target "
                                  f"has {have}; use the target the speculators data was made with")
-        self.their_ids = sorted(layer_ids) if layer_ids else default_layer_ids(L)
+        # speculators' default extraction ids for a text target: [2, L // 2, L - 3] and L
+        # (launch_vllm.py with --include-last-layer)
+        self.their_ids = sorted(layer_ids) if layer_ids else [2, L // 2, L - 3, L]
         if not layer_ids:
             log.warning("%s: %s not set, assuming speculators' default extraction ids %s (the "
                         "files do not record them)", self.root, LAYER_IDS_FIELD, self.their_ids)

@@ -130,17 +130,6 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
     return target
 
 
-def _gguf_arch_and_head_dim(path: str) -> tuple[str, int | None]:
-    """``general.architecture``, ``{arch}.attention.key_length`` (or None) of the GGUF ``path``."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    arch_field = fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    field = fields.get(f"{arch}.attention.key_length")
-    return arch, None if field is None else int(field.parts[field.data[0]][0])
-
-
 def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
     """The transformers config of a GGUF target with ``head_dim`` from the file: transformers'
     mapping of some architectures (qwen3) drops ``{arch}.attention.key_length``, so another head
@@ -153,22 +142,18 @@ def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
     if missing:
         raise ValueError(f"target {gguf_file!r} is a GGUF file: transformers reads it with "
                          f"{missing}; pip install -c constraints.txt gguf accelerate")
+    from gguf import GGUFReader
+
     config = AutoConfig.from_pretrained(name_or_path, **common)
-    path = cached_file(name_or_path, gguf_file, local_files_only=common["local_files_only"])
-    arch, head_dim = _gguf_arch_and_head_dim(path)
+    fields = GGUFReader(cached_file(name_or_path, gguf_file,
+                                    local_files_only=common["local_files_only"])).fields
+    name = fields["general.architecture"]
+    arch = bytes(name.parts[name.data[0]]).decode()
+    key_length = fields.get(f"{arch}.attention.key_length")
     mapped = "attention.key_length" in GGUF_CONFIG_MAPPING.get(arch, {})
-    if head_dim is not None and not mapped and hasattr(config, "head_dim"):
-        config.head_dim = head_dim
+    if key_length is not None and not mapped and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.parts[key_length.data[0]][0])
     return config
-
-
-def _check_loaded(name_or_path: str, gguf_file: str | None, info: dict) -> None:
-    """Refuse a GGUF whose tensors transformers does not map (it loads random weights, warning)."""
-    bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
-    if gguf_file and bad:
-        raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "
-                         f"weights unloaded ({sorted(map(str, bad))[:4]} ...); this GGUF's "
-                         "architecture or tensor names are not supported by this transformers")
 
 
 def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_map,
@@ -187,7 +172,11 @@ def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_m
         if is_local(name_or_path):
             raise
         raise _explain_hub_error(name_or_path, err) from err
-    _check_loaded(name_or_path, gguf_file, info)
+    bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
+    if gguf_file and bad:  # tensors transformers does not map: it loads random ones, warning
+        raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "
+                         f"weights unloaded ({sorted(map(str, bad))[:4]} ...); this GGUF's "
+                         "architecture or tensor names are not supported by this transformers")
     if device_map is None:
         model.to(resolve_device(device))
     model.eval().requires_grad_(False)

@@ -78,13 +78,6 @@ class RawEmbedding(nn.Module):
         return nn.functional.embedding(ids, self.weight)
 
 
-def raw_embedding(module: nn.Module) -> nn.Module:
-    """``module`` itself when its forward is ``nn.Embedding``'s, else a :class:`RawEmbedding`."""
-    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
-        return module
-    return RawEmbedding(module.weight)
-
-
 def final_norm(model: nn.Module) -> nn.Module:
     """The target's final norm: on the decoder (``get_decoder().norm``: causal LMs and the
     language model of multimodal ones) or ``base_model.norm``."""
@@ -243,8 +236,10 @@ class Target:
 
     def pieces(self) -> TargetPieces:
         """Frozen embedding, final norm and LM head (shared modules) of the HF model."""
-        return TargetPieces(raw_embedding(self.model.get_input_embeddings()),
-                            final_norm(self.model), self.model.get_output_embeddings(),
+        embed = self.model.get_input_embeddings()
+        if not (isinstance(embed, nn.Embedding) and type(embed).forward is nn.Embedding.forward):
+            embed = RawEmbedding(embed.weight)  # its forward does more than the lookup
+        return TargetPieces(embed, final_norm(self.model), self.model.get_output_embeddings(),
                             logit_softcap(self.model.config))
 
     def token_id(self, token: str) -> int:
