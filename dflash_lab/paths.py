@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 #: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...):

@@ -253,8 +253,7 @@ def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
 
 
 def _check_plan_unchanged(out_dir: Path, plan: dict[str, Any]) -> None:
-    """Before a shard is written: another process must not have replaced the plan meanwhile
-    (ranks started with different settings would otherwise mix in one directory)."""
+    """Refuse to write a shard when another process (other settings) replaced the plan meanwhile."""
     on_disk = json.loads((out_dir / shards.PLAN_FILE).read_text())
     if on_disk != plan:
         raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "

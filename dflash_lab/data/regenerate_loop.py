@@ -199,8 +199,7 @@ def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress
 
 def _checked(tokenizer, row: dict[str, Any], position: int,
              s: RegenerateSettings) -> list[dict[str, Any]] | None:
-    """The row's messages, or None for a bad row skipped under ``bad_rows=skip`` (logged with
-    its input row); ``error`` raises naming the row."""
+    """The row's messages; a bad row: None (logged, ``bad_rows=skip``) or a ValueError naming it."""
     row_id = input_row(row, position)
     try:
         messages = normalize_conversation(row, "row")

@@ -82,8 +82,7 @@ def bytes_per_token(feature_dim: int, hidden_dtype: str, *, last_hidden_size: in
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temporary file then rename, so readers never see a half-written file
-    (and ranks writing the same record at once do not collide: ``temp_beside``)."""
+    """JSON via a temp file + rename: never half-written; ranks never collide (``temp_beside``)."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
