@@ -1,7 +1,6 @@
-"""dflash-capture: run a frozen target over conversations and write feature shards. Thin entry
-point: Hydra config (conf/capture.yaml) -> target -> conversations -> run_capture, in process or
-from a vLLM server (:mod:`dflash_lab.data.capture_server`), as one process or under ``torchrun``
-(docs/capture.md).
+"""dflash-capture: run a frozen target over conversations, write feature shards (docs/capture.md).
+Thin entry point: Hydra config (conf/capture.yaml) -> target -> conversations -> run_capture, in
+process or from a vLLM server (:mod:`dflash_lab.data.capture_server`), alone or under ``torchrun``.
 """
 
 from __future__ import annotations

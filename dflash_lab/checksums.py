@@ -11,8 +11,6 @@ import hashlib
 import json
 from pathlib import Path
 
-SUFFIX = ".sha256"
-
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     """Hex sha256 of the file's bytes (read in 4 MiB chunks)."""
@@ -37,7 +35,7 @@ def sha256_of(data) -> str:
 
 
 def sidecar(path: Path) -> Path:
-    return path.with_name(path.name + SUFFIX)
+    return path.with_name(path.name + ".sha256")
 
 
 def sidecar_text(digest: str, path: Path) -> str:

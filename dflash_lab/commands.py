@@ -18,15 +18,16 @@ def _recipe_stage(stage: str, argv: list[str]) -> int:
     return stage_main(stage, argv)
 
 
-def _names_a_recipe(argv: list[str]) -> bool:
-    return any(a.startswith("recipe=") for a in argv)
+def _setup(stage: str) -> None:
+    """:func:`setup`, then with ``recipe=NAME`` run that stage of the recipe and exit."""
+    setup()
+    if any(a.startswith("recipe=") for a in sys.argv[1:]):
+        sys.exit(_recipe_stage(stage, sys.argv[1:]))
 
 
 def capture() -> None:
     """``dflash-capture``."""
-    setup()
-    if _names_a_recipe(sys.argv[1:]):
-        sys.exit(_recipe_stage("capture", sys.argv[1:]))
+    _setup("capture")
     from dflash_lab.capture import main
 
     main()
@@ -34,9 +35,7 @@ def capture() -> None:
 
 def regenerate() -> None:
     """``dflash-regenerate``."""
-    setup()
-    if _names_a_recipe(sys.argv[1:]):
-        sys.exit(_recipe_stage("regenerate", sys.argv[1:]))
+    _setup("regenerate")
     from dflash_lab.regenerate import main
 
     main()
@@ -44,9 +43,7 @@ def regenerate() -> None:
 
 def evaluate() -> None:
     """``dflash-eval``."""
-    setup()
-    if _names_a_recipe(sys.argv[1:]):
-        sys.exit(_recipe_stage("eval", sys.argv[1:]))
+    _setup("eval")
     from dflash_lab.eval.cli import main
 
     main()

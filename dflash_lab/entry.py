@@ -42,17 +42,13 @@ def check_renamed_keys(overrides: list[str]) -> None:
         if key in RENAMED_KEYS:
             raise renamed_key_error(key, f"command line: {arg}")
         if arg.startswith("drafter.variant="):  # Hydra's own refusal spans six lines
-            raise _head_override_error(arg.partition("=")[2])
-
-
-def _head_override_error(name: str) -> ValueError:
-    """``drafter.variant=NAME``: a head is a config group (its yaml sets the variant and its
-    fields), so the override Hydra refuses names the group to choose instead."""
-    groups = sorted(p.stem for p in (CONF_DIR / "drafter").glob("*.yaml"))
-    group = "default" if name == DEFAULT_HEAD else name
-    fix = f"drafter={group}" if group in groups else f"drafter=GROUP, one of {groups}"
-    return ValueError(f"drafter.variant={name}: a head is chosen with its config group, not "
-                      f"the key: use {fix} (conf/drafter/ sets variant and the head's fields)")
+            name = arg.partition("=")[2]  # a head is a config group: name the group to choose
+            groups = sorted(p.stem for p in (CONF_DIR / "drafter").glob("*.yaml"))
+            group = "default" if name == DEFAULT_HEAD else name
+            fix = f"drafter={group}" if group in groups else f"drafter=GROUP, one of {groups}"
+            raise ValueError(f"drafter.variant={name}: a head is chosen with its config group, "
+                             f"not the key: use {fix} (conf/drafter/ sets variant and the head's "
+                             "fields)")
 
 
 #: keys Hydra's ``instantiate`` reads itself

@@ -38,22 +38,14 @@ UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, e
 KEPT_DEFAULT = "every file finished before it (a half-written one is removed)"
 
 
-def os_error_of(err: BaseException) -> OSError | None:
-    """The OSError behind ``err``: itself, or a safetensors write's (its SafetensorError
-    carries the errno only in its text, ``Os { code: 28, ... }``)."""
-    if isinstance(err, OSError):
-        return err
-    code = re.search(r"Os \{ code: (\d+)", str(err))
-    if type(err).__name__ == "SafetensorError" and code:
-        return OSError(int(code[1]), os.strerror(int(code[1])))
-    return None
-
-
 def output_error(err: BaseException, kept: str = KEPT_DEFAULT) -> UserError | None:
     """A full disk or a location that cannot be written, as one line naming the file, what
-    was kept and the fix; None for any other error."""
-    os_err = os_error_of(err)
-    if os_err is None or os_err.errno not in DISK_FULL | UNWRITABLE:
+    was kept and the fix; None for any other error. A safetensors write's SafetensorError
+    carries the errno only in its text (``Os { code: 28, ... }``)."""
+    os_err, code = err, re.search(r"Os \{ code: (\d+)", str(err))
+    if type(err).__name__ == "SafetensorError" and code:
+        os_err = OSError(int(code[1]), os.strerror(int(code[1])))
+    if not isinstance(os_err, OSError) or os_err.errno not in DISK_FULL | UNWRITABLE:
         return None
     where = os_err.filename or "an output file"
     if os_err.errno in DISK_FULL:

@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 #: Absolute path of the Hydra config directory (conf/capture.yaml, conf/target/, ...):
@@ -62,9 +61,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 # ------------------------------------------------------------------------------ directories
 def temp_dir_prefix(path: Path) -> str:
-    """Name prefix of this process's temporary directories beside ``path``:
-    ``.NAME.tmp-<host>-<pid>-`` (hidden; the host and pid say whose it is once the process is
-    gone, see ``dflash_lab.export.outdir.stale_temp_dirs``)."""
+    """``.NAME.tmp-<host>-<pid>-``: this process's temporary directories beside ``path`` (hidden;
+    host and pid name the owner once it is gone: ``dflash_lab.export.outdir.stale_temp_dirs``)."""
     return f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
 
 

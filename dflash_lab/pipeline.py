@@ -55,8 +55,10 @@ def is_stage_name(name: str) -> bool:
     return name in STAGES or (name.startswith(EVAL_PREFIX) and len(name) > len(EVAL_PREFIX))
 
 
-def module_of(stage: str) -> str:
-    return MODULES["eval" if stage.startswith(EVAL_PREFIX) else stage]
+def command_of(stage: Stage) -> list[str]:
+    """``python -m MODULE ARGS`` (an ``eval_NAME`` stage runs the eval's module)."""
+    module = MODULES["eval" if stage.name.startswith(EVAL_PREFIX) else stage.name]
+    return [sys.executable, "-m", module, *stage.args]
 
 
 @dataclass
@@ -171,12 +173,9 @@ def plan(req: Request) -> list[Stage]:
               *export_options(OmegaConf.to_container(cfg.export, resolve=True)),
               *option_args([*steps["export"], *req.stage_args["export"]])]
 
-    def evaluate(name: str, listed: list[str]) -> list[str]:
-        return targets + [f"drafter.path={_at(root, 'export')}", f"output_dir={_at(root, name)}",
-                          *listed, *req.stage_args[name]]
-
     def eval_stage(name: str, listed: list[str]) -> Stage:
-        args = evaluate(name, listed)
+        args = targets + [f"drafter.path={_at(root, 'export')}", f"output_dir={_at(root, name)}",
+                          *listed, *req.stage_args[name]]
         return Stage(name, args, stage_config("eval", args), [root / name / "report.json"],
                      root / name)
 
@@ -249,8 +248,7 @@ def write_record(stage: Stage, inputs: dict[str, Any], started: float, root: Pat
     missing = [str(p) for p in stage.outputs if not p.exists()]
     if missing:
         raise RuntimeError(f"the {stage.name} stage exited 0 but did not write {missing}")
-    command = [sys.executable, "-m", module_of(stage.name), *stage.args]
-    record = {"stage": stage.name, "command": command, "inputs": inputs,
+    record = {"stage": stage.name, "command": command_of(stage), "inputs": inputs,
               "outputs": {str(p): sha256_file(p) for p in stage.outputs},
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
               "seconds": round(time.time() - started, 1), "git_sha": git_sha()}
@@ -277,7 +275,7 @@ def run_stage(stage: Stage, log: Path, live: Live | None = None) -> int:
     """Run the stage's command, its output appended to ``log`` line by line (bars as their states:
     :class:`~dflash_lab.terminal.StageOutput`), progress lines shown by ``live``; its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", module_of(stage.name), *stage.args]
+    command = command_of(stage)
     live = live or Live()
     with log.open("a") as f:
         f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
@@ -428,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE + "\n" + __doc__)
         return 0
     try:
-        req = parse_args(argv)
-        return run(req)
+        return run(parse_args(argv))
     except (ValueError, HydraException, OmegaConfBaseException) as err:
         print(f"dflash-lab: error: {err}", file=sys.stderr)
         return 2

@@ -1,9 +1,8 @@
 """dflash-regenerate: rewrite a conversation set's assistant turns with the target (on-policy).
-Thin entry point: Hydra config (conf/regenerate.yaml: groups target, conversations at ``data``,
-logger) -> target -> conversations -> run_regenerate, generating here (``regenerate.backend=hf``)
-or through a running vLLM/SGLang server (``server``). One process or several (``torchrun``;
-RANK / WORLD_SIZE split the part files), resumable; the result,
-``<out_dir>/conversations.jsonl``, is what dflash-capture and dflash-train read.
+Hydra config (conf/regenerate.yaml: groups target, conversations at ``data``, logger) -> target ->
+conversations -> run_regenerate, generating here (``regenerate.backend=hf``) or through a running
+vLLM/SGLang server (``server``); one process or several (``torchrun``: RANK / WORLD_SIZE split the
+part files), resumable; dflash-capture and dflash-train read ``<out_dir>/conversations.jsonl``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from dflash_lab.launch import detect_launch, is_global_zero
 from dflash_lab.paths import REPO_ROOT, atomic_write_text
 
 RUN_INFO_FILE = "run_info.json"
-CONFIG_FILE = "config.yaml"
 _PACKAGES = ("dflash-lab", "torch", "transformers", "tokenizers", "lightning", "hydra-core",
              "datasets", "safetensors", "gguf", "flash-attn")
 
@@ -42,15 +41,6 @@ def package_versions(names: tuple[str, ...] = _PACKAGES) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return out
-
-
-def _launch_info() -> dict[str, Any]:
-    """How the processes were started (torchrun / slurm / one process or Lightning's own)."""
-    launch = detect_launch()
-    if launch is None:
-        return {"launcher": "none"}
-    return {"launcher": launch.launcher, "world_size": launch.world_size,
-            "num_nodes": launch.num_nodes, "processes_per_node": launch.local_world_size}
 
 
 def record_paths(out_dir: Path) -> list[tuple[Path, Path]]:
@@ -89,12 +79,15 @@ def write_run_info(out_dir: str | Path, cfg: Any = None, **extra: Any) -> Path:
     if cfg is not None:
         conf = cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)
         atomic_write_text(out_dir / f"config{suffix}.yaml", OmegaConf.to_yaml(conf, resolve=True))
+    launch = detect_launch()  # torchrun / slurm; None: one process or Lightning's own launcher
     info = {
         "git_sha": git_sha(),
         "argv": list(sys.argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": package_versions(),
-        "launch": _launch_info(),
+        "launch": {"launcher": "none"} if launch is None else {
+            "launcher": launch.launcher, "world_size": launch.world_size,
+            "num_nodes": launch.num_nodes, "processes_per_node": launch.local_world_size},
         **extra,
     }
     atomic_write_text(path, json.dumps(info, indent=2, default=str) + "\n")

@@ -1,10 +1,8 @@
-"""dflash-taps: rank candidate ``target_layer_ids`` for a target from one short capture.
-
-Captures every layer of the target once (with its final-normed state), then scores each
-candidate layer set by a ridge probe: from the set's features at an anchor row, predict the
-target's final state at the next B - 1 rows; the score is the greedy acceptance those
-predictions would give (``probe_tau``). Why a probe, how it was validated against trained tau,
-and its limits: docs/taps.md.
+"""dflash-taps: rank candidate ``target_layer_ids`` for a target from one short capture of every
+layer (with its final-normed state). A candidate set's score is the greedy acceptance
+(``probe_tau``) of a ridge probe predicting, from the set's features at an anchor row, the
+target's final state at the next B - 1 rows. Why a probe, how it was validated against trained
+tau, and its limits: docs/taps.md.
 """
 
 from __future__ import annotations
@@ -74,11 +72,10 @@ def anchor_rows(dataset: ShardDataset, block: int, max_anchors: int, seed: int
 
 def probe_tau(x: torch.Tensor, future: torch.Tensor, labels: torch.Tensor, lm_head,
               ridge: float, folds: int = 5) -> tuple[float, list[float]]:
-    """Ridge maps x [N, F] -> future [N, B-1, H], scored by ``folds``-fold cross-validation
-    (every anchor is scored once, by maps fitted on the other folds): greedy tokens
-    ``argmax lm_head(x W_j)`` against ``labels`` [N, B-1]. Returns (1 + mean count of leading
-    correct tokens, the per-offset accuracy): the acceptance length of a drafter proposing exactly
-    these tokens."""
+    """Ridge maps x [N, F] -> future [N, B-1, H], scored by ``folds``-fold cross-validation (every
+    anchor once, by maps fitted on the other folds): greedy tokens ``argmax lm_head(x W_j)`` against
+    ``labels`` [N, B-1]. Returns (1 + mean count of leading correct tokens, i.e. the acceptance
+    length of a drafter proposing exactly these tokens; the per-offset accuracy)."""
     hits = torch.empty(labels.shape)
     for held in torch.arange(len(x)).chunk(folds):
         fit = torch.ones(len(x), dtype=torch.bool)
@@ -111,13 +108,6 @@ def rank_sets(dataset: ShardDataset, lm_head, sets: list[list[int]], block: int,
     return sorted(results, key=lambda r: -r["probe_tau"])
 
 
-def check_recipe(base: str | None) -> None:
-    """ValueError unless ``taps.recipe`` is null or names a recipe in recipes/."""
-    if base and not (RECIPES_DIR / f"{base}.yaml").is_file():
-        raise ValueError(f"taps.recipe={base!r}: no recipes/{base}.yaml; name an existing recipe "
-                         f"(ls {RECIPES_DIR}) or leave taps.recipe=null")
-
-
 def write_recipe(base: str, ids: list[int], ranking_file: Path) -> Path:
     """``recipes/<base>_taps.yaml``: the recipe ``base`` with the best set (atomic write)."""
     path = RECIPES_DIR / f"{base}_taps.yaml"
@@ -131,7 +121,9 @@ def write_recipe(base: str, ids: list[int], ranking_file: Path) -> Path:
 def taps(cfg: DictConfig) -> list[dict[str, Any]]:
     """Capture every layer (resumable, reused when the plan matches), rank, write the record."""
     t = cfg.taps
-    check_recipe(t.recipe)
+    if t.recipe and not (RECIPES_DIR / f"{t.recipe}.yaml").is_file():  # refused before a capture
+        raise ValueError(f"taps.recipe={t.recipe!r}: no recipes/{t.recipe}.yaml; name an existing "
+                         f"recipe (ls {RECIPES_DIR}) or leave taps.recipe=null")
     target = instantiate(cfg.target)
     every = list(range(target.num_hidden_layers))
     sets = [list(map(int, s)) for s in t.sets] if t.sets else candidate_sets(len(every),
@@ -159,15 +151,11 @@ def taps(cfg: DictConfig) -> list[dict[str, Any]]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="taps", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
+    """Console entry point (``dflash-taps``)."""
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))
     with user_errors():
         taps(cfg)
-
-
-def main() -> None:
-    """Console entry point (``dflash-taps``)."""
-    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -31,15 +31,6 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-class _DropNoise(logging.Filter):
-    def __init__(self, start: str):
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.start)
-
-
 def setup() -> None:
     """At a console entry, before the heavy imports: deprecation warnings raised inside
     dependencies (not ones our code triggers: those are attributed to dflash_lab), the
@@ -52,7 +43,8 @@ def setup() -> None:
     for pattern in NOISE_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     for name, start in NOISE_RECORDS:
-        logging.getLogger(name).addFilter(_DropNoise(start))
+        logging.getLogger(name).addFilter(
+            lambda record, start=start: not str(record.msg).startswith(start))
 
 
 def one_handler(names: tuple[str, ...] = ("lightning", "lightning.pytorch", "lightning.fabric"),
@@ -90,6 +82,12 @@ class Bar(tqdm):
             self._emitted = now
             emit(unit=self.unit, done=self.n, total=self.total, what=self.desc or None)
         return done
+
+    def count(self, n: int, tokens: int, name: str) -> None:
+        """``update(n)``, with the rate of ``tokens`` (summed over calls) as postfix ``name``."""
+        self._tokens = getattr(self, "_tokens", 0) + tokens
+        self.update(n)
+        self.set_postfix({name: f"{self._tokens / max(self.format_dict['elapsed'], 1e-9):.0f}"})
 
 
 def clock(seconds: float) -> str:

@@ -7,6 +7,7 @@ it) (docs/guarantees.md, "One writer per output directory").
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -59,14 +60,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _record(directory: Path, command: str, lease_s: float) -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "pid_start": _process_start(os.getpid()),
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": command, "directory": str(Path(directory).absolute()),
-            "lease_s": lease_s, "token": uuid.uuid4().hex}
-
-
 def _read(path: Path) -> dict | None:
     """The lock's record; None when it vanished; {} when unparsable (being written, or damaged)."""
     try:
@@ -78,11 +71,10 @@ def _read(path: Path) -> dict | None:
     return record if isinstance(record, dict) else {}
 
 
-def abandoned(record: dict, path: Path, directory: Path, now: float | None = None) -> str | None:
+def abandoned(record: dict, path: Path, directory: Path) -> str | None:
     """Why the lock ``record`` at ``path`` no longer holds ``directory`` (None: it holds)."""
-    now = time.time() if now is None else now
     try:
-        age = now - path.stat().st_mtime
+        age = time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return "it is gone"
     if not record:
@@ -185,8 +177,11 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
         return
     directory = Path(directory)
     path = lock_path_for(directory, beside=beside)
-    record = _record(directory, command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                     lease_s)
+    record = {"host": socket.gethostname(), "pid": os.getpid(),
+              "pid_start": _process_start(os.getpid()),
+              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "directory": str(directory.absolute()), "lease_s": lease_s, "token": uuid.uuid4().hex}
     made = _missing_dirs(path.parent)
     try:
         acquire(directory, path, record, what)
@@ -211,12 +206,7 @@ def writer_lock(directory: str | Path, *, what: str, beside: bool = False,
 
 def _missing_dirs(directory: Path) -> list[Path]:
     """``directory`` and its ancestors that do not exist yet, innermost first."""
-    missing = []
-    for d in (directory, *directory.parents):
-        if d.exists():
-            break
-        missing.append(d)
-    return missing
+    return list(itertools.takewhile(lambda d: not d.exists(), (directory, *directory.parents)))
 
 
 def _remove_if_empty(made: list[Path]) -> None:

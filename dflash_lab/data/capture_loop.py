@@ -1,7 +1,6 @@
-"""The capture loop: conversations -> target features -> shards, split over ranks, resumable.
-Shard s (``shard_size`` consecutive input rows) belongs to rank ``s % world_size``; names do not
-depend on the world size, so a capture resumes with any number of processes. The last rank to
-finish merges ``manifest.json``.
+"""The capture loop: conversations -> target features -> shards, split over ranks, resumable. Shard
+s (``shard_size`` consecutive input rows) is rank ``s % world_size``'s; names do not depend on the
+world size (a capture resumes with any number of processes); the last rank merges ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,7 +217,6 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
              len(mine), out_dir)
     bar = Bar(total=sum(_rows_in(i, plan) for i in todo), unit="sample", disable=not progress,
                desc=f"capture rank {rank}")
-    start, num_tokens = time.time(), 0
     for index in todo:
         lo = index * settings.shard_size
         hi = lo + _rows_in(index, plan)  # rows of a datasets.Dataset or a list of row dicts
@@ -229,9 +226,7 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
         _check_plan_unchanged(out_dir, plan)
         shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"],
                            report=report)
-        num_tokens += sum(len(s.input_ids) for s in samples)
-        bar.update(len(rows))
-        bar.set_postfix(tok_s=f"{num_tokens / max(time.time() - start, 1e-9):.0f}")
+        bar.count(len(rows), sum(len(s.input_ids) for s in samples), "tok_s")
     bar.close()
     manifest = shards.merge_manifest(out_dir)
     if manifest is None:
@@ -258,8 +253,7 @@ def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
 
 
 def _check_plan_unchanged(out_dir: Path, plan: dict[str, Any]) -> None:
-    """Before a shard is written: another process must not have replaced the plan meanwhile
-    (ranks started with different settings would otherwise mix in one directory)."""
+    """Refuse to write a shard when another process (other settings) replaced the plan meanwhile."""
     on_disk = json.loads((out_dir / shards.PLAN_FILE).read_text())
     if on_disk != plan:
         raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "

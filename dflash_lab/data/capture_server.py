@@ -1,8 +1,7 @@
 """Capture features from a serving engine (``capture.backend=server``): the served aux layers
 (:func:`~dflash_lab.serving.hidden_states.server_layer_ids`) become exactly what
-:func:`~dflash_lab.targets.features.extract_features` produces in process, the labels from the
-target's final norm and LM head on the last layer (docs/capture.md, "Capture from a serving
-engine").
+:func:`~dflash_lab.targets.features.extract_features` produces in process, labels from the target's
+final norm and LM head on the last layer (docs/capture.md, "Capture from a serving engine").
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ def served_features(states_tkh: torch.Tensor, aux_layer_ids: list[int],
     with torch.no_grad():
         normed = pieces.norm(last)
     argmax = chunked_argmax(pieces.lm_head, normed)
-    top = (None, None)
-    if topk:
-        top = chunked_topk(pieces.lm_head, normed, topk, pieces.logit_softcap)
+    top = (chunked_topk(pieces.lm_head, normed, topk, pieces.logit_softcap) if topk
+           else (None, None))
     return TargetFeatures(hidden, argmax, normed, *top)
 
 

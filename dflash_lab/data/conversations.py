@@ -20,10 +20,6 @@ INPUT_ROW = "input_row"
 _CONVERSATION_COLUMNS = ("messages", "conversations")
 
 
-def _looks_local(path: str) -> bool:
-    return Path(path).suffix in LOCAL_BUILDERS or path.startswith((".", "/")) or "\\" in path
-
-
 def load_conversations(path: str, *, split: str = "train", limit: int | None = None,
                        shuffle_seed: int | None = None):
     """A ``datasets.Dataset`` of conversation rows (``messages`` or ``conversations``), shuffled (if
@@ -33,7 +29,8 @@ def load_conversations(path: str, *, split: str = "train", limit: int | None = N
     file (:func:`~dflash_lab.data.row_files.read_row_file`)."""
     import datasets
 
-    local = Path(path) if _looks_local(path) else None
+    looks_local = Path(path).suffix in LOCAL_BUILDERS or path.startswith((".", "/")) or "\\" in path
+    local = Path(path) if looks_local else None
     if local is not None:
         if local.is_dir():
             raise ValueError(f"data file {path!r} is a directory; pass one .jsonl/.json/.parquet "
@@ -75,8 +72,7 @@ def check_bad_rows_mode(mode: str, key: str) -> str:
 
 
 def input_row(row: dict[str, Any], position: int) -> int:
-    """The row's number in the input file (the ``INPUT_ROW`` column that
-    :func:`load_conversations` adds before shuffling), else its ``position``."""
+    """The row's ``INPUT_ROW`` (file number, from :func:`load_conversations`), else ``position``."""
     return int(row.get(INPUT_ROW, position))
 
 

@@ -43,18 +43,13 @@ def pad_collate(samples: Sequence[dict[str, Tensor]],
     real = max(s["input_ids"].shape[0] for s in samples)
     longest = -(-real // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {}
-    for key in PAD_VALUES:
+    for key, value in PAD_VALUES.items():
         if key not in samples[0]:
             continue
-        rows = []
-        for s in samples:
-            t = s[key]
-            pad = longest - t.shape[0]
-            if pad:
-                fill = t.new_full((pad, *t.shape[1:]), PAD_VALUES.get(key, 0))
-                t = torch.cat([t, fill])
-            rows.append(t)
-        batch[key] = torch.stack(rows)
+        first = samples[0][key]
+        batch[key] = first.new_full((len(samples), longest, *first.shape[1:]), value)
+        for b, s in enumerate(samples):
+            batch[key][b, :s[key].shape[0]] = s[key]
     batch["loss_mask"] = batch["loss_mask"].bool()
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples])
     batch["attention_mask"] = torch.arange(longest)[None] < lengths[:, None]
@@ -158,13 +153,9 @@ class BlockDataModule(L.LightningDataModule):
                              "(1 = pad to the longest sample of each batch)")
         self.pack, self.max_tokens_per_row = _check_pack(pack, max_tokens_per_row)
         self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
-        self.seed, self.num_workers = seed, num_workers
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.seed, self.num_workers, self.pad_to_multiple_of = seed, num_workers, pad_to_multiple_of
         self._resume: dict[str, int] | None = None
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
-        self.train_rows: Dataset | None = None
-        self.val_rows: Dataset | None = None
+        self.train_set = self.val_set = self.train_rows = self.val_rows = None  # Datasets: setup()
 
     def load_samples(self) -> Dataset:
         """All samples (dicts of per-sample tensors); subclasses implement it."""
@@ -267,10 +258,9 @@ def _check_pack(pack: bool, max_tokens_per_row: int | None) -> tuple[bool, int |
 
 
 class OnlineDataModule(BlockDataModule):
-    """Conversations -> chat template + loss mask -> features of the in-process frozen ``target``
-    (:class:`dflash_lab.targets.target.Target`), computed in the training step
-    (:meth:`feature_source`: no_grad, the capture's function). ``conversations``: a file, hub id
-    or ``demo`` (``demo_rows`` rows from ``demo_seed``); ``bad_rows``: as ``capture.bad_rows``."""
+    """Conversations -> chat template + loss mask -> features of the in-process frozen ``target`` (a
+    ``Target``), computed in the training step (:meth:`feature_source`: no_grad, the capture's
+    function); ``bad_rows``: as ``capture.bad_rows``."""
 
     runs_target: ClassVar[bool] = True
 
@@ -303,8 +293,7 @@ class OnlineDataModule(BlockDataModule):
                             demo_rows=demo_rows, demo_seed=demo_seed, demo_file=demo_file)
         self.conversations, self.target = str(path), target
         self.target_layer_ids = list(target_layer_ids)
-        self.target_hidden_size = target_hidden_size
-        self.max_length = max_length
+        self.target_hidden_size, self.max_length = target_hidden_size, max_length
         self.last_turn_only, self.enable_thinking = last_turn_only, enable_thinking
 
     def load_samples(self) -> list[dict[str, Tensor]]:
@@ -318,7 +307,13 @@ class OnlineDataModule(BlockDataModule):
                              enable_thinking=self.enable_thinking, turn_end=turn_end)
         items = [{"input_ids": tc.input_ids, "loss_mask": tc.loss_mask}
                  for _, tc in done.samples if tc.loss_mask.sum() >= 2]  # >= 1 anchor
-        self.report = _online_report(done, items, len(rows))
+        loss = [int(it["loss_mask"].sum()) for it in items]
+        self.report = {"num_rows": len(rows), "num_samples": len(items),  # logged, and kept
+                       "loss_tokens_per_sample": {"min": min(loss, default=0),
+                                                  "mean": sum(loss) / max(len(loss), 1),
+                                                  "max": max(loss, default=0)},
+                       "bad_rows": done.bad_rows, "zero_loss_rows": done.zero_loss_rows,
+                       "num_dropped": len(rows) - len(items)}
         log.info("online data %s: %d of %d rows kept; loss tokens per sample min %d, mean "
                  "%.1f, max %d; %d bad rows skipped", self.conversations, len(items), len(rows),
                  *self.report["loss_tokens_per_sample"].values(), len(done.bad_rows))
@@ -338,17 +333,6 @@ class OnlineDataModule(BlockDataModule):
 
     def describe(self) -> str:
         return f"the conversations {self.conversations} (online)"
-
-
-def _online_report(done, items: list[dict[str, Tensor]], num_rows: int) -> dict[str, Any]:
-    """What the online module made of its rows (logged, and kept as ``module.report``)."""
-    loss = [int(it["loss_mask"].sum()) for it in items]
-    return {"num_rows": num_rows, "num_samples": len(items),
-            "loss_tokens_per_sample": {"min": min(loss, default=0),
-                                       "mean": sum(loss) / max(len(loss), 1),
-                                       "max": max(loss, default=0)},
-            "bad_rows": done.bad_rows, "zero_loss_rows": done.zero_loss_rows,
-            "num_dropped": num_rows - len(items)}
 
 
 class OfflineDataModule(BlockDataModule):
@@ -403,8 +387,7 @@ class OfflineDataModule(BlockDataModule):
                        "target_hidden_size": target_hidden_size,
                        "target": target.identity() if target is not None else None,
                        "allow_other_weights": allow_other_target_weights}
-        self.verify_checksums = verify_checksums
-        self.format, self.target = format, target
+        self.verify_checksums, self.format, self.target = verify_checksums, format, target
         self.speculators = {"layer_ids": speculators_layer_ids,
                             "hidden_states_path": hidden_states_path}
 
@@ -416,9 +399,9 @@ class OfflineDataModule(BlockDataModule):
                 hidden_states_path=self.speculators["hidden_states_path"],
                 hidden_size=self.expect["hidden_size"], vocab_size=self.expect["vocab_size"],
                 target_hidden_size=self.expect["target_hidden_size"])
-            return self.samples
-        self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
-                                    **self.expect)
+        else:
+            self.samples = ShardDataset(self.path, verify_checksums=self.verify_checksums,
+                                        **self.expect)
         return self.samples
 
     def target_distribution(self) -> dict[str, Any]:

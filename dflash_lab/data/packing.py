@@ -66,9 +66,8 @@ def check_fits(lengths: Sequence[int], capacity: int, where: str) -> None:
 
 
 class PackedRows(Dataset):
-    """Rows of whole documents of ``dataset``: item r concatenates the per-token tensors (``keys``
-    present) of the documents ``rows[r]`` ([L] or [L, F]), plus ``document_ids`` [L] long (0 for
-    the row's first document, 1, ...)."""
+    """Item r: the per-token tensors (``keys`` present; [L] or [L, F]) of the documents ``rows[r]``
+    of ``dataset`` concatenated, plus ``document_ids`` [L] long (0, 1, ... by document)."""
 
     def __init__(self, dataset: Dataset, rows: list[list[int]], keys: Sequence[str]):
         self.dataset, self.rows, self.keys = dataset, rows, tuple(keys)

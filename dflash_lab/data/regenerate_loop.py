@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -193,15 +192,14 @@ def regenerate_part(target, dataset, index: int, s: RegenerateSettings, progress
         rows += [{"messages": m, "source_row": i} for (i, _), m in zip(good, new)
                  if m is not None]
         if progress is not None:
-            progress.update(stop - start, n)
+            progress.count(stop - start, n, "generated_tok_per_s")
     write_jsonl(part_path(s.out_dir, index), rows)
     return tokens
 
 
 def _checked(tokenizer, row: dict[str, Any], position: int,
              s: RegenerateSettings) -> list[dict[str, Any]] | None:
-    """The row's messages, or None for a bad row skipped under ``bad_rows=skip`` (logged with
-    its input row); ``error`` raises naming the row."""
+    """The row's messages; a bad row: None (logged, ``bad_rows=skip``) or a ValueError naming it."""
     row_id = input_row(row, position)
     try:
         messages = normalize_conversation(row, "row")
@@ -232,23 +230,6 @@ def check_settings(out_dir: Path, record: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")  # every rank
 
 
-class _Progress:
-    """tqdm over input rows, with the generated-tokens rate."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = Bar(total=total, unit="conv", disable=not enabled, desc="regenerate")
-        self.start, self.tokens = time.perf_counter(), 0
-
-    def update(self, rows: int, tokens: int) -> None:
-        self.tokens += tokens
-        self.bar.update(rows)
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix(generated_tok_per_s=f"{rate:.0f}")
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any], *,
                    rank: int = 0, world_size: int = 1, progress: bool = True,
                    server: CompletionServer | None = None) -> dict[str, Any] | None:
@@ -274,7 +255,7 @@ def run_regenerate(target, dataset, s: RegenerateSettings, source: dict[str, Any
     mine = [i for i in range(num_parts) if i % world_size == rank]
     todo = [i for i in mine if not part_path(out, i).is_file()]
     rows = sum(min(s.part_size, len(dataset) - i * s.part_size) for i in todo)
-    bar = _Progress(rows, progress)
+    bar = Bar(total=rows, unit="conv", disable=not progress, desc="regenerate")
     try:
         for i in todo:
             regenerate_part(target, dataset, i, s, bar, server)

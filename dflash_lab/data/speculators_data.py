@@ -65,13 +65,6 @@ def detect_format(path: str | Path, requested: str = "auto") -> str:
                      "point data.path at one of those")
 
 
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """speculators' default extraction ids for a text target: ``[2, L // 2, L - 3]`` and L
-    (``launch_vllm.py`` with ``--include-last-layer``)."""
-    n = int(num_hidden_layers)
-    return [2, n // 2, n - 3, n]
-
-
 def layer_rows(their_ids: list[int], target_layer_ids: list[int],
                num_hidden_layers: int) -> tuple[list[int], int]:
     """Where each of our ``target_layer_ids`` lies among their stored states, and where their
@@ -132,7 +125,9 @@ class SpeculatorsDataset(Dataset):
             if want is not None and int(want) != int(have):
                 raise ValueError(f"{self.root}: the drafter expects {name}={want} but the target "
                                  f"has {have}; use the target the speculators data was made with")
-        self.their_ids = sorted(layer_ids) if layer_ids else default_layer_ids(L)
+        # speculators' default extraction ids for a text target: [2, L // 2, L - 3] and L
+        # (launch_vllm.py with --include-last-layer)
+        self.their_ids = sorted(layer_ids) if layer_ids else [2, L // 2, L - 3, L]
         if not layer_ids:
             log.warning("%s: %s not set, assuming speculators' default extraction ids %s (the "
                         "files do not record them)", self.root, LAYER_IDS_FIELD, self.their_ids)
@@ -144,7 +139,11 @@ class SpeculatorsDataset(Dataset):
         self.norm = copy.deepcopy(pieces.norm).to("cpu").eval().requires_grad_(False)
         self.lm_head = copy.deepcopy(pieces.lm_head).to("cpu").eval().requires_grad_(False)
         self.index = self._present_rows()
-        self.manifest = self._describe()
+        lengths = self.lengths()  # what dflash-train reads from a manifest
+        self.manifest = {"format": "speculators", "path": str(self.root),
+                         "speculators_layer_ids": self.their_ids, "num_samples": len(lengths),
+                         "max_length": max(lengths),
+                         "distribution": {"last_hidden": True, "topk": 0}}
 
     def _present_rows(self) -> list[int]:
         """Rows with a states file, each checked (header shape and token ids)."""
@@ -186,13 +185,6 @@ class SpeculatorsDataset(Dataset):
             raise ValueError(f"{path}: token_ids are not row {i}'s input_ids in {self.root}; the "
                              "states belong to another prepare-data output (set "
                              "data.hidden_states_path to the matching one)")
-
-    def _describe(self) -> dict[str, Any]:
-        """What dflash-train reads from a manifest (``max_length``, the distribution)."""
-        lengths = self.lengths()
-        return {"format": "speculators", "path": str(self.root),
-                "speculators_layer_ids": self.their_ids, "num_samples": len(lengths),
-                "max_length": max(lengths), "distribution": {"last_hidden": True, "topk": 0}}
 
     def __len__(self) -> int:
         return len(self.index)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_lab.targets.target import text_config
+from dflash_lab.targets.target import logit_softcap, text_config
 
 
 class TargetFeatures(NamedTuple):
@@ -27,13 +27,6 @@ class TargetFeatures(NamedTuple):
     last_bsh: torch.Tensor | None = None
     top_ids_bsk: torch.Tensor | None = None
     top_logprobs_bsk: torch.Tensor | None = None
-
-
-def logit_softcap(config) -> float | None:
-    """The target's own ``final_logit_softcapping`` (Gemma 2/3: logits = c tanh(z / c)), None
-    when it has none: its distribution is softmax of the capped logits."""
-    cap = getattr(text_config(config), "final_logit_softcapping", None)
-    return float(cap) if cap else None
 
 
 @torch.no_grad()
@@ -166,10 +159,8 @@ def extract_features(model, input_ids_bs: torch.Tensor, target_layer_ids: list[i
     lm_head = model.get_output_embeddings()
     last_bsh = base_out.last_hidden_state.to(lm_head.weight.device)
     argmax_bs = chunked_argmax(lm_head, last_bsh).to(out_device)
-    top = (None, None)
-    if topk:
-        top = tuple(t.to(out_device) for t in chunked_topk(lm_head, last_bsh, topk,
-                                                           logit_softcap(model.config)))
+    top = (tuple(t.to(out_device) for t in chunked_topk(
+        lm_head, last_bsh, topk, logit_softcap(model.config))) if topk else (None, None))
     return TargetFeatures(hidden_bsf, argmax_bs, last_bsh.to(out_device), *top)
 
 

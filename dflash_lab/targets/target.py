@@ -1,7 +1,6 @@
-"""A loaded target: its frozen pieces (embedding, final norm, LM head) and its fingerprint.
-:class:`Target` is what every entry point gets from :func:`dflash_lab.targets.loader.load_target`
-(a full model) or :mod:`dflash_lab.targets.head_only` (embedding, final norm and LM head only);
-its fingerprints (config, tokenizer, chat template and weight hashes) identify it in captures,
+"""A loaded target (:class:`Target`, from :func:`dflash_lab.targets.loader.load_target` or
+:mod:`dflash_lab.targets.head_only`): its frozen pieces (embedding, final norm, LM head) and its
+fingerprints (config, tokenizer, chat template, weights), which identify it in captures,
 checkpoints and exports.
 """
 
@@ -58,6 +57,13 @@ def text_config(config):
     return getter() if getter is not None else config
 
 
+def logit_softcap(config) -> float | None:
+    """The target's own ``final_logit_softcapping`` (Gemma 2/3: logits = c tanh(z / c)), None
+    when it has none: its distribution is softmax of the capped logits."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 class RawEmbedding(nn.Module):
     """The plain table lookup ``weight[ids]`` (ids [...] -> [..., H]) of a target embedding whose
     module does more (Gemma's x sqrt(H)): the bare rows z-lab and vLLM feed the drafter (times
@@ -70,13 +76,6 @@ class RawEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.weight)
-
-
-def raw_embedding(module: nn.Module) -> nn.Module:
-    """``module`` itself when its forward is ``nn.Embedding``'s, else a :class:`RawEmbedding`."""
-    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
-        return module
-    return RawEmbedding(module.weight)
 
 
 def final_norm(model: nn.Module) -> nn.Module:
@@ -190,21 +189,12 @@ class TargetPieces(nn.Module):
     def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module,
                  logit_softcap: float | None = None):
         super().__init__()
-        self.embed_tokens = embed_tokens
-        self.norm = norm
-        self.lm_head = lm_head
+        self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         #: the target's own final_logit_softcapping (its distribution is softmax of the capped
         #: logits: the distribution losses' teacher applies it)
         self.logit_softcap = logit_softcap
         for p in self.parameters():
             p.requires_grad_(False)
-
-    @classmethod
-    def from_model(cls, model: nn.Module) -> TargetPieces:
-        """Pick the pieces out of an HF causal LM or multimodal model with a language model."""
-        cap = getattr(text_config(model.config), "final_logit_softcapping", None)
-        return cls(raw_embedding(model.get_input_embeddings()), final_norm(model),
-                   model.get_output_embeddings(), float(cap) if cap else None)
 
     def train(self, mode: bool = True) -> TargetPieces:
         # Frozen forever: stay in eval mode whatever the parent module does.
@@ -245,8 +235,12 @@ class Target:
         return self.model.get_input_embeddings().weight.device
 
     def pieces(self) -> TargetPieces:
-        """Frozen embedding, final norm and LM head (shared modules)."""
-        return TargetPieces.from_model(self.model)
+        """Frozen embedding, final norm and LM head (shared modules) of the HF model."""
+        embed = self.model.get_input_embeddings()
+        if not (isinstance(embed, nn.Embedding) and type(embed).forward is nn.Embedding.forward):
+            embed = RawEmbedding(embed.weight)  # its forward does more than the lookup
+        return TargetPieces(embed, final_norm(self.model), self.model.get_output_embeddings(),
+                            logit_softcap(self.model.config))
 
     def token_id(self, token: str) -> int:
         """Id of a token that must exist in the vocabulary (e.g. the MASK token)."""
