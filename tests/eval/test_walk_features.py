@@ -8,7 +8,8 @@ Jacobi walk) by running ``Head.draft`` on every block, as generate mode drafts (
   row and unary logits).
 - On captures of greedy speculative generations (the target's own continuation) it reproduces
   every round's walk and unary acceptance length (last round excluded: generation cuts it at the
-  token budget), and ``tau_chained`` equals generation tau up to that last round.
+  token budget; a round is capped, as generation caps it, at the outputs left after its anchor),
+  and ``tau_chained`` equals generation tau up to that last round.
 
 Each drafter is a briefly trained DFlash 1 backbone (test_trained.py's ``quick_train``; DSpark's
 own, with sample_from_anchor) with the head's modules perturbed so the walk moves picks; Domino
@@ -121,8 +122,13 @@ def test_features_mode_replays_the_walks_rounds_and_generation_tau(tiny_target, 
             continue
         flags, out = _flags(drafter, pieces, sample, torch.tensor(starts))
         first = out.first_slot
-        walked += acceptance_lengths(flags, out.block_valid, first).long().tolist()
-        unary += acceptance_lengths(out.correct, out.block_valid, first).long().tolist()
+        # generation caps a round at the outputs left after its anchor (loop.unary_lengths): a
+        # round near the end whose drafts all match has no bonus token there
+        left = [len(sample["input_ids"]) - 1 - a for a in starts]
+        walked += [min(n, m) for n, m in zip(
+            acceptance_lengths(flags, out.block_valid, first).long().tolist(), left)]
+        unary += [min(n, m) for n, m in zip(
+            acceptance_lengths(out.correct, out.block_valid, first).long().tolist(), left)]
         assert walked[-len(starts):] == gen.acceptance_lengths[:-1]
         assert unary[-len(starts):] == gen.unary_acceptance_lengths[:-1]
         moved |= not torch.equal(flags, out.correct)
