@@ -107,27 +107,6 @@ def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
     return spec, base
 
 
-def _settings_record(cfg, target, block_size: int, trained: int, description: str,
-                     notes: list[str], stop_ids: tuple[int, ...], backend: str,
-                     variant: str) -> dict[str, Any]:
-    return {
-        "target": target.name_or_path, "drafter": cfg.drafter.path, "drafter_source": description,
-        "drafter_notes": notes, "variant": variant, "block_size": block_size,
-        "trained_block_size": trained, "num_prompts": cfg.num_prompts,
-        "temperature": cfg.temperature,
-        "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
-        "stop_token_ids": list(stop_ids), "backend": backend, "device": str(target.device),
-        "dtype": cfg.target.dtype, "baseline": cfg.baseline,
-        "context_buckets": context_buckets(cfg),
-    }
-
-
-def max_positions(target) -> int | None:
-    """The target's ``max_position_embeddings`` (None when its config has none)."""
-    config = getattr(getattr(target, "model", None), "config", None)
-    return getattr(config, "max_position_embeddings", None)
-
-
 def _load_pair(cfg, packed: bool = False):
     """Target (the ``target`` group, completed by resolve_eval_target), drafter, backend."""
     target = instantiate(cfg.target)
@@ -183,8 +162,7 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     timing = machine_load({"threads": set_threads(cfg.get("threads", "auto")),
                            "threads_option": cfg.get("threads", "auto"), "order": ORDER})
     target, loaded, backend = _load_pair(cfg)
-    items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
-                              max_positions(target))
+    items = items_with_target(configs, items, cfg.num_prompts, target, budgets)
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
@@ -198,10 +176,17 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     records, asked = answer_every_prompt(responder, target.tokenizer, configs, items, budgets,
                                          warm=bool(cfg.warmup), progress=cfg.progress,
                                          label="dflash-eval")
-    record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
-                              loaded.description, loaded.notes, stops, backend,
-                              loaded.drafter.config.variant)
-    record.update(_data_record(cfg, configs, budgets))
+    record = {
+        "target": target.name_or_path, "drafter": cfg.drafter.path,
+        "drafter_source": loaded.description, "drafter_notes": loaded.notes,
+        "variant": loaded.drafter.config.variant, "block_size": proposer.block_size,
+        "trained_block_size": loaded.trained_block_size, "num_prompts": cfg.num_prompts,
+        "temperature": cfg.temperature,
+        "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
+        "stop_token_ids": list(stops), "backend": backend, "device": str(target.device),
+        "dtype": cfg.target.dtype, "baseline": cfg.baseline,
+        "context_buckets": context_buckets(cfg), **_data_record(cfg, configs, budgets),
+    }
     timing = machine_load(timing)
     if "warning" in timing:
         log.warning("%s", timing["warning"])

@@ -53,34 +53,28 @@ def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str
             "acceptance_histogram_from_engine": True}
 
 
-@dataclass
-class _Served:
-    """What a server run gathers, response by response (every dataset, every turn)."""
-
-    responses: list[ServerResponse] = field(default_factory=list)
-    records: list[ResponseRecord] = field(default_factory=list)
-    ids: list[list[int]] = field(default_factory=list)
-
-
-def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """report.json for ``backend=server``: the offline report's fields from the response
-    records (both tau conventions from the tokens kept per round, TTFT, TPOT, one row per
-    dataset; ``tau_mean`` = the pooled tau, as offline), the engine's own curves and tau."""
+def server_report(responses: list[ServerResponse], records: list[ResponseRecord],
+                  prompt_ids: list[list[int]], block_size: int,
+                  settings: dict[str, Any]) -> dict[str, Any]:
+    """report.json for ``backend=server`` from what the run gathered, response by response
+    (every dataset, every turn): the offline report's fields from the response records (both tau
+    conventions from the tokens kept per round, TTFT, TPOT, one row per dataset; ``tau_mean`` =
+    the pooled tau, as offline), the engine's own curves and tau."""
     report: dict[str, Any] = {"mode": "server", **records_report(
-        got.records, block_size, settings.get("context_buckets"))}
+        records, block_size, settings.get("context_buckets"))}
     report["tau_mean"] = report["tau_pooled"]
-    report.update(_engine_curves(got.responses, block_size))
+    report.update(_engine_curves(responses, block_size))
     for name, row in report["datasets"].items():
-        row.update(_engine_curves([r for r, rec in zip(got.responses, got.records)
+        row.update(_engine_curves([r for r, rec in zip(responses, records)
                                    if rec.dataset == name], block_size))
-    seconds = sum(r.seconds for r in got.responses)
-    outputs = sum(r.num_output_tokens for r in got.responses)
+    seconds = sum(r.seconds for r in responses)
+    outputs = sum(r.num_output_tokens for r in responses)
     report.update({
-        "num_rounds": sum(r.rounds for r in got.responses),
+        "num_rounds": sum(r.rounds for r in responses),
         "tokens_per_second": outputs / seconds if seconds > 0 else None,
-        "num_prompts": len(got.responses), "num_output_tokens": outputs,
-        "engine_responses": [r.engine_fields() for r in got.responses],
-        "prompt_ids": got.ids, "outputs": [r.output_ids for r in got.responses],
+        "num_prompts": len(responses), "num_output_tokens": outputs,
+        "engine_responses": [r.engine_fields() for r in responses],
+        "prompt_ids": prompt_ids, "outputs": [r.output_ids for r in responses],
         "settings": settings})
     return report
 
@@ -131,9 +125,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     budgets = [budget(cfg, d) for d in configs]
     items = items_before_target(configs, cfg.num_prompts)  # a bad file: before the engine
     target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
-    config = getattr(getattr(target, "model", None), "config", None)
-    items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
-                              getattr(config, "max_position_embeddings", None))
+    items = items_with_target(configs, items, cfg.num_prompts, target, budgets)
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     with client_of(settings, Path(cfg.output_dir) / "server.log", EngineClient) as client:
         info = client.connect()
@@ -141,7 +133,6 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
         records, asked = answer_every_prompt(responder, target.tokenizer, configs, items,
                                              budgets, warm=bool(cfg.warmup),
                                              progress=cfg.progress, label="dflash-eval server")
-    got = _Served(responder.responses, records, asked)
     names = [dataset_name(d) for d in configs]
     record = {"backend": "server", "engine": settings.engine, "url": settings.url,
               "served_model": info["model"], "served_root": info["root"],
@@ -155,7 +146,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
               "chat_template": configs[0].chat_template,
               "enable_thinking": configs[0].get("enable_thinking"),
               "stop_token_ids": list(stops), "context_buckets": context_buckets(cfg)}
-    return server_report(got, info["block_size"], record)
+    return server_report(responder.responses, records, asked, info["block_size"], record)
 
 
 def _sampling(cfg, stops: tuple[int, ...], n: int, max_tokens: int) -> Sampling:
