@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -116,16 +115,12 @@ class HiddenStatesServer(CompletionServer):
         self.argmax_checks = [0, 0]
 
     def version(self) -> str | None:
-        """The engine's version (vLLM: ``GET /version``), None when it does not say."""
-        try:
-            return str(self._request_root("/version").get("version")) or None
-        except ServerError:
-            return None
-
-    def _request_root(self, path: str) -> dict[str, Any]:
+        """The engine's version (vLLM: ``GET /version`` at the root), None when it does not say."""
         base, self.base = self.base, self.settings.root
         try:
-            return self._request(path)
+            return str(self._request("/version").get("version")) or None
+        except ServerError:
+            return None
         finally:
             self.base = base
 
