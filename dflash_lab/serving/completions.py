@@ -12,9 +12,9 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -150,14 +150,8 @@ def all_at_once(calls: list[Callable[[], Any]], name: str) -> list[Any]:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-@contextmanager
 def open_server(settings: ServerSettings, log_path: Path, world_size: int = 1
-                ) -> Iterator[CompletionServer]:
+                ) -> AbstractContextManager[CompletionServer]:
     """A client of the server at ``settings.url``, or, with ``settings.launch``, of a server
     started for the block (its output in ``log_path``) and stopped after it."""
-    if settings.launch is not None and world_size > 1:
-        raise ValueError("server.launch starts one server per process; with "
-                         f"WORLD_SIZE={world_size} start the server yourself and pass "
-                         "server.url")
-    with client_of(settings, log_path, CompletionServer) as server:
-        yield server
+    return client_of(settings, log_path, CompletionServer, world_size)

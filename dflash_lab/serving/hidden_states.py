@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from dflash_lab.serving.completions import CompletionServer, ServerError, all_at_once
-from dflash_lab.serving.launch import launched_server
+from dflash_lab.serving.launch import client_of
 from dflash_lab.serving.settings import ServerSettings
-
-log = logging.getLogger("dflash_lab.capture")
 
 CONNECTOR_MODULE = "dflash_lab.serving.vllm_hidden_states_connector"
 CONNECTOR_CLASS = "DflashHiddenStatesConnector"
@@ -175,18 +172,14 @@ def open_hidden_states_server(settings: ServerSettings, aux_layer_ids: list[int]
         raise ValueError(f"server.engine={settings.engine!r}: capture.backend=server speaks "
                          "vLLM's hidden-states connector only (SGLang: unverified, not "
                          "supported); use a vLLM server or capture.backend=local")
-    if settings.launch is None:
-        yield HiddenStatesServer(settings, aux_layer_ids, hidden_size)
-        return
-    if world_size > 1:
-        raise ValueError("server.launch starts one server per process; with "
-                         f"WORLD_SIZE={world_size} start the server yourself and pass server.url")
-    command = list(settings.launch)
-    if not _has_extract_args(command):
+
+    def with_extract_args(command: list[str]) -> list[str]:
+        if _has_extract_args(command):
+            return command
         storage_dir.mkdir(parents=True, exist_ok=True)
-        command += server_args(aux_layer_ids, storage_dir.absolute())
+        return command + server_args(aux_layer_ids, storage_dir.absolute())
+
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    with launched_server(command, log_path, start_timeout_s=settings.start_timeout_s,
-                         env={"PYTHONPATH": path}) as url:
-        log.info("hidden-states server ready at %s (its output: %s)", url, log_path)
-        yield HiddenStatesServer(replace(settings, url=url), aux_layer_ids, hidden_size)
+    with client_of(settings, log_path, lambda s: HiddenStatesServer(s, aux_layer_ids, hidden_size),
+                   world_size, with_extract_args, {"PYTHONPATH": path}) as server:
+        yield server
