@@ -64,15 +64,11 @@ def unary_summary(spec: list[Generation], block_size: int) -> dict[str, Any]:
     """DFlash 2 drafters: the unary argmax draft's acceptance in the same rounds as the selector
     path (``tau_mean``), for the side-by-side comparison; every value None at T > 0, where the
     loop does not measure it (``Generation.unary_acceptance_lengths`` is None)."""
+    keys = ("tau_mean", "tau_per_prompt", "acceptance_lengths", "per_position_acceptance")
     if any(g.acceptance_lengths and g.unary_acceptance_lengths is None for g in spec):
-        return {"unary_tau_mean": None, "unary_tau_per_prompt": None,
-                "unary_acceptance_lengths": None, "unary_per_position_acceptance": None}
-    per_prompt = [g.unary_acceptance_lengths or [] for g in spec]
-    summary = acceptance_summary(per_prompt, block_size)
-    return {"unary_tau_mean": summary["tau_mean"],
-            "unary_tau_per_prompt": summary["tau_per_prompt"],
-            "unary_acceptance_lengths": per_prompt,
-            "unary_per_position_acceptance": summary["per_position_acceptance"]}
+        return {f"unary_{k}": None for k in keys}
+    summary = acceptance_summary([g.unary_acceptance_lengths or [] for g in spec], block_size)
+    return {f"unary_{k}": summary[k] for k in keys}
 
 
 def _rate(gens: list[Generation]) -> float | None:
