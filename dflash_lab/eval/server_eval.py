@@ -1,9 +1,7 @@
 """``dflash-eval backend=server``: the configured dataset(s) through a serving engine, response
-by response as the local loop runs them, into the same records and report fields. The client,
-what each engine reports and the tokens-per-round convention: :mod:`dflash_lab.serving.engine`;
-here the data walk (one data option or a suite, MT-Bench's second turn after the engine's first
-answer), the untimed warm-up and report.json (:func:`dflash_lab.eval.report.records_report` plus
-the engine's own curves).
+by response as the local loop runs them (:func:`~dflash_lab.eval.suite.answer_every_prompt`),
+into the same records and report fields plus the engine's own curves. The client, what each
+engine reports and the tokens-per-round convention: :mod:`dflash_lab.serving.engine`.
 """
 
 from __future__ import annotations
@@ -103,18 +101,14 @@ class EngineResponder:
         self.responses.append(resp)
         text = (self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
                 if resp.output_ids is not None else resp.text or "")
-        return _record(resp, where, prompt_tokens=len(ids)), text
-
-
-def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
-    """The report's per-response record: totals only (engines give no per-round lengths); round
-    tokens = output tokens - 1 (the first is the prefill's), tau :attr:`ServerResponse.tau`."""
-    return ResponseRecord(dataset=where.dataset, index=where.index, turn=where.turn,
-                          prompt_tokens=prompt_tokens, num_output_tokens=resp.num_output_tokens,
-                          num_rounds=resp.rounds,
-                          num_round_tokens=max(resp.num_output_tokens - 1, 0)
-                          if resp.rounds else 0,
-                          ttft_s=resp.ttft_s, tpot_s=resp.tpot_s)
+        # totals only (engines give no per-round lengths); round tokens = output tokens - 1 (the
+        # first is the prefill's), tau :attr:`ServerResponse.tau`
+        record = ResponseRecord(
+            dataset=where.dataset, index=where.index, turn=where.turn, prompt_tokens=len(ids),
+            num_output_tokens=resp.num_output_tokens, num_rounds=resp.rounds,
+            num_round_tokens=max(resp.num_output_tokens - 1, 0) if resp.rounds else 0,
+            ttft_s=resp.ttft_s, tpot_s=resp.tpot_s)
+        return record, text
 
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:

@@ -219,23 +219,20 @@ class EngineClient:
             return self._sglang(prompt_ids, sampling)
         before = self.counters()
         resp = self._vllm_complete(prompt_ids, sampling)
-        delta = self._settled(before, resp.num_output_tokens).minus(before)
+        # vLLM records a step's stats in the turn that finishes the request: a response of 2+
+        # tokens without a round reads the counters again, for up to settle_s
+        deadline = time.monotonic() + self.settings.settle_s
+        now = self.counters()
+        while now.drafts == before.drafts and resp.num_output_tokens > 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = self.counters()
+        delta = now.minus(before)
         resp.rounds = int(delta.drafts)
         resp.accepted_drafts, resp.draft_tokens = int(delta.accepted), int(delta.draft_tokens)
         resp.accepted_histogram = histogram_from_positions(delta.drafts, delta.per_pos)
         resp.engine_tau = 1 + delta.accepted / delta.drafts if delta.drafts else None
         return resp
-
-    def _settled(self, before: SpecCounters, num_output_tokens: int) -> SpecCounters:
-        """The counters after a response (vLLM records a step's stats in the turn that finishes
-        the request); a response of 2+ tokens without a round is read again up to ``settle_s``."""
-        deadline = time.monotonic() + self.settings.settle_s
-        now = self.counters()
-        while now.drafts == before.drafts and num_output_tokens > 1 \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-            now = self.counters()
-        return now
 
     def _vllm_complete(self, prompt_ids: list[int], s: Sampling) -> ServerResponse:
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": s.max_tokens,
