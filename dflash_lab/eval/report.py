@@ -1,9 +1,7 @@
 """The eval report: metrics from per-round acceptance lengths (per response:
 :mod:`dflash_lab.eval.records`) and the files in the output dir: ``report.json`` (every field,
-docs/eval.md), ``report.md`` (the per-dataset table with both taus, TTFT, TPOT and the decode
-speedup, text histograms, the command) and the PNG plots ``acceptance_histogram.png`` and
-``per_position_acceptance.png`` (matplotlib, Agg; several datasets add
-``<dataset>_acceptance_histogram.png`` etc.).
+docs/eval.md), ``report.md`` (per-dataset tables with both taus, TTFT, TPOT and the decode
+speedup, text histograms, the command) and the PNG plots (:func:`write_plots`).
 """
 
 from __future__ import annotations
