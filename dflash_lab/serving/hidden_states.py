@@ -138,14 +138,8 @@ class HiddenStatesServer(CompletionServer):
                 "repository on its PYTHONPATH), or let the capture start it: server.launch=[...]")
         choice = (answer.get("choices") or [{}])[0]
         tensors = read_hidden_states(path, wait_s=self.settings.timeout_s)
-        states = tensors["hidden_states"]
-        self._check(states, tensors.get("token_ids"), prompt_ids, path)
-        generated = choice.get("token_ids") or []
-        return ServedStates(states, int(generated[0]) if generated else None)
-
-    def _check(self, states: torch.Tensor, token_ids, prompt_ids: list[int], path) -> None:
-        """The file must hold [len(prompt), k, H] for this prompt (ValueError naming both)."""
-        want = (len(prompt_ids), len(self.aux_layer_ids), self.hidden_size)
+        states, token_ids = tensors["hidden_states"], tensors.get("token_ids")
+        want = (len(prompt_ids), len(self.aux_layer_ids), self.hidden_size)  # [T, k, H]
         if tuple(states.shape) != want:
             raise ValueError(
                 f"{path}: hidden_states {tuple(states.shape)} but [tokens, layers, hidden] = "
@@ -155,6 +149,8 @@ class HiddenStatesServer(CompletionServer):
         if token_ids is not None and token_ids.tolist() != [int(t) for t in prompt_ids]:
             raise ValueError(f"{path}: token_ids differ from the prompt sent; the server "
                              "tokenised it again or mixed requests up")
+        generated = choice.get("token_ids") or []
+        return ServedStates(states, int(generated[0]) if generated else None)
 
     def hidden_states_many(self, prompts: list[list[int]]) -> list[ServedStates]:
         """:meth:`hidden_states` of all prompts at once, in order; a failure cancels the rest."""
