@@ -91,10 +91,9 @@ def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
 def walk_drafts(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor,
                 hidden_bnph: Tensor, anchor_ids_bn: Tensor) -> Tensor:
     """[N, k]: the head's own greedy walk on each block (:meth:`DFlashDrafter.propose`:
-    ``Head.draft`` at T = 0), given what generate mode's proposer gives it: the block's hidden
-    rows, the unary logits, the anchor id, the target's embedding table and the fused context
-    row of the position before the anchor (``cache.rows[0, -1]`` there; LiLiCorr's anchor
-    row). 16 blocks at a time: their unary logits [16, k, V] float32 are held at once."""
+    ``Head.draft`` at T = 0) on what generate mode's proposer gives it, the fused context row of
+    the position before the anchor included (``cache.rows[0, -1]`` there; LiLiCorr's anchor row).
+    16 blocks at a time: their unary logits [16, k, V] float32 are held at once."""
     before = (anchors_n.to(hidden_bnph.device) - 1).clamp(min=0)  # generation never anchors at 0
     context_nh = drafter.fuse(sample["hidden"].to(hidden_bnph.device)[before][None])[0]
     return torch.cat([drafter.propose(h, a, pieces.lm_head, pieces.embed_tokens, c) for h, a, c

@@ -128,9 +128,8 @@ class CompletionServer:
 
     def complete_many(self, prompts: list[list[int]], seeds: list[int | None],
                       **sampling: Any) -> list[Reply]:
-        """``complete`` for every prompt at once (all in flight; the server batches them);
-        results in input order. A failure or Ctrl-C cancels the requests not yet sent and
-        returns at once, without waiting for those in flight (their answers are discarded)."""
+        """``complete`` for every prompt at once (the server batches them), results in input
+        order; a failure or Ctrl-C returns at once (:func:`all_at_once`)."""
         return all_at_once([partial(self.complete, p, seed=seed, **sampling)
                             for p, seed in zip(prompts, seeds)], "regen")
 
