@@ -176,6 +176,8 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     records, asked = answer_every_prompt(responder, target.tokenizer, configs, items, budgets,
                                          warm=bool(cfg.warmup), progress=cfg.progress,
                                          label="dflash-eval")
+    names = [dataset_name(d) for d in configs]
+    sources = [str(d.path) if d.get("path") else str(d.get("hub_id")) for d in configs]
     record = {
         "target": target.name_or_path, "drafter": cfg.drafter.path,
         "drafter_source": loaded.description, "drafter_notes": loaded.notes,
@@ -185,7 +187,13 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
         "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
         "stop_token_ids": list(stops), "backend": backend, "device": str(target.device),
         "dtype": cfg.target.dtype, "baseline": cfg.baseline,
-        "context_buckets": context_buckets(cfg), **_data_record(cfg, configs, budgets),
+        "context_buckets": context_buckets(cfg), "suite": cfg.get("suite"), "datasets": names,
+        "data": sources[0] if len(configs) == 1 else sources,
+        "max_new_tokens": budgets[0] if len(set(budgets)) == 1 else dict(zip(names, budgets)),
+        "enable_thinking": configs[0].get("enable_thinking"),
+        "reasoning_effort": configs[0].get("reasoning_effort"),
+        "chat_template_kwargs": dict(configs[0].get("chat_template_kwargs") or {}),
+        "chat_template": configs[0].chat_template,
     }
     timing = machine_load(timing)
     if "warning" in timing:
@@ -196,22 +204,6 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
                                decode=lambda ids: target.tokenizer.decode(
                                    ids, skip_special_tokens=True))
     return {**report, "timing": timing}
-
-
-def _data_record(cfg, configs, budgets) -> dict[str, Any]:
-    """The settings keys that describe the data: source(s), budget(s), rendering."""
-    names = [dataset_name(d) for d in configs]
-    sources = [str(d.path) if d.get("path") else str(d.get("hub_id")) for d in configs]
-    first = configs[0]
-    return {
-        "suite": cfg.get("suite"), "datasets": names,
-        "data": sources[0] if len(configs) == 1 else sources,
-        "max_new_tokens": budgets[0] if len(set(budgets)) == 1 else dict(zip(names, budgets)),
-        "enable_thinking": first.get("enable_thinking"),
-        "reasoning_effort": first.get("reasoning_effort"),
-        "chat_template_kwargs": dict(first.get("chat_template_kwargs") or {}),
-        "chat_template": first.chat_template,
-    }
 
 
 def run_features(cfg) -> dict[str, Any]:

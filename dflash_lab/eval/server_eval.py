@@ -54,10 +54,9 @@ def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str
 def server_report(responses: list[ServerResponse], records: list[ResponseRecord],
                   prompt_ids: list[list[int]], block_size: int,
                   settings: dict[str, Any]) -> dict[str, Any]:
-    """report.json for ``backend=server`` from what the run gathered, response by response
-    (every dataset, every turn): the offline report's fields from the response records (both tau
-    conventions from the tokens kept per round, TTFT, TPOT, one row per dataset; ``tau_mean`` =
-    the pooled tau, as offline), the engine's own curves and tau."""
+    """report.json for ``backend=server`` from each response (every dataset, every turn): the
+    offline report's fields from the records (:func:`records_report`; ``tau_mean`` = the pooled
+    tau, as offline), the engine's own curves and tau."""
     report: dict[str, Any] = {"mode": "server", **records_report(
         records, block_size, settings.get("context_buckets"))}
     report["tau_mean"] = report["tau_pooled"]
@@ -91,11 +90,16 @@ class EngineResponder:
 
     def warm(self, ids: list[int], max_new: int) -> None:
         # untimed; its rounds fall outside every measured counter delta
-        self.client.generate(ids, _sampling(self.cfg, self.stops, 0, 8))
+        self.client.generate(ids, self._sampling(0, 8))
+
+    def _sampling(self, n: int, max_tokens: int) -> Sampling:
+        """Response n's request: the local eval's settings; T > 0 seeds with seed + n."""
+        return Sampling(max_tokens, float(self.cfg.temperature), tuple(self.stops),
+                        ignore_eos=not self.cfg.stop_on_eos,
+                        seed=self.cfg.seed + n if self.cfg.temperature > 0 else None)
 
     def respond(self, ids: list[int], max_new: int, where) -> tuple[ResponseRecord, str]:
-        resp = self.client.generate(ids, _sampling(self.cfg, self.stops, len(self.responses),
-                                                   max_new))
+        resp = self.client.generate(ids, self._sampling(len(self.responses), max_new))
         if self.on_prompt is not None:
             self.on_prompt(len(self.responses), resp)
         self.responses.append(resp)
@@ -141,10 +145,3 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
               "enable_thinking": configs[0].get("enable_thinking"),
               "stop_token_ids": list(stops), "context_buckets": context_buckets(cfg)}
     return server_report(responder.responses, records, asked, info["block_size"], record)
-
-
-def _sampling(cfg, stops: tuple[int, ...], n: int, max_tokens: int) -> Sampling:
-    """Response n's request: the local eval's settings; T > 0 seeds with seed + n."""
-    return Sampling(max_tokens, float(cfg.temperature), tuple(stops),
-                    ignore_eos=not cfg.stop_on_eos,
-                    seed=cfg.seed + n if cfg.temperature > 0 else None)

@@ -114,10 +114,8 @@ class TargetRunner:
         logits = out.logits[0].float().to(self.device)
         if last_only:
             logits = logits[-1:]
-        features = None
-        if want_features:
-            features = torch.cat([layer_features(out.hidden_states[i], self.width).to(self.device)
-                                  for i in self.hidden_indices], dim=-1)
+        features = (torch.cat([layer_features(out.hidden_states[i], self.width).to(self.device)
+                               for i in self.hidden_indices], dim=-1) if want_features else None)
         return StepOutput(logits, features)
 
     def crop(self, length: int) -> None:

@@ -290,27 +290,24 @@ class EngineClient:
         else:
             last = self._json(url, body)
             pieces = [last.get("output_ids") or []]
-        return _sglang_response(last, pieces, time.perf_counter() - start, ttft, url)
-
-
-def _sglang_response(last: dict[str, Any] | None, pieces: list[list[int]], seconds: float,
-                     ttft: float | None, url: str) -> ServerResponse:
-    """SGLang's final answer -> ServerResponse. Streamed ``output_ids`` are cumulative in some
-    versions and incremental in others: whichever has the reported length is kept."""
-    meta = (last or {}).get("meta_info") or {}
-    if "spec_verify_ct" not in meta:
-        raise EngineError(
-            f"{url} answered without meta_info.spec_verify_ct: the server was not started with "
-            "speculative decoding (python -m sglang.launch_server --model-path TARGET "
-            "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER "
-            "--speculative-num-draft-tokens B)")
-    n = int(meta["completion_tokens"])
-    joined = [t for p in pieces for t in p]
-    ids = pieces[-1] if pieces and len(pieces[-1]) == n else joined if len(joined) == n else None
-    accepted = meta.get("spec_num_correct_drafts", meta.get("spec_accept_token_num"))
-    hist = meta.get("spec_acceptance_histogram")
-    return ServerResponse(n, int(meta["spec_verify_ct"]), seconds, ids,
-                          accepted_drafts=None if accepted is None else int(accepted),
-                          accepted_histogram=[int(c) for c in hist] if hist else None,
-                          engine_tau=meta.get("spec_accept_length"), ttft_s=ttft,
-                          text=(last or {}).get("text"))
+        seconds = time.perf_counter() - start
+        meta = (last or {}).get("meta_info") or {}
+        if "spec_verify_ct" not in meta:
+            raise EngineError(
+                f"{url} answered without meta_info.spec_verify_ct: the server was not started "
+                "with speculative decoding (python -m sglang.launch_server --model-path TARGET "
+                "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER "
+                "--speculative-num-draft-tokens B)")
+        n = int(meta["completion_tokens"])
+        # streamed output_ids are cumulative in some versions and incremental in others:
+        # whichever has the reported length is kept
+        joined = [t for p in pieces for t in p]
+        ids = (pieces[-1] if pieces and len(pieces[-1]) == n
+               else joined if len(joined) == n else None)
+        accepted = meta.get("spec_num_correct_drafts", meta.get("spec_accept_token_num"))
+        hist = meta.get("spec_acceptance_histogram")
+        return ServerResponse(n, int(meta["spec_verify_ct"]), seconds, ids,
+                              accepted_drafts=None if accepted is None else int(accepted),
+                              accepted_histogram=[int(c) for c in hist] if hist else None,
+                              engine_tau=meta.get("spec_accept_length"), ttft_s=ttft,
+                              text=(last or {}).get("text"))
