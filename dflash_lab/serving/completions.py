@@ -58,7 +58,6 @@ class CompletionServer:
         self.base = settings.url.rstrip("/")
         self.model = settings.model
 
-    # -- HTTP ----------------------------------------------------------------------------------
     def _request(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """GET (no body) or POST JSON with retries on transient failures; the decoded answer."""
         s = self.settings
@@ -89,7 +88,6 @@ class CompletionServer:
             "--model-path TARGET_DIR --port 8000`, then server.url="
             "http://HOST:PORT/v1. Finished parts are kept: rerun the same command to resume.")
 
-    # -- API -----------------------------------------------------------------------------------
     def connect(self, max_length: int,
                 setting: str = "regenerate.settings.max_length") -> dict[str, Any]:
         """Pick the served model and check it holds ``max_length`` tokens (``setting``: the key an

@@ -154,7 +154,6 @@ class EngineClient:
         self.base = settings.url.rstrip("/")
         self.model = settings.model
 
-    # -- HTTP ----------------------------------------------------------------------------------
     def _open(self, url: str, body: dict[str, Any] | None = None):
         """The open response of a GET (no body) or JSON POST; errors name the URL."""
         req = json_request(url, body, self.settings.api_key_env)
@@ -179,7 +178,6 @@ class EngineClient:
         with self._open(url) as resp:
             return parse_vllm_metrics(resp.read().decode(errors="replace"), url)
 
-    # -- set-up ----------------------------------------------------------------------------------
     def connect(self) -> dict[str, Any]:
         """Pick the served model, check the engine reports acceptance, find B: ``{"model", "root"
         (the served directory, where the server says), "block_size"}``."""
@@ -212,7 +210,6 @@ class EngineClient:
                           "server.block_size=B (vLLM num_speculative_tokens + 1, SGLang "
                           "--speculative-num-draft-tokens)")
 
-    # -- one response ----------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], sampling: Sampling) -> ServerResponse:
         """Decode one prompt (token ids) and return what the engine reports for it."""
         if self.settings.engine == "sglang":
