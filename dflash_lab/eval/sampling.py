@@ -67,7 +67,7 @@ def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Ten
            temperature: float, mode: str, generator: torch.Generator | None) -> Verdict:
     """Apply the round's verification rule. ``target_logits_kv`` [k + 1, V]: row t is the target's
     distribution at draft t's position (row k: after the last). Returns drafts kept and bonus."""
-    p = probs_at(target_logits_kv, temperature) if temperature > 0 else None
+    p = None if temperature == 0 else probs_at(target_logits_kv, temperature)
     if p is None or mode == "exact_match":  # drafts against the target's argmax or own samples
         choice = target_logits_kv.argmax(-1) if p is None else sample_from(p, generator)
         accepted = leading_matches(draft_k, choice[:-1])
