@@ -78,10 +78,9 @@ def get_backend(name: str, device: torch.device | str = "cpu", *, packed: bool =
     shapes every step (sdpa then makes one dense call instead of anchor-dependent key tiles)."""
     chosen = resolve_backend_name(name, device, packed=packed)
     if name == "auto":
-        kind = "packed blocks" if packed else "inference"
         _log_once((chosen, str(device), packed), logging.INFO,
                   "attention backend 'auto' resolved to '%s' on %s (%s layout)", chosen, device,
-                  kind)
+                  "packed blocks" if packed else "inference")
     if chosen == "sdpa":
         return sdpa.SdpaBackend(key_tiles=1 if static_shapes else sdpa.KEY_TILES)
     if chosen == "flex":

@@ -100,8 +100,6 @@ def mask_tile(layout: BlockLayout, spec: LayerSpec, q0: int, q1: int, k0: int, k
     kv_idx = torch.arange(k0, k1, device=dev)[None, :]
 
     def one_row(anchors_n: Tensor, starts_n: Tensor | None = None) -> Tensor:
-        if starts_n is None:
-            return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec)
         return visible(q_idx, kv_idx, anchors_n, layout.num_context, layout.block_size, spec,
                        starts_n)
 
@@ -132,13 +130,9 @@ def flex_mask_mod(layout: BlockLayout, spec: LayerSpec):
     anchors_bn, num_context, block_size = layout.anchors_bn, layout.num_context, layout.block_size
     starts_bn = layout.doc_starts_bn
 
-    if starts_bn is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec)
-    else:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec,
-                           starts_bn[b])
+    def mask_mod(b, h, q_idx, kv_idx):
+        starts = None if starts_bn is None else starts_bn[b]
+        return visible(q_idx, kv_idx, anchors_bn[b], num_context, block_size, spec, starts)
 
     return mask_mod
 

@@ -73,15 +73,6 @@ class StreamTile:
     def q1(self) -> int:
         return self.n1 * self.layout.block_size
 
-    def keys_and_mask(self) -> tuple[Tensor, Tensor]:
-        """The visible key indices [K'] and the bool mask [Bt, 1, q1-q0, K'] over them."""
-        ranges = visible_key_ranges(self.layout, self.spec, self.n0, self.n1)
-        dev = self.layout.anchors_bn.device
-        key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
-        mask = torch.cat([mask_tile(self.layout, self.spec, self.q0, self.q1, k0, k1)
-                          for k0, k1 in ranges], dim=-1)
-        return key_idx, mask
-
 
 class SdpaBackend:
     name = "sdpa"
@@ -140,7 +131,12 @@ def _attend_streamed(tile: StreamTile, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: T
     being recorded, so the run's mask, gathered K/V and scores are freed after its forward and
     rebuilt for its backward (that is what keeps full layers linear in memory)."""
     def run(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None) -> Tensor:
-        key_idx, mask = tile.keys_and_mask()
+        # the visible key indices [K'] and the bool mask [Bt, 1, q1-q0, K'] over them
+        ranges = visible_key_ranges(tile.layout, tile.spec, tile.n0, tile.n1)
+        dev = tile.layout.anchors_bn.device
+        key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
+        mask = torch.cat([mask_tile(tile.layout, tile.spec, tile.q0, tile.q1, k0, k1)
+                          for k0, k1 in ranges], dim=-1)
         return _dense_attend(q[:, :, tile.q0:tile.q1], k.index_select(2, key_idx),
                              v.index_select(2, key_idx), mask, scale, sink)
 

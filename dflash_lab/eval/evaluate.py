@@ -107,27 +107,6 @@ def evaluate_prompts(model, proposer: Proposer, target_layer_ids: list[int],
     return spec, base
 
 
-def _settings_record(cfg, target, block_size: int, trained: int, description: str,
-                     notes: list[str], stop_ids: tuple[int, ...], backend: str,
-                     variant: str) -> dict[str, Any]:
-    return {
-        "target": target.name_or_path, "drafter": cfg.drafter.path, "drafter_source": description,
-        "drafter_notes": notes, "variant": variant, "block_size": block_size,
-        "trained_block_size": trained, "num_prompts": cfg.num_prompts,
-        "temperature": cfg.temperature,
-        "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
-        "stop_token_ids": list(stop_ids), "backend": backend, "device": str(target.device),
-        "dtype": cfg.target.dtype, "baseline": cfg.baseline,
-        "context_buckets": context_buckets(cfg),
-    }
-
-
-def max_positions(target) -> int | None:
-    """The target's ``max_position_embeddings`` (None when its config has none)."""
-    config = getattr(getattr(target, "model", None), "config", None)
-    return getattr(config, "max_position_embeddings", None)
-
-
 def _load_pair(cfg, packed: bool = False):
     """Target (the ``target`` group, completed by resolve_eval_target), drafter, backend."""
     target = instantiate(cfg.target)
@@ -183,8 +162,7 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     timing = machine_load({"threads": set_threads(cfg.get("threads", "auto")),
                            "threads_option": cfg.get("threads", "auto"), "order": ORDER})
     target, loaded, backend = _load_pair(cfg)
-    items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
-                              max_positions(target))
+    items = items_with_target(configs, items, cfg.num_prompts, target, budgets)
     pieces = target.pieces()
     proposer = DFlashProposer(loaded.drafter, pieces.embed_tokens, pieces.lm_head)
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
@@ -198,10 +176,25 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
     records, asked = answer_every_prompt(responder, target.tokenizer, configs, items, budgets,
                                          warm=bool(cfg.warmup), progress=cfg.progress,
                                          label="dflash-eval")
-    record = _settings_record(cfg, target, proposer.block_size, loaded.trained_block_size,
-                              loaded.description, loaded.notes, stops, backend,
-                              loaded.drafter.config.variant)
-    record.update(_data_record(cfg, configs, budgets))
+    names = [dataset_name(d) for d in configs]
+    sources = [str(d.path) if d.get("path") else str(d.get("hub_id")) for d in configs]
+    record = {
+        "target": target.name_or_path, "drafter": cfg.drafter.path,
+        "drafter_source": loaded.description, "drafter_notes": loaded.notes,
+        "variant": loaded.drafter.config.variant, "block_size": proposer.block_size,
+        "trained_block_size": loaded.trained_block_size, "num_prompts": cfg.num_prompts,
+        "temperature": cfg.temperature,
+        "sampling": cfg.sampling if cfg.temperature > 0 else "greedy", "seed": cfg.seed,
+        "stop_token_ids": list(stops), "backend": backend, "device": str(target.device),
+        "dtype": cfg.target.dtype, "baseline": cfg.baseline,
+        "context_buckets": context_buckets(cfg), "suite": cfg.get("suite"), "datasets": names,
+        "data": sources[0] if len(configs) == 1 else sources,
+        "max_new_tokens": budgets[0] if len(set(budgets)) == 1 else dict(zip(names, budgets)),
+        "enable_thinking": configs[0].get("enable_thinking"),
+        "reasoning_effort": configs[0].get("reasoning_effort"),
+        "chat_template_kwargs": dict(configs[0].get("chat_template_kwargs") or {}),
+        "chat_template": configs[0].chat_template,
+    }
     timing = machine_load(timing)
     if "warning" in timing:
         log.warning("%s", timing["warning"])
@@ -211,22 +204,6 @@ def run_generate(cfg, on_prompt: Callable[[int, Generation], None] | None = None
                                decode=lambda ids: target.tokenizer.decode(
                                    ids, skip_special_tokens=True))
     return {**report, "timing": timing}
-
-
-def _data_record(cfg, configs, budgets) -> dict[str, Any]:
-    """The settings keys that describe the data: source(s), budget(s), rendering."""
-    names = [dataset_name(d) for d in configs]
-    sources = [str(d.path) if d.get("path") else str(d.get("hub_id")) for d in configs]
-    first = configs[0]
-    return {
-        "suite": cfg.get("suite"), "datasets": names,
-        "data": sources[0] if len(configs) == 1 else sources,
-        "max_new_tokens": budgets[0] if len(set(budgets)) == 1 else dict(zip(names, budgets)),
-        "enable_thinking": first.get("enable_thinking"),
-        "reasoning_effort": first.get("reasoning_effort"),
-        "chat_template_kwargs": dict(first.get("chat_template_kwargs") or {}),
-        "chat_template": first.chat_template,
-    }
 
 
 def run_features(cfg) -> dict[str, Any]:

@@ -44,9 +44,8 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
                          "(.ckpt), a run directory, a serving directory (config.json + "
                          "model.safetensors), a speculators directory or a SpecForge checkpoint")
     source = load_source(path, verify_checksums, assume)
-    config, state = source.config, source.state_dict
-    description, notes = source.description, list(source.notes)
-    config = with_target_vocab(config, target_vocab_size, source.vocab_recorded)
+    notes = list(source.notes)
+    config = with_target_vocab(source.config, target_vocab_size, source.vocab_recorded)
     trained = config.block_size
     if block_size is not None and block_size != trained:
         if not 2 <= int(block_size) <= trained:
@@ -56,9 +55,9 @@ def load_drafter(path: str | Path, *, backend: str = "sdpa", device: str | torch
         notes.append(f"block_size {block_size} (trained with {config.block_size})")
         config = dataclasses.replace(config, block_size=int(block_size))
     drafter = DFlashDrafter(config, backend=backend)
-    drafter.load_state_dict(state, strict=True)
+    drafter.load_state_dict(source.state_dict, strict=True)
     drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return LoadedDrafter(drafter, description, trained, notes, source.depth_recorded)
+    return LoadedDrafter(drafter, source.description, trained, notes, source.depth_recorded)
 
 
 def check_pair(drafter: DFlashDrafter, target, depth_recorded: bool = True) -> None:

@@ -1,15 +1,14 @@
 """Feature-level evaluation (``dflash-eval mode=features``): the training validation's exact
 greedy-acceptance simulator (labels, block gathering, correctness and ``1 + leading correct
-slots`` from :mod:`dflash_lab.train.loss`) run over captured shards, generating nothing. Every
-valid anchor (``loss_mask[p] and loss_mask[p+1]``) by default (deterministic), else
-``num_anchors`` sampled as validation does. ``tau_mean``: over every evaluated anchor (what
-validation logs); ``tau_chained`` (all anchors only): the rounds a greedy run makes on this text
-(anchor + tau from each loss-mask span's start; generation tau on target-regenerated data;
-``tau_mean`` is higher: the inspection paradox). A head with a draft walk (``Head.walk``) is
-scored by that walk, the unary tau beside: DFlash 2 by its ``walk_metrics`` (with the oracle
-tau and recall@K), every other walk (DSpark, Domino, LiLiCorr, XPress) by its own greedy
-``Head.draft`` on each block, given what generate mode gives it (:func:`walk_drafts`)
-(docs/eval.md, "Features mode and how it relates to generation", "Report").
+slots`` from :mod:`dflash_lab.train.loss`) over captured shards, generating nothing: every valid
+anchor (``loss_mask[p] and loss_mask[p+1]``, deterministic) or ``num_anchors`` sampled as
+validation does. ``tau_mean`` pools every evaluated anchor (what validation logs; higher than
+generation tau: the inspection paradox); ``tau_chained`` (all anchors only) follows the rounds a
+greedy run makes, anchor + tau from each loss-mask span's start (generation tau on
+target-regenerated data). A head with a draft walk (``Head.walk``) is scored by it, the unary
+tau beside: DFlash 2 by its ``walk_metrics`` (oracle tau, recall@K), every other walk by its own
+greedy ``Head.draft`` on each block (:func:`walk_drafts`) (docs/eval.md, "Features mode and how
+it relates to generation", "Report").
 
 Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
 K selector candidates, V vocab. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
@@ -92,10 +91,9 @@ def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
 def walk_drafts(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor,
                 hidden_bnph: Tensor, anchor_ids_bn: Tensor) -> Tensor:
     """[N, k]: the head's own greedy walk on each block (:meth:`DFlashDrafter.propose`:
-    ``Head.draft`` at T = 0), given what generate mode's proposer gives it: the block's hidden
-    rows, the unary logits, the anchor id, the target's embedding table and the fused context
-    row of the position before the anchor (``cache.rows[0, -1]`` there; LiLiCorr's anchor
-    row). 16 blocks at a time: their unary logits [16, k, V] float32 are held at once."""
+    ``Head.draft`` at T = 0) on what generate mode's proposer gives it, the fused context row of
+    the position before the anchor included (``cache.rows[0, -1]`` there; LiLiCorr's anchor row).
+    16 blocks at a time: their unary logits [16, k, V] float32 are held at once."""
     before = (anchors_n.to(hidden_bnph.device) - 1).clamp(min=0)  # generation never anchors at 0
     context_nh = drafter.fuse(sample["hidden"].to(hidden_bnph.device)[before][None])[0]
     return torch.cat([drafter.propose(h, a, pieces.lm_head, pieces.embed_tokens, c) for h, a, c

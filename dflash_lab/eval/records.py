@@ -7,7 +7,7 @@ reference's ``dflash_generate`` times them (docs/eval.md, "Report").
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -39,9 +39,6 @@ class ResponseRecord:
     def tau(self) -> float | None:
         """Mean tokens per round of this response (None without a round)."""
         return self.num_round_tokens / self.num_rounds if self.num_rounds else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _tpot(gen) -> float | None:
@@ -84,17 +81,6 @@ def per_position_acceptance(lengths: list[int], block_size: int) -> list[float |
     return [sum(n >= t + 1 for n in lengths) / len(lengths) for t in range(1, block_size)]
 
 
-def tau_macro(records: list[ResponseRecord]) -> float | None:
-    """Mean over responses (with at least one round) of each response's tau."""
-    return mean_of([r.tau for r in records])
-
-
-def tau_pooled(records: list[ResponseRecord]) -> float | None:
-    """All round tokens over all rounds."""
-    rounds = sum(r.num_rounds or 0 for r in records)
-    return sum(r.num_round_tokens or 0 for r in records) / rounds if rounds else None
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
@@ -103,15 +89,17 @@ def summarize(records: list[ResponseRecord], block_size: int) -> dict[str, Any]:
     """One dataset row: both taus, the pooled histogram and curve, TTFT/TPOT, decode speedup.
     Histogram and curve pool the records that carry per-round lengths."""
     pooled = [n for r in records for n in (r.acceptance_lengths or [])]
+    rounds = sum(r.num_rounds or 0 for r in records)
+    round_tokens = sum(r.num_round_tokens or 0 for r in records)
     tpot = mean_of([r.tpot_s for r in records])
     base_tpot = mean_of([r.baseline_tpot_s for r in records])
     checked = [r.lossless for r in records if r.lossless is not None]
     return {
         "num_responses": len(records),
-        "num_rounds": sum(r.num_rounds or 0 for r in records),
+        "num_rounds": rounds,
         "num_output_tokens": sum(r.num_output_tokens for r in records),
-        "tau_macro": tau_macro(records),
-        "tau_pooled": tau_pooled(records),
+        "tau_macro": mean_of([r.tau for r in records]),  # over responses with a round
+        "tau_pooled": round_tokens / rounds if rounds else None,  # all round tokens / all rounds
         "acceptance_histogram": histogram(pooled, block_size),
         "per_position_acceptance": per_position_acceptance(pooled, block_size),
         "ttft_ms": _ms(mean_of([r.ttft_s for r in records])),

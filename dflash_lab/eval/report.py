@@ -1,9 +1,7 @@
 """The eval report: metrics from per-round acceptance lengths (per response:
 :mod:`dflash_lab.eval.records`) and the files in the output dir: ``report.json`` (every field,
-docs/eval.md), ``report.md`` (the per-dataset table with both taus, TTFT, TPOT and the decode
-speedup, text histograms, the command) and the PNG plots ``acceptance_histogram.png`` and
-``per_position_acceptance.png`` (matplotlib, Agg; several datasets add
-``<dataset>_acceptance_histogram.png`` etc.).
+docs/eval.md), ``report.md`` (per-dataset tables with both taus, TTFT, TPOT and the decode
+speedup, text histograms, the command) and the PNG plots (:func:`write_plots`).
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +62,11 @@ def unary_summary(spec: list[Generation], block_size: int) -> dict[str, Any]:
     """DFlash 2 drafters: the unary argmax draft's acceptance in the same rounds as the selector
     path (``tau_mean``), for the side-by-side comparison; every value None at T > 0, where the
     loop does not measure it (``Generation.unary_acceptance_lengths`` is None)."""
+    keys = ("tau_mean", "tau_per_prompt", "acceptance_lengths", "per_position_acceptance")
     if any(g.acceptance_lengths and g.unary_acceptance_lengths is None for g in spec):
-        return {"unary_tau_mean": None, "unary_tau_per_prompt": None,
-                "unary_acceptance_lengths": None, "unary_per_position_acceptance": None}
-    per_prompt = [g.unary_acceptance_lengths or [] for g in spec]
-    summary = acceptance_summary(per_prompt, block_size)
-    return {"unary_tau_mean": summary["tau_mean"],
-            "unary_tau_per_prompt": summary["tau_per_prompt"],
-            "unary_acceptance_lengths": per_prompt,
-            "unary_per_position_acceptance": summary["per_position_acceptance"]}
+        return {f"unary_{k}": None for k in keys}
+    summary = acceptance_summary([g.unary_acceptance_lengths or [] for g in spec], block_size)
+    return {f"unary_{k}": summary[k] for k in keys}
 
 
 def _rate(gens: list[Generation]) -> float | None:
@@ -89,7 +84,7 @@ def records_report(records: list[ResponseRecord], block_size: int,
             "baseline_tpot_ms", "decode_speedup")
     return {**{k: overall[k] for k in keys}, "datasets": per_dataset(records, block_size),
             "tau_by_context": tau_by_context(records, buckets or CONTEXT_BUCKETS),
-            "records": [r.to_dict() for r in records]}
+            "records": [asdict(r) for r in records]}
 
 
 #: Marks an accepted draft span in ``output_marked`` (report.json) and report.md's Responses.
@@ -201,13 +196,6 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
             *(f"| {' | '.join(row)} |" for row in rows)]
 
 
-def dataset_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
-    """One row per dataset: both taus, TTFT, TPOT, the decode speedup (baseline TPOT / TPOT)."""
-    return _table(["dataset", *(c for c, _, _ in _ROW_COLUMNS)],
-                  [[name, *(_fmt(row[k], d) for _, k, d in _ROW_COLUMNS)]
-                   for name, row in datasets.items()])
-
-
 def suite_table(datasets: dict[str, dict[str, Any]]) -> list[str]:
     """The paper's layout: datasets as columns, tau (macro) and decode speedup rows, their mean."""
     names = list(datasets)
@@ -237,7 +225,10 @@ def _dataset_sections(report: dict[str, Any]) -> list[str]:
     lines = ["## Per dataset", "", "tau macro: mean over responses of each response's tokens "
              "per verify round (the reference's); tau pooled: all tokens over all rounds (the "
              "engines' counters). TPOT: decode time / output tokens; decode speedup: baseline "
-             "TPOT / TPOT.", "", *dataset_table(datasets), ""]
+             "TPOT / TPOT.", "",
+             *_table(["dataset", *(c for c, _, _ in _ROW_COLUMNS)],
+                     [[n, *(_fmt(r[k], d) for _, k, d in _ROW_COLUMNS)]
+                      for n, r in datasets.items()]), ""]
     if len(datasets) > 1:
         lines += [*suite_table(datasets), ""]
     lines += ["Acceptance length histogram (share of verify rounds):", "",
@@ -323,22 +314,20 @@ def _plot_pair(plt, hist: list[int], curve: list[float | None], title: str, out_
                prefix: str = "") -> list[str]:
     """Histogram and per-position curve of one set of rounds -> [histogram file, curve file]."""
     b = len(hist)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(range(1, b + 1), hist, color="tab:blue")
-    ax.set(xlabel="acceptance length (tokens per round)", ylabel="rounds", title=title,
-           xticks=range(1, b + 1))
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{prefix}{HISTOGRAM_PNG}", dpi=100)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, b), [math.nan if v is None else v for v in curve], marker="o")
-    ax.set(xlabel="draft position t", ylabel="P(accept >= t drafts)", ylim=(0, 1.02),
-           title=f"per-position acceptance{' (' + prefix[:-1] + ')' if prefix else ''}",
-           xticks=range(1, b))
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{prefix}{CURVE_PNG}", dpi=100)
-    plt.close(fig)
-    return [f"{prefix}{HISTOGRAM_PNG}", f"{prefix}{CURVE_PNG}"]
+    (hist_fig, hist_ax), (curve_fig, curve_ax) = [plt.subplots(figsize=(6, 3.5)) for _ in range(2)]
+    hist_ax.bar(range(1, b + 1), hist, color="tab:blue")
+    hist_ax.set(xlabel="acceptance length (tokens per round)", ylabel="rounds", title=title,
+                xticks=range(1, b + 1))
+    curve_ax.plot(range(1, b), [math.nan if v is None else v for v in curve], marker="o")
+    curve_ax.set(xlabel="draft position t", ylabel="P(accept >= t drafts)", ylim=(0, 1.02),
+                 title=f"per-position acceptance{' (' + prefix[:-1] + ')' if prefix else ''}",
+                 xticks=range(1, b))
+    files = [f"{prefix}{HISTOGRAM_PNG}", f"{prefix}{CURVE_PNG}"]
+    for fig, name in zip((hist_fig, curve_fig), files):
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+    return files
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:

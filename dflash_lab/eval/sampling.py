@@ -67,13 +67,9 @@ def verify(draft_k: Tensor, draft_probs_kv: Tensor | None, target_logits_kv: Ten
            temperature: float, mode: str, generator: torch.Generator | None) -> Verdict:
     """Apply the round's verification rule. ``target_logits_kv`` [k + 1, V]: row t is the target's
     distribution at draft t's position (row k: after the last). Returns drafts kept and bonus."""
-    if temperature == 0:
-        choice = target_logits_kv.argmax(-1)
-        accepted = leading_matches(draft_k, choice[:-1])
-        return Verdict(accepted, int(choice[accepted]))
-    p = probs_at(target_logits_kv, temperature)
-    if mode == "exact_match":
-        choice = sample_from(p, generator)
+    p = None if temperature == 0 else probs_at(target_logits_kv, temperature)
+    if p is None or mode == "exact_match":  # drafts against the target's argmax or own samples
+        choice = target_logits_kv.argmax(-1) if p is None else sample_from(p, generator)
         accepted = leading_matches(draft_k, choice[:-1])
         return Verdict(accepted, int(choice[accepted]))
     if draft_probs_kv is None:

@@ -1,9 +1,7 @@
 """``dflash-eval backend=server``: the configured dataset(s) through a serving engine, response
-by response as the local loop runs them, into the same records and report fields. The client,
-what each engine reports and the tokens-per-round convention: :mod:`dflash_lab.serving.engine`;
-here the data walk (one data option or a suite, MT-Bench's second turn after the engine's first
-answer), the untimed warm-up and report.json (:func:`dflash_lab.eval.report.records_report` plus
-the engine's own curves).
+by response as the local loop runs them (:func:`~dflash_lab.eval.suite.answer_every_prompt`),
+into the same records and report fields plus the engine's own curves. The client, what each
+engine reports and the tokens-per-round convention: :mod:`dflash_lab.serving.engine`.
 """
 
 from __future__ import annotations
@@ -53,34 +51,27 @@ def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str
             "acceptance_histogram_from_engine": True}
 
 
-@dataclass
-class _Served:
-    """What a server run gathers, response by response (every dataset, every turn)."""
-
-    responses: list[ServerResponse] = field(default_factory=list)
-    records: list[ResponseRecord] = field(default_factory=list)
-    ids: list[list[int]] = field(default_factory=list)
-
-
-def server_report(got: _Served, block_size: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """report.json for ``backend=server``: the offline report's fields from the response
-    records (both tau conventions from the tokens kept per round, TTFT, TPOT, one row per
-    dataset; ``tau_mean`` = the pooled tau, as offline), the engine's own curves and tau."""
+def server_report(responses: list[ServerResponse], records: list[ResponseRecord],
+                  prompt_ids: list[list[int]], block_size: int,
+                  settings: dict[str, Any]) -> dict[str, Any]:
+    """report.json for ``backend=server`` from each response (every dataset, every turn): the
+    offline report's fields from the records (:func:`records_report`; ``tau_mean`` = the pooled
+    tau, as offline), the engine's own curves and tau."""
     report: dict[str, Any] = {"mode": "server", **records_report(
-        got.records, block_size, settings.get("context_buckets"))}
+        records, block_size, settings.get("context_buckets"))}
     report["tau_mean"] = report["tau_pooled"]
-    report.update(_engine_curves(got.responses, block_size))
+    report.update(_engine_curves(responses, block_size))
     for name, row in report["datasets"].items():
-        row.update(_engine_curves([r for r, rec in zip(got.responses, got.records)
+        row.update(_engine_curves([r for r, rec in zip(responses, records)
                                    if rec.dataset == name], block_size))
-    seconds = sum(r.seconds for r in got.responses)
-    outputs = sum(r.num_output_tokens for r in got.responses)
+    seconds = sum(r.seconds for r in responses)
+    outputs = sum(r.num_output_tokens for r in responses)
     report.update({
-        "num_rounds": sum(r.rounds for r in got.responses),
+        "num_rounds": sum(r.rounds for r in responses),
         "tokens_per_second": outputs / seconds if seconds > 0 else None,
-        "num_prompts": len(got.responses), "num_output_tokens": outputs,
-        "engine_responses": [r.engine_fields() for r in got.responses],
-        "prompt_ids": got.ids, "outputs": [r.output_ids for r in got.responses],
+        "num_prompts": len(responses), "num_output_tokens": outputs,
+        "engine_responses": [r.engine_fields() for r in responses],
+        "prompt_ids": prompt_ids, "outputs": [r.output_ids for r in responses],
         "settings": settings})
     return report
 
@@ -99,28 +90,29 @@ class EngineResponder:
 
     def warm(self, ids: list[int], max_new: int) -> None:
         # untimed; its rounds fall outside every measured counter delta
-        self.client.generate(ids, _sampling(self.cfg, self.stops, 0, 8))
+        self.client.generate(ids, self._sampling(0, 8))
+
+    def _sampling(self, n: int, max_tokens: int) -> Sampling:
+        """Response n's request: the local eval's settings; T > 0 seeds with seed + n."""
+        return Sampling(max_tokens, float(self.cfg.temperature), tuple(self.stops),
+                        ignore_eos=not self.cfg.stop_on_eos,
+                        seed=self.cfg.seed + n if self.cfg.temperature > 0 else None)
 
     def respond(self, ids: list[int], max_new: int, where) -> tuple[ResponseRecord, str]:
-        resp = self.client.generate(ids, _sampling(self.cfg, self.stops, len(self.responses),
-                                                   max_new))
+        resp = self.client.generate(ids, self._sampling(len(self.responses), max_new))
         if self.on_prompt is not None:
             self.on_prompt(len(self.responses), resp)
         self.responses.append(resp)
         text = (self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
                 if resp.output_ids is not None else resp.text or "")
-        return _record(resp, where, prompt_tokens=len(ids)), text
-
-
-def _record(resp: ServerResponse, where, prompt_tokens: int) -> ResponseRecord:
-    """The report's per-response record: totals only (engines give no per-round lengths); round
-    tokens = output tokens - 1 (the first is the prefill's), tau :attr:`ServerResponse.tau`."""
-    return ResponseRecord(dataset=where.dataset, index=where.index, turn=where.turn,
-                          prompt_tokens=prompt_tokens, num_output_tokens=resp.num_output_tokens,
-                          num_rounds=resp.rounds,
-                          num_round_tokens=max(resp.num_output_tokens - 1, 0)
-                          if resp.rounds else 0,
-                          ttft_s=resp.ttft_s, tpot_s=resp.tpot_s)
+        # totals only (engines give no per-round lengths); round tokens = output tokens - 1 (the
+        # first is the prefill's), tau :attr:`ServerResponse.tau`
+        record = ResponseRecord(
+            dataset=where.dataset, index=where.index, turn=where.turn, prompt_tokens=len(ids),
+            num_output_tokens=resp.num_output_tokens, num_rounds=resp.rounds,
+            num_round_tokens=max(resp.num_output_tokens - 1, 0) if resp.rounds else 0,
+            ttft_s=resp.ttft_s, tpot_s=resp.tpot_s)
+        return record, text
 
 
 def run_server(cfg, on_prompt=None) -> dict[str, Any]:
@@ -131,9 +123,7 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
     budgets = [budget(cfg, d) for d in configs]
     items = items_before_target(configs, cfg.num_prompts)  # a bad file: before the engine
     target = instantiate(cfg.target)  # tokenizer, chat template and stop ids of the local eval
-    config = getattr(getattr(target, "model", None), "config", None)
-    items = items_with_target(configs, items, cfg.num_prompts, target.tokenizer, budgets,
-                              getattr(config, "max_position_embeddings", None))
+    items = items_with_target(configs, items, cfg.num_prompts, target, budgets)
     stops = tuple(target_stop_ids(target)) if cfg.stop_on_eos else ()
     with client_of(settings, Path(cfg.output_dir) / "server.log", EngineClient) as client:
         info = client.connect()
@@ -141,7 +131,6 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
         records, asked = answer_every_prompt(responder, target.tokenizer, configs, items,
                                              budgets, warm=bool(cfg.warmup),
                                              progress=cfg.progress, label="dflash-eval server")
-    got = _Served(responder.responses, records, asked)
     names = [dataset_name(d) for d in configs]
     record = {"backend": "server", "engine": settings.engine, "url": settings.url,
               "served_model": info["model"], "served_root": info["root"],
@@ -155,11 +144,4 @@ def run_server(cfg, on_prompt=None) -> dict[str, Any]:
               "chat_template": configs[0].chat_template,
               "enable_thinking": configs[0].get("enable_thinking"),
               "stop_token_ids": list(stops), "context_buckets": context_buckets(cfg)}
-    return server_report(got, info["block_size"], record)
-
-
-def _sampling(cfg, stops: tuple[int, ...], n: int, max_tokens: int) -> Sampling:
-    """Response n's request: the local eval's settings; T > 0 seeds with seed + n."""
-    return Sampling(max_tokens, float(cfg.temperature), tuple(stops),
-                    ignore_eos=not cfg.stop_on_eos,
-                    seed=cfg.seed + n if cfg.temperature > 0 else None)
+    return server_report(responder.responses, records, asked, info["block_size"], record)

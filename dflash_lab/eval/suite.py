@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -194,14 +193,16 @@ def items_before_target(configs: list, num_prompts: int | None) -> list[list[Ite
 
 
 def items_with_target(configs: list, items: list[list[Item] | None], num_prompts: int | None,
-                      tokenizer, budgets: list[int], max_positions: int | None,
-                      ) -> list[list[Item]]:
-    """:func:`items_before_target`'s list completed with the long-context options' items."""
+                      target, budgets: list[int]) -> list[list[Item]]:
+    """:func:`items_before_target`'s list completed with the long-context options' items (built
+    with ``target``'s tokenizer, checked against its ``max_position_embeddings`` if any)."""
+    config = getattr(getattr(target, "model", None), "config", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
     done = []
     for d, its, max_new in zip(configs, items, budgets):
         if its is None:
             check_long_fits(d, max_new, max_positions)
-            its = long_items(d, num_prompts, tokenizer)
+            its = long_items(d, num_prompts, target.tokenizer)
         done.append(its)
     return done
 
@@ -262,26 +263,6 @@ def prompt_ids(tokenizer, messages: list[dict[str, Any]], d, kwargs: dict[str, A
     return ids[-int(d.max_prompt_tokens):] if d.get("max_prompt_tokens") else ids
 
 
-#: ``respond(item, turn, prompt_ids) -> answer text``: one backend's answer to one turn.
-Respond = Callable[[Item, int, list[int]], str]
-
-
-def ask_every_turn(items: list[Item], tokenizer, d, respond: Respond, *, desc: str,
-                   progress: bool = True) -> None:
-    """Ask every turn of every item in order, the one prompt loop of both eval backends: turn 0
-    is the item's messages; each later turn adds the item's follow-up to the conversation so
-    far, whose assistant messages are ``respond``'s answers (the speculative or served one, not
-    the dataset's), so a multi-turn score follows what was actually generated."""
-    kwargs = template_kwargs(tokenizer, d)
-    for item in Bar(items, desc=desc, unit="prompt", disable=not progress):
-        messages = list(item.messages)
-        for turn, followup in enumerate([None, *item.followups]):
-            if followup is not None:
-                messages.append({"role": "user", "content": followup})
-            answer = respond(item, turn, prompt_ids(tokenizer, messages, d, kwargs))
-            messages.append({"role": "assistant", "content": answer})
-
-
 @dataclass(frozen=True)
 class Turn:
     """Where a prompt sits: its dataset, the item's index in it, the turn (0 = first)."""
@@ -305,22 +286,26 @@ class Responder(Protocol):
 def answer_every_prompt(responder: Responder, tokenizer, configs: list, items: list[list[Item]],
                         budgets: list[int], *, warm: bool, progress: bool, label: str,
                         ) -> tuple[list[ResponseRecord], list[list[int]]]:
-    """Every turn of every dataset through ``responder`` (:func:`ask_every_turn`), after one
-    untimed warm-up when ``warm``: the records and the prompt ids, in order."""
+    """Every turn of every item of every dataset through ``responder``, in order, after one
+    untimed warm-up when ``warm``: the records and the prompt ids. Turn 0 is the item's messages;
+    each later turn adds the item's follow-up to the conversation so far, whose assistant messages
+    are the responder's answers (the speculative or served one, not the dataset's), so a
+    multi-turn score follows what was actually generated."""
     records: list[ResponseRecord] = []
     asked: list[list[int]] = []
     for d, its, max_new in zip(configs, items, budgets):
-        name = dataset_name(d)
-
-        def respond(item: Item, turn: int, ids: list[int], max_new=max_new, name=name) -> str:
-            nonlocal warm
-            if warm:
-                responder.warm(ids, max_new)
-                warm = False
-            record, text = responder.respond(ids, max_new, Turn(name, item.index, turn))
-            records.append(record)
-            asked.append(ids)
-            return text
-
-        ask_every_turn(its, tokenizer, d, respond, desc=f"{label} {name}", progress=progress)
+        name, kwargs = dataset_name(d), template_kwargs(tokenizer, d)
+        for item in Bar(its, desc=f"{label} {name}", unit="prompt", disable=not progress):
+            messages = list(item.messages)
+            for turn, followup in enumerate([None, *item.followups]):
+                if followup is not None:
+                    messages.append({"role": "user", "content": followup})
+                ids = prompt_ids(tokenizer, messages, d, kwargs)
+                if warm:
+                    responder.warm(ids, max_new)
+                    warm = False
+                record, answer = responder.respond(ids, max_new, Turn(name, item.index, turn))
+                records.append(record)
+                asked.append(ids)
+                messages.append({"role": "assistant", "content": answer})
     return records, asked

@@ -102,7 +102,8 @@ class TargetRunner:
         if self.cache is None:
             self.reset()
         if self._recurrent and ids_n.numel() > 1 and self.length > 0:
-            self._take_snapshot(ids_n)
+            layers = {i: copy.deepcopy(self.cache.layers[i]) for i in self._recurrent}
+            self._snapshot = _Snapshot(self.length, layers, ids_n.detach().cpu().view(-1))
         want_features = self.hidden_indices is not None
         extra = {"logits_to_keep": 1 if last_only else 0} if self._keeps_logits else {}
         out = self.model(input_ids=ids_n.view(1, -1).to(self.device), use_cache=True,
@@ -113,15 +114,9 @@ class TargetRunner:
         logits = out.logits[0].float().to(self.device)
         if last_only:
             logits = logits[-1:]
-        features = None
-        if want_features:
-            features = torch.cat([layer_features(out.hidden_states[i], self.width).to(self.device)
-                                  for i in self.hidden_indices], dim=-1)
+        features = (torch.cat([layer_features(out.hidden_states[i], self.width).to(self.device)
+                               for i in self.hidden_indices], dim=-1) if want_features else None)
         return StepOutput(logits, features)
-
-    def _take_snapshot(self, ids_n: Tensor) -> None:
-        layers = {i: copy.deepcopy(self.cache.layers[i]) for i in self._recurrent}
-        self._snapshot = _Snapshot(self.length, layers, ids_n.detach().cpu().view(-1))
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions (drop rejected drafts)."""

@@ -12,9 +12,9 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -58,7 +58,6 @@ class CompletionServer:
         self.base = settings.url.rstrip("/")
         self.model = settings.model
 
-    # -- HTTP ----------------------------------------------------------------------------------
     def _request(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """GET (no body) or POST JSON with retries on transient failures; the decoded answer."""
         s = self.settings
@@ -89,7 +88,6 @@ class CompletionServer:
             "--model-path TARGET_DIR --port 8000`, then server.url="
             "http://HOST:PORT/v1. Finished parts are kept: rerun the same command to resume.")
 
-    # -- API -----------------------------------------------------------------------------------
     def connect(self, max_length: int,
                 setting: str = "regenerate.settings.max_length") -> dict[str, Any]:
         """Pick the served model and check it holds ``max_length`` tokens (``setting``: the key an
@@ -128,9 +126,8 @@ class CompletionServer:
 
     def complete_many(self, prompts: list[list[int]], seeds: list[int | None],
                       **sampling: Any) -> list[Reply]:
-        """``complete`` for every prompt at once (all in flight; the server batches them);
-        results in input order. A failure or Ctrl-C cancels the requests not yet sent and
-        returns at once, without waiting for those in flight (their answers are discarded)."""
+        """``complete`` for every prompt at once (the server batches them), results in input
+        order; a failure or Ctrl-C returns at once (:func:`all_at_once`)."""
         return all_at_once([partial(self.complete, p, seed=seed, **sampling)
                             for p, seed in zip(prompts, seeds)], "regen")
 
@@ -150,14 +147,8 @@ def all_at_once(calls: list[Callable[[], Any]], name: str) -> list[Any]:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-@contextmanager
 def open_server(settings: ServerSettings, log_path: Path, world_size: int = 1
-                ) -> Iterator[CompletionServer]:
+                ) -> AbstractContextManager[CompletionServer]:
     """A client of the server at ``settings.url``, or, with ``settings.launch``, of a server
     started for the block (its output in ``log_path``) and stopped after it."""
-    if settings.launch is not None and world_size > 1:
-        raise ValueError("server.launch starts one server per process; with "
-                         f"WORLD_SIZE={world_size} start the server yourself and pass "
-                         "server.url")
-    with client_of(settings, log_path, CompletionServer) as server:
-        yield server
+    return client_of(settings, log_path, CompletionServer, world_size)

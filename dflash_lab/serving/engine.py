@@ -154,7 +154,6 @@ class EngineClient:
         self.base = settings.url.rstrip("/")
         self.model = settings.model
 
-    # -- HTTP ----------------------------------------------------------------------------------
     def _open(self, url: str, body: dict[str, Any] | None = None):
         """The open response of a GET (no body) or JSON POST; errors name the URL."""
         req = json_request(url, body, self.settings.api_key_env)
@@ -179,7 +178,6 @@ class EngineClient:
         with self._open(url) as resp:
             return parse_vllm_metrics(resp.read().decode(errors="replace"), url)
 
-    # -- set-up ----------------------------------------------------------------------------------
     def connect(self) -> dict[str, Any]:
         """Pick the served model, check the engine reports acceptance, find B: ``{"model", "root"
         (the served directory, where the server says), "block_size"}``."""
@@ -212,30 +210,26 @@ class EngineClient:
                           "server.block_size=B (vLLM num_speculative_tokens + 1, SGLang "
                           "--speculative-num-draft-tokens)")
 
-    # -- one response ----------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], sampling: Sampling) -> ServerResponse:
         """Decode one prompt (token ids) and return what the engine reports for it."""
         if self.settings.engine == "sglang":
             return self._sglang(prompt_ids, sampling)
         before = self.counters()
         resp = self._vllm_complete(prompt_ids, sampling)
-        delta = self._settled(before, resp.num_output_tokens).minus(before)
+        # vLLM records a step's stats in the turn that finishes the request: a response of 2+
+        # tokens without a round reads the counters again, for up to settle_s
+        deadline = time.monotonic() + self.settings.settle_s
+        now = self.counters()
+        while now.drafts == before.drafts and resp.num_output_tokens > 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = self.counters()
+        delta = now.minus(before)
         resp.rounds = int(delta.drafts)
         resp.accepted_drafts, resp.draft_tokens = int(delta.accepted), int(delta.draft_tokens)
         resp.accepted_histogram = histogram_from_positions(delta.drafts, delta.per_pos)
         resp.engine_tau = 1 + delta.accepted / delta.drafts if delta.drafts else None
         return resp
-
-    def _settled(self, before: SpecCounters, num_output_tokens: int) -> SpecCounters:
-        """The counters after a response (vLLM records a step's stats in the turn that finishes
-        the request); a response of 2+ tokens without a round is read again up to ``settle_s``."""
-        deadline = time.monotonic() + self.settings.settle_s
-        now = self.counters()
-        while now.drafts == before.drafts and num_output_tokens > 1 \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-            now = self.counters()
-        return now
 
     def _vllm_complete(self, prompt_ids: list[int], s: Sampling) -> ServerResponse:
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": s.max_tokens,
@@ -293,27 +287,24 @@ class EngineClient:
         else:
             last = self._json(url, body)
             pieces = [last.get("output_ids") or []]
-        return _sglang_response(last, pieces, time.perf_counter() - start, ttft, url)
-
-
-def _sglang_response(last: dict[str, Any] | None, pieces: list[list[int]], seconds: float,
-                     ttft: float | None, url: str) -> ServerResponse:
-    """SGLang's final answer -> ServerResponse. Streamed ``output_ids`` are cumulative in some
-    versions and incremental in others: whichever has the reported length is kept."""
-    meta = (last or {}).get("meta_info") or {}
-    if "spec_verify_ct" not in meta:
-        raise EngineError(
-            f"{url} answered without meta_info.spec_verify_ct: the server was not started with "
-            "speculative decoding (python -m sglang.launch_server --model-path TARGET "
-            "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER "
-            "--speculative-num-draft-tokens B)")
-    n = int(meta["completion_tokens"])
-    joined = [t for p in pieces for t in p]
-    ids = pieces[-1] if pieces and len(pieces[-1]) == n else joined if len(joined) == n else None
-    accepted = meta.get("spec_num_correct_drafts", meta.get("spec_accept_token_num"))
-    hist = meta.get("spec_acceptance_histogram")
-    return ServerResponse(n, int(meta["spec_verify_ct"]), seconds, ids,
-                          accepted_drafts=None if accepted is None else int(accepted),
-                          accepted_histogram=[int(c) for c in hist] if hist else None,
-                          engine_tau=meta.get("spec_accept_length"), ttft_s=ttft,
-                          text=(last or {}).get("text"))
+        seconds = time.perf_counter() - start
+        meta = (last or {}).get("meta_info") or {}
+        if "spec_verify_ct" not in meta:
+            raise EngineError(
+                f"{url} answered without meta_info.spec_verify_ct: the server was not started "
+                "with speculative decoding (python -m sglang.launch_server --model-path TARGET "
+                "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER "
+                "--speculative-num-draft-tokens B)")
+        n = int(meta["completion_tokens"])
+        # streamed output_ids are cumulative in some versions and incremental in others:
+        # whichever has the reported length is kept
+        joined = [t for p in pieces for t in p]
+        ids = (pieces[-1] if pieces and len(pieces[-1]) == n
+               else joined if len(joined) == n else None)
+        accepted = meta.get("spec_num_correct_drafts", meta.get("spec_accept_token_num"))
+        hist = meta.get("spec_acceptance_histogram")
+        return ServerResponse(n, int(meta["spec_verify_ct"]), seconds, ids,
+                              accepted_drafts=None if accepted is None else int(accepted),
+                              accepted_histogram=[int(c) for c in hist] if hist else None,
+                              engine_tau=meta.get("spec_accept_length"), ttft_s=ttft,
+                              text=(last or {}).get("text"))

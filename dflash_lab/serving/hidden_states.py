@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dflash_lab.serving.completions import CompletionServer, ServerError, all_at_once
-from dflash_lab.serving.launch import launched_server
+from dflash_lab.serving.launch import client_of
 from dflash_lab.serving.settings import ServerSettings
-
-log = logging.getLogger("dflash_lab.capture")
 
 CONNECTOR_MODULE = "dflash_lab.serving.vllm_hidden_states_connector"
 CONNECTOR_CLASS = "DflashHiddenStatesConnector"
@@ -116,16 +112,12 @@ class HiddenStatesServer(CompletionServer):
         self.argmax_checks = [0, 0]
 
     def version(self) -> str | None:
-        """The engine's version (vLLM: ``GET /version``), None when it does not say."""
-        try:
-            return str(self._request_root("/version").get("version")) or None
-        except ServerError:
-            return None
-
-    def _request_root(self, path: str) -> dict[str, Any]:
+        """The engine's version (vLLM: ``GET /version`` at the root), None when it does not say."""
         base, self.base = self.base, self.settings.root
         try:
-            return self._request(path)
+            return str(self._request("/version").get("version")) or None
+        except ServerError:
+            return None
         finally:
             self.base = base
 
@@ -146,14 +138,8 @@ class HiddenStatesServer(CompletionServer):
                 "repository on its PYTHONPATH), or let the capture start it: server.launch=[...]")
         choice = (answer.get("choices") or [{}])[0]
         tensors = read_hidden_states(path, wait_s=self.settings.timeout_s)
-        states = tensors["hidden_states"]
-        self._check(states, tensors.get("token_ids"), prompt_ids, path)
-        generated = choice.get("token_ids") or []
-        return ServedStates(states, int(generated[0]) if generated else None)
-
-    def _check(self, states: torch.Tensor, token_ids, prompt_ids: list[int], path) -> None:
-        """The file must hold [len(prompt), k, H] for this prompt (ValueError naming both)."""
-        want = (len(prompt_ids), len(self.aux_layer_ids), self.hidden_size)
+        states, token_ids = tensors["hidden_states"], tensors.get("token_ids")
+        want = (len(prompt_ids), len(self.aux_layer_ids), self.hidden_size)  # [T, k, H]
         if tuple(states.shape) != want:
             raise ValueError(
                 f"{path}: hidden_states {tuple(states.shape)} but [tokens, layers, hidden] = "
@@ -163,6 +149,8 @@ class HiddenStatesServer(CompletionServer):
         if token_ids is not None and token_ids.tolist() != [int(t) for t in prompt_ids]:
             raise ValueError(f"{path}: token_ids differ from the prompt sent; the server "
                              "tokenised it again or mixed requests up")
+        generated = choice.get("token_ids") or []
+        return ServedStates(states, int(generated[0]) if generated else None)
 
     def hidden_states_many(self, prompts: list[list[int]]) -> list[ServedStates]:
         """:meth:`hidden_states` of all prompts at once, in order; a failure cancels the rest."""
@@ -180,18 +168,14 @@ def open_hidden_states_server(settings: ServerSettings, aux_layer_ids: list[int]
         raise ValueError(f"server.engine={settings.engine!r}: capture.backend=server speaks "
                          "vLLM's hidden-states connector only (SGLang: unverified, not "
                          "supported); use a vLLM server or capture.backend=local")
-    if settings.launch is None:
-        yield HiddenStatesServer(settings, aux_layer_ids, hidden_size)
-        return
-    if world_size > 1:
-        raise ValueError("server.launch starts one server per process; with "
-                         f"WORLD_SIZE={world_size} start the server yourself and pass server.url")
-    command = list(settings.launch)
-    if not _has_extract_args(command):
+
+    def with_extract_args(command: list[str]) -> list[str]:
+        if _has_extract_args(command):
+            return command
         storage_dir.mkdir(parents=True, exist_ok=True)
-        command += server_args(aux_layer_ids, storage_dir.absolute())
+        return command + server_args(aux_layer_ids, storage_dir.absolute())
+
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    with launched_server(command, log_path, start_timeout_s=settings.start_timeout_s,
-                         env={"PYTHONPATH": path}) as url:
-        log.info("hidden-states server ready at %s (its output: %s)", url, log_path)
-        yield HiddenStatesServer(replace(settings, url=url), aux_layer_ids, hidden_size)
+    with client_of(settings, log_path, lambda s: HiddenStatesServer(s, aux_layer_ids, hidden_size),
+                   world_size, with_extract_args, {"PYTHONPATH": path}) as server:
+        yield server

@@ -98,13 +98,19 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def client_of(settings: Any, log_path: Path, make: Callable[[Any], Client]) -> Iterator[Client]:
+def client_of(settings: Any, log_path: Path, make: Callable[[Any], Client], world_size: int = 1,
+              argv: Callable[[list[str]], list[str]] = list, env: dict[str, str] | None = None,
+              ) -> Iterator[Client]:
     """``make(settings)``: a client of the server at ``settings.url``, or, with
-    ``settings.launch``, of one started for the block (output in ``log_path``), then stopped."""
+    ``settings.launch``, of one started for the block (command ``argv(launch)``, extra ``env``,
+    output in ``log_path``), then stopped; one server per process (``world_size`` > 1 refused)."""
     if settings.launch is None:
         yield make(settings)
         return
-    with launched_server(list(settings.launch), log_path,
+    if world_size > 1:
+        raise ValueError("server.launch starts one server per process; with "
+                         f"WORLD_SIZE={world_size} start the server yourself and pass server.url")
+    with launched_server(argv(list(settings.launch)), log_path, env=env,
                          start_timeout_s=settings.start_timeout_s) as url:
         log.info("server ready at %s (its output: %s)", url, log_path)
         yield make(replace(settings, url=url))

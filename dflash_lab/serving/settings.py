@@ -1,9 +1,7 @@
-"""The one description of a served model: conf/server/default.yaml, the ``server`` group that
+"""The one description of a served model: the ``server`` group (conf/server/default.yaml) that
 dflash-regenerate (``regenerate.backend=server``) and dflash-eval (``backend=server``) compose.
-:class:`ServerSettings` holds every key of the group with its one validation; each client reads
-its keys (regeneration: the connection and ``retries``; the eval: the connection, ``engine``,
-``stream``, ``block_size``, ``settle_s``). :func:`server_settings` builds it from the composed
-config, refusing a key the group does not have by name.
+:class:`ServerSettings` holds every key with its one validation (its comments say which client
+reads which); :func:`server_settings` builds it, refusing an unknown key by name.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ the report's tau_by_context, the paired bootstrap's interval, the files written.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -12,7 +13,7 @@ from dflash_lab.eval.records import ResponseRecord, tau_by_context
 
 
 def _report(records: list[ResponseRecord]) -> dict:
-    return {"records": [r.to_dict() for r in records]}
+    return {"records": [asdict(r) for r in records]}
 
 
 def _records(lengths_by_prompt: list[tuple[int, list[int]]]) -> list[ResponseRecord]:
