@@ -285,7 +285,8 @@ class Format:
     def write_config(self, config: DrafterConfig, dtype: str,
                      target_identity: dict[str, Any] | None, vocab_known: bool
                      ) -> dict[str, Any]:
-        """The config.json of ``config`` in this format."""
+        """The config.json of ``config`` in this format (:func:`write_config` adds
+        ``target_identity``; a writer reads it only for its own keys)."""
         raise ValueError(f"{config._source}: the {self.name} format is read, not written")
 
     def engine_problems(self, config: DrafterConfig) -> list[str]:
@@ -485,7 +486,11 @@ def check_writable(fmt: Format, config: DrafterConfig) -> None:
 
 def write_config(name: str, config: DrafterConfig, dtype: str,
                  target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
-    """``--format name``'s config.json of ``config``; ValueError if it cannot (check_writable)."""
+    """``--format name``'s config.json of ``config`` + ``target_identity``; ValueError if it
+    cannot (check_writable)."""
     fmt = get(name).writer_for(config)
     check_writable(fmt, config)
-    return fmt.write_config(config, dtype, target_identity, vocab_known)
+    out = fmt.write_config(config, dtype, target_identity, vocab_known)
+    if target_identity is not None:
+        out[TARGET_IDENTITY_KEY] = target_identity
+    return out

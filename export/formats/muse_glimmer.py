@@ -263,8 +263,6 @@ class MuseGlimmer(ReleasedFormat):
             out["sliding_window"] = config.sliding_window
         if vocab_known:
             out["vocab_size"] = config.vocab_size
-        if target_identity:
-            out[TARGET_IDENTITY_KEY] = target_identity
         return out
 
 
