@@ -169,21 +169,6 @@ def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
     publish_dir(tmp, out_dir, replace_existing=forced)
 
 
-def _header(src: Source, named: list[str | Path], out_dir: Path, engines: tuple[str, ...],
-            dtype: str, allow_lossy: bool, command: str | None,
-            writer: formats.Format, raw: dict[str, Any]) -> dict[str, str]:
-    """Report header; the resolved source path is read back to recognise a run's own export."""
-    return {
-        **writer.report_header(raw),
-        "source": src.description,
-        **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
-        "output": str(out_dir), ENGINES_KEY: ", ".join(engines),
-        "dtype": dtype, "allow lossy": str(allow_lossy), "command": command or "(library call)",
-        "versions": f"torch {torch.__version__}, python {platform.python_version()}",
-        **({"source notes": "; ".join(src.notes)} if src.notes else {}),
-    }
-
-
 #: The recorded target identity fields an export carries (local paths stay out of it).
 EXPORTED_IDENTITY = ("architecture", "config_hash", "tokenizer_hash", "weights_fingerprint",
                      "chat_template_hash", "num_hidden_layers", "hidden_size", "vocab_size")
@@ -240,6 +225,15 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                                      target_architecture=arch, raw=raw)
     if refusals(findings):
         raise ExportRefused(findings)
+    header = {  # the resolved source path is read back to recognise a run's own export
+        **writer.report_header(raw),
+        "source": src.description,
+        **({SOURCE_PATH_KEY: str(Path(named[0]).resolve())} if named else {}),
+        "output": str(out_dir), ENGINES_KEY: ", ".join(engines),
+        "dtype": dtype, "allow lossy": str(allow_lossy), "command": command or "(library call)",
+        "versions": f"torch {torch.__version__}, python {platform.python_version()}",
+        **({"source notes": "; ".join(src.notes)} if src.notes else {}),
+    }
     with writer_lock(out_dir, what="OUT_DIR", beside=True, command=command):
         for stale in stale_temp_dirs(out_dir):  # left by a killed export (its pid is gone)
             remove_path(stale)
@@ -253,10 +247,8 @@ def export_drafter(source: str | Path | Source, out_dir: str | Path, *,
                                               arch)
             files = [CONFIG_FILE, WEIGHTS_FILE] + ([MASK_FILE] if mask is not None else [])
             report = export_report(
-                header=_header(src, named, out_dir, engines, dtype, allow_lossy, command,
-                               writer, raw),
-                config=config, readings=readings, findings=findings, self_check=check_lines,
-                files=files + [REPORT_FILE, CHECKSUMS_FILE])
+                header=header, config=config, readings=readings, findings=findings,
+                self_check=check_lines, files=files + [REPORT_FILE, CHECKSUMS_FILE])
             (tmp / REPORT_FILE).write_text(report)
             write_checksums(tmp)  # last: over every file above
             publish_modes(tmp)

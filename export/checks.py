@@ -153,10 +153,13 @@ def check_target(config: DrafterConfig, target: dict[str, Any] | None,
     for key in ("hidden_size", "vocab_size"):
         want = text.get(key, target.get(key))
         if want is not None and int(want) != getattr(config, key):
+            full = (" (DFlash 2 needs the FULL target vocabulary: the selector's codebooks are "
+                    "[vocab, rank] and both engines take candidates from the target's whole LM "
+                    "head; no reduced draft vocabulary)"
+                    if key == "vocab_size" and config.selector_rank is not None else "")
             out.append(Finding(REFUSE, f"drafter {key}={getattr(config, key)} but {source} has "
                                f"{key}={want}: the drafter shares the target's embedding and LM "
-                               "head; retrain for this target" + _full_vocab(config, key),
-                               lossy=False))
+                               "head; retrain for this target" + full, lossy=False))
     out += _check_width(config, text, source)
     layers = text.get("num_hidden_layers")
     if layers is not None and max(config.target_layer_ids) >= int(layers):
@@ -178,14 +181,6 @@ def _check_width(config: DrafterConfig, text: dict[str, Any], source: str) -> li
     return [Finding(REFUSE, f"drafter target_hidden_size={config.target_hidden_size} but "
                     f"{source} gives features {sorted(widths)} wide per layer ({streams} "
                     "stream(s)); retrain for this target", lossy=False)]
-
-
-def _full_vocab(config: DrafterConfig, key: str) -> str:
-    if key != "vocab_size" or config.selector_rank is None:  # the selector's codebooks: [V, R]
-        return ""
-    return (" (DFlash 2 needs the FULL target vocabulary: the selector's codebooks are "
-            "[vocab, rank] and both engines take candidates from the target's whole LM head; "
-            "no reduced draft vocabulary)")
 
 
 def apply_allow_lossy(findings: list[Finding], allow_lossy: bool) -> list[Finding]:

@@ -43,12 +43,6 @@ def report_value(out: Path, key: str) -> str | None:
     return next((line[len(prefix):] for line in lines if line.startswith(prefix)), None)
 
 
-def recorded_source(out: Path) -> Path | None:
-    """The source path a previous export recorded in its report (None if it recorded none)."""
-    found = report_value(out, SOURCE_PATH_KEY)
-    return Path(found) if found else None
-
-
 def recorded_engines(out: Path) -> tuple[str, ...] | None:
     """The engines an export was made for (``--engine``, recorded in its report), or None for
     a directory without the record (another tool's, or an older export)."""
@@ -72,7 +66,8 @@ def _not_replaceable(out: Path, owner: Path | None) -> str | None:
         return f"it is not a complete export (needs {list(EXPORT_FILES[:3])})"
     if owner is None:
         return None
-    source = recorded_source(out)
+    found = report_value(out, SOURCE_PATH_KEY)  # the source path the export recorded
+    source = Path(found) if found else None
     if source is None or not _overlaps(owner, source):
         return f"it is an export of {source or 'an unrecorded source'}, not of the run {owner}"
     return None

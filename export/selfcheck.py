@@ -155,24 +155,6 @@ def _rel(a: list[Tensor], b: list[Tensor]) -> float:
     return max(one(x, y) for x, y in zip(a, b, strict=True))
 
 
-def engine_drafter(out_dir: Path, view: dict[str, Any], rule_set: RuleSet,
-                   artifacts: Artifacts) -> tuple[DrafterConfig, dict[str, Tensor]] | None:
-    """The drafter one engine would build from the directory, or None if it refuses to load,
-    read through its format's hooks (the engine's view, the importer's fields, our names)."""
-    fmt = format_of(view)
-    reading = fmt.reading(rule_set, view, artifacts)
-    if not reading.loads:
-        return None
-    flat = fmt.engine_config(view)  # the engine's draft config (DSpark: vLLM's flat one)
-    base = format_of(flat).base_config(flat, f"{out_dir} as {rule_set.name}")  # not our spec
-    config = dataclasses.replace(config_from_reading(base, reading, rule_set, artifacts),
-                                 **reading.overrides)
-    state = _exported(out_dir, config, view)
-    if not config.attention_sink_bias:
-        state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}
-    return config, state
-
-
 def _exported(out_dir: Path, config: DrafterConfig, raw: dict[str, Any]) -> dict[str, Tensor]:
     """Every exported tensor under our names (safetensors + the mask file ``config`` reads), the
     format known from ``raw``, the directory's config.json."""
@@ -187,17 +169,27 @@ _Group = tuple[DrafterConfig, dict[str, Tensor], list[str]]
 
 def _engine_groups(out_dir: Path, view: dict[str, Any], rule_sets: list[RuleSet],
                    artifacts: Artifacts) -> list[_Group]:
-    """Distinct drafters the rule sets would build (several rule sets often build the same)."""
+    """Distinct drafters the rule sets that load the directory would build (several often build
+    the same), read through its format's hooks (the engine's view, the importer's fields, our
+    names)."""
+    fmt = format_of(view)
     groups: list[_Group] = []
     for rule_set in rule_sets:
-        built = engine_drafter(out_dir, view, rule_set, artifacts)
-        if built is None:
+        reading = fmt.reading(rule_set, view, artifacts)
+        if not reading.loads:
             continue
-        match = next((g for g in groups if same_drafter(g[0], built[0])), None)
+        flat = fmt.engine_config(view)  # the engine's draft config (DSpark: vLLM's flat one)
+        base = format_of(flat).base_config(flat, f"{out_dir} as {rule_set.name}")  # not our spec
+        config = dataclasses.replace(config_from_reading(base, reading, rule_set, artifacts),
+                                     **reading.overrides)
+        state = _exported(out_dir, config, view)
+        if not config.attention_sink_bias:
+            state = {k: v for k, v in state.items() if "attention_sink_bias" not in k}
+        match = next((g for g in groups if same_drafter(g[0], config)), None)
         if match:
             match[2].append(rule_set.name)
         else:
-            groups.append((built[0], built[1], [rule_set.name]))
+            groups.append((config, state, [rule_set.name]))
     return groups
 
 

@@ -211,8 +211,7 @@ def draft_vocab_problems(path: Path, config: DrafterConfig) -> tuple[list[str], 
         return [], []
     lines = [f"draft vocabulary: {config.draft_vocab_size} of {config.vocab_size} target tokens "
              "(the drafter's own lm_head; vLLM scatters its logits by d2t)"]
-    names = set(weight_shapes(path))
-    if not {"d2t", "t2d"} <= names:
+    if not {"d2t", "t2d"} <= set(weight_shapes(path)):
         return lines, []  # the shape check names the missing tensors
     state = {}
     for file in weight_files(path):

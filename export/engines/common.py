@@ -92,13 +92,6 @@ class HFView:
     draft_vocab_size: int | None = None
 
 
-def is_format(config: dict[str, Any], model_type: str, architectures: tuple[str, ...]) -> bool:
-    """A config.json of a released format: its ``model_type``, or one of its ``architectures``
-    (a file may carry either: vLLM's EAGLE config rewrites the architecture name)."""
-    archs = config.get("architectures") or []
-    return config.get("model_type") == model_type or any(a in architectures for a in archs)
-
-
 def hf_view(config: dict[str, Any]) -> HFView:
     """Apply Qwen3Config's rewrites (see module docstring) to a raw config.json dict."""
     num_layers = int(config["num_hidden_layers"])

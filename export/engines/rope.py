@@ -121,10 +121,8 @@ def _sglang_yarn(p: dict[str, Any], theta: float) -> RopeReading:
     if float(p.get("extrapolation_factor", 1)) != 1.0:
         return RopeReading(theta, None, other="yarn with extrapolation_factor != 1")
     factor, mscale, all_dim = p["factor"], p.get("mscale"), p.get("mscale_all_dim")
-    if mscale is not None and all_dim is not None:
-        scale = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim))
-    else:
-        scale = float(yarn_mscale(factor))
+    scale = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+                  if mscale is not None and all_dim is not None else yarn_mscale(factor))
     scale *= float(p.get("attn_factor", 1))
     ramp = {k: p[k] for k in _YARN_RAMP if k in p}
     ignored = ["attention_factor"] if "attention_factor" in p else []

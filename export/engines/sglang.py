@@ -104,8 +104,7 @@ def _causal(view: HFView, layer_type: str, era: str) -> bool:
 
 def _uses_trtllm(view: HFView) -> bool:
     """``_resolve_dflash_draft_attention_backend`` keeps trtllm_mha only for these drafters."""
-    types = view.layer_types or []
-    all_sliding = len(types) == view.num_layers and set(types) == {SLIDING}
+    all_sliding = len(view.layer_types) == view.num_layers and set(view.layer_types) == {SLIDING}
     return all_sliding or view.is_causal is True
 
 

@@ -30,11 +30,9 @@ def vllm_width(config: dict[str, Any], reading: EngineReading, legacy: bool = Fa
     feed = (f"its targets feed {hidden} per layer (a multi-stream target: the mean of its "
             "streams, models/deepseek_v4 aux_recon.mean(dim=1)); train with "
             "target_hidden_size=hidden_size to serve")
-    if legacy:
-        reading.refusal = (f"cannot run the checkpoint's fc {_shape(config, width)} "
-                           f"(target_hidden_size={width}): {feed}")
-        return
-    reading.refusal = (f"loads, then fails at the first draft step: it builds fc "
+    reading.refusal = (f"cannot run the checkpoint's fc {_shape(config, width)} "
+                       f"(target_hidden_size={width}): {feed}" if legacy else
+                       f"loads, then fails at the first draft step: it builds fc "
                        f"{_shape(config, width)} from target_hidden_size={width}, but {feed}")
 
 

@@ -41,11 +41,6 @@ def _is_sliding(view: HFView, i: int) -> bool:
     return view.layer_types[i] == SLIDING
 
 
-def _window(view: HFView) -> int | None:
-    """vLLM's ``dflash_config.get("swa_window_size", sliding_window)``: a present null wins."""
-    return view.dflash.get("swa_window_size", view.sliding_window)
-
-
 def _dropped(view: HFView, artifacts: Artifacts) -> list[str]:
     dropped = []
     if artifacts.sink_weights and not view.dflash.get("attention_sink_bias", False):
@@ -74,15 +69,16 @@ def read(config: dict[str, Any], artifacts: Artifacts = NO_ARTIFACTS, *, rule_se
         reading.refusal = ("raises NotImplementedError: mixed sliding/full drafters need the V2 "
                            "model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
         return reading
+    window = view.dflash.get("swa_window_size", view.sliding_window)  # a present null wins
     layers = []
     for i in range(view.num_layers):
-        window = _window(view) if _is_sliding(view, i) else None
-        if _is_sliding(view, i) and window is None:
+        sliding = _is_sliding(view, i)
+        if sliding and window is None:
             reading.refusal = (f"raises ValueError at layer {i}: sliding attention needs "
                                "dflash_config.swa_window_size or sliding_window")
             return reading
         causal = _layer_causal(view, i, honors_is_causal=honors_is_causal)
-        layers.append(LayerReading(window, causal, SYMMETRIC))
+        layers.append(LayerReading(window if sliding else None, causal, SYMMETRIC))
     if runner == "v1" and not all(layer.causal for layer in layers):
         # V1 keeps one flag for all layers: any bidirectional layer makes every layer bidirectional.
         layers = [LayerReading(layer.window, False, SYMMETRIC) for layer in layers]

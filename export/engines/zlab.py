@@ -75,9 +75,12 @@ def _target_layer_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     return {"num_target_layers": num, "target_layer_ids": ids}
 
 
-def drafter_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """Every DrafterConfig field of a third-party config.json except the layer layout (layer
-    types, window, causality) and the learned mask embedding, which depend on the engine."""
+def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
+    """The drafter fields of a third-party config.json on a placeholder layout (all layers full,
+    legacy causality, no learned mask embedding: they depend on the engine, so callers replace
+    them with a rule set's reading before use). A recorded training spec is ignored (the caller
+    chose to resolve the layout with a rule set)."""
+    d = {k: v for k, v in d.items() if k != TRAINING_SPEC_KEY}
     dfc = dict(d.get("dflash_config") or {})
     require_keys(d, dfc, source)
     heads_keys = frozenset(variant_keys())
@@ -99,13 +102,4 @@ def drafter_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
         fields["draft_vocab_size"] = d["draft_vocab_size"]
     if d.get("target_hidden_size"):  # vLLM sizes fc from it (engines/streams.py)
         fields["target_hidden_size"] = d["target_hidden_size"]
-    return fields
-
-
-def base_config(d: dict[str, Any], source: str) -> DrafterConfig:
-    """The drafter fields of a third-party config.json on a placeholder layout (all layers full,
-    legacy causality): callers replace the layout with a rule set's reading before use. A
-    recorded training spec is ignored (the caller chose to resolve the layout with a rule set)."""
-    plain = {k: v for k, v in d.items() if k != TRAINING_SPEC_KEY}
-    fields = drafter_fields(plain, source)
     return DrafterConfig.create(source=source, **fields)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_lab.export.engines import ENGINES, RuleSet, anchor, get_rule_set, rule_sets_for
-from dflash_lab.export.engines.common import Artifacts, EngineReading, is_format, layouts_agree
+from dflash_lab.export.engines.common import Artifacts, EngineReading, layouts_agree
 from dflash_lab.export.weights import (
     CONFIG_FILE,
     MASK_FILE,
@@ -187,10 +187,6 @@ def import_serving_dir(path: Path, fmt: Format, assume: str | None = None,
                            format_notes=tuple(fmt.format_notes(d)))
 
 
-def is_serving_dir(path: Path) -> bool:
-    return (path / CONFIG_FILE).is_file() and has_weights(path)
-
-
 def serving_source(path: Path, fmt: Format, verify: bool, assume: str | None) -> Source:
     """A serving directory of format ``fmt`` as an export Source (:func:`import_serving_dir`;
     ``assume``: the rule set resolving its layout, default ours exactly, else vllm-main-v2)."""
@@ -231,7 +227,8 @@ class Format:
     def detect_path(self, path: Path) -> bool:
         """``path`` holds this format: by default a serving directory (config.json + weights)
         whose config.json :meth:`detect` claims (ValueError: config.json is no drafter's)."""
-        return is_serving_dir(path) and self.detect(read_config_json(path))
+        return ((path / CONFIG_FILE).is_file() and has_weights(path)
+                and self.detect(read_config_json(path)))
 
     # ------------------------------------------------------------------ read
     def load(self, path: Path, verify: bool, assume: str | None = None) -> Source:
@@ -285,7 +282,8 @@ class Format:
     def write_config(self, config: DrafterConfig, dtype: str,
                      target_identity: dict[str, Any] | None, vocab_known: bool
                      ) -> dict[str, Any]:
-        """The config.json of ``config`` in this format."""
+        """The config.json of ``config`` in this format (:func:`write_config` adds
+        ``target_identity``; a writer reads it only for its own keys)."""
         raise ValueError(f"{config._source}: the {self.name} format is read, not written")
 
     def engine_problems(self, config: DrafterConfig) -> list[str]:
@@ -336,7 +334,11 @@ class ReleasedFormat(Format):
     title = ""  #: the ``--inspect`` notes heading
 
     def detect(self, raw: dict[str, Any]) -> bool:
-        return is_format(raw, self.model_type, self.architectures)
+        """Its ``model_type``, or one of its ``architectures`` (a file may carry either: vLLM's
+        EAGLE config rewrites the architecture name)."""
+        archs = raw.get("architectures") or []
+        return raw.get("model_type") == self.model_type or any(a in self.architectures
+                                                               for a in archs)
 
     def engine_view(self, raw: dict[str, Any], engine: str) -> dict[str, Any]:
         """config.json as ``engine``'s config class for the format holds it."""
@@ -485,7 +487,11 @@ def check_writable(fmt: Format, config: DrafterConfig) -> None:
 
 def write_config(name: str, config: DrafterConfig, dtype: str,
                  target_identity: dict[str, Any] | None, vocab_known: bool) -> dict[str, Any]:
-    """``--format name``'s config.json of ``config``; ValueError if it cannot (check_writable)."""
+    """``--format name``'s config.json of ``config`` + ``target_identity``; ValueError if it
+    cannot (check_writable)."""
     fmt = get(name).writer_for(config)
     check_writable(fmt, config)
-    return fmt.write_config(config, dtype, target_identity, vocab_known)
+    out = fmt.write_config(config, dtype, target_identity, vocab_known)
+    if target_identity is not None:
+        out[TARGET_IDENTITY_KEY] = target_identity
+    return out

@@ -278,8 +278,6 @@ class DSpark(Format):
         sliding = [spec.causal for spec in config.layer_specs() if spec.window is not None]
         if sliding:  # speculators 0.9.0 runs sliding layers causal unless told (default false)
             out["sliding_window_non_causal"] = not any(sliding)
-        if target_identity is not None:
-            out[TARGET_IDENTITY_KEY] = target_identity
         return out
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts

@@ -328,8 +328,6 @@ class Laguna(ReleasedFormat):
         if kind == SLIDING:
             out["sliding_window"] = config.sliding_window
         out["is_causal"] = dflash["causal"] = causal  # explicit: no engine default decides
-        if target_identity:
-            out[TARGET_IDENTITY_KEY] = target_identity
         return out
 
     def reading(self, rule_set: RuleSet, raw: dict[str, Any], artifacts: Artifacts

@@ -74,18 +74,16 @@ READ = frozenset(REQUIRED) | {"max_position_embeddings", "sliding_window", "is_c
 #: key -> (the only value the drafter implements, why)
 FIXED = {"hidden_act": ("silu", "the drafter's MLP is SwiGLU (SGLang accepts only silu)"),
          "attention_bias": (False, "MuseGlimmerAssistantAttention has no q/k/v/o bias")}
-REFUSED = {"dflash_config": (
-    "is not part of the Muse Glimmer format (transformers' MuseGlimmerAssistantConfig has no "
-    "such field): vLLM merges it over its causal=False default, SGLang ignores it, so the "
-    "engines would read this directory differently; remove it, or save the drafter as a z-lab "
-    "DFlashDraftModel directory (dflash-export DIR OUT)")}
 OWNERS_MAX_POSITIONS = 131072  #: MuseGlimmerAssistantConfig.max_position_embeddings
 
 
 def _check_keys(d: dict[str, Any], source: str) -> None:
-    for key, why in REFUSED.items():
-        if key in d:
-            raise ValueError(f"{source}: key '{key}' {why}")
+    if "dflash_config" in d:
+        raise ValueError(f"{source}: key 'dflash_config' is not part of the Muse Glimmer format "
+                         "(transformers' MuseGlimmerAssistantConfig has no such field): vLLM "
+                         "merges it over its causal=False default, SGLang ignores it, so the "
+                         "engines would read this directory differently; remove it, or save the "
+                         "drafter as a z-lab DFlashDraftModel directory (dflash-export DIR OUT)")
     reject_unknown_keys(set(d), READ | HF_BOOKKEEPING_KEYS | set(FIXED), "", source)
     for key, (want, why) in FIXED.items():
         if key in d and d[key] != want:
@@ -263,8 +261,6 @@ class MuseGlimmer(ReleasedFormat):
             out["sliding_window"] = config.sliding_window
         if vocab_known:
             out["vocab_size"] = config.vocab_size
-        if target_identity:
-            out[TARGET_IDENTITY_KEY] = target_identity
         return out
 
 

@@ -17,7 +17,6 @@ from dflash_lab.export.formats.laguna import features
 from dflash_lab.model.config import (
     DFLASH2,
     DSPARK,
-    TARGET_IDENTITY_KEY,
     TRAINING_SPEC_KEY,
     DrafterConfig,
 )
@@ -75,8 +74,6 @@ class Ours(ZLab):
         """config.json: ``DrafterConfig.to_dict()`` plus the HF dtype bookkeeping key."""
         out = config.to_dict()
         out["torch_dtype"] = dtype
-        if target_identity is not None:
-            out[TARGET_IDENTITY_KEY] = target_identity
         return out
 
     def engine_problems(self, config: DrafterConfig) -> list[str]:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from dflash_lab.export.formats.base import Format
-from dflash_lab.export.formats.speculators import _QWEN3_SHAPE, _rope
+from dflash_lab.export.formats.speculators import _QWEN3_SHAPE, _rope, trainer_layout
 from dflash_lab.export.weights import CONFIG_FILE, Source, plain_key, validate_state_dict
-from dflash_lab.model.config import FULL, SLIDING, DrafterConfig, build_target_layer_ids
+from dflash_lab.model.config import DrafterConfig, build_target_layer_ids
 
 SPECFORGE_STATE = "training_state.pt"
 
@@ -51,15 +51,6 @@ def _specforge_config(state_file: Path) -> Path:
                      f"configs/qwen3-8b-dflash.json) to {state_file.parent / CONFIG_FILE}")
 
 
-def _specforge_layout(d: dict[str, Any]) -> dict[str, Any]:
-    """SpecForge's mask (``dflash_family_model``): sliding layers causal with a window counting
-    the query, full layers bidirectional; ``layer_types`` absent means all full."""
-    types = list(d.get("layer_types") or [FULL] * int(d["num_hidden_layers"]))
-    sliding = [t == SLIDING for t in types]
-    return {"layer_types": types, "is_causal": sliding[0] if len(set(sliding)) == 1 else sliding,
-            "sliding_window": d.get("sliding_window") if any(sliding) else None}
-
-
 def specforge_config(d: dict[str, Any], file: Path) -> DrafterConfig:
     """Our DrafterConfig of a SpecForge draft config (a Qwen3 config plus ``block_size``,
     ``num_target_layers`` and ``dflash_config``), read as its ``DFlashDraftModel`` reads it."""
@@ -75,7 +66,8 @@ def specforge_config(d: dict[str, Any], file: Path) -> DrafterConfig:
     n = int(d["num_hidden_layers"])
     ids = dfc.get("target_layer_ids") or build_target_layer_ids(int(d["num_target_layers"]), n)
     fields = {k: d[k] for k in _QWEN3_SHAPE if d.get(k) is not None}
-    fields.update(_rope(d), **_specforge_layout(d),
+    # SpecForge's mask (dflash_family_model): sliding layers causal, window counting the query
+    fields.update(_rope(d), **trainer_layout(d, sliding_causal=True),
                   mask_token_id=int(dfc["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=list(ids),
                   num_target_layers=int(d.get("num_target_layers") or max(ids) + 1))

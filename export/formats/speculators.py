@@ -58,19 +58,14 @@ def is_speculators_dir(path: Path) -> bool:
         return False
 
 
-def _speculators_layout(d: dict[str, Any], tl: dict[str, Any], kind: str) -> dict[str, Any]:
-    """Per-layer window and causality as speculators' mask builds them: sliding layers are
-    causal unless ``sliding_window_non_causal`` (default False for dflash, True for dflash2),
-    full layers always bidirectional. Its window ``W`` is read as our ``W + 1``
-    (:func:`speculators_window_difference` says why and what still differs)."""
-    n = int(tl["num_hidden_layers"])
-    types = list(tl.get("layer_types") or [FULL] * n)
-    sliding = [t == SLIDING for t in types]
-    non_causal = bool(d.get("sliding_window_non_causal", kind == "dflash2"))
-    causal = [s and not non_causal for s in sliding]
-    window = tl.get("sliding_window") if any(sliding) else None
-    return {"layer_types": types, "sliding_window": None if window is None else int(window) + 1,
-            "is_causal": causal[0] if len(set(causal)) == 1 else causal}
+def trainer_layout(tl: dict[str, Any], sliding_causal: bool) -> dict[str, Any]:
+    """The layout speculators' and SpecForge's masks build from a Qwen3 config: the file's
+    ``layer_types`` (absent: all full), full layers bidirectional, sliding ones causal when
+    ``sliding_causal``, and the file's window."""
+    types = list(tl.get("layer_types") or [FULL] * int(tl["num_hidden_layers"]))
+    causal = [t == SLIDING and sliding_causal for t in types]
+    return {"layer_types": types, "is_causal": causal[0] if len(set(causal)) == 1 else causal,
+            "sliding_window": tl.get("sliding_window") if SLIDING in types else None}
 
 
 def speculators_window_difference(window: int, block_size: int, causal: bool) -> str:
@@ -120,7 +115,12 @@ def speculators_config(d: dict[str, Any], file: Path) -> tuple[DrafterConfig, li
                          "names)")
     ids = [int(i) - 1 for i in aux]  # speculators i+1 -> z-lab i (output of decoder layer i)
     fields: dict[str, Any] = {k: tl[k] for k in _QWEN3_SHAPE if tl.get(k) is not None}
-    fields.update(_rope(tl), **_speculators_layout(d, tl, kind))
+    # sliding layers are causal unless sliding_window_non_causal (default true for dflash2 only);
+    # the block-anchored window W is read as our W + 1 (speculators_window_difference)
+    layout = trainer_layout(tl, not d.get("sliding_window_non_causal", kind == "dflash2"))
+    if layout["sliding_window"] is not None:
+        layout["sliding_window"] = int(layout["sliding_window"]) + 1
+    fields.update(_rope(tl), **layout)
     fields.update(mask_token_id=int(d["mask_token_id"]), block_size=int(d["block_size"]),
                   target_layer_ids=ids, num_target_layers=max(ids) + 1,
                   variant={"dflash2": DFLASH2, "dspark": DSPARK, "xpress": "xpress"}.get(

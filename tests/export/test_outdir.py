@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from dflash_lab.export import export_drafter
 from dflash_lab.export.cli import EXIT_OK, EXIT_USAGE, main
-from dflash_lab.export.outdir import REPORT_FILE, recorded_source
+from dflash_lab.export.outdir import REPORT_FILE, SOURCE_PATH_KEY, report_value
 from dflash_lab.paths import CONF_DIR
 from tests.export_doubles import make_config, random_state, write_checkpoint
 
@@ -142,7 +142,7 @@ def test_cli_refusals_name_both_paths_and_exit_2(runs, tmp_path, capsys):
     assert (tmp_path / "mine" / "thesis.tex").is_file()
     assert main([str(runs), str(tmp_path / "exp"), "--dtype", "float32"]) == EXIT_OK
     assert main([str(runs), str(tmp_path / "exp"), "--force", "--no-self_check"]) == EXIT_OK
-    assert recorded_source(tmp_path / "exp") == runs.resolve()
+    assert report_value(tmp_path / "exp", SOURCE_PATH_KEY) == str(runs.resolve())
 
 
 # ---------------------------------------------------------------------------- training-end export

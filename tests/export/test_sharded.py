@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from dflash_lab.export import import_drafter, inspect_dir
 from dflash_lab.export.cli import EXIT_OK, main
 from dflash_lab.export.engines.common import NO_ARTIFACTS
-from dflash_lab.export.formats import ZLAB
-from dflash_lab.export.formats.base import is_serving_dir, resolve_third_party
+from dflash_lab.export.formats import ZLAB, format_at
+from dflash_lab.export.formats.base import resolve_third_party
 from dflash_lab.export.weights import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
@@ -56,7 +56,7 @@ def test_sharded_directory_imports_and_inspects_as_the_single_file(tmp_path, cap
     single, single_text = import_drafter(path), inspect_dir(path, "vllm").text
     shapes = weight_shapes(path)
     _shard(path)
-    assert len(weight_files(path)) == 3 and has_weights(path) and is_serving_dir(path)
+    assert len(weight_files(path)) == 3 and has_weights(path) and format_at(path) is ZLAB
     assert weight_shapes(path) == shapes
     sharded = import_drafter(path)
     assert sharded.config == single.config
