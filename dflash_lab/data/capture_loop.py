@@ -241,15 +241,22 @@ def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
     failed or was killed before finishing one) is replaced, so a failed run never blocks its
     rerun with corrected settings or data; otherwise different settings are refused."""
     path = out_dir / shards.PLAN_FILE
-    if path.is_file() and not any(out_dir.glob("shard-*.json")):
+    if path.is_file():
         old = json.loads(path.read_text())
-        if old != plan:
-            changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
-            log.warning("%s: replacing the plan of a run that finished no shard (changed: %s)",
-                        path, ", ".join(changed))
-            shards.write_json_atomic(path, plan)
+        changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+        if any(out_dir.glob("shard-*.json")):
+            if changed:
+                details = "; ".join(f"{k}: existing={old.get(k)!r} new={plan.get(k)!r}"
+                                    for k in changed)
+                raise ValueError(f"{path}: this directory was captured with different settings "
+                                 f"({details}); use a new out_dir or delete the old capture")
             return
-    shards.write_plan(out_dir, plan)
+        if old == plan:
+            return
+        log.warning("%s: replacing the plan of a run that finished no shard (changed: %s)",
+                    path, ", ".join(changed))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards.write_json_atomic(path, plan)
 
 
 def _check_plan_unchanged(out_dir: Path, plan: dict[str, Any]) -> None:
