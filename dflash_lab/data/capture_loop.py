@@ -223,7 +223,10 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
         rows = dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]
         samples, report = capture_shard(target, rows, index, settings,
                                         str(source.get("path", "data")), turn_end, server)
-        _check_plan_unchanged(out_dir, plan)
+        if json.loads((out_dir / shards.PLAN_FILE).read_text()) != plan:  # replaced meanwhile
+            raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "
+                             "another process runs with different settings; give every rank the "
+                             "same settings and data, then rerun")
         shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"],
                            report=report)
         bar.count(len(rows), sum(len(s.input_ids) for s in samples), "tok_s")
@@ -257,15 +260,6 @@ def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
                     path, ", ".join(changed))
     out_dir.mkdir(parents=True, exist_ok=True)
     shards.write_json_atomic(path, plan)
-
-
-def _check_plan_unchanged(out_dir: Path, plan: dict[str, Any]) -> None:
-    """Refuse to write a shard when another process (other settings) replaced the plan meanwhile."""
-    on_disk = json.loads((out_dir / shards.PLAN_FILE).read_text())
-    if on_disk != plan:
-        raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "
-                         "another process runs with different settings; give every rank the "
-                         "same settings and data, then rerun")
 
 
 def _log_summary(manifest: dict[str, Any]) -> None:
