@@ -234,8 +234,17 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     manifest = shards.merge_manifest(out_dir)
     if manifest is None:
         log.info("rank %d done; manifest.json is written by the last rank to finish", rank)
-    else:
-        _log_summary(manifest)
+        return None
+    per = manifest["loss_tokens_per_sample"]
+    log.info("loss tokens per sample: min %d, mean %.1f, max %d (%d samples)", per["min"],
+             per["mean"], per["max"], manifest["num_samples"])
+    if manifest["num_bad_rows"]:
+        log.warning("%d bad rows skipped (listed with their reasons in manifest.json "
+                    "bad_rows)", manifest["num_bad_rows"])
+    if manifest["num_zero_loss_rows"]:
+        log.warning("%d rows had no loss token after truncation and were dropped (manifest.json "
+                    "zero_loss_rows); raise capture.max_length to keep them",
+                    manifest["num_zero_loss_rows"])
     return manifest
 
 
@@ -260,20 +269,6 @@ def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
                     path, ", ".join(changed))
     out_dir.mkdir(parents=True, exist_ok=True)
     shards.write_json_atomic(path, plan)
-
-
-def _log_summary(manifest: dict[str, Any]) -> None:
-    """Loss tokens per sample, and warnings for bad rows and rows without loss tokens."""
-    per = manifest["loss_tokens_per_sample"]
-    log.info("loss tokens per sample: min %d, mean %.1f, max %d (%d samples)", per["min"],
-             per["mean"], per["max"], manifest["num_samples"])
-    if manifest["num_bad_rows"]:
-        log.warning("%d bad rows skipped (listed with their reasons in manifest.json "
-                    "bad_rows)", manifest["num_bad_rows"])
-    if manifest["num_zero_loss_rows"]:
-        log.warning("%d rows had no loss token after truncation and were dropped (manifest.json "
-                    "zero_loss_rows); raise capture.max_length to keep them",
-                    manifest["num_zero_loss_rows"])
 
 
 def _rows_in(index: int, plan: dict) -> int:
