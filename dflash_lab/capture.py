@@ -83,43 +83,39 @@ def capture(cfg: DictConfig) -> dict[str, Any] | None:
     One capture writes an output directory at a time (:func:`writer_lock`, rank 0)."""
     check_group_keys(cfg)
     with writer_lock(cfg.capture.out_dir, what="capture.out_dir"):
-        return _capture(cfg)
-
-
-def _capture(cfg: DictConfig) -> dict[str, Any] | None:
-    rank, world = rank_and_world()
-    served = make_server_settings(cfg)
-    if served is not None and "head_only" in cfg.target and not cfg.target.get("gguf_file"):
-        # the engine runs the decoder: only the final norm and LM head (labels) are needed here
-        cfg.target.head_only = True
-    logger = make_logger(cfg.logger)
-    target = instantiate(cfg.target)
-    data = instantiate(cfg.data)
-    settings = _settings(cfg, target)
-    check_context(target, settings.max_length)
-    serving = (nullcontext() if served is None else open_capture_server(
-        served, target, settings, world))
-    with serving as server:
-        engine = None if server is None else check_server(server, target, settings.max_length)
-        if rank == 0:  # refuse a directory captured with other settings before the record
-            claim_dir(Path(settings.out_dir), build_plan(target, settings, len(data.dataset),
-                                                          data.source, engine))
-            write_run_info(settings.out_dir, cfg, world_size=world)
-        manifest = run_capture(target, data.dataset, settings, data.source, rank=rank,
-                               world_size=world, progress=cfg.capture.progress, server=server,
-                               engine=engine)
-        if server is not None:
-            log_argmax_checks(server)
-    out = Path(settings.out_dir).absolute()
-    if manifest is not None:
-        log.info("capture complete: %d samples, %d tokens (%d with loss), %d shards -> %s",
-                 manifest["num_samples"], manifest["num_tokens"], manifest["num_loss_tokens"],
-                 len(manifest["shards"]), out)
-        log_final(logger, cfg, {f"capture/{k}": manifest[k] for k in _LOGGED}
-                  | {"capture/num_shards": len(manifest["shards"])})
-    else:
-        log.info("rank %d finished its shards in %s; waiting for the other ranks", rank, out)
-    return manifest
+        rank, world = rank_and_world()
+        served = make_server_settings(cfg)
+        if served is not None and "head_only" in cfg.target and not cfg.target.get("gguf_file"):
+            # the engine runs the decoder: only the final norm and LM head (labels) are needed here
+            cfg.target.head_only = True
+        logger = make_logger(cfg.logger)
+        target = instantiate(cfg.target)
+        data = instantiate(cfg.data)
+        settings = _settings(cfg, target)
+        check_context(target, settings.max_length)
+        serving = (nullcontext() if served is None else open_capture_server(
+            served, target, settings, world))
+        with serving as server:
+            engine = None if server is None else check_server(server, target, settings.max_length)
+            if rank == 0:  # refuse a directory captured with other settings before the record
+                claim_dir(Path(settings.out_dir), build_plan(target, settings, len(data.dataset),
+                                                              data.source, engine))
+                write_run_info(settings.out_dir, cfg, world_size=world)
+            manifest = run_capture(target, data.dataset, settings, data.source, rank=rank,
+                                   world_size=world, progress=cfg.capture.progress, server=server,
+                                   engine=engine)
+            if server is not None:
+                log_argmax_checks(server)
+        out = Path(settings.out_dir).absolute()
+        if manifest is not None:
+            log.info("capture complete: %d samples, %d tokens (%d with loss), %d shards -> %s",
+                     manifest["num_samples"], manifest["num_tokens"], manifest["num_loss_tokens"],
+                     len(manifest["shards"]), out)
+            log_final(logger, cfg, {f"capture/{k}": manifest[k] for k in _LOGGED}
+                      | {"capture/num_shards": len(manifest["shards"])})
+        else:
+            log.info("rank %d finished its shards in %s; waiting for the other ranks", rank, out)
+        return manifest
 
 
 #: what a capture stopped by a full disk keeps (docs/guarantees.md, "A full disk")

@@ -81,17 +81,6 @@ def accepted_keys(target: str) -> frozenset[str] | None:
     return None
 
 
-def _unknown_key(where: str, keys: list[str], target: str, valid: frozenset[str]
-                 ) -> ValueError:
-    key, more = keys[0], f" (nor {keys[1:]})" if len(keys) > 1 else ""
-    near = difflib.get_close_matches(key, sorted(valid), n=1)
-    hint = f"did you mean {where}.{near[0]}? " if near else ""
-    return ValueError(f"{where}.{key}: {where} ({target}) takes no key '{key}'{more} (set by the "
-                      f"recipe, the group's yaml or the command line); {hint}the keys it takes: "
-                      f"{sorted(valid)}. Fix its spelling, or remove it (a recipe's key: "
-                      f"~{where}.{key} on the command line)")
-
-
 def _check_node(node: Any, where: str) -> None:
     if isinstance(node, list):
         for i, item in enumerate(node):
@@ -103,7 +92,13 @@ def _check_node(node: Any, where: str) -> None:
     valid = accepted_keys(target) if isinstance(target, str) else None
     unknown = [str(k) for k in node if k not in (valid or ()) and k not in _HYDRA_KEYS]
     if valid is not None and unknown:
-        raise _unknown_key(where, unknown, target, valid)
+        key, more = unknown[0], f" (nor {unknown[1:]})" if len(unknown) > 1 else ""
+        near = difflib.get_close_matches(key, sorted(valid), n=1)
+        hint = f"did you mean {where}.{near[0]}? " if near else ""
+        raise ValueError(f"{where}.{key}: {where} ({target}) takes no key '{key}'{more} (set by "
+                         f"the recipe, the group's yaml or the command line); {hint}the keys it "
+                         f"takes: {sorted(valid)}. Fix its spelling, or remove it (a recipe's key: "
+                         f"~{where}.{key} on the command line)")
     for key, value in node.items():
         _check_node(value, f"{where}.{key}" if where else str(key))
 

@@ -100,11 +100,10 @@ def parse_args(argv: list[str]) -> Request:
     req.stages = _names(given["stages"]) if "stages" in given else None
     req.force = _names(given.get("force", ""))
     for arg in argv[1:]:
-        key = arg.split("=", 1)[0]
-        if key in given:
+        if arg.split("=", 1)[0] in given:
             continue
-        stage, sep, rest = arg.partition(":")
-        if sep and is_stage_name(stage) and "=" not in stage:
+        if _is_routed(arg):
+            stage, _, rest = arg.partition(":")
             req.stage_args[stage].append(rest)
         else:
             req.stage_args["train"].append(arg)
@@ -335,8 +334,8 @@ def upstream(stages: list[Stage], stage: Stage) -> Stage | None:
 
 
 def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
-    """The stages to consider (``stages=``), refusing one the recipe does not run, and a stage
-    whose input folder is missing while the stage that writes it is not selected."""
+    """The selected stages (``stages=``, else all), refusing one the recipe does not run, and a
+    stage whose input folder is missing while the stage that writes it is not selected."""
     names = [s.name for s in stages]
     selected = req.stages if req.stages is not None else names
     for what, chosen in (("stages", selected), ("force", req.force)):
@@ -352,14 +351,13 @@ def check_selection(req: Request, stages: list[Stage]) -> list[Stage]:
                 raise ValueError(f"the {stage.name} stage reads {missing[0]}, which the "
                                  f"{before.name} stage writes: run it too "
                                  f"(stages=[{before.name},{stage.name}])")
-    return stages
+    return [s for s in stages if s.name in selected]
 
 
 def run(req: Request) -> int:
     """Run (or skip) each selected stage in order; 0, or the exit code of the stage that failed."""
-    stages = check_selection(req, plan(req))
-    selected = req.stages if req.stages is not None else [s.name for s in stages]
-    todo = [s for s in stages if s.name in selected]
+    stages = plan(req)
+    todo = check_selection(req, stages)
     for number, stage in enumerate(todo, 1):
         before = upstream(stages, stage)
         inputs = inputs_of(stage, before, req.root)

@@ -37,37 +37,33 @@ def regenerate(cfg: DictConfig) -> dict[str, Any] | None:
     check_group_keys(cfg)
     settings = RegenerateSettings(**OmegaConf.to_container(cfg.regenerate.settings))
     with writer_lock(settings.out_dir, what="regenerate.settings.out_dir"):
-        return _regenerate(cfg, settings)
-
-
-def _regenerate(cfg: DictConfig, settings: RegenerateSettings) -> dict[str, Any] | None:
-    rank, world = rank_and_world()
-    server_settings = make_server_settings(cfg)
-    if server_settings is not None and "head_only" in cfg.target \
-            and not cfg.target.get("gguf_file"):
-        # Only the tokenizer, chat template and stop tokens are needed here: skip the decoder
-        # weights (head-only reads safetensors; a GGUF target is loaded whole).
-        cfg.target.head_only = True
-    logger = make_logger(cfg.logger)
-    target = instantiate(cfg.target)
-    data = instantiate(cfg.data)
-    if rank == 0:
-        write_run_info(settings.out_dir, cfg, world_size=world)
-    serving = (nullcontext() if server_settings is None else
-               open_server(server_settings, Path(settings.out_dir) / "server.log", world))
-    with serving as server:
-        manifest = run_regenerate(target, data.dataset, settings, data.source, rank=rank,
-                                  world_size=world, progress=cfg.regenerate.progress,
-                                  server=server)
-    out = Path(settings.out_dir).absolute()
-    if manifest is None:
-        log.info("rank %d finished its parts in %s; waiting for the other ranks", rank, out)
-    else:
-        log.info("regenerated %d conversations (%d dropped: no turn fitted max_length) -> %s",
-                 manifest["num_conversations"], manifest["dropped"], out / MERGED_FILE)
-        log_final(logger, cfg, {"regenerate/num_conversations": manifest["num_conversations"],
-                                "regenerate/dropped": manifest["dropped"]})
-    return manifest
+        rank, world = rank_and_world()
+        server_settings = make_server_settings(cfg)
+        if server_settings is not None and "head_only" in cfg.target \
+                and not cfg.target.get("gguf_file"):
+            # Only the tokenizer, chat template and stop tokens are needed here: skip the decoder
+            # weights (head-only reads safetensors; a GGUF target is loaded whole).
+            cfg.target.head_only = True
+        logger = make_logger(cfg.logger)
+        target = instantiate(cfg.target)
+        data = instantiate(cfg.data)
+        if rank == 0:
+            write_run_info(settings.out_dir, cfg, world_size=world)
+        serving = (nullcontext() if server_settings is None else
+                   open_server(server_settings, Path(settings.out_dir) / "server.log", world))
+        with serving as server:
+            manifest = run_regenerate(target, data.dataset, settings, data.source, rank=rank,
+                                      world_size=world, progress=cfg.regenerate.progress,
+                                      server=server)
+        out = Path(settings.out_dir).absolute()
+        if manifest is None:
+            log.info("rank %d finished its parts in %s; waiting for the other ranks", rank, out)
+        else:
+            log.info("regenerated %d conversations (%d dropped: no turn fitted max_length) -> %s",
+                     manifest["num_conversations"], manifest["dropped"], out / MERGED_FILE)
+            log_final(logger, cfg, {"regenerate/num_conversations": manifest["num_conversations"],
+                                    "regenerate/dropped": manifest["dropped"]})
+        return manifest
 
 
 def make_server_settings(cfg: DictConfig) -> ServerSettings | None:

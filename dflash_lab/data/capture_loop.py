@@ -223,7 +223,10 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
         rows = dataset.select(range(lo, hi)) if hasattr(dataset, "select") else dataset[lo:hi]
         samples, report = capture_shard(target, rows, index, settings,
                                         str(source.get("path", "data")), turn_end, server)
-        _check_plan_unchanged(out_dir, plan)
+        if json.loads((out_dir / shards.PLAN_FILE).read_text()) != plan:  # replaced meanwhile
+            raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "
+                             "another process runs with different settings; give every rank the "
+                             "same settings and data, then rerun")
         shards.write_shard(out_dir, index, samples, settings.hidden_dtype, plan["feature_dim"],
                            report=report)
         bar.count(len(rows), sum(len(s.input_ids) for s in samples), "tok_s")
@@ -231,38 +234,7 @@ def run_capture(target, dataset, settings: CaptureSettings, source: dict[str, An
     manifest = shards.merge_manifest(out_dir)
     if manifest is None:
         log.info("rank %d done; manifest.json is written by the last rank to finish", rank)
-    else:
-        _log_summary(manifest)
-    return manifest
-
-
-def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
-    """Write (or match) the capture plan. A plan that no finished shard depends on (a run that
-    failed or was killed before finishing one) is replaced, so a failed run never blocks its
-    rerun with corrected settings or data; otherwise different settings are refused."""
-    path = out_dir / shards.PLAN_FILE
-    if path.is_file() and not any(out_dir.glob("shard-*.json")):
-        old = json.loads(path.read_text())
-        if old != plan:
-            changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
-            log.warning("%s: replacing the plan of a run that finished no shard (changed: %s)",
-                        path, ", ".join(changed))
-            shards.write_json_atomic(path, plan)
-            return
-    shards.write_plan(out_dir, plan)
-
-
-def _check_plan_unchanged(out_dir: Path, plan: dict[str, Any]) -> None:
-    """Refuse to write a shard when another process (other settings) replaced the plan meanwhile."""
-    on_disk = json.loads((out_dir / shards.PLAN_FILE).read_text())
-    if on_disk != plan:
-        raise ValueError(f"{out_dir / shards.PLAN_FILE} changed while this rank was capturing: "
-                         "another process runs with different settings; give every rank the "
-                         "same settings and data, then rerun")
-
-
-def _log_summary(manifest: dict[str, Any]) -> None:
-    """Loss tokens per sample, and warnings for bad rows and rows without loss tokens."""
+        return None
     per = manifest["loss_tokens_per_sample"]
     log.info("loss tokens per sample: min %d, mean %.1f, max %d (%d samples)", per["min"],
              per["mean"], per["max"], manifest["num_samples"])
@@ -273,6 +245,30 @@ def _log_summary(manifest: dict[str, Any]) -> None:
         log.warning("%d rows had no loss token after truncation and were dropped (manifest.json "
                     "zero_loss_rows); raise capture.max_length to keep them",
                     manifest["num_zero_loss_rows"])
+    return manifest
+
+
+def claim_dir(out_dir: Path, plan: dict[str, Any]) -> None:
+    """Write (or match) the capture plan. A plan that no finished shard depends on (a run that
+    failed or was killed before finishing one) is replaced, so a failed run never blocks its
+    rerun with corrected settings or data; otherwise different settings are refused."""
+    path = out_dir / shards.PLAN_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+        if any(out_dir.glob("shard-*.json")):
+            if changed:
+                details = "; ".join(f"{k}: existing={old.get(k)!r} new={plan.get(k)!r}"
+                                    for k in changed)
+                raise ValueError(f"{path}: this directory was captured with different settings "
+                                 f"({details}); use a new out_dir or delete the old capture")
+            return
+        if old == plan:
+            return
+        log.warning("%s: replacing the plan of a run that finished no shard (changed: %s)",
+                    path, ", ".join(changed))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards.write_json_atomic(path, plan)
 
 
 def _rows_in(index: int, plan: dict) -> int:

@@ -112,15 +112,11 @@ def tokenize_rows(tokenizer, rows, first: int, *, source: str, bad_rows: str, se
         else:
             out.zero_loss_rows.append(row_id)
     if out.zero_loss_rows:
+        rows, more = out.zero_loss_rows, len(out.zero_loss_rows) - 10
         log.warning("%s: %d rows have no loss token after truncation to max_length and are "
-                    "dropped (rows %s)", source, len(out.zero_loss_rows),
-                    _head(out.zero_loss_rows))
+                    "dropped (rows %s%s)", source, len(rows), ", ".join(map(str, rows[:10])),
+                    f", ... ({more} more)" if more > 0 else "")
     return out
-
-
-def _head(items: list[int], num: int = 10) -> str:
-    shown = ", ".join(str(i) for i in items[:num])
-    return shown + (f", ... ({len(items) - num} more)" if len(items) > num else "")
 
 
 @dataclass

@@ -151,7 +151,14 @@ class BlockDataModule(L.LightningDataModule):
         if pad_to_multiple_of < 1:
             raise ValueError(f"data.pad_to_multiple_of={pad_to_multiple_of}: must be >= 1 "
                              "(1 = pad to the longest sample of each batch)")
-        self.pack, self.max_tokens_per_row = _check_pack(pack, max_tokens_per_row)
+        if not isinstance(pack, bool):
+            raise ValueError(f"data.pack={pack!r}: must be true or false")
+        if pack and (max_tokens_per_row is None or int(max_tokens_per_row) < 2):
+            raise ValueError(f"data.pack=true needs data.max_tokens_per_row (tokens per packed "
+                             f"row, >= 2; got {max_tokens_per_row!r}): e.g. the capture's "
+                             "max_length or a multiple of it")
+        self.pack = pack
+        self.max_tokens_per_row = int(max_tokens_per_row) if pack else max_tokens_per_row
         self.batch_size, self.val_fraction, self.max_val = batch_size, val_fraction, max_val_samples
         self.seed, self.num_workers, self.pad_to_multiple_of = seed, num_workers, pad_to_multiple_of
         self._resume: dict[str, int] | None = None
@@ -242,19 +249,6 @@ class BlockDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_rows, None)
-
-
-def _check_pack(pack: bool, max_tokens_per_row: int | None) -> tuple[bool, int | None]:
-    """``data.pack`` is a bool and, when true, ``data.max_tokens_per_row`` a row length >= 2."""
-    if not isinstance(pack, bool):
-        raise ValueError(f"data.pack={pack!r}: must be true or false")
-    if not pack:
-        return False, max_tokens_per_row
-    if max_tokens_per_row is None or int(max_tokens_per_row) < 2:
-        raise ValueError(f"data.pack=true needs data.max_tokens_per_row (tokens per packed "
-                         f"row, >= 2; got {max_tokens_per_row!r}): e.g. the capture's "
-                         "max_length or a multiple of it")
-    return True, int(max_tokens_per_row)
 
 
 class OnlineDataModule(BlockDataModule):

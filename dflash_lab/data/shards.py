@@ -148,22 +148,6 @@ def finished_shard(out_dir: str | Path, index: int, verify: bool = True) -> dict
 
 
 # ---------------------------------------------------------------------------------- manifest
-def write_plan(out_dir: str | Path, plan: dict[str, Any]) -> None:
-    """Record the capture settings; refuse to mix runs with different settings in one dir."""
-    out_dir = Path(out_dir)
-    path = out_dir / PLAN_FILE
-    if path.is_file():
-        old = json.loads(path.read_text())
-        diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
-        if diff:
-            details = "; ".join(f"{k}: existing={old.get(k)!r} new={plan.get(k)!r}" for k in diff)
-            raise ValueError(f"{path}: this directory was captured with different settings "
-                             f"({details}); use a new out_dir or delete the old capture")
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, plan)
-
-
 def merge_manifest(out_dir: str | Path, verify: bool = False) -> dict | None:
     """``manifest.json`` from the plan and all shard records; None while a shard is unfinished."""
     out_dir = Path(out_dir)
@@ -269,15 +253,12 @@ def check_manifest(manifest: dict[str, Any], source: str = "manifest", *,
         check_weights(manifest["target"], target, source, allow_other_weights)
 
 
-#: The override that accepts features of another checkpoint (same config and tokenizer).
-WEIGHTS_OVERRIDE = "data.allow_other_target_weights=true"
-
-
 def check_weights(recorded: dict[str, Any], target: dict[str, Any], source: str,
-                  allow: bool = False, override: str = WEIGHTS_OVERRIDE) -> None:
+                  allow: bool = False, override: str = "data.allow_other_target_weights=true"
+                  ) -> None:
     """Refuse features (or a run) made with another checkpoint of the same config: the
-    recorded and the loaded ``weights_fingerprint`` must match. A record from before
-    fingerprints (none recorded) or a target without weight files only warns."""
+    recorded and the loaded ``weights_fingerprint`` must match (``override``: the setting that
+    accepts it). A record from before fingerprints or a target without weight files only warns."""
     want, have = target.get("weights_fingerprint"), recorded.get("weights_fingerprint")
     if want is None or have is None:
         log.warning(

@@ -198,19 +198,14 @@ class SpeculatorsDataset(Dataset):
         row = self.table[self.index[k]]
         return {"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].bool()}
 
-    def _states(self, i: int) -> torch.Tensor:
-        """Row i's stored states [S, n, H]; FP8 files dequantised to bfloat16 as theirs do."""
-        with safe_open(str(self.states_dir / hs_file(i)), framework="pt") as f:
-            states = f.get_tensor("hidden_states")
-            if FP8_SCALES_KEY in f.keys():  # noqa: SIM118 (safe_open: no __contains__)
-                scales = f.get_tensor(FP8_SCALES_KEY)
-                states = states.to(torch.bfloat16) * scales.to(torch.bfloat16)
-        return states
-
     @torch.no_grad()
     def __getitem__(self, k: int) -> dict[str, Any]:
         i = self.index[k]
-        states_snh = self._states(i)
+        with safe_open(str(self.states_dir / hs_file(i)), framework="pt") as f:
+            states_snh = f.get_tensor("hidden_states")  # FP8 dequantised to bfloat16 as theirs do
+            if FP8_SCALES_KEY in f.keys():  # noqa: SIM118 (safe_open: no __contains__)
+                scales = f.get_tensor(FP8_SCALES_KEY)
+                states_snh = states_snh.to(torch.bfloat16) * scales.to(torch.bfloat16)
         last_sh = states_snh[:, self.last_row]
         normed_sh = self.norm(last_sh.to(self.norm.weight.dtype))
         parts = [normed_sh.to(states_snh.dtype) if r < 0 else states_snh[:, r] for r in self.rows]

@@ -187,16 +187,6 @@ def find_turn_end(tokenizer, stop_ids: list[int] | tuple[int, ...] = (),
     return TurnEnd(closing[:end], int(tid), tid in stops)
 
 
-def _content_span(text: str, content: str, start: int, k: int) -> tuple[int, int]:
-    """(start, end) of an assistant content at or after ``start``; templates that trim
-    contents (Gemma, Llama 3) render it without its outer whitespace."""
-    for needle in (content, content.strip()):
-        at = text.find(needle, start)
-        if at >= 0:
-            return at, at + len(needle)
-    raise BadConversation(f"assistant turn {k}: content not found in the rendered text")
-
-
 def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], *,
                          last_turn_only: bool = False, enable_thinking: bool | None = None,
                          turn_end: TurnEnd | None = None) -> tuple[str, list[tuple[int, int]]]:
@@ -218,7 +208,13 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], *,
                                   f"generation prompt before assistant turn {k} is not a prefix "
                                   "of the full text); this template is not supported for loss "
                                   "masking")
-        _, content_end = _content_span(text, msg["content"], len(prompt), k)
+        for content in (msg["content"], msg["content"].strip()):  # Gemma, Llama 3 trim it
+            content_end = text.find(content, len(prompt))
+            if content_end >= 0:
+                content_end += len(content)
+                break
+        else:
+            raise BadConversation(f"assistant turn {k}: content not found in the rendered text")
         if not text.startswith(turn_end.text, content_end):
             raise BadConversation(f"assistant turn {k}: the template's end of turn "
                                   f"{turn_end.text!r} does not follow the content")

@@ -47,15 +47,6 @@ def _check_loader_deps() -> None:
         raise ValueError(f"reading the SmolLM2 GGUF needs {missing}; install with: {INSTALL_HINT}")
 
 
-def is_prepared(out_dir: str | Path, expected: dict | None = None) -> bool:
-    """True when ``out_dir`` holds a finished directory (for ``expected``'s GGUF, if given)."""
-    marker = Path(out_dir) / MARKER_FILE
-    if not marker.is_file():
-        return False
-    found = json.loads(marker.read_text())
-    return expected is None or all(found.get(k) == v for k, v in expected.items())
-
-
 def _dequantise_into(gguf: Path, tmp: Path) -> None:
     """Load the GGUF with transformers (float32) and save a plain safetensors HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,7 +74,9 @@ def prepare_smollm2(out_dir: str | Path = DEFAULT_OUT_DIR, *, force: bool = Fals
     expected = {"source_package": PACKAGE, "gguf_file": gguf.name,
                 "gguf_sha256": sha256_file(gguf), "layout_version": LAYOUT_VERSION,
                 "dtype": "float32"}
-    if not force and is_prepared(out, expected):
+    marker = out / MARKER_FILE  # written last: a finished directory, for this GGUF?
+    found = json.loads(marker.read_text()) if not force and marker.is_file() else {}
+    if all(found.get(k) == v for k, v in expected.items()):
         log.info("SmolLM2 target already prepared in %s", out)
         return out
     _check_loader_deps()

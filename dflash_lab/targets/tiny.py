@@ -166,17 +166,6 @@ def _marker_ok(path: Path, recipe: TinyTargetRecipe) -> bool:
         return False
 
 
-def _check_replaceable(path: Path) -> None:
-    """Only an empty directory or an earlier tiny target (it has the marker) may be replaced:
-    ``target.path`` pointing at a real model directory must never delete it."""
-    if path.is_dir() and (not any(path.iterdir()) or (path / MARKER_FILE).is_file()):
-        return
-    raise ValueError(f"target.path={str(path)!r} exists and is not a tiny target built by "
-                     f"dflash-lab (no {MARKER_FILE}); refusing to replace it. For the model in "
-                     f"it use target=hf target.name_or_path={path}; for the tiny target pick an "
-                     "empty or new target.path")
-
-
 def materialize_tiny_target(path: str | Path | None = None,
                             recipe: TinyTargetRecipe | None = None) -> Path:
     """Build the tiny target into ``path`` (default ``outputs/tiny_target``) unless one of the same
@@ -186,8 +175,14 @@ def materialize_tiny_target(path: str | Path | None = None,
     path = Path(path or DEFAULT_TINY_TARGET_DIR).absolute()
     if _marker_ok(path, recipe):
         return path
-    if path.exists():
-        _check_replaceable(path)  # before the build: never after a minute of work
+    # only an empty directory or an earlier tiny target (it has the marker) may be replaced, so
+    # ``target.path`` naming a real model directory never deletes it; refused before the build
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir())
+                                                 or (path / MARKER_FILE).is_file())):
+        raise ValueError(f"target.path={str(path)!r} exists and is not a tiny target built by "
+                         f"dflash-lab (no {MARKER_FILE}); refusing to replace it. For the model "
+                         f"in it use target=hf target.name_or_path={path}; for the tiny target "
+                         "pick an empty or new target.path")
     start = time.time()
     log.info("building the tiny target into %s (once; a few minutes on 2 cores)", path)
     tokenizer, model, loss = build_tiny_target(recipe)

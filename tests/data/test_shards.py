@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_lab.data import shards
-from dflash_lab.data.capture_loop import shards_for_rank
+from dflash_lab.data.capture_loop import claim_dir, shards_for_rank
 from dflash_lab.data.conversations import load_conversations
 
 D = 12
@@ -32,7 +32,7 @@ def _capture_dir(tmp_path, counts=(3, 0, 2)):
             "target_layer_ids": [1, 2], "hf_hidden_state_indices": [2, 3], "hidden_size": 6,
             "feature_dim": D,
             "num_input_rows": 8, "num_shards": len(counts)}
-    shards.write_plan(tmp_path, plan)
+    claim_dir(tmp_path, plan)
     written = []
     for i, n in enumerate(counts):
         samples = _samples(n, seed=i)
@@ -55,7 +55,7 @@ def test_round_trip_is_exact_and_ordered(tmp_path):
 
 
 def test_manifest_waits_for_missing_shards(tmp_path):
-    shards.write_plan(tmp_path, {"num_input_rows": 2, "num_shards": 2})
+    claim_dir(tmp_path, {"num_input_rows": 2, "num_shards": 2})
     shards.write_shard(tmp_path, 0, _samples(1), "bfloat16")
     assert shards.merge_manifest(tmp_path) is None
     assert not (tmp_path / shards.MANIFEST_FILE).exists()
@@ -137,10 +137,11 @@ def test_truncated_and_corrupt_shards_name_the_file(tmp_path):
 
 
 def test_plan_mismatch_is_refused(tmp_path):
-    shards.write_plan(tmp_path, {"max_length": 128, "num_shards": 1})
-    shards.write_plan(tmp_path, {"max_length": 128, "num_shards": 1})
+    claim_dir(tmp_path, {"max_length": 128, "num_shards": 1})
+    (tmp_path / shards.shard_record_file(0)).write_text("{}")  # a finished shard depends on it
+    claim_dir(tmp_path, {"max_length": 128, "num_shards": 1})
     with pytest.raises(ValueError, match="max_length: existing=128 new=256"):
-        shards.write_plan(tmp_path, {"max_length": 256, "num_shards": 1})
+        claim_dir(tmp_path, {"max_length": 256, "num_shards": 1})
 
 
 def test_bytes_per_token():
