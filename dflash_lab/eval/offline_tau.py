@@ -81,12 +81,6 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
     return hidden, ids.gather(1, anchors), tgt, out
 
 
-def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
-                 anchors_n: Tensor) -> LossOutput:
-    """Unary correctness of every slot of the blocks anchored at ``anchors_n`` in one sample."""
-    return _forward(drafter, pieces, sample, anchors_n)[3]
-
-
 @torch.no_grad()
 def walk_drafts(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_n: Tensor,
                 hidden_bnph: Tensor, anchor_ids_bn: Tensor) -> Tensor:
