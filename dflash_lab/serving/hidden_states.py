@@ -56,11 +56,10 @@ def _has_extract_args(command: list[str]) -> bool:
                for a in command)
 
 
-def read_hidden_states(path: str | Path, *, wait_s: float = 60.0,
-                       remove: bool = True) -> dict[str, torch.Tensor]:
+def read_hidden_states(path: str | Path, *, wait_s: float = 60.0) -> dict[str, torch.Tensor]:
     """The connector's file at ``path``: ``hidden_states`` [T, k, H], ``token_ids`` [T]. Waits
     (shared ``flock`` on ``PATH.lock``, polled up to ``wait_s``) until the writer is done, then
-    removes the file and its lock unless ``remove`` is False."""
+    removes the file and its lock."""
     from safetensors.torch import load_file
 
     path, lock = Path(path), Path(f"{path}.lock")
@@ -84,9 +83,8 @@ def read_hidden_states(path: str | Path, *, wait_s: float = 60.0,
                           "this machine cannot read: run the capture where the server's "
                           "shared_storage_path is visible (same machine or a shared filesystem)")
     tensors = load_file(str(path))
-    if remove:
-        path.unlink(missing_ok=True)
-        lock.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
     return tensors
 
 
