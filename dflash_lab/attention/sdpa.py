@@ -81,7 +81,11 @@ class SdpaBackend:
         """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks,
         or streamed tiles (no dense mask) past ``stream_pairs``."""
         if layout.num_queries * layout.num_keys > self.stream_pairs:
-            return self.stream(layout, spec)
+            # runs of stream_queries // B blocks, each attended over only the keys it can see
+            # (context range + own slots): neither the dense mask nor all runs' masks is built
+            per_run = max(1, self.stream_queries // layout.block_size)
+            return [StreamTile(layout, spec, n0, min(n0 + per_run, layout.num_blocks))
+                    for n0 in range(0, layout.num_blocks, per_run)]
         mask = dense_mask(layout, spec)
         tiles = min(self.key_tiles, layout.num_blocks)
         if tiles <= 1 or layout.num_queries * layout.num_keys < self.min_pairs:
@@ -94,13 +98,6 @@ class SdpaBackend:
             key_idx = rows.any(dim=2).any(dim=0).any(dim=0).nonzero().squeeze(1)
             out.append(KeyTile(n0 * b, n1 * b, key_idx, rows.index_select(-1, key_idx)))
         return out
-
-    def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[StreamTile]:
-        """Runs of ``stream_queries // B`` blocks, each attended over only the keys it can see
-        (context range + own slots); neither the dense mask nor all runs' masks is ever built."""
-        per_run = max(1, self.stream_queries // layout.block_size)
-        return [StreamTile(layout, spec, n0, min(n0 + per_run, layout.num_blocks))
-                for n0 in range(0, layout.num_blocks, per_run)]
 
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
                prepared: Tensor | list[KeyTile] | list[StreamTile], *, scale: float,
