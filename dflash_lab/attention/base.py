@@ -30,7 +30,6 @@ class AttentionBackend(Protocol):
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor, prepared: Any, *,
                scale: float, sink_h: Tensor | None = None) -> Tensor:
         """Returns the attention output [Bt, Hq, Q, D]."""
-        ...
 
 
 def _is_cuda(device: torch.device | str) -> bool:

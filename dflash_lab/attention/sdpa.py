@@ -57,21 +57,13 @@ class KeyTile:
 
 @dataclass
 class StreamTile:
-    """Queries [q0, q1) (blocks [n0, n1)) over the key ranges they can see; the mask is built
-    when the tile is attended, inside the checkpointed call (:func:`_attend_streamed`)."""
+    """Blocks [n0, n1) over the key ranges they can see; the mask is built when the tile is
+    attended, inside the checkpointed call (:func:`_attend_streamed`)."""
 
     layout: BlockLayout
     spec: LayerSpec
     n0: int
     n1: int
-
-    @property
-    def q0(self) -> int:
-        return self.n0 * self.layout.block_size
-
-    @property
-    def q1(self) -> int:
-        return self.n1 * self.layout.block_size
 
 
 class SdpaBackend:
@@ -89,7 +81,11 @@ class SdpaBackend:
         """Dense bool mask [Bt, 1, Q, K], or its key tiles for a large call of several blocks,
         or streamed tiles (no dense mask) past ``stream_pairs``."""
         if layout.num_queries * layout.num_keys > self.stream_pairs:
-            return self.stream(layout, spec)
+            # runs of stream_queries // B blocks, each attended over only the keys it can see
+            # (context range + own slots): neither the dense mask nor all runs' masks is built
+            per_run = max(1, self.stream_queries // layout.block_size)
+            return [StreamTile(layout, spec, n0, min(n0 + per_run, layout.num_blocks))
+                    for n0 in range(0, layout.num_blocks, per_run)]
         mask = dense_mask(layout, spec)
         tiles = min(self.key_tiles, layout.num_blocks)
         if tiles <= 1 or layout.num_queries * layout.num_keys < self.min_pairs:
@@ -102,13 +98,6 @@ class SdpaBackend:
             key_idx = rows.any(dim=2).any(dim=0).any(dim=0).nonzero().squeeze(1)
             out.append(KeyTile(n0 * b, n1 * b, key_idx, rows.index_select(-1, key_idx)))
         return out
-
-    def stream(self, layout: BlockLayout, spec: LayerSpec) -> list[StreamTile]:
-        """Runs of ``stream_queries // B`` blocks, each attended over only the keys it can see
-        (context range + own slots); neither the dense mask nor all runs' masks is ever built."""
-        per_run = max(1, self.stream_queries // layout.block_size)
-        return [StreamTile(layout, spec, n0, min(n0 + per_run, layout.num_blocks))
-                for n0 in range(0, layout.num_blocks, per_run)]
 
     def attend(self, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: Tensor,
                prepared: Tensor | list[KeyTile] | list[StreamTile], *, scale: float,
@@ -130,14 +119,16 @@ def _attend_streamed(tile: StreamTile, q_bhqd: Tensor, k_bhkd: Tensor, v_bhkd: T
     """One streamed run [Bt, Hq, q1-q0, D]: under activation checkpointing when a gradient is
     being recorded, so the run's mask, gathered K/V and scores are freed after its forward and
     rebuilt for its backward (that is what keeps full layers linear in memory)."""
+    q0, q1 = tile.n0 * tile.layout.block_size, tile.n1 * tile.layout.block_size
+
     def run(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None) -> Tensor:
         # the visible key indices [K'] and the bool mask [Bt, 1, q1-q0, K'] over them
         ranges = visible_key_ranges(tile.layout, tile.spec, tile.n0, tile.n1)
         dev = tile.layout.anchors_bn.device
         key_idx = torch.cat([torch.arange(k0, k1, device=dev) for k0, k1 in ranges])
-        mask = torch.cat([mask_tile(tile.layout, tile.spec, tile.q0, tile.q1, k0, k1)
+        mask = torch.cat([mask_tile(tile.layout, tile.spec, q0, q1, k0, k1)
                           for k0, k1 in ranges], dim=-1)
-        return _dense_attend(q[:, :, tile.q0:tile.q1], k.index_select(2, key_idx),
+        return _dense_attend(q[:, :, q0:q1], k.index_select(2, key_idx),
                              v.index_select(2, key_idx), mask, scale, sink)
 
     grads = STREAM_CHECKPOINT and torch.is_grad_enabled() and any(

@@ -96,36 +96,32 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """One evaluation of a composed config into ``cfg.output_dir`` (one at a time: writer_lock)."""
     check_group_keys(cfg)
     with writer_lock(cfg.output_dir, what="output_dir"):
-        return _evaluate(cfg)
-
-
-def _evaluate(cfg: DictConfig) -> dict[str, Any]:
-    check_config(cfg)
-    resolve_eval_target(cfg)
-    logger = make_logger(cfg.logger)
-    out_dir = Path(cfg.output_dir)
-    on_prompt = None
-    if logger is not None:
-        def on_prompt(i, gen):
-            lengths = gen.acceptance_lengths
-            logger.log_metrics({"eval/prompt_tau": sum(lengths) / max(len(lengths), 1)}, step=i)
-    if cfg.get("backend") == "server":
-        def on_response(i, response):
-            if logger is not None and response.tau is not None:
-                logger.log_metrics({"eval/prompt_tau": response.tau}, step=i)
-        report = run_server(cfg, on_response)
-    else:
-        report = run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg)
-    report["command"] = COMMAND or shlex.join(sys.argv)
-    # the record with the report: an eval refused at start-up (a bad prompt file, a missing
-    # target) leaves no files behind
-    write_run_info(out_dir, cfg, mode=cfg.mode)
-    path = write_report(report, out_dir)
-    log.info("tau_mean=%s speedup=%s lossless=%s -> %s", report.get("tau_mean"),
-             report.get("speedup"), report.get("lossless"), path)
-    if logger is not None:
-        log_report(logger, cfg, report, out_dir)
-    return report
+        check_config(cfg)
+        resolve_eval_target(cfg)
+        logger = make_logger(cfg.logger)
+        out_dir = Path(cfg.output_dir)
+        on_prompt = None
+        if logger is not None:
+            def on_prompt(i, gen):
+                lengths = gen.acceptance_lengths
+                logger.log_metrics({"eval/prompt_tau": sum(lengths) / max(len(lengths), 1)}, step=i)
+        if cfg.get("backend") == "server":
+            def on_response(i, response):
+                if logger is not None and response.tau is not None:
+                    logger.log_metrics({"eval/prompt_tau": response.tau}, step=i)
+            report = run_server(cfg, on_response)
+        else:
+            report = run_generate(cfg, on_prompt) if cfg.mode == "generate" else run_features(cfg)
+        report["command"] = COMMAND or shlex.join(sys.argv)
+        # the record with the report: an eval refused at start-up (a bad prompt file, a missing
+        # target) leaves no files behind
+        write_run_info(out_dir, cfg, mode=cfg.mode)
+        path = write_report(report, out_dir)
+        log.info("tau_mean=%s speedup=%s lossless=%s -> %s", report.get("tau_mean"),
+                 report.get("speedup"), report.get("lossless"), path)
+        if logger is not None:
+            log_report(logger, cfg, report, out_dir)
+        return report
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="eval", version_base="1.3")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import Any
 
@@ -68,8 +68,7 @@ class Decoder:
 
     def warm(self, ids: list[int], settings: DecodeSettings) -> None:
         """Run ``ids`` once for 8 tokens, untimed (lazy initialisation, kernel selection)."""
-        short = DecodeSettings(**{**vars(settings), "max_new_tokens": 8})
-        self.respond(ids, short, 0)
+        self.respond(ids, replace(settings, max_new_tokens=8), 0)
 
     def respond(self, ids: list[int], settings: DecodeSettings, n: int,
                 ) -> tuple[Generation, Generation | None]:

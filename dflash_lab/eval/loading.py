@@ -25,8 +25,7 @@ class LoadedDrafter:
     description: str
     trained_block_size: int
     notes: list[str] = field(default_factory=list)
-    #: False when the format records no target depth
-    #: (``dflash_lab.export.weights.Source.depth_recorded``)
+    #: False when the format records no target depth (``export.weights.Source.depth_recorded``)
     depth_recorded: bool = True
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dflash_lab.eval.proposer import Proposer, draft_block, max_drafts
-from dflash_lab.eval.sampling import leading_matches, verify
+from dflash_lab.eval.sampling import leading_matches, probs_at, sample_from, verify
 from dflash_lab.eval.target_runner import TargetRunner
 
 
@@ -108,8 +108,7 @@ def _keep(new_ids: list[int], budget: int, stop_ids: tuple[int, ...]) -> tuple[l
 def _first_token(logits_1v: Tensor, settings: DecodeSettings, generator) -> int:
     if settings.temperature == 0:
         return int(logits_1v[-1].argmax())
-    probs = torch.softmax(logits_1v[-1:].float() / settings.temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator)[0, 0])
+    return int(sample_from(probs_at(logits_1v[-1:], settings.temperature), generator)[0])
 
 
 def unary_lengths(output_ids: list[int], rounds: list[tuple[int, list[int]]]) -> list[int]:

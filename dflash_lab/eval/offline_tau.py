@@ -1,14 +1,11 @@
-"""Feature-level evaluation (``dflash-eval mode=features``): the training validation's exact
-greedy-acceptance simulator (labels, block gathering, correctness and ``1 + leading correct
-slots`` from :mod:`dflash_lab.train.loss`) over captured shards, generating nothing: every valid
-anchor (``loss_mask[p] and loss_mask[p+1]``, deterministic) or ``num_anchors`` sampled as
-validation does. ``tau_mean`` pools every evaluated anchor (what validation logs; higher than
-generation tau: the inspection paradox); ``tau_chained`` (all anchors only) follows the rounds a
-greedy run makes, anchor + tau from each loss-mask span's start (generation tau on
-target-regenerated data). A head with a draft walk (``Head.walk``) is scored by it, the unary
-tau beside: DFlash 2 by its ``walk_metrics`` (oracle tau, recall@K), every other walk by its own
-greedy ``Head.draft`` on each block (:func:`walk_drafts`) (docs/eval.md, "Features mode and how
-it relates to generation", "Report").
+"""Feature-level evaluation (``dflash-eval mode=features``): training validation's exact
+greedy-acceptance simulator (labels, blocks, ``1 + leading correct slots``:
+:mod:`dflash_lab.train.loss`) over captured shards, generating nothing, at every valid anchor or
+``num_anchors`` sampled as validation does. ``tau_mean`` pools the anchors (validation's number),
+``tau_chained`` follows a greedy run's rounds (:func:`chained_rounds`); a head with a draft walk
+is scored by it (DFlash 2: ``walk_metrics``, others: :func:`walk_drafts`), the unary tau beside.
+Why ``tau_mean`` exceeds generation tau: docs/eval.md, "Features mode and how it relates to
+generation"; the fields: "Report".
 
 Shape legend: S sequence, F features, N anchors per forward, B block size, T = B-1 drafted slots,
 K selector candidates, V vocab. Suffix letters (``x_bnph``): docs/architecture.md; ``b`` is the
@@ -79,12 +76,6 @@ def _forward(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor], anchors_
                                            getattr(pieces, "logit_softcap", None),
                                            cfg.label_shift))
     return hidden, ids.gather(1, anchors), tgt, out
-
-
-def score_blocks(drafter: DFlashDrafter, pieces, sample: dict[str, Tensor],
-                 anchors_n: Tensor) -> LossOutput:
-    """Unary correctness of every slot of the blocks anchored at ``anchors_n`` in one sample."""
-    return _forward(drafter, pieces, sample, anchors_n)[3]
 
 
 @torch.no_grad()

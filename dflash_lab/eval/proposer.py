@@ -84,11 +84,10 @@ class DFlashProposer:
                              f"was trained with block_size={trained}; larger blocks were never "
                              "trained); omit it to use the trained size")
         self.min_slots = drafter.config.head.min_slots(drafter.config)  # DFlash 2: K - 1 taps
-        min_slots = self.min_slots
-        if block_size < min_slots:
+        if block_size < self.min_slots:
             raise ValueError(f"block_size={block_size}: this {drafter.config.head.title} "
-                             f"drafter runs on blocks of at least {min_slots} slots (the "
-                             f"head's min_slots); use block_size >= {min_slots}")
+                             f"drafter runs on blocks of at least {self.min_slots} slots (the "
+                             f"head's min_slots); use block_size >= {self.min_slots}")
         self._trained = drafter
         self._views = {trained: drafter}
         self.drafter = self._view(block_size)

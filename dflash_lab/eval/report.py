@@ -111,10 +111,8 @@ def marked_text(ids: list[int], spans: list[tuple[int, int]],
     prefix = {c: decode(ids[:c]) for c in cuts}
     starts, ends = {s for s, _ in spans}, {e for _, e in spans}
     parts = []
-    for c in cuts:
-        parts.append(CLOSE if c in ends else "")
-        parts.append(OPEN if c in starts else "")
-        nxt = next((n for n in cuts if n > c), None)
+    for c, nxt in zip(cuts, [*cuts[1:], None]):
+        parts += [CLOSE if c in ends else "", OPEN if c in starts else ""]
         if nxt is not None:
             parts.append(prefix[nxt][len(prefix[c]):])
     return "".join(parts)

@@ -12,7 +12,7 @@ from typing import Any
 
 from hydra.utils import instantiate
 
-from dflash_lab.eval.records import ResponseRecord, context_buckets
+from dflash_lab.eval.records import ResponseRecord, context_buckets, mean_of
 from dflash_lab.eval.report import records_report
 from dflash_lab.eval.suite import (
     answer_every_prompt,
@@ -36,8 +36,7 @@ def _engine_curves(responses: list[ServerResponse], block_size: int) -> dict[str
     """Histogram (rounds by acceptance length 1..B) and per-position acceptance from the engine's
     own counts over ``responses``; n/a and zeros unless every response with rounds brought them."""
     counted = [r for r in responses if r.rounds]
-    engine = [r.engine_tau for r in counted if r.engine_tau is not None]
-    row: dict[str, Any] = {"engine_tau_mean": sum(engine) / len(engine) if engine else None}
+    row: dict[str, Any] = {"engine_tau_mean": mean_of([r.engine_tau for r in counted])}
     if not counted or any(r.accepted_histogram is None for r in counted):
         return {**row, "acceptance_histogram": [0] * block_size,
                 "per_position_acceptance": [None] * (block_size - 1),

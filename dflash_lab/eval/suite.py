@@ -182,14 +182,9 @@ def check_long_fits(d, max_new: int, max_positions: int | None) -> None:
 def items_before_target(configs: list, num_prompts: int | None) -> list[list[Item] | None]:
     """Each data config's items, read before anything loads (a bad file stops the run first); None
     for a long-context option (read here; items need the tokenizer: :func:`items_with_target`)."""
-    out: list[list[Item] | None] = []
-    for d in configs:
-        if is_long(d):
-            load_rows(str(d.path))
-            out.append(None)
-        else:
-            out.append(load_items(d, num_prompts))
-    return out
+    for d in filter(is_long, configs):
+        load_rows(str(d.path))
+    return [None if is_long(d) else load_items(d, num_prompts) for d in configs]
 
 
 def items_with_target(configs: list, items: list[list[Item] | None], num_prompts: int | None,
@@ -198,13 +193,11 @@ def items_with_target(configs: list, items: list[list[Item] | None], num_prompts
     with ``target``'s tokenizer, checked against its ``max_position_embeddings`` if any)."""
     config = getattr(getattr(target, "model", None), "config", None)
     max_positions = getattr(config, "max_position_embeddings", None)
-    done = []
     for d, its, max_new in zip(configs, items, budgets):
         if its is None:
             check_long_fits(d, max_new, max_positions)
-            its = long_items(d, num_prompts, target.tokenizer)
-        done.append(its)
-    return done
+    return [long_items(d, num_prompts, target.tokenizer) if its is None else its
+            for d, its in zip(configs, items)]
 
 
 def load_items(d, num_prompts: int | None) -> list[Item]:

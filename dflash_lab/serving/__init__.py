@@ -1,3 +1,2 @@
-"""A served model (vLLM or SGLang): what dflash-regenerate and dflash-eval need to use one, one
-module per job (settings, launch, http, completions, engine; docs/architecture.md, "Layout").
-"""
+"""A served model (vLLM or SGLang) as dflash-regenerate, dflash-capture and dflash-eval use it,
+one module per job (docs/architecture.md, "Layout")."""

@@ -23,7 +23,6 @@ from typing import Any
 from dflash_lab.errors import UserError
 from dflash_lab.serving.http import (
     CONNECTION_ERRORS,
-    error_detail,
     json_request,
     pick_served_model,
 )
@@ -70,7 +69,7 @@ class CompletionServer:
                 with urllib.request.urlopen(req, timeout=s.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as e:
-                detail = error_detail(e, 2000)
+                detail = e.read().decode(errors="replace")[:2000]  # the server's message
                 if e.code not in _RETRY_STATUS:
                     hint = ("" if e.code != 404 else " (no such path: is server.url the "
                             "OpenAI-compatible API base of a vLLM or SGLang server, ending in "

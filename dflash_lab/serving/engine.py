@@ -19,7 +19,6 @@ from typing import Any
 
 from dflash_lab.serving.http import (
     CONNECTION_ERRORS,
-    error_detail,
     json_request,
     pick_served_model,
 )
@@ -160,7 +159,8 @@ class EngineClient:
         try:
             return urllib.request.urlopen(req, timeout=self.settings.timeout_s)
         except urllib.error.HTTPError as e:
-            raise EngineError(f"{url} answered HTTP {e.code}: {error_detail(e, 1000)}") from None
+            detail = e.read().decode(errors="replace")[:1000]  # the server's message
+            raise EngineError(f"{url} answered HTTP {e.code}: {detail}") from None
         except CONNECTION_ERRORS as e:
             raise EngineError(
                 f"could not reach {url} ({getattr(e, 'reason', e)}). Is the server up at "

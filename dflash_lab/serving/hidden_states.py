@@ -12,8 +12,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -57,11 +56,10 @@ def _has_extract_args(command: list[str]) -> bool:
                for a in command)
 
 
-def read_hidden_states(path: str | Path, *, wait_s: float = 60.0,
-                       remove: bool = True) -> dict[str, torch.Tensor]:
+def read_hidden_states(path: str | Path, *, wait_s: float = 60.0) -> dict[str, torch.Tensor]:
     """The connector's file at ``path``: ``hidden_states`` [T, k, H], ``token_ids`` [T]. Waits
     (shared ``flock`` on ``PATH.lock``, polled up to ``wait_s``) until the writer is done, then
-    removes the file and its lock unless ``remove`` is False."""
+    removes the file and its lock."""
     from safetensors.torch import load_file
 
     path, lock = Path(path), Path(f"{path}.lock")
@@ -85,9 +83,8 @@ def read_hidden_states(path: str | Path, *, wait_s: float = 60.0,
                           "this machine cannot read: run the capture where the server's "
                           "shared_storage_path is visible (same machine or a shared filesystem)")
     tensors = load_file(str(path))
-    if remove:
-        path.unlink(missing_ok=True)
-        lock.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
     return tensors
 
 
@@ -157,10 +154,9 @@ class HiddenStatesServer(CompletionServer):
         return all_at_once([partial(self.hidden_states, p) for p in prompts], "hs")
 
 
-@contextmanager
 def open_hidden_states_server(settings: ServerSettings, aux_layer_ids: list[int],
                               hidden_size: int, storage_dir: Path, log_path: Path,
-                              world_size: int = 1) -> Iterator[HiddenStatesServer]:
+                              world_size: int = 1) -> AbstractContextManager[HiddenStatesServer]:
     """A client of the server at ``settings.url``, or of one started for the block from
     ``settings.launch`` with :func:`server_args` appended (unless the command has its own
     ``--speculative-config``) and this repository on its PYTHONPATH; stopped after."""
@@ -176,6 +172,6 @@ def open_hidden_states_server(settings: ServerSettings, aux_layer_ids: list[int]
         return command + server_args(aux_layer_ids, storage_dir.absolute())
 
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    with client_of(settings, log_path, lambda s: HiddenStatesServer(s, aux_layer_ids, hidden_size),
-                   world_size, with_extract_args, {"PYTHONPATH": path}) as server:
-        yield server
+    return client_of(settings, log_path,
+                     lambda s: HiddenStatesServer(s, aux_layer_ids, hidden_size), world_size,
+                     with_extract_args, {"PYTHONPATH": path})

@@ -1,8 +1,6 @@
-"""What the two clients of a served model share: the request, the error detail and the choice
-of the served model on an OpenAI-compatible vLLM or SGLang server, for dflash-regenerate's
-:class:`~dflash_lab.serving.completions.CompletionServer` (retries transient failures) and
-dflash-eval's :class:`~dflash_lab.serving.engine.EngineClient` (one request at a time, no
-retries). Standard-library ``urllib`` only: no client package.
+"""What dflash-regenerate's :class:`~dflash_lab.serving.completions.CompletionServer` and
+dflash-eval's :class:`~dflash_lab.serving.engine.EngineClient` share: the request and the choice
+of the served model, with the standard library's ``urllib`` (no client package).
 """
 
 from __future__ import annotations
@@ -26,11 +24,6 @@ def json_request(url: str, body: dict[str, Any] | None = None,
         headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
     data = None if body is None else json.dumps(body).encode()
     return urllib.request.Request(url, data=data, headers=headers)
-
-
-def error_detail(err: urllib.error.HTTPError, limit: int) -> str:
-    """The first ``limit`` characters of an HTTP error's body (the server's message)."""
-    return err.read().decode(errors="replace")[:limit]
 
 
 def pick_served_model(models: list[dict[str, Any]], wanted: str | None, base: str,

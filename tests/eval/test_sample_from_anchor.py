@@ -70,7 +70,7 @@ def test_a_trained_anchor_drafter_decodes_losslessly_and_features_mode_replays_i
     """Briefly trained with sample_from_anchor: greedy decoding equals the target's own, and
     the feature simulator on each round's anchor gives that round's acceptance length (tau =
     1 + leading correct slots from slot 0; at most B + 1)."""
-    from dflash_lab.eval.offline_tau import feature_eval, score_blocks
+    from dflash_lab.eval.offline_tau import _forward, feature_eval
     from dflash_lab.train.loss import acceptance_lengths
     from tests.eval.test_trained import B as TRAINED_B
     from tests.eval.test_trained import _as_capture, quick_train
@@ -91,7 +91,7 @@ def test_a_trained_anchor_drafter_decodes_losslessly_and_features_mode_replays_i
         samples.append(sample)
         anchors = torch.tensor([c for c, _, _ in rec.rounds[:-1]])
         if anchors.numel():
-            out = score_blocks(drafter, pieces, sample, anchors)
+            out = _forward(drafter, pieces, sample, anchors)[3]
             simulated = acceptance_lengths(out.correct, out.block_valid, out.first_slot)
             assert simulated.long().tolist() == gen.acceptance_lengths[:-1]
         lengths += gen.acceptance_lengths

@@ -25,7 +25,7 @@ import torch
 from dflash_lab.data.module import pad_collate
 from dflash_lab.eval.loading import load_drafter
 from dflash_lab.eval.loop import DecodeSettings, baseline_generate, speculative_generate
-from dflash_lab.eval.offline_tau import feature_eval, score_blocks
+from dflash_lab.eval.offline_tau import _forward, feature_eval
 from dflash_lab.eval.prompts import encode_prompt
 from dflash_lab.eval.proposer import DFlashProposer
 from dflash_lab.eval.target_runner import TargetRunner
@@ -133,7 +133,7 @@ def test_feature_simulator_reproduces_every_round(tiny_target, drafter, generati
         anchors = torch.tensor([c for c, _, _ in rounds[:-1]])
         if anchors.numel() == 0:
             continue
-        out = score_blocks(drafter, pieces, sample, anchors)
+        out = _forward(drafter, pieces, sample, anchors)[3]  # the unary LossOutput
         simulated = acceptance_lengths(out.correct, out.block_valid).long().tolist()
         assert simulated == gen.acceptance_lengths[:-1]
 
