@@ -58,9 +58,9 @@ def test_drafter_cannot_see_the_anchors_own_features(monkeypatch):
     # drives slot-1 accuracy to ~1: proof that this test can fail.
     real = mask_module.visible
 
-    def leaky(q_idx, kv_idx, anchors, num_context, block_size, spec):
+    def leaky(q_idx, kv_idx, anchors, num_context, block_size, spec, starts=None):
         anchor = anchors[q_idx // block_size]
-        return real(q_idx, kv_idx, anchors, num_context, block_size, spec) | (
+        return real(q_idx, kv_idx, anchors, num_context, block_size, spec, starts) | (
             (kv_idx < num_context) & (kv_idx == anchor))
 
     monkeypatch.setattr(mask_module, "visible", leaky)
