@@ -9,11 +9,9 @@ drafter and its attention").
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
@@ -413,21 +411,3 @@ class DrafterConfig:
         rule is emulated: a third-party config.json is ``dflash_lab.export.import_drafter``'s
         (docs/export.md, "Importing third-party directories")."""
         return parse_ours(cls, d, source=source)
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> DrafterConfig:
-        """Read a config.json file (unknown keys are errors, as in :meth:`from_dict`)."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err}); re-export the drafter") from err
-        return cls.from_dict(data, source=str(path))
-
-    def save_json(self, path: str | Path) -> None:
-        """Write the serving config.json (atomically: a reader never sees half of it)."""
-        from dflash_lab.paths import atomic_write_text
-
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
-
-
