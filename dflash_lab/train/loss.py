@@ -240,15 +240,6 @@ def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, scale: Lo
     return ce, ok, values, ids
 
 
-def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
-                          chunk_size: int | None = None,
-                          chunk_bytes: int = CE_CHUNK_BYTES, *,
-                          scale: LogitScale = NO_SCALE) -> tuple[Tensor, Tensor]:
-    """Per-row CE [M] and correct [M], no [M, V] fp32 logits held (:func:`chunked_head_pass`)."""
-    out = chunked_head_pass(hidden_mh, labels_m, lm_head, chunk_size, chunk_bytes, scale=scale)
-    return out.ce, out.correct
-
-
 def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
                       chunk_size: int | None = None, chunk_bytes: int = CE_CHUNK_BYTES, *,
                       scale: LogitScale = NO_SCALE, top_k: int = 0) -> HeadPass:
