@@ -67,10 +67,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
-        if config.learned_mask_embedding:
-            self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
-        else:
-            self.mask_embedding = None
+        self.mask_embedding = (nn.Parameter(torch.zeros(config.hidden_size))
+                               if config.learned_mask_embedding else None)
         # what the head and the features add (model/heads.py ``attach``): the head's own
         # modules; Laguna's aux_hidden_norms (one RMSNorm per target-layer slice before fc), a
         # draft vocabulary's lm_head [N, H] with d2t [N] / t2d [V]

@@ -379,11 +379,9 @@ def _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise, chunk_
         h = teacher.hidden_mh[start:start + chunk_rows].to(weight.dtype)
         ids = ids_mk[start:start + chunk_rows]
         picked = torch.einsum("mh,mkh->mk", h, weight[ids]).float()
-        full = None if renormalise else (h @ weight.t()).float()
-        picked = scale_logits(picked, 1.0, teacher.softcap)
-        full = None if full is None else scale_logits(full, 1.0, teacher.softcap)
-        picked = picked / temperature
-        if full is not None:
+        picked = scale_logits(picked, 1.0, teacher.softcap) / temperature
+        if not renormalise:
+            full = scale_logits((h @ weight.t()).float(), 1.0, teacher.softcap)
             picked = picked - torch.logsumexp(full / temperature, dim=-1, keepdim=True)
         out.append(picked)
     return torch.cat(out) if out else ids_mk.new_zeros(ids_mk.shape, dtype=torch.float32)
