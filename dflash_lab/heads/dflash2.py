@@ -1,11 +1,8 @@
-"""DFlash 2 (dflash.md section 7): DFlash 1 plus a grouped dynamic causal conv around every
-sublayer of every draft layer and a candidate selector that re-ranks the unary top-K of every
-slot, trained with the selector CE beside the unary loss and walked left to right when drafting.
-Served as z-lab's ``DFlash2DraftModel``. Everything DFlash 2 adds is here: the modules
-(:class:`GroupedDynamicCausalConv`, :class:`CandidateSelector`, each initialised so that a fresh
-drafter computes what DFlash 1 computes), the training term (:func:`selector_loss`) and its
-metrics (:class:`SelectorMetrics`), drafting (:meth:`DFlash2.draft` for eval's loop,
-:func:`selector_flags` for features mode). What each computes (docs/losses.md, "DFlash 2").
+"""DFlash 2 (dflash.md section 7; docs/losses.md, "DFlash 2"): DFlash 1 plus a grouped dynamic
+causal conv around every sublayer of every draft layer and a candidate selector that re-ranks the
+unary top-K of every slot, trained with the selector CE beside the unary loss and walked left to
+right when drafting. Served as z-lab's ``DFlash2DraftModel``. Both modules are initialised so
+that a fresh drafter computes what DFlash 1 computes.
 
 Shape legend: Bt batch, N blocks, B block size, Q = N*B block slots of a row, T = B-1 drafted
 (scored) slots, H hidden, M valid slots, K conv taps, G conv groups (H / conv_group_size), V

@@ -120,9 +120,8 @@ class DrafterConfig:
     is_causal: bool | list[bool] | None = None
     learned_mask_embedding: bool = False  #: one trainable H-vector used in every MASK slot
     attention_sink_bias: bool = False  #: one learnable sink logit per head and layer
-    #: the head (model/heads.py; dflash_lab/heads/): "dflash1" | "dflash2" (DFlash 1 + a grouped
-    #: dynamic causal conv around every sublayer and a candidate selector) | "dspark" (a Markov
-    #: bias head and a confidence head); a head's own fields live in ``head_options``
+    #: the head (model/heads.py; one module each in dflash_lab/heads/: dflash1, dflash2, dspark,
+    #: ...); a head's own fields live in ``head_options``
     variant: str = DFLASH1
     #: Every head: block input embeddings (raw target table rows) are multiplied by this
     input_embedding_scale: float = 1.0

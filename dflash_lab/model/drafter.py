@@ -243,12 +243,10 @@ class DFlashDrafter(nn.Module):
         new = [layer.context_kv(ctx, cs) for layer in self.layers]
         if self.config.head.reads_context:
             cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
-        if not cache.keys:
-            cache.keys = [k for k, _ in new]
-            cache.values = [v for _, v in new]
-            return
-        cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
-        cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
+        if cache.keys:
+            new = [(torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2))
+                   for old_k, old_v, (k, v) in zip(cache.keys, cache.values, new, strict=True)]
+        cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
 
     # ------------------------------------------------------------------ tokens from hidden states
     def unary_logits(self, hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:

@@ -53,13 +53,6 @@ def finish_checkpoint(tmp: Path, dest: Path, keep_previous_as: str | None = None
     _fsync(dest.parent)
 
 
-def remove_checkpoint(path: Path, sidecar_only: bool = False) -> None:
-    """Delete a checkpoint's sidecar (and the checkpoint unless ``sidecar_only``)."""
-    sidecar(path).unlink(missing_ok=True)
-    if not sidecar_only:
-        path.unlink(missing_ok=True)
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` cannot be resumed from, or None: a sidecar mismatch, else (no sidecar: older
     run) a file ``torch.load`` cannot open (a truncated zip fails at once; mmap reads no data)."""
