@@ -191,11 +191,6 @@ def below(b: Buckets) -> Tensor:
     return -(b.q * (b.q < b.p))
 
 
-def _nla_factor(alpha: Tensor) -> Tensor:
-    """d(-log max(alpha, eps)) / d(-alpha): 1 / alpha, 0 where the clamp holds."""
-    return (alpha >= NLA_EPS) / alpha.clamp(min=NLA_EPS)
-
-
 def _lam(alpha: Tensor, eta: float) -> Tensor:
     """lk_hybrid's blend lam = exp(-eta alpha), alpha detached (it sets the mix only)."""
     return torch.exp(-eta * alpha)
@@ -222,9 +217,11 @@ LOSSES = {
     "jsd": Term(("jsd",), lambda s, e: s["jsd"], lambda b, s, e: 0.5 * b.q * (b.logq - _logm(b))),
     # TV = 1 - alpha; h = -q [q < p]
     "tv": Term(("overlap",), lambda s, e: 1.0 - s["overlap"], lambda b, s, e: below(b)),
-    # NLA = -log max(alpha, 1e-5); h = -q [q < p] / alpha
+    # NLA = -log max(alpha, 1e-5); h = -q [q < p] / alpha (0 where the clamp holds)
     "nla": Term(("overlap",), lambda s, e: -s["overlap"].clamp(min=NLA_EPS).log(),
-                lambda b, s, e: below(b) * _nla_factor(s["overlap"]), h_reads_totals=True),
+                lambda b, s, e: below(b) * ((s["overlap"] >= NLA_EPS)
+                                            / s["overlap"].clamp(min=NLA_EPS)),
+                h_reads_totals=True),
     # lam KL + (1 - lam) TV
     "lk_hybrid": Term(
         ("kl", "overlap"),

@@ -66,16 +66,6 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def _set_aside(path: Path) -> None:
-    """Rename a corrupt checkpoint out of the way (kept for inspection, never deleted), so the
-    next save does not rotate it over the good previous one."""
-    if is_global_zero():
-        bad = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(path, bad)
-        if sidecar(path).is_file():
-            os.replace(sidecar(path), sidecar(bad))
-
-
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
     """``auto``: ``<output_dir>/checkpoints/last.ckpt``, else ``last.prev.ckpt`` when missing or
     damaged (warned), else None (fresh). A given path must pass :func:`checkpoint_problem`."""
@@ -98,7 +88,13 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | No
             return str(path)
         log.warning("%s: %s; set aside, resuming from the previous checkpoint if any", path,
                     problem)
-        _set_aside(path)
+        # kept for inspection, never deleted; out of the way, so the next save does not rotate
+        # it over the good previous one
+        if is_global_zero():
+            bad = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, bad)
+            if sidecar(path).is_file():
+                os.replace(sidecar(path), sidecar(bad))
     return None
 
 
