@@ -267,9 +267,8 @@ class DFlashDrafter(nn.Module):
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module,
                 embed_tokens: nn.Module | None = None, context_bh: Tensor | None = None) -> Tensor:
         """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
-        head's greedy walk from each row's anchor (``Head.draft`` at T = 0: DFlash 2's selector,
-        DSpark's Markov walk, Domino's GRU walk reading ``embed_tokens``, LiLiCorr's lattice walk
-        reading the context row ``context_bh``), else the unary argmax."""
+        head's greedy walk from each row's anchor (``Head.draft`` at T = 0), else the unary
+        argmax. ``embed_tokens`` / ``context_bh``: for a walk that reads them (``Head.draft``)."""
         head = self.config.head
         slots = hidden_bph[:, self.config.first_draft_slot:]
         # float32 logits from hidden in the head's dtype: what DFlashProposer's walk reads

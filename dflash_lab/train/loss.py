@@ -333,10 +333,8 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
     weight = getattr(lm_head, "weight", None)
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
     linear = isinstance(lm_head, nn.Linear)
-    if linear:
-        per_row = ids_mk.shape[1] * hidden_mh.shape[1] * hidden_mh.element_size()
-    else:
-        per_row = _vocab_size(lm_head) * LOGIT_BYTES
+    per_row = (ids_mk.shape[1] * hidden_mh.shape[1] * hidden_mh.element_size() if linear
+               else _vocab_size(lm_head) * LOGIT_BYTES)
     rows = max(1, chunk_bytes // max(1, per_row))
     parts = []
     for start in range(0, hidden_mh.shape[0], rows):

@@ -56,9 +56,8 @@ class DFlashModule(L.LightningModule):
     """Owns loss, metrics and optimisation of one drafter. target_head: frozen ``embed_tokens``
     and ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
     (``params -> Optimizer``, ``optimizer -> LRScheduler``, stepped every step). ce_chunk_size /
-    ce_chunk_bytes: ``loss.ce_chunk_rows``. selector / head: ``module.selector`` (validated by the
-    head's ``check_training``: DFlash 2's ``SelectorSettings``; DFlash 1 accepts only the
-    defaults) and ``module.head`` (``Head.module_settings``: Domino's lambda schedule).
+    ce_chunk_bytes: ``loss.ce_chunk_rows``. selector / head: ``module.selector`` and
+    ``module.head``, validated by the head (``check_training``, ``Head.settings``).
     feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden`` (the
     online target; None for captures)."""
 

@@ -131,20 +131,14 @@ def _allowed(key: str, allow: list[str]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in (*RESUME_FREE_KEYS, *allow))
 
 
-def config_changes(recorded: dict[str, Any], current: dict[str, Any],
-                   allow: list[str] | None = None) -> list[str]:
-    """``key: recorded -> current`` for every checked setting that differs and is not
-    allowed (:data:`RESUME_FREE_KEYS`, ``allow``: keys or key prefixes). A key the record
-    lacks (a setting added to dflash-lab after the run started) is not a change."""
-    old, new = _normalised(recorded), _normalised(current)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k, '<unset>')!r}" for k in sorted(old)
-            if old[k] != new.get(k, "<unset>") and not _allowed(k, list(allow or []))]
-
-
 def check_resume_config(recorded: dict[str, Any], current: dict[str, Any], source: str,
                         allow: list[str] | None = None, force: bool = False) -> None:
-    """Refuse (ValueError) a resume whose settings differ from the run's recorded config."""
-    changes = config_changes(recorded, current, allow)
+    """Refuse (ValueError) a resume whose settings differ from the run's recorded config: each
+    checked setting that differs and is not allowed (:data:`RESUME_FREE_KEYS`, ``allow``: keys
+    or key prefixes). A key the record lacks (a setting added after the run started) is none."""
+    old, new = _normalised(recorded), _normalised(current)
+    changes = [f"{k}: {old.get(k)!r} -> {new.get(k, '<unset>')!r}" for k in sorted(old)
+               if old[k] != new.get(k, "<unset>") and not _allowed(k, list(allow or []))]
     if not changes:
         return
     if force:
