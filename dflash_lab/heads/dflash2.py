@@ -233,10 +233,10 @@ MISSING_GOLD = ("exclude", "swap")
 def refuse_selector_settings(given: Mapping[str, Any] | None, variant: str) -> None:
     """A drafter without a candidate selector refuses any non-default ``module.selector``
     value (it would silently do nothing; unknown keys and bad values are refused first)."""
-    settings = SelectorSettings.create(given)
-    if settings != SelectorSettings():
-        changed = {k: v for k, v in asdict(settings).items()
-                   if v != getattr(SelectorSettings(), k)}
+    default = SelectorSettings()
+    changed = {k: v for k, v in asdict(SelectorSettings.create(given)).items()
+               if v != getattr(default, k)}
+    if changed:
         raise ValueError(f"module.selector {changed}: only DFlash 2 drafters have a "
                          f"candidate selector, this drafter is variant='{variant}'; use "
                          "drafter=dflash2 (conf/drafter/dflash2.yaml) or drop the override")

@@ -238,13 +238,38 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             self._fail("mask_token_id", self.mask_token_id,
                        f"must be in [0, vocab_size={self.vocab_size}); use the target's MASK id")
-        self._validate_target_layers()
+        ids = self.target_layer_ids
+        if not ids:
+            self._fail("target_layer_ids", ids,
+                       "give at least one id, e.g. build_target_layer_ids(num_target_layers, 5)")
+        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            self._fail("target_layer_ids", ids,
+                       f"ids {bad} are outside [0, num_target_layers={self.num_target_layers}) "
+                       "(z-lab convention: id i = output of decoder layer i)")
+        if len(set(ids)) != len(ids):
+            self._fail("target_layer_ids", ids, "ids must be distinct")
         width = self.target_hidden_size
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             self._fail("target_hidden_size", width,
                        "must be a positive integer: the width of one target layer's features "
                        "(null = hidden_size)")
-        self._validate_layers()
+        n = self.num_hidden_layers
+        if len(self.layer_types) != n:
+            self._fail("layer_types", self.layer_types,
+                       f"needs one entry per draft layer (num_hidden_layers={n}), "
+                       f"got {len(self.layer_types)}")
+        unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if unknown:
+            self._fail("layer_types", self.layer_types,
+                       f"entries {unknown} are not one of {list(LAYER_TYPES)}")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            self._fail("sliding_window", self.sliding_window,
+                       "a sliding_attention layer needs sliding_window >= 1 (keys counting the "
+                       "query itself); set it or make the layer full_attention")
+        if isinstance(self.is_causal, list) and len(self.is_causal) != n:
+            self._fail("is_causal", self.is_causal,
+                       f"a per-layer list needs {n} entries; or give one bool for all layers")
         if not positive_number(self.rope_theta):
             self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
         # model/rope.py's rules; the normalized dict replaces the given one
@@ -287,41 +312,10 @@ class DrafterConfig:
         """Dims of each head RoPE rotates (vLLM's ``int(head_size * partial_rotary_factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def _validate_target_layers(self) -> None:
-        ids = self.target_layer_ids
-        if not ids:
-            self._fail("target_layer_ids", ids,
-                       "give at least one id, e.g. build_target_layer_ids(num_target_layers, 5)")
-        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            self._fail("target_layer_ids", ids,
-                       f"ids {bad} are outside [0, num_target_layers={self.num_target_layers}) "
-                       "(z-lab convention: id i = output of decoder layer i)")
-        if len(set(ids)) != len(ids):
-            self._fail("target_layer_ids", ids, "ids must be distinct")
-
     @property
     def num_features(self) -> int:
         """fc's input width F = len(target_layer_ids) * target_hidden_size."""
         return len(self.target_layer_ids) * self.target_hidden_size
-
-    def _validate_layers(self) -> None:
-        n = self.num_hidden_layers
-        if len(self.layer_types) != n:
-            self._fail("layer_types", self.layer_types,
-                       f"needs one entry per draft layer (num_hidden_layers={n}), "
-                       f"got {len(self.layer_types)}")
-        unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if unknown:
-            self._fail("layer_types", self.layer_types,
-                       f"entries {unknown} are not one of {list(LAYER_TYPES)}")
-        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            self._fail("sliding_window", self.sliding_window,
-                       "a sliding_attention layer needs sliding_window >= 1 (keys counting the "
-                       "query itself); set it or make the layer full_attention")
-        if isinstance(self.is_causal, list) and len(self.is_causal) != n:
-            self._fail("is_causal", self.is_causal,
-                       f"a per-layer list needs {n} entries; or give one bool for all layers")
 
     # ------------------------------------------------------------------ resolved layout
     @property
