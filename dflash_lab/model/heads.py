@@ -179,6 +179,13 @@ def register(head: Head, *, feature: bool = False) -> Head:
     return head
 
 
+def unregister(name: str) -> None:
+    """Forget the head or feature ``name`` (a test that registered one restores the registry)."""
+    _HEADS.pop(name, None)
+    _FEATURES.pop(name, None)
+    _OWNERS.clear()
+
+
 def _load_builtins() -> None:
     """Import the built-in heads and features, then the modules ``DFLASH_LAB_HEADS`` names."""
     plugins = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
