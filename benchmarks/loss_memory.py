@@ -2,7 +2,7 @@
 
 M anchored slots of width H go through a frozen LM head (V = 49152) and a CE, forward and
 backward to the hidden states. The naive path holds the [M, V] fp32 logits (and their gradient)
-at once; ``chunked_cross_entropy`` holds one chunk of logits and recomputes it in backward.
+at once; ``chunked_head_pass`` holds one chunk of logits and recomputes it in backward.
 Peak memory above the inputs is measured per variant in the same run (CUDA: max allocated;
 CPU: resident-set high-water mark), with the time of each.
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import base_parser, peak_memory, report, resolve, table, time_it
-from dflash_lab.train.loss import chunked_cross_entropy
+from dflash_lab.train.loss import chunked_head_pass
 
 #: (M slots, H, V, dtype, chunk sizes) per size; paper M = N*B = 512*16 of one sequence.
 SIZES = {
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants = {"naive full logits": lambda x: naive(x, labels, lm_head)}
     for c in chunks:
         variants[f"chunked (chunk {c})"] = (
-            lambda x, c=c: chunked_cross_entropy(x, labels, lm_head, chunk_size=c)[0])
+            lambda x, c=c: chunked_head_pass(x, labels, lm_head, chunk_size=c).ce)
     grads, rows = {}, []
     for name, fn in variants.items():
         run(fn)  # warm-up

@@ -1,11 +1,8 @@
-"""DFlash 2 (dflash.md section 7): DFlash 1 plus a grouped dynamic causal conv around every
-sublayer of every draft layer and a candidate selector that re-ranks the unary top-K of every
-slot, trained with the selector CE beside the unary loss and walked left to right when drafting.
-Served as z-lab's ``DFlash2DraftModel``. Everything DFlash 2 adds is here: the modules
-(:class:`GroupedDynamicCausalConv`, :class:`CandidateSelector`, each initialised so that a fresh
-drafter computes what DFlash 1 computes), the training term (:func:`selector_loss`) and its
-metrics (:class:`SelectorMetrics`), drafting (:meth:`DFlash2.draft` for eval's loop,
-:func:`selector_flags` for features mode). What each computes (docs/losses.md, "DFlash 2").
+"""DFlash 2 (dflash.md section 7; docs/losses.md, "DFlash 2"): DFlash 1 plus a grouped dynamic
+causal conv around every sublayer of every draft layer and a candidate selector that re-ranks the
+unary top-K of every slot, trained with the selector CE beside the unary loss and walked left to
+right when drafting. Served as z-lab's ``DFlash2DraftModel``. Both modules are initialised so
+that a fresh drafter computes what DFlash 1 computes.
 
 Shape legend: Bt batch, N blocks, B block size, Q = N*B block slots of a row, T = B-1 drafted
 (scored) slots, H hidden, M valid slots, K conv taps, G conv groups (H / conv_group_size), V
@@ -143,10 +140,6 @@ class _CodebookLookup(torch.autograd.Function):
         return None, grad, None
 
 
-def _argmax(scores_bc: Tensor) -> Tensor:
-    return scores_bc.argmax(dim=-1)
-
-
 class CandidateSelector(nn.Module):
     """Re-ranks the unary top-C with a low-rank (predecessor, successor) interaction; the
     codebooks are bare parameters, so their state_dict keys are the serving names
@@ -203,27 +196,23 @@ class CandidateSelector(nn.Module):
             return _CodebookLookup.apply(ids, weight, self._zeroed[name])
         return F.embedding(ids, weight)
 
-    def _pair(self, hidden_xh: Tensor, prev_x: Tensor) -> Tensor:
-        """``A[prev] * (W h)`` [x, R]: the query side of the interaction."""
-        return (self._lookup("predecessor_codebook", prev_x)
-                * self.hidden_projection(hidden_xh))
-
     def score(self, hidden_xh: Tensor, prev_x: Tensor, cand_ids_xc: Tensor,
               cand_unary_xc: Tensor) -> Tensor:
         """Candidate scores [x, C] given each slot's predecessor token ``prev_x``. Training
         (teacher forcing): hidden [Bt, N, T, H] of slots 1..B-1, prev = the true tokens at slots
         0..B-2 (slot 0 = the anchor), candidates from :meth:`candidates` (the caller may swap
         the gold token in before scoring)."""
+        pair_xr = self._lookup("predecessor_codebook", prev_x) * self.hidden_projection(hidden_xh)
         succ_xcr = self._lookup("successor_codebook", cand_ids_xc)
-        inter = torch.einsum("...r,...cr->...c", self._pair(hidden_xh, prev_x), succ_xcr)
+        inter = torch.einsum("...r,...cr->...c", pair_xr, succ_xcr)
         return cand_unary_xc + inter.to(cand_unary_xc.dtype)
 
     def walk(self, hidden_bth: Tensor, cand_ids_btc: Tensor, cand_unary_btc: Tensor,
-             anchor_b: Tensor, pick: Callable[[Tensor], Tensor] = _argmax
+             anchor_b: Tensor, pick: Callable[[Tensor], Tensor] | None = None
              ) -> tuple[Tensor, Tensor]:
         """Serving: left to right, each slot's predecessor is the token chosen for the slot
         before (the anchor for the first). ``pick``: scores [Bt, C] -> candidate index [Bt]
-        (argmax at T=0; a sampler for T>0). Returns (tokens [Bt, T], scores [Bt, T, C])."""
+        (None: argmax, T=0; a sampler for T>0). Returns (tokens [Bt, T], scores [Bt, T, C])."""
         proj_btr = self.hidden_projection(hidden_bth)
         succ_btcr = F.embedding(cand_ids_btc, self.successor_codebook)
         prev, tokens, scores = anchor_b, [], []
@@ -231,7 +220,8 @@ class CandidateSelector(nn.Module):
             pair_br = F.embedding(prev, self.predecessor_codebook) * proj_btr[:, t]
             inter = torch.einsum("br,bcr->bc", pair_br, succ_btcr[:, t])
             s_bc = cand_unary_btc[:, t] + inter.to(cand_unary_btc.dtype)
-            prev = cand_ids_btc[:, t].gather(-1, pick(s_bc)[:, None])[:, 0]
+            index = s_bc.argmax(dim=-1) if pick is None else pick(s_bc)
+            prev = cand_ids_btc[:, t].gather(-1, index[:, None])[:, 0]
             tokens.append(prev)
             scores.append(s_bc)
         return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
@@ -243,10 +233,10 @@ MISSING_GOLD = ("exclude", "swap")
 def refuse_selector_settings(given: Mapping[str, Any] | None, variant: str) -> None:
     """A drafter without a candidate selector refuses any non-default ``module.selector``
     value (it would silently do nothing; unknown keys and bad values are refused first)."""
-    settings = SelectorSettings.create(given)
-    if settings != SelectorSettings():
-        changed = {k: v for k, v in asdict(settings).items()
-                   if v != getattr(SelectorSettings(), k)}
+    default = SelectorSettings()
+    changed = {k: v for k, v in asdict(SelectorSettings.create(given)).items()
+               if v != getattr(default, k)}
+    if changed:
         raise ValueError(f"module.selector {changed}: only DFlash 2 drafters have a "
                          f"candidate selector, this drafter is variant='{variant}'; use "
                          "drafter=dflash2 (conf/drafter/dflash2.yaml) or drop the override")

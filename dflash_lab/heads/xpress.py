@@ -1,22 +1,9 @@
-"""XPress (docs/design/new_heads.md "XPress", docs/xpress.md): the DFlash 1 backbone plus a
+"""XPress (docs/xpress.md; spec: docs/design/new_heads.md "XPress"): the DFlash 1 backbone plus a
 block-level refiner whose bias over the vocabulary corrects every slot's base logits, drafted by
 greedy Jacobi passes. Served by vLLM 0.34 only (``Qwen3XPressModel``, top-level ``xpress_*``).
-
-Refiner (vLLM's names, ``xpress_head.*``), over the block's B final-normed rows h (anchor row 0
-included): hcache = [down_h(h), down_g(mean_b h)]; u = mix(in_proj([hcache, w1[prev]])), mix =
-x + (L * tril) x per channel over the block axis (``mix.L`` raw [r, B, B]; vLLM folds it to
-L * tril + I); latent = u + mlp.down(silu(mlp.gate(u)) * mlp.up(u)); bias = w2(latent) [.., V].
-
-Draft (vLLM ``jacobi_refine_greedy``): blk = [anchor, argmax base]; K times, blk[1:] =
-argmax(base + bias([anchor, blk[:-1]]))[1:] (vLLM passes the anchor as its own predecessor), over
-each slot's base top-C when 0 < C. T > 0: a point mass, as vLLM verifies it.
-
-Training (speculators 0.9.0 ``XPressDraftModel``): prev_tf = [am1, block tokens[:-1]] (am1 the
-token before the anchor); final logits are ONE linear head over [z; latent] (DSpark's
-:class:`ConcatHead`), so the CE pass runs on it unchanged. Objective: L(tf) + consistency_weight
-x mean_j L(round j) + base_anchor_weight x L(base), round j reading prev from the stop-grad
-argmax of round j - 1 (round 0: of the base). Label CE only: the distribution losses' fused pass
-gives w2 no gradient (as DSpark's markov_w2).
+Trained as speculators 0.9.0's ``XPressDraftModel``: final logits are ONE linear head over
+[z; latent] (DSpark's :class:`ConcatHead`), so the CE pass runs on it unchanged; label CE only,
+as the distribution losses' fused pass gives w2 no gradient (as DSpark's markov_w2).
 
 Shape legend: B block size, k drafted slots, H hidden, r rank, V vocab, C top-C.
 """
@@ -43,8 +30,8 @@ SETTINGS = {"consistency_weight": 0.3, "consistency_passes": 3, "base_anchor_wei
 
 
 class Refiner(nn.Module):
-    """The nine tensors of ``xpress_head.*`` (module docstring); init as speculators'
-    (``normal(0, 0.02)``, mixer zero)."""
+    """The nine tensors of ``xpress_head.*`` (docs/xpress.md, "What it is"); init as
+    speculators' (``normal(0, 0.02)``, mixer zero)."""
 
     owns_init = True
 
@@ -83,8 +70,8 @@ class Refiner(nn.Module):
 @torch.no_grad()
 def jacobi_walk(refiner: Refiner, hidden_bh: Tensor, base_kv: Tensor, anchor_id: int,
                 passes: int, topc: int = 0) -> Tensor:
-    """Greedy draft tokens [k] of one block as vLLM's ``jacobi_refine_greedy`` (module
-    docstring): ``hidden_bh`` the block's B rows, ``base_kv`` the base logits of slots 1..k
+    """Greedy draft tokens [k] of one block as vLLM's ``jacobi_refine_greedy`` (docs/xpress.md,
+    "Draft"): ``hidden_bh`` the block's B rows, ``base_kv`` the base logits of slots 1..k
     (k <= B - 1: the mixer is causal, so the first k drafts of the full walk)."""
     k, vocab = base_kv.shape
     hcache = refiner.hidden_cache(hidden_bh)[: k + 1]
@@ -94,7 +81,7 @@ def jacobi_walk(refiner: Refiner, hidden_bh: Tensor, base_kv: Tensor, anchor_id:
     if 0 < topc < vocab:
         keep = torch.zeros_like(base_kv, dtype=torch.bool).scatter_(
             1, base_kv.topk(topc, dim=-1).indices, True)
-    for _ in range(passes):
+    for _ in range(passes):  # prev = [anchor, blk[:-1]]: the anchor is its own predecessor
         lat = refiner.latent(torch.cat([anchor, blk[:-1]]), hcache)[1:].to(base_kv.dtype)
         refined = base_kv + F.linear(lat, refiner.w2.weight.to(lat.dtype))
         blk[1:] = (refined if keep is None else refined.masked_fill(~keep, -torch.inf)).argmax(-1)

@@ -9,11 +9,9 @@ drafter and its attention").
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dflash_lab.attention.mask import LayerSpec
@@ -122,9 +120,8 @@ class DrafterConfig:
     is_causal: bool | list[bool] | None = None
     learned_mask_embedding: bool = False  #: one trainable H-vector used in every MASK slot
     attention_sink_bias: bool = False  #: one learnable sink logit per head and layer
-    #: the head (model/heads.py; dflash_lab/heads/): "dflash1" | "dflash2" (DFlash 1 + a grouped
-    #: dynamic causal conv around every sublayer and a candidate selector) | "dspark" (a Markov
-    #: bias head and a confidence head); a head's own fields live in ``head_options``
+    #: the head (model/heads.py; one module each in dflash_lab/heads/: dflash1, dflash2, dspark,
+    #: ...); a head's own fields live in ``head_options``
     variant: str = DFLASH1
     #: Every head: block input embeddings (raw target table rows) are multiplied by this
     input_embedding_scale: float = 1.0
@@ -241,13 +238,38 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             self._fail("mask_token_id", self.mask_token_id,
                        f"must be in [0, vocab_size={self.vocab_size}); use the target's MASK id")
-        self._validate_target_layers()
+        ids = self.target_layer_ids
+        if not ids:
+            self._fail("target_layer_ids", ids,
+                       "give at least one id, e.g. build_target_layer_ids(num_target_layers, 5)")
+        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            self._fail("target_layer_ids", ids,
+                       f"ids {bad} are outside [0, num_target_layers={self.num_target_layers}) "
+                       "(z-lab convention: id i = output of decoder layer i)")
+        if len(set(ids)) != len(ids):
+            self._fail("target_layer_ids", ids, "ids must be distinct")
         width = self.target_hidden_size
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             self._fail("target_hidden_size", width,
                        "must be a positive integer: the width of one target layer's features "
                        "(null = hidden_size)")
-        self._validate_layers()
+        n = self.num_hidden_layers
+        if len(self.layer_types) != n:
+            self._fail("layer_types", self.layer_types,
+                       f"needs one entry per draft layer (num_hidden_layers={n}), "
+                       f"got {len(self.layer_types)}")
+        unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if unknown:
+            self._fail("layer_types", self.layer_types,
+                       f"entries {unknown} are not one of {list(LAYER_TYPES)}")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            self._fail("sliding_window", self.sliding_window,
+                       "a sliding_attention layer needs sliding_window >= 1 (keys counting the "
+                       "query itself); set it or make the layer full_attention")
+        if isinstance(self.is_causal, list) and len(self.is_causal) != n:
+            self._fail("is_causal", self.is_causal,
+                       f"a per-layer list needs {n} entries; or give one bool for all layers")
         if not positive_number(self.rope_theta):
             self._fail("rope_theta", self.rope_theta, "must be a finite number > 0")
         # model/rope.py's rules; the normalized dict replaces the given one
@@ -290,41 +312,10 @@ class DrafterConfig:
         """Dims of each head RoPE rotates (vLLM's ``int(head_size * partial_rotary_factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def _validate_target_layers(self) -> None:
-        ids = self.target_layer_ids
-        if not ids:
-            self._fail("target_layer_ids", ids,
-                       "give at least one id, e.g. build_target_layer_ids(num_target_layers, 5)")
-        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            self._fail("target_layer_ids", ids,
-                       f"ids {bad} are outside [0, num_target_layers={self.num_target_layers}) "
-                       "(z-lab convention: id i = output of decoder layer i)")
-        if len(set(ids)) != len(ids):
-            self._fail("target_layer_ids", ids, "ids must be distinct")
-
     @property
     def num_features(self) -> int:
         """fc's input width F = len(target_layer_ids) * target_hidden_size."""
         return len(self.target_layer_ids) * self.target_hidden_size
-
-    def _validate_layers(self) -> None:
-        n = self.num_hidden_layers
-        if len(self.layer_types) != n:
-            self._fail("layer_types", self.layer_types,
-                       f"needs one entry per draft layer (num_hidden_layers={n}), "
-                       f"got {len(self.layer_types)}")
-        unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if unknown:
-            self._fail("layer_types", self.layer_types,
-                       f"entries {unknown} are not one of {list(LAYER_TYPES)}")
-        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            self._fail("sliding_window", self.sliding_window,
-                       "a sliding_attention layer needs sliding_window >= 1 (keys counting the "
-                       "query itself); set it or make the layer full_attention")
-        if isinstance(self.is_causal, list) and len(self.is_causal) != n:
-            self._fail("is_causal", self.is_causal,
-                       f"a per-layer list needs {n} entries; or give one bool for all layers")
 
     # ------------------------------------------------------------------ resolved layout
     @property
@@ -413,21 +404,3 @@ class DrafterConfig:
         rule is emulated: a third-party config.json is ``dflash_lab.export.import_drafter``'s
         (docs/export.md, "Importing third-party directories")."""
         return parse_ours(cls, d, source=source)
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> DrafterConfig:
-        """Read a config.json file (unknown keys are errors, as in :meth:`from_dict`)."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err}); re-export the drafter") from err
-        return cls.from_dict(data, source=str(path))
-
-    def save_json(self, path: str | Path) -> None:
-        """Write the serving config.json (atomically: a reader never sees half of it)."""
-        from dflash_lab.paths import atomic_write_text
-
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
-
-

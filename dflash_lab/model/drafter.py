@@ -67,10 +67,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
-        if config.learned_mask_embedding:
-            self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
-        else:
-            self.mask_embedding = None
+        self.mask_embedding = (nn.Parameter(torch.zeros(config.hidden_size))
+                               if config.learned_mask_embedding else None)
         # what the head and the features add (model/heads.py ``attach``): the head's own
         # modules; Laguna's aux_hidden_norms (one RMSNorm per target-layer slice before fc), a
         # draft vocabulary's lm_head [N, H] with d2t [N] / t2d [V]
@@ -245,12 +243,10 @@ class DFlashDrafter(nn.Module):
         new = [layer.context_kv(ctx, cs) for layer in self.layers]
         if self.config.head.reads_context:
             cache.rows = ctx if cache.rows is None else torch.cat([cache.rows, ctx], dim=1)
-        if not cache.keys:
-            cache.keys = [k for k, _ in new]
-            cache.values = [v for _, v in new]
-            return
-        cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
-        cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
+        if cache.keys:
+            new = [(torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2))
+                   for old_k, old_v, (k, v) in zip(cache.keys, cache.values, new, strict=True)]
+        cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
 
     # ------------------------------------------------------------------ tokens from hidden states
     def unary_logits(self, hidden_xh: Tensor, lm_head: nn.Module) -> Tensor:
@@ -271,9 +267,8 @@ class DFlashDrafter(nn.Module):
     def propose(self, hidden_bph: Tensor, anchor_ids_b: Tensor, lm_head: nn.Module,
                 embed_tokens: nn.Module | None = None, context_bh: Tensor | None = None) -> Tensor:
         """Greedy draft tokens [Bt, num_draft_tokens] from :meth:`draft`'s hidden [Bt, B, H]: the
-        head's greedy walk from each row's anchor (``Head.draft`` at T = 0: DFlash 2's selector,
-        DSpark's Markov walk, Domino's GRU walk reading ``embed_tokens``, LiLiCorr's lattice walk
-        reading the context row ``context_bh``), else the unary argmax."""
+        head's greedy walk from each row's anchor (``Head.draft`` at T = 0), else the unary
+        argmax. ``embed_tokens`` / ``context_bh``: for a walk that reads them (``Head.draft``)."""
         head = self.config.head
         slots = hidden_bph[:, self.config.first_draft_slot:]
         # float32 logits from hidden in the head's dtype: what DFlashProposer's walk reads

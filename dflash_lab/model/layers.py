@@ -129,10 +129,8 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        if config.attention_sink_bias:
-            self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads))
-        else:
-            self.attention_sink_bias = None
+        self.attention_sink_bias = (nn.Parameter(torch.zeros(self.num_heads))
+                                    if config.attention_sink_bias else None)
         self.gate_per_head = config.attention_gate == "per-head"
         self.g_proj = None if config.attention_gate is None else nn.Linear(
             h, self.num_heads * (1 if self.gate_per_head else d), bias=False)

@@ -12,7 +12,7 @@ import difflib
 from typing import Any
 
 from dflash_lab.model import heads
-from dflash_lab.model.rope import is_nested, normalize_scaling
+from dflash_lab.model.rope import is_nested, normalize_scaling, rope_type_of
 
 #: Logit and embedding scales every head honours; defaults mean "off" and are not written.
 SCALE_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
@@ -213,8 +213,7 @@ def _rope_kwargs(d: dict[str, Any], source: str) -> dict[str, Any]:
         raise ValueError(f"{source}: rope_theta={d['rope_theta']} disagrees with "
                          f"rope_parameters.rope_theta={theta}; keep one")
     out: dict[str, Any] = {} if theta is None else {"rope_theta": theta}
-    scaling = params if params.get("rope_type", params.get("type", "default")) != "default" \
-        else None
+    scaling = params if rope_type_of(params) != "default" else None
     legacy = d.get("rope_scaling")
     if legacy is None:
         return {**out, "rope_scaling": scaling} if scaling else out

@@ -38,7 +38,6 @@ def sample_anchors(loss_mask_bs: Tensor, num_anchors: int, generator: torch.Gene
     n = max(1, min(num_anchors, int(cand.sum(1).max())))
     top_keys, picked = keys.topk(n, dim=1)
     valid = top_keys >= 0
-    picked = torch.where(valid, picked, torch.full_like(picked, -1))
     order = torch.where(valid, picked, torch.full_like(picked, cand.shape[1])).argsort(dim=1)
     picked, valid = picked.gather(1, order), valid.gather(1, order)
     last = torch.where(valid, picked, torch.zeros_like(picked)).max(dim=1, keepdim=True).values

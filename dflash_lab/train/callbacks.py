@@ -21,9 +21,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lab.checksums import sidecar
 from dflash_lab.paths import atomic_path, atomic_write_text
 from dflash_lab.terminal import emit
-from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint, remove_checkpoint
+from dflash_lab.train.resume import PREVIOUS_LAST, finish_checkpoint
 
 BEST_FILE = "best.json"
 TARGET_KEY = "dflash_target"  #: checkpoint key of the target identity (config/tokenizer/weights)
@@ -109,8 +110,8 @@ class DFlashCheckpoint(ModelCheckpoint):
 
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         super()._remove_checkpoint(trainer, filepath)
-        if trainer.is_global_zero:
-            remove_checkpoint(Path(filepath), sidecar_only=True)
+        if trainer.is_global_zero:  # and its .sha256 sidecar
+            sidecar(Path(filepath)).unlink(missing_ok=True)
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -127,16 +128,13 @@ class DFlashCheckpoint(ModelCheckpoint):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         super().on_validation_end(trainer, pl_module)
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if (trainer.sanity_checking or not trainer.is_global_zero or not self.best_model_path
+                or self.dirpath is None):
             return
-        if not self.best_model_path or self.dirpath is None:
-            return
-        run_dir = Path(self.dirpath).parent
         score = self.best_model_score
-        record = {"path": os.path.relpath(self.best_model_path, run_dir),
+        record = {"path": os.path.relpath(self.best_model_path, Path(self.dirpath).parent),
                   "val/tau": float(score) if score is not None else None}
-        target = Path(self.dirpath) / BEST_FILE
-        atomic_write_text(target, json.dumps(record, indent=2) + "\n")
+        atomic_write_text(Path(self.dirpath) / BEST_FILE, json.dumps(record, indent=2) + "\n")
 
 
 class RecordTarget(Callback):

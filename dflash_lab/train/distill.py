@@ -191,11 +191,6 @@ def below(b: Buckets) -> Tensor:
     return -(b.q * (b.q < b.p))
 
 
-def _nla_factor(alpha: Tensor) -> Tensor:
-    """d(-log max(alpha, eps)) / d(-alpha): 1 / alpha, 0 where the clamp holds."""
-    return (alpha >= NLA_EPS) / alpha.clamp(min=NLA_EPS)
-
-
 def _lam(alpha: Tensor, eta: float) -> Tensor:
     """lk_hybrid's blend lam = exp(-eta alpha), alpha detached (it sets the mix only)."""
     return torch.exp(-eta * alpha)
@@ -222,9 +217,11 @@ LOSSES = {
     "jsd": Term(("jsd",), lambda s, e: s["jsd"], lambda b, s, e: 0.5 * b.q * (b.logq - _logm(b))),
     # TV = 1 - alpha; h = -q [q < p]
     "tv": Term(("overlap",), lambda s, e: 1.0 - s["overlap"], lambda b, s, e: below(b)),
-    # NLA = -log max(alpha, 1e-5); h = -q [q < p] / alpha
+    # NLA = -log max(alpha, 1e-5); h = -q [q < p] / alpha (0 where the clamp holds)
     "nla": Term(("overlap",), lambda s, e: -s["overlap"].clamp(min=NLA_EPS).log(),
-                lambda b, s, e: below(b) * _nla_factor(s["overlap"]), h_reads_totals=True),
+                lambda b, s, e: below(b) * ((s["overlap"] >= NLA_EPS)
+                                            / s["overlap"].clamp(min=NLA_EPS)),
+                h_reads_totals=True),
     # lam KL + (1 - lam) TV
     "lk_hybrid": Term(
         ("kl", "overlap"),
@@ -379,11 +376,9 @@ def _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise, chunk_
         h = teacher.hidden_mh[start:start + chunk_rows].to(weight.dtype)
         ids = ids_mk[start:start + chunk_rows]
         picked = torch.einsum("mh,mkh->mk", h, weight[ids]).float()
-        full = None if renormalise else (h @ weight.t()).float()
-        picked = scale_logits(picked, 1.0, teacher.softcap)
-        full = None if full is None else scale_logits(full, 1.0, teacher.softcap)
-        picked = picked / temperature
-        if full is not None:
+        picked = scale_logits(picked, 1.0, teacher.softcap) / temperature
+        if not renormalise:
+            full = scale_logits((h @ weight.t()).float(), 1.0, teacher.softcap)
             picked = picked - torch.logsumexp(full / temperature, dim=-1, keepdim=True)
         out.append(picked)
     return torch.cat(out) if out else ids_mk.new_zeros(ids_mk.shape, dtype=torch.float32)

@@ -362,8 +362,7 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
     with torch.no_grad():
         fields, _ = _passes(hidden_mh, labels_m, weight, rows, scale, top_k, spec, teacher,
                             temperatures, False, need_overlap)
-    loss, ce, correct, overlap_m, terms, accept, overlaps, top_v, top_i = fields
-    return DistillPass(loss, ce, correct, overlap_m, terms, accept, overlaps, top_v, top_i)
+    return DistillPass(*fields)  # _passes returns them in DistillPass's field order
 
 
 def _empty(hidden_mh: Tensor, labels_m: Tensor, spec: LossSpec, top_k: int,

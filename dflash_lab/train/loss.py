@@ -240,15 +240,6 @@ def _chunk_ce(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, scale: Lo
     return ce, ok, values, ids
 
 
-def chunked_cross_entropy(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
-                          chunk_size: int | None = None,
-                          chunk_bytes: int = CE_CHUNK_BYTES, *,
-                          scale: LogitScale = NO_SCALE) -> tuple[Tensor, Tensor]:
-    """Per-row CE [M] and correct [M], no [M, V] fp32 logits held (:func:`chunked_head_pass`)."""
-    out = chunked_head_pass(hidden_mh, labels_m, lm_head, chunk_size, chunk_bytes, scale=scale)
-    return out.ce, out.correct
-
-
 def chunked_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module,
                       chunk_size: int | None = None, chunk_bytes: int = CE_CHUNK_BYTES, *,
                       scale: LogitScale = NO_SCALE, top_k: int = 0) -> HeadPass:
@@ -342,10 +333,8 @@ def candidate_logits(hidden_mh: Tensor, ids_mk: Tensor, lm_head: nn.Module,
     weight = getattr(lm_head, "weight", None)
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
     linear = isinstance(lm_head, nn.Linear)
-    if linear:
-        per_row = ids_mk.shape[1] * hidden_mh.shape[1] * hidden_mh.element_size()
-    else:
-        per_row = _vocab_size(lm_head) * LOGIT_BYTES
+    per_row = (ids_mk.shape[1] * hidden_mh.shape[1] * hidden_mh.element_size() if linear
+               else _vocab_size(lm_head) * LOGIT_BYTES)
     rows = max(1, chunk_bytes // max(1, per_row))
     parts = []
     for start in range(0, hidden_mh.shape[0], rows):

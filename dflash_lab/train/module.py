@@ -1,18 +1,9 @@
-"""DFlashModule: the LightningModule that trains a drafter against frozen target pieces.
-
-One training step (:meth:`DFlashModule.step`), top-down, each a named call:
-  1. target features  ``target_features``: the batch's own (a capture) or the frozen target
-     run now (online data, :class:`~dflash_lab.targets.features.OnlineFeatures`);
-  2. anchors          ``sample_anchors``: sorted block starts, seeded by seed/step/rank
-     (dflash_lab/train/anchors.py);
-  3. drafter          ``draft``: the drafter forward over the packed anchored blocks;
-  4. loss             ``loss``: labels at anchored slots, chunked position-weighted CE through
-     the frozen LM head, then the head's pieces (DFlash 2's selector term, heads/dflash2.py);
-then ``objective`` sums the named terms of those pieces (train/objective.py), each normalised by
-its GLOBAL count across devices, and one loop logs them (loss, per-slot accuracy, exact
-acceptance tau; a head with its own walk, ``walk_metrics``, logs that walk's tau as ``val/tau``).
-The batch contract (``input_ids``, ``loss_mask``, ``hidden``, ``target_argmax``, packed rows'
-``document_ids``): docs/data.md; packed rows train each document exactly as unpacked.
+"""DFlashModule: the LightningModule that trains a drafter against frozen target pieces. One
+training step (:meth:`DFlashModule.step`) is four named calls, ``target_features`` ->
+``sample_anchors`` -> ``draft`` -> ``loss`` (docs/architecture.md, "One training step"); then
+``objective`` sums the named terms of the loss pieces (train/objective.py), each normalised by
+its GLOBAL count across devices, and one loop logs them (:meth:`DFlashModule._log_terms`). The
+batch contract: docs/data.md; packed rows train each document exactly as unpacked.
 """
 
 from __future__ import annotations
@@ -65,9 +56,8 @@ class DFlashModule(L.LightningModule):
     """Owns loss, metrics and optimisation of one drafter. target_head: frozen ``embed_tokens``
     and ``lm_head`` (never trained, never saved). optimizer / scheduler: Hydra partials
     (``params -> Optimizer``, ``optimizer -> LRScheduler``, stepped every step). ce_chunk_size /
-    ce_chunk_bytes: ``loss.ce_chunk_rows``. selector / head: ``module.selector`` (validated by the
-    head's ``check_training``: DFlash 2's ``SelectorSettings``; DFlash 1 accepts only the
-    defaults) and ``module.head`` (``Head.module_settings``: Domino's lambda schedule).
+    ce_chunk_bytes: ``loss.ce_chunk_rows``. selector / head: ``module.selector`` and
+    ``module.head``, validated by the head (``check_training``, ``Head.settings``).
     feature_source: ``input_ids [Bt, S] -> TargetFeatures`` for batches without ``hidden`` (the
     online target; None for captures)."""
 

@@ -53,13 +53,6 @@ def finish_checkpoint(tmp: Path, dest: Path, keep_previous_as: str | None = None
     _fsync(dest.parent)
 
 
-def remove_checkpoint(path: Path, sidecar_only: bool = False) -> None:
-    """Delete a checkpoint's sidecar (and the checkpoint unless ``sidecar_only``)."""
-    sidecar(path).unlink(missing_ok=True)
-    if not sidecar_only:
-        path.unlink(missing_ok=True)
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` cannot be resumed from, or None: a sidecar mismatch, else (no sidecar: older
     run) a file ``torch.load`` cannot open (a truncated zip fails at once; mmap reads no data)."""
@@ -71,16 +64,6 @@ def checkpoint_problem(path: Path) -> str | None:
     except Exception as err:  # torch raises several error types for a damaged file
         return f"cannot be loaded ({type(err).__name__}: {str(err)[:200]})"
     return None
-
-
-def _set_aside(path: Path) -> None:
-    """Rename a corrupt checkpoint out of the way (kept for inspection, never deleted), so the
-    next save does not rotate it over the good previous one."""
-    if is_global_zero():
-        bad = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(path, bad)
-        if sidecar(path).is_file():
-            os.replace(sidecar(path), sidecar(bad))
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
@@ -105,7 +88,13 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | No
             return str(path)
         log.warning("%s: %s; set aside, resuming from the previous checkpoint if any", path,
                     problem)
-        _set_aside(path)
+        # kept for inspection, never deleted; out of the way, so the next save does not rotate
+        # it over the good previous one
+        if is_global_zero():
+            bad = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, bad)
+            if sidecar(path).is_file():
+                os.replace(sidecar(path), sidecar(bad))
     return None
 
 
@@ -142,20 +131,14 @@ def _allowed(key: str, allow: list[str]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in (*RESUME_FREE_KEYS, *allow))
 
 
-def config_changes(recorded: dict[str, Any], current: dict[str, Any],
-                   allow: list[str] | None = None) -> list[str]:
-    """``key: recorded -> current`` for every checked setting that differs and is not
-    allowed (:data:`RESUME_FREE_KEYS`, ``allow``: keys or key prefixes). A key the record
-    lacks (a setting added to dflash-lab after the run started) is not a change."""
-    old, new = _normalised(recorded), _normalised(current)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k, '<unset>')!r}" for k in sorted(old)
-            if old[k] != new.get(k, "<unset>") and not _allowed(k, list(allow or []))]
-
-
 def check_resume_config(recorded: dict[str, Any], current: dict[str, Any], source: str,
                         allow: list[str] | None = None, force: bool = False) -> None:
-    """Refuse (ValueError) a resume whose settings differ from the run's recorded config."""
-    changes = config_changes(recorded, current, allow)
+    """Refuse (ValueError) a resume whose settings differ from the run's recorded config: each
+    checked setting that differs and is not allowed (:data:`RESUME_FREE_KEYS`, ``allow``: keys
+    or key prefixes). A key the record lacks (a setting added after the run started) is none."""
+    old, new = _normalised(recorded), _normalised(current)
+    changes = [f"{k}: {old.get(k)!r} -> {new.get(k, '<unset>')!r}" for k in sorted(old)
+               if old[k] != new.get(k, "<unset>") and not _allowed(k, list(allow or []))]
     if not changes:
         return
     if force:

@@ -48,13 +48,6 @@ def export_run(cfg: DictConfig, run_dir: Path) -> str:
     return str(result.out_dir)
 
 
-def best_line(best: str) -> str:
-    """The summary's checkpoint line; ``best`` is '' when no validation ran before the last
-    step (e.g. ``trainer.max_steps`` below the first validation), so no best one was kept."""
-    none = "none (no validation before the last step; last.ckpt is used)"
-    return f"best checkpoint: {best or none}"
-
-
 def build_components(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate target, drafter, data module, module, trainer (no training yet). Objects go in
     through partials: Hydra would turn the Target dataclass into a config node."""
@@ -200,7 +193,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 def summary(result: dict[str, Any], tau: str, commands: list[str]) -> str:
     """The block a run ends with (the last lines it prints): val tau before -> after, where the
     checkpoint, run directory and export are, and the commands to try next."""
-    lines = ["", "== dflash-train summary", f"val tau: {tau}", best_line(result["best_checkpoint"]),
+    # none when no validation ran before the last step (trainer.max_steps below the first one)
+    best = (result["best_checkpoint"]
+            or "none (no validation before the last step; last.ckpt is used)")
+    lines = ["", "== dflash-train summary", f"val tau: {tau}", f"best checkpoint: {best}",
              f"run directory: {result['output_dir']}"]
     if result.get("export_dir"):
         lines.append(f"export: {result['export_dir']}")

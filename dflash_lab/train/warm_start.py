@@ -52,25 +52,22 @@ def group_defaults(variant: str | None) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k not in NOT_FIELDS}
 
 
-def command_line_fields() -> set[str]:
-    """``drafter.KEY`` names given on the Hydra command line (empty outside a Hydra app)."""
+def explicit_overrides(fields: dict[str, Any]) -> dict[str, Any]:
+    """The drafter fields a recipe or the command line set, out of everything Hydra composed
+    (``drafter.KEY`` on the Hydra command line counts even at its default value)."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return set()
-    keys = (o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
-    return {k.removeprefix("drafter.") for k in keys if k.startswith("drafter.")}
-
-
-def explicit_overrides(fields: dict[str, Any]) -> dict[str, Any]:
-    """The drafter fields a recipe or the command line set, out of everything Hydra composed."""
     defaults = group_defaults(fields.get("variant"))
-    given = command_line_fields()
+    given = set()
+    if HydraConfig.initialized():
+        keys = (o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
+        given = {k.removeprefix("drafter.") for k in keys if k.startswith("drafter.")}
     return {k: v for k, v in fields.items()
             if k not in NOT_FIELDS and (v != defaults.get(k) or k in given)}
 
 
-def _layer_changes(old: DrafterConfig, new: DrafterConfig) -> list[str]:
+def contradictions(old: DrafterConfig, new: DrafterConfig) -> list[str]:
+    """What ``new`` runs differently from the ``old`` config the weights were trained with."""
     out = []
     for i, (a, b) in enumerate(zip(old.layer_specs(), new.layer_specs(), strict=True)):
         if (a.window is None) != (b.window is None):
@@ -81,12 +78,6 @@ def _layer_changes(old: DrafterConfig, new: DrafterConfig) -> list[str]:
         if a.causal != b.causal:
             out.append(f"layer {i}: {'causal' if a.causal else 'bidirectional'} -> "
                        f"{'causal' if b.causal else 'bidirectional'}")
-    return out
-
-
-def contradictions(old: DrafterConfig, new: DrafterConfig) -> list[str]:
-    """What ``new`` runs differently from the ``old`` config the weights were trained with."""
-    out = _layer_changes(old, new)
     for key in ("block_size", "target_layer_ids", "mask_token_id", "rope_theta", "rope_scaling",
                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
                 "selector_top_k", "rms_norm_eps", "sample_from_anchor", "context_input_norm",

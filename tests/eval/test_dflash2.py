@@ -345,7 +345,7 @@ def _write_zlab_dir(drafter: DFlashDrafter, path: Path) -> Path:
     """The z-lab-format directory: config.json from to_dict(), the state dict's tensors (codebooks
     named without .weight, which z-lab's DFlash2DraftModel loader maps)."""
     path.mkdir()
-    drafter.config.save_json(path / "config.json")
+    (path / "config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()},
               str(path / "model.safetensors"))
     return path

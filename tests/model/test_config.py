@@ -139,16 +139,6 @@ def test_integer_target_layer_ids_use_the_reference_rule():
     assert cfg.target_layer_ids == [1, 9, 17, 25, 33]
 
 
-def test_json_file_round_trip_and_bad_json(tmp_path):
-    cfg = tiny_drafter_config("mixed_swa")
-    path = tmp_path / "config.json"
-    cfg.save_json(path)
-    assert DrafterConfig.from_json(path) == cfg
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match="config.json: not valid JSON"):
-        DrafterConfig.from_json(path)
-
-
 def test_missing_required_keys_are_reported():
     with pytest.raises(ValueError, match="missing required keys"):
         DrafterConfig.from_dict({"hidden_size": 8})

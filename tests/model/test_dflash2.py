@@ -309,7 +309,7 @@ def _write_case(path: Path, layout: str, features: dict) -> dict:
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
     path.mkdir()
-    cfg.save_json(path / "config.json")
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()},
               str(path / "model.safetensors"))
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)

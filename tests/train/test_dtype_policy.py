@@ -3,7 +3,7 @@
 The target keeps its own dtype (its frozen pieces are shared, never copied); the drafter computes
 in the trainer's precision. Activations cross each boundary with one cast: target features and
 embedding rows into the drafter (``DFlashDrafter.fuse`` / ``block_inputs``), the drafter's
-hidden states into the target head (``chunked_cross_entropy``).
+hidden states into the target head (``chunked_head_pass``).
 """
 
 import pytest
@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from dflash_lab.paths import CONF_DIR
-from dflash_lab.train.loss import chunked_cross_entropy
+from dflash_lab.train.loss import chunked_head_pass
 
 
 def test_head_ce_accepts_hidden_states_in_another_dtype():
@@ -21,7 +21,7 @@ def test_head_ce_accepts_hidden_states_in_another_dtype():
     head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16).requires_grad_(False)
     hidden = torch.randn(6, 16, requires_grad=True)
     labels = torch.randint(40, (6,))
-    ce, _ = chunked_cross_entropy(hidden, labels, head)
+    ce = chunked_head_pass(hidden, labels, head).ce
     ce.sum().backward()
     assert ce.dtype == torch.float32 and hidden.grad.dtype == torch.float32
     want = torch.nn.functional.cross_entropy(

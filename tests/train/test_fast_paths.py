@@ -255,7 +255,7 @@ def test_fused_head_ce_matches_full_logits_and_projects_twice_not_three_times(dt
     """Frozen LM head: the chunked CE computes the input gradient in forward (no recompute)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflash_lab.train.loss import chunked_cross_entropy
+    from dflash_lab.train.loss import chunked_head_pass
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=False).to(dtype).requires_grad_(False)
@@ -264,7 +264,8 @@ def test_fused_head_ce_matches_full_logits_and_projects_twice_not_three_times(dt
     w = torch.rand(37, dtype=torch.float32)
     h1, h2 = base.clone().requires_grad_(), base.clone().requires_grad_()
     with FlopCounterMode(display=False) as fused_flops:
-        ce, ok = chunked_cross_entropy(h1, y, head, chunk_size=8)
+        out = chunked_head_pass(h1, y, head, chunk_size=8)
+        ce, ok = out.ce, out.correct
         (w * ce).sum().backward()
     logits = head(h2).float()
     ref = torch.nn.functional.cross_entropy(logits, y, reduction="none")

@@ -15,7 +15,6 @@ from dflash_lab.train.loss import (
     block_targets,
     candidate_logits,
     ce_chunk_rows,
-    chunked_cross_entropy,
     chunked_head_pass,
     position_weights,
     token_targets,
@@ -61,7 +60,8 @@ def test_chunked_cross_entropy_equals_the_full_logits_computation_with_gradients
     head = torch.nn.Linear(8, 50, bias=False)
     h = torch.randn(37, 8, requires_grad=True)
     y = torch.randint(0, 50, (37,))
-    ce, ok = chunked_cross_entropy(h, y, head, chunk_size=5)
+    out = chunked_head_pass(h, y, head, chunk_size=5)
+    ce, ok = out.ce, out.correct
     ref = torch.nn.functional.cross_entropy(head(h), y, reduction="none")
     torch.testing.assert_close(ce, ref)
     assert torch.equal(ok, head(h).argmax(-1) == y)
@@ -92,7 +92,7 @@ def test_head_pass_applies_multiplier_then_softcap_and_keeps_a_running_top_k(sca
     torch.testing.assert_close(out.top_values, values.detach())
     torch.testing.assert_close(torch.autograd.grad(out.ce.sum(), h)[0],
                                torch.autograd.grad(ref.sum(), h)[0])
-    plain = chunked_cross_entropy(h, y, head, chunk_size=5)[0]
+    plain = chunked_head_pass(h, y, head, chunk_size=5).ce
     assert not torch.allclose(plain, out.ce)  # the scale really changes the CE
 
 
@@ -155,11 +155,13 @@ def test_a_262k_vocab_holds_one_budgeted_chunk_of_logits_at_a_time(grad):
     head, h, y = _huge_vocab_case(vocab, rows=40, requires_grad=grad)
     probe = _LargestOutput()
     with torch.set_grad_enabled(grad), probe:
-        ce, ok = chunked_cross_entropy(h, y, head, chunk_bytes=budget)
+        out = chunked_head_pass(h, y, head, chunk_bytes=budget)
+        ce, ok = out.ce, out.correct
         grad_h = torch.autograd.grad(ce.sum(), h)[0] if grad else None
     assert ce_chunk_rows(vocab, chunk_bytes=budget) == 16
     assert 16 * vocab * 4 <= probe.max_bytes <= budget  # one full chunk, never more
-    ref_ce, ref_ok = chunked_cross_entropy(h, y, head, chunk_size=40)  # one chunk: all logits
+    ref = chunked_head_pass(h, y, head, chunk_size=40)  # one chunk: all logits
+    ref_ce, ref_ok = ref.ce, ref.correct
     torch.testing.assert_close(ce, ref_ce)
     assert torch.equal(ok, ref_ok)
     if grad:
