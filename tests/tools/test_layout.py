@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+#: the package's size bound (issue 44: no larger than the 2026-12-06 package, 21.9k lines, with
+#: every head and format added since inside it); lines of dflash_lab/ and export/ as
+#: ``find dflash_lab export -name '*.py' | xargs cat | wc -l`` counts them
+MAX_PACKAGE_LINES = 21_913
 #: tests/ folders beside one per dflash_lab subpackage (docs/architecture.md, "Layout")
 OTHER_TEST_FOLDERS = {"recipes", "tools"}
 
@@ -22,6 +26,15 @@ def test_the_exporter_stands_at_the_top_level():
     assert (REPO / "export" / "__init__.py").is_file()
     assert not (REPO / "dflash_lab" / "export").exists(), (
         "dflash_lab/export/ is back: the exporter's source is the top-level export/ folder")
+
+
+def test_the_package_stays_inside_its_line_bound():
+    lines = sum(len(p.read_bytes().splitlines()) for d in ("dflash_lab", "export")
+                for p in (REPO / d).rglob("*.py"))
+    assert lines <= MAX_PACKAGE_LINES, (
+        f"dflash_lab/ + export/ hold {lines} lines, over the bound of {MAX_PACKAGE_LINES}: make "
+        "room in the same change (docs/architecture.md, \"Add a head\": a head or a format is one "
+        "module; delete what an interface makes redundant) rather than raising the bound")
 
 
 def test_tests_mirror_the_package():
