@@ -180,8 +180,8 @@ class XPress(DFlash1):
         refiner, refined = module.drafter.xpress_head, step.lm_head
         plain = module.drafter.head(module.target_head.lm_head)
         args = (hp.gamma, hp.ce_chunk_size, None, hp.ce_chunk_bytes)
-        base = dflash_loss(step.hidden, step.tgt, plain, *args, **step.weighting,
-                           spec=module.loss_spec, teacher=step.teacher) \
+        kw = {**step.weighting, "spec": module.loss_spec, "teacher": step.teacher}
+        base = dflash_loss(step.hidden, step.tgt, plain, *args, **kw) \
             if s["base_anchor_weight"] else None
         rounds = []
         if s["consistency_passes"] and s["consistency_weight"]:
@@ -193,7 +193,7 @@ class XPress(DFlash1):
                 prev = torch.cat([am1, anchor, pred[..., 1:-1]], -1)
                 x = torch.cat([step.hidden, refiner.latent(prev, hcache).to(step.hidden.dtype)],
                               -1)
-                rounds.append(dflash_loss(x, step.tgt, refined, *args, **step.weighting))
+                rounds.append(dflash_loss(x, step.tgt, refined, *args, **kw))
                 with torch.no_grad():
                     pred = _argmax(x, refined)
         out.head_pieces["xpress"] = (base, rounds)

@@ -147,8 +147,8 @@ def test_one_training_step_is_speculators_objective():
 
 @pytest.mark.parametrize("loss", [{"kl": 1.0}, {"ce": 0.1, "tv": 0.9}])
 def test_a_distribution_loss_trains_every_refiner_tensor(loss):
-    """module.loss beyond ce on ConcatHead [W_lm | w2] (and L(base)): w2 and every refiner
-    tensor get a gradient, the loss is finite and a few SGD steps lower it."""
+    """module.loss beyond ce for every L (tf and rounds on ConcatHead [W_lm | w2], base): w2 and
+    every refiner tensor get a gradient, the loss is finite and a few SGD steps lower it."""
     module = _module(loss)
     with torch.no_grad():  # a trained-looking refiner, not the walk tests' large one
         for p in module.drafter.xpress_head.parameters():
@@ -159,7 +159,10 @@ def test_a_distribution_loss_trains_every_refiner_tensor(loss):
     losses = []
     for _ in range(4):
         opt.zero_grad()
-        value = module.objective(module.blocks_loss(batch, anchors, valid), 0)
+        out = module.blocks_loss(batch, anchors, valid)
+        base, rounds = out.head_pieces["xpress"]
+        assert base.term_sums and all(r.term_sums for r in rounds)  # every L is module.loss
+        value = module.objective(out, 0)
         value.backward()
         assert torch.isfinite(value)
         for name in xpress.XPress().weight_shapes(module.drafter.config):
