@@ -137,3 +137,15 @@ def test_validation_reads_a_concat_head_built_without_grad():
                                 temperatures=(1.0,))
     ref, _ = _reference(LossSpec.create("kl"), lm_head, w2, x, teacher_h, y, LogitScale(), None)
     torch.testing.assert_close(out.loss, ref.detach(), atol=2e-6, rtol=1e-5)
+
+
+def test_w2_learns_when_the_hidden_states_need_no_gradient():
+    """A detached input (features only) still trains the head's trainable columns."""
+    lm_head, w2, x, teacher_h, y, wl, _ = _case(8)
+    out = distill_head_pass(x, y, ConcatHead(lm_head, w2), LossSpec.create("kl"),
+                            Teacher(teacher_h), chunk_size=7)
+    (wl * out.loss).sum().backward()
+    ours, w2.weight.grad = w2.weight.grad, None
+    ref, _ = _reference(LossSpec.create("kl"), lm_head, w2, x, teacher_h, y, LogitScale(), None)
+    (wl * ref).sum().backward()
+    torch.testing.assert_close(ours, w2.weight.grad, atol=2e-7, rtol=1e-4)
