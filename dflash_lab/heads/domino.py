@@ -113,7 +113,7 @@ class Domino(DFlash1):
     tensors = "prefix_gru and embed_proj tensors"
     weight_fields = ("gru_hidden_dim", "emb_dim")
     engines = ("sglang",)
-    #: no val/tau_T: the distribution pass reads a plain Linear head, not [W | embed_proj.2]
+    #: no val/tau_T: the GRU walk drafts, not the teacher-forced [W | embed_proj.2] head
     expected_taus = False
     #: the walk's candidate pool: SGLang's --speculative-domino-candidate-pool-size and its
     #: default (0, or >= the vocabulary: the exact walk)
@@ -155,13 +155,6 @@ class Domino(DFlash1):
         return {"prefix_gru.weight_ih_l0": (3 * g, h), "prefix_gru.weight_hh_l0": (3 * g, g),
                 "embed_proj.0.weight": (e, h + g), "embed_proj.2.weight": (config.vocab_size, e)}
 
-    def check_training(self, config: Any, module: Any) -> None:
-        super().check_training(config, module)
-        if not module.loss_spec.ce_only:
-            raise ValueError("module.loss: a Domino drafter trains with module.loss=ce only "
-                             "(the distribution pass does not train embed_proj); set "
-                             "module.loss=ce")
-
     def head_inputs(self, module: Any, step: Any) -> None:
         """Final logits = [z; c] @ [W_lm | embed_proj.2] (c = 0 on slots 0 and 1)."""
         cfg, drafter = module.drafter.config, module.drafter
@@ -172,7 +165,8 @@ class Domino(DFlash1):
         step.lm_head = ConcatHead(step.lm_head, drafter.embed_proj[2])
 
     def add_losses(self, module: Any, step: Any, out: Any) -> None:
-        """CE(base) at lambda(step) > 0 (the same slots and weights as the final CE)."""
+        """L(base) at lambda(step) > 0: ``module.loss`` on the same slots and weights as the
+        final logits' (SpecForge's CE(base) with module.loss=ce)."""
         trainer = getattr(module, "_trainer", None)
         total = trainer.estimated_stepping_batches if trainer is not None else None
         lam = lambda_base(module.global_step, total, **module.head_settings)
@@ -181,11 +175,11 @@ class Domino(DFlash1):
             hp = module.hparams
             base = dflash_loss(step.hidden, step.tgt, module.drafter.head(
                 module.target_head.lm_head), hp.gamma, hp.ce_chunk_size, None,
-                hp.ce_chunk_bytes, **step.weighting)
+                hp.ce_chunk_bytes, **step.weighting, spec=module.loss_spec, teacher=step.teacher)
         out.head_pieces["domino"] = (lam, base)
 
     def terms(self, module: Any, out: Any, step: int) -> list[Term]:
-        """lambda CE(base) - lambda CE(final): with the label term, SpecForge's objective."""
+        """lambda L(base) - lambda L(final): with the label term, SpecForge's objective."""
         lam, base = out.head_pieces["domino"]
         if base is None:
             return []

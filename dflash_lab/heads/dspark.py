@@ -140,6 +140,8 @@ class ConcatHead(nn.Module):
     weight, built once per step (it carries markov_w2's gradient), is in the LM head's dtype, as
     the unary head computes."""
 
+    linear_map = True  #: logits = x @ weight.T (the distribution pass reads the weight)
+
     def __init__(self, lm_head: nn.Module, markov_w2: nn.Linear):
         super().__init__()
         w = lm_head.weight
@@ -199,7 +201,7 @@ class DSpark(DFlash1):
     walk = "Markov walk"
     tensors = "Markov and confidence head tensors"
     weight_fields = tuple(DEFAULTS)
-    #: no val/tau_T: the distribution pass reads a plain Linear head, not [W | markov_w2]
+    #: no val/tau_T: the Markov walk drafts, not the teacher-forced [W | markov_w2] head
     expected_taus = False
 
     def validate(self, config: Any) -> None:
@@ -253,15 +255,6 @@ class DSpark(DFlash1):
             shapes.update({"confidence_head.proj.weight": (1, width),
                            "confidence_head.proj.bias": (1,)})
         return shapes
-
-    def check_training(self, config: Any, module: Any) -> None:
-        """DSpark trains on the CE pass only (the distribution pass computes its gradient to
-        the hidden states alone, so markov_w2 would not learn)."""
-        super().check_training(config, module)
-        if config.markov_rank and not module.loss_spec.ce_only:
-            raise ValueError("module.loss: a DSpark drafter with a Markov head trains with "
-                             "module.loss=ce only (the distribution losses' fused pass does not "
-                             "train markov_w2); set module.loss=ce")
 
     def head_inputs(self, module: Any, step: Any) -> None:
         """The Markov bias joins the head: the CE reads ``[h; f]`` [Bt, N, B, H + r] with

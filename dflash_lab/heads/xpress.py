@@ -2,8 +2,8 @@
 block-level refiner whose bias over the vocabulary corrects every slot's base logits, drafted by
 greedy Jacobi passes. Served by vLLM 0.34 only (``Qwen3XPressModel``, top-level ``xpress_*``).
 Trained as speculators 0.9.0's ``XPressDraftModel``: final logits are ONE linear head over
-[z; latent] (DSpark's :class:`ConcatHead`), so the CE pass runs on it unchanged; label CE only,
-as the distribution losses' fused pass gives w2 no gradient (as DSpark's markov_w2).
+[z; latent] (DSpark's :class:`ConcatHead`), so the CE and distribution passes run on it
+unchanged (both train w2).
 
 Shape legend: B block size, k drafted slots, H hidden, r rank, V vocab, C top-C.
 """
@@ -120,7 +120,7 @@ class XPress(DFlash1):
     tensors = "xpress_head tensors"
     weight_fields = ("xpress_rank", "xpress_mlp_hidden")
     engines = ("vllm",)
-    expected_taus = False  # the distribution pass reads a plain Linear head, not [W | w2]
+    expected_taus = False  # the Jacobi walk drafts, not the teacher-forced [W | w2] head
 
     def validate(self, config: Any) -> None:
         """vLLM 0.34's rules (new_heads.md XPress (a)) and the layout it serves."""
@@ -155,10 +155,6 @@ class XPress(DFlash1):
 
     def check_training(self, config: Any, module: Any) -> None:
         super().check_training(config, module)
-        if not module.loss_spec.ce_only:
-            raise ValueError("module.loss: an XPress drafter trains with module.loss=ce only "
-                             "(the distribution losses' fused pass does not train "
-                             "xpress_head.w2); set module.loss=ce")
         for key, v in module.head_settings.items():
             if isinstance(v, bool) or not isinstance(v, int if "passes" in key else (int, float)) \
                     or v < 0:
@@ -184,8 +180,8 @@ class XPress(DFlash1):
         refiner, refined = module.drafter.xpress_head, step.lm_head
         plain = module.drafter.head(module.target_head.lm_head)
         args = (hp.gamma, hp.ce_chunk_size, None, hp.ce_chunk_bytes)
-        base = dflash_loss(step.hidden, step.tgt, plain, *args, **step.weighting,
-                           spec=module.loss_spec, teacher=step.teacher) \
+        kw = {**step.weighting, "spec": module.loss_spec, "teacher": step.teacher}
+        base = dflash_loss(step.hidden, step.tgt, plain, *args, **kw) \
             if s["base_anchor_weight"] else None
         rounds = []
         if s["consistency_passes"] and s["consistency_weight"]:
@@ -197,7 +193,7 @@ class XPress(DFlash1):
                 prev = torch.cat([am1, anchor, pred[..., 1:-1]], -1)
                 x = torch.cat([step.hidden, refiner.latent(prev, hcache).to(step.hidden.dtype)],
                               -1)
-                rounds.append(dflash_loss(x, step.tgt, refined, *args, **step.weighting))
+                rounds.append(dflash_loss(x, step.tgt, refined, *args, **kw))
                 with torch.no_grad():
                     pred = _argmax(x, refined)
         out.head_pieces["xpress"] = (base, rounds)

@@ -143,8 +143,16 @@ class Buckets:
     logq: Tensor
 
 
+def target_columns(teacher: Teacher, weight_vh: Tensor) -> Tensor:
+    """The target head's columns [V, H] of a head's weight [V, H'], which the teacher's hidden
+    state [m, H] multiplies: all of them (no view), or ConcatHead's first H (``[W_lm | w2]``)."""
+    width = teacher.hidden_mh.shape[-1]
+    return weight_vh if weight_vh.shape[1] == width else weight_vh[:, :width]
+
+
 def teacher_logits(teacher: Teacher, weight_vh: Tensor) -> Tensor:
     """Dense teacher logits [V, m] fp32 of a chunk: the target head (and its softcap)."""
+    weight_vh = target_columns(teacher, weight_vh)
     logits_vm = (weight_vh @ teacher.hidden_mh.to(weight_vh.dtype).t()).float()
     return scale_logits(logits_vm, 1.0, teacher.softcap)
 
@@ -370,7 +378,7 @@ def candidate_logprobs(teacher: Teacher, ids_mk: Tensor, lm_head, temperature: f
 
 
 def _dense_candidates(teacher, ids_mk, lm_head, temperature, renormalise, chunk_rows):
-    weight = lm_head.weight
+    weight = target_columns(teacher, lm_head.weight)
     out = []
     for start in range(0, ids_mk.shape[0], chunk_rows):
         h = teacher.hidden_mh[start:start + chunk_rows].to(weight.dtype)

@@ -194,7 +194,7 @@ def _chunk(h_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, scale: LogitScale,
            spec: LossSpec, teacher: Teacher, temperatures: tuple[float, ...], want_grad: bool,
            need_overlap: bool = True):
     """Every per-row output of one chunk, and (when ``want_grad``) the gradients of ``loss``
-    and ``accept`` to the chunk's hidden states [m, H] (None when not asked)."""
+    and ``accept`` to the chunk's raw logits [V, m] fp32 (:func:`_logit_grads`; else None)."""
     logits_vm = (weight_vh @ h_mh.t()).float()
     if not scale.identity:
         scale.apply_(logits_vm)
@@ -225,11 +225,8 @@ def _chunk(h_mh: Tensor, labels_m: Tensor, weight_vh: Tensor, scale: LogitScale,
                     else (picked - z.lse(1.0)).exp())
     overlaps = [greedy if t == 0 else totals[(t, t)]["overlap"] for t in temperatures]
     overlap_m = totals[label]["overlap"] if need_overlap else ce_m.new_zeros(ce_m.shape)
-    grads = (None, None)
-    if want_grad:
-        grads = tuple(None if g is None else g.t().to(weight_vh.dtype) @ weight_vh
-                      for g in _logit_grads(chunk, spec, hsums, ce_weight, accept_m, scale,
-                                            out, acc))
+    grads = (_logit_grads(chunk, spec, hsums, ce_weight, accept_m, scale, out, acc)
+             if want_grad else (None, None))
     outs = (dist_m + ce_weight * ce_m, ce_m, correct_m, overlap_m, terms_cm, accept_m,
             torch.stack(overlaps) if overlaps else None, *(tops or (None, None)))
     return outs, grads
@@ -281,14 +278,15 @@ def _logit_grads(chunk: _Chunk, spec: LossSpec, hsums: dict, ce_weight: float,
 
 def _passes(hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher, temperatures,
             want_grad, need_overlap=True):
-    """Run every chunk; returns (outputs as DistillPass fields, gradient parts)."""
+    """Run every chunk; returns (outputs as DistillPass fields, the gradients of ``loss`` and
+    ``accept`` to each chunk's hidden states [m, H])."""
     outs, grads = [], []
     for start in range(0, hidden_mh.shape[0], rows):
         stop = start + rows
         o, g = _chunk(hidden_mh[start:stop], labels_m[start:stop], weight_vh, scale, top_k,
                       spec, teacher.rows(start, stop), temperatures, want_grad, need_overlap)
         outs.append(o)
-        grads.append(g)
+        grads.append([None if x is None else x.t().to(weight_vh.dtype) @ weight_vh for x in g])
     cols = list(zip(*outs, strict=True))
     dims = (0, 0, 0, 0, 1, 0, 1, 0, 0)  # terms [C, m] and overlaps [T, m] join on rows
     return [None if c[0] is None else torch.cat(c, dim=d)
@@ -298,7 +296,9 @@ def _passes(hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher, t
 class _FusedDistill(torch.autograd.Function):
     """The pass with gradients: ``loss`` and ``accept`` [M] are differentiable in the hidden
     states; their gradients [M, H] are computed in forward and scaled by the incoming per-row
-    gradients in backward (the CE pass's scheme). The head weight gets none (frozen)."""
+    gradients in backward (the CE pass's scheme). A head weight that requires grad (ConcatHead's
+    trainable columns) gets its own in backward (:func:`_weight_grad`); a frozen one costs
+    nothing more (no recompute, nothing more saved)."""
 
     @staticmethod
     def forward(ctx, hidden_mh, labels_m, weight_vh, rows, scale, top_k, spec, teacher,
@@ -307,7 +307,9 @@ class _FusedDistill(torch.autograd.Function):
                                 teacher, temperatures, True, need_overlap)
         loss_grad = torch.cat([g[0] for g in grads])
         accept_grad = torch.cat([g[1] for g in grads]) if spec.accept_weight else None
-        ctx.save_for_backward(loss_grad, accept_grad)
+        inputs = (hidden_mh, labels_m, weight_vh) if ctx.needs_input_grad[2] else ()
+        ctx.save_for_backward(loss_grad, accept_grad, *inputs)
+        ctx.args = (rows, scale, spec, teacher)
         accept = fields[5] if fields[5] is not None else hidden_mh.new_zeros(0)
         rest = [f if f is not None else hidden_mh.new_zeros(0) for f in fields[1:5] + fields[6:]]
         ctx.mark_non_differentiable(*rest)
@@ -315,11 +317,32 @@ class _FusedDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_accept, *_rest):
-        loss_grad, accept_grad = ctx.saved_tensors
+        loss_grad, accept_grad, *inputs = ctx.saved_tensors
+        if accept_grad is None or grad_accept is None or not grad_accept.numel():
+            grad_accept = None
         grad = loss_grad * grad_loss[:, None].to(loss_grad.dtype)
-        if accept_grad is not None and grad_accept is not None and grad_accept.numel():
+        if grad_accept is not None:
             grad = grad + accept_grad * grad_accept[:, None].to(accept_grad.dtype)
-        return grad, None, None, None, None, None, None, None, None, None
+        weight = _weight_grad(*inputs, *ctx.args, grad_loss, grad_accept) if inputs else None
+        return grad, None, weight, None, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def _weight_grad(hidden_mh, labels_m, weight_vh, rows, scale, spec, teacher, grad_loss_m,
+                 grad_accept_m) -> Tensor:
+    """d/dW [V, H] of sum_m (grad_loss_m loss_m + grad_accept_m accept_m): each chunk's logit
+    gradients [V, m] recomputed as forward made them (nothing [M, V] held), their columns scaled
+    by the rows' incoming gradients, times the chunk's hidden states [m, H]."""
+    grad_vh = torch.zeros_like(weight_vh)
+    for start in range(0, hidden_mh.shape[0], rows):
+        part = slice(start, start + rows)
+        _, (g_vm, acc_vm) = _chunk(hidden_mh[part], labels_m[part], weight_vh, scale, 0, spec,
+                                   teacher.rows(start, start + rows), (), True, False)
+        g_vm.mul_(grad_loss_m[None, part])
+        if grad_accept_m is not None:
+            g_vm.add_(acc_vm.mul_(grad_accept_m[None, part]))
+        grad_vh.addmm_(g_vm.to(weight_vh.dtype), hidden_mh[part])
+    return grad_vh
 
 
 def distill_rows(num_rows: int, vocab_size: int, chunk_size: int | None, chunk_bytes: int,
@@ -338,12 +361,13 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
                       need_overlap: bool = True) -> DistillPass:
     """The distribution losses, label CE, overlaps and top-K of M rows in one chunked pass.
     ``teacher``: the rows' target distribution; ``temperatures``: where ``overlaps`` are measured.
-    A head other than a frozen bias-free Linear (the target's): ValueError naming it."""
+    The head: a bias-free map ``x @ weight.T`` (an nn.Linear, or ``linear_map`` set as on
+    ConcatHead, whose trainable columns get their gradient); anything else: ValueError naming it."""
     weight = getattr(lm_head, "weight", None)
-    if not (isinstance(lm_head, nn.Linear) and lm_head.bias is None and weight is not None
-            and not weight.requires_grad):
-        raise ValueError(f"module.loss={spec.describe()}: the distribution losses need the "
-                         f"target's frozen bias-free Linear LM head, got "
+    linear = isinstance(lm_head, nn.Linear) or getattr(lm_head, "linear_map", False)
+    if not (linear and getattr(lm_head, "bias", None) is None and isinstance(weight, Tensor)):
+        raise ValueError(f"module.loss={spec.describe()}: the distribution losses need a "
+                         f"bias-free linear LM head (the target's, or a ConcatHead), got "
                          f"{type(lm_head).__name__}; use module.loss=ce")
     hidden_mh = into_head_dtype(hidden_mh, lm_head)
     temperatures = tuple(float(t) for t in temperatures)
@@ -351,7 +375,7 @@ def distill_head_pass(hidden_mh: Tensor, labels_m: Tensor, lm_head: nn.Module, s
         return _empty(hidden_mh, labels_m, spec, top_k, temperatures)
     rows = distill_rows(hidden_mh.shape[0], _vocab_size(lm_head), chunk_size, chunk_bytes,
                         distill_buffers(spec, teacher.dense))
-    if torch.is_grad_enabled() and hidden_mh.requires_grad:
+    if torch.is_grad_enabled() and (hidden_mh.requires_grad or weight.requires_grad):
         out = _FusedDistill.apply(hidden_mh, labels_m, weight, rows, scale, top_k, spec,
                                   teacher, temperatures, need_overlap)
         loss, accept, ce, correct, overlap_m, terms, overlaps, top_v, top_i = out
@@ -397,7 +421,7 @@ def distill_loss(hidden_bnph, targets, lm_head, gamma, chunk_size, block_valid_b
     correct = torch.zeros_like(sel)
     correct[sel] = head.correct
     out = LossOutput((w * head.loss).sum(), w.sum(), correct, sel, block_valid_bn,
-                     head.top_values, head.top_ids, first_slot=first)
+                     head.top_values, head.top_ids, first_slot=first, slot_ce=head.ce.detach())
     names = [n for n, _ in spec.slot_terms if n != "ce"]
     out.term_sums = {n: (w * head.terms[i]).sum().detach() for i, n in enumerate(names)}
     if "ce" in dict(spec.slot_terms):

@@ -373,7 +373,7 @@ class LossOutput:
     overlaps: dict[float, Tensor] | None = None
     #: the first drafting slot (BlockTargets.first_slot): acceptance counts from it
     first_slot: int = 1
-    #: the CE of every valid slot [M] (detached; the CE pass only): DSpark's confidence target
+    #: the CE of every valid slot [M] (detached): DSpark's confidence target
     slot_ce: Tensor | None = None
     #: a head's own loss pieces by name (model/heads.py ``add_losses``; its ``terms`` read
     #: them): DSpark's "confidence" (:class:`dflash_lab.heads.dspark.ConfidenceOutput`),

@@ -129,14 +129,15 @@ def test_lambda_schedule_is_specforges():
     assert domino.lambda_base(5, 20, lambda_start=0.8, decay_ratio=1.0) == pytest.approx(0.6)
 
 
-def _module(**settings):
+def _module(loss="ce", **settings):
     drafter = _drafter()
     drafter.train()
     head = torch.nn.Module()
     head.embed_tokens = torch.nn.Embedding(97, 48)
     head.lm_head = torch.nn.Linear(48, 97, bias=False)
     return DFlashModule(drafter, head, optimizer=torch.optim.SGD, gamma=4.0,
-                        label_source="dataset", head=settings)
+                        label_source="dataset", head=settings, loss=loss,
+                        target_distribution={"last_hidden": True})
 
 
 def test_one_training_step_mixes_final_and_base_ce(monkeypatch):
@@ -163,6 +164,34 @@ def test_one_training_step_mixes_final_and_base_ce(monkeypatch):
     with pytest.raises(ValueError, match=r"module.head: \['alpha'\] are not settings of the "
                                          "Domino head"):
         _module(alpha=1.0)
+
+
+@pytest.mark.parametrize("loss", [{"kl": 1.0}, {"ce": 0.1, "tv": 0.9}])
+def test_a_distribution_loss_trains_the_correction_and_the_base_term(monkeypatch, loss):
+    """module.loss beyond ce: L(final) on ConcatHead [W_lm | embed_proj.2] and L(base) on the
+    target head; every correction tensor learns and a few SGD steps lower the loss."""
+    monkeypatch.setattr(domino, "lambda_base", lambda *a, **k: 0.3)
+    module = _module(loss)
+    g = torch.Generator().manual_seed(3)
+    batch = {"hidden": torch.randn(2, 24, 3 * 48, generator=g),
+             "input_ids": torch.randint(0, 90, (2, 24), generator=g),
+             "loss_mask": torch.ones(2, 24), "target_last_hidden": torch.randn(2, 24, 48,
+                                                                             generator=g)}
+    anchors, valid = torch.tensor([[1, 8, 15]] * 2), torch.ones(2, 3, dtype=torch.bool)
+    opt = torch.optim.SGD(module.drafter.parameters(), lr=0.01)  # CE too diverges at 0.05
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        out = module.blocks_loss(batch, anchors, valid)
+        assert out.head_pieces["domino"][1].term_sums  # the base term is module.loss too
+        value = module.objective(out, 0)
+        value.backward()
+        assert torch.isfinite(value)
+        for name in ("prefix_gru.weight_ih_l0", "embed_proj.0.weight", "embed_proj.2.weight"):
+            assert module.drafter.get_parameter(name).grad.abs().sum() > 0, name
+        losses.append(value.item())
+        opt.step()
+    assert losses[-1] < losses[0]
 
 
 def _targets(module, batch, anchors, valid):

@@ -105,14 +105,15 @@ def test_draft_hook_reads_the_block_rows_and_is_a_point_mass_at_temperature():
     assert drafter.config.head.draft(drafter, hidden, unary, 5, 0.0, "greedy", None)[1] is None
 
 
-def _module(**settings):
+def _module(loss="ce", **settings):
     drafter = _drafter()
     drafter.train()
     head = torch.nn.Module()
     head.embed_tokens = torch.nn.Embedding(V, H)
     head.lm_head = torch.nn.Linear(H, V, bias=False)
     return DFlashModule(drafter, head, optimizer=torch.optim.SGD, gamma=4.0,
-                        label_source="dataset", head=settings)
+                        label_source="dataset", head=settings, loss=loss,
+                        target_distribution={"last_hidden": True})
 
 
 def _batch():
@@ -142,6 +143,33 @@ def test_one_training_step_is_speculators_objective():
     only_tf = _module(consistency_passes=0, base_anchor_weight=0.0)
     assert [t.name for t in only_tf.terms(only_tf.blocks_loss(batch, anchors, valid), 0)] == [
         "label"]
+
+
+@pytest.mark.parametrize("loss", [{"kl": 1.0}, {"ce": 0.1, "tv": 0.9}])
+def test_a_distribution_loss_trains_every_refiner_tensor(loss):
+    """module.loss beyond ce for every L (tf and rounds on ConcatHead [W_lm | w2], base): w2 and
+    every refiner tensor get a gradient, the loss is finite and a few SGD steps lower it."""
+    module = _module(loss)
+    with torch.no_grad():  # a trained-looking refiner, not the walk tests' large one
+        for p in module.drafter.xpress_head.parameters():
+            p.mul_(0.05)
+    batch, anchors, valid = _batch()
+    batch["target_last_hidden"] = torch.randn(2, 24, H, generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.SGD(module.drafter.parameters(), lr=0.05)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        out = module.blocks_loss(batch, anchors, valid)
+        base, rounds = out.head_pieces["xpress"]
+        assert base.term_sums and all(r.term_sums for r in rounds)  # every L is module.loss
+        value = module.objective(out, 0)
+        value.backward()
+        assert torch.isfinite(value)
+        for name in xpress.XPress().weight_shapes(module.drafter.config):
+            assert module.drafter.get_parameter(name).grad.abs().sum() > 0, name
+        losses.append(value.item())
+        opt.step()
+    assert losses[-1] < losses[0]
 
 
 def test_am1_is_the_token_before_the_anchor_except_at_a_start():

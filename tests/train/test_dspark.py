@@ -112,16 +112,43 @@ def test_gradients_reach_both_heads_and_a_fresh_head_trains_w2_first():
     assert fresh.drafter.markov_head.markov_w2.weight.grad.abs().sum() > 0
 
 
-def test_distribution_losses_and_negative_alpha_are_refused():
+def test_negative_alpha_is_refused_and_a_distribution_loss_is_not():
     with pytest.raises(ValueError, match="confidence_head_alpha=-1"):
         _module(alpha=-1.0)
     cfg = tiny_drafter_config(variant="dspark", markov_rank=6)
     head = torch.nn.Module()
     head.embed_tokens = torch.nn.Embedding(97, 48)
     head.lm_head = torch.nn.Linear(48, 97, bias=False)
-    with pytest.raises(ValueError, match="module.loss=ce only"):
-        DFlashModule(DFlashDrafter(cfg), head, optimizer=torch.optim.SGD,
-                     loss={"ce": 0.5, "tv": 0.5})
+    module = DFlashModule(DFlashDrafter(cfg), head, optimizer=torch.optim.SGD,
+                          loss={"ce": 0.5, "tv": 0.5}, target_distribution={"last_hidden": True})
+    assert module.teacher_kind == "dense"
+
+
+@pytest.mark.parametrize("loss", [{"kl": 1.0}, {"ce": 0.1, "tv": 0.9}])
+def test_a_distribution_loss_trains_markov_w2_and_the_confidence_head(loss):
+    """The distribution pass gives ConcatHead's markov_w2 its gradient (SGD steps lower the
+    loss); the confidence BCE still reads each slot's CE."""
+    module = _module()
+    module = DFlashModule(module.drafter, module.target_head, optimizer=torch.optim.SGD,
+                          gamma=GAMMA, label_source="dataset", loss=loss,
+                          target_distribution={"last_hidden": True})
+    batch, anchors, valid = _batch(module)
+    batch["target_last_hidden"] = torch.randn(*batch["input_ids"].shape, 48,
+                                              generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.SGD(module.drafter.parameters(), lr=0.5)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        out = module.blocks_loss(batch, anchors, valid)
+        assert out.head_pieces["confidence"] is not None
+        loss_value = module.objective(out, 0)
+        loss_value.backward()
+        w2 = module.drafter.markov_head.markov_w2.weight.grad
+        assert torch.isfinite(loss_value) and w2.abs().sum() > 0
+        assert module.drafter.confidence_head.proj.weight.grad.abs().sum() > 0
+        losses.append(loss_value.item())
+        opt.step()
+    assert losses[-1] < losses[0]
 
 
 # ----------------------------------------------------------------------------- Lightning
@@ -159,6 +186,22 @@ def test_tiny_recipe_trains_and_logs_the_confidence_terms(tiny_target_dir, tmp_p
         ckpt["state_dict"])
     w2 = ckpt["state_dict"]["drafter.markov_head.markov_w2.weight"]
     assert w2.abs().sum() > 0  # trained away from the identity init
+
+
+def test_tiny_recipe_trains_markov_w2_with_a_distribution_loss(tiny_target_dir, tmp_path):
+    """module.loss={kl: 1.0} on the tiny target (online: its last hidden state is the teacher):
+    training and validation run the distribution pass on ConcatHead, markov_w2 learns."""
+    from dflash_lab.train.run import train
+
+    result = train(_compose(tmp_path, tiny_target_dir, **{"module.loss": "{kl: 1.0}",
+                                                          "trainer.max_steps": 3}))
+    run_dir = Path(result["output_dir"])
+    metrics = "".join(p.read_text() for p in (run_dir / "csv").glob("version_*/metrics.csv"))
+    assert "train/loss_kl" in metrics and "train/confidence_loss" in metrics
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)
+    assert ckpt["state_dict"]["drafter.markov_head.markov_w2.weight"].abs().sum() > 0
+    assert result["val_tau_after"] >= 1.0
 
 
 def test_a_dspark_run_exporting_for_sglang_is_refused_before_training(tiny_target_dir, tmp_path):
