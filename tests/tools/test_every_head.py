@@ -52,3 +52,22 @@ def test_rows_speedup_and_missing(tmp_path):
 def test_unknown_head_is_refused(tmp_path, capsys):
     assert main(["--heads", "dflash3"]) == 2
     assert "dflash3" in capsys.readouterr().err
+
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHIVE = REPO / "results_archive" / "compare_speculators_dist_muon_s160"
+BEGIN, END = "<!-- every-head table: python -m scripts.every_head (BEGIN) -->", "<!-- (END) -->"
+
+
+def test_the_results_page_table_is_what_the_committed_archive_gives(tmp_path):
+    """docs/results.md's every-head table is what the committed archive alone gives (no
+    outputs/, as on a fresh clone): every number on the page can be recomputed."""
+    md = tmp_path / "t.md"
+    assert main(["--out", str(md), f"out={tmp_path / 'fresh'}", f"archive={ARCHIVE}"]) == 0
+    want = md.read_text().split("Missing inputs")[0].strip()
+    page = (REPO / "docs" / "results.md").read_text()
+    got = page[page.index(BEGIN) + len(BEGIN):page.index(END)].strip()
+    assert got == want, ("docs/results.md's every-head table differs from what "
+                         f"{ARCHIVE.relative_to(REPO)} gives: archive the runs "
+                         "(stages=[archive]) and refill the table from `python -m "
+                         "scripts.every_head` (the lines before 'Missing inputs')")
