@@ -145,6 +145,7 @@ def taps(cfg: DictConfig) -> list[dict[str, Any]]:
     for r in results:
         print(f"probe_tau {r['probe_tau']:.3f}  target_layer_ids={r['target_layer_ids']}")
     print(f"ranking -> {record}")
+    print("(so far this probe has not predicted trained tau: docs/taps.md; train what you keep)")
     if t.recipe:
         print(f"recipe  -> {write_recipe(str(t.recipe), results[0]['target_layer_ids'], record)}")
     return results
