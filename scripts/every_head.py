@@ -36,6 +36,8 @@ COLUMNS = (("heldout_T0", "held-out tau T=0"), ("heldout_T1", "held-out expected
            ("decode_T0", "decoding tau T=0"), ("decode_T1", "decoding tau T=1"),
            ("draft_ms", "draft ms / round"), ("verify_ms", "verify ms / round"),
            ("speedup", "speedup from costs"))
+#: where docs/results.md holds the table (``--page`` replaces what lies between them)
+PAGE_MARKERS = ("<!-- every-head table: python -m scripts.every_head (BEGIN) -->", "<!-- (END) -->")
 TITLES = {"dflash1": "DFlash 1", "dflash2": "DFlash 2", "dspark": "DSpark", "domino": "Domino",
           "lilicorr": "LiLiCorr", "lilicorr_conv": "LiLiCorr+conv", "xpress": "XPress"}
 
@@ -134,6 +136,15 @@ def table(stats: list[dict[str, Any]], num_seeds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fill_page(page: Path, table_text: str) -> None:
+    """Replace the table between :data:`PAGE_MARKERS` in ``page`` (the missing-input list stays
+    out of the page); the page is rewritten atomically."""
+    text = page.read_text()
+    begin, end = PAGE_MARKERS
+    i, j = text.index(begin) + len(begin), text.index(end)
+    atomic_write_text(page, text[:i] + "\n" + table_text.strip() + "\n" + text[j:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", default=",".join(TITLES),
@@ -141,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=None, help="write the markdown here (default: stdout)")
     p.add_argument("--json", default=None, help="write the numbers here")
+    p.add_argument("--page", default=None, help="replace the table between the markers of this "
+                   "page (docs/results.md)")
     p.add_argument("knobs", nargs="*", help="compare_speculators KNOB=VALUE overrides")
     a = p.parse_args(argv)
     heads = [h for h in a.heads.split(",") if h]
@@ -153,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     missing: list[str] = []
     stats = [head_stats(h, seeds, a.knobs, missing) for h in heads]
     text = table(stats, len(seeds))
+    if a.page:
+        fill_page(Path(a.page), text)
     if missing:
         text += "\nMissing inputs (their stages have not run):\n" + "".join(
             f"- {m}\n" for m in missing)

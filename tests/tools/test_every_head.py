@@ -4,7 +4,8 @@ at one contract, computes the speedup from the measured costs, and names what is
 import json
 from pathlib import Path
 
-from scripts.every_head import main
+from scripts.compare_speculators import REPO
+from scripts.every_head import PAGE_MARKERS, main
 
 HEADER = "side\tstep\ttau_mean\tacc_pos1\tnum_blocks\tpath\ttau_T1\n"
 
@@ -54,9 +55,7 @@ def test_unknown_head_is_refused(tmp_path, capsys):
     assert "dflash3" in capsys.readouterr().err
 
 
-REPO = Path(__file__).resolve().parents[2]
 ARCHIVE = REPO / "results_archive" / "compare_speculators_dist_muon_s160"
-BEGIN, END = "<!-- every-head table: python -m scripts.every_head (BEGIN) -->", "<!-- (END) -->"
 
 
 def test_the_results_page_table_is_what_the_committed_archive_gives(tmp_path):
@@ -66,8 +65,21 @@ def test_the_results_page_table_is_what_the_committed_archive_gives(tmp_path):
     assert main(["--out", str(md), f"out={tmp_path / 'fresh'}", f"archive={ARCHIVE}"]) == 0
     want = md.read_text().split("Missing inputs")[0].strip()
     page = (REPO / "docs" / "results.md").read_text()
-    got = page[page.index(BEGIN) + len(BEGIN):page.index(END)].strip()
+    begin, end = PAGE_MARKERS
+    got = page[page.index(begin) + len(begin):page.index(end)].strip()
     assert got == want, ("docs/results.md's every-head table differs from what "
                          f"{ARCHIVE.relative_to(REPO)} gives: archive the runs "
-                         "(stages=[archive]) and refill the table from `python -m "
-                         "scripts.every_head` (the lines before 'Missing inputs')")
+                         "(stages=[archive]) and refill the table: `python -m "
+                         "scripts.every_head --page docs/results.md`")
+
+
+def test_page_fill_replaces_only_the_table(tmp_path):
+    """--page rewrites what lies between the markers and nothing else."""
+    begin, end = PAGE_MARKERS
+    page = tmp_path / "results.md"
+    page.write_text(f"intro\n{begin}\nold table\n{end}\nafter\n")
+    assert main(["--heads", "dflash1", "--page", str(page), f"out={tmp_path / 'none'}",
+                 f"archive={tmp_path / 'none'}"]) == 0
+    text = page.read_text()
+    assert text.startswith(f"intro\n{begin}\n| head |") and text.endswith(f"{end}\nafter\n")
+    assert "old table" not in text and "Missing inputs" not in text
