@@ -139,9 +139,12 @@ def table(stats: list[dict[str, Any]], num_seeds: int) -> str:
 def fill_page(page: Path, table_text: str) -> None:
     """Replace the table between :data:`PAGE_MARKERS` in ``page`` (the missing-input list stays
     out of the page); the page is rewritten atomically."""
-    text = page.read_text()
+    text = page.read_text() if page.is_file() else ""
     begin, end = PAGE_MARKERS
-    i, j = text.index(begin) + len(begin), text.index(end)
+    if begin not in text or end not in text[text.find(begin):]:
+        raise SystemExit(f"error: --page {page}: no '{begin}' ... '{end}' markers in it; give "
+                         "docs/results.md, or add the two marker lines where the table goes")
+    i, j = text.index(begin) + len(begin), text.index(end, text.index(begin))
     atomic_write_text(page, text[:i] + "\n" + table_text.strip() + "\n" + text[j:])
 
 

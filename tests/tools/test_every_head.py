@@ -4,6 +4,8 @@ at one contract, computes the speedup from the measured costs, and names what is
 import json
 from pathlib import Path
 
+import pytest
+
 from scripts.compare_speculators import REPO
 from scripts.every_head import PAGE_MARKERS, main
 
@@ -83,3 +85,12 @@ def test_page_fill_replaces_only_the_table(tmp_path):
     text = page.read_text()
     assert text.startswith(f"intro\n{begin}\n| head |") and text.endswith(f"{end}\nafter\n")
     assert "old table" not in text and "Missing inputs" not in text
+
+
+def test_page_without_markers_is_refused_by_name(tmp_path):
+    page = tmp_path / "notes.md"
+    page.write_text("no table here\n")
+    with pytest.raises(SystemExit, match="notes.md: no '<!-- every-head table"):
+        main(["--heads", "dflash1", "--page", str(page), f"out={tmp_path / 'none'}",
+              f"archive={tmp_path / 'none'}"])
+    assert page.read_text() == "no table here\n"
