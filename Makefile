@@ -131,6 +131,27 @@ $(DFLASH_VENV)/.installed: constraints.txt
 
 dflash-venv: $(DFLASH_VENV)/.installed
 
+# NVIDIA ModelOpt's LiLiCorr / Domino trainers (benchmarks/modelopt_train.py, the `theirs` arm of
+# scripts/compare_speculators.py variant=lilicorr|lilicorr_conv|domino) in their own venv:
+# LiLiCorr ships only in the pre-release 0.48.0rc1 (pinned exactly), whose [hf] extra pins
+# transformers >=5.5,<5.19. The base wheel's dependencies are all CPU-light (no CUDA wheels);
+# the [hf] extra is not installed (it pulls deepspeed): transformers, accelerate and requests
+# (modelopt.torch.utils imports it, the wheel does not declare it) are named.
+MODELOPT_VENV ?= .venv-modelopt
+MODELOPT_VERSION ?= 0.48.0rc1
+
+$(MODELOPT_VENV)/.installed: constraints.txt
+	$(PY) -m venv $(MODELOPT_VENV)
+	$(MODELOPT_VENV)/bin/pip install $(CONSTRAINT) "torch==2.13.0"
+	$(MODELOPT_VENV)/bin/pip install $(CONSTRAINT) "torch==2.13.0" \
+		"nvidia-modelopt==$(MODELOPT_VERSION)" "transformers==5.15.0" "accelerate>=1.0.0" requests
+	$(MODELOPT_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: modelopt-venv
+
+modelopt-venv: $(MODELOPT_VENV)/.installed
+
 # z-lab's released loop as the reference (docs/eval.md): its dflash_generate and dflash-eval's
 # loop, on the same DFlash 1 and DFlash 2 drafter directories, give the same greedy outputs and
 # acceptance round for round; plus the forward-pass parity of tests/model/test_dflash2.py and a

@@ -502,11 +502,12 @@ def pack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     }
 
 
-def save(model, out: Path, step: int) -> None:
-    """``save_pretrained`` into ``out/step-N`` (written to a temporary name, then renamed)."""
+def save(model, out: Path, step: int, write=None) -> None:
+    """``out/step-N`` written by ``write(tmp_dir)`` (default: their ``save_pretrained``) into a
+    temporary name, then renamed (benchmarks/modelopt_train.py passes ModelOpt's exporter)."""
     final = out / f"step-{step}"
     tmp = out / f".step-{step}.tmp"
-    model.save_pretrained(str(tmp))
+    (write or model.save_pretrained)(str(tmp))
     os.replace(tmp, final)
 
 
