@@ -482,8 +482,9 @@ def _mean_curve(vals: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
 
 
 def plot_seed_curves(curves: dict[str, dict[int, dict[str, float]]], png: str | Path,
-                     title: str = PLOT_TITLE) -> None:
-    """Mean held-out tau per step of every arm, with its min..max band over the seeds."""
+                     title: str = PLOT_TITLE, theirs_label: str = "speculators") -> None:
+    """Mean held-out tau per step of every arm, with its min..max band over the seeds (the
+    peer's arm, ``theirs_label``, dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -495,7 +496,7 @@ def plot_seed_curves(curves: dict[str, dict[int, dict[str, float]]], png: str | 
             continue
         steps = sorted(curve)
         mean = [curve[s]["mean"] for s in steps]
-        (line,) = ax.plot(steps, mean, "s--" if lab == "speculators" else "o-", label=lab)
+        (line,) = ax.plot(steps, mean, "s--" if lab == theirs_label else "o-", label=lab)
         ax.fill_between(steps, [curve[s]["min"] for s in steps],
                         [curve[s]["max"] for s in steps], color=line.get_color(), alpha=0.15)
     _finish_plot(fig, ax, "held-out tau, T=0 (mean, min..max over seeds)", title, png)
@@ -541,6 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("out", "plot"):
         ps.add_argument(f"--{k}", required=True)
     ps.add_argument("--json", default=None, help="also write the numbers here")
+    ps.add_argument("--theirs-label", default="speculators",
+                    help="the peer arm's label (ModelOpt for variant=lilicorr|lilicorr_conv)")
     ps.add_argument("--title", default=PLOT_TITLE, help="the plot's title")
     a = p.parse_args(argv)
     if a.cmd == "plan":
@@ -557,11 +560,11 @@ def main(argv: list[str] | None = None) -> None:
         runs = [SeedRun(lab, side, int(seed), Path(c), Path(e0), Path(e1))
                 for lab, side, seed, c, e0, e1 in a.run]
         holds = distribution_of(read_manifest(a.heldout))["last_hidden"]
-        text, numbers = summarize(runs, a.step, a.variant, holds)
+        text, numbers = summarize(runs, a.step, a.variant, holds, a.theirs_label)
         atomic_write_text(Path(a.out), text)
         if a.json:
             atomic_write_text(Path(a.json), json.dumps(numbers, indent=1) + "\n")
-        plot_seed_curves(numbers["curves"], a.plot, a.title)
+        plot_seed_curves(numbers["curves"], a.plot, a.title, a.theirs_label)
     else:
         rows = read_tsv(a.curves)
         reports = [json.loads(Path(x).read_text()) for x in (a.eval_ours, a.eval_theirs)]

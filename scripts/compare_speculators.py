@@ -22,6 +22,9 @@ Stages (each skipped once done: ``OUT/done/STAGE``; delete it to redo one):
   train_theirs   benchmarks/speculators_train.py in .venv-speculators (spec_py): their DFlash model,
                  their default loss, the plan's batches; save_pretrained every eval_every steps
                  (OUT/theirs.../step-N/). No optimizer state is saved: a rerun starts at step 0.
+                 variant=lilicorr / lilicorr_conv: ModelOpt's LiLiCorr instead
+                 (benchmarks/modelopt_train.py in .venv-modelopt, modelopt_py): its recipe's
+                 objective and optimizer, offline on the capture's states, its exporter's saves.
   curves         held-out tau of every saved checkpoint of every arm -> OUT/curves_W.tsv
   eval           dflash-eval of every arm's final drafter at T=0 (OUT/eval_NAME) and T=1
                  (rejection sampling, OUT/eval_NAME_T1) (= eval_ours eval_ours_loss eval_theirs)
@@ -93,10 +96,15 @@ VARIANTS = {"dflash1": ("", (), "dpace", ""),
             "dflash2": ("_dflash2", DFLASH2_SET, "fixed-exp-decay", "DFlash 2, "),
             "dspark": ("_dspark", DSPARK_SET, "fixed-exp-decay", "DSpark, "),
             "domino": ("_domino", ("drafter=domino",), None, "Domino, "),
-            "lilicorr": ("_lilicorr", ("drafter=lilicorr", *LILICORR_SET), None, "LiLiCorr, "),
-            "lilicorr_conv": ("_lilicorr_conv", ("drafter=lilicorr_conv", *LILICORR_SET), None,
-                              "LiLiCorr+conv, "),
+            "lilicorr": ("_lilicorr", ("drafter=lilicorr", *LILICORR_SET), "fixed-exp-decay",
+                         "LiLiCorr, "),
+            "lilicorr_conv": ("_lilicorr_conv", ("drafter=lilicorr_conv", *LILICORR_SET),
+                              "fixed-exp-decay", "LiLiCorr+conv, "),
             "xpress": ("_xpress", ("drafter=xpress",), "fixed-exp-decay", "XPress, ")}
+#: the variants whose ``theirs`` arm is NVIDIA ModelOpt's trainer (benchmarks/modelopt_train.py
+#: in modelopt_py's venv; its recipe's decay weighting and optimizer, the target's distribution);
+#: every other ``theirs`` arm is speculators 0.9.0's (benchmarks/speculators_train.py, spec_py)
+MODELOPT_VARIANTS = ("lilicorr", "lilicorr_conv")
 #: the variants whose our_loss defaults to {kl: 1.0} with distribution=last_hidden (the others
 #: default to none, as their archived rows ran; any variant takes an explicit our_loss)
 LOSS_ARM_VARIANTS = ("dflash1", "dflash2")
@@ -231,6 +239,8 @@ class Knobs:
         self.their_weighting = _choice("their_weighting",
                                        cfg.their_weighting or their_default or "fixed-exp-decay",
                                        ("dpace", "fixed-exp-decay"))
+        self.peer = "modelopt" if self.variant in MODELOPT_VARIANTS else "speculators"
+        self.their_label = {"modelopt": "ModelOpt"}.get(self.peer, "speculators")
         self.our_weighting = _choice("our_weighting", cfg.our_weighting, ("exp_decay", "dpace"))
         dpace = self.our_weighting == "dpace"
         self.osuf, self.our_run = ("_ours-dpace", "_dpace") if dpace else ("", "")
@@ -252,6 +262,8 @@ class Knobs:
         muon = self.optimizer == "muon"
         self.msuf, self.opt_set = ("_muon", ("module/optimizer=muon",)) if muon else ("", ())
         self.their_optimizer = "default" if muon else "plan"
+        if self.peer == "modelopt" and "theirs" in arms:
+            self._modelopt_knobs()
         self.policy = _choice("policy", cfg.policy, ("off", "on"),
                               " (off: ShareGPT's own answers; on: target-regenerated)")
         psuf = "_onpolicy" if self.policy == "on" else ""
@@ -284,6 +296,20 @@ class Knobs:
             if s not in ALL_STAGES:
                 raise KnobError(f"stages={stages}: unknown stage {s} ({' '.join(ALL_STAGES)})")
         self.stages = stages
+
+    def _modelopt_knobs(self) -> None:
+        """KnobError for a knob ModelOpt's LiLiCorr recipe cannot follow (its theirs arm)."""
+        fixed = {"their_weighting": (self.their_weighting, "fixed-exp-decay", "its recipe's "
+                                     "decay objective"),
+                 "optimizer": (self.optimizer, "muon", "each side's own optimizer: theirs is "
+                               "the recipe's AdamW + cosine"),
+                 "distribution": (self.distribution, "last_hidden", "its penalty reads the "
+                                  "target's logits")}
+        for key, (value, want, why) in fixed.items():
+            if value != want:
+                raise KnobError(f"{key}={value}: variant={self.variant}'s theirs arm is "
+                                f"ModelOpt's trainer, which needs {key}={want} ({why}); or "
+                                "give arms without theirs")
 
     def _lslug(self) -> str:
         if self.loss == "none":
@@ -431,6 +457,15 @@ class Driver:
 
     def train_theirs(self, s: Seed) -> None:
         k = self.k
+        if k.peer == "modelopt":
+            py = k.cfg.modelopt_py
+            if not os.access(py, os.X_OK):
+                self.fail(f"{py} missing: make modelopt-venv (nvidia-modelopt 0.48.0rc1 in its "
+                          "own venv)")
+            self.sh(py, "-m", "benchmarks.modelopt_train", "--plan", k.plan, "--target", TARGET,
+                    "--out", s.theirs, "--save-every", k.eval_every, "--variant", k.variant,
+                    "--seed", s.seed)
+            return
         spec = k.cfg.spec_py
         if not os.access(spec, os.X_OK):
             self.fail(f"{spec} missing: make speculators-venv (speculators 0.9.0 in its own venv)")
@@ -517,12 +552,13 @@ class Driver:
             for arm in k.seed_arms():
                 files = [self.kept(f) for f in self.table_files(s, arm)]
                 label, key = {"ours": ("ours ce", "ours"), "loss": (f"ours {k.loss}",
-                              f"ours-{k.lslug}"), "theirs": ("speculators", "speculators")}[arm]
+                              f"ours-{k.lslug}"), "theirs": (k.their_label, "speculators")}[arm]
                 runs += ["--run", label, key, str(seed), *files]
         Path(k.cfg.plot_dir).mkdir(parents=True, exist_ok=True)
         summary = f"{k.out}/summary{k.tw}{k.osuf}"
         self.sh(sys.executable, "-m", "benchmarks.peer_quality", "summary", "--step", k.steps,
-                "--heldout", heldout, "--variant", k.variant, *runs, "--out", f"{summary}.md",
+                "--heldout", heldout, "--variant", k.variant, *runs, "--theirs-label",
+                k.their_label, "--out", f"{summary}.md",
                 "--json", f"{summary}.json", "--plot",
                 f"{k.cfg.plot_dir}/{k.name}_tau{k.tw}{k.osuf}.png", "--title", k.title)
         self.say(Path(f"{summary}.md").read_text().rstrip("\n"))

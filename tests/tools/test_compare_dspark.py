@@ -65,9 +65,9 @@ def test_every_head_takes_a_distribution_loss_arm(tmp_path, variant, knobs):
 
 
 def test_heads_without_a_peer_trainer_refuse_their_arm(tmp_path):
-    done = run_driver(tmp_path / "cmp", "capture", variant="lilicorr")
+    done = run_driver(tmp_path / "cmp", "capture", variant="domino")
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "variant=lilicorr: no peer trainer of this head runs here" in done.stdout
+    assert "variant=domino: no peer trainer of this head runs here" in done.stdout
     assert "arms=[ours]" in done.stdout and not (tmp_path / "cmp").exists()
 
 

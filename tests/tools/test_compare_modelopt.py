@@ -1,0 +1,172 @@
+"""The ModelOpt arm of the comparison (issue 45: ``variant=lilicorr|lilicorr_conv``'s ``theirs``
+arm is NVIDIA ModelOpt's own LiLiCorr trainer, benchmarks/modelopt_train.py in .venv-modelopt):
+the driver names its files as every other peer's and refuses the knobs ModelOpt's recipe cannot
+follow; the plan's fields map onto their recipe's keys and a plan their config cannot express is
+refused naming the field; their export's names become the engines'; their trainer (its own venv,
+slow) trains a tiny plan offline on the capture's states and our reader loads and drafts with
+its saves."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks import modelopt_train
+from benchmarks.peer_quality import build_plan
+from dflash_lab.paths import REPO_ROOT
+from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
+from tests.tools.test_peer_quality import both_sides_rows, on_tiny
+
+MODELOPT_PYTHON = REPO_ROOT / ".venv-modelopt" / "bin" / "python"
+#: the knobs ModelOpt's arm needs (the every-head table's contract)
+KNOBS = {"distribution": "last_hidden", "optimizer": "muon"}
+#: the tiny plan's lattice: 32 wide, 16 factors (4 heads of 8)
+TINY_LATTICE = ("drafter.lilicorr_hidden_size=32", "drafter.lilicorr_factor_dim=16")
+SHAPE = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+         "intermediate_size": 1536, "num_hidden_layers": 30}
+
+
+@pytest.mark.parametrize("variant", ["lilicorr", "lilicorr_conv"])
+def test_lilicorr_has_a_modelopt_theirs_arm_named_as_every_peer(tmp_path, variant):
+    out = str(tmp_path / "cmp")
+    got = driver_paths(tmp_path / "cmp", variant=variant, seeds="[0,2]", **KNOBS)
+    assert got["plan"] == f"{out}/plan_{variant}.json"
+    assert got["theirs.0"] == f"{out}/theirs_{variant}_fixed-exp-decay"
+    assert got["stage_train_theirs.2"] == f"train_theirs_{variant}_fixed-exp-decay_seed2"
+    assert got["eval_theirs_T1.2"] == f"{out}/eval_theirs_{variant}_fixed-exp-decay_seed2_T1"
+    # our arm's names are what they were without a peer (arms=[ours])
+    alone = driver_paths(tmp_path / "cmp", variant=variant, seeds="[0,2]", arms="[ours]",
+                         **KNOBS)
+    assert {k: v for k, v in got.items() if "theirs" not in k} == \
+        {k: v for k, v in alone.items() if "theirs" not in k}
+
+
+@pytest.mark.parametrize("knob, value", [("distribution", "none"), ("optimizer", "adamw"),
+                                         ("their_weighting", "dpace")])
+def test_a_knob_modelopts_recipe_cannot_follow_is_refused_naming_it(tmp_path, knob, value):
+    done = run_driver(tmp_path / "cmp", "capture", variant="lilicorr", **{**KNOBS, knob: value})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{knob}={value}" in done.stdout and "ModelOpt" in done.stdout
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_train_theirs_runs_modelopt_py_and_names_its_make_target(tmp_path):
+    done = run_driver(tmp_path / "cmp", "train_theirs", variant="lilicorr",
+                      modelopt_py=str(tmp_path / "none" / "python"), **KNOBS)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "make modelopt-venv" in done.stdout
+    assert not (tmp_path / "cmp" / "done").exists()
+
+
+def _plan(**fields) -> dict:
+    """The SmolLM2 LiLiCorr plan's drafter (3 layers, block 8, LILICORR_SET) at 3 taps."""
+    d = {"variant": "lilicorr", "num_hidden_layers": 3, "block_size": 8,
+         "target_layer_ids": [1, 14, 27], "mask_token_id": 16, "hidden_size": 576,
+         "vocab_size": 49152, "trainable_params": 1, "lilicorr_candidate_topk": 8,
+         "lilicorr_hidden_size": 256, "lilicorr_num_layers": 2, "lilicorr_num_heads": 4,
+         "lilicorr_mlp_ratio": 2.0, "lilicorr_factor_dim": 64, "lilicorr_vector_eps": 1e-4,
+         "lilicorr_logit_scale": 8.0, "conv_kernel_size": None, "conv_group_size": None,
+         "sample_from_anchor": False}
+    return {"num_anchors_per_sequence": 32, "gamma": 4.0, "drafter": {**d, **fields}}
+
+
+def test_the_plan_fields_map_onto_their_recipe_keys():
+    got = modelopt_train.dflash_fields(_plan(), "lilicorr", SHAPE)
+    arch = "dflash.dflash_architecture_config."
+    assert got == {
+        "dflash.dflash_block_size": 8, "dflash.dflash_num_anchors": 32,
+        "dflash.dflash_mask_token_id": 16, "dflash.dflash_loss_decay_factor": 4.0,
+        **{arch + k: v for k, v in {
+            "lilicorr_candidate_topk": 8, "lilicorr_hidden_size": 256,
+            "lilicorr_num_layers": 2, "lilicorr_num_heads": 4, "lilicorr_mlp_ratio": 2.0,
+            "lilicorr_factor_dim": 64, "lilicorr_vector_eps": 1e-4, "lilicorr_logit_scale": 8.0,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+            "intermediate_size": 1536, "num_hidden_layers": 3,
+            "target_layer_ids": [1, 14, 27]}.items()}}
+    conv = modelopt_train.dflash_fields(_plan(conv_kernel_size=2, conv_group_size=16),
+                                        "lilicorr_conv", SHAPE)
+    assert (conv[arch + "conv_kernel_size"], conv[arch + "conv_group_size"]) == (2, 16)
+    assert modelopt_train.dotlist({"a.b": [1, 3], "c": 1e-4}) == ["a.b=[1, 3]", "c=0.0001"]
+
+
+@pytest.mark.parametrize("variant, fields, named", [
+    # the SmolLM2 recipe's five taps on three layers: their config takes one tap per layer
+    ("lilicorr", {"target_layer_ids": [1, 8, 14, 20, 27]}, "target_layer_ids=[1, 8, 14, 20, 27]"),
+    ("lilicorr", {"conv_kernel_size": 2, "conv_group_size": 16}, "conv_kernel_size=2"),
+    ("lilicorr_conv", {}, "conv_kernel_size=None"),
+    ("lilicorr", {"sample_from_anchor": True}, "sample_from_anchor=True"),
+    ("lilicorr", {"variant": "domino"}, "variant=lilicorr"),
+])
+def test_a_plan_their_config_cannot_express_is_refused_naming_the_field(variant, fields, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        modelopt_train.dflash_fields(_plan(**fields), variant, SHAPE)
+
+
+def test_their_export_is_rewritten_in_the_engines_names(tmp_path):
+    names = ["lilicorr.feature_mlp.0.weight", "lilicorr.feature_mlp.1.bias",
+             "lilicorr.feature_mlp.3.weight", "lilicorr.layers.1.mlp.0.weight",
+             "lilicorr.layers.1.mlp.2.bias", "layers.0.mlp.gate_proj.weight", "fc.weight"]
+    save_file({n: torch.zeros(1) for n in names}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"num_target_layers": 0, "dflash_config": {
+        "lilicorr_enabled": True, "projector_type": "lilicorr", "lilicorr_logit_scale": 8.0}}))
+    modelopt_train.engine_layout(tmp_path, 30)
+    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted([
+        "lilicorr.feature_norm.weight", "lilicorr.feature_mlp.up_proj.bias",
+        "lilicorr.feature_mlp.down_proj.weight", "lilicorr.layers.1.mlp.up_proj.weight",
+        "lilicorr.layers.1.mlp.down_proj.bias", "layers.0.mlp.gate_proj.weight", "fc.weight"])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg == {"num_target_layers": 30, "dflash_config": {"lilicorr_logit_scale": 8.0}}
+
+
+@pytest.fixture(scope="module")
+def dist_capture(tiny_target, tmp_path_factory):
+    """The tiny capture with the target's final-normed last hidden state (their penalty)."""
+    from dflash_lab.data.capture_loop import CaptureSettings, run_capture
+    from dflash_lab.targets.demo_corpus import demo_conversations
+
+    out = tmp_path_factory.mktemp("capture")
+    rows = [{"messages": c} for c in demo_conversations(10, seed=5)]
+    settings = CaptureSettings(out_dir=str(out), target_layer_ids=[1, 3, 5], shard_size=4,
+                               max_length=64, distribution=("last_hidden",))
+    assert run_capture(tiny_target, rows, settings, {"path": "demo"}, progress=False)
+    return out
+
+
+@pytest.mark.skipif(not MODELOPT_PYTHON.exists(), reason="needs .venv-modelopt: make modelopt-venv")
+@pytest.mark.slow
+def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
+        tiny_target, tiny_target_dir, dist_capture, tmp_path):
+    from dflash_lab.eval.loading import load_drafter
+
+    args = on_tiny(driver_lines(tmp_path / "cmp", "args", variant="lilicorr", **KNOBS),
+                   tiny_target_dir, dist_capture, tiny_target.token_id("<|mask|>"), 3)
+    args += list(TINY_LATTICE)
+    plan = build_plan(args)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    theirs = tmp_path / "theirs"
+    done = subprocess.run(
+        [str(MODELOPT_PYTHON), "-m", "benchmarks.modelopt_train", "--plan",
+         str(tmp_path / "plan.json"), "--target", str(tiny_target_dir), "--out", str(theirs),
+         "--save-every", "2", "--variant", "lilicorr"], cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((theirs / "run.json").read_text())
+    assert run["offline"] and run["trainable_params"] == plan["drafter"]["trainable_params"]
+    assert run["objective"]["dflash_lilicorr_w_ce"] == 0.25  # their recipe's, read at run time
+    assert run["objective"]["dflash_lilicorr_w_pen"] == 0.25
+    assert (run["optimizer"]["lr"], run["optimizer"]["lr_scheduler_type"]) == (6e-4, "cosine")
+    forced = run["lilicorr_not_default"]
+    assert forced["dflash.dflash_block_size"] == 8
+    assert forced["dflash.dflash_architecture_config.lilicorr_hidden_size"] == 32
+    log = [line.split("\t") for line in (theirs / "train_log.tsv").read_text().splitlines()]
+    assert [int(r[0]) for r in log] == [1, 2, 3] and all(0 < float(r[1]) < 100 for r in log)
+    assert sorted(p.name for p in theirs.glob("step-*")) == ["step-2", "step-3"]
+    dc = load_drafter(theirs / "step-3").drafter.config
+    assert (dc.variant, dc.block_size, dc.target_layer_ids, dc.lilicorr_hidden_size,
+            dc.lilicorr_factor_dim, dc.lilicorr_logit_scale) == ("lilicorr", 8, [1, 3, 5], 32,
+                                                                 16, 8.0)
+    rows = both_sides_rows(args, tiny_target, tiny_target_dir, dist_capture, theirs, tmp_path)
+    assert all(1.0 <= r["tau_mean"] <= 8 and r["num_blocks"] > 0 for r in rows)
