@@ -43,7 +43,9 @@ with ``attention_mask`` and ``loss_mask`` 0 on the padding, and ``base_model_out
 ``hidden_states[lid + 1]`` is the same layer as our id ``lid``) and ``base_model_hidden_states``
 = our ``target_last_hidden`` (final-normed, so ``base_hidden_prenorm`` false: their
 ``from_offline_dict`` applies their LM head to it for the penalty's target logits). Both sides
-see the same target states.
+see the same target states. Before any step, argmax(their LM head(``target_last_hidden``)) must
+match the stored ``target_argmax`` on the first batch's loss positions (the check and threshold
+of benchmarks/speculators_train.py: another target's head, or pre-norm states, fail it).
 
 Saves (:func:`export_step`): their exporter's ``config.json`` and ``model.safetensors``, with the
 edits run.json lists under ``export_edits``: the head's two ``nn.Sequential`` indices renamed
@@ -67,7 +69,9 @@ import torch
 from benchmarks.speculators_train import (
     Shards,
     _plan_drafter,
+    argmax_agreement,
     capture_distribution,
+    check_agreement,
     save,
     write_json,
 )
@@ -301,9 +305,17 @@ def main(argv: list[str] | None = None) -> None:
         opt, sched, opt_info = build_optimizer(model, recipe, plan["num_steps"], scratch)
     info = run_record(a.variant, recipe, fields, their_recipe(a.variant), model, opt_info,
                       plan, a.seed)
+    shards = Shards(plan["capture"], ("input_ids", "loss_mask", "hidden", "target_last_hidden",
+                                      "target_argmax"))
+    # before any step: their LM head on the stored states must give the stored argmax
+    first = [shards.sample(*r) for r in plan["steps"][0]["rows"]]
+    cat = {k: torch.cat([s[k] for s in first]) for k in first[0]}
+    info["argmax_agreement"] = argmax_agreement(model._base_model_lm_head,
+                                                cat["target_last_hidden"],
+                                                cat["target_argmax"], cat["loss_mask"])
+    check_agreement(info["argmax_agreement"], plan["capture"], a.target)
     print(json.dumps(info), flush=True)
     write_json(out / "run.json", info)
-    shards = Shards(plan["capture"], ("input_ids", "loss_mask", "hidden", "target_last_hidden"))
     block, clip = fields["dflash.dflash_block_size"], opt_info["max_grad_norm"]
     params = [q for q in model.parameters() if q.requires_grad]
     write = export_step(model, shape["num_hidden_layers"])
@@ -312,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         for step, entry in enumerate(plan["steps"]):
             batch = pad_batch([shards.sample(*r) for r in entry["rows"]], block)
             lr = opt.param_groups[0]["lr"]
-            loss = model(**batch).loss
+            found = model(**batch)
+            loss = found.loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
@@ -322,7 +335,10 @@ def main(argv: list[str] | None = None) -> None:
             log.write(f"{done}\t{float(loss.detach()):.5f}\t{lr:.3e}\t{time.time() - t0:.1f}\n")
             log.flush()
             if done % 10 == 0:
+                terms = found.get("lilicorr_metrics") or {}
                 print(f"step {done}/{plan['num_steps']} loss {float(loss.detach()):.4f} "
+                      f"(dflash {terms.get('origin_loss', float('nan')):.4f}, lattice "
+                      f"{terms.get('lilicorr_loss', float('nan')):.4f}) "
                       f"{(time.time() - t0) / done:.2f} s/step", flush=True)
             if done % a.save_every == 0 or done == plan["num_steps"]:
                 save(model, out, done, write)
