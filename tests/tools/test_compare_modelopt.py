@@ -18,7 +18,11 @@ from benchmarks import modelopt_train
 from benchmarks.peer_quality import build_plan
 from dflash_lab.paths import REPO_ROOT
 from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
-from tests.tools.test_peer_quality import both_sides_rows, on_tiny
+from tests.tools.test_peer_quality import (  # noqa: F401 (dist_capture: a fixture)
+    both_sides_rows,
+    dist_capture,
+    on_tiny,
+)
 
 MODELOPT_PYTHON = REPO_ROOT / ".venv-modelopt" / "bin" / "python"
 #: the knobs ModelOpt's arm needs (the every-head table's contract)
@@ -121,24 +125,10 @@ def test_their_export_is_rewritten_in_the_engines_names(tmp_path):
     assert cfg == {"num_target_layers": 30, "dflash_config": {"lilicorr_logit_scale": 8.0}}
 
 
-@pytest.fixture(scope="module")
-def dist_capture(tiny_target, tmp_path_factory):
-    """The tiny capture with the target's final-normed last hidden state (their penalty)."""
-    from dflash_lab.data.capture_loop import CaptureSettings, run_capture
-    from dflash_lab.targets.demo_corpus import demo_conversations
-
-    out = tmp_path_factory.mktemp("capture")
-    rows = [{"messages": c} for c in demo_conversations(10, seed=5)]
-    settings = CaptureSettings(out_dir=str(out), target_layer_ids=[1, 3, 5], shard_size=4,
-                               max_length=64, distribution=("last_hidden",))
-    assert run_capture(tiny_target, rows, settings, {"path": "demo"}, progress=False)
-    return out
-
-
 @pytest.mark.skipif(not MODELOPT_PYTHON.exists(), reason="needs .venv-modelopt: make modelopt-venv")
 @pytest.mark.slow
 def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
-        tiny_target, tiny_target_dir, dist_capture, tmp_path):
+        tiny_target, tiny_target_dir, dist_capture, tmp_path):  # noqa: F811
     from dflash_lab.eval.loading import load_drafter
 
     args = on_tiny(driver_lines(tmp_path / "cmp", "args", variant="lilicorr", **KNOBS),
