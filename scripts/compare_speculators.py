@@ -105,6 +105,9 @@ VARIANTS = {"dflash1": ("", (), "dpace", ""),
 #: in modelopt_py's venv; its recipe's decay weighting and optimizer, the target's distribution);
 #: every other ``theirs`` arm is speculators 0.9.0's (benchmarks/speculators_train.py, spec_py)
 MODELOPT_VARIANTS = ("lilicorr", "lilicorr_conv")
+#: why a variant without a ``theirs`` arm has none (default: docs/results.md, 'Which head')
+NO_PEER = {"domino": "ModelOpt's Domino trains shift_label=true only, ours and SGLang's rollout "
+                     "false: docs/domino.md"}
 #: the variants whose our_loss defaults to {kl: 1.0} with distribution=last_hidden (the others
 #: default to none, as their archived rows ran; any variant takes an explicit our_loss)
 LOSS_ARM_VARIANTS = ("dflash1", "dflash2")
@@ -234,8 +237,9 @@ class Knobs:
         self.variant = _choice("variant", cfg.variant, tuple(VARIANTS))
         self.vsuf, self.variant_set, their_default, title_variant = VARIANTS[self.variant]
         if their_default is None and "theirs" in arms:
+            why = NO_PEER.get(self.variant, "docs/results.md, 'Which head'")
             raise KnobError(f"variant={self.variant}: no peer trainer of this head runs here "
-                            "(docs/results.md, 'Which head'); give arms=[ours]")
+                            f"({why}); give arms=[ours]")
         self.their_weighting = _choice("their_weighting",
                                        cfg.their_weighting or their_default or "fixed-exp-decay",
                                        ("dpace", "fixed-exp-decay"))

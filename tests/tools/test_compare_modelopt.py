@@ -160,3 +160,10 @@ def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
                                                                  16, 8.0)
     rows = both_sides_rows(args, tiny_target, tiny_target_dir, dist_capture, theirs, tmp_path)
     assert all(1.0 <= r["tau_mean"] <= 8 and r["num_blocks"] > 0 for r in rows)
+
+
+def test_domino_has_no_theirs_arm_and_says_why(tmp_path):
+    """ModelOpt's Domino trains shift_label=true only; ours (SGLang's rollout) false only."""
+    done = run_driver(tmp_path / "cmp", "capture", variant="domino", **KNOBS)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "shift_label" in done.stdout and "docs/domino.md" in done.stdout
