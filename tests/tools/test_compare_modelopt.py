@@ -4,7 +4,8 @@ the driver names its files as every other peer's and refuses the knobs ModelOpt'
 follow; the plan's fields map onto their recipe's keys and a plan their config cannot express is
 refused naming the field; their export's names become the engines'; their trainer (its own venv,
 slow) trains a tiny plan offline on the capture's states and our reader loads and drafts with
-its saves."""
+its saves, and scores their saved lattice exactly as their head does (tests/tools/
+modelopt_scores.py, run in their venv)."""
 
 import json
 import os
@@ -125,26 +126,46 @@ def test_their_export_is_rewritten_in_the_engines_names(tmp_path):
     assert cfg == {"num_target_layers": 30, "dflash_config": {"lilicorr_logit_scale": 8.0}}
 
 
-@pytest.mark.skipif(not MODELOPT_PYTHON.exists(), reason="needs .venv-modelopt: make modelopt-venv")
-@pytest.mark.slow
-def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
-        tiny_target, tiny_target_dir, dist_capture, tmp_path):  # noqa: F811
-    from dflash_lab.eval.loading import load_drafter
-
-    args = on_tiny(driver_lines(tmp_path / "cmp", "args", variant="lilicorr", **KNOBS),
+@pytest.fixture(scope="module")
+def lilicorr_plan(tiny_target, tiny_target_dir, dist_capture, tmp_path_factory):  # noqa: F811
+    """(overrides, plan) of the driver's LiLiCorr run on the tiny target, 3 steps, a 32-wide
+    lattice; the plan is also written to ``plan.json`` in its own folder (returned third)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    args = on_tiny(driver_lines(tmp / "cmp", "args", variant="lilicorr", **KNOBS),
                    tiny_target_dir, dist_capture, tiny_target.token_id("<|mask|>"), 3)
     args += list(TINY_LATTICE)
     plan = build_plan(args)
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    theirs = tmp_path / "theirs"
-    done = subprocess.run(
-        [str(MODELOPT_PYTHON), "-m", "benchmarks.modelopt_train", "--plan",
-         str(tmp_path / "plan.json"), "--target", str(tiny_target_dir), "--out", str(theirs),
-         "--save-every", "2", "--variant", "lilicorr"], cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    return args, plan, tmp / "plan.json"
+
+
+def in_modelopt_venv(*argv: str) -> None:
+    """``.venv-modelopt/bin/python ARGV`` from the repository root, offline, one thread; it
+    must exit 0."""
+    done = subprocess.run([str(MODELOPT_PYTHON), *argv], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+NEEDS_VENV = pytest.mark.skipif(not MODELOPT_PYTHON.exists(),
+                                reason="needs .venv-modelopt: make modelopt-venv")
+
+
+@NEEDS_VENV
+@pytest.mark.slow
+def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
+        tiny_target, tiny_target_dir, dist_capture, lilicorr_plan, tmp_path):  # noqa: F811
+    from dflash_lab.eval.loading import load_drafter
+
+    args, plan, plan_file = lilicorr_plan
+    theirs = tmp_path / "theirs"
+    in_modelopt_venv("-m", "benchmarks.modelopt_train", "--plan", str(plan_file), "--target",
+                     str(tiny_target_dir), "--out", str(theirs), "--save-every", "2",
+                     "--variant", "lilicorr")
     run = json.loads((theirs / "run.json").read_text())
     assert run["offline"] and run["trainable_params"] == plan["drafter"]["trainable_params"]
+    assert run["argmax_agreement"]["fraction"] == 1.0  # float32 tiny target: no near-ties
     assert run["objective"]["dflash_lilicorr_w_ce"] == 0.25  # their recipe's, read at run time
     assert run["objective"]["dflash_lilicorr_w_pen"] == 0.25
     assert (run["optimizer"]["lr"], run["optimizer"]["lr_scheduler_type"]) == (6e-4, "cosine")
@@ -160,6 +181,29 @@ def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
                                                                  16, 8.0)
     rows = both_sides_rows(args, tiny_target, tiny_target_dir, dist_capture, theirs, tmp_path)
     assert all(1.0 <= r["tau_mean"] <= 8 and r["num_blocks"] > 0 for r in rows)
+
+
+@NEEDS_VENV
+@pytest.mark.slow
+def test_our_reader_scores_their_saved_lattice_as_their_head_does(
+        tiny_target, tiny_target_dir, lilicorr_plan, tmp_path):
+    """Their head's logit-scaled start and pair factors on seeded inputs, with every tensor
+    perturbed off its init, equal our LiLiCorrLattice's on the saved step (the renamed
+    tensors and the fused anchor row included)."""
+    from dflash_lab.eval.loading import load_drafter
+
+    in_modelopt_venv("-m", "tests.tools.modelopt_scores", str(lilicorr_plan[2]),
+                     str(tiny_target_dir), str(tmp_path))
+    x = load_file(str(tmp_path / "scores.safetensors"))
+    drafter = load_drafter(tmp_path / "step-0").drafter.float()
+    with torch.no_grad():
+        anchor = drafter.fuse(x["taps"][None, None])[:, 0]
+        scores = drafter.lilicorr(tiny_target.pieces().embed_tokens(x["ids"])[None],
+                                  x["lp"][None], x["pass"][None], anchor, torch.ones(1))[0]
+    assert scores.abs().max() > 0.5  # not a collapsed lattice
+    torch.testing.assert_close(scores[0], x["start"][None].expand_as(scores[0]),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores[1:], x["pair"], atol=1e-5, rtol=1e-5)
 
 
 def test_domino_has_no_theirs_arm_and_says_why(tmp_path):
