@@ -13,8 +13,9 @@ It must not import dflash_lab. It trains ModelOpt's own ``HFLiLiCorrModel`` on t
 What is theirs: the model as their recipe builds it (``modelopt_recipes/general/
 speculative_decoding/<variant>.yaml``, read at run time through their ``load_recipe``; the target
 loaded by their ``load_vlm_or_llm`` and converted by ``mtsp.convert(model, [("dflash", cfg)])``),
-their seeding (``transformers.set_seed(--seed)`` before the conversion: their init and their
-anchor sampling, ``torch.rand`` on the global generator), their forward (anchor sampling, block
+their seeding (``transformers.set_seed(--seed)`` before the conversion: their init; and the
+recipe's ``training.seed`` set to ``--seed``, which HF ``Trainer`` reseeds the global generator
+with when it is built: their anchor sampling, ``torch.rand``), their forward (anchor sampling, block
 mask, the DFlash loss with their ``decay`` objective) and objective (their LiLiCorr weights
 from the recipe: the DFlash CE + ``w_ce`` lattice CE + ``w_margin`` hinge + ``w_pen`` distractor
 penalty), their optimizer and schedule as HF ``Trainer`` builds them from the recipe's
@@ -24,10 +25,10 @@ with ``warmup_ratio`` of the plan's steps) and HF's step (backward, clip at the 
 ``max_grad_norm``, optimizer step, lr step, zero_grad).
 
 Forced by the plan (``<variant>_not_default`` in run.json lists each one that differs from
-their recipe): the draft's layer count, block size, target layer ids, mask id, the decay
-gamma (their ``dflash_loss_decay_factor``), the anchors per sequence (their
-``dflash_num_anchors`` is per row, and a row is one of our sequences), the lattice fields
-(``lilicorr_*``; their recipe's are sized for Qwen3-8B) and the conv's, and the draft's
+their recipe, the comparison's seed too): the draft's layer count, block size, target layer
+ids, mask id, the decay gamma (their ``dflash_loss_decay_factor``), the anchors per sequence
+(their ``dflash_num_anchors`` is per row, and a row is one of our sequences), the lattice
+fields (``lilicorr_*``; their recipe's are sized for Qwen3-8B) and the conv's, and the draft's
 attention and MLP shape (the target's, as our drafter; their recipe's are Qwen3-8B's). A plan
 field their config cannot express is a ValueError naming it (:func:`dflash_fields`).
 
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = target_shape(a.target)
-    fields = dflash_fields(plan, a.variant, shape)
+    fields = {**dflash_fields(plan, a.variant, shape), "training.seed": a.seed}
     if not capture_distribution(plan["capture"])["last_hidden"]:
         raise ValueError(f"{plan['capture']} holds no target_last_hidden: their LiLiCorr "
                          "penalty (w_pen) reads the target's logits; recapture with "
