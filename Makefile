@@ -131,8 +131,9 @@ $(DFLASH_VENV)/.installed: constraints.txt
 
 dflash-venv: $(DFLASH_VENV)/.installed
 
-# NVIDIA ModelOpt's LiLiCorr / Domino trainers (benchmarks/modelopt_train.py, the `theirs` arm of
-# scripts/compare_speculators.py variant=lilicorr|lilicorr_conv|domino) in their own venv:
+# NVIDIA ModelOpt's LiLiCorr trainer (benchmarks/modelopt_train.py, the `theirs` arm of
+# scripts/compare_speculators.py variant=lilicorr|lilicorr_conv; its Domino trainer cannot train
+# our Domino: docs/domino.md) in its own venv:
 # LiLiCorr ships only in the pre-release 0.48.0rc1 (pinned exactly), whose [hf] extra pins
 # transformers >=5.5,<5.19. The base wheel's dependencies are all CPU-light (no CUDA wheels);
 # the [hf] extra is not installed (it pulls deepspeed): transformers, accelerate and requests
