@@ -163,11 +163,18 @@ def build_plan(overrides: list[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- curves
+#: the side names of the peers' saves in a curves TSV (benchmarks/speculators_train.py's,
+#: benchmarks/modelopt_train.py's)
+THEIR_SIDES = ("speculators", "modelopt")
+
+
 def checkpoints(ours: str | Path, theirs: str | Path,
-                others: dict[str, str | Path] | None = None) -> list[tuple[str, int, Path]]:
+                others: dict[str, str | Path] | None = None,
+                theirs_side: str = "speculators") -> list[tuple[str, int, Path]]:
     """(side, step, path) of every saved checkpoint: ours ``stepN.ckpt`` files (side ``ours``,
     and each ``others`` side: another of our runs, e.g. the distribution-loss arm), theirs
-    ``step-N`` directories (side ``speculators``), by side then step."""
+    ``step-N`` directories (side ``theirs_side``: speculators, or modelopt), by side then
+    step."""
     found = []
     ours_sides = {"ours": ours, **(others or {})}
     for side, root in ours_sides.items():
@@ -178,7 +185,7 @@ def checkpoints(ours: str | Path, theirs: str | Path,
     for p in Path(theirs).glob("step-*"):
         m = re.fullmatch(r"step-(\d+)", p.name)
         if m and (p / "config.json").is_file():
-            found.append(("speculators", int(m.group(1)), p))
+            found.append((theirs_side, int(m.group(1)), p))
     if not found:
         dirs = ", ".join(str(d) for d in ours_sides.values())
         raise ValueError(f"no checkpoints under {dirs} (stepN.ckpt) or {theirs} (step-N/): "
@@ -189,7 +196,8 @@ def checkpoints(ours: str | Path, theirs: str | Path,
 def curve_rows(heldout: str, target_path: str, ours: str, theirs: str,
                num_anchors: int | None = None,
                done: list[dict[str, Any]] | None = None,
-               others: dict[str, str] | None = None) -> list[dict[str, Any]]:
+               others: dict[str, str] | None = None,
+               theirs_side: str = "speculators") -> list[dict[str, Any]]:
     """Held-out tau of every checkpoint, the target loaded once (float32, as dflash-eval).
     ``done``: rows of an earlier pass (same settings), kept; only checkpoints without a row
     are evaluated, so the stage can run while the other side is still training. ``others``:
@@ -213,7 +221,7 @@ def curve_rows(heldout: str, target_path: str, ours: str, theirs: str,
     rows = list(done or [])
     have = {(r["side"], r["step"]) for r in rows}
     dataset = None
-    for side, step, path in checkpoints(ours, theirs, others):
+    for side, step, path in checkpoints(ours, theirs, others, theirs_side):
         if (side, step) in have:
             continue
         loaded = load_drafter(path, backend="sdpa", device=target.device,
@@ -508,9 +516,10 @@ def parse_others(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
         side, sep, root = item.partition("=")
-        if not sep or not side or not root or side in ("ours", "speculators"):
+        if not sep or not side or not root or side in ("ours", *THEIR_SIDES):
             raise ValueError(f"--other {item!r}: expected SIDE=DIR with a side name other than "
-                             "ours and speculators, e.g. --other ours-loss-kl1.0=RUN/curve")
+                             f"ours and {' and '.join(THEIR_SIDES)}, e.g. --other "
+                             "ours-loss-kl1.0=RUN/curve")
         out[side] = root
     return out
 
@@ -526,6 +535,8 @@ def main(argv: list[str] | None = None) -> None:
         pc.add_argument(f"--{k}", required=True)
     pc.add_argument("--num-anchors", type=int, default=None,
                     help="blocks per held-out sample (default: every valid anchor)")
+    pc.add_argument("--theirs-side", default="speculators", choices=list(THEIR_SIDES),
+                    help="the side name of --theirs' step-N saves (their trainer)")
     pc.add_argument("--other", action="append", default=[], metavar="SIDE=DIR",
                     help="another of our runs' stepN.ckpt directory, scored as side SIDE")
     pt = sub.add_parser("table")
@@ -553,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "curves":
         done = read_tsv(a.out) if Path(a.out).is_file() else None
         write_tsv(a.out, curve_rows(a.heldout, a.target, a.ours, a.theirs, a.num_anchors, done,
-                                    parse_others(a.other)))
+                                    parse_others(a.other), a.theirs_side))
     elif a.cmd == "summary":
         from dflash_lab.data.shards import distribution_of, read_manifest
 

@@ -245,6 +245,8 @@ class Knobs:
                                        ("dpace", "fixed-exp-decay"))
         self.peer = "modelopt" if self.variant in MODELOPT_VARIANTS else "speculators"
         self.their_label = {"modelopt": "ModelOpt"}.get(self.peer, "speculators")
+        #: the curves TSV's side name of their saves (peer_quality.THEIR_SIDES)
+        self.their_side = self.peer
         self.our_weighting = _choice("our_weighting", cfg.our_weighting, ("exp_decay", "dpace"))
         dpace = self.our_weighting == "dpace"
         self.osuf, self.our_run = ("_ours-dpace", "_dpace") if dpace else ("", "")
@@ -480,18 +482,19 @@ class Driver:
 
     def curves(self, s: Seed) -> None:
         k = self.k
-        # our non-default side starts from the default pass's speculators rows (same
+        # our non-default side starts from the default pass's peer rows (same
         # checkpoints, same held-out blocks): only our checkpoints are evaluated
         base, curves = Path(f"{k.out}/curves{k.tw}{s.ssuf}.tsv"), Path(s.curves)
         if k.osuf and not curves.exists() and base.exists():
             lines = base.read_text().splitlines(keepends=True)
-            kept = lines[:1] + [ln for ln in lines[1:] if ln.split("\t", 1)[0] == "speculators"]
+            kept = lines[:1] + [ln for ln in lines[1:] if ln.split("\t", 1)[0] == k.their_side]
             tmp = curves.with_suffix(".tmp")
             tmp.write_text("".join(kept))
             tmp.rename(curves)
         other = ("--other", f"ours-{k.lslug}={s.loss_run}/curve") if k.lslug else ()
         self.sh(sys.executable, "-m", "benchmarks.peer_quality", "curves", "--heldout", k.heldout,
                 "--target", TARGET, "--ours", f"{s.run}/curve", "--theirs", s.theirs,
+                "--theirs-side", k.their_side,
                 "--num-anchors", k.cfg.curve_anchors, "--out", s.curves, *other)
 
     def evaluate(self, name: str, drafter: str, *extra: str) -> None:
@@ -556,7 +559,7 @@ class Driver:
             for arm in k.seed_arms():
                 files = [self.kept(f) for f in self.table_files(s, arm)]
                 label, key = {"ours": ("ours ce", "ours"), "loss": (f"ours {k.loss}",
-                              f"ours-{k.lslug}"), "theirs": (k.their_label, "speculators")}[arm]
+                              f"ours-{k.lslug}"), "theirs": (k.their_label, k.their_side)}[arm]
                 runs += ["--run", label, key, str(seed), *files]
         Path(k.cfg.plot_dir).mkdir(parents=True, exist_ok=True)
         summary = f"{k.out}/summary{k.tw}{k.osuf}"

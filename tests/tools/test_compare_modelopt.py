@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks import modelopt_train
-from benchmarks.peer_quality import build_plan
+from benchmarks.peer_quality import build_plan, checkpoints, parse_others
 from dflash_lab.paths import REPO_ROOT
 from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
 from tests.tools.test_peer_quality import (  # noqa: F401 (dist_capture: a fixture)
@@ -211,3 +211,18 @@ def test_domino_has_no_theirs_arm_and_says_why(tmp_path):
     done = run_driver(tmp_path / "cmp", "capture", variant="domino", **KNOBS)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "shift_label" in done.stdout and "docs/domino.md" in done.stdout
+
+
+def test_curves_name_modelopts_saves_modelopt(tmp_path):
+    """Their step-N saves are side ``modelopt`` in the curves TSV (the driver passes
+    ``--theirs-side``), speculators' stay ``speculators``; neither is an --other side."""
+    for step in (2, 3):
+        (tmp_path / "theirs" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "theirs" / f"step-{step}" / "config.json").write_text("{}")
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "step3.ckpt").write_text("")
+    found = [(s, n) for s, n, _ in checkpoints(tmp_path / "ours", tmp_path / "theirs",
+                                               theirs_side="modelopt")]
+    assert found == [("modelopt", 2), ("modelopt", 3), ("ours", 3)]
+    with pytest.raises(ValueError, match="modelopt"):
+        parse_others(["modelopt=DIR"])
