@@ -25,7 +25,8 @@ with ``warmup_ratio`` of the plan's steps) and HF's step (backward, clip at the 
 ``max_grad_norm``, optimizer step, lr step, zero_grad).
 
 Forced by the plan (``<variant>_not_default`` in run.json lists each one that differs from
-their recipe, the comparison's seed too): the draft's layer count, block size, target layer
+their recipe, the comparison's seed too): the sequences per step (their
+``per_device_train_batch_size``), the draft's layer count, block size, target layer
 ids, mask id, the decay gamma (their ``dflash_loss_decay_factor``), the anchors per sequence
 (their ``dflash_num_anchors`` is per row, and a row is one of our sequences), the lattice
 fields (``lilicorr_*``; their recipe's are sized for Qwen3-8B) and the conv's, and the draft's
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = target_shape(a.target)
-    fields = {**dflash_fields(plan, a.variant, shape), "training.seed": a.seed}
+    fields = {**dflash_fields(plan, a.variant, shape), "training.seed": a.seed,
+              "training.per_device_train_batch_size": int(plan["batch_size"])}
     if not capture_distribution(plan["capture"])["last_hidden"]:
         raise ValueError(f"{plan['capture']} holds no target_last_hidden: their LiLiCorr "
                          "penalty (w_pen) reads the target's logits; recapture with "
