@@ -92,10 +92,12 @@ e2e-smollm2: prepare-smollm2  # every stage of recipes/smollm2_sharegpt_cpu.yaml
 # evaluated by dflash-eval; VARIANT=dflash2 compares the DFlash 2 drafters (ours against
 # speculators' dflash2). Knobs: scripts/compare_speculators.yaml, as overrides in ARGS, e.g.
 # make compare-speculators ARGS='steps=160 seeds=[0,1,2] stages=[plan,train_ours]'.
+# variant=lilicorr|lilicorr_conv's peer is ModelOpt's trainer: make modelopt-venv first.
 .PHONY: compare-speculators
 
 compare-speculators: prepare-smollm2 speculators-venv
-	$(VPY) -m scripts.compare_speculators spec_py=$(SPEC_VENV)/bin/python $(ARGS)
+	$(VPY) -m scripts.compare_speculators spec_py=$(SPEC_VENV)/bin/python \
+		modelopt_py=$(MODELOPT_VENV)/bin/python $(ARGS)
 
 # Benchmarks (docs/benchmarks.md): each prints ratios measured side by side in one run. The peer
 # comparison needs speculators 0.9.0 in its own venv (it pins its own transformers); the
