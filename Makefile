@@ -92,12 +92,14 @@ e2e-smollm2: prepare-smollm2  # every stage of recipes/smollm2_sharegpt_cpu.yaml
 # evaluated by dflash-eval; VARIANT=dflash2 compares the DFlash 2 drafters (ours against
 # speculators' dflash2). Knobs: scripts/compare_speculators.yaml, as overrides in ARGS, e.g.
 # make compare-speculators ARGS='steps=160 seeds=[0,1,2] stages=[plan,train_ours]'.
-# variant=lilicorr|lilicorr_conv's peer is ModelOpt's trainer: make modelopt-venv first.
+# variant=lilicorr|lilicorr_conv's peer is ModelOpt's trainer: make modelopt-venv first;
+# variant=domino's is SpecForge's: make specforge-venv first.
 .PHONY: compare-speculators
 
 compare-speculators: prepare-smollm2 speculators-venv
 	$(VPY) -m scripts.compare_speculators spec_py=$(SPEC_VENV)/bin/python \
-		modelopt_py=$(MODELOPT_VENV)/bin/python $(ARGS)
+		modelopt_py=$(MODELOPT_VENV)/bin/python specforge_py=$(SPECFORGE_VENV)/bin/python \
+		$(ARGS)
 
 # Benchmarks (docs/benchmarks.md): each prints ratios measured side by side in one run. The peer
 # comparison needs speculators 0.9.0 in its own venv (it pins its own transformers); the
@@ -154,6 +156,29 @@ $(MODELOPT_VENV)/.installed: constraints.txt
 .PHONY: modelopt-venv
 
 modelopt-venv: $(MODELOPT_VENV)/.installed
+
+# SpecForge's offline Domino trainer (benchmarks/specforge_train.py, the `theirs` arm of
+# scripts/compare_speculators.py variant=domino; docs/domino.md) in its own venv. specforge 0.2.0
+# is installed --no-deps: it pins torch 2.11.0 and sglang 0.5.14, whose CUDA kernels
+# (sglang-kernel, flashinfer, cuda-python) do not install on CPU and which its offline training
+# path never imports (sglang only under specforge/offline_capture/). The light packages that path
+# does import are named, with the transformers the CPU probe ran it with.
+SPECFORGE_VENV ?= .venv-specforge
+SPECFORGE_VERSION ?= 0.2.0
+SPECFORGE_IMPORTS := "transformers==5.25.0" accelerate pydantic pyyaml safetensors datasets tqdm psutil \
+	huggingface-hub numpy requests
+
+$(SPECFORGE_VENV)/.installed: constraints.txt
+	$(PY) -m venv $(SPECFORGE_VENV)
+	$(SPECFORGE_VENV)/bin/pip install $(CONSTRAINT) "torch==2.13.0"
+	$(SPECFORGE_VENV)/bin/pip install $(CONSTRAINT) "torch==2.13.0" $(SPECFORGE_IMPORTS)
+	$(SPECFORGE_VENV)/bin/pip install $(CONSTRAINT) --no-deps "specforge==$(SPECFORGE_VERSION)"
+	$(SPECFORGE_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: specforge-venv
+
+specforge-venv: $(SPECFORGE_VENV)/.installed
 
 # z-lab's released loop as the reference (docs/eval.md): its dflash_generate and dflash-eval's
 # loop, on the same DFlash 1 and DFlash 2 drafter directories, give the same greedy outputs and
