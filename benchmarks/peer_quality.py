@@ -164,8 +164,8 @@ def build_plan(overrides: list[str]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- curves
 #: the side names of the peers' saves in a curves TSV (benchmarks/speculators_train.py's,
-#: benchmarks/modelopt_train.py's)
-THEIR_SIDES = ("speculators", "modelopt")
+#: benchmarks/modelopt_train.py's, benchmarks/specforge_train.py's)
+THEIR_SIDES = ("speculators", "modelopt", "specforge")
 
 
 def checkpoints(ours: str | Path, theirs: str | Path,
@@ -173,7 +173,7 @@ def checkpoints(ours: str | Path, theirs: str | Path,
                 theirs_side: str = "speculators") -> list[tuple[str, int, Path]]:
     """(side, step, path) of every saved checkpoint: ours ``stepN.ckpt`` files (side ``ours``,
     and each ``others`` side: another of our runs, e.g. the distribution-loss arm), theirs
-    ``step-N`` directories (side ``theirs_side``: speculators, or modelopt), by side then
+    ``step-N`` directories (side ``theirs_side``: speculators, modelopt or specforge), by side then
     step."""
     found = []
     ours_sides = {"ours": ours, **(others or {})}
