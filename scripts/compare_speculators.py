@@ -25,6 +25,9 @@ Stages (each skipped once done: ``OUT/done/STAGE``; delete it to redo one):
                  variant=lilicorr / lilicorr_conv: ModelOpt's LiLiCorr instead
                  (benchmarks/modelopt_train.py in .venv-modelopt, modelopt_py): its recipe's
                  objective and optimizer, offline on the capture's states, its exporter's saves.
+                 variant=domino: SpecForge's Domino (benchmarks/specforge_train.py in
+                 .venv-specforge, specforge_py): its objective, lambda schedule and optimizer on
+                 the capture's states, its save_pretrained's saves.
   curves         held-out tau of every saved checkpoint of every arm -> OUT/curves_W.tsv
   eval           dflash-eval of every arm's final drafter at T=0 (OUT/eval_NAME) and T=1
                  (rejection sampling, OUT/eval_NAME_T1) (= eval_ours eval_ours_loss eval_theirs)
@@ -90,12 +93,11 @@ LILICORR_SET = ("drafter.lilicorr_candidate_topk=8", "drafter.lilicorr_hidden_si
                 "drafter.lilicorr_num_layers=2", "drafter.lilicorr_num_heads=4",
                 "drafter.lilicorr_mlp_ratio=2.0", "drafter.lilicorr_factor_dim=64",
                 "drafter.lilicorr_vector_eps=1.0e-4", "drafter.lilicorr_logit_scale=8.0")
-#: per variant: the name suffix, our overrides, their default weighting (None: no peer trainer
-#: of this head runs here, so no ``theirs`` arm), the plot's words
+#: per variant: the name suffix, our overrides, their default weighting, the plot's words
 VARIANTS = {"dflash1": ("", (), "dpace", ""),
             "dflash2": ("_dflash2", DFLASH2_SET, "fixed-exp-decay", "DFlash 2, "),
             "dspark": ("_dspark", DSPARK_SET, "fixed-exp-decay", "DSpark, "),
-            "domino": ("_domino", ("drafter=domino",), None, "Domino, "),
+            "domino": ("_domino", ("drafter=domino",), "fixed-exp-decay", "Domino, "),
             "lilicorr": ("_lilicorr", ("drafter=lilicorr", *LILICORR_SET), "fixed-exp-decay",
                          "LiLiCorr, "),
             "lilicorr_conv": ("_lilicorr_conv", ("drafter=lilicorr_conv", *LILICORR_SET),
@@ -103,11 +105,13 @@ VARIANTS = {"dflash1": ("", (), "dpace", ""),
             "xpress": ("_xpress", ("drafter=xpress",), "fixed-exp-decay", "XPress, ")}
 #: the variants whose ``theirs`` arm is NVIDIA ModelOpt's trainer (benchmarks/modelopt_train.py
 #: in modelopt_py's venv; its recipe's decay weighting and optimizer, the target's distribution);
+#: the variants whose ``theirs`` arm is SpecForge's trainer (benchmarks/specforge_train.py in
+#: specforge_py's venv; its objective's decay weighting, BF16Optimizer and cosine schedule);
 #: every other ``theirs`` arm is speculators 0.9.0's (benchmarks/speculators_train.py, spec_py)
 MODELOPT_VARIANTS = ("lilicorr", "lilicorr_conv")
-#: why a variant without a ``theirs`` arm has none (default: docs/results.md, 'Which head')
-NO_PEER = {"domino": "ModelOpt's Domino trains shift_label=true only, ours and SGLang's rollout "
-                     "false: docs/domino.md"}
+SPECFORGE_VARIANTS = ("domino",)
+#: per peer: the table's label
+PEER_LABELS = {"modelopt": "ModelOpt", "specforge": "SpecForge", "speculators": "speculators"}
 #: the variants whose our_loss defaults to {kl: 1.0} with distribution=last_hidden (the others
 #: default to none, as their archived rows ran; any variant takes an explicit our_loss)
 LOSS_ARM_VARIANTS = ("dflash1", "dflash2")
@@ -236,15 +240,11 @@ class Knobs:
         self.arms = arms
         self.variant = _choice("variant", cfg.variant, tuple(VARIANTS))
         self.vsuf, self.variant_set, their_default, title_variant = VARIANTS[self.variant]
-        if their_default is None and "theirs" in arms:
-            why = NO_PEER.get(self.variant, "docs/results.md, 'Which head'")
-            raise KnobError(f"variant={self.variant}: no peer trainer of this head runs here "
-                            f"({why}); give arms=[ours]")
-        self.their_weighting = _choice("their_weighting",
-                                       cfg.their_weighting or their_default or "fixed-exp-decay",
+        self.their_weighting = _choice("their_weighting", cfg.their_weighting or their_default,
                                        ("dpace", "fixed-exp-decay"))
-        self.peer = "modelopt" if self.variant in MODELOPT_VARIANTS else "speculators"
-        self.their_label = {"modelopt": "ModelOpt"}.get(self.peer, "speculators")
+        self.peer = ("modelopt" if self.variant in MODELOPT_VARIANTS else
+                     "specforge" if self.variant in SPECFORGE_VARIANTS else "speculators")
+        self.their_label = PEER_LABELS[self.peer]
         #: the curves TSV's side name of their saves (peer_quality.THEIR_SIDES)
         self.their_side = self.peer
         self.our_weighting = _choice("our_weighting", cfg.our_weighting, ("exp_decay", "dpace"))
@@ -268,8 +268,8 @@ class Knobs:
         muon = self.optimizer == "muon"
         self.msuf, self.opt_set = ("_muon", ("module/optimizer=muon",)) if muon else ("", ())
         self.their_optimizer = "default" if muon else "plan"
-        if self.peer == "modelopt" and "theirs" in arms:
-            self._modelopt_knobs()
+        if self.peer != "speculators" and "theirs" in arms:
+            self._peer_knobs()
         self.policy = _choice("policy", cfg.policy, ("off", "on"),
                               " (off: ShareGPT's own answers; on: target-regenerated)")
         psuf = "_onpolicy" if self.policy == "on" else ""
@@ -303,19 +303,23 @@ class Knobs:
                 raise KnobError(f"stages={stages}: unknown stage {s} ({' '.join(ALL_STAGES)})")
         self.stages = stages
 
-    def _modelopt_knobs(self) -> None:
-        """KnobError for a knob ModelOpt's LiLiCorr recipe cannot follow (its theirs arm)."""
-        fixed = {"their_weighting": (self.their_weighting, "fixed-exp-decay", "its recipe's "
-                                     "decay objective"),
-                 "optimizer": (self.optimizer, "muon", "each side's own optimizer: theirs is "
-                               "the recipe's AdamW + cosine"),
-                 "distribution": (self.distribution, "last_hidden", "its penalty reads the "
-                                  "target's logits")}
+    def _peer_knobs(self) -> None:
+        """KnobError for a knob the theirs arm's trainer (ModelOpt's LiLiCorr recipe,
+        SpecForge's Domino) cannot follow."""
+        own = {"modelopt": "the recipe's AdamW + cosine",
+               "specforge": "their BF16Optimizer (AdamW) + cosine at their defaults"}[self.peer]
+        fixed = {"their_weighting": (self.their_weighting, "fixed-exp-decay", "its "
+                                     "objective's decay weighting"),
+                 "optimizer": (self.optimizer, "muon", f"each side's own optimizer: theirs is "
+                               f"{own}")}
+        if self.peer == "modelopt":
+            fixed["distribution"] = (self.distribution, "last_hidden", "its penalty reads the "
+                                     "target's logits")
         for key, (value, want, why) in fixed.items():
             if value != want:
                 raise KnobError(f"{key}={value}: variant={self.variant}'s theirs arm is "
-                                f"ModelOpt's trainer, which needs {key}={want} ({why}); or "
-                                "give arms without theirs")
+                                f"{self.their_label}'s trainer, which needs {key}={want} "
+                                f"({why}); or give arms without theirs")
 
     def _lslug(self) -> str:
         if self.loss == "none":
@@ -471,6 +475,14 @@ class Driver:
             self.sh(py, "-m", "benchmarks.modelopt_train", "--plan", k.plan, "--target", TARGET,
                     "--out", s.theirs, "--save-every", k.eval_every, "--variant", k.variant,
                     "--seed", s.seed)
+            return
+        if k.peer == "specforge":
+            py = k.cfg.specforge_py
+            if not os.access(py, os.X_OK):
+                self.fail(f"{py} missing: make specforge-venv (specforge 0.2.0 in its own venv)")
+            self.sh(py, "-m", "benchmarks.specforge_train", "--plan", k.plan, "--target",
+                    TARGET, "--out", s.theirs, "--save-every", k.eval_every, "--variant",
+                    k.variant, "--seed", s.seed)
             return
         spec = k.cfg.spec_py
         if not os.access(spec, os.X_OK):

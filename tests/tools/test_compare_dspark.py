@@ -64,13 +64,6 @@ def test_every_head_takes_a_distribution_loss_arm(tmp_path, variant, knobs):
     assert "run_loss.0" in driver_paths(tmp_path / "cmp", variant=variant, **knobs)
 
 
-def test_heads_without_a_peer_trainer_refuse_their_arm(tmp_path):
-    done = run_driver(tmp_path / "cmp", "capture", variant="domino")
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "variant=domino: no peer trainer of this head runs here" in done.stdout
-    assert "arms=[ours]" in done.stdout and not (tmp_path / "cmp").exists()
-
-
 def test_serve_refuses_dspark_saying_why(tmp_path):
     done = run_driver(tmp_path / "out", "serve", variant="dspark")
     assert done.returncode != 0

@@ -206,13 +206,6 @@ def test_our_reader_scores_their_saved_lattice_as_their_head_does(
     torch.testing.assert_close(scores[1:], x["pair"], atol=1e-5, rtol=1e-5)
 
 
-def test_domino_has_no_theirs_arm_and_says_why(tmp_path):
-    """ModelOpt's Domino trains shift_label=true only; ours (SGLang's rollout) false only."""
-    done = run_driver(tmp_path / "cmp", "capture", variant="domino", **KNOBS)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "shift_label" in done.stdout and "docs/domino.md" in done.stdout
-
-
 def test_curves_name_modelopts_saves_modelopt(tmp_path):
     """Their step-N saves are side ``modelopt`` in the curves TSV (the driver passes
     ``--theirs-side``), speculators' stay ``speculators``; neither is an --other side."""
