@@ -10,6 +10,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from benchmarks import specforge_train
 from benchmarks.peer_quality import build_plan, checkpoints
@@ -162,3 +163,29 @@ def test_their_domino_trains_the_plan_and_our_reader_drafts_with_its_saves(
             dc.pure_draft_prefix_len) == ("domino", 8, [1, 3, 5], 16, 8, 1)
     rows = both_sides_rows(args, tiny_target, tiny_target_dir, tiny_capture, theirs, tmp_path)
     assert all(1.0 <= r["tau_mean"] <= 8 and r["num_blocks"] > 0 for r in rows)
+
+
+@NEEDS_VENV
+@pytest.mark.slow
+def test_our_domino_head_scores_their_saved_weights_as_their_head_does(
+        tiny_target, tiny_target_dir, domino_plan, tmp_path):
+    """Their teacher-forced final logits (base + GRU correction from slot 2 on) on seeded
+    inputs, with the GRU and correction tensors perturbed off their init, equal our Domino
+    head's (``correction_inputs`` over the same block tokens) on the saved step."""
+    from safetensors.torch import load_file
+
+    from dflash_lab.eval.loading import load_drafter
+    from dflash_lab.heads.domino import correction_inputs
+
+    in_specforge_venv("-m", "tests.tools.specforge_scores", str(domino_plan[2]),
+                      str(tiny_target_dir), str(tmp_path))
+    x = load_file(str(tmp_path / "scores.safetensors"))
+    drafter = load_drafter(tmp_path / "step-0").drafter.float()
+    pieces = tiny_target.pieces()
+    ids, hidden = x["ids"], x["hidden"][None, None]
+    prev = torch.cat([ids[:1], ids[:-1]])  # the token before each slot (slot 1: the anchor)
+    with torch.no_grad():
+        c = correction_inputs(drafter, pieces.embed_tokens, hidden, prev[None, None])
+        ours = pieces.lm_head(hidden) + drafter.embed_proj[2](c)
+    assert (x["final"] - pieces.lm_head(hidden)[0, 0]).abs()[2:].max() > 0.1  # a live head
+    torch.testing.assert_close(ours[0, 0], x["final"], atol=1e-5, rtol=1e-5)
