@@ -60,7 +60,6 @@ loader) dropped because our reader refuses keys it does not implement, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -72,6 +71,7 @@ from benchmarks.speculators_train import (
     Shards,
     _plan_drafter,
     argmax_agreement,
+    bridge_args,
     capture_distribution,
     check_agreement,
     save,
@@ -283,14 +283,7 @@ def run_record(variant: str, recipe, fields: dict, defaults, model, opt_info: di
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True)
-    p.add_argument("--target", required=True, help="the capture's target directory (HF)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--variant", default="lilicorr", choices=list(RECIPES))
-    p.add_argument("--seed", type=int, default=0, help="their set_seed: init and anchors")
-    a = p.parse_args(argv)
+    a = bridge_args(__doc__, list(RECIPES), argv)
     plan = json.loads(Path(a.plan).read_text())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

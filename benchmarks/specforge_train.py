@@ -61,7 +61,6 @@ name: its loader reads ``dflash_config.projector_type`` and our reader follows i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -69,7 +68,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.speculators_train import Shards, _plan_drafter, save, write_json
+from benchmarks.speculators_train import Shards, _plan_drafter, bridge_args, save, write_json
 
 #: the Domino fields: the same names in our plan and in their dflash_config
 DOMINO = ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label")
@@ -256,14 +255,7 @@ def run_record(plan: dict, draft: dict, fields: dict, defaults: dict, model, opt
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True)
-    p.add_argument("--target", required=True, help="the capture's target directory (HF)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--variant", default="domino", choices=["domino"])
-    p.add_argument("--seed", type=int, default=0, help="their set_seed: init and anchors")
-    a = p.parse_args(argv)
+    a = bridge_args(__doc__, ["domino"], argv)
     from accelerate.utils import set_seed
 
     plan = json.loads(Path(a.plan).read_text())

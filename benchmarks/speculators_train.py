@@ -511,6 +511,20 @@ def save(model, out: Path, step: int, write=None) -> None:
     os.replace(tmp, final)
 
 
+def bridge_args(doc: str, variants: list[str], argv: list[str] | None) -> argparse.Namespace:
+    """The arguments every other peer's bridge takes (benchmarks/modelopt_train.py,
+    benchmarks/specforge_train.py): ``--plan --target --out --save-every --variant --seed``
+    (``variants``: the choices, the first the default; ``doc``: the module docstring)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--plan", required=True)
+    p.add_argument("--target", required=True, help="the capture's target directory (HF)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    p.add_argument("--variant", default=variants[0], choices=variants)
+    p.add_argument("--seed", type=int, default=0, help="their set_seed: init and anchors")
+    return p.parse_args(argv)
+
+
 def write_json(path: Path, obj: dict) -> None:
     """``obj`` as indented JSON at ``path`` (a temporary name, then renamed)."""
     tmp = path.with_name(f".{path.name}.tmp")

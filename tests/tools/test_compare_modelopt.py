@@ -8,21 +8,19 @@ its saves, and scores their saved lattice exactly as their head does (tests/tool
 modelopt_scores.py, run in their venv)."""
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks import modelopt_train
-from benchmarks.peer_quality import build_plan, checkpoints, parse_others
+from benchmarks.peer_quality import checkpoints, parse_others
 from dflash_lab.paths import REPO_ROOT
-from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
+from tests.tools.compare_driver import driver_paths, in_peer_venv, run_bridge, run_driver
 from tests.tools.test_peer_quality import (  # noqa: F401 (dist_capture: a fixture)
     both_sides_rows,
     dist_capture,
-    on_tiny,
+    tiny_plan,
 )
 
 MODELOPT_PYTHON = REPO_ROOT / ".venv-modelopt" / "bin" / "python"
@@ -130,22 +128,8 @@ def test_their_export_is_rewritten_in_the_engines_names(tmp_path):
 def lilicorr_plan(tiny_target, tiny_target_dir, dist_capture, tmp_path_factory):  # noqa: F811
     """(overrides, plan) of the driver's LiLiCorr run on the tiny target, 3 steps, a 32-wide
     lattice; the plan is also written to ``plan.json`` in its own folder (returned third)."""
-    tmp = tmp_path_factory.mktemp("plan")
-    args = on_tiny(driver_lines(tmp / "cmp", "args", variant="lilicorr", **KNOBS),
-                   tiny_target_dir, dist_capture, tiny_target.token_id("<|mask|>"), 3)
-    args += list(TINY_LATTICE)
-    plan = build_plan(args)
-    (tmp / "plan.json").write_text(json.dumps(plan))
-    return args, plan, tmp / "plan.json"
-
-
-def in_modelopt_venv(*argv: str) -> None:
-    """``.venv-modelopt/bin/python ARGV`` from the repository root, offline, one thread; it
-    must exit 0."""
-    done = subprocess.run([str(MODELOPT_PYTHON), *argv], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    return tiny_plan(tmp_path_factory.mktemp("plan"), "lilicorr", tiny_target, tiny_target_dir,
+                     dist_capture, TINY_LATTICE, **KNOBS)
 
 
 NEEDS_VENV = pytest.mark.skipif(not MODELOPT_PYTHON.exists(),
@@ -160,10 +144,8 @@ def test_their_lilicorr_trains_the_plan_and_our_reader_drafts_with_its_saves(
 
     args, plan, plan_file = lilicorr_plan
     theirs = tmp_path / "theirs"
-    in_modelopt_venv("-m", "benchmarks.modelopt_train", "--plan", str(plan_file), "--target",
-                     str(tiny_target_dir), "--out", str(theirs), "--save-every", "2",
-                     "--variant", "lilicorr")
-    run = json.loads((theirs / "run.json").read_text())
+    run = run_bridge(MODELOPT_PYTHON, "benchmarks.modelopt_train", plan_file, tiny_target_dir,
+                     theirs, "lilicorr")
     assert run["offline"] and run["trainable_params"] == plan["drafter"]["trainable_params"]
     assert run["argmax_agreement"]["fraction"] == 1.0  # float32 tiny target: no near-ties
     assert run["objective"]["dflash_lilicorr_w_ce"] == 0.25  # their recipe's, read at run time
@@ -192,8 +174,8 @@ def test_our_reader_scores_their_saved_lattice_as_their_head_does(
     tensors and the fused anchor row included)."""
     from dflash_lab.eval.loading import load_drafter
 
-    in_modelopt_venv("-m", "tests.tools.modelopt_scores", str(lilicorr_plan[2]),
-                     str(tiny_target_dir), str(tmp_path))
+    in_peer_venv(MODELOPT_PYTHON, "-m", "tests.tools.modelopt_scores", str(lilicorr_plan[2]),
+                 str(tiny_target_dir), str(tmp_path))
     x = load_file(str(tmp_path / "scores.safetensors"))
     drafter = load_drafter(tmp_path / "step-0").drafter.float()
     with torch.no_grad():

@@ -5,21 +5,18 @@ the plan's fields map onto their draft config and TrainingConfig keys and a plan
 cannot express is refused naming the field; their trainer (its own venv, slow) trains a tiny
 plan on the capture's states and our reader loads and drafts with its saves."""
 
-import json
-import os
-import subprocess
 
 import pytest
 import torch
 
 from benchmarks import specforge_train
-from benchmarks.peer_quality import build_plan, checkpoints
+from benchmarks.peer_quality import checkpoints
 from dflash_lab.paths import REPO_ROOT
-from tests.tools.compare_driver import driver_lines, driver_paths, run_driver
+from tests.tools.compare_driver import driver_paths, in_peer_venv, run_bridge, run_driver
 from tests.tools.test_peer_quality import (  # noqa: F401 (tiny_capture: a fixture)
     both_sides_rows,
-    on_tiny,
     tiny_capture,
+    tiny_plan,
 )
 
 SPECFORGE_PYTHON = REPO_ROOT / ".venv-specforge" / "bin" / "python"
@@ -112,22 +109,8 @@ def test_a_plan_their_config_cannot_express_is_refused_naming_the_field(fields, 
 def domino_plan(tiny_target, tiny_target_dir, tiny_capture, tmp_path_factory):  # noqa: F811
     """(overrides, plan, plan.json) of the driver's Domino run on the tiny target, 3 steps, a
     16-wide GRU and 8-wide correction."""
-    tmp = tmp_path_factory.mktemp("plan")
-    args = on_tiny(driver_lines(tmp / "cmp", "args", variant="domino"), tiny_target_dir,
-                   tiny_capture, tiny_target.token_id("<|mask|>"), 3)
-    args += ["drafter.gru_hidden_dim=16", "drafter.emb_dim=8"]
-    plan = build_plan(args)
-    (tmp / "plan.json").write_text(json.dumps(plan))
-    return args, plan, tmp / "plan.json"
-
-
-def in_specforge_venv(*argv: str) -> None:
-    """``.venv-specforge/bin/python ARGV`` from the repository root, offline, one thread; it
-    must exit 0."""
-    done = subprocess.run([str(SPECFORGE_PYTHON), *argv], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    return tiny_plan(tmp_path_factory.mktemp("plan"), "domino", tiny_target, tiny_target_dir,
+                     tiny_capture, ("drafter.gru_hidden_dim=16", "drafter.emb_dim=8"))
 
 
 NEEDS_VENV = pytest.mark.skipif(not SPECFORGE_PYTHON.exists(),
@@ -143,10 +126,8 @@ def test_their_domino_trains_the_plan_and_our_reader_drafts_with_its_saves(
 
     args, plan, plan_file = domino_plan
     theirs = tmp_path / "theirs"
-    in_specforge_venv("-m", "benchmarks.specforge_train", "--plan", str(plan_file), "--target",
-                      str(tiny_target_dir), "--out", str(theirs), "--save-every", "2",
-                      "--variant", "domino")
-    run = json.loads((theirs / "run.json").read_text())
+    run = run_bridge(SPECFORGE_PYTHON, "benchmarks.specforge_train", plan_file, tiny_target_dir,
+                     theirs, "domino")
     assert run["trainable_params"] == plan["drafter"]["trainable_params"]
     opt = run["optimizer"]  # their TrainingConfig and BF16Optimizer defaults, read at run time
     assert (opt["lr"], opt["weight_decay"], opt["lr_scheduler"], opt["max_grad_norm"]) == \
@@ -177,8 +158,8 @@ def test_our_domino_head_scores_their_saved_weights_as_their_head_does(
     from dflash_lab.eval.loading import load_drafter
     from dflash_lab.heads.domino import correction_inputs
 
-    in_specforge_venv("-m", "tests.tools.specforge_scores", str(domino_plan[2]),
-                      str(tiny_target_dir), str(tmp_path))
+    in_peer_venv(SPECFORGE_PYTHON, "-m", "tests.tools.specforge_scores", str(domino_plan[2]),
+                 str(tiny_target_dir), str(tmp_path))
     x = load_file(str(tmp_path / "scores.safetensors"))
     drafter = load_drafter(tmp_path / "step-0").drafter.float()
     pieces = tiny_target.pieces()

@@ -158,6 +158,17 @@ def on_tiny(overrides: list[str], target_dir, capture, mask_id: int, steps: int)
                    "data.val_fraction=0.2", "module.num_anchors=4"]
 
 
+def tiny_plan(tmp, variant: str, target, target_dir, capture, extra: tuple[str, ...] = (),
+              **knobs) -> tuple[list[str], dict, object]:
+    """(overrides, plan, plan.json) of the driver's ``variant`` run on the tiny target, 3 steps,
+    ``extra`` overrides appended; the plan is written to ``plan.json`` in ``tmp``."""
+    args = on_tiny(driver_lines(tmp / "cmp", "args", variant=variant, **knobs), target_dir,
+                   capture, target.token_id("<|mask|>"), 3) + list(extra)
+    plan = build_plan(args)
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    return args, plan, tmp / "plan.json"
+
+
 @pytest.fixture(scope="module")
 def tiny_capture(tiny_target, tmp_path_factory):
     from dflash_lab.data.capture_loop import CaptureSettings, run_capture
