@@ -20,8 +20,9 @@ loads, their seeding (``accelerate.utils.set_seed(--seed)`` before the draft is 
 the global generator), their forward (``OnlineDominoModel``: anchors over the supervised
 positions of every row, their block mask, shift_label false: slot k predicts anchor + k, their
 GRU correction on the teacher-forced tokens) and objective ((1 - lambda) CE(final) + lambda
-CE(base), both weighted by exp(-(k - 1) / gamma) and divided by the weight sum), lambda from
-their ``DominoTrainStrategy`` (``linear_lambda_base``: lambda_base_start 1 to 0 over
+CE(base), both weighted by exp(-(k - 1) / gamma) and divided by the weight sum; their labels are
+the data tokens, ``input_ids`` at anchor + k, where our CE arm's are the stored target argmax),
+lambda from their ``DominoTrainStrategy`` (``linear_lambda_base``: lambda_base_start 1 to 0 over
 lambda_base_decay_ratio of the steps, at their controller's ``StepContext(global_step,
 total_steps)``), and their optimizer: ``BF16Optimizer`` at their ``TrainingConfig`` defaults
 (AdamW on fp32 master copies, lr 1e-4, weight decay 0, their global-norm clip at
@@ -34,7 +35,8 @@ and their offline reader and sampler. Their sampler shuffles ``.ckpt`` files wit
 the plan's order must be fed exactly, so each step's samples go through their offline
 normalizer (``normalize_offline_sample``) and their collator (``build_collator``: rows
 zero-padded to the longest) into a ``TrainBatch`` for their strategy. On one CPU process their
-DDP (``FSDP_SHARDING=NO_SHARD``, gloo) has one replica and leaves the gradients as they are.
+DDP (their CPU shim ``FSDP_SHARDING=NO_SHARD``: DDP on gloo; FSDP refuses CPU) would hold one
+replica and leave the gradients as they are.
 
 Forced by the plan (``domino_not_default`` in run.json lists each one that differs from their
 defaults): the draft's layers, block size, target layer ids, mask id and Domino fields
@@ -62,7 +64,6 @@ name: its loader reads ``dflash_config.projector_type`` and our reader follows i
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -264,7 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     draft = draft_config_fields(plan, target_config(a.target))
     fields, defaults = training_fields(plan, a.seed), their_defaults()
     config = {**defaults, **fields}
-    os.environ.setdefault("FSDP_SHARDING", "NO_SHARD")  # what their CPU run needs (unused here)
     set_seed(a.seed)
     model = build_model(a.target, draft, config)
     model.train()
