@@ -161,12 +161,13 @@ modelopt-venv: $(MODELOPT_VENV)/.installed
 # scripts/compare_speculators.py variant=domino; docs/domino.md) in its own venv. specforge 0.2.0
 # is installed --no-deps: it pins torch 2.11.0 and sglang 0.5.14, whose CUDA kernels
 # (sglang-kernel, flashinfer, cuda-python) do not install on CPU and which its offline training
-# path never imports (sglang only under specforge/offline_capture/). The light packages that path
-# does import are named, with the transformers the CPU probe ran it with.
+# path never imports (sglang only under specforge/offline_capture/). The packages that path imports
+# are named (accelerate: their CLI's set_seed); transformers 5.25.0 (their pin is 5.8.1), on which
+# their Domino trains in tests/tools/test_compare_specforge.py.
 SPECFORGE_VENV ?= .venv-specforge
 SPECFORGE_VERSION ?= 0.2.0
-SPECFORGE_IMPORTS := "transformers==5.25.0" accelerate pydantic pyyaml safetensors datasets tqdm psutil \
-	huggingface-hub numpy requests
+SPECFORGE_IMPORTS := "transformers==5.25.0" accelerate pydantic pyyaml safetensors tqdm psutil \
+	huggingface-hub numpy
 
 $(SPECFORGE_VENV)/.installed: constraints.txt
 	$(PY) -m venv $(SPECFORGE_VENV)
