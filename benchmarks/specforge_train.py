@@ -26,17 +26,18 @@ lambda from their ``DominoTrainStrategy`` (``linear_lambda_base``: lambda_base_s
 lambda_base_decay_ratio of the steps, at their controller's ``StepContext(global_step,
 total_steps)``), and their optimizer: ``BF16Optimizer`` at their ``TrainingConfig`` defaults
 (AdamW on fp32 master copies, lr 1e-4, weight decay 0, their global-norm clip at
-max_grad_norm 0.5, their cosine schedule with warmup_ratio 0.015 of the plan's steps), stepped
-as their controller steps it (forward_loss, backward of loss / accumulation_steps 1,
-``optimizer.step()``). run.json records every value.
+max_grad_norm 0.5, their cosine schedule with warmup_ratio 0.015 of the plan's steps), and
+their step: ``TrainerCore.train_step`` (forward_loss, backward of loss / accumulation_steps 1
+through their training backend, ``optimizer.step()``). run.json records every value.
 
-Not theirs (said in run.json ``bypassed``): their ``Trainer`` / controller loop, its DDP wrapper
-and their offline reader and sampler. Their sampler shuffles ``.ckpt`` files with its own seed;
-the plan's order must be fed exactly, so each step's samples go through their offline
-normalizer (``normalize_offline_sample``) and their collator (``build_collator``: rows
-zero-padded to the longest) into a ``TrainBatch`` for their strategy. On one CPU process their
-DDP (their CPU shim ``FSDP_SHARDING=NO_SHARD``: DDP on gloo; FSDP refuses CPU) would hold one
-replica and leave the gradients as they are.
+Not theirs (said in run.json ``bypassed``): their ``Trainer`` loop around that step, the
+backend's DDP/FSDP wrapper and their offline reader and sampler. Their sampler shuffles
+``.ckpt`` files with its own seed; the plan's order must be fed exactly, so each step's samples
+go through their offline normalizer (``normalize_offline_sample``) and their collator
+(``build_collator``: rows zero-padded to the longest) into a ``TrainBatch`` for their
+``TrainerCore``. Their backend holds the model unwrapped (``prepare_model(wrap=False)``): FSDP
+refuses CPU, and the DDP of their CPU shim (``FSDP_SHARDING=NO_SHARD``, gloo) would hold one
+replica on one process and leave the gradients as they are.
 
 Forced by the plan (``domino_not_default`` in run.json lists each one that differs from their
 defaults): the draft's layers, block size, target layer ids, mask id and Domino fields
@@ -179,8 +180,12 @@ def build_model(target: str, draft: dict, config: dict):
 
 
 def build_step(model, config: dict):
-    """(their DominoTrainStrategy, their BF16Optimizer, record) at ``config``'s values."""
+    """(their ``TrainerCore``, their BF16Optimizer, record) at ``config``'s values: their
+    DominoTrainStrategy over ``model`` and their training backend holding it unwrapped
+    (``prepare_model(wrap=False)``: one CPU process, no DDP/FSDP wrapper, no collective)."""
     from specforge.optimizer import BF16Optimizer
+    from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
+    from specforge.training.controller import TrainerCore
     from specforge.training.strategies.base import DominoTrainStrategy
 
     strategy = DominoTrainStrategy(model, lambda_start=config["training.lambda_base_start"],
@@ -190,8 +195,14 @@ def build_step(model, config: dict):
                         total_steps=config["training.total_steps"],
                         warmup_ratio=config["training.warmup_ratio"],
                         lr_scheduler=config["training.lr_scheduler"])
+    backend = FSDPTrainingBackend(ParallelConfig(
+        sharding_strategy="NO_SHARD", param_dtype=getattr(torch, config["model.torch_dtype"])))
+    backend.prepare_model(model, wrap=False)
+    backend.set_optimizer(opt)
+    core = TrainerCore(strategy, backend,
+                       accumulation_steps=config["training.accumulation_steps"])
     group = opt.optimizer.param_groups[0]
-    return strategy, opt, {
+    return core, opt, {
         "optimizer": f"BF16Optimizer({type(opt.optimizer).__name__})",
         "lr": config["training.learning_rate"], "lr_first_step": group["lr"],
         "betas": list(group["betas"]), "eps": group["eps"],
@@ -242,7 +253,8 @@ def run_record(plan: dict, draft: dict, fields: dict, defaults: dict, model, opt
             "trainable_params": sum(q.numel() for q in params),
             "ours_trainable_params": plan["drafter"]["trainable_params"],
             "draft_config": draft, "optimizer": opt_info,
-            "objective": "(1 - lambda) CE(final) + lambda CE(base), exp(-(k-1)/gamma) weights",
+            "objective": "(1 - lambda) CE(final) + lambda CE(base), exp(-(k-1)/gamma) "
+                         "weights, labels input_ids at anchor + k (the data tokens)",
             "domino_defaults": {**defaults, "dflash_config.pure_draft_prefix_len": 0,
                                 "dflash_config.shift_label": False},
             "domino_not_default": {
@@ -250,7 +262,8 @@ def run_record(plan: dict, draft: dict, fields: dict, defaults: dict, model, opt
                 **{f"dflash_config.{k}": dfc[k] for k, off in
                    (("pure_draft_prefix_len", 0), ("shift_label", False)) if dfc[k] != off}},
             "cpu_shim": CPU_SHIM,
-            "bypassed": "their Trainer loop, DDP wrapper, offline reader and sampler: the "
+            "bypassed": "their Trainer loop around TrainerCore.train_step, the backend's "
+                        "DDP/FSDP wrapper (wrap=False), their offline reader and sampler: the "
                         "plan's samples go through their normalizer and collator in its order",
             "export_edits": {"architectures": ARCHITECTURES}}
 
@@ -268,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(a.seed)
     model = build_model(a.target, draft, config)
     model.train()
-    strategy, opt, opt_info = build_step(model, config)
+    core, opt, opt_info = build_step(model, config)
     info = run_record(plan, draft, fields, defaults, model, opt_info, a.seed)
     print(json.dumps(info), flush=True)
     write_json(out / "run.json", info)
@@ -281,16 +294,16 @@ def main(argv: list[str] | None = None) -> None:
         for step, entry in enumerate(plan["steps"]):
             batch = their_batch([shards.sample(*r) for r in entry["rows"]], step)
             lr = opt.get_learning_rate()
-            found = strategy.forward_loss(batch, StepContext(global_step=step, total_steps=total))
-            found.loss.backward()  # their controller: loss / accumulation_steps (1)
-            opt.step()  # their clip, AdamW on the fp32 masters, schedule, zero_grad
+            # their step: forward_loss, backward, their clip + AdamW + schedule, zero_grad
+            found = core.train_step(batch, StepContext(global_step=step, total_steps=total))
+            assert found.optimizer_stepped  # accumulation_steps 1: a boundary every step
             done = step + 1
             m = found.metrics
-            log.write(f"{done}\t{float(found.loss.detach()):.5f}\t{lr:.3e}\t"
+            log.write(f"{done}\t{found.loss:.5f}\t{lr:.3e}\t"
                       f"{time.time() - t0:.1f}\n")
             log.flush()
             if done % 10 == 0:
-                print(f"step {done}/{total} loss {float(found.loss.detach()):.4f} (final "
+                print(f"step {done}/{total} loss {found.loss:.4f} (final "
                       f"{float(m['final_loss']):.4f}, base {float(m['base_loss']):.4f}, lambda "
                       f"{float(m['lambda_base']):.3f}) {(time.time() - t0) / done:.2f} s/step",
                       flush=True)
